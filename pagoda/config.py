@@ -1,0 +1,176 @@
+"""Engine configuration: one frozen dataclass per concern, composed into `EngineConfig`.
+
+The user-facing knobs (LLM kwargs, CLI flags) map one-to-one onto fields here. `EngineConfig.create`
+resolves "auto"/None values once, with the model's own config in hand, and validates them; nothing
+writes back into a config afterwards. Facts discovered at run time (number of KV blocks, EOS ids)
+live in separate result objects (`worker.memory.KVCacheLayout`, `frontend.tokenizer.TokenizerInfo`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.errors import ConfigError
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_CPU_KV_CACHE_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                      # HF folder, hub id, or path to a .gguf file (resolved, never None)
+    tokenizer: str                  # where the tokenizer comes from (defaults to `model`)
+    dtype: str                      # resolved torch dtype name: "float32" | "float16" | "bfloat16"
+    max_model_len: int              # resolved context cap (prompt + output tokens)
+    hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)  # the model's config.json
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+
+    @property
+    def architecture(self) -> str:
+        return (self.hf_config.get("architectures") or ["<missing>"])[0]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16                    # tokens per KV block
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9     # fraction of total GPU memory for the whole engine
+    num_gpu_blocks_override: int | None = None  # exact pool size (tests, debugging)
+    swap_space: float = 4                   # GiB; accepted for vLLM compatibility, preemption recomputes
+    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB  # KV budget when running on the CPU
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256                 # requests in one step
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # token budget of one step
+    max_model_len: int = 2048               # copy of ModelConfig.max_model_len for the scheduler
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"                     # resolved: "cpu" or "cuda"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+    @classmethod
+    def create(
+        cls,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        swap_space: float = 4,
+        cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB,
+        device: str = "auto",
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        skip_tokenizer_init: bool = False,
+    ) -> EngineConfig:
+        """Resolve and validate every knob once. Reads the model's config (not its weights)."""
+        from pagoda.models.source import resolve_model_source  # heavy imports stay lazy
+
+        _check(block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               f"block_size must be a power of two in [1, 128], got {block_size}")
+        _check(max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        _check(0 < gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        _check(num_gpu_blocks_override is None or num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
+               f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
+        _check(dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+        _check(device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {device!r}")
+
+        resolved_device = _resolve_device(device)
+        source = resolve_model_source(model)
+        hf_config = source.hf_config
+        resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
+
+        derived_len = _derived_max_model_len(hf_config)
+        if max_model_len is None:
+            max_model_len = derived_len
+        _check(max_model_len >= 1, "max_model_len", f"max_model_len must be >= 1, got {max_model_len}")
+        if max_model_len > derived_len:
+            raise ConfigError(
+                f"max_model_len={max_model_len} is larger than the model's maximum context "
+                f"({derived_len} from config.json); lower --max-model-len.", "max_model_len")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+        _check(max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+
+        return cls(
+            model=ModelConfig(
+                model=source.location, tokenizer=tokenizer or source.location, dtype=resolved_dtype,
+                max_model_len=max_model_len, hf_config=hf_config, trust_remote_code=trust_remote_code,
+                skip_tokenizer_init=skip_tokenizer_init, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
+                cpu_kv_cache_space_gib=cpu_kv_cache_space_gib),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len),
+            device=DeviceConfig(device=resolved_device),
+        )
+
+    def replace_cache(self, **changes: Any) -> EngineConfig:
+        """A new config with some cache fields changed (the original stays frozen)."""
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(message, param)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was requested but no CUDA GPU is visible; use --device cpu.", "device")
+    return device
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
+    import torch
+
+    aliases = {"half": "float16", "float": "float32"}
+    dtype = aliases.get(dtype, dtype)
+    if dtype == "auto":
+        if device == "cpu":
+            # Half-precision matmuls are slow on most CPUs; float32 is both fast and exact.
+            return "float32"
+        config_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+        config_dtype = config_dtype.replace("torch.", "")
+        dtype = config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+    if dtype == "bfloat16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("This GPU does not support bfloat16; use --dtype float16.", "dtype")
+    return dtype
+
+
+def _derived_max_model_len(hf_config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        value = hf_config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

@@ -1,0 +1,179 @@
+"""Paged-KV bookkeeping: which fixed-size blocks each request owns, and the prefix cache.
+
+Pure Python, no tensors: the worker owns the K/V memory, this class only hands out block ids.
+
+- Block 0 is the null block (pads block tables); ids 1..num_blocks-1 are usable.
+- A block is *in use* while ref_count > 0 (several requests can share a cached prefix block).
+- Free blocks wait in `_free` in LRU order (oldest first). A free block may still carry the hash of
+  the full block it last held, so a later request with the same prefix revives it; it is evicted
+  (hash forgotten) only when handed out for new content.
+- A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
+  whole prefixes. Only full blocks are hashed; the last, partial block of a request never is.
+Invariant (check_integrity): every usable block is either free (ref 0, in `_free`) or used
+(ref = number of requests listing it), and `_cached[h] = b` implies `hash_of[b] == h`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from pagoda.request import Request
+
+NULL_BLOCK = 0
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Collision-resistant chained hash of one full block (blake2b, 16 bytes)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks >= 2, "need the null block plus at least one usable block"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._cached: dict[bytes, int] = {}
+        # Prefix-cache statistics, in tokens (for metrics and tests).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- capacity -----------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> int:
+        """Attach cached blocks for the longest cached prefix of a request that holds no blocks.
+
+        Returns the number of tokens found. At least one token is always left to compute, since the
+        step that computes it produces the logits to sample from.
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        num_tokens = request.num_tokens
+        max_blocks = (num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks * self.block_size)
+        hits: list[int] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        for block in hits:
+            self._take(block)
+        request.block_ids = hits
+        num_hit = len(hits) * self.block_size
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+        return num_hit
+
+    def _extend_hashes(self, request: Request, upto_tokens: int) -> None:
+        """Make sure request.block_hashes covers every full block below `upto_tokens`."""
+        bs = self.block_size
+        while (len(request.block_hashes) + 1) * bs <= upto_tokens:
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache (after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        self._extend_hashes(request, num_full * self.block_size)
+        for i in range(num_full):
+            block = request.block_ids[i]
+            if self.hash_of[block] is not None:
+                continue
+            h = request.block_hashes[i]
+            if h in self._cached:      # same content already cached in another block: keep that one
+                continue
+            self.hash_of[block] = h
+            self._cached[h] = block
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        return need <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Give the request enough blocks to hold num_computed + num_new tokens; False if not enough."""
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)     # least recently freed first
+            self._evict(block)
+            self.ref_count[block] = 1
+            request.block_ids.append(block)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release every block of a finished, aborted or preempted request."""
+        # Tail blocks first, so the end of a prefix is evicted before its beginning.
+        for block in reversed(request.block_ids):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"double free of block {block}"
+            if self.ref_count[block] == 0:
+                self._free[block] = None
+        request.block_ids = []
+
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self._free[block]
+        self.ref_count[block] += 1
+
+    def _evict(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            if self._cached.get(h) == block:
+                del self._cached[h]
+            self.hash_of[block] = None
+
+    def reset_prefix_cache(self) -> None:
+        for h, block in list(self._cached.items()):
+            if self.ref_count[block] == 0:
+                self._evict(block)
+
+    # ---- self-check ---------------------------------------------------------------------------
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Raise RuntimeError if the bookkeeping is inconsistent with the given live requests."""
+        refs = [0] * self.num_blocks
+        for request in requests:
+            if len(set(request.block_ids)) != len(request.block_ids):
+                raise RuntimeError(f"request {request.request_id} lists a block twice")
+            for block in request.block_ids:
+                if block == NULL_BLOCK:
+                    raise RuntimeError(f"request {request.request_id} holds the null block")
+                refs[block] += 1
+        for block in range(1, self.num_blocks):
+            if refs[block] != self.ref_count[block]:
+                raise RuntimeError(f"block {block}: ref_count {self.ref_count[block]} but {refs[block]} holders")
+            if (refs[block] == 0) != (block in self._free):
+                raise RuntimeError(f"block {block}: free-list membership disagrees with ref_count")
+        if NULL_BLOCK in self._free or self.ref_count[NULL_BLOCK] != 0:
+            raise RuntimeError("the null block was handed out")
+        for h, block in self._cached.items():
+            if self.hash_of[block] != h:
+                raise RuntimeError(f"prefix cache entry points at block {block} with another hash")

@@ -1,0 +1,148 @@
+"""The synchronous engine core: add requests, step, abort.
+
+`step()` = schedule → run the model → update request state → turn tokens into outputs.
+Startup sizes the KV pool (from a GPU profile or the CPU budget), logs it, and refuses to start
+when one max_model_len request could not fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.output_processor import OutputProcessor, child_request_id
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.scheduler import Scheduler
+from pagoda.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
+from pagoda.models.source import resolve_model_source
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker import memory
+from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagoda")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.source = resolve_model_source(config.model.model)
+        self.tokenizer: Any | None = None
+        if not config.model.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
+        self.token_info = tokenizer_info(self.tokenizer, self.source)
+        self.runner = ModelRunner(config, self.source, set(self.token_info.eos_token_ids))
+        self.kv_layout = self._size_kv_cache()
+        self.runner.initialize_kv_cache(self.kv_layout)
+        self.block_manager = BlockManager(self.kv_layout.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = self.runner.vocab_size
+        self._log_startup()
+
+    # ---- startup ------------------------------------------------------------------------------
+    def _size_kv_cache(self) -> memory.KVCacheLayout:
+        cache, sched = self.config.cache, self.config.scheduler
+        spec = self.runner.kv_cache_spec()
+        block_size = cache.block_size
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+            source = "num_gpu_blocks_override"
+        elif self.config.device.device == "cuda":
+            peak = self.runner.profile_peak_memory(sched.max_num_batched_tokens)
+            free, total = torch.cuda.mem_get_info()
+            non_torch = (total - free) - torch.cuda.memory_reserved()
+            num_blocks = memory.gpu_num_blocks(total, cache.gpu_memory_utilization, peak, max(non_torch, 0),
+                                               spec, block_size)
+            source = "gpu_memory_utilization"
+        else:
+            num_blocks = memory.cpu_num_blocks(cache.cpu_kv_cache_space_gib, spec, block_size,
+                                               sched.max_num_seqs, sched.max_model_len)
+            source = "cpu_kv_cache_space"
+        needed = memory.blocks_for_request(sched.max_model_len, block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"The KV cache holds {max(num_blocks - 1, 0) * block_size} tokens ({num_blocks} blocks from "
+                f"{source}) but one max_model_len={sched.max_model_len} request needs {needed} blocks; raise "
+                f"{source.replace('_', '-')} or lower --max-model-len.", source)
+        return memory.KVCacheLayout(num_blocks, block_size, memory.bytes_per_block(spec, block_size))
+
+    def _log_startup(self) -> None:
+        layout, cfg = self.kv_layout, self.config
+        logger.info("model=%s arch=%s dtype=%s device=%s", cfg.model.model, cfg.model.architecture,
+                    cfg.model.dtype, cfg.device.device)
+        logger.info("KV cache: %d blocks x %d tokens, %.1f KiB per block, %.2f GiB total",
+                    layout.num_blocks - 1, layout.block_size, layout.bytes_per_block / 1024,
+                    layout.total_bytes / memory.GiB)
+        logger.info("Maximum concurrency for %d-token requests: %.2fx", cfg.model.max_model_len,
+                    layout.max_concurrency(cfg.model.max_model_len))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("Text prompts need a tokenizer, but skip_tokenizer_init=True; send "
+                                 "{'prompt_token_ids': [...]} instead.", "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, stream: bool = False) -> None:
+        """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks)."""
+        if self.output_processor.has_request(request_id):
+            raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
+        max_tokens = self._validate(prompt_token_ids, params)
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # Each sample needs its own random stream; a seeded request stays reproducible.
+                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            children.append(Request(child_request_id(request_id, index, params.n), list(prompt_token_ids),
+                                    child_params, max_tokens))
+        self.output_processor.add_request(request_id, prompt, children, stream)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        max_len = self.config.model.max_model_len
+        if not prompt_token_ids:
+            raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
+        if len(prompt_token_ids) >= max_len:
+            raise ContextLengthExceeded(
+                f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
+                f"{max_len}; shorten it or raise max_model_len.", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", "prompt")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use "
+                                 "stop_token_ids.", "stop")
+        room = max_len - len(prompt_token_ids)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        children = []
+        for rid in request_ids:
+            children += [cid for cid in self.scheduler.requests if cid == rid or cid.startswith(f"{rid}#")]
+        aborted = self.scheduler.abort_requests(children)
+        return self.output_processor.finish_aborted(aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        step_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, step_output)
+        return self.output_processor.process(updated, step_output.logprobs, self._finish)
+
+    def _finish(self, request_id: str, status: RequestStatus, stop_reason: str) -> None:
+        self.scheduler.finish_request(request_id, status, stop_reason)

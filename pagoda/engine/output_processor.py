@@ -1,0 +1,136 @@
+"""Sampled tokens → user-facing `RequestOutput`s: detokenization, stop strings, logprobs, n > 1.
+
+A user request with n samples becomes n engine requests ("<id>#<i>"); this module folds their
+results back into one `RequestOutput` whose `outputs[i]` is sample i. Stop strings are found here
+(they need text), and the engine is told to finish those requests through `finish_fn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from pagoda.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.request import Request, RequestStatus
+
+
+@dataclass
+class _Sample:
+    parent: _Parent
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    output: CompletionOutput | None = None       # set once finished
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_samples: int
+    stream: bool                                 # emit an output every step, not only at the end
+    samples: list[_Sample] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{parent_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self._samples: dict[str, _Sample] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], stream: bool) -> None:
+        parent = _Parent(parent_id, prompt, children[0].prompt_token_ids, len(children), stream)
+        for index, child in enumerate(children):
+            params = child.sampling_params
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, child.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output)
+            wants_logprobs = params.logprobs is not None
+            sample = _Sample(parent, index, detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None)
+            parent.samples.append(sample)
+            self._samples[child.request_id] = sample
+        self._parents[parent_id] = parent
+
+    def has_request(self, parent_id: str) -> bool:
+        return parent_id in self._parents
+
+    def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
+                finish_fn: Callable[[str, RequestStatus, str], None]) -> list[RequestOutput]:
+        """Handle the requests that got a token this step; returns outputs to hand to callers."""
+        touched: dict[str, _Parent] = {}
+        for request in updated:
+            sample = self._samples.get(request.request_id)
+            if sample is None:
+                continue
+            token = request.output_token_ids[-1]
+            if sample.logprobs is not None and request.request_id in logprobs:
+                self._append_logprobs(sample, token, logprobs[request.request_id])
+            if sample.detokenizer is not None:
+                stop = sample.detokenizer.update([token])
+                if stop is not None:
+                    if request.status.is_finished:     # e.g. hit max_tokens on the same token
+                        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                    else:
+                        finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            touched[sample.parent.request_id] = sample.parent
+            if request.status.is_finished:
+                self._finish_sample(sample, request)
+        return [out for parent in touched.values() if (out := self._parent_output(parent)) is not None]
+
+    def finish_aborted(self, requests: list[Request]) -> list[RequestOutput]:
+        parents: dict[str, _Parent] = {}
+        for request in requests:
+            sample = self._samples.get(request.request_id)
+            if sample is not None and sample.output is None:
+                self._finish_sample(sample, request)
+                parents[sample.parent.request_id] = sample.parent
+        return [out for p in parents.values() if (out := self._parent_output(p)) is not None]
+
+    def _append_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
+        entry: dict[int, Logprob] = {}
+        ranks = {tid: rank for rank, (tid, _) in enumerate(lp.top, start=1)}
+        entry[token] = Logprob(lp.sampled_logprob, ranks.get(token), self._decode_one(token))
+        for tid, value in lp.top:
+            if tid not in entry:
+                entry[tid] = Logprob(value, ranks[tid], self._decode_one(tid))
+        assert sample.logprobs is not None and sample.cumulative_logprob is not None
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += lp.sampled_logprob
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _finish_sample(self, sample: _Sample, request: Request) -> None:
+        if sample.detokenizer is not None and sample.detokenizer.stop_str is None:
+            sample.detokenizer.finish()
+        sample.output = self._completion(sample, request)
+        del self._samples[request.request_id]
+        if request.num_cached_tokens > 0:
+            sample.parent.num_cached_tokens = max(sample.parent.num_cached_tokens, request.num_cached_tokens)
+
+    def _completion(self, sample: _Sample, request: Request) -> CompletionOutput:
+        text = sample.detokenizer.output_text if sample.detokenizer is not None else ""
+        return CompletionOutput(sample.index, text, list(request.output_token_ids), sample.cumulative_logprob,
+                                sample.logprobs, request.status.finish_reason, request.stop_reason)
+
+    def _parent_output(self, parent: _Parent) -> RequestOutput | None:
+        done = all(s.output is not None for s in parent.samples)
+        if not done and not parent.stream:
+            return None
+        outputs = [s.output for s in parent.samples if s.output is not None]  # streaming partials: issue 3
+        if done:
+            del self._parents[parent.request_id]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             sorted(outputs, key=lambda o: o.index), done, parent.num_cached_tokens)

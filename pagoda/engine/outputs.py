@@ -1,0 +1,101 @@
+"""The contracts between stages: scheduler → runner (`SchedulerOutput`), runner → scheduler
+(`StepOutput`), engine → caller (`RequestOutput`). Every field says why it exists.
+
+The runner keeps its own per-request state (token ids, sampling state, seeded generator), so a
+scheduled request that the runner already knows is sent as a small diff (`CachedRequestData`)
+rather than in full; this is what will cross a process boundary to tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has never seen: everything it needs to keep state for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]            # the whole block table so far
+    num_computed_tokens: int        # > 0 when the prefix cache already holds the start of the prompt
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner knows: only what changed since it last ran."""
+
+    request_id: str
+    new_block_ids: list[int]        # blocks appended to its table since last step
+    resumed: bool                   # re-admitted after preemption: new_block_ids is the whole table
+    num_computed_tokens: int        # tokens already in the cache before this step
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # request id → tokens to compute this step; dict order is the order of rows in the batch.
+    num_scheduled_tokens: dict[str, int]
+    # Requests that ended (finished or aborted) since the last step: the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token: its own, and the top-k alternatives (raw distribution)."""
+
+    sampled_logprob: float
+    top: list[tuple[int, float]]    # (token id, logprob), best first; empty when logprobs=0
+
+
+@dataclass
+class StepOutput:
+    # Requests that produced a token this step (their last uncomputed token was in the batch);
+    # a request in the middle of a chunked prefill samples nothing.
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+
+
+@dataclass
+class Logprob:
+    """vLLM-shaped logprob entry: outputs[i].logprobs[t] is {token_id: Logprob}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int                      # which of the n samples
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None   # the stop token id / stop string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache

@@ -1,0 +1,183 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each computes.
+
+There are no prefill and decode phases (see the counter glossary in `pagoda/request.py`): every
+step hands each chosen request `num_tokens - num_computed_tokens` tokens, cut to what is left of
+the step's token budget. Order, rebuilt every step:
+1. running requests, oldest admission first (decodes and unfinished prefill chunks);
+   when blocks run out, the most recently admitted running request is preempted (blocks freed,
+   recomputed later) — possibly the very request being scheduled;
+2. then waiting requests FCFS (preempted ones sit at the front), while the budget, `max_num_seqs`
+   and free blocks allow, and only if nothing was preempted this step.
+A prompt longer than the remaining budget is prefilled in chunks over several steps, alongside
+the decodes of other requests (chunked prefill).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagoda.config import SchedulerConfig
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepOutput
+from pagoda.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0          # total requests preempted so far
+    num_chunked_prefills: int = 0     # prefill chunks that did not finish their prompt
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._runner_known: set[str] = set()       # requests the runner holds state for
+        self._finished_for_runner: set[str] = set()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return [self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                for rid in request_ids if rid in self.requests]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_requests: list[NewRequestData] = []
+        cached_requests: list[CachedRequestData] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_blocks_before = len(request.block_ids)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break                          # it preempted itself: nothing after it remains
+            self._note_chunk(request, num_new)
+            num_scheduled[request.request_id] = num_new
+            cached_requests.append(CachedRequestData(
+                request.request_id, request.block_ids[num_blocks_before:], False, request.num_computed_tokens))
+            budget -= num_new
+            index += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hits = self.block_manager.match_prefix(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hits
+            request.num_computed_tokens = hits
+            num_new = min(request.num_tokens - hits, budget)
+            if not self.block_manager.allocate(request, num_new):
+                self.block_manager.free(request)     # give back the prefix hits too
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            self._note_chunk(request, num_new)
+            num_scheduled[request.request_id] = num_new
+            if request.request_id in self._runner_known:
+                cached_requests.append(CachedRequestData(
+                    request.request_id, list(request.block_ids), True, request.num_computed_tokens))
+            else:
+                self._runner_known.add(request.request_id)
+                new_requests.append(NewRequestData(
+                    request.request_id, request.prompt_token_ids, request.sampling_params,
+                    list(request.block_ids), request.num_computed_tokens))
+            budget -= num_new
+
+        finished, self._finished_for_runner = self._finished_for_runner, set()
+        self.stats.num_steps += 1
+        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished)
+
+    def _note_chunk(self, request: Request, num_new: int) -> None:
+        if request.num_computed_tokens + num_new < request.num_prompt_tokens:
+            self.stats.num_chunked_prefills += 1
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the step -----------------------------------------------------------------------
+    def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
+        """Advance counters, append sampled tokens, apply token-level stops. Returns the requests
+        that received a token this step (some may now be finished)."""
+        updated = []
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:                # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+            token = step_output.sampled_token_ids.get(request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            updated.append(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish_request(request_id, status)
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> Request:
+        request = self.requests.pop(request_id)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self.block_manager.free(request)
+        if request_id in self._runner_known:
+            self._runner_known.discard(request_id)
+            self._finished_for_runner.add(request_id)
+        return request

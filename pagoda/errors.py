@@ -1,0 +1,49 @@
+"""Typed exceptions for everything a user or operator can cause.
+
+Raised anywhere; mapped to an HTTP status and OpenAI error type at the server edge
+(`http_status`, `error_type`), or to a one-line message on the CLI. Internal invariants
+use asserts instead.
+"""
+
+from __future__ import annotations
+
+
+class PagodaError(Exception):
+    """Base class. `param` names the offending field when there is one."""
+
+    http_status = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ConfigError(PagodaError, ValueError):
+    """A bad engine/server setting: the message names the knob to change."""
+
+    http_status = 500
+    error_type = "ConfigError"
+
+
+class ModelLoadError(ConfigError):
+    """The model folder or file cannot be loaded (missing shard, unknown architecture...)."""
+
+
+class InvalidRequest(PagodaError, ValueError):
+    """A request or sampling parameter is out of range or malformed."""
+
+    http_status = 400
+    error_type = "BadRequestError"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """prompt + max_tokens does not fit in max_model_len."""
+
+
+class EngineDead(PagodaError):
+    """The engine loop has died; no request can be served."""
+
+    http_status = 503
+    error_type = "ServiceUnavailableError"

@@ -1,0 +1,53 @@
+"""Load the tokenizer for a model source and collect the token facts the engine needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.errors import ModelLoadError
+from pagoda.models.source import ModelSource
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """Facts discovered at load time (never written back into a config)."""
+
+    eos_token_ids: frozenset[int]   # any of these ends a request (unless ignore_eos)
+    bos_token_id: int | None
+
+
+def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: bool = False) -> Any:
+    if source.kind == "gguf" and tokenizer_path == source.location:
+        from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source.location)
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(tokenizer_path) and not any(
+            os.path.isfile(os.path.join(tokenizer_path, name)) for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{tokenizer_path!r} has no tokenizer files; pass tokenizer=<folder> (--tokenizer), or "
+            "skip_tokenizer_init=True and send token-id prompts.")
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"Could not load the tokenizer from {tokenizer_path!r}: {exc}") from None
+
+
+def tokenizer_info(tokenizer: Any | None, source: ModelSource) -> TokenizerInfo:
+    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
+    eos: set[int] = set()
+    for value in (source.generation_config().get("eos_token_id"), source.hf_config.get("eos_token_id"),
+                  getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(v for v in value if isinstance(v, int))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        bos = source.hf_config.get("bos_token_id")
+    return TokenizerInfo(frozenset(eos), bos if isinstance(bos, int) else None)

@@ -1,0 +1,83 @@
+"""Paged attention layer and the backend interface it calls.
+
+A step's tokens arrive flattened: T tokens from B requests, no padding. `AttentionBatch` (built
+once per step by the model runner) says where each request's queries start, how long its context
+is, which KV blocks hold that context (block table) and which cache slot each new token's K/V goes
+to (slot mapping). A backend turns it into whatever per-step metadata it wants once
+(`prepare`), then every layer calls `forward` with that prepared object.
+
+KV cache layout per layer: two tensors [num_blocks, block_size, num_kv_heads, head_dim]; token at
+position p of a request lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+Block 0 is the null block: never handed to a request, used to pad block tables.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionBatch:
+    query_lens: list[int]          # [B] new tokens per request this step
+    seq_lens: list[int]            # [B] context length after this step (cached + new)
+    query_start_loc: torch.Tensor  # [B + 1] int64, offsets of each request in the flat token axis
+    seq_lens_tensor: torch.Tensor  # [B] int64, same as seq_lens, on device
+    block_tables: torch.Tensor     # [B, max_blocks] int64, padded with the null block 0
+    slot_mapping: torch.Tensor     # [T] int64, cache slot for each new token's K/V
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention (PyTorch reference on CPU, Triton on GPU)."""
+
+    name: str
+
+    @abstractmethod
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """Per-step metadata shared by all layers (computed once, not per layer)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+        """Store k/v [T, Hkv, D] into the cache, then attend q [T, Hq, D] → [T, Hq, D]."""
+
+
+@dataclass
+class StepAttention:
+    """What a model's forward receives: the backend and its prepared per-step metadata."""
+
+    backend: AttentionBackend
+    metadata: Any
+
+
+class Attention(nn.Module):
+    """Holds this layer's KV cache views (bound by the worker) and dispatches to the backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        # q [T, Hq * D], k/v [T, Hkv * D] → [T, Hq * D]
+        t = q.shape[0]
+        out = attn.backend.forward(
+            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn.metadata, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,74 @@
+"""Rotary position embedding (HF "rotate_half" layout) with the rope_scaling types Llama/Qwen2 use.
+
+Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
+needs no padding. The cos/sin table is built lazily on the device of the first call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.errors import ConfigError
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either the old or the transformers-5 config layout."""
+    params = hf_config.get("rope_parameters") or {}
+    theta = hf_config.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf_config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    # Built on the CPU explicitly: models are constructed under a meta-device context.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled)
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3).")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._inv_freq = _inv_freq(head_dim, theta, scaling)
+        self._cos_sin: torch.Tensor | None = None   # [max_positions, head_dim] cos | sin halves
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
+            freqs = torch.outer(t, self._inv_freq)                     # [P, D/2]
+            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(device)
+        return self._cos_sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        cos, sin = self._table(q.device)[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

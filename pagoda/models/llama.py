@@ -1,0 +1,123 @@
+"""Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM; covers SmolLM2) over paged attention.
+
+Parameter names follow the HF checkpoints except where projections are fused (`qkv_proj`,
+`gate_up_proj`); `packed_modules_mapping` tells the loader how HF names map onto them.
+Qwen2 differs from Llama only by biases on q/k/v.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention, StepAttention
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
+                                     shard_names=("q", "k", "v"))
+        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)) and not qkv_bias)
+        theta, scaling = rope_parameters(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, theta, scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
+                               k.view(t, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, attn))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], shard_names=("gate", "up"))
+        self.down_proj = Linear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, max_positions, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; `compute_logits` → [N, V]."""
+
+    qkv_bias = False
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_positions: int):
+        super().__init__()
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
+        self.model = LlamaModel(cfg, positions, self.qkv_bias)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint entries with no parameter here (rotary buffers, a duplicate tied head)."""
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

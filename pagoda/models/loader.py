@@ -1,0 +1,72 @@
+"""Build a model from a `ModelSource`: construct on the meta device, allocate, stream weights in.
+
+Each checkpoint tensor goes to the parameter of the same name, or — for fused projections listed
+in the model's `packed_modules_mapping` — to its slice of the fused parameter via the owning
+module's `weight_loader`. Every parameter must be written exactly by the checkpoint: a missing weight is an
+error naming it, never a silently random tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda.errors import ModelLoadError
+from pagoda.layers.linear import default_weight_loader
+from pagoda.models.registry import get_model_class
+from pagoda.models.source import ModelSource
+
+
+def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str) -> nn.Module:
+    architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
+    model_class = get_model_class(architecture)
+    with torch.device("meta"):
+        model = model_class(source.hf_config, max_model_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    load_weights(model, source)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, source: ModelSource) -> None:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for name, tensor in source.iter_weights():
+        if model.skip_weight(name):
+            continue
+        target, shard = _map_name(name, mapping)
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"Checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(model).__name__}; is config.json's architecture right?")
+        owner = modules[target.rpartition(".")[0]]
+        loader = getattr(owner, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor.to(param.dtype), shard)
+        except ValueError as exc:
+            raise ModelLoadError(f"Checkpoint tensor {name!r}: {exc}") from None
+        loaded.add(f"{target}:{shard}" if shard is not None else target)
+    _check_complete(model, params, mapping, loaded)
+
+
+def _map_name(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    for hf_part, (fused, shard) in mapping.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{fused}."), shard
+    return name, None
+
+
+def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], mapping: dict[str, tuple[str, str]],
+                    loaded: set[str]) -> None:
+    shards_of: dict[str, list[str]] = {}
+    for fused, shard in mapping.values():
+        shards_of.setdefault(fused, []).append(shard)
+    for name in params:
+        fused = name.split(".")[-2]
+        expected = [f"{name}:{s}" for s in shards_of[fused]] if fused in shards_of else [name]
+        missing = [e for e in expected if e not in loaded]
+        if missing:
+            raise ModelLoadError(f"The checkpoint has no weight for {missing[0]!r}; the model folder is "
+                                 "incomplete or its config.json does not match its weights.")

@@ -1,0 +1,79 @@
+"""A request's life inside the engine, and the glossary of its token counters.
+
+Counters (defined here and nowhere else):
+- prompt_token_ids   the prompt, as tokenized.
+- output_token_ids   tokens sampled so far (already appended when sampled).
+- num_tokens         len(prompt) + len(output): every token the request has.
+- num_computed_tokens tokens whose K/V are in the cache. It chases num_tokens: prefill, chunked
+                     prefill, a prefix-cache hit and decode are all "compute the next
+                     (num_tokens - num_computed_tokens) tokens, as many as the step's budget allows".
+                     A sampled token is appended before its K/V exist, so a decoding request
+                     always has exactly one uncomputed token.
+- num_cached_tokens  tokens found in the prefix cache when the request was first admitted.
+Preemption frees the blocks and resets num_computed_tokens to 0; the output is kept and the
+request recomputes prompt + output later (often hitting its own cached blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"       # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"      # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int                                  # resolved: never None here
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1                      # -1 until first admitted
+    block_ids: list[int] = field(default_factory=list)     # owned by BlockManager
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
+    stop_reason: int | str | None = None             # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]

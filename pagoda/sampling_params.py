@@ -1,0 +1,131 @@
+"""User-facing sampling parameters of one request (`SamplingParams`).
+
+Owns the fields, their defaults (the same as vLLM's), normalisation of loose inputs
+(stop as str or list, top_k -1 meaning off) and validation: every bad value raises
+`InvalidRequest` whose message names the field and the allowed range, and whose `param`
+is the field name, so the server can answer 400 with the offending parameter.
+The engine resolves `max_tokens=None` against max_model_len; the sampler reads the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagoda.errors import InvalidRequest
+
+# Temperatures below this are greedy: dividing logits by ~0 would overflow to inf/nan.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Cap on top logprobs per token: bounds the [B, K] top-k work done every step.
+MAX_LOGPROBS = 20
+
+
+def _is_int(v: object) -> bool:
+    # bool is a subclass of int, but `n=True` is a client bug, not a count.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_float(name: str, v: object) -> float:
+    if _is_int(v):
+        return float(v)  # type: ignore[arg-type]
+    if not isinstance(v, float) or not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number, got {v!r}", param=name)
+    return v
+
+
+def _check_int(name: str, v: object) -> int:
+    if not _is_int(v):
+        raise InvalidRequest(f"{name} must be an integer, got {v!r}", param=name)
+    return v  # type: ignore[return-value]
+
+
+def _fail(name: str, rule: str, v: object) -> InvalidRequest:
+    return InvalidRequest(f"{name} {rule}, got {v!r}", param=name)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the output tokens of one request; validated on construction."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1 on input) = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # list[str] after __post_init__
+    stop_token_ids: list[int] | None = None  # list[int] after __post_init__
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to max_model_len (engine resolves)
+    min_tokens: int = 0
+    logprobs: int | None = None  # top logprobs per output token; 0 = sampled token only
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if _check_int("n", self.n) < 1:
+            raise _fail("n", "must be >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._check_range(name, lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
+        self._check_range("repetition_penalty", lambda v: v > 0.0, "must be > 0")
+        self._check_range("temperature", lambda v: v >= 0.0, "must be >= 0")
+        self._check_range("top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+        if _check_int("top_k", self.top_k) < -1:
+            raise _fail("top_k", "must be 0 or -1 (disabled) or >= 1", self.top_k)
+        self.top_k = max(self.top_k, 0)  # one spelling of "off" downstream
+        self._check_range("min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
+            raise _fail("max_tokens", "must be >= 1", self.max_tokens)
+        if _check_int("min_tokens", self.min_tokens) < 0:
+            raise _fail("min_tokens", "must be >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+        if self.logprobs is not None:
+            if _check_int("logprobs", self.logprobs) < 0:
+                raise _fail("logprobs", "must be >= 0", self.logprobs)
+            if self.logprobs > MAX_LOGPROBS:
+                raise _fail("logprobs", f"must be <= {MAX_LOGPROBS}", self.logprobs)
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+    def _check_range(self, name: str, ok: Callable[[float], bool], rule: str) -> None:
+        # Error shows the value as the user sent it ("got -1", not "got -1.0").
+        raw = getattr(self, name)
+        v = _check_float(name, raw)
+        if not ok(v):
+            raise _fail(name, rule, raw)
+        setattr(self, name, v)  # ints become floats so downstream tensors see one type
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise _fail("stop", "must be a string or a list of strings", stop)
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise _fail("stop", "must contain only non-empty strings", s)
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", "must be a list of integers >= 0", ids)
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise _fail("stop_token_ids", "must contain only integers >= 0", t)
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS

@@ -1,0 +1,72 @@
+"""KV-cache sizing arithmetic: pure functions, shared by the engine at startup and the planner.
+
+A block holds `block_size` tokens of K and V for every attention layer:
+    bytes_per_block = 2 (K, V) * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+Block 0 is reserved as the null block, so `num_blocks` usable blocks need `num_blocks + 1` slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int            # including the null block 0
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_usable_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def max_concurrency(self, request_len: int) -> float:
+        """How many requests of `request_len` tokens fit at once (each rounds up to whole blocks)."""
+        blocks_each = -(-request_len // self.block_size)
+        return (self.num_blocks - 1) / blocks_each
+
+
+def bytes_per_block(spec: KVCacheSpec, block_size: int) -> int:
+    return spec.bytes_per_token() * block_size
+
+
+def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
+    """Blocks (null block included) that fit in a byte budget; 0 if the budget is negative."""
+    return max(0, budget_bytes // bytes_per_block(spec, block_size))
+
+
+def blocks_for_request(request_len: int, block_size: int) -> int:
+    """Pool size (null block included) needed to hold one request of `request_len` tokens."""
+    return -(-request_len // block_size) + 1
+
+
+def cpu_num_blocks(budget_gib: float, spec: KVCacheSpec, block_size: int, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    """CPU pool: the budget, but no more than max_num_seqs full-length requests could ever use."""
+    useful = max_num_seqs * -(-max_model_len // block_size) + 1
+    return min(num_blocks_for_budget(int(budget_gib * GiB), spec, block_size), useful)
+
+
+def gpu_num_blocks(total_bytes: int, utilization: float, peak_torch_bytes: int, non_torch_bytes: int,
+                   spec: KVCacheSpec, block_size: int) -> int:
+    """GPU pool: what is left of utilization * total after the profiled peak of a worst-case step
+    (weights + activations) and memory held outside PyTorch (CUDA context, NCCL...)."""
+    budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
+    return num_blocks_for_budget(budget, spec, block_size)

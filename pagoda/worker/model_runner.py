@@ -1,0 +1,186 @@
+"""The only part of the engine that touches the model and its tensors.
+
+`execute(SchedulerOutput) -> StepOutput`: update per-request state from the scheduler's diff,
+build the flattened inputs (token ids, positions, slot mapping, block tables — no padding), run
+the model, compute logits only for rows that sample, and sample them as one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
+from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
+from pagoda.layers.sampler import Sampler, SamplingBatch
+from pagoda.layers.torch_attention import TorchAttentionBackend
+from pagoda.models.loader import load_model
+from pagoda.models.source import ModelSource
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunnerRequestState:
+    token_ids: list[int]               # prompt + outputs sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None  # per-request RNG when the request has a seed
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, eos_token_ids: set[int],
+                 backend: AttentionBackend | None = None):
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = _DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device)
+        self.vocab_size = int(source.hf_config["vocab_size"])
+        self.backend = backend or TorchAttentionBackend()
+        self.sampler = Sampler()
+        self.states: dict[str, RunnerRequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache -----------------------------------------------------------------------------
+    def kv_cache_spec(self) -> KVCacheSpec:
+        layers = self.model.attention_layers()
+        return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
+                           torch.tensor([], dtype=self.dtype).element_size())
+
+    def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
+        """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers."""
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            shape = (layout.num_blocks, layout.block_size, layer.num_kv_heads, layer.head_dim)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.bind_kv_cache(k, v)
+            self.kv_caches.append((k, v))
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int) -> int:
+        """Run one worst-case step (num_tokens prompt tokens, a throwaway cache) and return the
+        peak bytes PyTorch allocated on the GPU, weights included."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        spec = self.kv_cache_spec()
+        num_blocks = -(-num_tokens // self.block_size) + 1
+        self.initialize_kv_cache(KVCacheLayout(num_blocks, self.block_size, 0))
+        block_table = torch.arange(1, num_blocks, device=self.device)[None, :]
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        batch = AttentionBatch([num_tokens], [num_tokens], torch.tensor([0, num_tokens], device=self.device),
+                               torch.tensor([num_tokens], device=self.device), block_table,
+                               pos + self.block_size, self.block_size)
+        hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch)))
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+        torch.cuda.empty_cache()
+        logger.debug("profiled %d tokens: peak %.2f GiB (kv spec %s)", num_tokens, peak / 2**30, spec)
+        return peak
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for request_id in so.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in so.new_requests:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.states[new.request_id] = RunnerRequestState(
+                list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
+                generator, new.num_computed_tokens)
+        for cached in so.cached_requests:
+            state = self.states[cached.request_id]
+            if cached.resumed:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> StepOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return StepOutput({})
+        request_ids = list(so.num_scheduled_tokens)
+        states = [self.states[rid] for rid in request_ids]
+        query_lens = [so.num_scheduled_tokens[rid] for rid in request_ids]
+        starts = [s.num_computed_tokens for s in states]
+        seq_lens = [a + n for a, n in zip(starts, query_lens)]
+
+        token_ids = np.concatenate([np.asarray(s.token_ids[a:e], dtype=np.int64)
+                                    for s, a, e in zip(states, starts, seq_lens)])
+        positions = np.concatenate([np.arange(a, e, dtype=np.int64) for a, e in zip(starts, seq_lens)])
+        max_blocks = max(len(s.block_ids) for s in states)
+        tables = np.zeros((len(states), max_blocks), dtype=np.int64)   # padded with the null block
+        for row, s in enumerate(states):
+            tables[row, :len(s.block_ids)] = s.block_ids
+        row_of_token = np.repeat(np.arange(len(states)), query_lens)
+        slots = tables[row_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+
+        dev = self.device
+        batch = AttentionBatch(
+            query_lens=query_lens, seq_lens=seq_lens,
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
+            block_size=self.block_size)
+        attn = StepAttention(self.backend, self.backend.prepare(batch))
+        hidden = self.model(torch.from_numpy(token_ids).to(dev), torch.from_numpy(positions).to(dev), attn)
+
+        # Only a request whose last uncomputed token is in this step samples.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        for i in range(len(states)):
+            states[i].num_computed_tokens = seq_lens[i]
+        if not sample_rows:
+            return StepOutput({})
+        last_token = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
+        logits = self.model.compute_logits(hidden[last_token])
+        return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+
+    def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> StepOutput:
+        suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids
+                    if len(s.output_token_ids) < s.sampling_params.min_tokens else [] for s in states]
+        batch = SamplingBatch.build(
+            [s.sampling_params for s in states], [s.token_ids[:s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states], [s.generator for s in states],
+            suppress if any(suppress) else None, logits.shape[-1], logits.device)
+        out = self.sampler(logits, batch)
+        sampled = out.sampled_token_ids.tolist()
+        result = StepOutput(dict(zip(request_ids, sampled)))
+        if out.sampled_logprobs is not None:
+            sampled_lp = out.sampled_logprobs.tolist()
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            for row, (rid, s) in enumerate(zip(request_ids, states)):
+                k = s.sampling_params.logprobs
+                if k is None:
+                    continue
+                top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
+                result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
+        for s, token in zip(states, sampled):
+            s.token_ids.append(token)
+            s.output_token_ids.append(token)
+        return result
