@@ -20,6 +20,31 @@ DEFAULT_CPU_KV_CACHE_GIB = 4.0
 
 
 @dataclass(frozen=True)
+class EngineArgs:
+    """The user-facing engine knobs, exactly as `LLM(...)` takes them and `--flag`s spell them.
+
+    Unresolved: None / "auto" mean "decide from the model and the hardware" in `EngineConfig.create`.
+    """
+
+    model: str | None = None                # HF folder, hub id or .gguf; None = embedded default model
+    tokenizer: str | None = None            # defaults to the model's own
+    dtype: str = "auto"
+    max_model_len: int | None = None        # defaults to the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4
+    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB
+    device: str = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str                      # HF folder, hub id, or path to a .gguf file (resolved, never None)
     tokenizer: str                  # where the tokenizer comes from (defaults to `model`)
@@ -65,27 +90,17 @@ class EngineConfig:
     device: DeviceConfig
 
     @classmethod
-    def create(
-        cls,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        swap_space: float = 4,
-        cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB,
-        device: str = "auto",
-        seed: int = 0,
-        trust_remote_code: bool = False,
-        skip_tokenizer_init: bool = False,
-    ) -> EngineConfig:
+    def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
         """Resolve and validate every knob once. Reads the model's config (not its weights)."""
         from pagoda.models.source import resolve_model_source  # heavy imports stay lazy
+
+        a = dataclasses.replace(args or EngineArgs(), **overrides)
+        model, tokenizer, dtype, max_model_len = a.model, a.tokenizer, a.dtype, a.max_model_len
+        max_num_seqs, max_num_batched_tokens, block_size = a.max_num_seqs, a.max_num_batched_tokens, a.block_size
+        enable_prefix_caching, gpu_memory_utilization = a.enable_prefix_caching, a.gpu_memory_utilization
+        num_gpu_blocks_override, swap_space = a.num_gpu_blocks_override, a.swap_space
+        cpu_kv_cache_space_gib, device, seed = a.cpu_kv_cache_space_gib, a.device, a.seed
+        trust_remote_code, skip_tokenizer_init = a.trust_remote_code, a.skip_tokenizer_init
 
         _check(block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"block_size must be a power of two in [1, 128], got {block_size}")

@@ -147,8 +147,6 @@ class BlockManager:
     def _evict(self, block: int) -> None:
         h = self.hash_of[block]
         if h is not None:
-            if self._cached.get(h) == block:
-                del self._cached[h]
             self.hash_of[block] = None
 
     def reset_prefix_cache(self) -> None:

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Union
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import RequestOutput
 from pagoda.errors import InvalidRequest
@@ -41,13 +41,13 @@ class LLM:
         skip_tokenizer_init: bool = False,
         cpu_kv_cache_space_gib: float = 4.0,
     ):
-        self.config = EngineConfig.create(
+        self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
-            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init)
+            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

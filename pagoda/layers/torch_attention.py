@@ -56,8 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
             max_len = max(batch.seq_lens[i] for i in decode)
             pos = torch.arange(max_len, device=device)                            # [Lmax]
             tables = batch.block_tables[rows]                                     # [Bd, max_blocks]
-            decode_slots = tables[:, pos // bs] * bs + pos % bs                   # [Bd, Lmax]
-            decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]        # [Bd, 1, 1, Lmax]
+            valid = pos[None, :] < lens[:, None]                                  # [Bd, Lmax]
+            # Padding reads slot 0 (the zeroed null block), never an unwritten slot: the cache is
+            # allocated uninitialised, and NaN garbage would survive a zero attention weight.
+            decode_slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)  # [Bd, Lmax]
+            decode_mask = valid[:, None, None, :]                                 # [Bd, 1, 1, Lmax]
             decode_index = batch.query_start_loc[rows]
 
         prefill_rows = []

@@ -16,6 +16,7 @@ of the `gguf` package; transformers is used only for the tokenizer.
 from __future__ import annotations
 
 import importlib.util
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -75,9 +76,18 @@ def default_gguf_path() -> str:
 
 def _open(path: str | os.PathLike[str]):
     """A GGUFReader over `path` (memory-mapped: tensor data is read only when touched)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file not found: {path!r}; pass an existing .gguf file.")
+    return _open_cached(path, os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime: float):
+    """Parsing the header (49k-token vocab) costs ~2.5 s; startup reads config then tensors, so keep
+    the last readers. Keyed by mtime so a replaced file is re-read."""
     import gguf
 
-    path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path!r}; pass an existing .gguf file.")
     try:
@@ -249,17 +259,52 @@ def iter_gguf_tensors(
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]):
-    """The transformers tokenizer stored in the GGUF file (it carries the chat template)."""
+    """The transformers tokenizer stored in the GGUF file (it carries the chat template).
+
+    Converting the GGUF vocabulary takes seconds, so the converted tokenizer is saved once under
+    $PAGODA_CACHE_DIR (default ~/.cache/pagoda) and later startups load that folder instead."""
     from transformers import AutoTokenizer
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path!r}; pass an existing .gguf file.")
+    cache = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # a damaged cache entry: rebuild it below
+            pass
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
         raise ModelLoadError(
             f"Cannot build a tokenizer from {path!r} ({exc}); pass a model folder "
             "with tokenizer files instead."
         ) from exc
+    _save_atomically(tokenizer, cache)
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    import hashlib
+
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    return os.path.join(root, "gguf-tokenizers", key)
+
+
+def _save_atomically(tokenizer: Any, target: str) -> None:
+    """Write to a temporary sibling, then rename: a concurrent reader never sees half a folder.
+    A read-only or full disk only costs the speed-up."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(locals().get("tmp", ""), ignore_errors=True)

@@ -61,12 +61,17 @@ class ModelRunner:
                            torch.tensor([], dtype=self.dtype).element_size())
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
-        """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers."""
+        """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
+
+        Uninitialised (zeroing gigabytes costs seconds at startup) except the null block 0, which
+        padding reads; backends never read a slot that was not written first."""
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = (layout.num_blocks, layout.block_size, layer.num_kv_heads, layer.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[0].zero_()
+            v[0].zero_()
             layer.bind_kv_cache(k, v)
             self.kv_caches.append((k, v))
 

@@ -1,0 +1,7 @@
+"""`python -m pagoda` is the `pagoda` command."""
+
+import sys
+
+from pagoda.cli.main import main
+
+sys.exit(main())

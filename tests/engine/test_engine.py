@@ -1,0 +1,133 @@
+"""End-to-end engine behaviour on tiny random-weight models: batching under pressure must not
+change a single token, prefix caching must be used and be invisible, limits must hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import ConfigError, InvalidRequest
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _random_prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_batch_invariance_under_preemption_and_chunking(tiny_llama):
+    prompts = _random_prompts(32, 1, 300)
+    # Reference: each prompt alone, in a roomy engine.
+    alone = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=512, num_gpu_blocks_override=64)
+    expected = [_tokens(alone.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False))[0] for p in prompts]
+
+    # Pressure: 8 sequences, 64-token steps, and a pool barely larger than one max-length request.
+    tight = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
+                max_num_batched_tokens=64, num_gpu_blocks_override=40)
+    # Poison every usable block: attention must never read a slot before it was written.
+    for k_cache, v_cache in tight.engine.runner.kv_caches:
+        k_cache[1:].fill_(float("nan"))
+        v_cache[1:].fill_(float("nan"))
+    got = _tokens(tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+    stats = tight.engine.scheduler.stats
+    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert stats.num_chunked_prefills > 0, "prompts longer than 64 tokens must be chunked"
+    assert got == expected
+    bm = tight.engine.block_manager
+    bm.check_integrity([])
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
+    shared = _random_prompts(1, 50, 50, seed=1)[0]            # 3 full 16-token blocks + 2 tokens
+    first, second = shared + [7, 8, 9], shared + [10, 11]
+    cached = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    cached.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
+    hits_before = cached.engine.block_manager.prefix_hits
+    out = cached.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48
+    assert cached.engine.block_manager.prefix_hits - hits_before == 48
+
+    plain = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64,
+                enable_prefix_caching=False)
+    ref = plain.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
+    assert ref.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_limits_hold_every_step(tiny_llama):
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=3,
+              max_num_batched_tokens=40, num_gpu_blocks_override=64)
+    engine = llm.engine
+    for i, p in enumerate(_random_prompts(7, 5, 90, seed=2)):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished_requests():
+        scheduled = engine.scheduler.schedule()
+        assert scheduled.total_num_scheduled_tokens <= 40
+        assert len(scheduled.num_scheduled_tokens) <= 3
+        step = engine.runner.execute(scheduled)
+        engine.scheduler.update(scheduled, step)
+        engine.block_manager.check_integrity(list(engine.scheduler.requests.values()))
+
+
+def test_max_model_len_and_lengths(tiny_llama):
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=16)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 60))}],
+                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 64 - 57 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(InvalidRequest, match="maximum model length of 64"):
+        llm.generate([{"prompt_token_ids": list(range(3, 70))}], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="out of vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 9999]}], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
+
+
+def test_pool_too_small_fails_at_startup_naming_the_knob(tiny_llama):
+    with pytest.raises(ConfigError, match="num-gpu-blocks-override or lower --max-model-len"):
+        LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=512, num_gpu_blocks_override=8)
+
+
+def test_n_and_seeded_sampling(tiny_llama):
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64)
+    prompt = [{"prompt_token_ids": [4, 5, 6, 7]}]
+    params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    a = llm.generate(prompt, params, use_tqdm=False)[0]
+    b = llm.generate(prompt * 2, params, use_tqdm=False)[1]   # batched with a twin: same tokens
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1   # the samples differ from each other
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llama):
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64)
+    prompt = [{"prompt_token_ids": [4, 5, 6, 7]}]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens suppresses the stop token until enough tokens exist.
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=first + 2,
+                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 2
+    assert stop_at not in out.token_ids[:first + 1]
+
+
+def test_folder_without_tokenizer_needs_skip_flag(tiny_llama):
+    from pagoda.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="skip_tokenizer_init"):
+        LLM(model=tiny_llama, max_model_len=128, num_gpu_blocks_override=64)
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64)
+    with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+        llm.generate(["text needs a tokenizer"], GREEDY, use_tqdm=False)

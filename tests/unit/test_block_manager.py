@@ -1,0 +1,426 @@
+"""Tests for pagoda.engine.block_manager.BlockManager.
+
+The property test drives a BlockManager through random admissions, compute steps, growth, finishes,
+aborts and preemptions, and checks it against a shadow model kept here:
+- a shadow "KV content" per block slot (the whole token prefix that produced it), so a prefix-cache
+  hit that hands out a block holding other content, or a write into a block another request
+  still reads, is caught;
+- block accounting recomputed from the live requests (free count, ref counts, sharing rules);
+- the allocation rule: allocate succeeds iff the missing blocks fit in the free pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagoda.engine.block_manager import NULL_BLOCK, BlockManager, hash_block
+from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_request(prompt: list[int], rid: str | None = None) -> Request:
+    return Request(rid or f"r{next(_ids)}", list(prompt), SamplingParams(), max_tokens=16)
+
+
+def tokens_of(r: Request) -> list[int]:
+    return r.prompt_token_ids + r.output_token_ids
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def compute_all(bm: BlockManager, r: Request) -> None:
+    """Allocate and 'compute' every token of r, then register its full blocks (one step)."""
+    n = r.num_tokens - r.num_computed_tokens
+    assert bm.allocate(r, n)
+    r.num_computed_tokens += n
+    bm.cache_full_blocks(r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Property test
+# ------------------------------------------------------------------------------------------------
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(2, 40), block_size=st.integers(1, 8), prefix_caching=st.booleans(),
+                bases=st.lists(st.lists(st.integers(1, 3), min_size=24, max_size=24), min_size=1, max_size=3))
+    def setup(self, num_blocks, block_size, prefix_caching, bases):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.bs = block_size
+        self.bases = bases
+        self.live: list[Request] = []      # hold blocks
+        self.waiting: list[Request] = []   # hold no blocks (never admitted, failed admission, preempted)
+        # Shadow KV: (block, offset) -> the token prefix whose last token's K/V is stored there.
+        self.content: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _holders(self, block: int, exclude: Request | None = None) -> list[Request]:
+        return [r for r in self.live if r is not exclude and block in r.block_ids]
+
+    def _check_reads(self, r: Request) -> None:
+        toks = tokens_of(r)
+        for p in range(r.num_computed_tokens):
+            slot = (r.block_ids[p // self.bs], p % self.bs)
+            assert self.content.get(slot) == tuple(toks[:p + 1]), \
+                f"{r.request_id}: position {p} in block {slot[0]} holds other content"
+
+    def _admit(self, r: Request, data) -> None:
+        assert not r.block_ids and r.num_computed_tokens == 0
+        hits = self.bm.match_prefix(r)
+        assert hits % self.bs == 0
+        assert 0 <= hits <= r.num_tokens - 1, "at least one token must be left to compute"
+        if not self.bm.enable_prefix_caching:
+            assert hits == 0
+        assert len(r.block_ids) == hits // self.bs
+        r.num_computed_tokens = hits
+        if r.num_cached_tokens < 0:
+            r.num_cached_tokens = hits
+        self._check_reads(r)                      # every hit block holds exactly this prefix
+        free_before = self.bm.num_free_blocks
+        chunk = data.draw(st.integers(1, r.num_tokens - hits), label="chunk")
+        need = cdiv(hits + chunk, self.bs) - len(r.block_ids)
+        ok = self.bm.allocate(r, chunk)
+        assert ok == (need <= free_before)
+        if ok:
+            assert len(r.block_ids) == cdiv(hits + chunk, self.bs)
+            assert self.bm.num_free_blocks == free_before - need
+            self.live.append(r)
+        else:
+            assert len(r.block_ids) == hits // self.bs
+            self.bm.free(r)
+            r.num_computed_tokens = 0
+            self.waiting.append(r)
+
+    # ---- rules ------------------------------------------------------------------------------
+    @rule(data=st.data())
+    def add_new(self, data):
+        base = data.draw(st.sampled_from(self.bases), label="base")
+        k = data.draw(st.integers(0, len(base)), label="prefix")
+        tail = data.draw(st.lists(st.integers(1, 3), max_size=4), label="tail")
+        prompt = base[:k] + tail or [1]
+        self._admit(make_request(prompt), data)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def readmit(self, data):
+        r = data.draw(st.sampled_from(self.waiting), label="readmit")
+        self.waiting.remove(r)
+        self._admit(r, data)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def compute(self, data):
+        r = data.draw(st.sampled_from(self.live), label="compute")
+        cap = min(len(r.block_ids) * self.bs, r.num_tokens)
+        if cap > r.num_computed_tokens:
+            self._check_reads(r)
+            n = data.draw(st.integers(1, cap - r.num_computed_tokens), label="n")
+            toks = tokens_of(r)
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                block = r.block_ids[p // self.bs]
+                others = self._holders(block, exclude=r)
+                assert not others, f"writing block {block} shared with {[o.request_id for o in others]}"
+                self.content[(block, p % self.bs)] = tuple(toks[:p + 1])
+            r.num_computed_tokens += n
+            self.bm.cache_full_blocks(r)
+        if r.num_computed_tokens == r.num_tokens and data.draw(st.booleans(), label="sample"):
+            r.output_token_ids.append(data.draw(st.integers(1, 3), label="token"))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def grow(self, data):
+        r = data.draw(st.sampled_from(self.live), label="grow")
+        remaining = r.num_tokens - r.num_computed_tokens
+        if remaining == 0:
+            return
+        n = data.draw(st.integers(1, remaining), label="n")
+        need = max(cdiv(r.num_computed_tokens + n, self.bs) - len(r.block_ids), 0)
+        before, free_before = list(r.block_ids), self.bm.num_free_blocks
+        ok = self.bm.allocate(r, n)
+        assert ok == (need <= free_before)
+        if ok:
+            assert r.block_ids[:len(before)] == before and len(r.block_ids) == len(before) + need
+        else:
+            assert r.block_ids == before and self.bm.num_free_blocks == free_before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        r = data.draw(st.sampled_from(self.live), label="finish")
+        self.live.remove(r)
+        self.bm.free(r)
+        assert r.block_ids == []
+
+    @precondition(lambda self: self.live or self.waiting)
+    @rule(data=st.data())
+    def abort(self, data):
+        r = data.draw(st.sampled_from(self.live + self.waiting), label="abort")
+        if r in self.live:
+            self.live.remove(r)
+            self.bm.free(r)
+        else:
+            self.waiting.remove(r)
+        assert r.block_ids == []
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def preempt(self, data):
+        r = data.draw(st.sampled_from(self.live), label="preempt")
+        self.live.remove(r)
+        self.bm.free(r)
+        r.num_computed_tokens = 0
+        self.waiting.append(r)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.bm.reset_prefix_cache()
+
+    # ---- invariants -------------------------------------------------------------------------
+    @invariant()
+    def integrity(self):
+        if not hasattr(self, "bm"):
+            return
+        bm = self.bm
+        bm.check_integrity(self.live)
+        for r in self.waiting:
+            assert r.block_ids == [] and r.num_computed_tokens == 0
+        holders: dict[int, list[tuple[Request, int]]] = {}
+        for r in self.live:
+            assert len(set(r.block_ids)) == len(r.block_ids), "a block listed twice in one request"
+            assert NULL_BLOCK not in r.block_ids
+            assert all(1 <= b < bm.num_blocks for b in r.block_ids)
+            assert len(r.block_ids) * self.bs >= r.num_computed_tokens
+            for i, b in enumerate(r.block_ids):
+                holders.setdefault(b, []).append((r, i))
+        assert bm.num_free_blocks == bm.num_usable_blocks - len(holders)
+        for b in range(bm.num_blocks):
+            assert bm.ref_count[b] == len(holders.get(b, []))
+        for b, hs in holders.items():
+            if len(hs) > 1:
+                # Only full, computed prefix blocks with identical whole prefixes may be shared.
+                (r0, i0) = hs[0]
+                prefix = tokens_of(r0)[:(i0 + 1) * self.bs]
+                for r, i in hs:
+                    assert i == i0, f"block {b} shared at different positions"
+                    assert (i + 1) * self.bs <= r.num_computed_tokens, f"block {b} shared while not full+computed"
+                    assert tokens_of(r)[:(i + 1) * self.bs] == prefix, f"block {b} shared across different prefixes"
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for r in self.live:
+            self.bm.free(r)
+        self.live = []
+        self.bm.check_integrity([])
+        assert self.bm.num_free_blocks == self.bm.num_blocks - 1
+        assert all(c == 0 for c in self.bm.ref_count)
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+# ------------------------------------------------------------------------------------------------
+# Deterministic tests
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bs", [1, 4, 8])
+def test_prefix_reuse_after_finish(bs):
+    bm = BlockManager(32, bs)
+    prefix = [(i % 5) + 1 for i in range(3 * bs)]
+    a = make_request(prefix + [9] * (bs // 2 + 1))
+    assert bm.match_prefix(a) == 0
+    compute_all(bm, a)
+    a_blocks = list(a.block_ids)
+    bm.free(a)
+    b = make_request(prefix + [8, 8])          # diverges right after the 3 full blocks
+    assert bm.match_prefix(b) == 3 * bs
+    assert b.block_ids == a_blocks[:3]
+    assert all(bm.ref_count[x] == 1 for x in b.block_ids)
+    b.num_computed_tokens = 3 * bs
+    bm.check_integrity([b])
+
+
+def test_prefix_shared_with_live_request():
+    bs = 4
+    bm = BlockManager(32, bs)
+    a = make_request(list(range(1, 13)) + [50])  # 3 full blocks + 1 token
+    compute_all(bm, a)
+    b = make_request(list(range(1, 13)) + [60, 61])
+    assert bm.match_prefix(b) == 12
+    assert b.block_ids == a.block_ids[:3]
+    assert [bm.ref_count[x] for x in a.block_ids] == [2, 2, 2, 1]
+    b.num_computed_tokens = 12
+    assert bm.allocate(b, 2)
+    assert b.block_ids[3] != a.block_ids[3]
+    bm.check_integrity([a, b])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 31 and not any(bm.ref_count)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 4])
+def test_fully_cached_prompt_leaves_one_token(bs):
+    bm = BlockManager(32, bs)
+    prompt = [(i % 3) + 1 for i in range(3 * bs)]
+    a = make_request(prompt)
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_request(prompt)
+    hits = bm.match_prefix(b)
+    assert hits == 2 * bs                       # the third block holds the last token, which must run
+    assert b.num_tokens - hits >= 1
+    # A single-token prompt can never hit anything.
+    bm2 = BlockManager(8, 1)
+    c = make_request([5])
+    compute_all(bm2, c)
+    bm2.free(c)
+    assert bm2.match_prefix(make_request([5])) == 0
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(16, 2, enable_prefix_caching=False)
+    a = make_request([1, 2, 3, 4, 5])
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_request([1, 2, 3, 4, 5])
+    assert bm.match_prefix(b) == 0 and b.block_ids == []
+
+
+def test_lru_eviction_order_and_revival():
+    bs = 2
+    bm = BlockManager(5, bs)                    # 4 usable blocks
+    a = make_request([1, 1, 2, 2])              # 2 full blocks
+    b = make_request([3, 3, 4, 4])
+    compute_all(bm, a)
+    compute_all(bm, b)
+    a0, a1 = a.block_ids
+    b0, b1 = b.block_ids
+    assert bm.num_free_blocks == 0
+    bm.free(a)                                  # freed first: oldest; tail block before head block
+    bm.free(b)
+    assert bm.num_free_blocks == 4
+    assert list(bm._free) == [a1, a0, b1, b0]
+
+    # Revive b's first block: it leaves the free list and is never handed out while held.
+    d = make_request([3, 3, 4, 4, 9])
+    assert bm.match_prefix(d) == 4              # both of b's blocks are still cached
+    assert d.block_ids == [b0, b1]
+    assert bm.num_free_blocks == 2 and b0 not in bm._free and b1 not in bm._free
+    bm.free(d)                                  # back at the young end, tail first
+    assert list(bm._free) == [a1, a0, b1, b0]
+
+    e = make_request([3, 3, 7])
+    assert bm.match_prefix(e) == 2 and e.block_ids == [b0]
+    assert b0 not in bm._free
+    e.num_computed_tokens = 2
+    # e needs 1 more block: the oldest free one is a's tail block, which loses its cached content.
+    assert bm.allocate(e, 1)
+    assert e.block_ids == [b0, a1]
+    assert list(bm._free) == [a0, b1]
+
+    # a's prefix now only hits its first block: the chain broke at the evicted second block.
+    f = make_request([1, 1, 2, 2, 5])
+    assert bm.match_prefix(f) == 2 and f.block_ids == [a0]
+    bm.check_integrity([e, f])
+    # Allocating the rest never hands out a block that is held.
+    f.num_computed_tokens = 2
+    assert not bm.allocate(f, 3)               # needs 2 more blocks, only 1 free
+    assert f.block_ids == [a0]
+    assert bm.allocate(f, 2)
+    assert f.block_ids == [a0, b1]
+    assert not bm.allocate(make_request([1]), 1)
+    bm.check_integrity([e, f])
+
+
+def test_evicted_content_is_not_hit():
+    bm = BlockManager(3, 2)                     # 2 usable blocks
+    a = make_request([1, 2, 3, 4])
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_request([5, 6, 7, 8])              # reuses both blocks for new content
+    assert bm.match_prefix(b) == 0
+    compute_all(bm, b)
+    bm.free(b)
+    assert bm.match_prefix(make_request([1, 2, 3, 4, 5])) == 0
+    c = make_request([5, 6, 7, 8, 1])
+    assert bm.match_prefix(c) == 4
+
+
+def test_hash_chain():
+    toks = [1, 2, 3, 4]
+    p1 = hash_block(None, [9, 9, 9, 9])
+    p2 = hash_block(None, [8, 8, 8, 8])
+    assert hash_block(p1, toks) == hash_block(p1, list(toks))
+    assert hash_block(p1, toks) != hash_block(p2, toks)
+    assert hash_block(None, toks) != hash_block(p1, toks)
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
+    # Through the manager: the same second block after a different first block is no hit.
+    bm = BlockManager(16, 4)
+    a = make_request([9, 9, 9, 9] + toks + [5])
+    compute_all(bm, a)
+    bm.free(a)
+    b = make_request([8, 8, 8, 8] + toks + [5])
+    assert bm.match_prefix(b) == 0
+    assert b.block_hashes[1] != a.block_hashes[1]
+    assert b.block_hashes[1] == hash_block(b.block_hashes[0], toks)
+
+
+def test_null_block_never_handed_out():
+    for bs in (1, 3):
+        bm = BlockManager(9, bs)
+        reqs = []
+        for _ in range(8):
+            r = make_request([1] * bs)
+            assert bm.allocate(r, bs)
+            reqs.append(r)
+        ids = sorted(b for r in reqs for b in r.block_ids)
+        assert ids == list(range(1, 9))
+        assert bm.num_free_blocks == 0
+        extra = make_request([2])
+        assert not bm.allocate(extra, 1) and extra.block_ids == []
+        bm.check_integrity(reqs)
+        for r in reqs:
+            bm.free(r)
+        assert bm.num_free_blocks == 8
+
+
+def test_check_integrity_detects_corruption():
+    bm = BlockManager(8, 2)
+    a = make_request([1, 2, 3])
+    compute_all(bm, a)
+    bm.check_integrity([a])
+    held = a.block_ids[0]
+    bm.ref_count[held] += 1
+    with pytest.raises(RuntimeError):
+        bm.check_integrity([a])
+    bm.ref_count[held] -= 1
+    bm.check_integrity([a])
+    free_block = next(iter(bm._free))
+    bm.ref_count[free_block] = 1
+    with pytest.raises(RuntimeError):
+        bm.check_integrity([a])
+    bm.ref_count[free_block] = 0
+    # A request listing a block twice, or the null block, is caught too.
+    a.block_ids.append(a.block_ids[0])
+    with pytest.raises(RuntimeError):
+        bm.check_integrity([a])
+    a.block_ids.pop()
+    a.block_ids.append(NULL_BLOCK)
+    with pytest.raises(RuntimeError):
+        bm.check_integrity([a])
+    a.block_ids.pop()
+    bm.check_integrity([a])
+    # Forgetting a holder is caught.
+    with pytest.raises(RuntimeError):
+        bm.check_integrity([])
