@@ -21,21 +21,24 @@ def _hf_model(folder: str):
 def _our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Run one whole prompt through our model with a block table, return logits of every position."""
     runner = llm.engine.runner
+    dev = runner.device
     n, bs = len(token_ids), llm.config.cache.block_size
-    blocks = torch.arange(1, -(-n // bs) + 1)
-    pos = torch.arange(n)
-    batch = AttentionBatch([n], [n], torch.tensor([0, n]), torch.tensor([n]), blocks[None, :],
-                           blocks[pos // bs] * bs + pos % bs, bs)
+    blocks = torch.arange(1, -(-n // bs) + 1, device=dev)
+    pos = torch.arange(n, device=dev)
+    batch = AttentionBatch([n], [n], torch.tensor([0, n], device=dev), torch.tensor([n], device=dev),
+                           blocks[None, :], blocks[pos // bs] * bs + pos % bs, bs)
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(token_ids), pos, StepAttention(runner.backend, runner.backend.prepare(batch)))
-        return runner.model.compute_logits(hidden)
+        hidden = runner.model(torch.tensor(token_ids, device=dev), pos,
+                              StepAttention(runner.backend, runner.backend.prepare(batch)))
+        return runner.model.compute_logits(hidden).cpu()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_prefill_and_greedy_decode_match_transformers(kind, request):
     folder = request.getfixturevalue(f"tiny_{kind}")
     hf = _hf_model(folder)
-    llm = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256, device="cpu")
+    # device="auto": the CPU in CI, the GPU when run on the device machine (reference backend both).
+    llm = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256)
 
     for prompt in PROMPTS:
         ours = _our_prefill_logits(llm, prompt)
@@ -49,7 +52,7 @@ def test_prefill_and_greedy_decode_match_transformers(kind, request):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     hook.remove()
-    ours_by_step = torch.cat(captured)          # rows: step-major, prompt order within a step
+    ours_by_step = torch.cat(captured).cpu()          # rows: step-major, prompt order within a step
     for row, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
