@@ -120,7 +120,7 @@ class BlockManager:
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give the request enough blocks to hold num_computed + num_new tokens; False if not enough."""
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        if need >= self.num_free_blocks:
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
             block, _ = self._free.popitem(last=False)     # least recently freed first

@@ -14,6 +14,7 @@ the decodes of other requests (chunked prefill).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -95,14 +96,15 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             hits = self.block_manager.match_prefix(request)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hits
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
             if not self.block_manager.allocate(request, num_new):
                 self.block_manager.free(request)     # give back the prefix hits too
                 request.num_computed_tokens = 0
                 break
+            if request.num_cached_tokens < 0:        # only once actually admitted, not on a failed try
+                request.num_cached_tokens = hits
+                request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

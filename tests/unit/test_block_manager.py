@@ -50,8 +50,10 @@ def compute_all(bm: BlockManager, r: Request) -> None:
 # ------------------------------------------------------------------------------------------------
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(2, 40), block_size=st.integers(1, 8), prefix_caching=st.booleans(),
-                bases=st.lists(st.lists(st.integers(1, 3), min_size=24, max_size=24), min_size=1, max_size=3))
+    @initialize(num_blocks=st.integers(2, 10) | st.integers(2, 40),       # small pools evict more
+                block_size=st.sampled_from([1, 2, 4]) | st.integers(1, 8),
+                prefix_caching=st.sampled_from([True, True, True, False]),
+                bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2))
     def setup(self, num_blocks, block_size, prefix_caching, bases):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.bs = block_size
@@ -60,6 +62,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.waiting: list[Request] = []   # hold no blocks (never admitted, failed admission, preempted)
         # Shadow KV: (block, offset) -> the token prefix whose last token's K/V is stored there.
         self.content: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.seen: list[list[int]] = []    # token sequences computed so far (to ask for them again)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _holders(self, block: int, exclude: Request | None = None) -> list[Request]:
@@ -85,8 +88,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             r.num_cached_tokens = hits
         self._check_reads(r)                      # every hit block holds exactly this prefix
         free_before = self.bm.num_free_blocks
-        chunk = data.draw(st.integers(1, r.num_tokens - hits), label="chunk")
+        chunk = r.num_tokens - hits
+        if data.draw(st.booleans(), label="partial"):
+            chunk = data.draw(st.integers(1, chunk), label="chunk")
         need = cdiv(hits + chunk, self.bs) - len(r.block_ids)
+        assert self.bm.can_allocate(r, chunk) == (need <= free_before)
         ok = self.bm.allocate(r, chunk)
         assert ok == (need <= free_before)
         if ok:
@@ -103,10 +109,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_new(self, data):
         base = data.draw(st.sampled_from(self.bases), label="base")
-        k = data.draw(st.integers(0, len(base)), label="prefix")
-        tail = data.draw(st.lists(st.integers(1, 3), max_size=4), label="tail")
+        k = data.draw(st.sampled_from([len(base), len(base) // 2, len(base) // 4])
+                      | st.integers(0, len(base)), label="prefix")
+        tail = data.draw(st.lists(st.integers(1, 3), max_size=2), label="tail")
         prompt = base[:k] + tail or [1]
         self._admit(make_request(prompt), data)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data())
+    def add_seen(self, data):
+        seen = data.draw(st.sampled_from(self.seen), label="seen")
+        k = data.draw(st.sampled_from([len(seen)]) | st.integers(1, len(seen)), label="prefix")
+        tail = data.draw(st.lists(st.integers(1, 3), max_size=2), label="tail")
+        self._admit(make_request(seen[:k] + tail), data)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -122,7 +137,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cap = min(len(r.block_ids) * self.bs, r.num_tokens)
         if cap > r.num_computed_tokens:
             self._check_reads(r)
-            n = data.draw(st.integers(1, cap - r.num_computed_tokens), label="n")
+            n = cap - r.num_computed_tokens       # usually everything allocated, like a real step
+            if data.draw(st.booleans(), label="partial"):
+                n = data.draw(st.integers(1, n), label="n")
             toks = tokens_of(r)
             for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
                 block = r.block_ids[p // self.bs]
@@ -131,6 +148,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.content[(block, p % self.bs)] = tuple(toks[:p + 1])
             r.num_computed_tokens += n
             self.bm.cache_full_blocks(r)
+            if r.num_computed_tokens >= self.bs:
+                self.seen.append(toks[:r.num_computed_tokens])
         if r.num_computed_tokens == r.num_tokens and data.draw(st.booleans(), label="sample"):
             r.output_token_ids.append(data.draw(st.integers(1, 3), label="token"))
 
@@ -144,6 +163,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, remaining), label="n")
         need = max(cdiv(r.num_computed_tokens + n, self.bs) - len(r.block_ids), 0)
         before, free_before = list(r.block_ids), self.bm.num_free_blocks
+        assert self.bm.can_allocate(r, n) == (need <= free_before)
         ok = self.bm.allocate(r, n)
         assert ok == (need <= free_before)
         if ok:
@@ -225,7 +245,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=200, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 
@@ -245,6 +265,7 @@ def test_prefix_reuse_after_finish(bs):
     bm.free(a)
     b = make_request(prefix + [8, 8])          # diverges right after the 3 full blocks
     assert bm.match_prefix(b) == 3 * bs
+    assert bm.prefix_queries == a.num_tokens + b.num_tokens and bm.prefix_hits == 3 * bs
     assert b.block_ids == a_blocks[:3]
     assert all(bm.ref_count[x] == 1 for x in b.block_ids)
     b.num_computed_tokens = 3 * bs
@@ -280,12 +301,36 @@ def test_fully_cached_prompt_leaves_one_token(bs):
     hits = bm.match_prefix(b)
     assert hits == 2 * bs                       # the third block holds the last token, which must run
     assert b.num_tokens - hits >= 1
+    # Same for the request that computed it, whose block hashes already cover the whole prompt.
+    a.num_computed_tokens = 0
+    assert len(a.block_hashes) == 3
+    assert bm.match_prefix(a) == 2 * bs
     # A single-token prompt can never hit anything.
     bm2 = BlockManager(8, 1)
     c = make_request([5])
     compute_all(bm2, c)
     bm2.free(c)
     assert bm2.match_prefix(make_request([5])) == 0
+
+
+def test_no_hit_after_a_gap():
+    # A later block of a prefix can stay cached after an earlier one was evicted (here the later
+    # one was computed by another request); a hit needs every block before it to hit as well.
+    bm = BlockManager(8, 2)                     # 7 usable blocks
+    a = make_request([1, 1, 5])
+    b = make_request([1, 1, 2, 2, 5])
+    assert bm.allocate(a, 3) and bm.allocate(b, 5)
+    a.num_computed_tokens, b.num_computed_tokens = 3, 5
+    bm.cache_full_blocks(a)                     # [1, 1] is cached in a's block
+    bm.cache_full_blocks(b)                     # [1, 1] | [2, 2] is cached in b's second block
+    bm.free(a)
+    filler = make_request([9] * 8)
+    assert bm.allocate(filler, 8)               # takes every free block, evicting a's [1, 1]
+    assert a.block_ids == [] and bm.num_free_blocks == 0
+    bm.free(filler)
+    f = make_request([1, 1, 2, 2, 9])
+    assert bm.match_prefix(f) == 0 and f.block_ids == []
+    bm.check_integrity([b])
 
 
 def test_prefix_caching_disabled_never_hits():
@@ -355,6 +400,21 @@ def test_evicted_content_is_not_hit():
     assert bm.match_prefix(make_request([1, 2, 3, 4, 5])) == 0
     c = make_request([5, 6, 7, 8, 1])
     assert bm.match_prefix(c) == 4
+
+
+def test_reset_prefix_cache_forgets_only_free_blocks():
+    bm = BlockManager(16, 2)
+    a = make_request([1, 2, 3, 4, 5])
+    b = make_request([6, 7, 8, 9, 5])
+    compute_all(bm, a)
+    compute_all(bm, b)
+    bm.free(a)                                  # a's blocks are free but cached; b's are held
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(make_request([1, 2, 3, 4, 5])) == 0
+    c = make_request([6, 7, 8, 9, 5])
+    assert bm.match_prefix(c) == 4 and c.block_ids == b.block_ids[:2]
+    c.num_computed_tokens = 4
+    bm.check_integrity([b, c])
 
 
 def test_hash_chain():
