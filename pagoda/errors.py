@@ -47,3 +47,22 @@ class EngineDead(PagodaError):
 
     http_status = 503
     error_type = "ServiceUnavailableError"
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve."""
+
+    http_status = 404
+    error_type = "NotFoundError"
+
+
+class Unauthorized(PagodaError):
+    http_status = 401
+    error_type = "AuthenticationError"
+
+
+class Overloaded(PagodaError):
+    """Too many requests are waiting; the client should retry later (503 + Retry-After)."""
+
+    http_status = 503
+    error_type = "ServiceUnavailableError"

@@ -47,7 +47,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_tokens: int                                  # resolved: never None here
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)   # time.monotonic(), any process
+    first_scheduled_time: float | None = None        # when first admitted (queue time = this - arrival)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

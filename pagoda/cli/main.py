@@ -1,5 +1,6 @@
 """`pagoda` command line: thin subcommands over the library.
 
+    pagoda serve [MODEL] [--port 8000] [engine and server flags]   # OpenAI-compatible HTTP server
     pagoda generate "Once upon a time" [--max-tokens 64] [engine flags]
     pagoda chat "What is the capital of France?" [--system ...] [engine flags]
 
@@ -13,6 +14,7 @@ import logging
 import sys
 
 from pagoda.cli.args import add_engine_args, engine_args_from
+from pagoda.cli.serve import add_serve_args, serve
 from pagoda.errors import PagodaError
 
 
@@ -27,6 +29,8 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_args(serve)
     gen = sub.add_parser("generate", help="complete prompts offline and print the results")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     chat = sub.add_parser("chat", help="answer one chat message with the model's chat template")
@@ -61,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        if ns.command in ("generate", "chat"):
-            _run_offline(ns)
+        if ns.command == "serve":
+            return serve(ns)
+        _run_offline(ns)
     except PagodaError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
         return 2

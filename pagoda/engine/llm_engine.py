@@ -16,7 +16,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
-from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.outputs import EngineStats, RequestOutput
 from pagoda.engine.scheduler import Scheduler
 from pagoda.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
@@ -27,6 +27,25 @@ from pagoda.worker import memory
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagoda")
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                     has_tokenizer: bool) -> int:
+    """Check a request against the model; returns the resolved max_tokens. Offline use clamps
+    max_tokens to the room left in the context (the server checks the sum strictly first)."""
+    if not prompt_token_ids:
+        raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ContextLengthExceeded(
+            f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
+            f"{max_model_len}; shorten it or raise max_model_len.", "prompt")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {vocab_size}).", "prompt")
+    if params.stop and not has_tokenizer:
+        raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
+    room = max_model_len - len(prompt_token_ids)
+    return room if params.max_tokens is None else min(params.max_tokens, room)
 
 
 class LLMEngine:
@@ -93,39 +112,27 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, stream: bool = False) -> None:
-        """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks)."""
+                    prompt: str | None = None, delta: bool = False, arrival_time: float | None = None) -> None:
+        """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
+        delta=False: one final output when done; delta=True: every step's new text and tokens."""
         if self.output_processor.has_request(request_id):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
-        max_tokens = self._validate(prompt_token_ids, params)
+        max_tokens = validate_request(prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size,
+                                      self.tokenizer is not None)
         children = []
         for index in range(params.n):
             child_params = params
             if params.n > 1:
                 # Each sample needs its own random stream; a seeded request stays reproducible.
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            children.append(Request(child_request_id(request_id, index, params.n), list(prompt_token_ids),
-                                    child_params, max_tokens))
-        self.output_processor.add_request(request_id, prompt, children, stream)
+            child = Request(child_request_id(request_id, index, params.n), list(prompt_token_ids),
+                            child_params, max_tokens)
+            if arrival_time is not None:
+                child.arrival_time = arrival_time
+            children.append(child)
+        self.output_processor.add_request(request_id, prompt, children, delta)
         for child in children:
             self.scheduler.add_request(child)
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        max_len = self.config.model.max_model_len
-        if not prompt_token_ids:
-            raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
-        if len(prompt_token_ids) >= max_len:
-            raise ContextLengthExceeded(
-                f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
-                f"{max_len}; shorten it or raise max_model_len.", "prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", "prompt")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use "
-                                 "stop_token_ids.", "stop")
-        room = max_len - len(prompt_token_ids)
-        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         children = []
@@ -133,6 +140,11 @@ class LLMEngine:
             children += [cid for cid in self.scheduler.requests if cid == rid or cid.startswith(f"{rid}#")]
         aborted = self.scheduler.abort_requests(children)
         return self.output_processor.finish_aborted(aborted)
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(sched.num_running, sched.num_waiting, bm.usage, sched.stats.num_preemptions,
+                           bm.prefix_queries, bm.prefix_hits, sched.stats.num_steps)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -3,6 +3,10 @@
 A user request with n samples becomes n engine requests ("<id>#<i>"); this module folds their
 results back into one `RequestOutput` whose `outputs[i]` is sample i. Stop strings are found here
 (they need text), and the engine is told to finish those requests through `finish_fn`.
+
+Two output kinds: final-only (offline `LLM`: one cumulative output when every sample is done) and
+delta (serving: every step that advanced a request yields only what is new — text delta, new
+token ids and their logprobs — for the samples that advanced).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class _Sample:
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     output: CompletionOutput | None = None       # set once finished
+    num_emitted_tokens: int = 0                  # delta mode: tokens already sent to the caller
+    num_emitted_logprobs: int = 0
 
 
 @dataclass
@@ -32,9 +38,10 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     num_samples: int
-    stream: bool                                 # emit an output every step, not only at the end
+    delta: bool                                  # emit what is new every step, not one final output
     samples: list[_Sample] = field(default_factory=list)
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -47,8 +54,8 @@ class OutputProcessor:
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
 
-    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], stream: bool) -> None:
-        parent = _Parent(parent_id, prompt, children[0].prompt_token_ids, len(children), stream)
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], delta: bool) -> None:
+        parent = _Parent(parent_id, prompt, children[0].prompt_token_ids, len(children), delta)
         for index, child in enumerate(children):
             params = child.sampling_params
             detok = None
@@ -70,6 +77,7 @@ class OutputProcessor:
                 finish_fn: Callable[[str, RequestStatus, str], None]) -> list[RequestOutput]:
         """Handle the requests that got a token this step; returns outputs to hand to callers."""
         touched: dict[str, _Parent] = {}
+        advanced: dict[str, tuple[_Sample, Request]] = {}
         for request in updated:
             sample = self._samples.get(request.request_id)
             if sample is None:
@@ -85,18 +93,32 @@ class OutputProcessor:
                     else:
                         finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
             touched[sample.parent.request_id] = sample.parent
+            advanced[request.request_id] = (sample, request)
             if request.status.is_finished:
                 self._finish_sample(sample, request)
-        return [out for parent in touched.values() if (out := self._parent_output(parent)) is not None]
+        outputs = []
+        for parent in touched.values():
+            if parent.delta:
+                outputs.append(self._delta_output(parent, advanced))
+            elif (out := self._final_output(parent)) is not None:
+                outputs.append(out)
+        return outputs
 
     def finish_aborted(self, requests: list[Request]) -> list[RequestOutput]:
         parents: dict[str, _Parent] = {}
+        advanced: dict[str, tuple[_Sample, Request]] = {}
         for request in requests:
             sample = self._samples.get(request.request_id)
             if sample is not None and sample.output is None:
                 self._finish_sample(sample, request)
                 parents[sample.parent.request_id] = sample.parent
-        return [out for p in parents.values() if (out := self._parent_output(p)) is not None]
+                advanced[request.request_id] = (sample, request)
+        outputs = []
+        for parent in parents.values():
+            out = self._delta_output(parent, advanced) if parent.delta else self._final_output(parent)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _append_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
         entry: dict[int, Logprob] = {}
@@ -117,20 +139,43 @@ class OutputProcessor:
             sample.detokenizer.finish()
         sample.output = self._completion(sample, request)
         del self._samples[request.request_id]
-        if request.num_cached_tokens > 0:
-            sample.parent.num_cached_tokens = max(sample.parent.num_cached_tokens, request.num_cached_tokens)
+        parent = sample.parent
+        parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+        if request.first_scheduled_time is not None:
+            waited = request.first_scheduled_time - request.arrival_time
+            parent.queue_time = waited if parent.queue_time is None else max(parent.queue_time, waited)
 
     def _completion(self, sample: _Sample, request: Request) -> CompletionOutput:
         text = sample.detokenizer.output_text if sample.detokenizer is not None else ""
         return CompletionOutput(sample.index, text, list(request.output_token_ids), sample.cumulative_logprob,
                                 sample.logprobs, request.status.finish_reason, request.stop_reason)
 
-    def _parent_output(self, parent: _Parent) -> RequestOutput | None:
-        done = all(s.output is not None for s in parent.samples)
-        if not done and not parent.stream:
+    def _final_output(self, parent: _Parent) -> RequestOutput | None:
+        if not all(s.output is not None for s in parent.samples):
             return None
-        outputs = [s.output for s in parent.samples if s.output is not None]  # streaming partials: issue 3
+        del self._parents[parent.request_id]
+        outputs = [s.output for s in parent.samples if s.output is not None]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
+                             parent.num_cached_tokens, parent.queue_time)
+
+    def _delta_output(self, parent: _Parent, advanced: dict[str, tuple[_Sample, Request]]) -> RequestOutput:
+        request_of = {id(s): r for s, r in advanced.values()}
+        outputs = []
+        for sample in parent.samples:
+            request = request_of.get(id(sample))
+            if request is None:
+                continue
+            new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
+            sample.num_emitted_tokens = request.num_output_tokens
+            new_logprobs = None
+            if sample.logprobs is not None:
+                new_logprobs = sample.logprobs[sample.num_emitted_logprobs:]
+                sample.num_emitted_logprobs = len(sample.logprobs)
+            text = sample.detokenizer.get_delta() if sample.detokenizer is not None else ""
+            outputs.append(CompletionOutput(sample.index, text, new_tokens, sample.cumulative_logprob, new_logprobs,
+                                            request.status.finish_reason, request.stop_reason))
+        done = all(s.output is not None for s in parent.samples)
         if done:
             del self._parents[parent.request_id]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             sorted(outputs, key=lambda o: o.index), done, parent.num_cached_tokens)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, done,
+                             parent.num_cached_tokens, parent.queue_time if done else None)

@@ -99,3 +99,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    queue_time: float | None = None  # seconds between arrival and first admission (set when finished)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine core's state, sent with every batch of outputs (for /metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float           # fraction of usable KV blocks in use, 0..1
+    num_preemptions: int            # totals since start
+    prefix_cache_queries: int       # tokens looked up in the prefix cache
+    prefix_cache_hits: int          # tokens found there
+    num_steps: int

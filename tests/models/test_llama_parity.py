@@ -38,7 +38,7 @@ def test_prefill_and_greedy_decode_match_transformers(kind, request):
     folder = request.getfixturevalue(f"tiny_{kind}")
     hf = _hf_model(folder)
     # device="auto": the CPU in CI, the GPU when run on the device machine (reference backend both).
-    llm = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256)
+    llm = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256, dtype="float32")
 
     for prompt in PROMPTS:
         ours = _our_prefill_logits(llm, prompt)

@@ -1,0 +1,112 @@
+"""FastAPI app factory: routes, the one place errors become OpenAI-shaped JSON, API-key check.
+
+Error mapping: a `PagodaError` carries its HTTP status and OpenAI error type; schema errors become
+400 BadRequestError (not FastAPI's 422); anything else is a 500 whose body still has the OpenAI
+shape. `Overloaded` and `EngineDead` add `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
+from pagoda.server.serving import OpenAIServing, sse_data, sse_error
+
+logger = logging.getLogger("pagoda.server")
+T = TypeVar("T")
+
+# Paths that never need the API key (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any = None) -> FastAPI:
+    from pagoda.server.routes import router
+
+    app = FastAPI(title="Pagoda OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = serving
+    app.include_router(router)
+
+    @app.exception_handler(PagodaError)
+    async def _pagoda_error(_: Request, exc: PagodaError) -> JSONResponse:
+        headers = {"Retry-After": "5"} if isinstance(exc, (Overloaded, EngineDead)) else None
+        return error_response(exc.http_status, exc.message, exc.error_type, exc.param, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"The request body is not valid JSON: {first.get('msg')}", "BadRequestError")
+        location = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{location}: {first.get('msg', 'invalid request')}" if location else str(first.get("msg", exc))
+        return error_response(400, message, "BadRequestError", location or None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"Internal server error: {type(exc).__name__}", "InternalServerError")
+
+    if api_key:
+        @app.middleware("http")
+        async def _check_key(request: Request, call_next):  # type: ignore[no-untyped-def]
+            if request.url.path not in OPEN_PATHS:
+                given = request.headers.get("authorization", "")
+                token = given[7:] if given.lower().startswith("bearer ") else ""
+                if not secrets.compare_digest(token.encode(), api_key.encode()):
+                    err = Unauthorized("Invalid or missing API key; send 'Authorization: Bearer <key>'.")
+                    return error_response(err.http_status, err.message, err.error_type)
+            return await call_next(request)
+
+    return app
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts the engine request) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise asyncio.CancelledError("client disconnected")
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """Frame an event stream; errors mid-stream become one SSE error event. Client disconnects
+    cancel the generator, whose cleanup aborts the engine request."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except PagodaError as exc:
+            yield sse_error(exc.message, exc.error_type, exc.http_status)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the status line is already sent
+            logger.exception("error while streaming")
+            yield sse_error(f"Internal server error: {type(exc).__name__}", "InternalServerError", 500)
+        yield sse_data("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=STREAM_HEADERS)
+
+
+def metrics_response(serving: OpenAIServing) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(serving.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

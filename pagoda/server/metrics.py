@@ -1,0 +1,76 @@
+"""Prometheus metrics with vLLM's names under the `pagoda:` prefix, in the server's own registry.
+
+Gauges mirror the engine core's last `EngineStats`; counters and histograms are fed per request by
+the serving layer (TTFT and inter-token latency are measured in the API process, from arrival,
+so they include tokenization and queueing, like vLLM's).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagoda.engine.core_process import Outputs
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+        r, m = self.registry, model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagoda:{name}", doc, label, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"pagoda:{name}", doc, label + (extra or []), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagoda:{name}", doc, label, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch").labels(m)
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled").labels(m)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)").labels(m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed").labels(m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(m)
+        self._success = counter("request_success", "Finished requests by finish reason", ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler").labels(m)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(m)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(m)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS).labels(m)
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS).labels(m)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             _TTFT_BUCKETS).labels(m)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled",
+                                    _TTFT_BUCKETS).labels(m)
+        self.model_name = m
+        self._last = (0, 0, 0)
+
+    def on_engine_outputs(self, message: Outputs) -> None:
+        stats = message.stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The core sends running totals; counters advance by the difference.
+        pre, queries, hits = stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.preemptions.inc(max(0, pre - self._last[0]))
+        self.prefix_queries.inc(max(0, queries - self._last[1]))
+        self.prefix_hits.inc(max(0, hits - self._last[2]))
+        self._last = (pre, queries, hits)
+        for output in message.outputs:
+            self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+            if output.finished:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                if output.queue_time is not None:
+                    self.queue_time.observe(output.queue_time)
+
+    def on_request_finished(self, finish_reasons: list[str | None]) -> None:
+        for reason in finish_reasons:
+            self._success.labels(self.model_name, reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

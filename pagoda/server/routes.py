@@ -1,0 +1,94 @@
+"""HTTP routes: each parses, calls serving, responds."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import pagoda
+from pagoda.errors import EngineDead
+from pagoda.server import protocol as p
+from pagoda.server.app import metrics_response, run_until_disconnect, sse_response
+from pagoda.server.serving import OpenAIServing
+
+router = APIRouter()
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: p.ChatCompletionRequest, request: Request):  # type: ignore[no-untyped-def]
+    serving, arrival = _serving(request), time.monotonic()
+    if body.stream:
+        return sse_response(await serving.chat_stream(body, arrival))
+    return await run_until_disconnect(request, serving.chat(body, arrival))
+
+
+@router.post("/v1/completions")
+async def completions(body: p.CompletionRequest, request: Request):  # type: ignore[no-untyped-def]
+    serving, arrival = _serving(request), time.monotonic()
+    if body.stream:
+        return sse_response(await serving.completion_stream(body, arrival))
+    return await run_until_disconnect(request, serving.completion(body, arrival))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> p.ModelList:
+    ctx = _serving(request).ctx
+    created = p.now()
+    return p.ModelList(data=[p.ModelCard(id=name, created=created, root=ctx.served_model_names[0],
+                                         max_model_len=ctx.max_model_len) for name in ctx.served_model_names])
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = _serving(request).ctx.engine
+    if engine.is_dead:
+        raise EngineDead(f"The engine is not running: {engine.dead_reason}")
+    return Response(status_code=200)
+
+
+@router.get("/ping")
+async def ping(request: Request) -> Response:
+    return await health(request)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": pagoda.__version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return metrics_response(_serving(request))
+
+
+@router.post("/tokenize")
+async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
+    serving = _serving(request)
+    serving.check_model(body.model)
+    if body.messages is not None:
+        from pagoda.frontend.chat_template import render_chat
+
+        text = render_chat(serving.ctx.tokenizer, [serving._message_dict(m) for m in body.messages],
+                           serving.ctx.chat_template, body.add_generation_prompt)
+        tokens = serving._tokenize(text, add_special_tokens=False)
+    elif body.prompt is not None:
+        tokens = serving._tokenize(body.prompt, body.add_special_tokens)
+    else:
+        from pagoda.errors import InvalidRequest
+
+        raise InvalidRequest("Send either prompt or messages.", "prompt")
+    return JSONResponse({"count": len(tokens), "max_model_len": serving.ctx.max_model_len, "tokens": tokens})
+
+
+@router.post("/detokenize")
+async def detokenize(body: p.DetokenizeRequest, request: Request) -> JSONResponse:
+    serving = _serving(request)
+    serving.check_model(body.model)
+    serving._check_tokens(body.tokens)
+    return JSONResponse({"prompt": serving._decode(body.tokens)})

@@ -1,0 +1,409 @@
+"""OpenAI request → prompt token ids + SamplingParams → engine stream → OpenAI responses / chunks.
+
+Every handler here raises typed errors (`pagoda.errors`); `app.py` turns them into OpenAI-shaped
+JSON. Outputs always arrive as per-step deltas from the engine; non-streaming responses are the
+deltas accumulated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from pagoda.frontend.chat_template import render_chat
+from pagoda.sampling_params import SamplingParams
+from pagoda.server import protocol as p
+from pagoda.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pagoda.server")
+
+_GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: Any | None
+    served_model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    architecture: str
+    chat_template: str | None
+    metrics: ServerMetrics
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    max_waiting_requests: int | None = None
+    log_requests: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a model's generation_config.json sets (used when a request leaves them unset)."""
+    return {ours: generation_config[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
+            if generation_config.get(theirs) is not None}
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    # ---- shared checks ------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.ctx.served_model_names:
+            raise ModelNotFound(f"The model `{name}` does not exist. Served models: "
+                                f"{', '.join(self.ctx.served_model_names)}.", "model")
+
+    def check_capacity(self) -> None:
+        limit = self.ctx.max_waiting_requests
+        if limit is not None and self.ctx.engine.stats.num_waiting >= limit:
+            raise Overloaded(f"The server is overloaded ({self.ctx.engine.stats.num_waiting} requests waiting); "
+                             "retry later.")
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.ctx.tokenizer is None:
+            raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        return self.ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        ctx = self.ctx
+        if requested is None:
+            requested = ctx.generation_defaults.get("max_tokens")
+            if requested is None or prompt_len + requested > ctx.max_model_len:
+                requested = ctx.max_model_len - prompt_len
+        if requested is not None and requested < 1 and prompt_len < ctx.max_model_len:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {requested}.", "max_tokens")
+        if prompt_len + max(requested, 1) > ctx.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). "
+                "Please reduce the length of the messages or completion.", "max_tokens")
+        return requested
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("The prompt is empty.", "prompt")
+        bad = next((t for t in token_ids if not 0 <= t < self.ctx.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {self.ctx.vocab_size}).", "prompt")
+
+    def _sampling_params(self, req: p._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        defaults = self.ctx.generation_defaults
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
+        return SamplingParams(
+            n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+
+    # ---- chat ---------------------------------------------------------------------------------
+    def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true.",
+                                 "continue_final_message")
+        messages = [self._message_dict(m) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        text = render_chat(self.ctx.tokenizer, messages, req.chat_template or self.ctx.chat_template,
+                           req.add_generation_prompt, **kwargs)
+        token_ids = self._tokenize(text, add_special_tokens=False)
+        self._check_tokens(token_ids)
+        max_tokens = self._resolve_max_tokens(
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return text, token_ids, self._sampling_params(req, max_tokens, logprobs)
+
+    def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
+        data = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for part in message.content:
+                if isinstance(part, p.TextPart):
+                    texts.append(part.text)
+                else:
+                    raise InvalidRequest(
+                        f"Model {self.ctx.model_name} ({self.ctx.architecture}) is text-only; it cannot take "
+                        f"'{part.type}' content parts.", "messages")
+            data["content"] = "".join(texts)
+        elif message.content is None:
+            data["content"] = ""
+        return data
+
+    async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
+        text, ids, params = self.prepare_chat(req)
+        self.check_capacity()
+        texts, token_counts, finals, logprobs = _accumulators(params.n)
+        async for out in self._generate(ids, params, text, arrival, req.request_id):
+            for c in out.outputs:
+                texts[c.index].append(c.text)
+                token_counts[c.index] += len(c.token_ids)
+                if c.logprobs is not None:
+                    logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
+                if c.finish_reason is not None:
+                    finals[c.index] = c
+        choices = [p.ChatChoice(index=i, message=p.ResponseMessage(content="".join(texts[i])),
+                                logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
+                                finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i]))
+                   for i in range(params.n)]
+        return p.ChatCompletionResponse(id=p.make_id("chatcmpl"), created=p.now(), model=self.ctx.model_name,
+                                        choices=choices, usage=_usage(len(ids), sum(token_counts)))
+
+    async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str]:
+        text, ids, params = self.prepare_chat(req)
+        self.check_capacity()
+        return self._chat_stream(req, text, ids, params, arrival)
+
+    async def _chat_stream(self, req: p.ChatCompletionRequest, text: str, ids: list[int], params: SamplingParams,
+                           arrival: float) -> AsyncIterator[str]:
+        chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        completion_tokens = 0
+
+        def frame(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            chunk = p.ChatCompletionChunk(id=chunk_id, created=created, model=name, choices=choices, usage=usage)
+            return sse_data(chunk.model_dump_json(exclude_unset=False))
+
+        yield frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
+                     for i in range(params.n)])
+        async for out in self._generate(ids, params, text, arrival, req.request_id):
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None:
+                    continue
+                lp = (p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
+                      if c.logprobs is not None else None)
+                choices.append(p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(content=c.text), logprobs=lp,
+                                                  finish_reason=_reason(c), stop_reason=_stop(c)))
+            if choices:
+                yield frame(choices)
+        if include_usage:
+            yield frame([], _usage(len(ids), completion_tokens))
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> list[p.ChatTokenLogprob]:
+        result = []
+        for token, entry in zip(token_ids, entries):
+            chosen = entry[token]
+            top = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank or 0)
+            result.append(p.ChatTokenLogprob(
+                token=chosen.decoded_token or "", logprob=chosen.logprob, bytes=_bytes(chosen.decoded_token),
+                top_logprobs=[p.TopLogprob(token=e.decoded_token or "", logprob=e.logprob,
+                                           bytes=_bytes(e.decoded_token)) for e in top]))
+        return result
+
+    # ---- completions --------------------------------------------------------------------------
+    def prepare_completion(self, req: p.CompletionRequest) -> list[tuple[str | None, list[int], SamplingParams]]:
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise InvalidRequest("suffix is not supported.", "suffix")
+        if req.best_of not in (None, 1) and req.best_of != req.n:
+            raise InvalidRequest("best_of is not supported; use n.", "best_of")
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            items: list[tuple[str | None, list[int]]] = [(prompt, self._tokenize(prompt, True))]
+        elif prompt and all(isinstance(x, str) for x in prompt):
+            items = [(text, self._tokenize(text, True)) for text in prompt]  # type: ignore[arg-type]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            items = [(None, list(prompt))]  # type: ignore[arg-type]
+        elif prompt and all(isinstance(x, list) for x in prompt):
+            items = [(None, list(x)) for x in prompt]  # type: ignore[union-attr]
+        else:
+            raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                 "token-id lists, and not empty.", "prompt")
+        prepared = []
+        for text, ids in items:
+            self._check_tokens(ids)
+            max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))
+            prepared.append((text, ids, self._sampling_params(req, max_tokens, req.logprobs)))
+        return prepared
+
+    async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
+        prepared = self.prepare_completion(req)
+        self.check_capacity()
+        n = req.n
+        texts, counts, finals, logprobs = _accumulators(n * len(prepared))
+        prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
+        async for k, out in self._merged(prepared, arrival, req.request_id):
+            for c in out.outputs:
+                i = k * n + c.index
+                texts[i].append(c.text)
+                counts[i] += len(c.token_ids)
+                if c.logprobs is not None:
+                    logprobs[i].append((c.token_ids, c.logprobs))
+                if c.finish_reason is not None:
+                    finals[i] = c
+        choices = []
+        for i in range(n * len(prepared)):
+            prefix = (prepared[i // n][0] or self._decode(prepared[i // n][1])) if req.echo else ""
+            lp = self._completion_logprobs(logprobs[i], len(prefix)) if req.logprobs is not None else None
+            choices.append(p.CompletionChoice(index=i, text=prefix + "".join(texts[i]), logprobs=lp,
+                                              finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i])))
+        return p.CompletionResponse(id=p.make_id("cmpl"), created=p.now(), model=self.ctx.model_name,
+                                    choices=choices, usage=_usage(prompt_tokens, sum(counts)))
+
+    async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str]:
+        prepared = self.prepare_completion(req)
+        self.check_capacity()
+        return self._completion_stream(req, prepared, arrival)
+
+    async def _completion_stream(self, req: p.CompletionRequest, prepared: list, arrival: float) -> AsyncIterator[str]:
+        chunk_id, created, name, n = p.make_id("cmpl"), p.now(), self.ctx.model_name, req.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        completion_tokens = 0
+        echoed: set[int] = set()
+        offsets = [0] * (n * len(prepared))
+        async for k, out in self._merged(prepared, arrival, req.request_id):
+            choices = []
+            for c in out.outputs:
+                i = k * n + c.index
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                if req.echo and i not in echoed:
+                    echoed.add(i)
+                    text = (prepared[k][0] or self._decode(prepared[k][1])) + text
+                if not text and c.finish_reason is None:
+                    continue
+                lp = None
+                if c.logprobs is not None:
+                    lp = self._completion_logprobs([(c.token_ids, c.logprobs)], offsets[i] + len(text) - len(c.text))
+                offsets[i] += len(text)
+                choices.append(p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_reason(c),
+                                                  stop_reason=_stop(c)))
+            if choices:
+                chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=choices)
+                yield sse_data(chunk.model_dump_json(exclude_none=True))
+        if include_usage:
+            prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
+            chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=[],
+                                         usage=_usage(prompt_tokens, completion_tokens))
+            yield sse_data(chunk.model_dump_json(exclude_none=True))
+
+    def _completion_logprobs(self, parts: list[tuple[list[int], list[dict[int, Logprob]]]],
+                             offset: int = 0) -> p.CompletionLogprobs:
+        """OpenAI's legacy logprobs; text_offset counts characters from `offset` (where this text starts)."""
+        result = p.CompletionLogprobs()
+        for token_ids, entries in parts:
+            for token, entry in zip(token_ids, entries):
+                chosen = entry[token]
+                result.tokens.append(chosen.decoded_token or "")
+                result.token_logprobs.append(chosen.logprob)
+                result.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()
+                                            if e.rank is not None})
+                result.text_offset.append(offset)
+                offset += len(chosen.decoded_token or "")
+        return result
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
+
+    # ---- engine streams and metrics -----------------------------------------------------------
+    async def _merged(self, prepared: list, arrival: float, request_id: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run several prompts at once; yield (prompt index, output) as they come."""
+        if len(prepared) == 1:
+            text, ids, params = prepared[0]
+            async for out in self._generate(ids, params, text, arrival, request_id):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | None | BaseException]] = asyncio.Queue()
+
+        async def pump(k: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
+            try:
+                async for out in self._generate(ids, params, text, arrival, None):
+                    await queue.put((k, out))
+                await queue.put((k, None))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((k, exc))
+
+        tasks = [asyncio.create_task(pump(k, *item)) for k, item in enumerate(prepared)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                k, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _generate(self, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
+                        request_id: str | None) -> AsyncIterator[RequestOutput]:
+        metrics = self.ctx.metrics
+        if self.ctx.log_requests:
+            logger.info("request: %d prompt tokens, params=%s", len(ids), params)
+        last = None
+        reasons: dict[int, str | None] = {}
+        try:
+            async for out in self.ctx.engine.generate(ids, params, prompt, delta=True, request_id=request_id):
+                now = time.monotonic()
+                if any(c.token_ids for c in out.outputs):
+                    if last is None:
+                        metrics.ttft.observe(now - arrival)
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                for c in out.outputs:
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason
+                yield out
+        finally:
+            metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
+            metrics.e2e.observe(time.monotonic() - arrival)
+
+
+def sse_data(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc_message: str, error_type: str, code: int) -> str:
+    return sse_data(json.dumps({"error": {"message": exc_message, "type": error_type, "param": None, "code": code}}))
+
+
+def _accumulators(count: int) -> tuple[list[list[str]], list[int], list[CompletionOutput | None], list[list]]:
+    return [[] for _ in range(count)], [0] * count, [None] * count, [[] for _ in range(count)]
+
+
+def _reason(c: CompletionOutput | None) -> str | None:
+    if c is None:
+        return None
+    return "stop" if c.finish_reason == "abort" else c.finish_reason
+
+
+def _stop(c: CompletionOutput | None) -> int | str | None:
+    return None if c is None else c.stop_reason
+
+
+def _bytes(text: str | None) -> list[int] | None:
+    return list(text.encode("utf-8")) if text is not None else None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
+    return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                       total_tokens=prompt_tokens + completion_tokens)
