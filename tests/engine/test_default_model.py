@@ -36,3 +36,26 @@ def test_string_prompts_batch(default_llm):
     assert [o.prompt for o in outs] == prompts
     assert outs[0].prompt_token_ids == default_llm.get_tokenizer().encode(prompts[0])
     assert "5" in outs[1].outputs[0].text
+
+
+def test_delta_outputs_add_up_to_the_final_output(default_llm):
+    """Serving streams per-step deltas; their concatenation must equal the offline final output."""
+    engine = default_llm.engine
+    tokenizer = default_llm.get_tokenizer()
+    prompt = tokenizer.encode("List the planets of the solar system:")
+    params = SamplingParams(temperature=0.8, max_tokens=48, n=2, seed=3, logprobs=1, stop=["Saturn"])
+    final = default_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+
+    engine.add_request("delta-test", prompt, params, delta=True)
+    texts, tokens, reasons = ["", ""], [[], []], [None, None]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "delta-test"
+            for c in out.outputs:
+                texts[c.index] += c.text
+                tokens[c.index] += c.token_ids
+                assert len(c.logprobs) == len(c.token_ids)
+                reasons[c.index] = c.finish_reason
+    for i, sample in enumerate(final.outputs):
+        assert texts[i] == sample.text and tokens[i] == sample.token_ids
+        assert reasons[i] == sample.finish_reason
