@@ -93,6 +93,10 @@ class AsyncEngine:
         if self.is_dead:
             raise EngineDead(f"The engine is not running: {self.dead_reason}")
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            # Checked here, not only in the core: registering a second queue under the same id would
+            # steal the first request's outputs, and the second's cleanup would abort the first.
+            raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False

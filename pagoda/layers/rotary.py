@@ -1,7 +1,8 @@
 """Rotary position embedding (HF "rotate_half" layout) with the rope_scaling types Llama/Qwen2 use.
 
 Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
-needs no padding. The cos/sin table is built lazily on the device of the first call.
+needs no padding. The cos/sin table is built lazily on the device of the first call; a model looks
+up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,16 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(device)
         return self._cos_sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
-        cos, sin = self._table(q.device)[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for these positions: computed once per step, shared by every layer."""
+        cos, sin = self._table(positions.device)[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, D/2]."""
+    cos, sin = cos_sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,11 @@ from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool):
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -31,15 +31,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
                                      shard_names=("q", "k", "v"))
         self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)) and not qkv_bias)
-        theta, scaling = rope_parameters(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, theta, scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
-                               k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                            rope)
         return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, attn))
 
 
@@ -55,16 +53,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, qkv_bias)
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -72,14 +70,18 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        theta, scaling = rope_parameters(cfg)
+        self.rotary_emb = RotaryEmbedding(head_dim, max_positions, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, max_positions, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
+            LlamaDecoderLayer(cfg, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
-            x = layer(positions, x, attn)
+            x = layer(rope, x, attn)
         return self.norm(x)
 
 

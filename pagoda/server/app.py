@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
 from pagoda.server.serving import OpenAIServing, sse_data, sse_error
@@ -46,6 +47,12 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
         headers = {"Retry-After": "5"} if isinstance(exc, (Overloaded, EngineDead)) else None
         return error_response(exc.http_status, exc.message, exc.error_type, exc.param, headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown route (404), wrong method (405)...: the OpenAI shape, not FastAPI's {"detail": ...}.
+        error_type = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        return error_response(exc.status_code, str(exc.detail), error_type, headers=dict(exc.headers or {}) or None)
+
     @app.exception_handler(RequestValidationError)
     async def _schema_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -61,20 +68,32 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
         return error_response(500, f"Internal server error: {type(exc).__name__}", "InternalServerError")
 
     if api_key:
-        @app.middleware("http")
-        async def _check_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-            if request.url.path not in OPEN_PATHS:
-                given = request.headers.get("authorization", "")
-                token = given[7:] if given.lower().startswith("bearer ") else ""
-                if not secrets.compare_digest(token.encode(), api_key.encode()):
-                    err = Unauthorized("Invalid or missing API key; send 'Authorization: Bearer <key>'.")
-                    return error_response(err.http_status, err.message, err.error_type)
-            return await call_next(request)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     return app
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+class APIKeyMiddleware:
+    """Pure ASGI (not `@app.middleware("http")`, whose BaseHTTPMiddleware wraps `receive` so that
+    `request.is_disconnected()` never turns true downstream, and which relays every streamed chunk
+    through an extra memory stream)."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not secrets.compare_digest(token, self.api_key):
+                err = Unauthorized("Invalid or missing API key; send 'Authorization: Bearer <key>'.")
+                await error_response(err.http_status, err.message, err.error_type)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
     """Await `work`, cancelling it (which aborts the engine request) if the client goes away."""
     task = asyncio.ensure_future(work)
     while True:
@@ -83,7 +102,9 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
             return task.result()
         if await request.is_disconnected():
             task.cancel()
-            raise asyncio.CancelledError("client disconnected")
+            # Nobody is listening; an empty 499 (nginx's "client closed request") instead of raising,
+            # which uvicorn would log as an "Exception in ASGI application" traceback.
+            return Response(status_code=499)
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Overloaded
+from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.chat_template import render_chat
 from pagoda.sampling_params import SamplingParams
 from pagoda.server import protocol as p
@@ -65,6 +65,10 @@ class OpenAIServing:
                                 f"{', '.join(self.ctx.served_model_names)}.", "model")
 
     def check_capacity(self) -> None:
+        # Checked before a stream starts, so a dead engine is a 503, not a 200 with an error event.
+        engine = self.ctx.engine
+        if engine.is_dead:
+            raise EngineDead(f"The engine is not running: {engine.dead_reason}")
         limit = self.ctx.max_waiting_requests
         if limit is not None and self.ctx.engine.stats.num_waiting >= limit:
             raise Overloaded(f"The server is overloaded ({self.ctx.engine.stats.num_waiting} requests waiting); "
@@ -75,13 +79,18 @@ class OpenAIServing:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
         return self.ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt") -> int:
         ctx = self.ctx
+        if prompt_len >= ctx.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the "
+                f"{prompt_param}.", prompt_param)
         if requested is None:
             requested = ctx.generation_defaults.get("max_tokens")
             if requested is None or prompt_len + requested > ctx.max_model_len:
                 requested = ctx.max_model_len - prompt_len
-        if requested is not None and requested < 1 and prompt_len < ctx.max_model_len:
+        if requested < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {requested}.", "max_tokens")
         if prompt_len + max(requested, 1) > ctx.max_model_len:
             raise ContextLengthExceeded(
@@ -133,7 +142,8 @@ class OpenAIServing:
         token_ids = self._tokenize(text, add_special_tokens=False)
         self._check_tokens(token_ids)
         max_tokens = self._resolve_max_tokens(
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids))
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids),
+            "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return text, token_ids, self._sampling_params(req, max_tokens, logprobs)
 

@@ -1,0 +1,215 @@
+"""/metrics over real traffic, request lifecycle (client disconnects, SIGTERM drain) and HTTP
+responsiveness while the engine is busy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+import time
+
+import httpx
+import pytest
+from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, metric, scrape, sse_json
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+def engine_is_idle(http: httpx.Client) -> bool:
+    samples = scrape(http)
+    return (metric(samples, "pagoda:num_requests_running") == 0 and metric(samples, "pagoda:num_requests_waiting") == 0
+            and metric(samples, "pagoda:kv_cache_usage_perc") == 0)
+
+
+def delta(before: dict, after: dict, name: str, **labels: str) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
+    names = set(name for name, _ in scrape(anon))
+    for family in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                   "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                   "prefix_cache_hits_total", "time_to_first_token_seconds_count",
+                   "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                   "request_queue_time_seconds_count"]:
+        assert f"pagoda:{family}" in names, family
+
+
+def test_counters_move_after_requests(http: httpx.Client) -> None:
+    assert wait_until(lambda: engine_is_idle(http)), "engine busy before the test"
+    tokenized = http.post("/tokenize", json={"model": MODEL, "prompt": "Counting tokens: one two three"})
+    prompt_ids = tokenized.json()["tokens"]
+    before = scrape(http)
+    length = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": 5,
+                                                "ignore_eos": True, "temperature": 0}).json()
+    assert length["choices"][0]["finish_reason"] == "length"
+    stop = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 30,
+                                                   "temperature": 0}).json()
+    assert stop["choices"][0]["finish_reason"] == "stop"
+    after = scrape(http)
+
+    prompt_tokens = length["usage"]["prompt_tokens"] + stop["usage"]["prompt_tokens"]
+    generated = length["usage"]["completion_tokens"] + stop["usage"]["completion_tokens"]
+    assert delta(before, after, "pagoda:prompt_tokens_total") == prompt_tokens
+    assert delta(before, after, "pagoda:generation_tokens_total") == generated
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="length") == 1
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="stop") == 1
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="abort") == 0
+    for histogram in ["time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]:
+        assert delta(before, after, f"pagoda:{histogram}_count") == 2, histogram
+        assert delta(before, after, f"pagoda:{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
+    # One inter-token gap per token after the first, per request (one token per step here).
+    assert delta(before, after, "pagoda:inter_token_latency_seconds_count") == generated - 2
+    ttft_buckets = [v for (name, labels), v in after.items() if name == "pagoda:time_to_first_token_seconds_bucket"]
+    assert ttft_buckets and max(ttft_buckets) == metric(after, "pagoda:time_to_first_token_seconds_count")
+    assert delta(before, after, "pagoda:prefix_cache_queries_total") >= len(prompt_ids)
+
+
+def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:
+    prompt = "Shared prefix for the cache test. " * 8  # several full 16-token blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    http.post("/v1/completions", json=body).raise_for_status()
+    before = scrape(http)
+    http.post("/v1/completions", json=body).raise_for_status()
+    after = scrape(http)
+    assert delta(before, after, "pagoda:prefix_cache_hits_total") >= 32
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv(http: httpx.Client) -> None:
+    assert wait_until(lambda: engine_is_idle(http)), "engine busy before the test"
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events += 1
+                if events == 2:
+                    break
+        busy = scrape(http)
+        assert metric(busy, "pagoda:num_requests_running") == 1
+        assert metric(busy, "pagoda:kv_cache_usage_perc") > 0
+    # Closing the response drops the connection: the server must abort the request promptly.
+    assert wait_until(lambda: engine_is_idle(http), timeout=5), scrape(http)
+    after = scrape(http)
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="abort") == 1
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="length") == 0
+    assert delta(before, after, "pagoda:generation_tokens_total") < 500
+
+
+def test_client_timeout_on_a_non_streaming_request_aborts_it(server, base_url: str, http: httpx.Client) -> None:
+    assert wait_until(lambda: engine_is_idle(http)), "engine busy before the test"
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    assert wait_until(lambda: engine_is_idle(http), timeout=5), scrape(http)
+    after = scrape(http)
+    assert delta(before, after, "pagoda:request_success_total", finished_reason="abort") == 1
+    assert "Exception in ASGI application" not in server.log_path.read_text(errors="replace")
+
+
+def test_health_stays_fast_while_streams_generate(base_url: str, http: httpx.Client) -> None:
+    """The HTTP side answers quickly while 8 streams keep the engine busy (engine in its own process)."""
+    streams, max_tokens = 8, 40
+
+    async def stream_one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        chunks = 0
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunks += 1
+        return chunks
+
+    async def main() -> tuple[list[int], list[float]]:
+        latencies: list[float] = []
+        limits = httpx.Limits(max_connections=streams + 2)
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=120, limits=limits) as client, \
+                httpx.AsyncClient(base_url=base_url, timeout=10) as probe:
+            tasks = [asyncio.create_task(stream_one(client, i)) for i in range(streams)]
+            await asyncio.sleep(0.3)  # let the streams start
+            while not all(t.done() for t in tasks):
+                start = time.perf_counter()
+                assert (await probe.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*tasks), latencies
+
+    chunks, latencies = asyncio.run(main())
+    assert all(c == max_tokens for c in chunks), chunks
+    assert len(latencies) >= 20, f"only {len(latencies)} probes: streams finished too quickly"
+    p50, p99 = statistics.median(latencies), quantile(latencies, 0.99)
+    assert p99 < 0.5, f"/health p50={p50 * 1000:.1f} ms p99={p99 * 1000:.1f} ms over {len(latencies)} probes"
+
+
+def test_sigterm_drains_an_in_flight_stream_and_exits_0(launch_server) -> None:
+    server = launch_server("--shutdown-timeout", "30")
+    engine_pid = server.engine_pid()
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    payloads = []
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data:"):
+                    payloads.append(line[5:].strip())
+                    if len(payloads) == 2:
+                        break
+            server.proc.send_signal(signal.SIGTERM)
+            refused_new = None
+            for line in lines:
+                if line.startswith("data:"):
+                    payloads.append(line[5:].strip())
+                    if refused_new is None and len(payloads) >= 5:
+                        # While draining, the server takes no new connections.
+                        try:
+                            httpx.get(f"{server.url}/health", timeout=2)
+                            refused_new = False
+                        except httpx.TransportError:
+                            refused_new = True
+    events = sse_json(payloads)
+    assert events[-1]["usage"]["completion_tokens"] == 40
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "error" not in json.dumps(events)
+    assert server.proc.wait(60) == 0, server.log_tail()
+    assert refused_new in (True, None), "a new connection was served after SIGTERM"
+    assert wait_until(lambda: not _alive(engine_pid), timeout=10), "the engine process outlived the server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        import psutil
+
+        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except ImportError:
+        import os
+
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    except Exception:  # noqa: BLE001 - it vanished between the two calls
+        return False
+
