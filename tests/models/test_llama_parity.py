@@ -24,6 +24,7 @@ def _our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     dev = runner.device
     n, bs = len(token_ids), llm.config.cache.block_size
     blocks = torch.arange(1, -(-n // bs) + 1, device=dev)
+    runner._zero_blocks(blocks.tolist())      # as the runner does for every block it hands out
     pos = torch.arange(n, device=dev)
     batch = AttentionBatch([n], [n], torch.tensor([0, n], device=dev), torch.tensor([n], device=dev),
                            blocks[None, :], blocks[pos // bs] * bs + pos % bs, bs)
