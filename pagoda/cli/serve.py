@@ -72,6 +72,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.frontend.chat_template import load_chat_template
     from pagoda.frontend.tokenizer import load_tokenizer
+    from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
     from pagoda.models.source import resolve_model_source
     from pagoda.server.app import build_app
     from pagoda.server.metrics import ServerMetrics
@@ -83,7 +84,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     tokenizer = None
     if not config.model.skip_tokenizer_init:
         tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
-    names = ns.served_model_name or [ns.model or os.path.basename(config.model.model)]
+    names = ns.served_model_name or [ns.model or DEFAULT_SERVED_NAME]
     engine = AsyncEngine(config)
     await engine.start()
     try:
