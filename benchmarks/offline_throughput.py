@@ -3,7 +3,7 @@
 Usage:
     python benchmarks/offline_throughput.py [--model M] [--num-prompts 32] [--input-len 128]
         [--output-len 128] [--batch-size 32] [--device auto] [--dtype auto] [--skip-hf-single]
-        [--hf-single-prompts 4] [--json out.json] [--seed 0]
+        [--hf-single-prompts 4] [--threads N] [--json out.json] [--seed 0]
 
 Method:
   * N prompts of random token ids (seeded), each of a length drawn uniformly from
@@ -17,8 +17,10 @@ Method:
     attention_mask, min_new_tokens = max_new_tokens = output_len, do_sample=False).
   * The HF model is built from the very weights Pagoda loads (`resolve_model_source`): an HF folder
     goes through `AutoModelForCausalLM.from_pretrained`; a GGUF file (the default model) is
-    dequantized by Pagoda's reader and loaded into `LlamaForCausalLM`. Both run in the dtype that
-    Pagoda resolved, on the same device.
+    dequantized by Pagoda's reader and loaded into the matching transformers class
+    (`LlamaForCausalLM` for the default model). Both run in the dtype Pagoda resolved, on its device.
+  * CPU timings are only as good as the machine is quiet: the 1-minute load average is printed at
+    the start and end; when other processes compete, torch's OpenMP threads can slow down badly.
   * Correctness: how many Pagoda outputs equal the HF static-batch greedy tokens exactly. Padding
     and different kernels can legitimately flip a near-tie argmax, so this is reported, not asserted.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 
@@ -44,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--skip-hf-single", action="store_true")
     p.add_argument("--hf-single-prompts", type=int, default=4, help="prompts timed for HF single (extrapolated)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -65,7 +69,7 @@ def build_hf_model(model: str | None, dtype: torch.dtype, device: str):
         hf = transformers.AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype)
     else:
         cfg = {k: v for k, v in src.hf_config.items() if k not in ("architectures", "torch_dtype", "dtype")}
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
         missing, unexpected = hf.load_state_dict(dict(src.iter_weights()), strict=False)
         allowed = {"lm_head.weight"} if cfg.get("tie_word_embeddings") else set()
         if set(missing) - allowed or unexpected:
@@ -100,6 +104,8 @@ def timed(fn):
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
@@ -108,7 +114,9 @@ def main() -> None:
     vocab = min(llm.config.model.hf_config["vocab_size"], len(tok))
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     mean_in = sum(map(len, prompts)) / len(prompts)
-    print(f"device={device} dtype={dtype_name} threads={torch.get_num_threads()} prompts={len(prompts)} "
+    load_start = os.getloadavg()[0]  # other busy processes skew CPU timings: report the load
+    print(f"device={device} dtype={dtype_name} threads={torch.get_num_threads()} load={load_start:.2f} "
+          f"prompts={len(prompts)} "
           f"input_len~U[{args.input_len // 2},{args.input_len}] (mean {mean_in:.1f}) output_len={args.output_len}")
     rows, n, out_len = [], len(prompts), args.output_len
 
@@ -156,13 +164,19 @@ def main() -> None:
         print(f"(hf-single timed on {rows[1]['prompts']} prompts; all {n} would take "
               f"~{rows[1]['extrapolated_seconds_all']:.0f}s at that rate)")
 
+    load_end = os.getloadavg()[0]
+    print(f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "
+          f"(this run alone adds up to ~{torch.get_num_threads()}; more means other processes shared the "
+          f"{os.cpu_count()} CPUs and skewed the timings)")
     exact = sum(a == b for a, b in zip(pagoda_tokens, hf_tokens))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(pagoda_tokens, hf_tokens)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+              for a, b in zip(pagoda_tokens, hf_tokens)]
     print(f"correctness: {exact}/{n} Pagoda outputs exactly match HF static-batch greedy tokens "
           f"(mean matching prefix {sum(prefix) / n:.1f}/{out_len} tokens; padding may flip near-ties)")
 
     if args.json:
         result = {"args": vars(args), "device": device, "dtype": dtype_name, "threads": torch.get_num_threads(),
+                  "loadavg_start_end": [load_start, load_end],
                   "mean_input_len": mean_in, "results": rows,
                   "correctness": {"exact_matches": exact, "num_prompts": n, "matching_prefix": prefix}}
         with open(args.json, "w") as f:
