@@ -3,6 +3,7 @@
     pagoda serve [MODEL] [--port 8000] [engine and server flags]   # OpenAI-compatible HTTP server
     pagoda generate "Once upon a time" [--max-tokens 64] [engine flags]
     pagoda chat "What is the capital of France?" [--system ...] [engine flags]
+    pagoda chat-template --model M --messages messages.json     # the exact rendered prompt, as repr
 
 A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
 """
@@ -39,7 +40,37 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         _sampling_args(p)
         add_engine_args(p)
+    tmpl = sub.add_parser("chat-template", help="print the exact prompt a chat template renders (repr)")
+    tmpl.add_argument("--model", default=None, help="model folder, hub id or .gguf (default: the embedded model)")
+    tmpl.add_argument("--tokenizer", default=None)
+    tmpl.add_argument("--messages", required=True, help="JSON file: a list of {role, content} messages")
+    tmpl.add_argument("--chat-template", default=None, help="override template: a file or the template text")
+    tmpl.add_argument("--no-generation-prompt", action="store_true", help="do not append the assistant header")
+    tmpl.add_argument("--trust-remote-code", action="store_true")
     return parser
+
+
+def _print_chat_template(ns: argparse.Namespace) -> None:
+    """Render without loading weights, so separators can be checked before serving."""
+    import json
+
+    from pagoda.errors import InvalidRequest
+    from pagoda.frontend.chat_template import load_chat_template, render_chat
+    from pagoda.frontend.tokenizer import load_tokenizer
+    from pagoda.models.source import resolve_model_source
+
+    try:
+        with open(ns.messages) as f:
+            messages = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"--messages {ns.messages!r}: {exc}") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise InvalidRequest("--messages must hold a JSON list of {\"role\": ..., \"content\": ...} objects.")
+    source = resolve_model_source(ns.model)
+    tokenizer = load_tokenizer(source, ns.tokenizer or source.location, ns.trust_remote_code)
+    text = render_chat(tokenizer, messages, load_chat_template(ns.chat_template), not ns.no_generation_prompt)
+    print(repr(text))
+    print(f"# {len(tokenizer.encode(text, add_special_tokens=False))} tokens")
 
 
 def _run_offline(ns: argparse.Namespace) -> None:
@@ -67,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             return serve(ns)
+        if ns.command == "chat-template":
+            _print_chat_template(ns)
+            return 0
         _run_offline(ns)
     except PagodaError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)

@@ -25,7 +25,8 @@ from e2e_helpers import API_KEY, MODEL  # noqa: E402
 
 STARTUP_TIMEOUT_S = 120.0
 BASE_FLAGS = ["--served-model-name", MODEL, "--max-model-len", "2048", "--cpu-kv-cache-space-gib", "0.25",
-              "--host", "127.0.0.1", "--api-key", API_KEY, "--max-waiting-requests", "64"]
+              "--host", "127.0.0.1", "--api-key", API_KEY, "--max-waiting-requests", "64",
+              "--disable-log-requests", "--enable-chunked-prefill", "--swap-space", "4"]  # vLLM-era flags too
 
 
 def free_port() -> int:

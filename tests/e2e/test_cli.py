@@ -1,0 +1,48 @@
+"""The command line as a user meets it: one-line errors (never a traceback) and the chat-template
+inspector printing exactly what the tokenizer's template renders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pagoda", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported yet"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 is not supported"),
+    (["--block-size", "3"], "block_size must be a power of two"),
+    (["--model", "/no/such/model/folder"], "does not exist"),
+    (["--dtype", "float8"], "dtype must be one of"),
+])
+def test_serve_refuses_bad_flags_in_one_line(flags, expected):
+    result = _run("serve", *flags, "--port", "0")
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    assert [line for line in result.stderr.splitlines() if line.startswith("pagoda: error:")] != []
+
+
+def test_chat_template_prints_the_exact_prompt(tmp_path):
+    from pagoda.frontend.tokenizer import load_tokenizer
+    from pagoda.models.source import resolve_model_source
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 你好"}]
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    result = _run("chat-template", "--messages", str(path))
+    assert result.returncode == 0, result.stderr
+    source = resolve_model_source(None)
+    tokenizer = load_tokenizer(source, source.location)
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert result.stdout.splitlines()[0] == repr(expected)
+
+    custom = _run("chat-template", "--messages", str(path), "--no-generation-prompt",
+                  "--chat-template", "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert custom.stdout.splitlines()[0] == repr("<system>Be brief.<user>Hi 你好")
