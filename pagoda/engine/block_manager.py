@@ -152,7 +152,8 @@ class BlockManager:
             self.hash_of[block] = None
 
     def reset_prefix_cache(self) -> None:
-        for h, block in list(self._cached.items()):
+        """Forget every cached block that no request holds (blocks in use keep their hashes)."""
+        for block in list(self._cached.values()):
             if self.ref_count[block] == 0:
                 self._evict(block)
 

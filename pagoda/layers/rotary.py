@@ -70,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, D/2]."""
     cos, sin = cos_sin
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

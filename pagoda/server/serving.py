@@ -331,7 +331,8 @@ class OpenAIServing:
         return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
 
     # ---- engine streams and metrics -----------------------------------------------------------
-    async def _merged(self, prepared: list, arrival: float, request_id: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, prepared: list, arrival: float,
+                      request_id: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run several prompts at once; yield (prompt index, output) as they come."""
         if len(prepared) == 1:
             text, ids, params = prepared[0]

@@ -555,7 +555,7 @@ def test_prefix_hits_reported_at_admission():
     assert so.new_requests[0].num_computed_tokens == 12 and b.num_cached_tokens == 12
     assert so.num_scheduled_tokens == {"b": 1}
     h.run()
-    c = h.add(make_request("c", prompt[:12], max_tokens=1))   # fully cached prompt: last token recomputed
+    h.add(make_request("c", prompt[:12], max_tokens=1))   # fully cached prompt: last token recomputed
     so = h.step()
     assert so.new_requests[0].num_computed_tokens == 8 and so.num_scheduled_tokens == {"c": 4}
     h.run()
