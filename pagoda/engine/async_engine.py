@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import shutil
 import tempfile
 import time
 import uuid
@@ -51,7 +52,7 @@ class AsyncEngine:
         import zmq
         import zmq.asyncio
 
-        folder = tempfile.mkdtemp(prefix="pagoda-")
+        folder = self._ipc_folder = tempfile.mkdtemp(prefix="pagoda-")
         to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
         self._zmq = zmq.asyncio.Context()
         self._outbox = self._zmq.socket(zmq.PUSH)
@@ -84,6 +85,7 @@ class AsyncEngine:
             if self._process.is_alive():
                 self._process.kill()
         self._zmq.destroy(linger=0)
+        shutil.rmtree(self._ipc_folder, ignore_errors=True)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

@@ -112,6 +112,7 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
 
     from pagoda.errors import PagodaError
 
+    last_stats: EngineStats | None = None
     while True:
         # Block while idle; otherwise only drain what has already arrived.
         timeout = 0 if engine.has_unfinished_requests() else 1000
@@ -134,5 +135,16 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
                     rejected[message.request_id] = exc.message
         if engine.has_unfinished_requests():
             outputs += engine.step()
-        if outputs or rejected:
-            outbox.send_pyobj(Outputs(outputs, engine.stats(), rejected))
+        # Report outputs, and also any change of state without outputs (a prefill chunk, a request
+        # admitted): the gauges stay current. Nothing is sent while nothing changes.
+        stats = engine.stats()
+        if outputs or rejected or _changed(stats, last_stats):
+            outbox.send_pyobj(Outputs(outputs, stats, rejected))
+        last_stats = stats
+
+
+def _changed(stats: EngineStats, last: EngineStats | None) -> bool:
+    if last is None:
+        return True
+    return (stats.num_running, stats.num_waiting, stats.kv_cache_usage) != (
+        last.num_running, last.num_waiting, last.kv_cache_usage)
