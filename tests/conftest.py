@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# The workplace's golden fixtures: `../shared` beside the checkout (for developers and CI alike).
+SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+assert SHARED_FIXTURES.is_dir(), f"golden fixtures not found at {SHARED_FIXTURES} (expected ../shared beside the repo)"
 
 # Two cores on CI: keep torch from oversubscribing them when pytest runs other work too.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -1,0 +1,196 @@
+"""Yuan2.0 tokenizer and chat format (spec: shared/specs/yuan2.md §6).
+
+Yuan2.0 ships a SentencePiece BPE model (134,953 pieces, byte fallback, dummy prefix) that the
+official code loads as a *slow* ``LlamaTokenizer`` in legacy mode with no BOS/EOS added,
+``eos_token='<eod>'`` and 15 extra tokens registered as special. We reproduce that tokenizer on
+top of transformers' ``SentencePieceBackend`` (the encoding is done by the ``sentencepiece``
+library itself, so ids are exactly the SentencePiece ones, including its tie-breaking between the
+~58k equal-score pieces, which a converted ``tokenizers`` BPE cannot guarantee) and re-implement
+the legacy Llama decoding rules (transformers 4.34–4.36), which the golden fixtures were made with:
+
+  * the first piece of a decoded run loses its leading ``▁`` (SentencePiece dummy prefix);
+  * a special token that is a SentencePiece piece (``<eod>``, ``<sep>``, ...) is pasted in
+    verbatim, preceded by one space unless it is the first token or follows another special;
+  * a special token appended after the SentencePiece vocabulary (``<mask>``, ``<predict>``,
+    ``<FIM_*>``) splits the text into parts joined with a space
+    (``spaces_between_special_tokens=True``, the default) or with nothing.
+
+Only the tokenizer and chat format live here; nothing is wired into the engine yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, ClassVar
+
+from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+# Chat format of the Yuan2 chat checkpoints (e.g. Yuan2-2B-Janus-hf), with the ``<sep>`` token
+# written out rather than taken from ``sep_token``: system -> content.strip() + "\n";
+# user/assistant -> content.strip() + ("<sep>" if last message else the literal text "<n>").
+# There is no role marker and no generation prompt beyond the trailing <sep>.
+YUAN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ message['content'].strip() + '\\n' }}"
+    "{% elif message['role'] == 'user' or message['role'] == 'assistant' %}"
+    "{{ message['content'].strip() + ('<sep>' if loop.last else '<n>') }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+# Registered as special with add_tokens(..., special_tokens=True), in the official order: the
+# ones not in the SentencePiece vocabulary (<mask> <predict> <FIM_*>) get ids 134953-134957.
+YUAN_EXTRA_SPECIAL_TOKENS = (
+    "<sep>", "<pad>", "<mask>", "<predict>", "<FIM_SUFFIX>", "<FIM_PREFIX>", "<FIM_MIDDLE>",
+    "<commit_before>", "<commit_msg>", "<commit_after>", "<jupyter_start>", "<jupyter_text>",
+    "<jupyter_code>", "<jupyter_output>", "<empty_output>",
+)
+
+YUAN_EOD_TOKEN = "<eod>"
+YUAN_EOD_TOKEN_ID = 77185
+# The model may emit the "<n>" piece (77186) for a newline; the official servers map it to "\n".
+YUAN_NEWLINE_TOKEN = "<n>"
+
+_SPIECE_UNDERLINE = "\u2581"
+
+
+class YuanTokenizer(SentencePieceBackend):
+    """Slow (SentencePiece-library) tokenizer matching the official Yuan2 configuration."""
+
+    model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
+
+    # -- no BOS / EOS is ever added ------------------------------------------------------------
+
+    def build_inputs_with_special_tokens(self, token_ids_0: list[int],
+                                         token_ids_1: list[int] | None = None) -> list[int]:
+        return list(token_ids_0) + (list(token_ids_1) if token_ids_1 is not None else [])
+
+    def get_special_tokens_mask(self, token_ids_0: list[int], token_ids_1: list[int] | None = None,
+                                already_has_special_tokens: bool = False) -> list[int]:
+        if already_has_special_tokens:
+            special = set(self.all_special_ids)
+            return [1 if t in special else 0 for t in token_ids_0 + (token_ids_1 or [])]
+        return [0] * (len(token_ids_0) + len(token_ids_1 or []))
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        return 0
+
+    # -- legacy LlamaTokenizer decoding ----------------------------------------------------------
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        if not tokens:
+            return ""
+        tokens = list(tokens)
+        if tokens[0].startswith(_SPIECE_UNDERLINE):
+            tokens[0] = tokens[0][1:]
+        special = set(self.all_special_tokens)
+        out: list[str] = []
+        run: list[str] = []
+        prev_is_special = False
+        for i, token in enumerate(tokens):
+            if token in special:
+                if not prev_is_special and i != 0:
+                    out.append(" ")
+                out.append(self.sp_model.decode(run))
+                out.append(token)
+                run = []
+                prev_is_special = True
+            else:
+                run.append(token)
+                prev_is_special = False
+        out.append(self.sp_model.decode(run))
+        return "".join(out)
+
+    def _decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,
+                clean_up_tokenization_spaces: bool | None = None,
+                spaces_between_special_tokens: bool = True, **kwargs: Any) -> str:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        tokens = self.convert_ids_to_tokens(list(token_ids), skip_special_tokens=skip_special_tokens)
+        # Added tokens beyond the SentencePiece vocabulary are never given to sentencepiece.
+        base = self.sp_model.get_piece_size()
+        appended = {tok for tok, idx in self._added_tokens_encoder.items() if idx >= base}
+        parts: list[str] = []
+        run: list[str] = []
+        for token in tokens:
+            if token in appended:
+                if run:
+                    text = self.convert_tokens_to_string(run)
+                    if text:
+                        parts.append(text)
+                    run = []
+                parts.append(token)
+            else:
+                run.append(token)
+        if run:
+            parts.append(self.convert_tokens_to_string(run))
+        text = (" " if spaces_between_special_tokens else "").join(parts)
+        if clean_up_tokenization_spaces:
+            text = self.clean_up_tokenization(text)
+        return text
+
+
+def _find_model_file(folder_or_model_file: str) -> tuple[str, str | None]:
+    """(path of tokenizer.model, folder holding it or None)."""
+    if os.path.isdir(folder_or_model_file):
+        path = os.path.join(folder_or_model_file, "tokenizer.model")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{folder_or_model_file!r} has no tokenizer.model")
+        return path, folder_or_model_file
+    if os.path.isfile(folder_or_model_file):
+        return folder_or_model_file, None
+    raise FileNotFoundError(f"No Yuan tokenizer at {folder_or_model_file!r}")
+
+
+def _folder_chat_template(folder: str | None) -> str | None:
+    """A non-empty chat template shipped in the folder (chat_template.jinja or tokenizer_config)."""
+    if folder is None:
+        return None
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            text = f.read()
+        if text.strip():
+            return text
+    config = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                value = json.load(f).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if isinstance(value, list):   # [{"name": ..., "template": ...}, ...]
+            named = {d.get("name"): d.get("template") for d in value if isinstance(d, dict)}
+            value = named.get("default") or next(iter(named.values()), None)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
+
+
+def load_yuan_tokenizer(folder_or_model_file: str | os.PathLike[str]) -> YuanTokenizer:
+    """The Yuan2 tokenizer from a folder holding tokenizer.model, or from the file itself.
+
+    Ignores the folder's BOS/EOS settings (the official code always overrides them): no BOS or
+    EOS is added, eos is ``<eod>`` (77185), and the 15 extra tokens are special (len 134,958).
+    Uses the folder's chat template when it has one, else ``YUAN_CHAT_TEMPLATE``.
+    """
+    model_file, folder = _find_model_file(os.fspath(folder_or_model_file))
+    tokenizer = YuanTokenizer(
+        vocab_file=model_file,
+        bos_token="<s>",
+        eos_token=YUAN_EOD_TOKEN,
+        unk_token="<unk>",
+        pad_token=None,
+        add_bos_token=False,
+        add_eos_token=False,
+        legacy=True,
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(1e30),
+    )
+    tokenizer.add_tokens(list(YUAN_EXTRA_SPECIAL_TOKENS), special_tokens=True)
+    # HF chat templates of the Yuan checkpoints refer to `sep_token`.
+    tokenizer.sep_token = "<sep>"
+    tokenizer.chat_template = _folder_chat_template(folder) or YUAN_CHAT_TEMPLATE
+    return tokenizer
