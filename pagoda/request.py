@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = -1                      # -1 until first admitted
     block_ids: list[int] = field(default_factory=list)     # owned by BlockManager
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
+    num_registered_blocks: int = 0                   # leading blocks already offered to the prefix cache
     stop_reason: int | str | None = None             # the stop token id or stop string that ended it
     num_preemptions: int = 0
 

@@ -83,6 +83,7 @@ class BlockManager:
         for block in hits:
             self._take(block)
         request.block_ids = hits
+        request.num_registered_blocks = len(hits)      # prefix hits are cached blocks already
         num_hit = len(hits) * self.block_size
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
@@ -102,7 +103,8 @@ class BlockManager:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         self._extend_hashes(request, num_full * self.block_size)
-        for i in range(num_full):
+        # Only blocks that became full since the last call: this runs for every request every step.
+        for i in range(request.num_registered_blocks, num_full):
             block = request.block_ids[i]
             if self.hash_of[block] is not None:
                 continue
@@ -111,6 +113,7 @@ class BlockManager:
                 continue
             self.hash_of[block] = h
             self._cached[h] = block
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     # ---- allocation ---------------------------------------------------------------------------
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -138,6 +141,7 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self._free[block] = None
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:
