@@ -18,7 +18,8 @@ from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.outputs import EngineStats, RequestOutput
 from pagoda.engine.scheduler import Scheduler
-from pagoda.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from pagoda.engine.validation import validate_request
+from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
 from pagoda.models.source import resolve_model_source
 from pagoda.request import Request, RequestStatus
@@ -27,25 +28,6 @@ from pagoda.worker import memory
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagoda")
-
-
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                     has_tokenizer: bool) -> int:
-    """Check a request against the model; returns the resolved max_tokens. Offline use clamps
-    max_tokens to the room left in the context (the server checks the sum strictly first)."""
-    if not prompt_token_ids:
-        raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ContextLengthExceeded(
-            f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
-            f"{max_model_len}; shorten it or raise max_model_len.", "prompt")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {vocab_size}).", "prompt")
-    if params.stop and not has_tokenizer:
-        raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
-    room = max_model_len - len(prompt_token_ids)
-    return room if params.max_tokens is None else min(params.max_tokens, room)
 
 
 class LLMEngine:

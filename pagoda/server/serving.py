@@ -17,6 +17,7 @@ from typing import Any
 
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.chat_template import render_chat
 from pagoda.sampling_params import SamplingParams
@@ -100,11 +101,7 @@ class OpenAIServing:
         return requested
 
     def _check_tokens(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequest("The prompt is empty.", "prompt")
-        bad = next((t for t in token_ids if not 0 <= t < self.ctx.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {self.ctx.vocab_size}).", "prompt")
+        check_prompt_tokens(token_ids, self.ctx.vocab_size)
 
     def _sampling_params(self, req: p._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         defaults = self.ctx.generation_defaults

@@ -1,0 +1,31 @@
+"""Request checks shared by the offline engine and the server (no heavy imports: the API process
+uses them before anything reaches the engine core)."""
+
+from __future__ import annotations
+
+from pagoda.errors import ContextLengthExceeded, InvalidRequest
+from pagoda.sampling_params import SamplingParams
+
+
+def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
+    """A prompt must have at least one token, every one inside the model's vocabulary."""
+    if not token_ids:
+        raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {vocab_size}).", "prompt")
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                     has_tokenizer: bool) -> int:
+    """Check a request against the model; returns the resolved max_tokens. Offline use clamps
+    max_tokens to the room left in the context (the server checks the sum strictly first)."""
+    check_prompt_tokens(prompt_token_ids, vocab_size)
+    if len(prompt_token_ids) >= max_model_len:
+        raise ContextLengthExceeded(
+            f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
+            f"{max_model_len}; shorten it or raise max_model_len.", "prompt")
+    if params.stop and not has_tokenizer:
+        raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
+    room = max_model_len - len(prompt_token_ids)
+    return room if params.max_tokens is None else min(params.max_tokens, room)
