@@ -1,13 +1,16 @@
 """Where a model comes from: an HF folder, a hub id (when online), or a GGUF file.
 
 `resolve_model_source` reads only the config; weights are streamed later, one tensor at a time,
-through `ModelSource.iter_weights()`, so a checkpoint is never held in memory twice.
+through `ModelSource.iter_weights()`, so a checkpoint is never held in memory twice. HF folders
+hold safetensors or, for older checkpoints (Yuan2.0 on the hub), PyTorch `pytorch_model*.bin`
+pickles; safetensors win when both are present.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +21,9 @@ import torch
 from pagoda.errors import ModelLoadError
 
 _SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.safetensors$")
+_BIN_SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.bin$")
+_BIN_INDEX = "pytorch_model.bin.index.json"
+_BIN_SINGLE = "pytorch_model.bin"
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,10 @@ class ModelSource:
             from pagoda.models.gguf_checkpoint import iter_gguf_tensors
 
             yield from iter_gguf_tensors(self.location, self.hf_config)
-        else:
+        elif has_safetensors(self.location):
             yield from iter_safetensors(self.location)
+        else:
+            yield from iter_pytorch_bin(self.location)
 
     def generation_config(self) -> dict[str, Any]:
         """The folder's generation_config.json (sampling defaults, EOS ids), or {}."""
@@ -74,12 +82,27 @@ def _download(model_id: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(
+        folder = snapshot_download(
             model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
+        if not has_safetensors(folder):
+            # Only now fetch the pickles: repos shipping both formats download one, not both.
+            folder = snapshot_download(model_id, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"])
+        return folder
     except Exception as exc:  # offline, unknown repo, auth... all mean the same to the user
         raise ModelLoadError(
             f"{model_id!r} is not a local folder and could not be fetched from the hub "
             f"({type(exc).__name__}); pass the path of a downloaded model folder.") from None
+
+
+def has_safetensors(folder: str) -> bool:
+    """Whether the folder is a safetensors checkpoint (then any .bin files beside it are ignored)."""
+    names = os.listdir(folder)
+    return "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names)
+
+
+def _no_weights_error(folder: str) -> ModelLoadError:
+    return ModelLoadError(f"No *.safetensors or pytorch_model*.bin weights found in {folder}; "
+                          "Pagoda loads safetensors or PyTorch .bin checkpoints.")
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,4 +136,72 @@ def _shard_paths(folder: str) -> list[str]:
         return [os.path.join(folder, "model.safetensors")]
     if present:
         return [os.path.join(folder, n) for n in present]
-    raise ModelLoadError(f"No *.safetensors weights found in {folder}; Pagoda loads safetensors checkpoints.")
+    raise _no_weights_error(folder)
+
+
+def iter_pytorch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from `pytorch_model*.bin` shards, one shard in memory at a time.
+
+    Each tensor is popped before it is handed out and the shard dict is deleted before the next
+    shard is opened, so a non-mmap (legacy format) shard is freed as the model takes it in.
+    """
+    for path in _bin_shard_paths(folder):
+        state = _load_bin_shard(path)
+        for name in list(state):
+            yield name, state.pop(name)
+        del state
+
+
+def _bin_shard_paths(folder: str) -> list[str]:
+    """The .bin shards to read: those the index lists, else `pytorch_model.bin`, else every
+    `pytorch_model*.bin` (never `training_args.bin` or optimizer state, which are not weights)."""
+    present = sorted(n for n in os.listdir(folder) if n.endswith(".bin"))
+    if os.path.isfile(os.path.join(folder, _BIN_INDEX)):
+        return [os.path.join(folder, n) for n in _listed_bin_shards(folder, present)]
+    if _BIN_SINGLE in present:
+        return [os.path.join(folder, _BIN_SINGLE)]
+    weights = [n for n in present if n.startswith("pytorch_model")]
+    if weights:
+        return [os.path.join(folder, n) for n in weights]
+    raise _no_weights_error(folder)
+
+
+def _listed_bin_shards(folder: str, present: list[str]) -> list[str]:
+    """The index's shards, checked as for safetensors: listed but missing, or numbered but unlisted,
+    both mean a half-downloaded or mixed-up folder that would load wrong weights silently."""
+    with open(os.path.join(folder, _BIN_INDEX)) as f:
+        listed = sorted(set(json.load(f)["weight_map"].values()))
+    for name in listed:
+        if name not in present:
+            raise ModelLoadError(
+                f"Shard {name} is listed in {_BIN_INDEX} but missing from {folder}; re-download the model.")
+    for name in present:
+        if name not in listed and _BIN_SHARD_PATTERN.match(name):
+            raise ModelLoadError(
+                f"Shard {name} in {folder} is not listed in {_BIN_INDEX}; remove it or fix the index.")
+    return listed
+
+
+def _load_bin_shard(path: str) -> dict[str, torch.Tensor]:
+    """Unpickle one shard with `weights_only=True`: a checkpoint is data, and Pagoda never runs code
+    from one. mmap keeps the tensors on disk until used; legacy (non-zip) pickles cannot be mmapped."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+    except pickle.UnpicklingError:
+        raise _not_plain_tensors(path) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise ModelLoadError(f"Could not read {path} ({type(exc).__name__}: {exc}); re-download the model.") from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise _not_plain_tensors(path)
+    return state
+
+
+def _not_plain_tensors(path: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path} is not a plain tensor checkpoint (it holds objects other than named tensors), and Pagoda "
+        "never runs code from a checkpoint; convert it to safetensors (e.g. load it where you trust it and "
+        "save with `save_pretrained(folder, safe_serialization=True)`).")
