@@ -85,6 +85,13 @@ class LLMEngine:
                     layout.total_bytes / memory.GiB)
         logger.info("Maximum concurrency for %d-token requests: %.2fx", cfg.model.max_model_len,
                     layout.max_concurrency(cfg.model.max_model_len))
+        spec = self.runner.kv_cache_spec()
+        if spec.state_bytes_per_seq:
+            logger.info("Per-sequence state (LF): %.1f KiB x %d slots = %.2f MiB, counted in the KV budget; "
+                        "prefix caching %s", spec.state_bytes_per_seq / 1024, cfg.scheduler.max_num_seqs,
+                        spec.state_pool_bytes(cfg.scheduler.max_num_seqs) / 2**20,
+                        f"stores a {spec.snapshot_bytes_per_block / 1024:.1f} KiB state snapshot per block"
+                        if spec.snapshot_bytes_per_block else "is off")
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -42,6 +42,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     # Requests that ended (finished or aborted) since the last step: the runner drops their state.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Requests preempted while building this step (none of them is scheduled in it): the runner
+    # frees their per-sequence state slots; they come back later as `resumed` and recompute.
+    preempted_request_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

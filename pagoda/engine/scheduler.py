@@ -42,6 +42,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._runner_known: set[str] = set()       # requests the runner holds state for
         self._finished_for_runner: set[str] = set()
+        self._preempted_for_runner: set[str] = set()   # filled while building one step's output
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +72,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         preempted = False
+        self._preempted_for_runner = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -122,7 +124,7 @@ class Scheduler:
 
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1
-        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished)
+        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner)
 
     def _note_chunk(self, request: Request, num_new: int) -> None:
         if request.num_computed_tokens + num_new < request.num_prompt_tokens:
@@ -135,6 +137,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
+        if request.request_id in self._runner_known:
+            self._preempted_for_runner.add(request.request_id)
 
     # ---- after the step -----------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:

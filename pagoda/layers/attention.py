@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.layers.sequence_state import SequenceStateBatch
+
 
 @dataclass
 class AttentionBatch:
@@ -53,10 +55,12 @@ class AttentionBackend(ABC):
 
 @dataclass
 class StepAttention:
-    """What a model's forward receives: the backend and its prepared per-step metadata."""
+    """What a model's forward receives: the backend and its prepared per-step metadata, plus, for
+    models with per-sequence recurrent state (Yuan2's LF gate), where each row's state slot is."""
 
     backend: AttentionBackend
     metadata: Any
+    state: SequenceStateBatch | None = None
 
 
 class Attention(nn.Module):

@@ -3,6 +3,11 @@
 Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
 needs no padding. The cos/sin table is built lazily on the device of the first call; a model looks
 up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`).
+
+Two variants some checkpoints need: partial rotary (only the first `rotary_dim` dims of each head
+rotate, the rest pass through: Yuan2-M32 rotates 128 of 256), and `table_precision="bfloat16"`,
+which reproduces reference code that builds the whole table in bfloat16 (Yuan2-M32's HF code rounds
+inv_freq, the positions, the angles and cos/sin to bf16; positions above 256 are themselves rounded).
 """
 
 from __future__ import annotations
@@ -50,31 +55,49 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 table_precision: str = "float64"):
         super().__init__()
-        self.head_dim = head_dim
+        if table_precision not in ("float64", "bfloat16"):
+            raise ConfigError(f"rope table precision must be float64 or bfloat16, got {table_precision!r}")
+        self.rotary_dim = rotary_dim
         self.max_positions = max_positions
-        self._inv_freq = _inv_freq(head_dim, theta, scaling)
-        self._cos_sin: torch.Tensor | None = None   # [max_positions, head_dim] cos | sin halves
+        self.table_precision = table_precision
+        self._inv_freq = _inv_freq(rotary_dim, theta, scaling)
+        self._cos_sin: torch.Tensor | None = None   # [max_positions, rotary_dim] cos | sin halves
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
-            t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
-            freqs = torch.outer(t, self._inv_freq)                     # [P, D/2]
+            if self.table_precision == "bfloat16":
+                # inv_freq computed in float32 then rounded; positions, angles, cos/sin all bf16.
+                inv_freq = self._inv_freq.float().to(torch.bfloat16)
+                t = torch.arange(self.max_positions, dtype=torch.bfloat16, device="cpu")
+                freqs = torch.einsum("i,j->ij", t, inv_freq)
+            else:
+                t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
+                freqs = torch.outer(t, self._inv_freq)                 # [P, R/2]
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(device)
         return self._cos_sin
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D/2] for these positions: computed once per step, shared by every layer."""
+        """cos, sin [T, 1, R/2] for these positions: computed once per step, shared by every layer."""
         cos, sin = self._table(positions.device)[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, D/2]."""
+    """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, R/2]. With R < D only the
+    first R dims of each head rotate (partial rotary); the rest pass through unchanged."""
     cos, sin = cos_sin
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return _rotate_partial(q, cos, sin, rotary_dim), _rotate_partial(k, cos, sin, rotary_dim)
+
+
+def _rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    return torch.cat([_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

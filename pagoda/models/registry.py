@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagoda.models.llama", "Qwen2ForCausalLM"),
+    "YuanForCausalLM": ("pagoda.models.yuan", "YuanForCausalLM"),
 }
 
 

@@ -2,7 +2,12 @@
 
 A block holds `block_size` tokens of K and V for every attention layer:
     bytes_per_block = 2 (K, V) * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+                      + snapshot_bytes_per_block
 Block 0 is reserved as the null block, so `num_blocks` usable blocks need `num_blocks + 1` slots.
+
+Models with per-sequence recurrent state (Yuan2's LF gate: 1.5·hidden values per layer) also need
+`state_bytes_per_seq` for each of the max_num_seqs state slots, reserved before blocks are counted,
+and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_block`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    state_bytes_per_seq: int = 0           # per-sequence recurrent state, all layers (0: none)
+    snapshot_bytes_per_block: int = 0      # state snapshot stored with each block (prefix caching)
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def state_pool_bytes(self, max_num_seqs: int) -> int:
+        return self.state_bytes_per_seq * max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class KVCacheLayout:
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int) -> int:
-    return spec.bytes_per_token() * block_size
+    return spec.bytes_per_token() * block_size + spec.snapshot_bytes_per_block
 
 
 def num_blocks_for_budget(budget_bytes: int, spec: KVCacheSpec, block_size: int) -> int:
@@ -59,14 +69,17 @@ def blocks_for_request(request_len: int, block_size: int) -> int:
 
 def cpu_num_blocks(budget_gib: float, spec: KVCacheSpec, block_size: int, max_num_seqs: int,
                    max_model_len: int) -> int:
-    """CPU pool: the budget, but no more than max_num_seqs full-length requests could ever use."""
+    """CPU pool: the budget (less the state slots), but no more than max_num_seqs full-length
+    requests could ever use."""
     useful = max_num_seqs * -(-max_model_len // block_size) + 1
-    return min(num_blocks_for_budget(int(budget_gib * GiB), spec, block_size), useful)
+    budget = int(budget_gib * GiB) - spec.state_pool_bytes(max_num_seqs)
+    return min(num_blocks_for_budget(budget, spec, block_size), useful)
 
 
 def gpu_num_blocks(total_bytes: int, utilization: float, peak_torch_bytes: int, non_torch_bytes: int,
                    spec: KVCacheSpec, block_size: int) -> int:
     """GPU pool: what is left of utilization * total after the profiled peak of a worst-case step
-    (weights + activations) and memory held outside PyTorch (CUDA context, NCCL...)."""
+    (weights + activations + state slots, all allocated while profiling) and memory held outside
+    PyTorch (CUDA context, NCCL...)."""
     budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
     return num_blocks_for_budget(budget, spec, block_size)

@@ -17,11 +17,13 @@ from pagoda.config import EngineConfig
 from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingBatch
+from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
+from pagoda.worker.state_slots import StateSlotPool
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class RunnerRequestState:
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None      # per-sequence state slot while running (stateful models)
 
 
 class ModelRunner:
@@ -53,12 +56,19 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        stateful = getattr(self.model, "sequence_state_layers", list)()
+        self.state_pool = (StateSlotPool(stateful, config.scheduler.max_num_seqs, self.dtype, self.device)
+                           if stateful else None)
+        # Snapshots per block make prefix-cache hits exact for stateful models.
+        self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
         layers = self.model.attention_layers()
+        state = self.state_pool.bytes_per_seq if self.state_pool is not None else 0
         return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                           torch.tensor([], dtype=self.dtype).element_size())
+                           torch.tensor([], dtype=self.dtype).element_size(),
+                           state_bytes_per_seq=state, snapshot_bytes_per_block=state if self.state_snapshots else 0)
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
@@ -74,6 +84,8 @@ class ModelRunner:
             v[0].zero_()
             layer.bind_kv_cache(k, v)
             self.kv_caches.append((k, v))
+        if self.state_snapshots:
+            self.state_pool.allocate_snapshots(layout.num_blocks)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -90,7 +102,8 @@ class ModelRunner:
         batch = AttentionBatch([num_tokens], [num_tokens], torch.tensor([0, num_tokens], device=self.device),
                                torch.tensor([num_tokens], device=self.device), block_table,
                                pos + self.block_size, self.block_size)
-        hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch)))
+        state = self._state_batch([0], [0, num_tokens], pos, batch.slot_mapping) if self.state_pool else None
+        hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -98,6 +111,9 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+        if self.state_pool is not None:
+            self.state_pool.drop_snapshots()
+            self.state_pool.state.zero_()
         torch.cuda.empty_cache()
         logger.debug("profiled %d tokens: peak %.2f GiB (kv spec %s)", num_tokens, peak / 2**30, spec)
         return peak
@@ -106,27 +122,53 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         fresh: list[int] = []      # blocks handed out for new content this step (not prefix-cache hits)
         for request_id in so.finished_request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self._release_slot(state)
+        for request_id in so.preempted_request_ids:
+            if request_id in self.states:
+                self._release_slot(self.states[request_id])
         for new in so.new_requests:
             fresh += new.block_ids[new.num_computed_tokens // self.block_size:]
             params = new.sampling_params
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.states[new.request_id] = RunnerRequestState(
+            self.states[new.request_id] = state = RunnerRequestState(
                 list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
                 generator, new.num_computed_tokens)
+            self._acquire_slot(state)
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
             if cached.resumed:
                 state.block_ids = list(cached.new_block_ids)
                 fresh += cached.new_block_ids[cached.num_computed_tokens // self.block_size:]
+                self._acquire_slot(state)
             else:
                 state.block_ids.extend(cached.new_block_ids)
                 fresh += cached.new_block_ids
-            state.num_computed_tokens = cached.num_computed_tokens
         if fresh:
             self._zero_blocks(fresh)
+
+    def _acquire_slot(self, state: RunnerRequestState) -> None:
+        """A (re)admitted sequence's state: zero, or the snapshot at the end of its prefix-cache hit."""
+        if self.state_pool is None:
+            return
+        state.state_slot = self.state_pool.acquire()
+        if state.num_computed_tokens:
+            last_cached_block = state.block_ids[state.num_computed_tokens // self.block_size - 1]
+            self.state_pool.restore(state.state_slot, last_cached_block)
+
+    def _release_slot(self, state: RunnerRequestState) -> None:
+        if self.state_pool is not None and state.state_slot is not None:
+            self.state_pool.release(state.state_slot)
+            state.state_slot = None
+
+    def _state_batch(self, slots: list[int], query_start_loc: list[int], positions: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> SequenceStateBatch:
+        return SequenceStateBatch.build(slots, query_start_loc, positions, slot_mapping, self.block_size,
+                                        self.state_snapshots)
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """A block's unwritten tail is read (then masked) by block-granular attention; zero it on
@@ -166,8 +208,13 @@ class ModelRunner:
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
             block_size=self.block_size)
-        attn = StepAttention(self.backend, self.backend.prepare(batch))
-        hidden = self.model(torch.from_numpy(token_ids).to(dev), torch.from_numpy(positions).to(dev), attn)
+        positions_t = torch.from_numpy(positions).to(dev)
+        state = None
+        if self.state_pool is not None:
+            state = self._state_batch([s.state_slot for s in states], query_start_loc.tolist(), positions_t,
+                                      batch.slot_mapping)
+        attn = StepAttention(self.backend, self.backend.prepare(batch), state)
+        hidden = self.model(torch.from_numpy(token_ids).to(dev), positions_t, attn)
 
         # Only a request whose last uncomputed token is in this step samples.
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]

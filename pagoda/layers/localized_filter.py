@@ -1,0 +1,115 @@
+"""Yuan2.0's localized filtering (LF) gate over a flattened, continuously batched step.
+
+Spec: shared/specs/yuan2.md §2.1 and §3. For one sequence, with x the layer's input_layernorm output:
+
+    o1[t] = A0·x[t-1]  + A1·x[t]  + a          conv1: [H/2, H, 2, 1], tap 0 = previous token
+    o2[t] = B0·o1[t-1] + B1·o1[t] + b          conv2: [H, H/2, 2, 1]
+    y[t]  = RMSNorm(o2[t] + x[t])              eps 1e-6
+    with x[-1] = 0 and o1[-1] = 0 at a sequence's first token.
+
+Each convolution is one GEMM over [previous | current] concatenated along features (weights
+stored as [out, 2·in] = [tap 0 | tap 1]). "Previous" is the token before in the same sequence:
+inside a row of the flat batch it is the row above; for a row's first token it comes from the
+sequence's state slot (x_prev, o1_prev), which holds zeros for a fresh sequence — exactly the
+reference's zero padding. Rows never see each other's tokens. After the step the slot holds the
+row's last x and o1; every token that completes a KV block also writes a prefix-cache snapshot.
+
+State layout per slot (and per snapshot): [x_prev (H) | o1_prev (H/2)], in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.sequence_state import SequenceStateBatch
+
+
+class TwoTapConv(nn.Module):
+    """A width-2 causal convolution over time as a linear map of [previous | current] features.
+
+    Loads the checkpoint's Conv2d weight [out, in, 2, 1] as [out, 2·in] = [W[..., 0, 0] | W[..., 1, 0]].
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, 2 * in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.dim() == 4:      # Conv2d weight [out, in, 2, 1] → [out, 2, in] → [out, 2·in]
+            if loaded.shape[2:] != (2, 1):
+                raise ValueError(f"expected a (2, 1) convolution kernel, got {tuple(loaded.shape)}")
+            loaded = loaded[..., 0].permute(0, 2, 1).reshape(loaded.shape[0], -1)
+        if param.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+
+    def forward(self, previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.cat([previous, current], dim=-1), self.weight, self.bias)
+
+
+class LocalizedFilter(nn.Module):
+    """x [T, H] (flattened step) → y [T, H]; reads and advances each sequence's state slot."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        if hidden_size % 2:
+            raise ValueError(f"the LF gate needs an even hidden size, got {hidden_size}")
+        self.hidden_size = hidden_size
+        self.conv1 = TwoTapConv(hidden_size, hidden_size // 2)
+        self.conv2 = TwoTapConv(hidden_size // 2, hidden_size)
+        self.output_layernorm = RMSNorm(hidden_size, eps)
+        self.state = torch.empty(0)        # [num_slots, 1.5·H], bound by the model runner
+        self.snapshots = torch.empty(0)    # [num_blocks, 1.5·H] or empty (no prefix caching)
+
+    @property
+    def state_width(self) -> int:
+        return self.hidden_size + self.hidden_size // 2
+
+    def bind_state(self, state: torch.Tensor, snapshots: torch.Tensor) -> None:
+        self.state, self.snapshots = state, snapshots
+
+    def forward(self, x: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
+        h = self.hidden_size
+        saved = self.state.index_select(0, batch.slots)              # [B, 1.5H]
+        x_prev, o1_prev = saved[:, :h], saved[:, h:]
+        o1 = self.conv1(_previous(x, x_prev, batch), x)              # [T, H/2]
+        o2 = self.conv2(_previous(o1, o1_prev, batch), o1)           # [T, H]
+        y = self.output_layernorm(o2 + x)
+
+        self.state.index_copy_(0, batch.slots, _state_after(x, o1, batch.last_token))
+        if batch.snapshot_tokens is not None and self.snapshots.numel():
+            self.snapshots.index_copy_(0, batch.snapshot_blocks, _state_after(x, o1, batch.snapshot_tokens))
+        return y
+
+
+def _previous(values: torch.Tensor, carried: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
+    """values [T, F] shifted down one token within each row; a row's first token gets its carried
+    state [B, F] (never the last token of the row above)."""
+    if batch.one_token_per_row:
+        return carried
+    shifted = torch.empty_like(values)
+    shifted[1:] = values[:-1]
+    shifted[batch.first_token] = carried
+    return shifted
+
+
+def _state_after(x: torch.Tensor, o1: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.index_select(0, tokens), o1.index_select(0, tokens)], dim=-1)
+
+
+def reference_localized_filter(conv1_weight: torch.Tensor, conv1_bias: torch.Tensor, conv2_weight: torch.Tensor,
+                               conv2_bias: torch.Tensor, norm_weight: torch.Tensor, x: torch.Tensor,
+                               eps: float = 1e-6) -> torch.Tensor:
+    """One whole sequence x [T, H] through the LF gate the way the reference code does it: two
+    Conv2d over a zero-padded time axis, keeping the first T outputs (for tests)."""
+    t, h = x.shape
+    inputs = x.t().reshape(1, h, t, 1)                                   # [batch, channels, time, 1]
+    out1 = F.conv2d(inputs, conv1_weight, conv1_bias, padding=(1, 0))[:, :, :t]
+    out2 = F.conv2d(out1, conv2_weight, conv2_bias, padding=(1, 0))[:, :, :t]
+    summed = out2.reshape(h, t).t() + x
+    normed = F.rms_norm(summed.float(), (h,), eps=eps).to(x.dtype)
+    return norm_weight * normed

@@ -1,0 +1,260 @@
+"""Yuan2.0 (YuanForCausalLM): dense 2B/51B/102B and the M32 mixture of experts.
+
+Spec: shared/specs/yuan2.md. What differs from Llama, and where it is handled:
+- Localized-filtering attention (§2.1): V from the normed input x; Q and K from the LF gate's
+  output y (`layers/localized_filter.py`, with per-sequence state slots).
+- The checkpoint's `q_proj`/`k_proj` are the two halves of one fused, per-head interleaved QK
+  projection: head i's query is row block [2Di, 2Di+D) of [q_proj; k_proj], its key the next D
+  rows. `YuanQKProjection.weight_loader` de-interleaves into [Q (head-major) ; K (head-major)] at
+  load time, so the forward is a plain fused projection and a contiguous head split stays valid
+  for tensor parallelism.
+- Dense MLP with swapped names (§2.2): SiLU on `up_proj`, times `gate_proj`; fused [up | gate].
+- M32 (§2.3): attention router (fp32), top-k experts, `w1` = [activated | linear] halves; head
+  dim = attention_projection_size / heads, RoPE on the first hidden/heads dims only, and the
+  reference's all-bfloat16 RoPE table (§2.5) unless config.json sets `rope_precision`.
+- No remote code: everything is read from config.json; `rotary_emb.inv_freq` buffers are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.errors import ModelLoadError
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention, StepAttention
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.localized_filter import LocalizedFilter
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+
+YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
+
+
+class YuanShape:
+    """The dimensions Yuan's config implies (spec §1 config-reading rules), validated once."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.hidden = int(cfg["hidden_size"])
+        self.num_heads = int(cfg["num_attention_heads"])
+        projection = cfg.get("attention_projection_size") or self.hidden
+        self.projection = int(projection)
+        moe = cfg.get("moe_config") or {}
+        self.use_moe = bool(cfg.get("use_moe")) or int(moe.get("moe_num_experts") or 0) > 0
+        problems = []
+        if cfg.get("use_shareqk"):
+            problems.append("use_shareqk=true (a shared-QK attention variant no released Yuan2 model uses; "
+                            "set it to false)")
+        if self.hidden % self.num_heads or self.projection % self.num_heads:
+            problems.append(f"hidden_size {self.hidden} / attention_projection_size {self.projection} "
+                            f"must divide by num_attention_heads {self.num_heads}")
+        if self.hidden % 2:
+            problems.append(f"hidden_size {self.hidden} must be even (the LF gate halves it)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {cfg.get('hidden_act')!r} (Yuan2 uses silu)")
+        if cfg.get("num_key_value_heads") not in (None, self.num_heads):
+            problems.append("num_key_value_heads (Yuan2 attention is plain multi-head)")
+        self.head_dim = self.projection // self.num_heads
+        self.rotary_dim = self.hidden // self.num_heads
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
+            problems.append(f"rotary dims per head ({self.rotary_dim} = hidden/heads) must be even and at most "
+                            f"the head dim {self.head_dim}")
+        if self.use_moe:
+            self.num_experts = int(moe.get("moe_num_experts") or 0)
+            self.top_k = int(moe.get("moe_top_k") or 0)
+            self.ffn_hidden = int(moe.get("ffn_hidden_size") or 0)
+            self.gated = bool(moe.get("gated_linear_unit", True))
+            self.norm_topk = bool(moe.get("norm_topk_prob", True))
+            if not (0 < self.top_k <= self.num_experts) or self.ffn_hidden <= 0:
+                problems.append(f"moe_config {moe} needs 0 < moe_top_k <= moe_num_experts and ffn_hidden_size > 0")
+        precision = cfg.get("rope_precision", "bfloat16" if self.use_moe else "float32")
+        if precision not in ("float32", "bfloat16"):
+            problems.append(f"rope_precision {precision!r} (use float32 or bfloat16)")
+        # float32 references get our float64-built table (agrees with float32 to ~1e-7).
+        self.rope_table_precision = "bfloat16" if precision == "bfloat16" else "float64"
+        if problems:
+            raise ModelLoadError("Unsupported Yuan2 config.json: " + "; ".join(problems) + ".")
+
+
+class YuanQKProjection(MergedLinear):
+    """y [T, H] → [q | k] [T, 2P], head-major, from the checkpoint's interleaved q_proj/k_proj halves."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int):
+        projection = num_heads * head_dim
+        super().__init__(hidden, [projection, projection], shard_names=("q", "k"))
+        self.num_heads, self.head_dim = num_heads, head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        d, projection = self.head_dim, self.num_heads * self.head_dim
+        if loaded.shape != (projection, param.shape[1]):
+            raise ValueError(f"shape mismatch for {shard_id}_proj: expected {(projection, param.shape[1])}, "
+                             f"got {tuple(loaded.shape)}")
+        # Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key.
+        fused_rows = torch.arange(projection) + (0 if shard_id == "q" else projection)
+        head, within = fused_rows // (2 * d), fused_rows % (2 * d)
+        target = torch.where(within < d, head * d + within, projection + head * d + within - d)
+        param.data[target.to(param.device)] = loaded
+
+
+class YuanAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], shape: YuanShape):
+        super().__init__()
+        self.num_heads, self.head_dim = shape.num_heads, shape.head_dim
+        self.projection = shape.projection
+        self.v_proj = Linear(shape.hidden, shape.projection)
+        self.lf_gate = LocalizedFilter(shape.hidden)
+        self.qk_proj = YuanQKProjection(shape.hidden, shape.num_heads, shape.head_dim)
+        self.o_proj = Linear(shape.projection, shape.hidden)
+        self.attn = Attention(shape.num_heads, shape.num_heads, shape.head_dim)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        t = x.shape[0]
+        v = self.v_proj(x)                                   # values from x, before the filter
+        y = self.lf_gate(x, step.state)
+        q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
+        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_heads, self.head_dim), rope)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, step))
+
+
+class YuanMLP(nn.Module):
+    """down(SiLU(up(x)) * gate(x)): the activated branch is `up_proj`, so it goes first in the fusion."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.up_gate_proj = MergedLinear(hidden, [intermediate, intermediate], shard_names=("up", "gate"))
+        self.down_proj = Linear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_gate_proj(x)))
+
+
+class YuanAttentionRouter(nn.Module):
+    """Router logits r = softmax(q kᵀ) v per token, with q, k, v ∈ R^E (E = experts), in float32."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.query = Linear(hidden, num_experts)
+        self.key = Linear(hidden, num_experts)
+        self.value = Linear(hidden, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (proj(x).float() for proj in (self.query, self.key, self.value))     # [T, E] each
+        weights = torch.softmax(q.unsqueeze(-1) * k.unsqueeze(-2), dim=-1)              # [T, E, E]
+        return (weights @ v.unsqueeze(-1)).squeeze(-1)                                   # [T, E]
+
+
+class YuanExpert(nn.Module):
+    def __init__(self, hidden: int, ffn_hidden: int, gated: bool):
+        super().__init__()
+        self.gated = gated
+        self.w1 = Linear(hidden, 2 * ffn_hidden if gated else ffn_hidden)
+        self.w2 = Linear(ffn_hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        if self.gated:
+            a, b = h.chunk(2, dim=-1)                        # [activated | linear]
+            return self.w2(F.silu(a) * b)
+        return self.w2(F.silu(h))
+
+
+class YuanMoE(nn.Module):
+    """Top-k experts per token, weights renormalised over the chosen k (norm_topk_prob).
+
+    A loop over experts with token gather/scatter: exact and simple; a grouped-GEMM kernel is GPU
+    work for later (M32 throughput is not tuned yet)."""
+
+    def __init__(self, hidden: int, shape: YuanShape):
+        super().__init__()
+        self.top_k, self.norm_topk = shape.top_k, shape.norm_topk
+        self.gate = YuanAttentionRouter(hidden, shape.num_experts)
+        self.experts = nn.ModuleList(YuanExpert(hidden, shape.ffn_hidden, shape.gated)
+                                     for _ in range(shape.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1)                       # [T, E] float32
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)           # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for index in torch.unique(chosen).tolist():
+            token, slot = torch.nonzero(chosen == index, as_tuple=True)
+            contribution = self.experts[index](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, contribution)
+        return out
+
+
+class YuanDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], shape: YuanShape):
+        super().__init__()
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.self_attn = YuanAttention(cfg, shape)
+        self.mlp: nn.Module = (YuanMoE(shape.hidden, shape) if shape.use_moe
+                               else YuanMLP(shape.hidden, int(cfg["intermediate_size"])))
+        self.input_layernorm = RMSNorm(shape.hidden, eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class YuanModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], shape: YuanShape, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], shape.hidden)
+        self.rotary_emb = RotaryEmbedding(shape.rotary_dim, max_positions, YUAN_ROPE_THETA, None,
+                                          shape.rope_table_precision)
+        self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(shape.hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions)
+        for layer in self.layers:
+            h = layer(rope, h, step)
+        return self.norm(h)
+
+
+class YuanForCausalLM(nn.Module):
+    """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; needs `step.state` (LF slots)."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qk_proj", "q"), "k_proj": ("qk_proj", "k"),
+        "up_proj": ("up_gate_proj", "up"), "gate_proj": ("up_gate_proj", "gate"),
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_positions: int):
+        super().__init__()
+        self.shape = YuanShape(cfg)
+        # The config class defaults to tied embeddings; the checkpoints store an identical lm_head.
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
+        self.model = YuanModel(cfg, self.shape, positions)
+        self.lm_head = Linear(self.shape.hidden, cfg["vocab_size"])
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def skip_weight(self, name: str) -> bool:
+        return "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        return self.model(input_ids, positions, step)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def sequence_state_layers(self) -> list[LocalizedFilter]:
+        """Layers that keep per-sequence state beside the KV cache (the runner binds their slots)."""
+        return [layer.self_attn.lf_gate for layer in self.model.layers]

@@ -1,0 +1,70 @@
+"""The memory behind per-sequence recurrent state (see `layers/sequence_state.py`).
+
+- `state`     [num_layers, num_slots, width]: one slot per running sequence (num_slots =
+  max_num_seqs, since only running sequences hold one). A slot is zeroed when handed out — zeros
+  are exactly the state before a sequence's first token — or filled from a prefix-cache snapshot.
+- `snapshots` [num_layers, num_blocks, width]: the state after the last token of each KV block,
+  written by the layers while they compute that token; allocated with the KV cache, only when
+  prefix caching is on.
+Slots are handed out by the model runner, keyed by request, and freed when a request finishes or
+is preempted (recompute restarts from zero state or from a snapshot).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class StatefulLayer(Protocol):
+    state_width: int
+
+    def bind_state(self, state: torch.Tensor, snapshots: torch.Tensor) -> None: ...
+
+
+class StateSlotPool:
+    def __init__(self, layers: list[StatefulLayer], num_slots: int, dtype: torch.dtype, device: torch.device):
+        widths = {layer.state_width for layer in layers}
+        assert len(widths) == 1, f"stateful layers must share one state width, got {widths}"
+        self.layers = layers
+        self.width = widths.pop()
+        self.state = torch.zeros(len(layers), num_slots, self.width, dtype=dtype, device=device)
+        self.snapshots = torch.empty(len(layers), 0, self.width, dtype=dtype, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))     # pop() hands out slot 0 first
+        self._bind()
+
+    @property
+    def bytes_per_seq(self) -> int:
+        return len(self.layers) * self.width * self.state.element_size()
+
+    def _bind(self) -> None:
+        for index, layer in enumerate(self.layers):
+            layer.bind_state(self.state[index], self.snapshots[index])
+
+    def allocate_snapshots(self, num_blocks: int) -> None:
+        # Uninitialised: a snapshot is only read for a block whose last token wrote it first.
+        self.snapshots = torch.empty(len(self.layers), num_blocks, self.width,
+                                     dtype=self.state.dtype, device=self.state.device)
+        self._bind()
+
+    def drop_snapshots(self) -> None:
+        self.snapshots = self.snapshots[:, :0]
+        self._bind()
+
+    def acquire(self) -> int:
+        """A zeroed slot (the state of a sequence before its first token)."""
+        if not self._free:
+            raise RuntimeError("no free sequence-state slot: more running sequences than max_num_seqs")
+        slot = self._free.pop()
+        self.state[:, slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def restore(self, slot: int, block: int) -> None:
+        """Continue from a cached prefix: the state after the last token of `block`."""
+        if self.snapshots.shape[1] <= block:
+            raise RuntimeError("prefix-cache hit on a stateful model without state snapshots")
+        self.state[:, slot] = self.snapshots[:, block]
