@@ -42,6 +42,7 @@ class EngineArgs:
     seed: int = 0
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    load_format: str = "auto"               # "dummy": random weights, shapes only (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     seed: int = 0
+    load_format: str = "auto"
 
     @property
     def architecture(self) -> str:
@@ -111,6 +113,8 @@ class EngineConfig:
                f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
         _check(dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
         _check(device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {device!r}")
+        _check(a.load_format in ("auto", "dummy"), "load_format",
+               f"load_format must be auto or dummy; got {a.load_format!r}")
 
         resolved_device = _resolve_device(device)
         source = resolve_model_source(model)
@@ -134,7 +138,7 @@ class EngineConfig:
             model=ModelConfig(
                 model=source.location, tokenizer=tokenizer or source.location, dtype=resolved_dtype,
                 max_model_len=max_model_len, hf_config=hf_config, trust_remote_code=trust_remote_code,
-                skip_tokenizer_init=skip_tokenizer_init, seed=seed),
+                skip_tokenizer_init=skip_tokenizer_init, seed=seed, load_format=a.load_format),
             cache=CacheConfig(
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization,

@@ -24,8 +24,9 @@ _HELP = {
     "cpu_kv_cache_space_gib": "KV cache budget in GiB when running on the CPU",
     "device": "auto | cpu | cuda",
     "seed": "random seed for requests without their own seed",
-    "trust_remote_code": "allow custom code from the model folder",
+    "trust_remote_code": "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder",
     "skip_tokenizer_init": "do not load a tokenizer (token-id prompts only)",
+    "load_format": "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)",
 }
 
 

@@ -40,6 +40,7 @@ class LLM:
         trust_remote_code: bool = False,
         skip_tokenizer_init: bool = False,
         cpu_kv_cache_space_gib: float = 4.0,
+        load_format: str = "auto",
     ):
         self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -47,7 +48,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
-            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init))
+            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,16 +32,16 @@ class SequenceStateBatch:
     snapshot_blocks: torch.Tensor | None = None  # [S] the block each of those tokens completes
 
     @classmethod
-    def build(cls, slots: list[int], query_start_loc: list[int], positions: torch.Tensor,
-              slot_mapping: torch.Tensor, block_size: int, with_snapshots: bool) -> SequenceStateBatch:
-        """Indices for one step. `positions`/`slot_mapping` [T] are the step's (on device)."""
-        device = positions.device
-        starts = torch.tensor(query_start_loc, dtype=torch.long, device=device)
-        one_each = query_start_loc[-1] == len(slots)
+    def build(cls, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+              block_size: int, with_snapshots: bool, device: torch.device) -> SequenceStateBatch:
+        """Indices for one step, computed on the host from the runner's numpy inputs (no device sync)."""
+        one_each = int(query_start_loc[-1]) == len(slots)
         snap_tokens = snap_blocks = None
         if with_snapshots:
-            ends = torch.nonzero(positions % block_size == block_size - 1).flatten()
-            if ends.numel():
-                snap_tokens, snap_blocks = ends, slot_mapping[ends] // block_size
+            ends = np.flatnonzero(positions % block_size == block_size - 1)
+            if ends.size:
+                snap_tokens = torch.from_numpy(ends).to(device)
+                snap_blocks = torch.from_numpy(slot_mapping[ends] // block_size).to(device)
+        starts = torch.from_numpy(np.asarray(query_start_loc, dtype=np.int64)).to(device)
         return cls(torch.tensor(slots, dtype=torch.long, device=device), starts[:-1], starts[1:] - 1,
                    one_each, snap_tokens, snap_blocks)

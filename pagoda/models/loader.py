@@ -17,15 +17,29 @@ from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource
 
 
-def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str) -> nn.Module:
+def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str,
+               load_format: str = "auto") -> nn.Module:
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
     model_class = get_model_class(architecture)
     with torch.device("meta"):
         model = model_class(source.hf_config, max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    load_weights(model, source)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, source)
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Small random values in every parameter (`--load-format dummy`): speed depends on shapes only,
+    and a config.json is all a benchmark then needs, not gigabytes of checkpoint."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2e-3 - 1e-3
+        param.copy_(values.to(param.dtype))
 
 
 def load_weights(model: nn.Module, source: ModelSource) -> None:

@@ -96,7 +96,7 @@ class YuanQKProjection(MergedLinear):
         fused_rows = torch.arange(projection) + (0 if shard_id == "q" else projection)
         head, within = fused_rows // (2 * d), fused_rows % (2 * d)
         target = torch.where(within < d, head * d + within, projection + head * d + within - d)
-        param.data[target.to(param.device)] = loaded
+        param.data[target.to(param.device)] = loaded.to(param.device)
 
 
 class YuanAttention(nn.Module):

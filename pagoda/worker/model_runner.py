@@ -50,7 +50,8 @@ class ModelRunner:
         self.dtype = _DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device)
+        self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device,
+                                config.model.load_format)
         self.vocab_size = int(source.hf_config["vocab_size"])
         self.backend = backend or TorchAttentionBackend()
         self.sampler = Sampler()
@@ -98,11 +99,15 @@ class ModelRunner:
         self.initialize_kv_cache(KVCacheLayout(num_blocks, self.block_size, 0))
         block_table = torch.arange(1, num_blocks, device=self.device)[None, :]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(num_tokens, device=self.device)
+        # Positions wrap at max_model_len: the step budget may exceed the model's context (RoPE table).
+        pos = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
         batch = AttentionBatch([num_tokens], [num_tokens], torch.tensor([0, num_tokens], device=self.device),
                                torch.tensor([num_tokens], device=self.device), block_table,
-                               pos + self.block_size, self.block_size)
-        state = self._state_batch([0], [0, num_tokens], pos, batch.slot_mapping) if self.state_pool else None
+                               torch.arange(num_tokens, device=self.device) + self.block_size, self.block_size)
+        state = None
+        if self.state_pool is not None:
+            state = self._state_batch([0], np.array([0, num_tokens]), pos.cpu().numpy(),
+                                      batch.slot_mapping.cpu().numpy())
         hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize()
@@ -165,10 +170,10 @@ class ModelRunner:
             self.state_pool.release(state.state_slot)
             state.state_slot = None
 
-    def _state_batch(self, slots: list[int], query_start_loc: list[int], positions: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> SequenceStateBatch:
+    def _state_batch(self, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray,
+                     slot_mapping: np.ndarray) -> SequenceStateBatch:
         return SequenceStateBatch.build(slots, query_start_loc, positions, slot_mapping, self.block_size,
-                                        self.state_snapshots)
+                                        self.state_snapshots, self.device)
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """A block's unwritten tail is read (then masked) by block-granular attention; zero it on
@@ -211,8 +216,7 @@ class ModelRunner:
         positions_t = torch.from_numpy(positions).to(dev)
         state = None
         if self.state_pool is not None:
-            state = self._state_batch([s.state_slot for s in states], query_start_loc.tolist(), positions_t,
-                                      batch.slot_mapping)
+            state = self._state_batch([s.state_slot for s in states], query_start_loc, positions, slots)
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
         hidden = self.model(torch.from_numpy(token_ids).to(dev), positions_t, attn)
 

@@ -32,6 +32,8 @@ class CapturingEngine:
     """An LLMEngine over a fixture that records, per request, the logits of every sampled step."""
 
     def __init__(self, name: str, **engine_args):
+        # A fixed pool: on a GPU the default would take 90% of its memory for every engine built here.
+        engine_args.setdefault("num_gpu_blocks_override", 256)
         args = EngineArgs(model=str(SHARED_FIXTURES / name), skip_tokenizer_init=True, dtype="float32",
                           **engine_args)
         self.engine = LLMEngine(EngineConfig.create(args))
@@ -41,7 +43,7 @@ class CapturingEngine:
 
         def capture(request_ids, states, logits):
             for rid, row in zip(request_ids, logits):
-                self.logits.setdefault(rid, []).append(row.detach().clone())
+                self.logits.setdefault(rid, []).append(row.detach().float().cpu())
             return sample(request_ids, states, logits)
 
         runner._sample = capture
@@ -187,7 +189,8 @@ def test_every_position_and_cache_contents_after_prefill(name):
     capture.engine.step()                                               # the prefill step only
     with torch.inference_mode():
         logits = model.compute_logits(hidden_states[0])
-    torch.testing.assert_close(logits, torch.tensor(golden["all_positions"]["logits"]), atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(logits.cpu(), torch.tensor(golden["all_positions"]["logits"]), atol=LOGIT_ATOL,
+                               rtol=0)
 
     # K after RoPE and V per head, read back through the request's block table.
     runner = capture.engine.runner
@@ -198,13 +201,13 @@ def test_every_position_and_cache_contents_after_prefill(name):
     hidden = model.shape.hidden
     for layer, expected in zip(range(len(runner.kv_caches)), golden["cache_after_prefill"]["layers"]):
         k_cache, v_cache = runner.kv_caches[layer]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].transpose(0, 1)     # [heads, pos, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].transpose(0, 1)
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots.to(k_cache.device)].transpose(0, 1).cpu()  # [heads, pos, D]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots.to(v_cache.device)].transpose(0, 1).cpu()
         torch.testing.assert_close(k, torch.tensor(expected["key_post_rope"]), atol=1e-5, rtol=0)
         torch.testing.assert_close(v, torch.tensor(expected["value"]), atol=1e-5, rtol=0)
         # The reference keeps the last two LF inputs; our slot keeps the last one (x_prev).
         last_two = torch.tensor(expected["lf_memory_last2_normed_inputs"])
-        x_prev = runner.state_pool.state[layer, state.state_slot, :hidden]
+        x_prev = runner.state_pool.state[layer, state.state_slot, :hidden].cpu()
         torch.testing.assert_close(x_prev, last_two.reshape(-1, hidden)[-1], atol=1e-5, rtol=0)
 
 
@@ -240,4 +243,5 @@ def test_use_shareqk_is_refused(tmp_path):
     config["use_shareqk"] = True
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="use_shareqk"):
-        LLMEngine(EngineConfig.create(EngineArgs(model=str(folder), skip_tokenizer_init=True)))
+        LLMEngine(EngineConfig.create(EngineArgs(model=str(folder), skip_tokenizer_init=True,
+                                                 num_gpu_blocks_override=64)))

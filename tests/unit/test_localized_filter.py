@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from pagoda.layers.localized_filter import LocalizedFilter, reference_localized_filter
@@ -52,7 +53,8 @@ def test_packed_chunked_steps_match_the_reference_per_sequence():
         positions = torch.cat([torch.arange(done[i], done[i] + c) for i, c in zip(rows, chunks)])
         slot_mapping = torch.cat([torch.tensor([blocks[i][p // block_size] * block_size + p % block_size
                                                 for p in range(done[i], done[i] + c)]) for i, c in zip(rows, chunks)])
-        batch = SequenceStateBatch.build([slots[i] for i in rows], starts, positions, slot_mapping, block_size, True)
+        batch = SequenceStateBatch.build([slots[i] for i in rows], np.array(starts), positions.numpy(),
+                                         slot_mapping.numpy(), block_size, True, torch.device("cpu"))
         y = lf(x, batch)
         for row, (i, c) in enumerate(zip(rows, chunks)):
             outputs[i].append(y[starts[row]:starts[row + 1]])
@@ -68,7 +70,8 @@ def test_packed_chunked_steps_match_the_reference_per_sequence():
     rest = inputs[seq][restart:]
     positions = torch.arange(restart, lengths[seq])
     slot_mapping = torch.tensor([blocks[seq][p // block_size] * block_size + p % block_size for p in positions])
-    y = lf(rest, SequenceStateBatch.build([2], [0, len(rest)], positions, slot_mapping, block_size, True))
+    y = lf(rest, SequenceStateBatch.build([2], np.array([0, len(rest)]), positions.numpy(), slot_mapping.numpy(),
+                                          block_size, True, torch.device("cpu")))
     torch.testing.assert_close(y, expected[seq][restart:], atol=1e-5, rtol=1e-5)
 
 
@@ -81,8 +84,9 @@ def test_decode_rows_read_their_own_slots():
     for t in range(5):                              # a in slot 3, b in slot 1, rows swap every step
         order = [(a, 3, ref_a), (b, 1, ref_b)] if t % 2 else [(b, 1, ref_b), (a, 3, ref_a)]
         x = torch.stack([seq[t] for seq, _, _ in order])
-        positions = torch.full((2,), t)
-        batch = SequenceStateBatch.build([s for _, s, _ in order], [0, 1, 2], positions, positions, 16, False)
+        positions = np.full(2, t)
+        batch = SequenceStateBatch.build([s for _, s, _ in order], np.array([0, 1, 2]), positions, positions, 16, False,
+                                         torch.device("cpu"))
         assert batch.one_token_per_row
         y = lf(x, batch)
         for row, (_, _, ref) in enumerate(order):
