@@ -25,6 +25,8 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: 
         from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.location)
+    if is_yuan(source.hf_config):
+        return _load_yuan(tokenizer_path)
     from transformers import AutoTokenizer
 
     if os.path.isdir(tokenizer_path) and not any(
@@ -36,6 +38,37 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: 
         return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"Could not load the tokenizer from {tokenizer_path!r}: {exc}") from None
+
+
+def is_yuan(hf_config: dict[str, Any]) -> bool:
+    return hf_config.get("model_type") == "yuan" or "YuanForCausalLM" in (hf_config.get("architectures") or [])
+
+
+def _load_yuan(tokenizer_path: str) -> Any:
+    """Yuan2's SentencePiece tokenizer built as the official code builds it, never the checkpoint's
+    remote code (its tokenizer_config names a class that does not exist and the wrong BOS/EOS)."""
+    from pagoda.frontend.yuan_tokenizer import load_yuan_tokenizer
+
+    folder = tokenizer_path
+    if not os.path.exists(folder):
+        folder = _download_tokenizer(tokenizer_path)
+    try:
+        return load_yuan_tokenizer(folder, newline_token_as_text=True)
+    except (FileNotFoundError, OSError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"Yuan2 needs its SentencePiece tokenizer.model: {exc}. Pass --tokenizer <folder with "
+            "tokenizer.model>, or --skip-tokenizer-init and send token-id prompts.") from None
+
+
+def _download_tokenizer(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, allow_patterns=["tokenizer*", "*.model", "special_tokens_map.json",
+                                                          "chat_template*"])
+    except Exception as exc:  # offline, unknown repo, auth: one message for the user
+        raise ModelLoadError(f"Tokenizer {repo_id!r} is not a local folder and could not be fetched from the hub "
+                             f"({type(exc).__name__}).") from None
 
 
 def tokenizer_info(tokenizer: Any | None, source: ModelSource) -> TokenizerInfo:

@@ -15,7 +15,9 @@ the legacy Llama decoding rules (transformers 4.34–4.36), which the golden fix
     ``<FIM_*>``) splits the text into parts joined with a space
     (``spaces_between_special_tokens=True``, the default) or with nothing.
 
-Only the tokenizer and chat format live here; nothing is wired into the engine yet.
+`frontend/tokenizer.py` loads this tokenizer for every `model_type: "yuan"` checkpoint (no code from
+the checkpoint runs), with ``newline_token_as_text``: the chat models emit the ``<n>`` piece (77186)
+for a line break, which the official servers turn into "\n"; so does our decoding then.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ YUAN_EOD_TOKEN_ID = 77185
 YUAN_NEWLINE_TOKEN = "<n>"
 
 _SPIECE_UNDERLINE = "\u2581"
+_NEWLINE_BYTE_PIECE = "<0x0A>"
 
 
 class YuanTokenizer(SentencePieceBackend):
     """Slow (SentencePiece-library) tokenizer matching the official Yuan2 configuration."""
 
     model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
+    # Decode the <n> piece as a line break (serving); False keeps the reference tokenizer's "<n>".
+    newline_token_as_text: bool = False
 
     # -- no BOS / EOS is ever added ------------------------------------------------------------
 
@@ -109,6 +114,9 @@ class YuanTokenizer(SentencePieceBackend):
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         tokens = self.convert_ids_to_tokens(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self.newline_token_as_text:
+            # The byte-fallback piece for "\n" decodes to a line break through SentencePiece itself.
+            tokens = [_NEWLINE_BYTE_PIECE if t == YUAN_NEWLINE_TOKEN else t for t in tokens]
         # Added tokens beyond the SentencePiece vocabulary are never given to sentencepiece.
         base = self.sp_model.get_piece_size()
         appended = {tok for tok, idx in self._added_tokens_encoder.items() if idx >= base}
@@ -169,12 +177,14 @@ def _folder_chat_template(folder: str | None) -> str | None:
     return None
 
 
-def load_yuan_tokenizer(folder_or_model_file: str | os.PathLike[str]) -> YuanTokenizer:
+def load_yuan_tokenizer(folder_or_model_file: str | os.PathLike[str],
+                        newline_token_as_text: bool = False) -> YuanTokenizer:
     """The Yuan2 tokenizer from a folder holding tokenizer.model, or from the file itself.
 
     Ignores the folder's BOS/EOS settings (the official code always overrides them): no BOS or
     EOS is added, eos is ``<eod>`` (77185), and the 15 extra tokens are special (len 134,958).
     Uses the folder's chat template when it has one, else ``YUAN_CHAT_TEMPLATE``.
+    ``newline_token_as_text`` decodes the ``<n>`` piece (77186) as "\n", as the official servers do.
     """
     model_file, folder = _find_model_file(os.fspath(folder_or_model_file))
     tokenizer = YuanTokenizer(
@@ -193,4 +203,5 @@ def load_yuan_tokenizer(folder_or_model_file: str | os.PathLike[str]) -> YuanTok
     # HF chat templates of the Yuan checkpoints refer to `sep_token`.
     tokenizer.sep_token = "<sep>"
     tokenizer.chat_template = _folder_chat_template(folder) or YUAN_CHAT_TEMPLATE
+    tokenizer.newline_token_as_text = newline_token_as_text
     return tokenizer

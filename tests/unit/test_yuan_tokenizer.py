@@ -123,3 +123,19 @@ def test_incremental_detokenization_chat_and_emoji(tok):
     # Without skipping, sequences free of special tokens also stream exactly.
     emoji = GOLDEN["encode"][-1]
     assert _stream(tok, emoji["ids"], skip_special_tokens=False) == emoji["decode"]
+
+
+def test_serving_tokenizer_maps_the_newline_piece():
+    """The engine loads Yuan with <n> (77186) decoded as a line break, skipped specials dropped —
+    what the official servers' post-processing does; the reference tokenizer keeps "<n>"."""
+    from pagoda.frontend.tokenizer import load_tokenizer
+    from pagoda.models.source import ModelSource
+
+    source = ModelSource(str(_FIXTURES), "hf", {"model_type": "yuan", "architectures": ["YuanForCausalLM"]})
+    serving = load_tokenizer(source, str(_FIXTURES))
+    reference = load_yuan_tokenizer(_FIXTURES)
+    # What a chat model emits: "<sep>" first, an answer over two lines, then "<eod>".
+    answer = [77187] + serving.encode("第一行") + [77186] + serving.encode("line two") + [77185]
+    assert serving.decode(answer, skip_special_tokens=True) == "第一行\n line two"
+    assert reference.decode(answer, skip_special_tokens=True) == "第一行<n> line two"
+    assert _stream(serving, answer) == "第一行\n line two"
