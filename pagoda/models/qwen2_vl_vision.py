@@ -1,0 +1,313 @@
+"""Qwen2-VL vision tower (spec `qwen2vl.md` §6): patch embed, 2-D rotary ViT blocks, 2×2 patch merger.
+
+Input is the processor's patch matrix (`pixel_values`, one row per 14×14×2 patch, rows in
+merge-window order) plus one `(t, h, w)` grid per item; output is one row per LLM placeholder
+token (`t·h·w / merge²` rows per item, items in order). Parameter names match the checkpoint keys
+under `visual.` so the generic loader maps them one to one; the only reshaping is the Conv3d patch
+embedding, which `PatchEmbedLinear.weight_loader` flattens (kernel = stride = input, so the conv is
+exactly a matmul).
+
+Attention is block-diagonal and non-causal: one segment per (item, temporal patch). There is no
+varlen kernel on every device we run on, so segments of equal length (same-size images, the frame
+pairs of one video) are stacked and sent to one SDPA call each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.errors import ModelLoadError
+from pagoda.layers.linear import Linear
+
+Grid = tuple[int, int, int]
+
+# Defaults of the official checkpoints (spec §2.2): most config.json files only carry hidden_size,
+# in_chans and spatial_patch_size, and the HF class default for hidden_size (3584) is wrong for 2B/72B.
+_VISION_DEFAULTS: dict[str, Any] = {
+    "depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "patch_size": 14,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "hidden_act": "quick_gelu",
+}
+# Older spellings some checkpoints use -> our canonical key.
+_ALIASES = {"spatial_patch_size": "patch_size", "in_chans": "in_channels"}
+_LAYER_NORM_EPS = 1e-6      # hard-coded in the reference implementation
+_ROPE_THETA = 10000.0
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """QuickGELU, the activation the Qwen2-VL ViT was trained with (not the erf GELU)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {"quick_gelu": _quick_gelu, "gelu": F.gelu, "silu": F.silu}
+
+
+def vision_config_with_defaults(vision_cfg: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """A complete vision config: aliases resolved, missing fields from the checkpoint defaults.
+
+    `hidden_size` (the merger's output width) must be the LLM hidden size since merged rows are
+    scattered straight into the token embeddings; a mismatch means a broken config.json.
+    """
+    cfg = dict(vision_cfg)
+    for alias, canonical in _ALIASES.items():
+        if alias in cfg and canonical not in cfg:
+            cfg[canonical] = cfg[alias]
+    for key, value in _VISION_DEFAULTS.items():
+        if cfg.get(key) is None:
+            cfg[key] = value
+    if cfg.get("hidden_size") is None:
+        cfg["hidden_size"] = text_hidden
+    elif int(cfg["hidden_size"]) != int(text_hidden):
+        raise ModelLoadError(
+            f"vision_config.hidden_size ({cfg['hidden_size']}) must equal the language model's hidden_size "
+            f"({text_hidden}): the vision merger's output rows replace token embeddings. "
+            "Fix config.json (or drop vision_config.hidden_size to use the text hidden size).")
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: dict[str, Any]) -> None:
+    """Reject shapes the ViT cannot run, at load time rather than deep inside a forward pass."""
+    if cfg["embed_dim"] % cfg["num_heads"]:
+        raise ModelLoadError(f"vision embed_dim {cfg['embed_dim']} is not divisible by num_heads {cfg['num_heads']}.")
+    if (cfg["embed_dim"] // cfg["num_heads"]) % 4:
+        raise ModelLoadError("vision head dim must be divisible by 4 (2-D rotary splits it into row/col halves); "
+                             f"got {cfg['embed_dim'] // cfg['num_heads']}.")
+    if cfg["hidden_act"] not in _ACTIVATIONS:
+        raise ModelLoadError(f"vision hidden_act {cfg['hidden_act']!r} is not supported "
+                             f"(supported: {', '.join(sorted(_ACTIVATIONS))}).")
+
+
+def split_by_item(features: torch.Tensor, grid_thw: Sequence[Grid] | torch.Tensor,
+                  merge_size: int = 2) -> list[torch.Tensor]:
+    """Per-item row blocks of the merged output: each item owns t·h·w/merge² consecutive rows."""
+    sizes = [t * h * w // (merge_size * merge_size) for t, h, w in _as_grids(grid_thw)]
+    return list(features.split(sizes, dim=0))
+
+
+def _as_grids(grid_thw: Sequence[Sequence[int]] | torch.Tensor) -> list[Grid]:
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
+
+
+class PatchEmbedLinear(Linear):
+    """The Conv3d patch embedding held as a [embed_dim, C·T·p·p] Linear (no bias).
+
+    Checkpoints store the conv weight [embed_dim, C, T, p, p]; flattening it row-major gives the
+    column order ((c·T + τ)·p + y)·p + x, which is exactly the processor's layout of a patch row.
+    """
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        flat = loaded.reshape(loaded.shape[0], -1) if loaded.dim() > 2 else loaded
+        if flat.shape != param.shape:
+            raise ValueError(f"shape mismatch: patch embedding {tuple(param.shape)} vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(flat)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, in_features: int, embed_dim: int):
+        super().__init__()
+        self.proj = PatchEmbedLinear(in_features, embed_dim, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # [P, C·T·p·p] -> [P, D]; the processor hands float32, the weights may be bf16.
+        return self.proj(pixel_values.to(self.proj.weight.dtype))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float32 (as the reference does), cast back to x's dtype."""
+    # x: [P, heads, d_h]; cos/sin: [P, 1, d_h] float32
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        p = x.shape[0]
+        # [P, 3·D] -> three [P, heads, d_h], heads contiguous inside each third
+        q, k, v = self.qkv(x).view(p, 3, self.num_heads, self.head_dim).unbind(dim=1)
+        q = _apply_vision_rotary(q, *rope)
+        k = _apply_vision_rotary(k, *rope)
+        out = _segment_attention(q, k, v, segments)
+        return self.proj(out.reshape(p, -1))
+
+
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Non-causal attention inside each segment; one SDPA call per distinct segment length.
+
+    `segments` pairs a length L with a [n, L] index tensor of the patch rows of n segments of that
+    length, so same-size images and the frame pairs of a video batch into one call.
+    """
+    if len(segments) == 1 and segments[0][1].numel() == q.shape[0]:
+        return _batched_sdpa(q, k, v, segments[0][1].shape[0], segments[0][0])   # rows are already in order
+    out = torch.empty_like(q)
+    for _, rows in segments:
+        idx = rows.reshape(-1)
+        out[idx] = _batched_sdpa(q[idx], k[idx], v[idx], rows.shape[0], rows.shape[1])
+    return out
+
+
+def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    # [n·L, heads, d_h] -> [n, heads, L, d_h] -> SDPA -> back to [n·L, heads, d_h]
+    def to_batch(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v))
+    return out.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1 = Linear(dim, hidden, bias=True)
+        self.fc2 = Linear(hidden, dim, bias=True)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm ViT block: x + Attn(LN1(x)), then x + MLP(LN2(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        self.norm2 = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMLP(dim, mlp_hidden, act)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm every patch, then fold each 2×2 window (4 consecutive rows) into one LLM token."""
+
+    def __init__(self, dim: int, out_dim: int, merge_size: int):
+        super().__init__()
+        self.window_dim = dim * merge_size * merge_size
+        self.ln_q = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        # nn.Sequential so checkpoint keys `mlp.0.*` / `mlp.2.*` map; index 1 is the (exact) GELU.
+        self.mlp = nn.Sequential(Linear(self.window_dim, self.window_dim, bias=True), nn.GELU(),
+                                 Linear(self.window_dim, out_dim, bias=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [P, D] -> [P/m², m²·D] -> [P/m², H]
+        return self.mlp(self.ln_q(x).reshape(-1, self.window_dim))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    """The whole tower; construct with a config from `vision_config_with_defaults`."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        dim, patch, temporal = cfg["embed_dim"], cfg["patch_size"], cfg["temporal_patch_size"]
+        self.merge_size = cfg["spatial_merge_size"]
+        self.head_dim = dim // cfg["num_heads"]
+        self.patch_embed = PatchEmbed(cfg["in_channels"] * temporal * patch * patch, dim)
+        mlp_hidden = int(dim * cfg["mlp_ratio"])
+        self.blocks = nn.ModuleList(VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"])
+                                    for _ in range(cfg["depth"]))
+        self.merger = PatchMerger(dim, cfg["hidden_size"], self.merge_size)
+        # (h, w, device) -> float32 (cos, sin) [h·w, 1, d_h]; a plain dict, not buffers, so that
+        # meta-device construction and `.to(dtype)` leave it alone.
+        self._rope_cache: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[Grid] | torch.Tensor) -> torch.Tensor:
+        """[P, C·T·p·p] patches of all items -> [P/merge², hidden] merged rows, items in order."""
+        grids = _as_grids(grid_thw)
+        self._check_input(pixel_values, grids)
+        x = self.patch_embed(pixel_values)                       # [P, D]
+        rope = self._rope_for(grids, x.device)                   # 2 × [P, 1, d_h] float32
+        segments = _segments(grids, x.device)
+        for block in self.blocks:
+            x = block(x, rope, segments)
+        return self.merger(x)                                    # [P/m², H]
+
+    def _check_input(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
+        m = self.merge_size
+        for t, h, w in grids:
+            if t < 1 or h % m or w % m or h < m or w < m:
+                raise ValueError(f"grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive multiples "
+                                 f"of spatial_merge_size {m}")
+        expected = sum(t * h * w for t, h, w in grids)
+        if pixel_values.dim() != 2 or pixel_values.shape[0] != expected:
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the grids "
+                             f"({expected} patch rows expected)")
+
+    def _rope_for(self, grids: list[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of every patch row; one frame's table is repeated t times for a video."""
+        parts = [self._grid_rope(h, w, device) for _, h, w in grids]
+        cos = torch.cat([c.repeat(t, 1, 1) for (t, _, _), (c, _) in zip(grids, parts)])
+        sin = torch.cat([s.repeat(t, 1, 1) for (t, _, _), (_, s) in zip(grids, parts)])
+        return cos, sin
+
+    def _grid_rope(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (h, w, device)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = _grid_cos_sin(h, w, self.merge_size, self.head_dim, device)
+        return self._rope_cache[key]
+
+
+def _grid_cos_sin(h: int, w: int, merge: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin [h·w, 1, d_h] of the 2-D rotary for one frame, rows in merge-window order.
+
+    A RoPE of dimension d_h/2 per axis: angles [row·f, col·f] (d_h/2 values), duplicated to d_h so
+    rotate-half pairs dim i with i + d_h/2.
+    """
+    rows, cols = _window_order_positions(h, w, merge, device)              # [h·w] each
+    half = head_dim // 2
+    inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half))
+    angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [h·w, d_h/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]                # [h·w, 1, d_h]
+    return angles.cos(), angles.sin()
+
+
+def _window_order_positions(h: int, w: int, merge: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of each patch, enumerated window by window like the processor's patch rows."""
+    def reorder(grid: torch.Tensor) -> torch.Tensor:
+        # [h, w] -> [h/m, m, w/m, m] -> [h/m, w/m, m, m] -> flat
+        return grid.reshape(h // merge, merge, w // merge, merge).permute(0, 2, 1, 3).reshape(-1)
+
+    rows = torch.arange(h, dtype=torch.float32, device=device)[:, None].expand(h, w)
+    cols = torch.arange(w, dtype=torch.float32, device=device)[None, :].expand(h, w)
+    return reorder(rows), reorder(cols)
+
+
+def _segments(grids: list[Grid], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """Attention segments (one per item and temporal patch) grouped by length.
+
+    Returns [(L, rows [n, L])]: the patch-row indices of the n segments of length L. Equivalent to
+    cu_seqlens = prefix sums of [h·w repeated t times] over the items.
+    """
+    starts_by_len: dict[int, list[int]] = {}
+    offset = 0
+    for t, h, w in grids:
+        for _ in range(t):
+            starts_by_len.setdefault(h * w, []).append(offset)
+            offset += h * w
+    return [(length, torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device))
+            for length, starts in starts_by_len.items()]
