@@ -1,0 +1,1 @@
+"""Multimodal inputs: media loading, vision preprocessing, M-RoPE positions."""

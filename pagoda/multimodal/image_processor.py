@@ -1,0 +1,265 @@
+"""Qwen2-VL image / video preprocessing (spec qwen2vl.md §4, §5.2).
+
+Bit-exact with transformers' `Qwen2VLImageProcessorPil` on the CPU: the same RGB conversion
+(alpha composited onto white), the same `smart_resize` arithmetic (Python round-half-to-even),
+PIL bicubic on uint8, the same float64 rescale then float32 normalise, and the same patch order.
+Exactness matters because the content hash of the pixels keys the prefix and encoder caches, and
+because our golden tests compare logits against transformers.
+
+Speed matters too (users' pitfall #2: CPU-bound preprocessing starves the GPU): normalisation is a
+256-entry lookup table per channel (same bits as the arithmetic, since it is elementwise) and the
+patchify is one reshape/transpose copy; there are no Python loops over pixels or patches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from pagoda.errors import ConfigError, InvalidRequest
+
+MAX_ASPECT_RATIO = 200
+
+# Keys a request may override through `mm_processor_kwargs`. The other settings are properties of
+# the checkpoint's vision tower and must not change per request.
+_OVERRIDABLE = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+
+
+@dataclass(frozen=True)
+class VisionPreprocessConfig:
+    """Preprocessing settings. Defaults are the official Qwen2-VL checkpoint values (§4.3)."""
+
+    min_pixels: int = 3136                    # 4 * 28 * 28
+    max_pixels: int = 12845056                # 16384 * 28 * 28
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    video_min_pixels: int = 128 * 784
+    video_max_pixels: int = 768 * 784
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: one LLM token covers factor x factor pixels."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_model_folder(cls, folder: str | None) -> VisionPreprocessConfig:
+        """Read `preprocessor_config.json` from a checkpoint folder; defaults when it is absent.
+
+        Like transformers, explicit `min_pixels`/`max_pixels` win over the newer nested
+        `size: {shortest_edge, longest_edge}` spelling when a file has both.
+        """
+        if folder is None:
+            return cls()
+        path = os.path.join(folder, "preprocessor_config.json")
+        if not os.path.isfile(path):
+            return cls()
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"Cannot read {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls(**_settings_from_json(raw, path))
+
+    def with_overrides(self, kwargs: dict[str, Any] | None, param: str) -> VisionPreprocessConfig:
+        """Apply a request's `mm_processor_kwargs` (pixel budgets only); bad input is a 400."""
+        if not kwargs:
+            return self
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(f"{param} must be an object, got {type(kwargs).__name__}.", param)
+        updates: dict[str, int] = {}
+        for key, value in kwargs.items():
+            if key not in _OVERRIDABLE:
+                raise InvalidRequest(
+                    f"{param}: unknown key {key!r}; supported keys: {', '.join(_OVERRIDABLE)}.", param)
+            if not _is_positive_int(value):
+                raise InvalidRequest(f"{param}.{key} must be a positive integer, got {value!r}.", param)
+            updates[key] = value
+        cfg = replace(self, **updates)
+        for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            if getattr(cfg, lo) > getattr(cfg, hi):
+                bad = lo if lo in updates else hi
+                raise InvalidRequest(
+                    f"{param}.{bad}: {lo} ({getattr(cfg, lo)}) must not exceed {hi} ({getattr(cfg, hi)}).", param)
+        return cfg
+
+    def cache_key(self) -> str:
+        """Every setting that changes the pixels, as a stable string (part of content hashes).
+
+        The leading tag versions the algorithm itself: bump it if preprocessing ever changes.
+        """
+        values = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"qwen2vl-pil-v1({values})"
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _settings_from_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
+    """Pick and validate the settings we use from a preprocessor_config.json object."""
+    out: dict[str, Any] = {}
+    size = raw.get("size")
+    if isinstance(size, dict):
+        if "shortest_edge" in size:
+            out["min_pixels"] = size["shortest_edge"]
+        if "longest_edge" in size:
+            out["max_pixels"] = size["longest_edge"]
+    for key in ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size"):
+        if raw.get(key) is not None:
+            out[key] = raw[key]
+    for key, value in out.items():
+        if not _is_positive_int(value):
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    for key in ("image_mean", "image_std"):
+        if raw.get(key) is not None:
+            out[key] = _three_floats(raw[key], key, path)
+    if out.get("min_pixels", 3136) > out.get("max_pixels", 12845056):
+        raise ConfigError(f"{path}: min_pixels must not exceed max_pixels")
+    if any(s <= 0 for s in out.get("image_std", (1.0,))):
+        raise ConfigError(f"{path}: image_std values must be positive")
+    return out
+
+
+def _three_floats(value: Any, key: str, path: str) -> tuple[float, float, float]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"{path}: {key} must be a list of 3 numbers, got {value!r}")
+    return (float(value[0]), float(value[1]), float(value[2]))
+
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
+                 max_pixels: int = 12845056) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, ~aspect-preserving, pixel count in range.
+
+    Follows transformers' arithmetic to the float operation (spec §4.1 step 2): `round` is
+    Python's round-half-to-even (742/28 = 26.5 -> 26), the shrink branch floors and keeps at
+    least one factor, the grow branch ceils, and there is no re-check afterwards.
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidRequest(f"Image has an empty side ({width}x{height}).", "messages")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise InvalidRequest(
+            f"Image aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}.", "messages")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass
+class ProcessedVisual:
+    """Encoder input for one image or video."""
+
+    pixel_values: np.ndarray            # float32 [num_patches, 3 * T * p * p], num_patches = t*h*w
+    grid_thw: tuple[int, int, int]      # patch grid (t, h, w) before the merge
+    merge_size: int = 2
+
+    @property
+    def num_tokens(self) -> int:
+        """LLM placeholder tokens: one per merge window (merge_size**2 patches) per temporal patch."""
+        t, h, w = self.grid_thw
+        return t * h * w // self.merge_size ** 2
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with any transparency composited onto white, as transformers does.
+
+    A plain `convert("RGB")` would drop alpha and expose whatever colour sits under transparent
+    pixels (often black), which changes what the model sees and breaks parity.
+    """
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _normalize_lut(cfg: VisionPreprocessConfig) -> np.ndarray:
+    """[3, 256] float32: the normalised value of every uint8 level per channel.
+
+    Same operations and dtypes as transformers (x * (1/255) in float64, cast to float32, then
+    (x - mean) / std in float32), so a lookup gives identical bits.
+    """
+    levels = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)       # [256]
+    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]                       # [3, 1]
+    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]                         # [3, 1]
+    return (levels[None, :] - mean) / std                                              # [3, 256]
+
+
+def _resize_normalize(image: Image.Image, size_hw: tuple[int, int], lut: np.ndarray) -> np.ndarray:
+    """RGB-convert, bicubic-resize on uint8 and normalise one frame -> float32 [H, W, 3]."""
+    rgb = to_rgb(image)
+    resized = rgb.resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
+    u8 = np.asarray(resized, dtype=np.uint8)                                           # [H, W, 3]
+    return lut[np.arange(3), u8]                                                       # [H, W, 3]
+
+
+def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """frames float32 [n, H, W, C] with n % T == 0 -> ([t*gh*gw, C*T*p*p], (t, gh, gw)).
+
+    Rows: temporal patch, then merge window (raster), then the m*m patches inside it (raster).
+    Columns: (c, tau, y, x). One transpose-copy; no per-patch work.
+    """
+    n, height, width, channels = frames.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    gt, gh, gw = n // tp, height // p, width // p
+    x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, channels)
+    # axes: 0 t, 1 tau, 2 window-row, 3 row-in-window, 4 y, 5 window-col, 6 col-in-window, 7 x, 8 c
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)      # [t, wr, wc, mr, mc, c, tau, y, x]
+    patches = np.ascontiguousarray(x).reshape(gt * gh * gw, channels * tp * p * p)
+    return patches, (gt, gh, gw)
+
+
+def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> ProcessedVisual:
+    """One still image -> encoder input; the image is treated as a T-frame clip of itself."""
+    height, width = image.height, image.width
+    size_hw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    frame = _resize_normalize(image, size_hw, _normalize_lut(cfg))                    # [H, W, 3]
+    # Broadcast, not copy: _patchify's single copy materialises the T duplicates.
+    frames = np.broadcast_to(frame[None], (cfg.temporal_patch_size, *frame.shape))    # [T, H, W, 3]
+    pixel_values, grid = _patchify(frames, cfg)
+    return ProcessedVisual(pixel_values, grid, cfg.merge_size)
+
+
+def preprocess_video(frames: list[Image.Image], cfg: VisionPreprocessConfig) -> ProcessedVisual:
+    """A video given as frames -> encoder input (spec §5.2).
+
+    Every frame is resized to the size smart_resize picks for the first frame under the video
+    pixel budget (frames of other sizes are stretched to it), and the frame count is padded to a
+    multiple of T by repeating the last frame.
+    """
+    if not frames:
+        raise InvalidRequest("A video needs at least one frame.", "messages")
+    first = frames[0]
+    size_hw = smart_resize(first.height, first.width, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    lut = _normalize_lut(cfg)
+    tp = cfg.temporal_patch_size
+    n = len(frames)
+    padded = n + (-n) % tp
+    out = np.empty((padded, size_hw[0], size_hw[1], 3), dtype=np.float32)           # [n', H, W, 3]
+    for i, frame in enumerate(frames):
+        out[i] = _resize_normalize(frame, size_hw, lut)
+    out[n:] = out[n - 1]
+    pixel_values, grid = _patchify(out, cfg)
+    return ProcessedVisual(pixel_values, grid, cfg.merge_size)
