@@ -61,6 +61,18 @@ class ModelConfig:
     def architecture(self) -> str:
         return (self.hf_config.get("architectures") or ["<missing>"])[0]
 
+    @property
+    def vocab_size(self) -> int:
+        return int(text_field(self.hf_config, "vocab_size"))
+
+
+def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A language-model field of config.json, top level or nested under `text_config` (the layout
+    transformers 5 writes for multimodal models)."""
+    if key in hf_config:
+        return hf_config[key]
+    return (hf_config.get("text_config") or {}).get(key, default)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -189,7 +201,7 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
 
 def _derived_max_model_len(hf_config: dict[str, Any]) -> int:
     for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-        value = hf_config.get(key)
+        value = text_field(hf_config, key)
         if isinstance(value, int) and value > 0:
             return value
     return 2048

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class Request:
     num_registered_blocks: int = 0                   # leading blocks already offered to the prefix cache
     stop_reason: int | str | None = None             # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    mm_inputs: Any = None                            # multimodal.inputs.MultiModalInputs for image/video prompts
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument("--limit-mm-per-prompt", default=None,
+                        help='most images/videos per prompt: JSON \'{"image": 4, "video": 1}\' or image=4,video=1 '
+                             "(default image=16, video=2)")
+    parser.add_argument("--mm-processor-kwargs", default=None,
+                        help='image preprocessing defaults, JSON, e.g. \'{"max_pixels": 1003520}\' '
+                             "(default: the model's preprocessor_config.json)")
+    parser.add_argument("--allowed-local-media-path", default=None,
+                        help="folder from which file:// image urls may be read (default: none)")
+    parser.add_argument("--allow-private-media-urls", action="store_true",
+                        help="allow image urls that resolve to loopback/private/link-local addresses")
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -76,11 +86,15 @@ async def _serve(ns: argparse.Namespace) -> int:
     from pagoda.models.source import resolve_model_source
     from pagoda.server.app import build_app
     from pagoda.server.metrics import ServerMetrics
+    from pagoda.server.multimodal import multimodal_serving
     from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
 
     _unsupported(ns)
     config = EngineConfig.create(engine_args_from(ns))
     source = resolve_model_source(config.model.model)
+    multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
+                                    ns.limit_mm_per_prompt, ns.mm_processor_kwargs, ns.allowed_local_media_path,
+                                    ns.allow_private_media_urls)
     tokenizer = None
     if not config.model.skip_tokenizer_init:
         tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
@@ -90,10 +104,11 @@ async def _serve(ns: argparse.Namespace) -> int:
     try:
         ctx = ServingContext(
             engine=engine, tokenizer=tokenizer, served_model_names=names, max_model_len=config.model.max_model_len,
-            vocab_size=int(source.hf_config["vocab_size"]), architecture=config.model.architecture,
+            vocab_size=config.model.vocab_size, architecture=config.model.architecture,
             chat_template=load_chat_template(ns.chat_template), metrics=ServerMetrics(names[0]),
             generation_defaults=_generation_defaults(ns.generation_config, source, sampling_defaults),
-            max_waiting_requests=ns.max_waiting_requests, log_requests=ns.enable_log_requests)
+            max_waiting_requests=ns.max_waiting_requests, log_requests=ns.enable_log_requests,
+            multimodal=multimodal)
         engine.add_listener(ctx.metrics.on_engine_outputs)
         app = build_app(OpenAIServing(ctx), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"))
         ready = engine.ready

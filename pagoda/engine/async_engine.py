@@ -14,6 +14,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core_process import (AbortRequests, AddRequest, CoreDied, Outputs, Ready, Shutdown,
@@ -89,7 +90,8 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       delta: bool = True, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       delta: bool = True, request_id: str | None = None,
+                       mm_inputs: Any = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the last one (`finished=True`). Cancelling the consumer (client gone)
         aborts the request in the engine and frees its KV blocks."""
         if self.is_dead:
@@ -104,7 +106,7 @@ class AsyncEngine:
         finished = False
         try:
             await self._outbox.send_pyobj(AddRequest(request_id, prompt_token_ids, params, prompt, delta,
-                                                     time.monotonic()))
+                                                     time.monotonic(), mm_inputs))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -24,10 +24,13 @@ from pagoda.request import Request
 NULL_BLOCK = 0
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """Collision-resistant chained hash of one full block (blake2b, 16 bytes)."""
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Collision-resistant chained hash of one full block (blake2b, 16 bytes). `extra` identifies
+    content that the token ids do not (the images behind a block's placeholder tokens)."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"|mm|" + extra)
     return h.digest()
 
 
@@ -95,7 +98,8 @@ class BlockManager:
         while (len(request.block_hashes) + 1) * bs <= upto_tokens:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
-            request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs)))
+            extra = request.mm_inputs.block_extra_key(i * bs, (i + 1) * bs) if request.mm_inputs else b""
+            request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's computed full blocks in the prefix cache (after each step)."""

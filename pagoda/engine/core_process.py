@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from typing import Any
 from dataclasses import dataclass, field
 
 from pagoda.config import EngineConfig
@@ -30,6 +31,7 @@ class AddRequest:
     prompt: str | None
     delta: bool
     arrival_time: float
+    mm_inputs: Any = None          # multimodal.inputs.MultiModalInputs (pixels travel pickled)
 
 
 @dataclass
@@ -130,7 +132,8 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
             elif isinstance(message, AddRequest):
                 try:
                     engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                       prompt=message.prompt, delta=message.delta, arrival_time=message.arrival_time)
+                                       prompt=message.prompt, delta=message.delta, arrival_time=message.arrival_time,
+                                       mm_inputs=message.mm_inputs)
                 except PagodaError as exc:
                     rejected[message.request_id] = exc.message
         if engine.has_unfinished_requests():

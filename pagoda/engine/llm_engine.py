@@ -101,13 +101,18 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, delta: bool = False, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, delta: bool = False, arrival_time: float | None = None,
+                    mm_inputs: Any = None) -> None:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
-        delta=False: one final output when done; delta=True: every step's new text and tokens."""
+        delta=False: one final output when done; delta=True: every step's new text and tokens.
+        mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any."""
         if self.output_processor.has_request(request_id):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         max_tokens = validate_request(prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size,
                                       self.tokenizer is not None)
+        if mm_inputs is not None and mm_inputs.items and not self.runner.accepts_multimodal:
+            raise InvalidRequest(f"Model {self.config.model.model} ({self.config.model.architecture}) does not "
+                                 "accept images or video.", "messages")
         children = []
         for index in range(params.n):
             child_params = params
@@ -115,7 +120,7 @@ class LLMEngine:
                 # Each sample needs its own random stream; a seeded request stays reproducible.
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
             child = Request(child_request_id(request_id, index, params.n), list(prompt_token_ids),
-                            child_params, max_tokens)
+                            child_params, max_tokens, mm_inputs=mm_inputs)
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             children.append(child)

@@ -9,6 +9,7 @@ rather than in full; this is what will cross a process boundary to tensor-parall
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]            # the whole block table so far
     num_computed_tokens: int        # > 0 when the prefix cache already holds the start of the prompt
+    mm_inputs: Any = None           # multimodal.inputs.MultiModalInputs: images/videos, M-RoPE positions
 
 
 @dataclass

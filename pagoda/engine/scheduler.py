@@ -119,7 +119,7 @@ class Scheduler:
                 self._runner_known.add(request.request_id)
                 new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params,
-                    list(request.block_ids), request.num_computed_tokens))
+                    list(request.block_ids), request.num_computed_tokens, request.mm_inputs))
             budget -= num_new
 
         finished, self._finished_for_runner = self._finished_for_runner, set()

@@ -55,12 +55,16 @@ class AttentionBackend(ABC):
 
 @dataclass
 class StepAttention:
-    """What a model's forward receives: the backend and its prepared per-step metadata, plus, for
-    models with per-sequence recurrent state (Yuan2's LF gate), where each row's state slot is."""
+    """What a model's forward receives besides token ids and positions: the attention backend and its
+    prepared per-step metadata, plus what only some models use — for per-sequence recurrent state
+    (Yuan2's LF gate) where each row's state slot is; for multimodal models (Qwen2-VL) the M-RoPE
+    positions and the encoder outputs that replace placeholder-token embeddings."""
 
     backend: AttentionBackend
     metadata: Any
     state: SequenceStateBatch | None = None
+    mrope_positions: torch.Tensor | None = None        # [3, T] (t, h, w) positions; None = 1-D positions
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # flat token index [K], embeddings [K, H]
 
 
 class Attention(nn.Module):

@@ -85,6 +85,23 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+def multimodal_cos_sin(rotary: RotaryEmbedding, positions: torch.Tensor,
+                       sections: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE (Qwen2-VL): positions [3, T] (temporal, height, width); the first sections[0] frequency
+    pairs rotate with the temporal position, the next sections[1] with the height, the rest with the
+    width. Returns cos, sin [T, 1, R/2] like `cos_sin`; equal to it when all three rows agree."""
+    table = rotary._table(positions.device)                 # [P, R]: cos | sin halves
+    half = table.shape[-1] // 2
+    rows = table[positions]                                 # [3, T, R]
+    cos_parts, sin_parts, lo = [], [], 0
+    for axis, width in enumerate(sections):
+        cos_parts.append(rows[axis, :, lo:lo + width])
+        sin_parts.append(rows[axis, :, half + lo:half + lo + width])
+        lo += width
+    assert lo == half, f"mrope_section {sections} must sum to {half}"
+    return torch.cat(cos_parts, -1).unsqueeze(1), torch.cat(sin_parts, -1).unsqueeze(1)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, R/2]. With R < D only the

@@ -47,7 +47,9 @@ def load_weights(model: nn.Module, source: ModelSource) -> None:
     modules = dict(model.named_modules())
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
+    rename = getattr(model, "map_weight_name", lambda n: n)
     for name, tensor in source.iter_weights():
+        name = rename(name)
         if model.skip_weight(name):
             continue
         target, shard = _map_name(name, mapping)

@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagoda.models.llama", "Qwen2ForCausalLM"),
     "YuanForCausalLM": ("pagoda.models.yuan", "YuanForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("pagoda.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
 }
 
 

@@ -78,6 +78,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None   # per-request min_pixels / max_pixels (vision models)
 
 
 class CompletionRequest(_SamplingFields):

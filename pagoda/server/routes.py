@@ -72,11 +72,7 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     serving = _serving(request)
     serving.check_model(body.model)
     if body.messages is not None:
-        from pagoda.frontend.chat_template import render_chat
-
-        text = render_chat(serving.ctx.tokenizer, [serving._message_dict(m) for m in body.messages],
-                           serving.ctx.chat_template, body.add_generation_prompt)
-        tokens = serving._tokenize(text, add_special_tokens=False)
+        _, tokens, _ = await serving.chat_prompt(body.messages, serving.ctx.chat_template, body.add_generation_prompt)
     elif body.prompt is not None:
         tokens = serving._tokenize(body.prompt, body.add_special_tokens)
     else:

@@ -23,6 +23,7 @@ from pagoda.frontend.chat_template import render_chat
 from pagoda.sampling_params import SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.multimodal import MultiModalServing, build_inputs, check_limits, split_content
 
 logger = logging.getLogger("pagoda.server")
 
@@ -43,6 +44,7 @@ class ServingContext:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int | None = None
     log_requests: bool = False
+    multimodal: MultiModalServing | None = None   # set for vision-language models
 
     @property
     def model_name(self) -> str:
@@ -80,13 +82,17 @@ class OpenAIServing:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
         return self.ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt") -> int:
+    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
+                            media_tokens: int = 0) -> int:
         ctx = self.ctx
         if prompt_len >= ctx.max_model_len:
+            parts = (f" ({prompt_len - media_tokens} text + {media_tokens} image/video tokens)" if media_tokens
+                     else "")
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the "
-                f"{prompt_param}.", prompt_param)
+                f"{prompt_len} tokens{parts}, which leaves no room for the completion. Please reduce the length "
+                f"of the {prompt_param}" + (" or the image sizes (mm_processor_kwargs max_pixels)." if media_tokens
+                                            else "."), prompt_param)
         if requested is None:
             requested = ctx.generation_defaults.get("max_tokens")
             if requested is None or prompt_len + requested > ctx.max_model_len:
@@ -123,48 +129,64 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output)
 
     # ---- chat ---------------------------------------------------------------------------------
-    def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+    async def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, Any]:
+        """(rendered text, prompt ids with image/video placeholders expanded, params, mm inputs or None)."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
         if req.add_generation_prompt and req.continue_final_message:
             raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true.",
                                  "continue_final_message")
-        messages = [self._message_dict(m) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        text = render_chat(self.ctx.tokenizer, messages, req.chat_template or self.ctx.chat_template,
-                           req.add_generation_prompt, **kwargs)
-        token_ids = self._tokenize(text, add_special_tokens=False)
+        text, token_ids, mm_inputs = await self.chat_prompt(
+            req.messages, req.chat_template or self.ctx.chat_template, req.add_generation_prompt, kwargs,
+            req.mm_processor_kwargs)
         self._check_tokens(token_ids)
+        media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
         max_tokens = self._resolve_max_tokens(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids),
-            "messages")
+            "messages", media_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return text, token_ids, self._sampling_params(req, max_tokens, logprobs)
+        return text, token_ids, self._sampling_params(req, max_tokens, logprobs), mm_inputs
+
+    async def chat_prompt(self, messages: list[p.ChatMessage], chat_template: str | None, add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None = None,
+                          processor_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int], Any]:
+        """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders."""
+        dicts = [self._message_dict(m) for m in messages]
+        dicts, refs = split_content(dicts)
+        mm = self.ctx.multimodal
+        if refs and mm is None:
+            raise InvalidRequest(f"Model {self.ctx.model_name} ({self.ctx.architecture}) does not accept images "
+                                 f"or video ({refs[0].where} is {'an image' if refs[0].modality == 'image' else 'a video'} part).",
+                                 "messages")
+        if mm is None:      # text-only templates expect string content
+            dicts = [{**d, "content": "".join(part["text"] for part in d["content"])}
+                     if isinstance(d.get("content"), list) else d for d in dicts]
+        elif refs:
+            check_limits(refs, mm.limits)
+        text = render_chat(self.ctx.tokenizer, dicts, chat_template, add_generation_prompt, **(template_kwargs or {}))
+        token_ids = self._tokenize(text, add_special_tokens=False)
+        mm_inputs = None
+        if refs:
+            token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
+        return text, token_ids, mm_inputs
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
         data = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if isinstance(part, p.TextPart):
-                    texts.append(part.text)
-                else:
-                    raise InvalidRequest(
-                        f"Model {self.ctx.model_name} ({self.ctx.architecture}) is text-only; it cannot take "
-                        f"'{part.type}' content parts.", "messages")
-            data["content"] = "".join(texts)
+            data["content"] = [part.model_dump(exclude_none=True) for part in message.content]
         elif message.content is None:
             data["content"] = ""
         return data
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
-        text, ids, params = self.prepare_chat(req)
+        text, ids, params, mm_inputs = await self.prepare_chat(req)
         self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
-        async for out in self._generate(ids, params, text, arrival, req.request_id):
+        async for out in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
             for c in out.outputs:
                 texts[c.index].append(c.text)
                 token_counts[c.index] += len(c.token_ids)
@@ -180,12 +202,12 @@ class OpenAIServing:
                                         choices=choices, usage=_usage(len(ids), sum(token_counts)))
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str]:
-        text, ids, params = self.prepare_chat(req)
+        text, ids, params, mm_inputs = await self.prepare_chat(req)
         self.check_capacity()
-        return self._chat_stream(req, text, ids, params, arrival)
+        return self._chat_stream(req, text, ids, params, arrival, mm_inputs)
 
     async def _chat_stream(self, req: p.ChatCompletionRequest, text: str, ids: list[int], params: SamplingParams,
-                           arrival: float) -> AsyncIterator[str]:
+                           arrival: float, mm_inputs: Any = None) -> AsyncIterator[str]:
         chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
@@ -196,7 +218,7 @@ class OpenAIServing:
 
         yield frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(params.n)])
-        async for out in self._generate(ids, params, text, arrival, req.request_id):
+        async for out in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -362,14 +384,15 @@ class OpenAIServing:
                 task.cancel()
 
     async def _generate(self, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
-                        request_id: str | None) -> AsyncIterator[RequestOutput]:
+                        request_id: str | None, mm_inputs: Any = None) -> AsyncIterator[RequestOutput]:
         metrics = self.ctx.metrics
         if self.ctx.log_requests:
             logger.info("request: %d prompt tokens, params=%s", len(ids), params)
         last = None
         reasons: dict[int, str | None] = {}
         try:
-            async for out in self.ctx.engine.generate(ids, params, prompt, delta=True, request_id=request_id):
+            async for out in self.ctx.engine.generate(ids, params, prompt, delta=True, request_id=request_id,
+                                                      mm_inputs=mm_inputs):
                 now = time.monotonic()
                 if any(c.token_ids for c in out.outputs):
                     if last is None:

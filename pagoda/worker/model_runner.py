@@ -23,6 +23,8 @@ from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
+from pagoda.multimodal.inputs import MultiModalInputs
+from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.state_slots import StateSlotPool
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class RunnerRequestState:
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None      # per-sequence state slot while running (stateful models)
+    mm_inputs: MultiModalInputs | None = None   # images/videos and M-RoPE positions (multimodal models)
 
 
 class ModelRunner:
@@ -52,7 +55,7 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device,
                                 config.model.load_format)
-        self.vocab_size = int(source.hf_config["vocab_size"])
+        self.vocab_size = config.model.vocab_size
         self.backend = backend or TorchAttentionBackend()
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
@@ -62,6 +65,9 @@ class ModelRunner:
                            if stateful else None)
         # Snapshots per block make prefix-cache hits exact for stateful models.
         self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching
+        self.accepts_multimodal = hasattr(self.model, "encode")
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -110,6 +116,8 @@ class ModelRunner:
                                       batch.slot_mapping.cpu().numpy())
         hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
         self.model.compute_logits(hidden[-1:])
+        if self.accepts_multimodal:
+            self._profile_encoder(num_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del hidden
@@ -122,6 +130,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         logger.debug("profiled %d tokens: peak %.2f GiB (kv spec %s)", num_tokens, peak / 2**30, spec)
         return peak
+
+    def _profile_encoder(self, num_tokens: int) -> None:
+        """The vision tower's peak for one image of up to `num_tokens` placeholder tokens (a square
+        grid; capped at 16384, the largest image the checkpoint defaults allow)."""
+        side = max(1, int(min(num_tokens, 16384) ** 0.5))
+        merge = self.model.merge_size
+        grid = (1, side * merge, side * merge)
+        width = self.model.visual.patch_embed.proj.weight.shape[1]
+        pixels = torch.zeros(grid[1] * grid[2], width, dtype=self.dtype, device=self.device)
+        self.model.encode(pixels, [grid])
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -141,7 +159,7 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.states[new.request_id] = state = RunnerRequestState(
                 list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
-                generator, new.num_computed_tokens)
+                generator, new.num_computed_tokens, mm_inputs=new.mm_inputs)
             self._acquire_slot(state)
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
@@ -218,6 +236,9 @@ class ModelRunner:
         if self.state_pool is not None:
             state = self._state_batch([s.state_slot for s in states], query_start_loc, positions, slots)
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
+        if self.uses_mrope and any(s.mm_inputs is not None for s in states):
+            attn.mrope_positions = torch.from_numpy(self._mrope_positions(states, starts, seq_lens)).to(dev)
+            attn.mm_embeds = self._multimodal_embeds(states, starts, seq_lens, query_start_loc)
         hidden = self.model(torch.from_numpy(token_ids).to(dev), positions_t, attn)
 
         # Only a request whose last uncomputed token is in this step samples.
@@ -229,6 +250,57 @@ class ModelRunner:
         last_token = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
         logits = self.model.compute_logits(hidden[last_token])
         return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+
+    @staticmethod
+    def _mrope_positions(states: list[RunnerRequestState], starts: list[int], ends: list[int]) -> np.ndarray:
+        """[3, T]: prompt tokens from each request's precomputed table, the rest (generated tokens,
+        text-only requests) at index + rope delta on all three axes."""
+        parts = []
+        for s, a, e in zip(states, starts, ends):
+            table = s.mm_inputs.mrope_positions if s.mm_inputs is not None else None
+            known = min(e, table.shape[1]) if table is not None else a
+            if known > a:
+                parts.append(table[:, a:known])
+            if e > known:
+                delta = s.mm_inputs.mrope_delta if s.mm_inputs is not None else 0
+                parts.append(np.broadcast_to(np.arange(max(a, known), e) + delta, (3, e - max(a, known))))
+        return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+    def _multimodal_embeds(self, states: list[RunnerRequestState], starts: list[int], ends: list[int],
+                           query_start_loc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Encoder rows for the placeholder tokens in this step, and their flat token indices.
+
+        Every item overlapping a row's scheduled range [start, end) needs its whole encoder output
+        (the vision tower is never run on part of an item): taken from the encoder cache, or
+        computed now for all missing items in one batched call. A chunk boundary may cut an item;
+        each chunk takes its slice of the rows."""
+        needed = [(row, item) for row, (s, a, e) in enumerate(zip(states, starts, ends)) if s.mm_inputs is not None
+                  for item in s.mm_inputs.items if item.overlaps(a, e)]
+        if not needed:
+            return None
+        outputs: dict[bytes, torch.Tensor] = {}
+        missing = []
+        for _, item in needed:
+            if item.content_hash in outputs:
+                continue
+            cached = self.encoder_cache.get(item.content_hash)
+            if cached is not None:
+                outputs[item.content_hash] = cached
+            elif all(m.content_hash != item.content_hash for m in missing):
+                missing.append(item)
+        if missing:
+            pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in missing])).to(self.device)
+            encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
+            for item, rows in zip(missing, encoded.split([m.length for m in missing])):
+                outputs[item.content_hash] = rows
+                self.encoder_cache.put(item.content_hash, rows)
+        index, embeds = [], []
+        for row, item in needed:
+            lo, hi = max(starts[row], item.offset), min(ends[row], item.end)
+            first = int(query_start_loc[row]) + lo - starts[row]
+            index.append(np.arange(first, first + hi - lo))
+            embeds.append(outputs[item.content_hash][lo - item.offset:hi - item.offset])
+        return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(embeds)
 
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> StepOutput:
         suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids

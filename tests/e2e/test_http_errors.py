@@ -126,8 +126,8 @@ def test_malformed_chat_bodies_are_400(http: httpx.Client, body: dict) -> None:
 
 
 def test_image_part_to_text_only_model_says_why(http: httpx.Client) -> None:
-    error = assert_openai_error(http.post(CHAT, json=MALFORMED_CHAT[0]), 400, contains="image_url")
-    assert "text-only" in error["message"]
+    error = assert_openai_error(http.post(CHAT, json=MALFORMED_CHAT[0]), 400, contains="does not accept images")
+    assert MODEL in error["message"] and "messages[0].content[1]" in error["message"]
 
 
 @pytest.mark.parametrize("body", MALFORMED_COMPLETIONS, ids=range(len(MALFORMED_COMPLETIONS)))

@@ -1,0 +1,135 @@
+"""Qwen2-VL (Qwen2VLForConditionalGeneration): a ViT + patch merger feeding a Qwen2 decoder with M-RoPE.
+
+Spec: shared/specs/qwen2vl.md. The decoder is our Qwen2 (`models/llama.py` layers with q/k/v bias);
+what differs:
+- placeholder tokens (<|image_pad|>, <|video_pad|>) take the vision encoder's output rows instead of
+  their embeddings (`StepAttention.mm_embeds`, gathered by the runner per chunk);
+- rotary positions are (t, h, w) triples (`StepAttention.mrope_positions`, [3, T]); frequency band k
+  of `mrope_section` rotates with axis k. Text-only steps pass none and use plain 1-D RoPE, which
+  is the same thing when the three positions agree.
+Config: flat (official) or nested (`text_config`, transformers >= 5); rope given as
+`rope_scaling: {type: mrope | default, mrope_section}` or `rope_parameters`; a partial
+`vision_config` gets the vision defaults. Weights: `visual.*`, `model.*`, `lm_head.*`, and the
+`model.language_model.*` / `model.visual.*` spellings of transformers 4.5x re-saves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.errors import ModelLoadError
+from pagoda.layers.attention import Attention, StepAttention
+from pagoda.layers.linear import Linear
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
+from pagoda.models.llama import LlamaDecoderLayer
+from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
+
+IMAGE_TOKEN_ID = 151655
+VIDEO_TOKEN_ID = 151656
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields, flat, whichever layout config.json uses (nested text_config wins)."""
+    flat = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    flat.update(cfg.get("text_config") or {})
+    return flat
+
+
+def mrope_section(text_cfg: dict[str, Any]) -> list[int]:
+    for key in ("rope_scaling", "rope_parameters"):
+        section = (text_cfg.get(key) or {}).get("mrope_section")
+        if section:
+            return [int(s) for s in section]
+    raise ModelLoadError("Qwen2-VL config.json has no mrope_section (in rope_scaling or rope_parameters).")
+
+
+def rope_theta(text_cfg: dict[str, Any]) -> float:
+    return float(text_cfg.get("rope_theta") or (text_cfg.get("rope_parameters") or {}).get("rope_theta") or 1e6)
+
+
+class Qwen2VLTextModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int):
+        super().__init__()
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        self.sections = mrope_section(cfg)
+        if 2 * sum(self.sections) != head_dim:
+            raise ModelLoadError(f"mrope_section {self.sections} must sum to head_dim/2 = {head_dim // 2}.")
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        # M-RoPE is plain RoPE (theta from the config, no scaling) applied per axis band.
+        self.rotary_emb = RotaryEmbedding(head_dim, max_positions, rope_theta(cfg), None)
+        layer_cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters")}
+        self.layers = nn.ModuleList(LlamaDecoderLayer(layer_cfg, qkv_bias=True)
+                                    for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if step.mm_embeds is not None:
+            index, embeds = step.mm_embeds
+            x = x.index_copy(0, index, embeds.to(x.dtype))
+        if step.mrope_positions is not None:
+            rope = multimodal_cos_sin(self.rotary_emb, step.mrope_positions, self.sections)
+        else:
+            rope = self.rotary_emb.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(rope, x, step)
+        return self.norm(x)
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """input_ids [T], positions [T] (+ step.mrope_positions [3, T], step.mm_embeds) → hidden [T, H].
+
+    `encode(pixel_values, grid_thw)` runs the vision tower for whole items (never a part of one)."""
+
+    uses_mrope = True
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_positions: int):
+        super().__init__()
+        text = text_config(cfg)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        self.image_token_id = int(cfg.get("image_token_id", text.get("image_token_id", IMAGE_TOKEN_ID)))
+        self.video_token_id = int(cfg.get("video_token_id", text.get("video_token_id", VIDEO_TOKEN_ID)))
+        self.vision_config = vision_config_with_defaults(dict(cfg.get("vision_config") or {}), text["hidden_size"])
+        self.merge_size = int(self.vision_config["spatial_merge_size"])
+        positions = max(max_positions, int(text.get("max_position_embeddings", max_positions)))
+        self.visual = Qwen2VisionTransformer(self.vision_config)
+        self.model = Qwen2VLTextModel(text, positions)
+        self.lm_head = Linear(text["hidden_size"], text["vocab_size"])
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def map_weight_name(self, name: str) -> str:
+        """transformers 4.5x re-saves nest the decoder and the vision tower under `model.`."""
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        if name.startswith("model.visual."):
+            return name[len("model."):]
+        return name
+
+    def skip_weight(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        return self.model(input_ids, positions, step)
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Whole items → [sum(t*h*w/merge**2), H] placeholder embeddings, in item order."""
+        return self.visual(pixel_values.to(self.lm_head.weight.dtype), grid_thw)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,66 @@
+"""Rendered prompt ids + preprocessed images/videos → expanded ids and `MultiModalInputs`.
+
+The chat template writes one placeholder token per item (<|image_pad|> / <|video_pad|>). Here the
+k-th placeholder of a modality becomes that modality's k-th item's run of `num_tokens` placeholders
+(expansion on token ids, so no text is re-tokenized), and every item records where its run sits.
+A placeholder count that does not match the items (e.g. a user typed "<|image_pad|>" in the text)
+is refused: it would shift every image after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from pagoda.errors import InvalidRequest
+from pagoda.multimodal.inputs import MultiModalInputs, MultiModalItem, content_hash
+from pagoda.multimodal.mrope import mrope_positions
+
+
+class Visual(Protocol):
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PlaceholderIds:
+    image: int                          # <|image_pad|>
+    video: int                          # <|video_pad|>
+
+
+def expand_prompt(token_ids: list[int], visuals: list[tuple[str, Visual]], placeholders: PlaceholderIds,
+                  settings: str, merge_size: int = 2) -> tuple[list[int], MultiModalInputs]:
+    """visuals: (modality, preprocessed item) in the order the items appear in the messages."""
+    by_modality: dict[str, list[Visual]] = {"image": [], "video": []}
+    for modality, visual in visuals:
+        by_modality[modality].append(visual)
+    pad_of = {placeholders.image: "image", placeholders.video: "video"}
+    for modality, pad in (("image", placeholders.image), ("video", placeholders.video)):
+        found = token_ids.count(pad)
+        if found != len(by_modality[modality]):
+            raise InvalidRequest(
+                f"The prompt has {found} {modality} placeholder token(s) for {len(by_modality[modality])} "
+                f"{modality}(s); message text must not contain the model's {modality} placeholder token.",
+                "messages")
+    expanded: list[int] = []
+    items: list[MultiModalItem] = []
+    taken = {"image": 0, "video": 0}
+    for token in token_ids:
+        modality = pad_of.get(token)
+        if modality is None:
+            expanded.append(token)
+            continue
+        visual = by_modality[modality][taken[modality]]
+        taken[modality] += 1
+        n = visual.num_tokens
+        items.append(MultiModalItem(modality, visual.pixel_values, tuple(visual.grid_thw), len(expanded), n,
+                                    content_hash(modality, visual.pixel_values, tuple(visual.grid_thw), settings)))
+        expanded.extend([token] * n)
+    positions, delta = mrope_positions(len(expanded), items, merge_size)
+    counts = {m: sum(i.length for i in items if i.modality == m) for m in ("image", "video")}
+    return expanded, MultiModalInputs(items, positions, delta, counts)

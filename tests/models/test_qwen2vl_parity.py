@@ -1,0 +1,203 @@
+"""Qwen2-VL through the engine against transformers' Qwen2VLForConditionalGeneration (tiny, random).
+
+The reference model is saved with `save_pretrained` and loaded by our loader. Logits are captured
+where the runner samples, so chunked prefill (an image cut across steps), batching and the prefix
+cache are the real engine paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.sampling_params import SamplingParams
+
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+VOCAB = 151936
+PLACEHOLDERS = PlaceholderIds(IMAGE_PAD, VIDEO_PAD)
+PATCH_WIDTH = 3 * 2 * 14 * 14
+
+
+@dataclass
+class RandomVisual:
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4
+
+
+def random_visual(grid: tuple[int, int, int], seed: int) -> RandomVisual:
+    rng = np.random.default_rng(seed)
+    return RandomVisual(rng.standard_normal((grid[0] * grid[1] * grid[2], PATCH_WIDTH)).astype(np.float32), grid)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2vl(tmp_path_factory) -> str:
+    import transformers
+
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2,
+                           spatial_merge_size=2, in_channels=3, hidden_size=64),
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():      # random init leaves logits flat; sharpen them so greedy is robust
+        model.lm_head.weight.mul_(30)
+    folder = tmp_path_factory.mktemp("tiny-qwen2vl")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_qwen2vl):
+    import transformers
+
+    return transformers.Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2vl, dtype=torch.float32).eval()
+
+
+def _prompt(text_before: list[int], images: list[RandomVisual], text_after: list[int]) -> list[int]:
+    ids = list(text_before)
+    for _ in images:
+        ids += [VISION_START, IMAGE_PAD, VISION_END] + [1000 + len(ids)]
+    return ids + list(text_after)
+
+
+def _hf_reference(hf, ids: list[int], images: list[RandomVisual], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Last-position logits and a greedy continuation from transformers, with M-RoPE positions from
+    transformers' own get_rope_index."""
+    kwargs = {}
+    if images:
+        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([v.pixel_values for v in images])),
+                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
+    input_ids = torch.tensor([ids])
+    mm_types = (input_ids == IMAGE_PAD).long()
+    with torch.no_grad():
+        logits = hf(input_ids=input_ids, mm_token_type_ids=mm_types, **kwargs).logits[0, -1]
+        out = hf.generate(input_ids=input_ids, mm_token_type_ids=mm_types, max_new_tokens=steps, do_sample=False,
+                          attention_mask=torch.ones_like(input_ids), **kwargs)
+    return logits, out[0, len(ids):].tolist()
+
+
+class Engine:
+    def __init__(self, folder: str, **kw):
+        kw.setdefault("num_gpu_blocks_override", 128)
+        self.engine = LLMEngine(EngineConfig.create(EngineArgs(model=folder, skip_tokenizer_init=True,
+                                                               dtype="float32", **kw)))
+        self.first_logits: dict[str, torch.Tensor] = {}
+        sample = self.engine.runner._sample
+
+        def capture(request_ids, states, logits):
+            for rid, row in zip(request_ids, logits):
+                self.first_logits.setdefault(rid, row.detach().float().cpu())
+            return sample(request_ids, states, logits)
+
+        self.engine.runner._sample = capture
+
+    def run(self, prompts: dict[str, tuple[list[int], list[RandomVisual]]], steps: int) -> dict[str, list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        for rid, (ids, images) in prompts.items():
+            expanded, mm = expand_prompt(ids, [("image", v) for v in images], PLACEHOLDERS, "test")
+            self.engine.add_request(rid, expanded, params, mm_inputs=mm if images else None)
+        tokens = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return tokens
+
+
+STEPS = 8
+IMG_A = random_visual((1, 8, 12), 1)      # 24 placeholder tokens
+IMG_B = random_visual((1, 4, 4), 2)       # 4 placeholder tokens
+IMG_C = random_visual((1, 8, 12), 3)      # same size as A, other pixels
+CASES = {
+    "text_only": ([300, 301, 302, 303, 304], []),
+    "one_image": ([300, 301, 302], [IMG_A]),
+    "two_images": ([300, 301], [IMG_A, IMG_B]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_logits_and_greedy_match_transformers(tiny_qwen2vl, hf_model, case, chunk):
+    before, images = CASES[case]
+    ids = _prompt(before, images, [400, 401, 402])
+    expanded, _ = expand_prompt(ids, [("image", v) for v in images], PLACEHOLDERS, "test")
+    ref_logits, ref_tokens = _hf_reference(hf_model, expanded, images, STEPS)
+    kw = {"max_num_batched_tokens": chunk} if chunk else {}
+    engine = Engine(tiny_qwen2vl, **kw)
+    tokens = engine.run({"r": (ids, images)}, STEPS)
+    if chunk and images:
+        assert engine.engine.scheduler.stats.num_chunked_prefills > 0   # the 24-token image was cut
+    torch.testing.assert_close(engine.first_logits["r"], ref_logits, atol=1e-4, rtol=1e-4)
+    assert tokens["r"] == ref_tokens
+
+
+def test_batched_requests_with_different_images(tiny_qwen2vl, hf_model):
+    prompts = {name: (_prompt(b, imgs, [400, 401]), imgs) for name, (b, imgs) in CASES.items()}
+    engine = Engine(tiny_qwen2vl, max_num_batched_tokens=16)
+    tokens = engine.run(prompts, STEPS)
+    for name, (ids, imgs) in prompts.items():
+        expanded, _ = expand_prompt(ids, [("image", v) for v in imgs], PLACEHOLDERS, "test")
+        assert tokens[name] == _hf_reference(hf_model, expanded, imgs, STEPS)[1], name
+
+
+def test_prefix_cache_never_shares_blocks_across_different_images(tiny_qwen2vl, hf_model):
+    # Identical token ids (32 text tokens, then the same-size image), different pixels.
+    text = list(range(500, 532))
+    ids = _prompt(text, [IMG_A], [400, 401])
+    engine = Engine(tiny_qwen2vl, block_size=16)
+    first = engine.run({"a": (ids, [IMG_A])}, STEPS)["a"]
+    hits_before = engine.engine.block_manager.prefix_hits
+    second = engine.run({"c": (ids, [IMG_C])}, STEPS)["c"]
+    # Only the two text-only blocks may be shared; none that holds a placeholder of the image.
+    assert engine.engine.block_manager.prefix_hits - hits_before == 32
+    for image, got in ((IMG_A, first), (IMG_C, second)):
+        expanded, _ = expand_prompt(ids, [("image", image)], PLACEHOLDERS, "test")
+        assert got == _hf_reference(hf_model, expanded, [image], STEPS)[1]
+    assert first != second
+
+    # The same image again: a full-prompt cache hit and the encoder output from the encoder cache.
+    hits_before = engine.engine.block_manager.prefix_hits
+    again = engine.run({"a2": (ids, [IMG_A])}, STEPS)["a2"]
+    assert again == first
+    assert engine.engine.block_manager.prefix_hits - hits_before >= 48
+
+
+def test_encoder_runs_once_per_image_across_chunks(tiny_qwen2vl):
+    engine = Engine(tiny_qwen2vl, max_num_batched_tokens=5, enable_prefix_caching=False)
+    calls = []
+    encode = engine.engine.runner.model.encode
+
+    def counting(pixels, grids):
+        calls.append(list(grids))
+        return encode(pixels, grids)
+
+    engine.engine.runner.model.encode = counting
+    engine.run({"r": (_prompt([300], [IMG_A, IMG_B], [400]), [IMG_A, IMG_B])}, 2)
+    assert sorted(g for c in calls for g in c) == sorted([IMG_A.grid_thw, IMG_B.grid_thw])
+
+
+def test_text_only_model_refuses_images(tiny_qwen2):
+    engine = LLMEngine(EngineConfig.create(EngineArgs(model=tiny_qwen2, skip_tokenizer_init=True,
+                                                      num_gpu_blocks_override=80)))
+    ids = [1, 2, 3]
+    _, mm = expand_prompt([1, 500, 2], [("image", IMG_B)], PlaceholderIds(500, 501), "x")
+    from pagoda.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="does not accept images"):
+        engine.add_request("r", ids, SamplingParams(max_tokens=2), mm_inputs=mm)
