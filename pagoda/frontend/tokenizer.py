@@ -35,9 +35,33 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: 
             f"{tokenizer_path!r} has no tokenizer files; pass tokenizer=<folder> (--tokenizer), or "
             "skip_tokenizer_init=True and send token-id prompts.")
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"Could not load the tokenizer from {tokenizer_path!r}: {exc}") from None
+    if not getattr(tokenizer, "chat_template", None) and os.path.isdir(tokenizer_path):
+        tokenizer.chat_template = _processor_chat_template(tokenizer_path)
+    return tokenizer
+
+
+def _processor_chat_template(folder: str) -> str | None:
+    """Multimodal checkpoints (Qwen2-VL) ship the template beside the processor, in
+    chat_template.json ({"chat_template": ...}) or chat_template.jinja, not in tokenizer_config."""
+    import json
+
+    path = os.path.join(folder, "chat_template.json")
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get("chat_template")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{path} is not a valid chat template file: {exc}") from None
+        if isinstance(value, str) and value.strip():
+            return value
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read() or None
+    return None
 
 
 def is_yuan(hf_config: dict[str, Any]) -> bool:

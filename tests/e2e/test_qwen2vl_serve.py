@@ -104,10 +104,15 @@ def qwen2vl_folder(tmp_path_factory) -> str:
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec.submodule_search_locations[0] + "/tokenizer_files")
     assert tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|im_end|>"]) == [IMAGE_PAD, 151645]
     tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = QWEN2VL_TEMPLATE
+    tokenizer.chat_template = None
     tokenizer.save_pretrained(folder)
+    for leftover in folder.glob("chat_template.jinja"):
+        leftover.unlink()
+    # As the official checkpoints ship it: beside the processor, not in tokenizer_config.json.
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN2VL_TEMPLATE}))
+    # The checkpoint's own limits (spec §4.3); the servers below lower max_pixels by flag.
     (folder / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14, "temporal_patch_size": 2,
+        "min_pixels": MIN_PIXELS, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor"}))
     return str(folder)
@@ -123,6 +128,7 @@ def vl_server(qwen2vl_folder, tmp_path_factory):
     proc = ServerProcess(tmp_path_factory.mktemp("vl-log") / "serve.log",
                          ["--model", qwen2vl_folder, "--max-model-len", "512",
                           "--limit-mm-per-prompt", '{"image": 3, "video": 1}',
+                          "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}),
                           "--allowed-local-media-path", str(media)])
     try:
         proc.wait_healthy()
@@ -184,6 +190,12 @@ def test_video_frames_and_local_file(client, http, vl_server):
     per_pair = image_tokens(84, 56, 128 * 784, 768 * 784)
     assert per_pair == 140
     assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + 2 * per_pair
+    # vLLM's video_url part with a frame list is the same video.
+    as_video_url = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": frames}},
+                                                 {"type": "text", "text": "What happens?"}]}]
+    again = client.chat.completions.create(model=MODEL, messages=as_video_url, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens == reply.usage.prompt_tokens
+    assert again.choices[0].message.content == reply.choices[0].message.content
 
     local = f"file://{vl_server.media / 'local.png'}"
     reply = client.chat.completions.create(model=MODEL, messages=user(image_part(local), "hi"), max_tokens=2)
@@ -259,7 +271,8 @@ def test_http_url_from_a_local_server_with_the_private_flag(qwen2vl_folder, laun
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        server = launch_server("--model", qwen2vl_folder, "--max-model-len", "512", "--allow-private-media-urls")
+        server = launch_server("--model", qwen2vl_folder, "--max-model-len", "512", "--allow-private-media-urls",
+                               "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}))
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
         url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.png"
         reply = client.chat.completions.create(model=MODEL, messages=user(image_part(url), "what is it?"),

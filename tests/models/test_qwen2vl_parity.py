@@ -201,3 +201,35 @@ def test_text_only_model_refuses_images(tiny_qwen2):
 
     with pytest.raises(InvalidRequest, match="does not accept images"):
         engine.add_request("r", ids, SamplingParams(max_tokens=2), mm_inputs=mm)
+
+
+@pytest.mark.parametrize("rope", [{"type": "mrope", "mrope_section": [2, 3, 3]},
+                                  {"type": "default", "rope_type": "default", "mrope_section": [2, 3, 3]}])
+def test_official_flat_config_and_renamed_weights_load_the_same_model(tiny_qwen2vl, hf_model, tmp_path, rope):
+    """The official checkpoints' layout: flat config.json with `rope_scaling` (mrope or default
+    spelling) and the weights under `model.language_model.*` / `model.visual.*` as 4.5x re-saves
+    write them — must give exactly the reference logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    nested = json.loads(open(f"{tiny_qwen2vl}/config.json").read())
+    text = nested.pop("text_config")
+    flat = {**nested, **{k: v for k, v in text.items() if k not in ("rope_parameters", "model_type", "dtype")},
+            "rope_theta": 1e6, "rope_scaling": rope, "architectures": ["Qwen2VLForConditionalGeneration"]}
+    flat["vision_config"] = {k: v for k, v in nested["vision_config"].items() if k not in ("dtype",)}
+    folder = tmp_path / "flat"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(flat))
+    weights = load_file(f"{tiny_qwen2vl}/model.safetensors")
+    renamed = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else
+               ("model." + k if k.startswith("visual.") else k): v for k, v in weights.items()}
+    assert any(k.startswith("model.language_model.") for k in renamed)
+    save_file(renamed, str(folder / "model.safetensors"))
+    before, images = CASES["two_images"]
+    ids = _prompt(before, images, [400])
+    expanded, _ = expand_prompt(ids, [("image", v) for v in images], PLACEHOLDERS, "test")
+    engine = Engine(str(folder))
+    engine.run({"r": (ids, images)}, 2)
+    torch.testing.assert_close(engine.first_logits["r"], _hf_reference(hf_model, expanded, images, 1)[0],
+                               atol=1e-4, rtol=1e-4)
