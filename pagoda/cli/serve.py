@@ -86,7 +86,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from pagoda.models.source import resolve_model_source
     from pagoda.server.app import build_app
     from pagoda.server.metrics import ServerMetrics
-    from pagoda.server.multimodal import multimodal_serving
+    from pagoda.multimodal.chat import multimodal_serving
     from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
 
     _unsupported(ns)

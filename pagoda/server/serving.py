@@ -19,11 +19,10 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
-from pagoda.frontend.chat_template import render_chat
+from pagoda.multimodal.chat import MultiModalServing, render_chat_prompt
 from pagoda.sampling_params import SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
-from pagoda.server.multimodal import MultiModalServing, build_inputs, check_limits, split_content
 
 logger = logging.getLogger("pagoda.server")
 
@@ -155,24 +154,12 @@ class OpenAIServing:
                           template_kwargs: dict[str, Any] | None = None,
                           processor_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int], Any]:
         """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders."""
-        dicts = [self._message_dict(m) for m in messages]
-        dicts, refs = split_content(dicts)
-        mm = self.ctx.multimodal
-        if refs and mm is None:
-            raise InvalidRequest(f"Model {self.ctx.model_name} ({self.ctx.architecture}) does not accept images "
-                                 f"or video ({refs[0].where} is {'an image' if refs[0].modality == 'image' else 'a video'} part).",
-                                 "messages")
-        if mm is None:      # text-only templates expect string content
-            dicts = [{**d, "content": "".join(part["text"] for part in d["content"])}
-                     if isinstance(d.get("content"), list) else d for d in dicts]
-        elif refs:
-            check_limits(refs, mm.limits)
-        text = render_chat(self.ctx.tokenizer, dicts, chat_template, add_generation_prompt, **(template_kwargs or {}))
-        token_ids = self._tokenize(text, add_special_tokens=False)
-        mm_inputs = None
-        if refs:
-            token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
-        return text, token_ids, mm_inputs
+        if self.ctx.tokenizer is None:
+            raise InvalidRequest("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.", "messages")
+        return await render_chat_prompt(
+            self.ctx.tokenizer, self.ctx.multimodal, [self._message_dict(m) for m in messages], chat_template,
+            add_generation_prompt, f"{self.ctx.model_name} ({self.ctx.architecture})", template_kwargs,
+            processor_kwargs)
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
         data = message.model_dump(exclude_none=True)

@@ -287,3 +287,25 @@ def test_http_url_from_a_local_server_with_the_private_flag(qwen2vl_folder, laun
             client.chat.completions.create(model=MODEL, messages=user(image_part(missing)), max_tokens=2)
     finally:
         httpd.shutdown()
+
+
+def test_offline_llm_chat_and_multi_modal_data(qwen2vl_folder):
+    """vLLM's offline forms: LLM.chat with image parts, and generate() with multi_modal_data (a PIL
+    image behind the placeholder in the prompt text) give the same tokens as each other."""
+    from PIL import Image
+
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model=qwen2vl_folder, max_model_len=512, mm_processor_kwargs={"max_pixels": MAX_PIXELS},
+              num_gpu_blocks_override=64)
+    png = encoded(120, 90, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    chat = llm.chat(user(image_part(data_uri(png)), "Describe this image."), params, use_tqdm=False)[0]
+    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+              "<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n<|im_start|>assistant\n")
+    direct = llm.generate({"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}, params,
+                          use_tqdm=False)[0]
+    assert chat.prompt == prompt
+    assert len(chat.prompt_token_ids) == len(direct.prompt_token_ids)
+    assert chat.prompt_token_ids.count(IMAGE_PAD) == image_tokens(120, 90)
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids

@@ -25,6 +25,7 @@ from pagoda.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
 
 DEFAULT_LIMITS = {"image": 16, "video": 2}
+MAX_IMAGE_PIXELS = 16384 * 28 * 28      # Qwen2-VL's largest image: 16384 placeholder tokens
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ def parse_limits(value: str | None) -> dict[str, int]:
     if not value:
         return limits
     try:
-        parsed = json.loads(value) if value.strip().startswith("{") else dict(
-            (k.strip(), v) for k, v in (item.split("=", 1) for item in value.split(",") if item.strip()))
+        parsed = json.loads(value) if value.strip().startswith("{") else {
+            k.strip(): v for k, v in (item.split("=", 1) for item in value.split(",") if item.strip())}
         for key, number in parsed.items():
             if key not in limits:
                 raise ValueError(f"unknown modality {key!r} (image, video)")
@@ -157,6 +158,46 @@ def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
                                  f"got {count} (server flag --limit-mm-per-prompt).", "messages")
 
 
+async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messages: list[dict[str, Any]],
+                             chat_template: str | None, add_generation_prompt: bool, model_label: str,
+                             template_kwargs: dict[str, Any] | None = None,
+                             processor_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int], Any]:
+    """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
+    MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts."""
+    from pagoda.frontend.chat_template import render_chat
+
+    dicts, refs = split_content(messages)
+    if refs and mm is None:
+        article = "an image" if refs[0].modality == "image" else "a video"
+        raise InvalidRequest(f"Model {model_label} does not accept images or video ({refs[0].where} is {article} "
+                             "part).", "messages")
+    if mm is None:      # text-only templates expect string content
+        dicts = [{**d, "content": "".join(part["text"] for part in d["content"])}
+                 if isinstance(d.get("content"), list) else d for d in dicts]
+    elif refs:
+        check_limits(refs, mm.limits)
+    text = render_chat(tokenizer, dicts, chat_template, add_generation_prompt, **(template_kwargs or {}))
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    mm_inputs = None
+    if refs:
+        token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
+    return text, token_ids, mm_inputs
+
+
+def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tuple[str, Any]],
+                     processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
+    """Already-loaded media (PIL images, or lists of frames for videos) for a prompt whose ids hold one
+    placeholder per item: the offline API's `multi_modal_data`."""
+    from pagoda.multimodal.image_processor import preprocess_image, preprocess_video
+
+    config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
+        else mm.preprocess
+    check_limits([MediaRef(modality, (), f"multi_modal_data[{modality}]") for modality, _ in media], mm.limits)
+    visuals = [(modality, preprocess_image(item, config) if modality == "image" else preprocess_video(item, config))
+               for modality, item in media]
+    return expand_prompt(token_ids, visuals, mm.placeholders, str(config.cache_key()), mm.merge_size)
+
+
 async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef],
                        processor_kwargs: dict[str, Any] | None) -> tuple[list[int], MultiModalInputs]:
     """Fetch + decode every item (concurrently), preprocess them off the event loop, expand ids."""
@@ -164,6 +205,9 @@ async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[M
 
     config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
         else mm.preprocess
+    if config.max_pixels > MAX_IMAGE_PIXELS:
+        raise InvalidRequest(f"mm_processor_kwargs max_pixels {config.max_pixels} is over the model's limit "
+                             f"{MAX_IMAGE_PIXELS} (16384 tokens per image).", "mm_processor_kwargs")
     loaded = await asyncio.gather(*(
         load_image(r.urls[0], mm.policy, r.where) if r.modality == "image"
         else load_video_frames(list(r.urls), mm.policy, r.where) for r in refs))
