@@ -305,8 +305,12 @@ class ModelRunner:
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> StepOutput:
         suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids
                     if len(s.output_token_ids) < s.sampling_params.min_tokens else [] for s in states]
+        params = [s.sampling_params for s in states]
+        # Prompt histories only matter to the repetition penalty; slicing them every step costs
+        # O(all prompt tokens) of host time per step.
+        needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
         batch = SamplingBatch.build(
-            [s.sampling_params for s in states], [s.token_ids[:s.num_prompt_tokens] for s in states],
+            params, [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
             [s.output_token_ids for s in states], [s.generator for s in states],
             suppress if any(suppress) else None, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch)

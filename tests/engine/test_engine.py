@@ -131,3 +131,16 @@ def test_folder_without_tokenizer_needs_skip_flag(tiny_llama):
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=64)
     with pytest.raises(InvalidRequest, match="prompt_token_ids"):
         llm.generate(["text needs a tokenizer"], GREEDY, use_tqdm=False)
+
+
+def test_repetition_penalty_sees_the_prompt_through_the_engine(tiny_llama):
+    """A huge repetition penalty keeps greedy decoding off every prompt token and every token it
+    already produced (the runner must hand the prompt history to the sampler)."""
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    prompt = list(range(100, 160))
+    plain = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1000.0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(out) & set(prompt)
+    assert len(set(out)) == len(out)
+    assert set(plain) & set(prompt) or len(set(plain)) < len(plain), "the unpenalized run should repeat something"
