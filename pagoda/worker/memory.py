@@ -13,6 +13,7 @@ and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 GiB = 1 << 30
 
@@ -51,6 +52,16 @@ class KVCacheLayout:
         """How many requests of `request_len` tokens fit at once (each rounds up to whole blocks)."""
         blocks_each = -(-request_len // self.block_size)
         return (self.num_blocks - 1) / blocks_each
+
+
+def kv_cache_spec(model: Any, dtype_bytes: int, enable_prefix_caching: bool) -> KVCacheSpec:
+    """The cache shape a model needs, read from its modules (works on a meta-device model, so the
+    planner and the engine share this one function)."""
+    layers = model.attention_layers()
+    stateful = getattr(model, "sequence_state_layers", list)()
+    state = sum(layer.state_width for layer in stateful) * dtype_bytes
+    return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype_bytes,
+                       state_bytes_per_seq=state, snapshot_bytes_per_block=state if enable_prefix_caching else 0)
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int) -> int:

@@ -22,7 +22,7 @@ from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
+from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.multimodal.inputs import MultiModalInputs
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.state_slots import StateSlotPool
@@ -71,11 +71,8 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
-        layers = self.model.attention_layers()
-        state = self.state_pool.bytes_per_seq if self.state_pool is not None else 0
-        return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim,
-                           torch.tensor([], dtype=self.dtype).element_size(),
-                           state_bytes_per_seq=state, snapshot_bytes_per_block=state if self.state_snapshots else 0)
+        return kv_cache_spec(self.model, torch.tensor([], dtype=self.dtype).element_size(),
+                             self.config.cache.enable_prefix_caching)
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.

@@ -1,0 +1,288 @@
+"""`pagoda plan`: the memory arithmetic of a deployment, from config.json alone.
+
+The model is built on PyTorch's meta device (no weights, no memory), so parameter counts are exact
+for our implementation, and the KV-cache shape comes from `worker.memory.kv_cache_spec` — the very
+function the engine sizes its cache with. On the CPU the block count is `memory.cpu_num_blocks`,
+identical to the engine's; on a GPU the engine profiles one worst-case step, which the planner
+estimates (weights + activations of one `max_num_batched_tokens` step + sampler logits + a fixed
+CUDA-context allowance), so the engine logs the planner's prediction next to what it allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, text_field
+from pagoda.errors import ConfigError
+from pagoda.worker import memory
+
+GiB = memory.GiB
+# Memory torch reports as total on each GPU (GiB), for --gpu presets.
+GPU_MEMORY_GIB = {"h200": 139.8, "h100": 79.2, "h100-80g": 79.2, "a100-80g": 79.2, "a100-40g": 39.4,
+                  "l40s": 44.4, "a10g": 22.0, "l4": 22.0, "4090": 23.6, "3090": 23.6}
+CUDA_CONTEXT_BYTES = GiB // 2          # memory held outside PyTorch's allocator (context, cuBLAS workspaces)
+TP_CANDIDATES = (1, 2, 4, 8)
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class Plan:
+    architecture: str
+    dtype: str
+    tensor_parallel_size: int
+    device: str
+    memory_bytes_per_gpu: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    block_size: int
+    max_num_batched_tokens: int
+    weights_bytes_total: int
+    weights_bytes_per_gpu: int
+    kv_bytes_per_token: int                  # whole model (all layers, all KV heads)
+    kv_bytes_per_token_per_gpu: int
+    state_bytes_per_sequence: int            # Yuan2 LF state (all layers), 0 for other models
+    activation_bytes_estimate: int
+    kv_blocks: int                           # usable blocks per GPU (the null block excluded)
+    kv_tokens: int
+    max_concurrency: float                   # requests of max_model_len tokens that fit at once
+    typical_len: int
+    concurrency_at_typical_len: float
+    recommended_max_num_seqs: int
+    fits_one_max_len_request: bool
+    valid_tensor_parallel_sizes: list[int]
+    invalid_tensor_parallel_sizes: dict[str, str]
+    image_tokens: int | None = None          # placeholder tokens per image (Qwen2-VL), at --image
+    image_tokens_per_request: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
+    import torch
+
+    from pagoda.models.registry import get_model_class
+
+    architecture = (hf_config.get("architectures") or ["<missing>"])[0]
+    with torch.device("meta"):
+        return get_model_class(architecture)(hf_config, max_model_len)
+
+
+def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
+    """(total, per GPU). Per GPU: everything split tp ways except what the scheme replicates (norms,
+    biases, Yuan's LF convolutions — spec yuan2.md §7 — and the small router)."""
+    total = replicated = 0
+    seen = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:             # tied embeddings count once
+            continue
+        seen.add(id(param))
+        size = param.numel() * dtype_bytes
+        total += size
+        if param.dim() < 2 or ".lf_gate." in name or ".mlp.gate." in name:
+            replicated += size
+    return total, replicated + (total - replicated) // tp
+
+
+def _tp_validity(hf_config: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
+    heads = int(text_field(hf_config, "num_attention_heads"))
+    kv_heads = int(text_field(hf_config, "num_key_value_heads") or heads)
+    intermediate = text_field(hf_config, "intermediate_size")
+    vision_heads = (hf_config.get("vision_config") or {}).get("num_heads")
+    if hf_config.get("vision_config") is not None and vision_heads is None:
+        vision_heads = 16                 # Qwen2-VL's vision default
+    valid, invalid = [], {}
+    for tp in TP_CANDIDATES:
+        reasons = []
+        if heads % tp:
+            reasons.append(f"{heads} attention heads do not split {tp} ways")
+        if kv_heads % tp and tp % kv_heads:
+            reasons.append(f"{kv_heads} KV heads neither split {tp} ways nor replicate evenly")
+        if vision_heads and vision_heads % tp:
+            reasons.append(f"{vision_heads} vision heads do not split {tp} ways")
+        if intermediate and int(intermediate) % tp:
+            reasons.append(f"intermediate size {intermediate} does not split {tp} ways")
+        if reasons:
+            invalid[str(tp)] = "; ".join(reasons)
+        else:
+            valid.append(tp)
+    return valid, invalid
+
+
+def activation_bytes_estimate(hf_config: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int,
+                              dtype_bytes: int) -> int:
+    """One worst-case step: a few [T, hidden] buffers, the fused MLP input [T, 2I], and float32 logits
+    (twice: sampler copies) for the sampled rows."""
+    hidden = int(text_field(hf_config, "hidden_size"))
+    intermediate = int(text_field(hf_config, "intermediate_size") or 4 * hidden)
+    vocab = int(text_field(hf_config, "vocab_size"))
+    per_token = (6 * hidden + 3 * intermediate) * dtype_bytes
+    return max_num_batched_tokens * per_token + 2 * min(max_num_seqs, max_num_batched_tokens) * vocab * 4
+
+
+def image_tokens(hf_config: dict[str, Any], model_folder: str | None, width: int, height: int,
+                 min_pixels: int | None, max_pixels: int | None) -> int | None:
+    """Placeholder tokens of one image (Qwen2-VL), by the checkpoint's preprocessing rules."""
+    if hf_config.get("vision_config") is None:
+        return None
+    from pagoda.multimodal.image_processor import VisionPreprocessConfig, smart_resize
+
+    cfg = VisionPreprocessConfig.from_model_folder(model_folder)
+    lo, hi = min_pixels or cfg.min_pixels, max_pixels or cfg.max_pixels
+    h, w = smart_resize(height, width, cfg.patch_size * cfg.merge_size, lo, hi)
+    return (h // (cfg.patch_size * cfg.merge_size)) * (w // (cfg.patch_size * cfg.merge_size))
+
+
+def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, device: str = "cuda",
+              memory_bytes_per_gpu: int | None = None, gpu_memory_utilization: float = 0.9,
+              tensor_parallel_size: int = 1, max_model_len: int | None = None, dtype: str = "bfloat16",
+              block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+              enable_prefix_caching: bool = True, cpu_kv_cache_space_gib: float = 4.0, typical_len: int | None = None,
+              image: tuple[int, int] | None = None, images_per_request: int = 1, min_pixels: int | None = None,
+              max_pixels: int | None = None) -> Plan:
+    from pagoda.config import _derived_max_model_len
+
+    if dtype not in _DTYPE_BYTES:
+        raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
+    dtype_bytes = _DTYPE_BYTES[dtype]
+    derived = _derived_max_model_len(hf_config)
+    max_model_len = max_model_len or derived
+    if max_model_len > derived:
+        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's maximum context ({derived}).",
+                          "max_model_len")
+    tp = tensor_parallel_size
+    max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    model = _meta_model(hf_config, max_model_len)
+    spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching)
+    weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
+    valid, invalid = _tp_validity(hf_config)
+    notes = []
+    if tp not in valid:
+        notes.append(f"tensor_parallel_size={tp} is not valid for this model: {invalid.get(str(tp), 'unknown')}")
+    # Per GPU, KV heads split tp ways (or are replicated when there are fewer KV heads than GPUs).
+    kv_heads_per_gpu = max(1, spec.num_kv_heads // tp)
+    gpu_spec = memory.KVCacheSpec(spec.num_layers, kv_heads_per_gpu, spec.head_dim, dtype_bytes,
+                                  spec.state_bytes_per_seq, spec.snapshot_bytes_per_block)
+    activations = activation_bytes_estimate(hf_config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
+    if device == "cpu":
+        memory_bytes_per_gpu = memory_bytes_per_gpu or int(cpu_kv_cache_space_gib * GiB)
+        num_blocks = memory.cpu_num_blocks(cpu_kv_cache_space_gib, gpu_spec, block_size, max_num_seqs, max_model_len)
+    else:
+        if memory_bytes_per_gpu is None:
+            raise ConfigError("Give --gpu NAME or --gpu-memory-gib X (or --device cpu).", "gpu")
+        peak = weights_gpu + activations + gpu_spec.state_pool_bytes(max_num_seqs)
+        num_blocks = memory.gpu_num_blocks(memory_bytes_per_gpu, gpu_memory_utilization, peak, CUDA_CONTEXT_BYTES,
+                                           gpu_spec, block_size)
+    usable = max(num_blocks - 1, 0)
+    layout = memory.KVCacheLayout(max(num_blocks, 1), block_size, memory.bytes_per_block(gpu_spec, block_size))
+    typical_len = min(typical_len or min(max_model_len, 2048), max_model_len)
+    at_typical = layout.max_concurrency(typical_len)
+    target = int(0.8 * at_typical)
+    recommended = min(1024, target // 8 * 8 if target >= 8 else max(target, 1))
+    fits = num_blocks >= memory.blocks_for_request(max_model_len, block_size)
+    if not fits:
+        notes.append(f"one {max_model_len}-token request does not fit: lower --max-model-len, raise "
+                     "--gpu-memory-utilization or use more GPUs")
+    per_image = per_request = None
+    if image is not None:
+        per_image = image_tokens(hf_config, model_folder, image[0], image[1], min_pixels, max_pixels)
+        if per_image is None:
+            notes.append("this model takes no images; --image ignored")
+        else:
+            per_request = (per_image + 2) * images_per_request    # + <|vision_start|> <|vision_end|>
+            if per_request >= max_model_len:
+                notes.append(f"{images_per_request} image(s) of {image[0]}x{image[1]} take {per_request} tokens, "
+                             f"more than max_model_len {max_model_len}: lower max_pixels")
+    architecture = (hf_config.get("architectures") or ["<missing>"])[0]
+    if tp > 1:
+        notes.append("Pagoda serves tensor_parallel_size=1 today; the TP numbers are for planning.")
+    return Plan(architecture, dtype, tp, device, int(memory_bytes_per_gpu), gpu_memory_utilization, max_model_len,
+                block_size, max_num_batched_tokens, weights_total, weights_gpu, spec.bytes_per_token(),
+                gpu_spec.bytes_per_token(), spec.state_bytes_per_seq, activations, usable, usable * block_size,
+                layout.max_concurrency(max_model_len) if usable else 0.0, typical_len, at_typical if usable else 0.0,
+                recommended if usable else 0, fits, valid, invalid, per_image, per_request, notes)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [
+        f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {plan.device} "
+        f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}",
+        f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU",
+        f"KV cache per token: {_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
+    ]
+    if plan.state_bytes_per_sequence:
+        lines.append(f"LF state per sequence: {_size(plan.state_bytes_per_sequence)} (+ the same per cached block)")
+    lines += [
+        f"activations (estimate, one {plan.max_num_batched_tokens}-token step): {_size(plan.activation_bytes_estimate)}",
+        f"KV blocks: {plan.kv_blocks} x {plan.block_size} tokens = {plan.kv_tokens} tokens per GPU",
+        f"max concurrency: {plan.max_concurrency:.1f} at {plan.max_model_len} tokens, "
+        f"{plan.concurrency_at_typical_len:.1f} at {plan.typical_len} tokens",
+        f"recommended --max-num-seqs {plan.recommended_max_num_seqs} (80 % of the concurrency at {plan.typical_len} "
+        "tokens, a multiple of 8)",
+        f"one {plan.max_model_len}-token request fits: {'yes' if plan.fits_one_max_len_request else 'NO'}",
+        f"valid --tensor-parallel-size: {plan.valid_tensor_parallel_sizes}",
+    ]
+    lines += [f"  tp={tp} invalid: {why}" for tp, why in plan.invalid_tensor_parallel_sizes.items()]
+    if plan.image_tokens is not None:
+        lines.append(f"image: {plan.image_tokens} tokens each, {plan.image_tokens_per_request} per request with "
+                     "the vision markers")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="HF model folder, hub id (online) or .gguf")
+    parser.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(sorted(GPU_MEMORY_GIB))}")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="memory per GPU instead of --gpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--cpu-kv-cache-space-gib", type=float, default=4.0)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--typical-len", type=int, default=None, help="prompt + output tokens of a typical request")
+    parser.add_argument("--image", default=None, help="WxH of the images a request carries (Qwen2-VL)")
+    parser.add_argument("--images-per-request", type=int, default=1)
+    parser.add_argument("--min-pixels", type=int, default=None)
+    parser.add_argument("--max-pixels", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    from pagoda.models.source import resolve_model_source
+
+    source = resolve_model_source(ns.model)
+    if ns.gpu is not None and ns.gpu.lower() not in GPU_MEMORY_GIB:
+        raise ConfigError(f"Unknown --gpu {ns.gpu!r}; known: {', '.join(sorted(GPU_MEMORY_GIB))}, or pass "
+                          "--gpu-memory-gib.", "gpu")
+    gib = GPU_MEMORY_GIB[ns.gpu.lower()] if ns.gpu else ns.gpu_memory_gib
+    image = None
+    if ns.image:
+        try:
+            width, height = (int(v) for v in ns.image.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--image must look like 1000x750, got {ns.image!r}", "image") from None
+        image = (width, height)
+    plan = make_plan(source.hf_config, model_folder=source.folder if source.kind == "hf" else None,
+                     device=ns.device, memory_bytes_per_gpu=int(gib * GiB) if gib else None,
+                     gpu_memory_utilization=ns.gpu_memory_utilization, tensor_parallel_size=ns.tp,
+                     max_model_len=ns.max_model_len, dtype=ns.dtype, block_size=ns.block_size,
+                     max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                     enable_prefix_caching=ns.enable_prefix_caching, cpu_kv_cache_space_gib=ns.cpu_kv_cache_space_gib,
+                     typical_len=ns.typical_len, image=image, images_per_request=ns.images_per_request,
+                     min_pixels=ns.min_pixels, max_pixels=ns.max_pixels)
+    print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
+    return 0 if plan.fits_one_max_len_request else 1
+
