@@ -1,0 +1,130 @@
+"""Paged attention through Triton kernels (`pagoda/kernels/paged_attention.py`): the GPU backend.
+
+`prepare` runs once per step on the host values the runner already has (query lengths, sequence
+lengths): it splits rows into decode rows (one new token) and prefill rows (a chunk of several,
+possibly after a cached prefix), converts indices to int32 on the device, and builds the prefill
+tile list. `forward` then runs per layer with no host-device sync and no Python loop over requests
+(store K/V, one decode launch (+ its split-K reduce), one prefill launch), so a decode step can be
+captured in a CUDA graph later; for that, fix the split count (`decode_splits`), since the rule
+below depends on the step's longest sequence.
+
+Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
+never read cache slots at or past a row's length, so they do not rely on blocks being zeroed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.layers.attention import AttentionBackend, AttentionBatch
+from pagoda.layers.torch_attention import TorchAttentionBackend
+
+if TYPE_CHECKING:
+    from pagoda.kernels.paged_attention import PrefillTiles
+
+
+def _load_kernels():
+    """Import the kernels on first use, not with this module: `@triton.jit` picks compiled vs
+    interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing this module
+    (e.g. from the model runner) must not fix that choice for a CPU-only process."""
+    from pagoda.kernels import paged_attention
+
+    return paged_attention
+
+
+@dataclass
+class _DecodeRows:
+    """Rows with exactly one new token, attended by the decode kernel."""
+
+    token_index: torch.Tensor | None   # [Bd] int32 flat token of each row's query; None = row i is token i
+    block_tables: torch.Tensor         # [Bd, max_blocks] int32
+    seq_lens: torch.Tensor             # [Bd] int32
+    max_seq_len: int                   # host value, for the split-count rule
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] cache slot of each new token
+    decode: _DecodeRows | None
+    prefill_tiles: PrefillTiles | None    # work list over the prefill rows; None = no prefill rows
+    block_tables: torch.Tensor            # [B, max_blocks] int32 (prefill kernel indexes it by request)
+    query_start_loc: torch.Tensor         # [B + 1] int32
+    seq_lens: torch.Tensor                # [B] int32
+    num_sms: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention. `decode_splits` pins the decode split-K count (None = choose per step
+    from batch size, KV heads and the longest sequence); `num_sms` overrides the device's SM count."""
+
+    name = "triton"
+
+    def __init__(self, decode_splits: int | None = None, num_sms: int | None = None):
+        assert decode_splits is None or decode_splits >= 1
+        self._kernels = _load_kernels()      # ImportError without the `triton` package
+        self.decode_splits = decode_splits
+        self.num_sms = num_sms
+
+    def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        device = batch.slot_mapping.device
+        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        host_seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
+        block_tables = batch.block_tables.to(torch.int32)
+        seq_lens = batch.seq_lens_tensor.to(torch.int32)
+        decode_rows = np.flatnonzero(query_lens == 1)
+        prefill_rows = np.flatnonzero(query_lens > 1)
+
+        decode = None
+        if decode_rows.size == batch.num_reqs:      # all decode: row i is token i, tables as they are
+            decode = _DecodeRows(None, block_tables, seq_lens, int(host_seq_lens.max()))
+        elif decode_rows.size:
+            rows = torch.from_numpy(decode_rows).to(device)
+            token_index = batch.query_start_loc[rows].to(torch.int32)
+            decode = _DecodeRows(token_index, block_tables[rows], seq_lens[rows],
+                                 int(host_seq_lens[decode_rows].max()))
+        tiles = None
+        if prefill_rows.size:
+            tiles = self._kernels.build_prefill_tiles(batch.query_lens, prefill_rows.tolist(), device)
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(device)
+        return TritonAttentionMetadata(batch.slot_mapping, decode, tiles, block_tables,
+                                       batch.query_start_loc.to(torch.int32), seq_lens, num_sms)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.
+        kernels = self._kernels
+        kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        decode = metadata.decode
+        if decode is not None:
+            kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, scale,
+                                           self._num_splits(decode, k.shape[1], metadata.num_sms),
+                                           query_index=decode.token_index, out=out)
+        if metadata.prefill_tiles is not None:
+            kernels.paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+                                            metadata.seq_lens, scale, tiles=metadata.prefill_tiles, out=out)
+        return out
+
+    def _num_splits(self, decode: _DecodeRows, num_kv_heads: int, num_sms: int) -> int:
+        """Host arithmetic on prepare-time values only (no device reads)."""
+        if self.decode_splits is not None:
+            return self.decode_splits
+        return self._kernels.choose_num_splits(decode.num_rows, num_kv_heads, decode.max_seq_len, num_sms)
+
+
+def select_attention_backend(device: str) -> AttentionBackend:
+    """The Triton backend on CUDA devices when Triton is importable, else the PyTorch one."""
+    if torch.device(device).type == "cuda":
+        try:
+            return TritonAttentionBackend()
+        except ImportError:
+            pass
+    return TorchAttentionBackend()
