@@ -6,7 +6,8 @@ possibly after a cached prefix), converts indices to int32 on the device, and bu
 tile list. `forward` then runs per layer with no host-device sync and no Python loop over requests
 (store K/V, one decode launch (+ its split-K reduce), one prefill launch), so a decode step can be
 captured in a CUDA graph later; for that, fix the split count (`decode_splits`), since the rule
-below depends on the step's longest sequence.
+depends on the step's longest sequence, and copy the prepared tensors into static buffers (padding
+rows: seq_len 0 gives zeros, slot -1 stores nothing).
 
 Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
 never read cache slots at or past a row's length, so they do not rely on blocks being zeroed.
