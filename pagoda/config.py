@@ -9,6 +9,7 @@ live in separate result objects (`worker.memory.KVCacheLayout`, `frontend.tokeni
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     load_format: str = "auto"               # "dummy": random weights, shapes only (benchmarks)
+    attention_backend: str = "auto"         # "torch" | "triton" | "auto" (= torch until Triton is validated)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"                     # resolved: "cpu" or "cuda"
+    attention_backend: str = "torch"        # resolved: "torch" or "triton"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class EngineConfig:
         _check(device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {device!r}")
         _check(a.load_format in ("auto", "dummy"), "load_format",
                f"load_format must be auto or dummy; got {a.load_format!r}")
+        _check(a.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+               f"attention_backend must be auto, torch or triton; got {a.attention_backend!r}")
 
         resolved_device = _resolve_device(device)
         source = resolve_model_source(model)
@@ -159,7 +164,8 @@ class EngineConfig:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len),
-            device=DeviceConfig(device=resolved_device),
+            device=DeviceConfig(device=resolved_device,
+                                attention_backend=_resolve_attention_backend(a.attention_backend, resolved_device)),
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
@@ -180,6 +186,22 @@ def _resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' was requested but no CUDA GPU is visible; use --device cpu.", "device")
     return device
+
+
+def _resolve_attention_backend(choice: str, device: str) -> str:
+    # "auto" stays on the PyTorch reference backend until the Triton kernels (tested on CPU through
+    # the Triton interpreter) have been validated and timed on a real GPU.
+    if choice in ("auto", "torch"):
+        return "torch"
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":   # the interpreter runs on CPU (tests)
+        raise ConfigError("attention_backend='triton' needs a CUDA GPU; use --attention-backend torch on the CPU.",
+                          "attention_backend")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ConfigError("attention_backend='triton' needs the triton package (pip install triton).",
+                          "attention_backend") from None
+    return "triton"
 
 
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:

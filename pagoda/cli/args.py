@@ -27,6 +27,7 @@ _HELP = {
     "trust_remote_code": "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder",
     "skip_tokenizer_init": "do not load a tokenizer (token-id prompts only)",
     "load_format": "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)",
+    "attention_backend": "auto | torch | triton (experimental: Triton paged-attention kernels, CUDA only)",
 }
 
 

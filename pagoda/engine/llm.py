@@ -60,6 +60,7 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
         allowed_local_media_path: str | None = None,
         allow_private_media_urls: bool = False,
+        attention_backend: str = "auto",
     ):
         self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -67,7 +68,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
-            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format))
+            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format,
+            attention_backend=attention_backend))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source

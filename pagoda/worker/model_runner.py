@@ -56,7 +56,7 @@ class ModelRunner:
         self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device,
                                 config.model.load_format)
         self.vocab_size = config.model.vocab_size
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or self._make_backend(config.device.attention_backend)
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -68,6 +68,14 @@ class ModelRunner:
         self.accepts_multimodal = hasattr(self.model, "encode")
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
+
+    @staticmethod
+    def _make_backend(name: str) -> AttentionBackend:
+        if name == "triton":
+            from pagoda.layers.triton_attention import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        return TorchAttentionBackend()
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
