@@ -44,6 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument("--skip-preflight", action="store_true",
+                        help="do not run `pagoda doctor`'s fast checks before loading the model")
     parser.add_argument("--limit-mm-per-prompt", default=None,
                         help='most images/videos per prompt: JSON \'{"image": 4, "video": 1}\' or image=4,video=1 '
                              "(default image=16, video=2)")
@@ -91,6 +93,10 @@ async def _serve(ns: argparse.Namespace) -> int:
 
     _unsupported(ns)
     config = EngineConfig.create(engine_args_from(ns))
+    if not ns.skip_preflight:
+        from pagoda.tools.doctor import serve_preflight
+
+        serve_preflight(ns)          # shards, headers, tokenizer, port: fail in seconds, before the weights load
     source = resolve_model_source(config.model.model)
     multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
                                     ns.limit_mm_per_prompt, ns.mm_processor_kwargs, ns.allowed_local_media_path,

@@ -799,6 +799,8 @@ def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
 
 
 def _check_port(host: str, port: int) -> Check:
+    if port == 0:
+        return Check("port", "ok", "port 0: the system picks a free port", None)
     if not 0 < port < 65536:
         return Check("port", "FAIL", f"port {port} is out of range", "pick --port between 1 and 65535")
     try:

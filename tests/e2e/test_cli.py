@@ -46,3 +46,24 @@ def test_chat_template_prints_the_exact_prompt(tmp_path):
     custom = _run("chat-template", "--messages", str(path), "--no-generation-prompt",
                   "--chat-template", "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     assert custom.stdout.splitlines()[0] == repr("<system>Be brief.<user>Hi 你好")
+
+
+def test_serve_preflight_fails_fast_on_a_broken_folder_and_a_taken_port(tiny_llama, tmp_path):
+    import shutil
+    import socket
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])              # truncated download
+    result = _run("serve", "--model", str(broken), "--port", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "preflight failed" in result.stderr and "model.safetensors" in result.stderr
+    assert "re-download" in result.stderr
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("serve", "--model", tiny_llama, "--port", str(port), "--skip-tokenizer-init")
+    assert result.returncode == 2 and f"port {port}" in result.stderr
