@@ -4,6 +4,7 @@
     pagoda generate "Once upon a time" [--max-tokens 64] [engine flags]
     pagoda chat "What is the capital of France?" [--system ...] [engine flags]
     pagoda chat-template --model M --messages messages.json     # the exact rendered prompt, as repr
+    pagoda bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --out result.json  # load test any server
 
 A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
 """
@@ -14,6 +15,7 @@ import argparse
 import logging
 import sys
 
+from pagoda.bench.cli import add_bench_args
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.cli.serve import add_serve_args, serve
 from pagoda.errors import PagodaError
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--chat-template", default=None, help="override template: a file or the template text")
     tmpl.add_argument("--no-generation-prompt", action="store_true", help="do not append the assistant header")
     tmpl.add_argument("--trust-remote-code", action="store_true")
+    bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (concurrency sweep, SLO, knee)")
+    add_bench_args(bench)
     return parser
 
 
@@ -98,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             return serve(ns)
+        if ns.command == "bench":
+            from pagoda.bench.cli import run_bench
+
+            return run_bench(ns)
         if ns.command == "chat-template":
             _print_chat_template(ns)
             return 0
