@@ -1,8 +1,25 @@
 """Pagoda: an LLM serving engine with a paged KV cache and continuous batching."""
 
-from pagoda.engine.llm import LLM
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagoda.engine.llm import LLM
+    from pagoda.engine.outputs import CompletionOutput, RequestOutput
+    from pagoda.sampling_params import SamplingParams
+
+_EXPORTS = {"LLM": "pagoda.engine.llm", "RequestOutput": "pagoda.engine.outputs",
+            "CompletionOutput": "pagoda.engine.outputs", "SamplingParams": "pagoda.sampling_params"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `pagoda bench` / `pagoda plan` start without importing torch and the engine.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

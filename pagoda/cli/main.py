@@ -5,6 +5,8 @@
     pagoda chat "What is the capital of France?" [--system ...] [engine flags]
     pagoda chat-template --model M --messages messages.json     # the exact rendered prompt, as repr
     pagoda bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --out result.json  # load test any server
+    pagoda plan MODEL --gpu h200 [--tp N] [--max-model-len L] [--image 1000x750] [--json]   # KV/memory budget
+    pagoda doctor MODEL [--port 8000] [--json]                   # preflight checks, exit 1 on any FAIL
 
 A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
 """
@@ -16,6 +18,8 @@ import logging
 import sys
 
 from pagoda.bench.cli import add_bench_args
+from pagoda.tools.doctor import add_doctor_args
+from pagoda.tools.plan import add_plan_args
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.cli.serve import add_serve_args, serve
 from pagoda.errors import PagodaError
@@ -51,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--trust-remote-code", action="store_true")
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (concurrency sweep, SLO, knee)")
     add_bench_args(bench)
+    plan = sub.add_parser("plan", help="memory plan from config.json: weights, KV per token, blocks, concurrency, TP")
+    add_plan_args(plan)
+    doctor = sub.add_parser("doctor", help="preflight checks of a model folder and this machine")
+    add_doctor_args(doctor)
     return parser
 
 
@@ -106,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             from pagoda.bench.cli import run_bench
 
             return run_bench(ns)
+        if ns.command == "plan":
+            from pagoda.tools.plan import run_plan
+
+            return run_plan(ns)
+        if ns.command == "doctor":
+            from pagoda.tools.doctor import run_doctor
+
+            return run_doctor(ns)
         if ns.command == "chat-template":
             _print_chat_template(ns)
             return 0

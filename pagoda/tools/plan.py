@@ -212,9 +212,10 @@ def _size(n: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    where = (f"CPU, KV budget {_size(plan.memory_bytes_per_gpu)}" if plan.device == "cpu" else
+             f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}")
     lines = [
-        f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {plan.device} "
-        f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}",
+        f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {where}",
         f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU",
         f"KV cache per token: {_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
     ]

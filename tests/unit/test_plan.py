@@ -79,3 +79,26 @@ def test_cpu_plan_equals_engine_allocation_with_lf_state(fixture):
     llm = LLM(model=str(SHARED_FIXTURES / fixture), skip_tokenizer_init=True, cpu_kv_cache_space_gib=0.002,
               max_num_seqs=4)
     assert llm.engine.planned_blocks() == llm.engine.kv_layout.num_blocks - 1
+
+
+def test_cli_json_has_the_documented_keys(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "qwen2vl-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN2VL_7B))
+    out = subprocess.run([sys.executable, "-m", "pagoda", "plan", str(folder), "--gpu", "a100-80g", "--image",
+                          "1000x750", "--images-per-request", "2", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    for key in ("kv_bytes_per_token", "state_bytes_per_sequence", "weights_bytes_per_gpu", "kv_blocks",
+                "max_concurrency", "recommended_max_num_seqs", "valid_tensor_parallel_sizes", "image_tokens"):
+        assert key in plan, key
+    assert plan["kv_bytes_per_token"] == 56 * KiB and plan["image_tokens"] == 972
+    assert plan["image_tokens_per_request"] == 2 * 974
+    bad = subprocess.run([sys.executable, "-m", "pagoda", "plan", str(folder), "--gpu", "tpu9000"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Unknown --gpu" in bad.stderr and "Traceback" not in bad.stderr
