@@ -121,7 +121,7 @@ def qwen2vl_folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def vl_server(qwen2vl_folder, tmp_path_factory):
     """Default media policy (private URLs refused), file:// allowed under one folder."""
-    from conftest import ServerProcess
+    from e2e_server import ServerProcess
 
     media = tmp_path_factory.mktemp("media")
     (media / "local.png").write_bytes(encoded(60, 40, seed=5))

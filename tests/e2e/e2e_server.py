@@ -1,0 +1,89 @@
+"""The real `python -m pagoda serve` as a subprocess, for end-to-end tests (importable by test modules
+as `from e2e_server import ServerProcess`; `conftest` is not a unique module name across test folders)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from e2e_helpers import API_KEY, MODEL  # noqa: F401
+
+STARTUP_TIMEOUT_S = 120.0
+BASE_FLAGS = ["--served-model-name", MODEL, "--max-model-len", "2048", "--cpu-kv-cache-space-gib", "0.25",
+              "--host", "127.0.0.1", "--api-key", API_KEY, "--max-waiting-requests", "64",
+              "--disable-log-requests", "--enable-chunked-prefill", "--swap-space", "4"]  # vLLM-era flags too
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `pagoda serve` subprocess in its own session (so the engine child can be cleaned up with it)."""
+
+    def __init__(self, log_path: Path, extra_flags: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", "pagoda", "serve", *BASE_FLAGS, "--port", str(self.port), *extra_flags]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode} during startup:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"pagoda serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def engine_pid(self) -> int:
+        """The engine core: the server's child process that is not multiprocessing's resource tracker."""
+        try:
+            import psutil
+
+            children = [(c.pid, " ".join(c.cmdline())) for c in psutil.Process(self.proc.pid).children()]
+        except ImportError:
+            out = subprocess.run(["pgrep", "-a", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+            children = [(int(line.split(" ", 1)[0]), line) for line in out.splitlines() if line.strip()]
+        engines = [pid for pid, cmd in children if "resource_tracker" not in cmd]
+        assert len(engines) == 1, f"expected one engine child of {self.proc.pid}, found {children}"
+        return engines[0]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left of the session (the engine child if the server died hard): kill it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self._log.close()
