@@ -7,6 +7,7 @@
     pagoda bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --out result.json  # load test any server
     pagoda plan MODEL --gpu h200 [--tp N] [--max-model-len L] [--image 1000x750] [--json]   # KV/memory budget
     pagoda doctor MODEL [--port 8000] [--json]                   # preflight checks, exit 1 on any FAIL
+    pagoda batch --input batch.jsonl --output results.jsonl      # OpenAI Batch file (or --images/--urls/--page)
 
 A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
 """
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     doctor = sub.add_parser("doctor", help="preflight checks of a model folder and this machine")
     add_doctor_args(doctor)
+    from pagoda.batch.cli import add_batch_args  # argparse only: `pagoda` still starts fast
+
+    add_batch_args(sub.add_parser("batch", help="run an OpenAI Batch JSONL or images + a prompt against a server, "
+                                                "with retries, rate limit and resume"))
     return parser
 
 
@@ -122,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             from pagoda.tools.doctor import run_doctor
 
             return run_doctor(ns)
+        if ns.command == "batch":
+            from pagoda.batch.cli import run_batch
+
+            return run_batch(ns)
         if ns.command == "chat-template":
             _print_chat_template(ns)
             return 0
