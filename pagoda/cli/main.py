@@ -7,6 +7,7 @@
     pagoda bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --out result.json  # load test any server
     pagoda plan MODEL --gpu h200 [--tp N] [--max-model-len L] [--image 1000x750] [--json]   # KV/memory budget
     pagoda doctor MODEL [--port 8000] [--json]                   # preflight checks, exit 1 on any FAIL
+    pagoda router --port 8080 --backend URL --backend URL [--policy session]  # front for several servers
     pagoda batch --input batch.jsonl --output results.jsonl      # OpenAI Batch file (or --images/--urls/--page)
 
 A user mistake (bad flag value, missing model file...) prints one line and exits 2, no traceback.
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_args(sub.add_parser("batch", help="run an OpenAI Batch JSONL or images + a prompt against a server, "
                                                 "with retries, rate limit and resume"))
+    from pagoda.router.cli import add_router_args  # argparse only
+
+    add_router_args(sub.add_parser("router", help="OpenAI-compatible front for several servers: session affinity, "
+                                                  "health checks, retries, usage per key"))
     return parser
 
 
@@ -131,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             from pagoda.batch.cli import run_batch
 
             return run_batch(ns)
+        if ns.command == "router":
+            from pagoda.router.cli import run_router
+
+            return run_router(ns)
         if ns.command == "chat-template":
             _print_chat_template(ns)
             return 0

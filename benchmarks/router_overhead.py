@@ -1,0 +1,236 @@
+"""What `pagoda router` costs: `pagoda bench` around the router (straight to the backends) and through it.
+
+    python benchmarks/router_overhead.py --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 \
+        --api-key KEY --concurrency 256 --num-prompts 1024 --input-len 512 --output-len 256 [--rounds 2]
+    python benchmarks/router_overhead.py --fake-backends 3 --concurrency 256   # the router alone, no model
+
+"Around": one `pagoda bench` per backend, all at once, each with its share of the concurrency and prompts.
+"Through": one `pagoda bench` at the full concurrency against a router started here over the same backends
+(policy least-loaded by default, so the split matches; `--policy session` to measure the default policy).
+Runs alternate (around/through, then through/around...) and every run uses its own seed, so no run is
+helped by the previous one's prefix cache. From the per-request records (`--save-detailed`) it reports,
+pooled over the runs of each side: P50 TTFT, output tokens/s (all tokens / wall time of the run) and the
+median per-stream decode rate ((completion tokens - 1) / (E2E - TTFT)). Targets: +<= 1 ms P50 TTFT,
+>= 95 % tokens/s.
+
+`--fake-backends N` starts N tiny OpenAI-compatible servers here that stream `--output-len` chunks
+`--fake-tpot-ms` apart after `--fake-ttft-ms`: no model, so what remains is the router's own overhead
+(and the client's), measurable even on a small CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ok(url: str, timeout: float = 60.0, check: Any = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200 and (check is None or check(r)):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+# -- a fake backend: `python router_overhead.py --serve-fake PORT TTFT_MS TPOT_MS` ---------------------------
+def serve_fake(port: int, ttft_ms: float, tpot_ms: float) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def health(_: Any) -> Response:
+        return Response(status_code=200)
+
+    async def models(_: Any) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "bench"}]})
+
+    async def chat(request: Any) -> Any:
+        body = await request.json()
+        n = int(body.get("max_tokens") or 16)
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", []))
+        created, rid = int(time.time()), f"chatcmpl-{os.urandom(8).hex()}"
+
+        def frame(choices: list, usage: Any = None) -> str:
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                          "model": "fake", "choices": choices, "usage": usage},
+                                         separators=(",", ":")) + "\n\n"
+
+        async def events() -> Any:
+            await asyncio.sleep(ttft_ms / 1000)
+            yield frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(tpot_ms / 1000)
+                yield frame([{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}])
+            yield frame([{"index": 0, "delta": {}, "finish_reason": "length"}])
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield frame([], {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                 "total_tokens": prompt_tokens + n})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                            Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--concurrency", str(concurrency),
+           "--num-prompts", str(prompts), "--warmup", str(min(concurrency, ns.warmup)),
+           "--input-len", str(ns.input_len), "--output-len", str(ns.output_len), "--ignore-eos",
+           "--no-calibrate", "--seed", str(seed), "--save-detailed", "--no-progress", "--out", str(out),
+           "--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off"]
+    if ns.api_key:
+        cmd += ["--api-key", ns.api_key]
+    return cmd
+
+
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag: str) -> list[dict[str, Any]]:
+    """One bench per URL, all at once; returns the successful per-request records."""
+    procs = []
+    for i, (url, c, n) in enumerate(zip(urls, split(ns.concurrency, len(urls)), split(ns.num_prompts, len(urls)))):
+        if c == 0 or n == 0:
+            continue
+        out = tmp / f"{tag}-{seed}-{i}.json"
+        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns), cwd=REPO,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
+    records = []
+    for proc, out in procs:
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"pagoda bench failed ({proc.returncode}):\n{stderr[-2000:]}\n{stdout[-2000:]}")
+        for point in json.loads(out.read_text())["points"]:
+            records += [r for r in point.get("requests", []) if r.get("success")]
+    return records
+
+
+def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    ttfts = [r["ttft"] for run in runs for r in run if r.get("ttft") is not None]
+    rates = [(r["completion_tokens"] - 1) / (r["e2el"] - r["ttft"]) for run in runs for r in run
+             if (r.get("completion_tokens") or 0) > 1 and r["e2el"] > r["ttft"]]
+    throughputs = []
+    for run in runs:   # perf_counter is CLOCK_MONOTONIC: comparable across the parallel bench processes
+        wall = max(r["end"] for r in run) - min(r["start"] for r in run)
+        throughputs.append(sum(r.get("completion_tokens") or 0 for r in run) / wall)
+    return {"requests": sum(len(run) for run in runs), "p50_ttft_ms": statistics.median(ttfts) * 1000,
+            "output_tok_s": statistics.mean(throughputs), "median_stream_tok_s": statistics.median(rates)}
+
+
+def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--serve-fake":
+        serve_fake(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", action="append", default=[], help="backend root URL (repeat)")
+    p.add_argument("--fake-backends", type=int, default=0, help="start N fake streaming backends instead")
+    p.add_argument("--fake-ttft-ms", type=float, default=20.0)
+    p.add_argument("--fake-tpot-ms", type=float, default=20.0)
+    p.add_argument("--api-key", default=None, help="the backends' key (sent directly, and by the router)")
+    p.add_argument("--policy", default="least-loaded")
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=32, help="warm-up requests per bench process (at most its c)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="around+through pairs, alternating order")
+    p.add_argument("--out", default=None, help="write the summary JSON here")
+    ns = p.parse_args()
+
+    children: list[subprocess.Popen] = []
+    try:
+        backends = list(ns.backend)
+        for _ in range(ns.fake_backends):
+            port = free_port()
+            children.append(subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port),
+                                              str(ns.fake_ttft_ms), str(ns.fake_tpot_ms)]))
+            backends.append(f"http://127.0.0.1:{port}")
+        if not backends:
+            p.error("give --backend URL (repeatable) or --fake-backends N")
+        for url in backends:
+            wait_ok(url + "/health", 120)
+        port = free_port()
+        router_cmd = [sys.executable, "-m", "pagoda", "router", "--host", "127.0.0.1", "--port", str(port),
+                      "--policy", ns.policy, *[arg for u in backends for arg in ("--backend", u)]]
+        if ns.api_key:
+            router_cmd += ["--backend-api-key", ns.api_key]
+        t0 = time.monotonic()
+        children.append(subprocess.Popen(router_cmd, cwd=REPO))
+        router = f"http://127.0.0.1:{port}"
+        wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
+        print(f"router ready in {time.monotonic() - t0:.2f} s (healthy backends: {len(backends)})", file=sys.stderr)
+
+        around: list[list[dict[str, Any]]] = []
+        through: list[list[dict[str, Any]]] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for rnd in range(ns.rounds):
+                order = [("around", backends), ("through", [router])]
+                for tag, urls in (order if rnd % 2 == 0 else order[::-1]):
+                    seed = 1 + rnd * 2 + (tag == "through")
+                    records = run_side(urls, ns, seed, Path(tmp), tag)
+                    (around if tag == "around" else through).append(records)
+                    print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
+        a, t = summarize(around), summarize(through)
+        result = {
+            "config": {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
+                       "concurrency": ns.concurrency, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
+                       "output_len": ns.output_len, "rounds": ns.rounds},
+            "around": a, "through": t,
+            "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
+            "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
+            "stream_tok_s_ratio": t["median_stream_tok_s"] / a["median_stream_tok_s"],
+        }
+        print(f"{'':10}{'requests':>10}{'P50 TTFT ms':>14}{'out tok/s':>12}{'stream tok/s':>14}")
+        for name, s in (("around", a), ("through", t)):
+            print(f"{name:10}{s['requests']:>10}{s['p50_ttft_ms']:>14.2f}{s['output_tok_s']:>12.1f}"
+                  f"{s['median_stream_tok_s']:>14.2f}")
+        print(f"router adds {result['ttft_p50_added_ms']:+.2f} ms P50 TTFT (target <= 1 ms); output tok/s "
+              f"x{result['output_tok_s_ratio']:.3f}, per-stream tok/s x{result['stream_tok_s_ratio']:.3f} "
+              f"(target >= 0.95)")
+        if ns.out:
+            Path(ns.out).write_text(json.dumps(result, indent=2))
+        return 0
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
