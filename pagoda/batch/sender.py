@@ -274,7 +274,7 @@ class Runner:
                 loop.add_signal_handler(sig, self._on_signal, sig)
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):
-                pass
+                pass        # no signal handlers here (not the main thread, or Windows): Ctrl-C stays default
         if self.cfg.progress:
             from tqdm import tqdm
 

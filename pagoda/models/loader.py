@@ -8,6 +8,9 @@ error naming it, never a silently random tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -42,29 +45,61 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         param.copy_(values.to(param.dtype))
 
 
-def load_weights(model: nn.Module, source: ModelSource) -> None:
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
-    rename = getattr(model, "map_weight_name", lambda n: n)
-    for name, tensor in source.iter_weights():
-        name = rename(name)
-        if model.skip_weight(name):
-            continue
-        target, shard = _map_name(name, mapping)
-        param = params.get(target)
+@dataclass
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter (or its shard of a fused one) and the loader."""
+
+    key: str                                # "param" or "param:shard", for the completeness check
+    param: nn.Parameter
+    loader: Callable[..., None]
+    shard: str | None
+
+
+class WeightRouter:
+    """Checkpoint names → parameters of a model, the one routing shared by loading and by
+    `pagoda doctor` (which dry-runs it on a meta-device model against the safetensors headers)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+        self.rename = getattr(model, "map_weight_name", lambda n: n)
+        self.loaded: set[str] = set()
+
+    def target(self, checkpoint_name: str) -> WeightTarget | None:
+        """None for entries the model skips; KeyError when no parameter matches."""
+        name = self.rename(checkpoint_name)
+        if self.model.skip_weight(name):
+            return None
+        target, shard = _map_name(name, self.mapping)
+        param = self.params.get(target)
         if param is None:
-            raise ModelLoadError(f"Checkpoint tensor {name!r} has no matching parameter in "
-                                 f"{type(model).__name__}; is config.json's architecture right?")
-        owner = modules[target.rpartition(".")[0]]
-        loader = getattr(owner, "weight_loader", default_weight_loader)
+            raise KeyError(name)
+        owner = self.modules[target.rpartition(".")[0]]
+        return WeightTarget(f"{target}:{shard}" if shard is not None else target, param,
+                            getattr(owner, "weight_loader", default_weight_loader), shard)
+
+    def check_complete(self) -> None:
+        _check_complete(self.model, self.params, self.mapping, self.loaded)
+
+
+def load_weights(model: nn.Module, source: ModelSource) -> None:
+    router = WeightRouter(model)
+    for name, tensor in source.iter_weights():
         try:
-            loader(param, tensor.to(param.dtype), shard)
+            target = router.target(name)
+        except KeyError as exc:
+            raise ModelLoadError(f"Checkpoint tensor {exc.args[0]!r} has no matching parameter in "
+                                 f"{type(model).__name__}; is config.json's architecture right?") from None
+        if target is None:
+            continue
+        try:
+            target.loader(target.param, tensor.to(target.param.dtype), target.shard)
         except ValueError as exc:
-            raise ModelLoadError(f"Checkpoint tensor {name!r}: {exc}") from None
-        loaded.add(f"{target}:{shard}" if shard is not None else target)
-    _check_complete(model, params, mapping, loaded)
+            raise ModelLoadError(f"Checkpoint tensor {router.rename(name)!r}: {exc}") from None
+        router.loaded.add(target.key)
+    router.check_complete()
 
 
 def _map_name(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

@@ -589,8 +589,7 @@ def _check_weights_match_model(state: _State) -> Check:
 
     from pagoda.config import _derived_max_model_len
     from pagoda.errors import PagodaError
-    from pagoda.layers.linear import default_weight_loader
-    from pagoda.models.loader import _check_complete, _map_name
+    from pagoda.models.loader import WeightRouter
     from pagoda.models.registry import get_model_class
 
     cfg = state.hf_config
@@ -605,39 +604,33 @@ def _check_weights_match_model(state: _State) -> Check:
     except (KeyError, TypeError, ValueError) as exc:
         return Check("checkpoint vs model", "FAIL", f"the model cannot be built from config.json "
                      f"({type(exc).__name__}: {exc})", "fix config.json or re-download it")
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    mapping = getattr(model, "packed_modules_mapping", {})
-    rename = getattr(model, "map_weight_name", lambda n: n)
-    loaded: set[str] = set()
+    router = WeightRouter(model)
+    params = router.params
     problems: list[str] = []
     count = 0
     for header in state.headers.values():
         for raw_name, info in header.items():
             if raw_name == "__metadata__":
                 continue
-            name = rename(raw_name)
-            if model.skip_weight(name):
-                continue
-            target, shard = _map_name(name, mapping)
-            param = params.get(target)
-            if param is None:
+            try:
+                target = router.target(raw_name)
+            except KeyError:
                 problems.append(f"checkpoint tensor {raw_name!r} has no parameter in {model_class.__name__}")
                 continue
-            owner = modules[target.rpartition(".")[0]]
-            weight_loader = getattr(owner, "weight_loader", default_weight_loader)
+            if target is None:
+                continue
             try:
-                weight_loader(param, torch.empty([int(d) for d in info["shape"]], dtype=param.dtype, device="meta"),
-                              shard)
+                empty = torch.empty([int(d) for d in info["shape"]], dtype=target.param.dtype, device="meta")
+                target.loader(target.param, empty, target.shard)
             except ValueError as exc:
                 problems.append(f"{raw_name!r}: {exc}")
             except (NotImplementedError, RuntimeError):
                 pass            # this loader cannot run on meta tensors: loading will check the shape
-            loaded.add(f"{target}:{shard}" if shard is not None else target)
+            router.loaded.add(target.key)
             count += 1
     if not problems:
         try:
-            _check_complete(model, params, mapping, loaded)
+            router.check_complete()
         except PagodaError as exc:
             problems.append(exc.message)
     if problems:
