@@ -203,9 +203,12 @@ def test_video_frames_and_local_file(client, http, vl_server):
 
 
 def test_streaming_with_an_image(client):
-    stream = client.chat.completions.create(model=MODEL, messages=user(image_part(data_uri(encoded(70, 70))), "go"),
-                                            max_tokens=4, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) is not None
+    messages = user(image_part(data_uri(encoded(70, 70))), "go")
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert streamed == whole.choices[0].message.content
 
 
 def _truncated_png() -> str:
