@@ -27,7 +27,8 @@ _HELP = {
     "trust_remote_code": "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder",
     "skip_tokenizer_init": "do not load a tokenizer (token-id prompts only)",
     "load_format": "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)",
-    "attention_backend": "auto | torch | triton (experimental: Triton paged-attention kernels, CUDA only)",
+    "attention_backend": "auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)",
+    "enforce_eager": "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)",
 }
 
 

@@ -61,6 +61,7 @@ class LLM:
         allowed_local_media_path: str | None = None,
         allow_private_media_urls: bool = False,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ):
         self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -69,7 +70,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
             trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format,
-            attention_backend=attention_backend))
+            attention_backend=attention_backend, enforce_eager=enforce_eager))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source

@@ -42,6 +42,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, set(self.token_info.eos_token_ids))
         self.kv_layout = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.kv_layout)
+        if config.device.cuda_graphs:
+            self.runner.enable_decode_graphs()
         self.block_manager = BlockManager(self.kv_layout.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))

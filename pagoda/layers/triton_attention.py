@@ -6,8 +6,9 @@ possibly after a cached prefix), converts indices to int32 on the device, and bu
 tile list. `forward` then runs per layer with no host-device sync and no Python loop over requests
 (store K/V, one decode launch (+ its split-K reduce), one prefill launch), so a decode step can be
 captured in a CUDA graph later; for that, fix the split count (`decode_splits`), since the rule
-depends on the step's longest sequence, and copy the prepared tensors into static buffers (padding
-rows: seq_len 0 gives zeros, slot -1 stores nothing).
+depends on the step's longest sequence, and copy the step's values into static buffers (padding
+rows: seq_len 0 gives zeros, slot -1 stores nothing) — `decode_metadata` builds the metadata over
+such buffers (`pagoda/worker/cuda_graphs.py`).
 
 Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
 never read cache slots at or past a row's length, so they do not rely on blocks being zeroed.
@@ -97,6 +98,17 @@ class TritonAttentionBackend(AttentionBackend):
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(device)
         return TritonAttentionMetadata(batch.slot_mapping, decode, tiles, block_tables,
                                        batch.query_start_loc.to(torch.int32), seq_lens, num_sms)
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        max_seq_len: int) -> TritonAttentionMetadata:
+        """Metadata for a pure decode step over caller-owned tensors (row i = token i), for CUDA-graph
+        capture: the tensors' storage is what the graph reads on every replay, and max_seq_len (an
+        upper bound, e.g. max_model_len) fixes the split-K count for the capture."""
+        decode = _DecodeRows(None, block_tables, seq_lens, max_seq_len)
+        rows = seq_lens.shape[0]
+        query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=seq_lens.device)
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
+        return TritonAttentionMetadata(slot_mapping, decode, None, block_tables, query_start_loc, seq_lens, num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:

@@ -232,6 +232,8 @@ class YuanForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_positions: int):
         super().__init__()
         self.shape = YuanShape(cfg)
+        # The expert loop reads the chosen experts on the host (a sync): no CUDA-graph capture for MoE.
+        self.supports_cuda_graphs = not self.shape.use_moe
         # The config class defaults to tied embeddings; the checkpoints store an identical lm_head.
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))

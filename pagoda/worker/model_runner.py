@@ -24,6 +24,7 @@ from pagoda.models.source import ModelSource
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.multimodal.inputs import MultiModalInputs
+from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.state_slots import StateSlotPool
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.accepts_multimodal = hasattr(self.model, "encode")
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
+        self.decode_graphs: DecodeGraphs | None = None   # set by `enable_decode_graphs`
 
     @staticmethod
     def _make_backend(name: str) -> AttentionBackend:
@@ -98,6 +100,23 @@ class ModelRunner:
             self.kv_caches.append((k, v))
         if self.state_snapshots:
             self.state_pool.allocate_snapshots(layout.num_blocks)
+
+    def enable_decode_graphs(self, capture: bool = True, buckets: list[int] | None = None) -> None:
+        """Run pure decode steps of up to max_num_seqs rows from static buffers, replaying CUDA graphs
+        captured now (capture=False: the same buffers, run eagerly — for tests on the CPU). Call after
+        `initialize_kv_cache` with the real cache: graphs hold the cache's addresses."""
+        if self.backend.name != "triton":
+            raise ValueError("decode graphs need the Triton attention backend")
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            logger.info("%s cannot be captured in CUDA graphs: decode steps run eagerly", type(self.model).__name__)
+            return
+        cfg = self.config
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.backend, cfg.scheduler.max_num_seqs, -(-cfg.model.max_model_len // self.block_size),
+            self.block_size, cfg.model.max_model_len, self.device,
+            self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
+            self.uses_mrope, buckets, capture)
+        self.decode_graphs.capture_all()
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -213,6 +232,9 @@ class ModelRunner:
             return StepOutput({})
         request_ids = list(so.num_scheduled_tokens)
         states = [self.states[rid] for rid in request_ids]
+        if (self.decode_graphs is not None and so.total_num_scheduled_tokens == len(states)
+                and len(states) <= self.decode_graphs.max_rows):
+            return self._execute_decode_graph(request_ids, states)
         query_lens = [so.num_scheduled_tokens[rid] for rid in request_ids]
         starts = [s.num_computed_tokens for s in states]
         seq_lens = [a + n for a, n in zip(starts, query_lens)]
@@ -254,6 +276,30 @@ class ModelRunner:
             return StepOutput({})
         last_token = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
         logits = self.model.compute_logits(hidden[last_token])
+        return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+
+    def _execute_decode_graph(self, request_ids: list[str], states: list[RunnerRequestState]) -> StepOutput:
+        """A step where every row has exactly one token: static buffers + a captured graph."""
+        positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        token_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), np.int64, len(states))
+        bs = self.block_size
+        block_of = np.fromiter((s.block_ids[p // bs] for s, p in zip(states, positions.tolist())), np.int64,
+                               len(states))
+        inputs = DecodeInputs(token_ids, positions, block_of * bs + positions % bs, [s.block_ids for s in states])
+        if self.state_pool is not None:
+            inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
+        if self.uses_mrope and any(s.mm_inputs is not None for s in states):
+            ends = (positions + 1).tolist()
+            inputs.mrope_positions = self._mrope_positions(states, positions.tolist(), ends)
+        logits = self.decode_graphs.run(inputs)
+        # A one-token row samples unless it is a 1-token prefill chunk short of its prompt's end.
+        sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
+        for s in states:
+            s.num_computed_tokens += 1
+        if not sample_rows:
+            return StepOutput({})
+        if len(sample_rows) < len(states):
+            logits = logits[torch.tensor(sample_rows, device=logits.device)]
         return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The memory behind per-sequence recurrent state (see `layers/sequence_state.py`).
 
-- `state`     [num_layers, num_slots, width]: one slot per running sequence (num_slots =
+- `state`     [num_layers, num_slots + 1, width]: one slot per running sequence (num_slots =
   max_num_seqs, since only running sequences hold one). A slot is zeroed when handed out — zeros
   are exactly the state before a sequence's first token — or filled from a prefix-cache snapshot.
 - `snapshots` [num_layers, num_blocks, width]: the state after the last token of each KV block,
@@ -29,7 +29,10 @@ class StateSlotPool:
         assert len(widths) == 1, f"stateful layers must share one state width, got {widths}"
         self.layers = layers
         self.width = widths.pop()
-        self.state = torch.zeros(len(layers), num_slots, self.width, dtype=dtype, device=device)
+        # One spare slot past the handed-out ones: padding rows of a captured decode step (CUDA
+        # graphs run a fixed number of rows) read and write it, never a live sequence's slot.
+        self.scratch_slot = num_slots
+        self.state = torch.zeros(len(layers), num_slots + 1, self.width, dtype=dtype, device=device)
         self.snapshots = torch.empty(len(layers), 0, self.width, dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))     # pop() hands out slot 0 first
         self._bind()

@@ -1,0 +1,199 @@
+"""Where a decode step's time goes, on the GPU: attention kernels alone, then whole engine steps.
+
+    python benchmarks/decode_profile.py [--shape yuan2-2b] [--backends torch,triton]
+        [--batches 1,64,256] [--context 512] [--steps 20] [--out DIR]
+
+1. Kernels: one layer's decode attention (Yuan2-2B: 32 heads of 64, block 16) for each backend at
+   each batch size, timed with `triton.testing.do_bench`, against the memory floor (K and V bytes
+   read / measured copy bandwidth).
+2. Engine: for each backend (its own subprocess: a clean GPU), B requests of --context prompt
+   tokens are prefilled, then --steps decode steps are timed one by one: wall time of
+   `LLMEngine.step()` (synchronised), the GPU time of the model forward (CUDA events), and the host
+   time around it. A torch.profiler table of a few steps goes to DIR/profile_<backend>_<B>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_shapes import SHAPES, write_config  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    import torch
+    import triton.testing
+
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def kernel_bench(batches: list[int], context: int, bandwidth: float) -> list[dict]:
+    import torch
+    import triton.testing
+
+    from pagoda.layers.attention import AttentionBatch
+    from pagoda.layers.torch_attention import TorchAttentionBackend
+    from pagoda.layers.triton_attention import TritonAttentionBackend
+
+    heads, dim, block = 32, 64, 16
+    rows = []
+    for b in batches:
+        blocks_per = -(-(context + 1) // block)
+        num_blocks = b * blocks_per + 1
+        k_cache = torch.randn(num_blocks, block, heads, dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: b * blocks_per] + 1   # scattered blocks
+        tables = perm.view(b, blocks_per).long()
+        seq = [context + 1] * b
+        slots = tables[:, context // block] * block + context % block
+        batch = AttentionBatch([1] * b, seq, torch.arange(b + 1, device="cuda"),
+                               torch.tensor(seq, device="cuda"), tables, slots, block)
+        q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn_like(q)
+        v = torch.randn_like(q)
+        floor_ms = 2 * b * (context + 1) * heads * dim * 2 / bandwidth * 1e3
+        for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+            meta = backend.prepare(batch)
+            ms = triton.testing.do_bench(lambda: backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5),
+                                         warmup=10, rep=100)
+            rows.append({"backend": backend.name, "batch": b, "context": context, "ms": ms,
+                         "floor_ms": floor_ms, "x_floor": ms / floor_ms})
+            print(f"kernel {backend.name:6s} B={b:4d} ctx={context}: {ms * 1e3:8.1f} us  "
+                  f"(floor {floor_ms * 1e3:6.1f} us, x{ms / floor_ms:.2f})", flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def engine_steps(model: str, backend: str, batches: list[int], context: int, steps: int, out: str | None,
+                 extra: dict) -> list[dict]:
+    import torch
+
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=context + 4 * steps + 64, attention_backend=backend, seed=0, **extra)
+    engine = llm.engine
+    runner = engine.runner
+    events: list[tuple] = []
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def before(*_):
+        if not cuda:
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        events.append((start,))
+
+    def after(*_):
+        if not cuda:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        events[-1] = (events[-1][0], end)
+
+    runner.model.register_forward_pre_hook(before)
+    runner.model.register_forward_hook(after)
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 32, ignore_eos=True)
+    results = []
+    for b in batches:
+        ids = [f"b{b}-{i}" for i in range(b)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
+        while engine.scheduler.num_waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        sync()
+        walls, gpu = [], []
+        for _ in range(steps):
+            events.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append((time.perf_counter() - t0) * 1e3)
+            gpu.append(sum(s.elapsed_time(e) for s, e in events))
+        walls.sort()
+        gpu.sort()
+        row = {"backend": backend, "batch": b, "context": context, "step_ms_p50": walls[len(walls) // 2],
+               "forward_gpu_ms_p50": gpu[len(gpu) // 2], "running": engine.scheduler.num_running}
+        if out and cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    engine.step()
+                sync()
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+            with open(os.path.join(out, f"profile_{backend}_{b}.txt"), "w") as f:
+                f.write(table)
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        print(f"engine {backend:6s} B={b:4d}: step {row['step_ms_p50']:.2f} ms, forward GPU "
+              f"{row['forward_gpu_ms_p50']:.2f} ms", flush=True)
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="yuan2-2b", choices=sorted(SHAPES))
+    ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--extra", default="{}", help="JSON of extra LLM(...) arguments")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.one:
+        rows = engine_steps(args.one, args.backends, batches, args.context, args.steps, args.out,
+                            json.loads(args.extra))
+        print("RESULT " + json.dumps(rows))
+        return
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    summary: dict = {"shape": args.shape}
+    if not args.skip_kernels:
+        bw = copy_bandwidth()
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+        summary["copy_bandwidth"] = bw
+        summary["kernels"] = kernel_bench(batches, args.context, bw)
+    summary["engine"] = []
+    with tempfile.TemporaryDirectory() as folder:
+        model = write_config(folder, args.shape)
+        for backend in args.backends.split(","):
+            cmd = [sys.executable, __file__, "--one", model, "--backends", backend, "--batches", args.batches,
+                   "--context", str(args.context), "--steps", str(args.steps), "--extra", args.extra]
+            if args.out:
+                cmd += ["--out", args.out]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            print(proc.stdout[-3000:].replace("RESULT", "result"), flush=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                print(f"{backend} failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+                continue
+            summary["engine"] += json.loads(line[len("RESULT "):])
+    if args.out:
+        with open(os.path.join(args.out, f"decode_profile_{args.shape}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

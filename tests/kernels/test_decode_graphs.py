@@ -1,0 +1,94 @@
+"""Decode steps through the CUDA-graph path (`pagoda/worker/cuda_graphs.py`) reproduce the Yuan2
+goldens: static buffers, padding rows (scratch LF state slot, no K/V store, null-block snapshots),
+prefix-cache snapshots written inside the graph and restored by a later request.
+
+On the CPU the graph path runs without capture (the Triton interpreter, same buffers and padding);
+on a GPU the engine captures real CUDA graphs at startup and these tests replay them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.cuda_graphs import default_buckets
+from tests.conftest import SHARED_FIXTURES
+
+CUDA = torch.cuda.is_available()
+
+
+def _engine(fixture: str, **overrides) -> LLMEngine:
+    args = dict(model=str(SHARED_FIXTURES / fixture), skip_tokenizer_init=True, dtype="float32",
+                attention_backend="triton", block_size=4, num_gpu_blocks_override=200, max_num_seqs=8,
+                device="cuda" if CUDA else "cpu")
+    engine = LLMEngine(EngineConfig.create(EngineArgs(**(args | overrides))))
+    if not CUDA:
+        engine.runner.enable_decode_graphs(capture=False)
+    return engine
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def test_default_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(6) == [1, 2, 4, 6]
+    assert default_buckets(8) == [1, 2, 4, 8]
+    assert default_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and default_buckets(256)[-1] == 256
+    assert default_buckets(100)[-2:] == [96, 100]
+
+
+def test_yuan_goldens_through_decode_graphs():
+    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = golden["cases"]                       # 1, 2, 7, 23 and 45 prompt tokens
+    engine = _engine("yuan2-tiny")
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    used = []
+    run = graphs.run
+    graphs.run = lambda inputs: used.append(graphs.bucket(len(inputs.token_ids))) or run(inputs)
+    for round_ in range(2):                       # round 1 restores LF snapshots written by graph steps
+        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, 16)
+        for i, case in enumerate(cases):
+            assert done[f"{round_}-{i}"] == case["greedy_16"], f"round {round_}, case {i}"
+    assert engine.block_manager.prefix_hits > 0
+    assert 8 in used and len(used) >= 15          # 5 rows padded to the bucket of 8, most steps graphed
+    # Every slot but the scratch one is free again once the runner hears of the last finishes.
+    engine.step()
+    pool = engine.runner.state_pool
+    assert sorted(pool._free) == list(range(pool.scratch_slot))
+
+
+def test_yuan_one_row_at_a_time_matches_golden_steps():
+    """Bucket 1 and 2 (no padding / one padding row), prompts decoded alone and in a pair."""
+    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    engine = _engine("yuan2-tiny", max_num_seqs=2)
+    assert engine.runner.decode_graphs.buckets == [1, 2]
+    a, b, c = golden["cases"][0], golden["cases"][2], golden["cases"][4]
+    assert _run(engine, {"a": a["prompt_ids"]}, 16)["a"] == a["greedy_16"]
+    done = _run(engine, {"b": b["prompt_ids"], "c": c["prompt_ids"]}, 16)
+    assert done["b"] == b["greedy_16"] and done["c"] == c["greedy_16"]
+
+
+@pytest.mark.parametrize("fixture", ["yuan2-tiny"])
+def test_enforce_eager_and_moe_skip_graphs(fixture):
+    engine = LLMEngine(EngineConfig.create(EngineArgs(
+        model=str(SHARED_FIXTURES / fixture), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        attention_backend="triton" if CUDA else "torch", num_gpu_blocks_override=50,
+        device="cuda" if CUDA else "cpu")))
+    assert not engine.config.device.cuda_graphs and engine.runner.decode_graphs is None
+    moe = _engine("yuan2-m32-tiny")
+    assert moe.runner.decode_graphs is None      # the expert loop syncs with the host
