@@ -1,0 +1,207 @@
+"""Host time of one engine step beyond the model, at a full decode batch (CPU; no GPU needed).
+
+    python benchmarks/host_overhead.py [--batch 256] [--steps 48] [--prompt-len 40]
+        [--configs greedy,greedy+detok,sampled+detok,rep+detok] [--profile CONFIG] [--json FILE]
+
+An `LLMEngine` on a tiny random Llama (2 layers, hidden 64, load_format="dummy") with the
+SmolLM2 vocabulary (49152 ids; its tokenizer comes from the embedded default model's GGUF) gets
+`--batch` requests of ~`--prompt-len` random prompt tokens (max_tokens large, ignore_eos) in
+streaming (delta) mode, as the server drives it. Once every request decodes, `--steps` calls of
+`LLMEngine.step()` are timed, each split into
+
+  schedule    Scheduler.schedule()
+  prep        ModelRunner.execute() minus the timed parts below: state diff, input arrays and
+              tensors, sample-row selection, token bookkeeping (the runner's host work)
+  forward     model forward (+ compute_logits): device work, excluded from the host total
+  samp_prep   building the sampler's batch (SamplingBatch.build): host work
+  sampler     Sampler.forward: device work, excluded from the host total
+  update      Scheduler.update()
+  process     OutputProcessor.process() (incremental detokenization in the +detok configs)
+
+Per-step µs are medians over the timed steps (the per-block-boundary steps included; means are
+in the JSON). Configs: greedy (no tokenizer), greedy+detok, sampled+detok (temperature 0.8,
+top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), seeded+detok
+(sampled with a per-request seed), logprobs (greedy, logprobs=5, with detok).
+--profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
+compute included: read the host rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pagoda import LLM, SamplingParams  # noqa: E402
+
+VOCAB = 49152
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+
+CONFIGS = {
+    "greedy": (False, dict(temperature=0.0)),
+    "greedy+detok": (True, dict(temperature=0.0)),
+    "sampled+detok": (True, dict(temperature=0.8, top_p=0.95)),
+    "rep+detok": (True, dict(temperature=0.0, repetition_penalty=1.05)),
+    "seeded+detok": (True, dict(temperature=0.8, top_p=0.95, seed=1)),
+    "logprobs+detok": (True, dict(temperature=0.0, logprobs=5)),
+}
+PARTS = ["schedule", "prep", "samp_prep", "update", "process", "forward", "sampler"]
+HOST = ["schedule", "prep", "samp_prep", "update", "process"]
+
+
+def model_folder(root: str) -> str:
+    """config.json of the tiny model + the SmolLM2 tokenizer files."""
+    from pagoda.models.gguf_checkpoint import default_gguf_path, load_gguf_tokenizer
+
+    folder = os.path.join(root, "tiny-smol")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    load_gguf_tokenizer(default_gguf_path()).save_pretrained(folder)
+    return folder
+
+
+class Timer:
+    """Wraps callables so each call's wall time is added to one bucket of the current step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        self.keep: list = []            # tensors freed only after a step's timing
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[name] += time.perf_counter() - t0
+        return timed
+
+
+def instrument(engine, timer: Timer) -> None:
+    import pagoda.layers.sampler as sampler_mod
+
+    runner = engine.runner
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timer.wrap("update", engine.scheduler.update)
+    engine.output_processor.process = timer.wrap("process", engine.output_processor.process)
+    runner.execute = timer.wrap("execute", runner.execute)
+    runner.model.forward = timer.wrap("forward", runner.model.forward)
+    # The logits ([B, V] float32, 50 MB here) are kept until the step's timing is over: on the CPU,
+    # freeing them at the end of execute() is an munmap of several ms that a GPU's caching
+    # allocator does not have, and it would be counted as the runner's host work.
+    compute_logits = runner.model.compute_logits
+
+    def keep_logits(*args, **kwargs):
+        logits = compute_logits(*args, **kwargs)
+        timer.keep.append(logits)
+        return logits
+    runner.model.compute_logits = timer.wrap("forward", keep_logits)
+    runner.sampler.forward = timer.wrap("sampler", runner.sampler.forward)
+    build = sampler_mod.SamplingBatch.build.__func__
+    sampler_mod.SamplingBatch.build = classmethod(
+        lambda cls, *a, **k: timer.wrap("samp_prep", build)(cls, *a, **k))
+    # An incremental sampler state (if the runner has one) is sampling prep too.
+    state = getattr(runner, "sampling_state", None)
+    if state is not None:
+        for name in ("add", "remove", "append", "batch"):
+            if hasattr(state, name):
+                setattr(state, name, timer.wrap("samp_prep", getattr(state, name)))
+
+
+def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool) -> dict:
+    detok, knobs = CONFIGS[name]
+    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=not detok, max_model_len=2048,
+              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), cpu_kv_cache_space_gib=1.0,
+              seed=0)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
+    for i in range(batch):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
+        engine.add_request(str(i), prompt, params, delta=True)
+    while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):                                       # warm up the decode path
+        engine.step()
+    timer = Timer()
+    instrument(engine, timer)
+    samples: list[dict[str, float]] = []
+    prof = cProfile.Profile() if profile else None
+    for _ in range(steps):
+        timer.step = defaultdict(float)
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        outs = engine.step()
+        if prof:
+            prof.disable()
+        total = time.perf_counter() - t0
+        timer.keep.clear()
+        assert len(outs) == batch and engine.scheduler.num_running == batch
+        s = dict(timer.step)
+        s["prep"] = s.pop("execute") - s.get("forward", 0) - s.get("sampler", 0) - s.get("samp_prep", 0)
+        s["other"] = total - sum(s.get(k, 0) for k in ("schedule", "update", "process")) - (
+            s["prep"] + s.get("forward", 0) + s.get("sampler", 0) + s.get("samp_prep", 0))
+        s["host"] = sum(s.get(k, 0) for k in HOST) + s["other"]
+        s["step"] = total
+        samples.append(s)
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print(out.getvalue())
+    keys = PARTS + ["other", "host", "step"]
+    return {
+        "median_us": {k: 1e6 * statistics.median(s.get(k, 0.0) for s in samples) for k in keys},
+        "mean_us": {k: 1e6 * statistics.fmean(s.get(k, 0.0) for s in samples) for k in keys},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=40)
+    ap.add_argument("--configs", default="greedy,greedy+detok,sampled+detok,rep+detok")
+    ap.add_argument("--profile", default=None, help="cProfile this config")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    if args.profile and args.profile not in names:
+        names.append(args.profile)
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        folder = model_folder(root)
+        for name in names:
+            results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile)
+    cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "forward", "sampler"]
+    print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step "
+          f"(host = schedule+prep+samp_prep+update+process+other; forward/sampler = device work on CPU)")
+    print(f"{'config':16s}" + "".join(f"{c:>11s}" for c in cols))
+    for name, r in results.items():
+        print(f"{name:16s}" + "".join(f"{r['median_us'][c]:11.0f}" for c in cols))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "steps": args.steps, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
