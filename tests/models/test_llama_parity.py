@@ -38,7 +38,8 @@ def _our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 def test_prefill_and_greedy_decode_match_transformers(kind, request):
     folder = request.getfixturevalue(f"tiny_{kind}")
     hf = _hf_model(folder)
-    # device="auto": the CPU in CI, the GPU when run on the device machine (reference backend both).
+    # device="auto": the CPU in CI (PyTorch backend), the GPU on the device machine (Triton backend,
+    # decode steps replayed from CUDA graphs).
     llm = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256, dtype="float32")
 
     for prompt in PROMPTS:
@@ -47,12 +48,15 @@ def test_prefill_and_greedy_decode_match_transformers(kind, request):
             ref = hf(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
-    # 20 greedy steps: capture the logits our engine samples from at each step.
+    # 20 greedy steps: capture the logits our engine samples from at each step (where the runner
+    # samples, so replayed CUDA graphs on a GPU are covered too).
     captured: list[torch.Tensor] = []
-    hook = llm.engine.runner.model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach().clone()))
+    runner = llm.engine.runner
+    sample = runner._sample
+    runner._sample = lambda ids, states, logits: captured.append(logits.detach().clone()) or sample(ids, states, logits)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    hook.remove()
+    runner._sample = sample
     ours_by_step = torch.cat(captured).cpu()          # rows: step-major, prompt order within a step
     for row, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
         with torch.inference_mode():
