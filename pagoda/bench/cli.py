@@ -71,6 +71,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="measured requests per point (default max(8*c, 16); open loop without a cap: 100)")
     g.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each point (default c)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--client-processes", type=_positive, default=1,
+                   help="spread each point's requests over N client processes, so the client is not the "
+                        "bottleneck at high concurrency (default 1; never more than the concurrency)")
+    g.add_argument("--prompts-per-concurrency", type=_positive, default=None,
+                   help="measured requests per point = this x c (at least 8), instead of --num-prompts")
 
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "jsonl"), default="random")
@@ -124,8 +129,15 @@ def _plan_points(ns: argparse.Namespace) -> list[Any]:
         warmup = ns.warmup if ns.warmup is not None else (cap or 1)
         return [PointConfig(cap, n, warmup, ns.request_rate, ns.burstiness, open_loop=True)]
     ladder = ns.concurrency or _ladder(DEFAULT_LADDER)
-    return [PointConfig(c, ns.num_prompts or max(8 * c, 16), c if ns.warmup is None else ns.warmup)
-            for c in ladder]
+    if ns.prompts_per_concurrency and ns.num_prompts:
+        raise BenchUsageError("give --num-prompts or --prompts-per-concurrency, not both")
+
+    def count(c: int) -> int:
+        if ns.prompts_per_concurrency:
+            return max(ns.prompts_per_concurrency * c, 8)
+        return ns.num_prompts or max(8 * c, 16)
+
+    return [PointConfig(c, count(c), c if ns.warmup is None else ns.warmup) for c in ladder]
 
 
 def _build_workload(ns: argparse.Namespace, model: str) -> Any:
@@ -254,7 +266,7 @@ def _run(ns: argparse.Namespace) -> int:
     try:
         for i, cfg in enumerate(plan):
             point = asyncio.run(run_point(target, workload, cfg, slo, ns.seed + i, not ns.no_progress,
-                                          ns.save_detailed))
+                                          ns.save_detailed, ns.client_processes))
             points.append(point)
             print(_point_line(point), file=sys.stderr, flush=True)
     except KeyboardInterrupt:

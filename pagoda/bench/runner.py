@@ -129,39 +129,106 @@ async def _run_requests(client: httpx.AsyncClient, target: Target, bodies: list[
     return list(await asyncio.gather(*tasks))
 
 
+def _client_share(total: int | None, processes: int, index: int) -> int | None:
+    """Process `index`'s part of a count split as evenly as possible (None stays None)."""
+    if total is None:
+        return None
+    return total // processes + (1 if index < total % processes else 0)
+
+
+def _client_process(target: Target, warm: list[dict], bodies: list[dict], cap: int | None, request_rate: float,
+                    burstiness: float, seed: int, start_at: Any, conn: Any) -> None:
+    """One client process of a multi-process point: its own event loop and connection pool, released by
+    `start_at` (a barrier) together with the others; sends back (results, cpu seconds, t0, t1)."""
+
+    async def go() -> tuple[list[RequestResult], float, float, float]:
+        limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout), limits=limits) as client:
+            if warm:
+                await _run_requests(client, target, warm, cap or len(warm), math.inf, 1.0, seed, None)
+            await asyncio.get_running_loop().run_in_executor(None, start_at.wait)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            results = await _run_requests(client, target, bodies, cap, request_rate, burstiness, seed, None)
+            return results, time.process_time() - cpu0, t0, time.perf_counter()
+
+    conn.send(asyncio.run(go()))
+    conn.close()
+
+
+def _run_in_processes(target: Target, warm: list[dict], bodies: list[dict], cfg: PointConfig, seed: int,
+                      processes: int) -> tuple[list[RequestResult], float, float, list[float]]:
+    """Split a point over several client processes (a cap of c becomes c/N per process, the request
+    rate r becomes r/N each: the sum of N independent Poisson streams is Poisson at r). Returns the
+    results, the span from the first process's start to the last one's end, and each one's CPU %."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")      # no fork from a process with a running event loop and threads
+    barrier = ctx.Barrier(processes + 1)
+    pipes, procs = [], []
+    for i in range(processes):
+        mine = bodies[i::processes]
+        cap = _client_share(cfg.concurrency, processes, i)
+        rate = cfg.request_rate / processes
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_process, daemon=True,
+                           args=(target, warm[i::processes], mine, cap, rate, cfg.burstiness, seed + i, barrier,
+                                 child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    barrier.wait()
+    outs = [pipe.recv() for pipe in pipes]
+    for proc in procs:
+        proc.join()
+    results = [r for out in outs for r in out[0]]
+    t0, t1 = min(o[2] for o in outs), max(o[3] for o in outs)
+    return results, t1 - t0, [100.0 * o[1] / max(o[3] - o[2], 1e-9) for o in outs]
+
+
 async def run_point(target: Target, workload: Workload, cfg: PointConfig, slo: SLO, seed: int,
-                    show_progress: bool = True, keep_details: bool = False) -> dict[str, Any]:
-    """Warm up, then measure one point; returns the vLLM keys plus server_metrics (and per-request details)."""
+                    show_progress: bool = True, keep_details: bool = False, processes: int = 1) -> dict[str, Any]:
+    """Warm up, then measure one point; returns the vLLM keys plus server_metrics (and per-request details).
+    processes > 1 spreads the requests over that many client processes (a client that would
+    otherwise be the bottleneck at high concurrency); the point needs concurrency >= processes."""
     from tqdm import tqdm
 
     warm_bodies = [workload.body(s) for s in workload.next_specs(cfg.warmup)]
     bodies = [workload.body(s) for s in workload.next_specs(cfg.num_prompts)]  # images encoded before timing
+    processes = max(1, min(processes, cfg.concurrency or processes, len(bodies)))
     limit = cfg.concurrency or None
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     label = (f"c={cfg.concurrency}" if not cfg.open_loop
              else f"rate={cfg.request_rate:g}/s" + (f" c<={cfg.concurrency}" if cfg.concurrency else ""))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout), limits=limits) as client:
-        if warm_bodies:
-            await _run_requests(client, target, warm_bodies, cfg.concurrency or len(warm_bodies), math.inf, 1.0,
-                                seed, None)
+    if processes > 1:
         sampler = MetricsSampler(target)
         await sampler.start()
-        progress = tqdm(total=len(bodies), desc=label, unit="req", file=sys.stderr, disable=not show_progress,
-                        leave=True, dynamic_ncols=True)
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        try:
-            results = await _run_requests(client, target, bodies, cfg.concurrency, cfg.request_rate,
-                                          cfg.burstiness, seed, progress)
-        finally:
-            progress.close()
-        duration = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
+        results, duration, cpus = await asyncio.get_running_loop().run_in_executor(
+            None, _run_in_processes, target, warm_bodies, bodies, cfg, seed, processes)
         server = await sampler.stop()
+        cpu_percent = max(cpus)
+    else:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout), limits=limits) as client:
+            if warm_bodies:
+                await _run_requests(client, target, warm_bodies, cfg.concurrency or len(warm_bodies), math.inf,
+                                    1.0, seed, None)
+            sampler = MetricsSampler(target)
+            await sampler.start()
+            progress = tqdm(total=len(bodies), desc=label, unit="req", file=sys.stderr,
+                            disable=not show_progress, leave=True, dynamic_ncols=True)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            try:
+                results = await _run_requests(client, target, bodies, cfg.concurrency, cfg.request_rate,
+                                              cfg.burstiness, seed, progress)
+            finally:
+                progress.close()
+            duration = time.perf_counter() - t0
+            cpu_percent = 100.0 * (time.process_time() - cpu0) / max(duration, 1e-9)
+            server = await sampler.stop()
     point = aggregate(results, duration, slo)
     point = {"mode": "open" if cfg.open_loop else "closed", "concurrency": cfg.concurrency,
              "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,  # as vLLM writes it
              "burstiness": cfg.burstiness, "num_prompts": cfg.num_prompts, "warmup": cfg.warmup, **point,
-             "client_cpu_percent": 100.0 * cpu / max(duration, 1e-9), "server_metrics": server}
+             "client_processes": processes, "client_cpu_percent": cpu_percent, "server_metrics": server}
     point["slo_pass"] = slo.point_ok(point)
     if keep_details:
         point["requests"] = [r.detail() for r in results]

@@ -119,6 +119,22 @@ def test_open_loop_completions(base_url: str, tmp_path: Path) -> None:
     assert result["recommended_max_num_seqs"] is None  # needs a closed-loop ladder
 
 
+def test_several_client_processes(base_url: str, tmp_path: Path) -> None:
+    """Two client processes share a point: every request is counted once, the cap is split (1 + 1),
+    and the timings are those of the requests (not of process start-up)."""
+    proc = bench(base_url, "--concurrency", "2", "--client-processes", "2", "--prompts-per-concurrency", "2",
+                 "--warmup", "2", *TINY[2:], "--save-detailed", "--out", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert point["client_processes"] == 2 and point["num_prompts"] == 8
+    assert point["completed"] == 8 and point["total_output_tokens"] == 32 and point["failed"] == 0
+    assert point["max_concurrent_requests"] <= 2
+    starts = sorted(r["start"] for r in point["requests"])
+    ends = sorted(r["end"] for r in point["requests"])
+    assert point["duration"] == pytest.approx(ends[-1] - starts[0], abs=0.05)
+    assert 0 < point["median_ttft_ms"] <= point["median_e2el_ms"]
+
+
 def test_not_ready_is_one_line_error() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
