@@ -1,0 +1,36 @@
+"""When the layers use the fused Triton kernels (`pagoda/kernels/fused_ops.py`) instead of PyTorch.
+
+Only for CUDA tensors, and only when Triton imports; CPU tensors always take the PyTorch code,
+which stays bit-identical to what it was. `PAGODA_FUSED_OPS=0` turns the kernels off (for A/B
+timing or to rule them out); it is read once, like the import check.
+
+The kernels module is imported on first use, not with the layers: `@triton.jit` picks compiled vs
+interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing a layer must not fix
+that choice. Layers call `dispatch.fused_ops_for(x)` through this module, so a test can monkeypatch
+it to run the kernels on CPU tensors under the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+
+@functools.cache
+def fused_ops_module() -> ModuleType | None:
+    """`pagoda.kernels.fused_ops`, or None when Triton cannot be imported or PAGODA_FUSED_OPS=0."""
+    if os.environ.get("PAGODA_FUSED_OPS", "1") == "0":
+        return None
+    try:
+        from pagoda.kernels import fused_ops
+    except ImportError:
+        return None
+    return fused_ops
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernels module when x lives on a CUDA device and the kernels are available, else None."""
+    return fused_ops_module() if x.is_cuda else None
