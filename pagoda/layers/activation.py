@@ -1,4 +1,8 @@
-"""SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul."""
+"""SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul.
+
+On CUDA tensors one Triton launch (`pagoda/kernels/fused_ops.py`, via `pagoda/kernels/dispatch.py`);
+everywhere else `silu_and_mul_reference`, which is also the kernel's reference.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import dispatch
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] laid out [gate | up] → F.silu(gate) * up: silu computed in fp32 and rounded to the
+    input dtype, then the product rounded again."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2 * I] laid out as [gate | up]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        ops = dispatch.fused_ops_for(gate_up)
+        if ops is not None and ops.supports_silu_and_mul(gate_up):
+            return ops.silu_and_mul(gate_up)
+        return silu_and_mul_reference(gate_up)

@@ -1,10 +1,32 @@
-"""RMSNorm, computed in float32 like the HF reference and cast back."""
+"""RMSNorm, computed in float32 like the HF reference and cast back; optionally fused with the
+residual add that precedes it in a decoder layer.
+
+On CUDA tensors the Triton kernels in `pagoda/kernels/fused_ops.py` do it in one launch (see
+`pagoda/kernels/dispatch.py`); everywhere else `rms_norm_reference` runs, which is also the
+kernels' reference.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.kernels import dispatch
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * rms_norm(x); with a residual, (weight * rms_norm(s), s) for s = x + residual, the
+    sum rounded to the activation dtype first (it is the next residual stream)."""
+    if residual is not None:
+        summed = x + residual
+        return rms_norm_reference(summed, weight, eps), summed
+    # Fused kernel (one pass instead of five elementwise ops); statistics in float32 as in HF: the
+    # normalized value is rounded to the input dtype, THEN multiplied by the weight in that dtype.
+    dtype = x.dtype
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(dtype)
+    return weight * normed
 
 
 class RMSNorm(nn.Module):
@@ -13,8 +35,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Fused kernel (one pass instead of five elementwise ops); statistics in float32 as in HF.
-        dtype = x.dtype
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
-        return self.weight * normed
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] → normed; with `residual`, (normed(x + residual), x + residual)."""
+        ops = dispatch.fused_ops_for(x)
+        if ops is not None and ops.supports_rms_norm(x, self.weight, residual):
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps, residual)

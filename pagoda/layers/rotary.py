@@ -2,7 +2,8 @@
 
 Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
 needs no padding. The cos/sin table is built lazily on the device of the first call; a model looks
-up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`).
+up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`: on CUDA tensors one Triton launch for q
+and k, `pagoda/kernels/fused_ops.py`; elsewhere `apply_rotary_reference`, the kernel's reference).
 
 Two variants some checkpoints need: partial rotary (only the first `rotary_dim` dims of each head
 rotate, the rest pass through: Yuan2-M32 rotates 128 of 256), and `table_precision="bfloat16"`,
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import ConfigError
+from pagoda.kernels import dispatch
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -105,7 +107,18 @@ def multimodal_cos_sin(rotary: RotaryEmbedding, positions: torch.Tensor,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, R/2]. With R < D only the
-    first R dims of each head rotate (partial rotary); the rest pass through unchanged."""
+    first R dims of each head rotate (partial rotary); the rest pass through unchanged.
+    Returns new tensors; q and k may be strided views (e.g. splits of a fused qkv output)."""
+    cos, sin = cos_sin
+    ops = dispatch.fused_ops_for(q)
+    if ops is not None and ops.supports_rotary(q, k, cos, sin):
+        return ops.rotary(q, k, cos, sin)
+    return apply_rotary_reference(q, k, cos_sin)
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor,
+                           cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` in PyTorch: fp32 math (x1·cos − x2·sin, x2·cos + x1·sin), rounded once to x.dtype."""
     cos, sin = cos_sin
     rotary_dim = 2 * cos.shape[-1]
     if rotary_dim == q.shape[-1]:

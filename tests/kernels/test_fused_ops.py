@@ -1,0 +1,307 @@
+"""Fused Triton kernels (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul) against the layers' PyTorch code,
+which is what the CPU runs and what the model goldens pin down.
+
+Bit-exact where the operations are the same: the residual sum, RoPE (three rounded fp32 operations
+per output, no FMA), and the bf16/fp16 rounding points. Within an ulp where they cannot be: RMSNorm's
+fp32 reduction order, and under the interpreter NumPy's `exp` against PyTorch's (Sleef) on the CPU.
+On CPU the kernels run under the Triton interpreter (`conftest.py`), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import pytest
+import torch
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.importorskip("triton")
+
+from pagoda.kernels import dispatch, fused_ops
+from pagoda.layers.activation import SiluAndMul, silu_and_mul_reference
+from pagoda.layers.norm import RMSNorm, rms_norm_reference
+from pagoda.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_reference,
+    multimodal_cos_sin,
+)
+
+# SiLU of ±100 overflows exp under the interpreter (NumPy warns; the result, inf → silu = -0, is right).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in units in the last place of their (same) dtype."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(INT_VIEW[t.dtype]).long()
+        return torch.where(bits < 0, torch.iinfo(INT_VIEW[t.dtype]).min - bits, bits)   # monotone in value
+
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm / fused add + RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+NORM_SHAPES = [(1, 8), (3, 33), (4, 100), (2, 257)]      # (rows, hidden); odd and non-power-of-2 hiddens
+
+
+def _check_normed(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Same rounding points; only the fp32 sum of squares is ordered differently, so an fp32 ulp or
+    two of the normalized value, which rarely moves a bf16/fp16 result by one ulp."""
+    assert ulps(out, ref) <= (4 if out.dtype == torch.float32 else 1)
+    if out.dtype != torch.float32:
+        assert (out != ref).float().mean() <= 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_rms_norm(rows, hidden, dtype):
+    x = _randn(rows, hidden, dtype=dtype, scale=3.0, seed=1)
+    weight = _randn(hidden, dtype=dtype, seed=2) + 1
+    out = fused_ops.rms_norm(x, weight, 1e-6)
+    ref = rms_norm_reference(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    _check_normed(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", NORM_SHAPES)
+def test_fused_add_rms_norm(rows, hidden, dtype):
+    x = _randn(rows, hidden, dtype=dtype, scale=2.0, seed=3)
+    residual = _randn(rows, hidden, dtype=dtype, scale=5.0, seed=4)
+    weight = _randn(hidden, dtype=dtype, seed=5) + 1
+    out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
+    assert torch.equal(summed, ref_summed)           # the next residual stream: exactly `x + residual`
+    assert torch.equal(summed, residual + x)         # the order the model used to add in
+    _check_normed(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_strided_and_batched_inputs(dtype):
+    wide = _randn(5, 80, dtype=dtype, seed=6)
+    x = wide[:, 8:56]                                             # rows strided by 80
+    residual = _randn(2, 5, 48, dtype=dtype, seed=7)[1]          # a view into a bigger tensor
+    weight = _randn(48, dtype=dtype, seed=8)
+    out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_summed = rms_norm_reference(x, weight, 1e-6, residual)
+    assert torch.equal(summed, ref_summed)
+    _check_normed(out, ref_out)
+    x3 = _randn(2, 3, 48, dtype=dtype, seed=9)                   # [..., H]
+    _check_normed(fused_ops.rms_norm(x3, weight, 1e-6), rms_norm_reference(x3, weight, 1e-6))
+    assert fused_ops.rms_norm(x3[:0], weight, 1e-6).shape == (0, 3, 48)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+HEADS = [(4, 4), (6, 2), (3, 1)]                          # (Hq, Hkv): MHA, GQA, MQA
+DIMS = [(8, 8), (16, 16), (12, 8), (10, 6), (16, 8)]     # (head_dim, rotary_dim): full, partial, odd halves
+
+
+def _qkv_views(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    """q, k as the models make them: views into one fused qkv projection output (rows strided)."""
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=seed)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,rotary_dim", DIMS)
+@pytest.mark.parametrize("hq,hkv", HEADS)
+def test_rotary_matches_reference_bit_for_bit(hq, hkv, d, rotary_dim, dtype):
+    rope = RotaryEmbedding(rotary_dim, 64, 10000.0, None)
+    for t, seed in ((1, 10), (5, 11)):
+        q, k = _qkv_views(t, hq, hkv, d, dtype, seed)
+        cos_sin = rope.cos_sin(torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(seed)).to(DEVICE))
+        q_out, k_out = fused_ops.rotary(q, k, *cos_sin)
+        q_ref, k_ref = apply_rotary_reference(q, k, cos_sin)
+        assert q_out.is_contiguous() and k_out.is_contiguous()
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_tables_and_head_blocks(dtype, monkeypatch):
+    """The bf16-built table (Yuan2-M32), M-RoPE's concatenated table (Qwen2-VL), contiguous q/k, and
+    heads split over several programs (a small tile cap), q and k blocks in one launch."""
+    t, hq, hkv, d = 4, 6, 3, 16
+    positions = torch.tensor([0, 7, 300, 31], device=DEVICE)
+    bf16_table = RotaryEmbedding(8, 512, 10000.0, None, table_precision="bfloat16").cos_sin(positions)
+    mrope = multimodal_cos_sin(RotaryEmbedding(d, 512, 1e6, None),
+                               torch.stack([positions, positions.flip(0), positions // 2]), [2, 3, 3])
+    for cos_sin, rotary_dim in ((bf16_table, 8), (mrope, d)):
+        q, k = _qkv_views(t, hq, hkv, d, dtype, seed=12)
+        for qq, kk in ((q, k), (q.contiguous(), k.contiguous())):
+            for tile in (fused_ops._ROPE_TILE, 8):                # 8 elements: one head per program
+                monkeypatch.setattr(fused_ops, "_ROPE_TILE", tile)
+                q_out, k_out = fused_ops.rotary(qq, kk, *cos_sin)
+                q_ref, k_ref = apply_rotary_reference(qq, kk, cos_sin)
+                assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref), (rotary_dim, tile)
+    q, k = _qkv_views(0, hq, hkv, d, dtype, seed=13)
+    assert fused_ops.rotary(q, k, *RotaryEmbedding(d, 8, 1e4, None).cos_sin(positions[:0]))[0].shape == (0, hq, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU-and-mul
+# ---------------------------------------------------------------------------------------------
+
+SILU_SHAPES = [(1, 1), (3, 5), (4, 64), (2, 37), (1, 1100)]     # (rows, I); 1100 > one column block
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,inter", SILU_SHAPES)
+def test_silu_and_mul(rows, inter, dtype):
+    x = _randn(rows, 2 * inter, dtype=dtype, scale=4.0, seed=14)
+    x[0, 0] = -100.0                                 # exp overflows: silu = -0
+    x[-1, min(1, inter - 1)] = 100.0
+    out = fused_ops.silu_and_mul(x)
+    ref = silu_and_mul_reference(x)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    # Same rounding points (silu rounded to the dtype, then the product); only `exp` may differ by
+    # an fp32 ulp or two (the CPU reference vectorises exp and the division its own way; on the GPU
+    # both are expf and an IEEE division).
+    assert ulps(out, ref) <= (4 if dtype == torch.float32 else 1)
+    if dtype != torch.float32:
+        assert (out != ref).float().mean() <= 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
+    monkeypatch.setattr(fused_ops, "_SILU_BLOCK", 8)       # I = 21 → three column blocks, the last partial
+    x = _randn(3, 50, dtype=dtype, seed=15)[:, 4:46]       # [3, 42], rows strided by 50
+    out = fused_ops.silu_and_mul(x)
+    assert ulps(out, silu_and_mul_reference(x)) <= 1
+    x3 = _randn(2, 2, 10, dtype=dtype, seed=16)
+    assert ulps(fused_ops.silu_and_mul(x3), silu_and_mul_reference(x3)) <= 1
+    assert fused_ops.silu_and_mul(x3[:0]).shape == (0, 2, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer dispatch
+# ---------------------------------------------------------------------------------------------
+
+def test_cpu_tensors_never_take_the_kernels(monkeypatch):
+    assert dispatch.fused_ops_for(torch.zeros(2)) is None
+    dispatch.fused_ops_module.cache_clear()
+    monkeypatch.setenv("PAGODA_FUSED_OPS", "0")
+    try:
+        assert dispatch.fused_ops_module() is None
+    finally:
+        dispatch.fused_ops_module.cache_clear()
+
+
+@pytest.fixture
+def kernels_everywhere(monkeypatch):
+    """Layers use the kernels for every tensor, CPU included (interpreted there)."""
+    calls: list[str] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            attr = getattr(fused_ops, name)
+            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+                def wrapped(*args, **kwargs):
+                    calls.append(name)
+                    return attr(*args, **kwargs)
+                return wrapped
+            return attr
+
+    monkeypatch.setattr(dispatch, "fused_ops_for", lambda x: Spy())
+    return calls
+
+
+def test_layers_use_the_kernels_and_fall_back(kernels_everywhere):
+    calls = kernels_everywhere
+    norm = RMSNorm(24).to(DEVICE)
+    x, residual = _randn(3, 24, dtype=torch.float32, seed=17), _randn(3, 24, dtype=torch.float32, seed=18)
+    out, summed = norm(x, residual)
+    assert torch.equal(summed, x + residual)
+    assert ulps(out, rms_norm_reference(x, norm.weight, norm.eps, residual)[0]) <= 4
+    norm(x)
+    norm(x.to(torch.bfloat16))                             # fp32 weight, bf16 input: PyTorch's promotion
+    gate_up = _randn(2, 12, dtype=torch.float32, seed=19)
+    assert ulps(SiluAndMul()(gate_up), silu_and_mul_reference(gate_up)) <= 4
+    q, k = _qkv_views(2, 4, 2, 8, torch.float32, seed=20)
+    cos_sin = RotaryEmbedding(8, 16, 1e4, None).cos_sin(torch.tensor([3, 9], device=DEVICE))
+    assert all(torch.equal(a, b) for a, b in zip(apply_rotary(q, k, cos_sin), apply_rotary_reference(q, k, cos_sin)))
+    assert calls == ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary"]
+
+
+def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
+    """The whole engine with every norm, residual add, RoPE and SiLU-and-mul in the kernels (the LF
+    gate's norm too) reproduces the official code's greedy continuations and logits: Yuan2 dense
+    (full rotary) and M32 (partial rotary over a bf16-built table, experts)."""
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.sampling_params import SamplingParams
+    from tests.conftest import SHARED_FIXTURES
+
+    for name in ("yuan2-tiny", "yuan2-m32-tiny"):
+        golden = json.loads((SHARED_FIXTURES / name / "golden.json").read_text())
+        engine = LLMEngine(EngineConfig.create(EngineArgs(
+            model=str(SHARED_FIXTURES / name), skip_tokenizer_init=True, dtype="float32",
+            max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=80, device=DEVICE)))
+        runner, captured = engine.runner, {}
+        sample = runner._sample
+
+        def capture(request_ids, states, logits, sample=sample, captured=captured):
+            for rid, row in zip(request_ids, logits):
+                captured.setdefault(rid, []).append(row.detach().float().cpu())
+            return sample(request_ids, states, logits)
+
+        runner._sample = capture
+        cases = golden["cases"][:3]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i, case in enumerate(cases):
+            engine.add_request(str(i), case["prompt_ids"], params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        for i, case in enumerate(cases):
+            assert done[str(i)] == case["greedy_16"][:6], name
+            torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
+    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul"} <= set(kernels_everywhere)
+
+
+def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
+    """bf16, where every rounding point shows: a tiny Qwen2 (GQA, q/k/v biases, fused qkv views into
+    the RoPE kernel) gives the same logits and greedy tokens with the kernels as with PyTorch (exactly
+    the same on CPU today). Eager on a GPU too: a CUDA graph captured in one run would replay in the other."""
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model=tiny_qwen2, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128,
+              dtype="bfloat16", device=DEVICE, enforce_eager=True)
+    runner, captured = llm.engine.runner, []
+    sample = runner._sample
+    monkeypatch.setattr(runner, "_sample",
+                        lambda ids, states, logits: captured.append(logits.float().cpu()) or sample(ids, states, logits))
+    prompts = [{"prompt_token_ids": [5, 17, 301, 44, 9, 260, 88, 13, 402]}, {"prompt_token_ids": [400, 12, 97]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(ops) -> tuple[list[list[int]], torch.Tensor]:
+        monkeypatch.setattr(dispatch, "fused_ops_for", lambda x: ops)
+        captured.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], torch.cat(captured)
+
+    ref_tokens, ref_logits = run(None)             # the PyTorch code, on any device
+    tokens, logits = run(fused_ops)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=0)
