@@ -61,9 +61,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual` (the residual stream);
+        the first layer gets the embeddings and no residual. Returns (MLP output, residual stream):
+        each residual add happens inside the next norm (`RMSNorm(x, residual)`, one fused kernel on
+        the GPU), the last one in the model's final norm. Same sums, same rounding as
+        `x = x + attn(norm(x)); x = x + mlp(norm(x))`."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, attn), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -80,9 +90,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, attn)
-        return self.norm(x)
+            x, residual = layer(rope, x, attn, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

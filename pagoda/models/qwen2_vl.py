@@ -76,9 +76,10 @@ class Qwen2VLTextModel(nn.Module):
             rope = multimodal_cos_sin(self.rotary_emb, step.mrope_positions, self.sections)
         else:
             rope = self.rotary_emb.cos_sin(positions)
+        residual = None       # the layers hand the residual stream on; each add is fused into a norm
         for layer in self.layers:
-            x = layer(rope, x, step)
-        return self.norm(x)
+            x, residual = layer(rope, x, step, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):

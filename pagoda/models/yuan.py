@@ -199,9 +199,17 @@ class YuanDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden, eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden, eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, step: StepAttention,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `LlamaDecoderLayer.forward`: h is the previous layer's MLP output, not yet added to
+        `residual`; returns (MLP output, residual stream) and each residual add is fused into the
+        next norm. The LF gate still sees input_layernorm's output (inside self_attn), as before."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step), residual)
+        return self.mlp(x), residual
 
 
 class YuanModel(nn.Module):
@@ -216,9 +224,10 @@ class YuanModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
+        residual = None
         for layer in self.layers:
-            h = layer(rope, h, step)
-        return self.norm(h)
+            h, residual = layer(rope, h, step, residual)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
 class YuanForCausalLM(nn.Module):
