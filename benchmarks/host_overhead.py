@@ -18,6 +18,8 @@ streaming (delta) mode, as the server drives it. Once every request decodes, `--
   update      Scheduler.update()
   process     OutputProcessor.process() (incremental detokenization in the +detok configs)
 
+Times are this thread's CPU time by default (--clock thread: steady when other work shares the
+cores; forward and sampler then miss torch's other intra-op threads) or wall time (--clock wall).
 Per-step µs are medians over the timed steps (the per-block-boundary steps included; means are
 in the JSON). Configs: greedy (no tokenizer), greedy+detok, sampled+detok (temperature 0.8,
 top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), seeded+detok
@@ -78,7 +80,9 @@ def model_folder(root: str) -> str:
 
 
 class Timer:
-    """Wraps callables so each call's wall time is added to one bucket of the current step."""
+    """Wraps callables so each call's time is added to one bucket of the current step."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
@@ -86,11 +90,11 @@ class Timer:
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.step[name] += time.perf_counter() - t0
+                self.step[name] += self.clock() - t0
         return timed
 
 
@@ -146,13 +150,13 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
     prof = cProfile.Profile() if profile else None
     for _ in range(steps):
         timer.step = defaultdict(float)
-        t0 = time.perf_counter()
+        t0 = timer.clock()
         if prof:
             prof.enable()
         outs = engine.step()
         if prof:
             prof.disable()
-        total = time.perf_counter() - t0
+        total = timer.clock() - t0
         timer.keep.clear()
         assert len(outs) == batch and engine.scheduler.num_running == batch
         s = dict(timer.step)
@@ -180,10 +184,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--configs", default="greedy,greedy+detok,sampled+detok,rep+detok")
     ap.add_argument("--profile", default=None, help="cProfile this config")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: on a shared CPU, waking a second OpenMP thread "
+                    "for tiny ops can cost milliseconds)")
+    ap.add_argument("--clock", choices=["thread", "wall"], default="thread",
+                    help="thread: this thread's CPU time (steady on a shared machine; torch's intra-op "
+                    "threads in forward/sampler are not counted); wall: perf_counter")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        Timer.clock = staticmethod(time.thread_time)
     names = args.configs.split(",")
     if args.profile and args.profile not in names:
         names.append(args.profile)
@@ -193,7 +204,7 @@ def main() -> None:
         for name in names:
             results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile)
     cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "forward", "sampler"]
-    print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step "
+    print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock) "
           f"(host = schedule+prep+samp_prep+update+process+other; forward/sampler = device work on CPU)")
     print(f"{'config':16s}" + "".join(f"{c:>11s}" for c in cols))
     for name, r in results.items():

@@ -32,14 +32,17 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"      # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    # Set on each member below: plain attributes, since these are read for every request every
+    # step (an enum property costs ~15x an attribute read).
+    is_finished: bool
+    finish_reason: str | None     # "stop" | "length" | "abort", None while not finished
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.is_finished else None
+
+for _status in RequestStatus:
+    _status.is_finished = _status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                      RequestStatus.FINISHED_ABORTED)
+    _status.finish_reason = _status.value if _status.is_finished else None
+del _status
 
 
 @dataclass(eq=False)

@@ -158,9 +158,8 @@ class LLMEngine:
             self.scheduler.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        children = []
-        for rid in request_ids:
-            children += [cid for cid in self.scheduler.requests if cid == rid or cid.startswith(f"{rid}#")]
+        # The output processor knows each user request's samples: no scan over every live request.
+        children = [cid for rid in request_ids for cid in self.output_processor.child_ids(rid)]
         aborted = self.scheduler.abort_requests(children)
         return self.output_processor.finish_aborted(aborted)
 

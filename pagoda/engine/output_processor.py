@@ -20,7 +20,7 @@ from pagoda.frontend.detokenizer import IncrementalDetokenizer
 from pagoda.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sample:
     parent: _Parent
     index: int
@@ -30,9 +30,11 @@ class _Sample:
     output: CompletionOutput | None = None       # set once finished
     num_emitted_tokens: int = 0                  # delta mode: tokens already sent to the caller
     num_emitted_logprobs: int = 0
+    advanced: bool = False                       # got a token (or finished) in the call being processed
+    request: Request | None = None               # the engine request, while `advanced`
 
 
-@dataclass
+@dataclass(eq=False)
 class _Parent:
     request_id: str
     prompt: str | None
@@ -75,50 +77,74 @@ class OutputProcessor:
 
     def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
                 finish_fn: Callable[[str, RequestStatus, str], None]) -> list[RequestOutput]:
-        """Handle the requests that got a token this step; returns outputs to hand to callers."""
-        touched: dict[str, _Parent] = {}
-        advanced: dict[str, tuple[_Sample, Request]] = {}
+        """Handle the requests that got a token this step; returns outputs to hand to callers.
+
+        O(requests updated): runs every step for every decoding request, so the common case
+        (n = 1) is a straight line with no per-step dicts or searches."""
+        samples = self._samples
+        outputs: list[Any] = []        # RequestOutputs, and a parent with n > 1 where its output goes
+        multi = False
         for request in updated:
-            sample = self._samples.get(request.request_id)
+            sample = samples.get(request.request_id)
             if sample is None:
                 continue
             token = request.output_token_ids[-1]
-            if sample.logprobs is not None and request.request_id in logprobs:
-                self._append_logprobs(sample, token, logprobs[request.request_id])
-            if sample.detokenizer is not None:
-                stop = sample.detokenizer.update([token])
+            if sample.logprobs is not None:
+                lp = logprobs.get(request.request_id)
+                if lp is not None:
+                    self._append_logprobs(sample, token, lp)
+            detok = sample.detokenizer
+            if detok is not None:
+                stop = detok.update_one(token)
                 if stop is not None:
                     if request.status.is_finished:     # e.g. hit max_tokens on the same token
                         request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                     else:
                         finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            touched[sample.parent.request_id] = sample.parent
-            advanced[request.request_id] = (sample, request)
             if request.status.is_finished:
                 self._finish_sample(sample, request)
-        outputs = []
-        for parent in touched.values():
-            if parent.delta:
-                outputs.append(self._delta_output(parent, advanced))
-            elif (out := self._final_output(parent)) is not None:
-                outputs.append(out)
+            parent = sample.parent
+            if parent.num_samples == 1:
+                if parent.delta:
+                    outputs.append(self._single_delta_output(parent, sample, request))
+                elif sample.output is not None:
+                    outputs.append(self._final_output(parent))
+                continue
+            if not any(s.advanced for s in parent.samples):
+                outputs.append(parent)
+                multi = True
+            sample.advanced = True
+            sample.request = request
+        if multi:
+            outputs = [self._fold(out) if isinstance(out, _Parent) else out for out in outputs]
+            outputs = [out for out in outputs if out is not None]
         return outputs
 
+    def _fold(self, parent: _Parent) -> RequestOutput | None:
+        """The output of a parent with n > 1 whose samples advanced in this call (flags cleared)."""
+        out = self._delta_output(parent) if parent.delta else self._final_output(parent)
+        for s in parent.samples:
+            s.advanced, s.request = False, None
+        return out
+
     def finish_aborted(self, requests: list[Request]) -> list[RequestOutput]:
-        parents: dict[str, _Parent] = {}
-        advanced: dict[str, tuple[_Sample, Request]] = {}
+        touched: dict[str, _Parent] = {}
         for request in requests:
             sample = self._samples.get(request.request_id)
             if sample is not None and sample.output is None:
                 self._finish_sample(sample, request)
-                parents[sample.parent.request_id] = sample.parent
-                advanced[request.request_id] = (sample, request)
-        outputs = []
-        for parent in parents.values():
-            out = self._delta_output(parent, advanced) if parent.delta else self._final_output(parent)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+                touched[sample.parent.request_id] = sample.parent
+                sample.advanced = True
+                sample.request = request
+        outputs = [self._fold(parent) for parent in touched.values()]
+        return [out for out in outputs if out is not None]
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        """Engine request ids of a user request's samples that are not finished yet."""
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return []
+        return [child_request_id(parent_id, s.index, parent.num_samples) for s in parent.samples if s.output is None]
 
     def _append_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
         entry: dict[int, Logprob] = {}
@@ -158,13 +184,31 @@ class OutputProcessor:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
                              parent.num_cached_tokens, parent.queue_time)
 
-    def _delta_output(self, parent: _Parent, advanced: dict[str, tuple[_Sample, Request]]) -> RequestOutput:
-        request_of = {id(s): r for s, r in advanced.values()}
+    def _single_delta_output(self, parent: _Parent, sample: _Sample, request: Request) -> RequestOutput:
+        """`_delta_output` of a parent with one sample, without the search over samples."""
+        new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
+        sample.num_emitted_tokens = len(request.output_token_ids)
+        new_logprobs = None
+        if sample.logprobs is not None:
+            new_logprobs = sample.logprobs[sample.num_emitted_logprobs:]
+            sample.num_emitted_logprobs = len(sample.logprobs)
+        text = sample.detokenizer.get_delta() if sample.detokenizer is not None else ""
+        reason = request.status.finish_reason
+        done = sample.output is not None
+        if done:
+            del self._parents[parent.request_id]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             [CompletionOutput(sample.index, text, new_tokens, sample.cumulative_logprob,
+                                               new_logprobs, reason, request.stop_reason)],
+                             done, parent.num_cached_tokens, parent.queue_time if done else None)
+
+    def _delta_output(self, parent: _Parent) -> RequestOutput:
+        """What is new for the samples flagged `advanced`, in sample order."""
         outputs = []
         for sample in parent.samples:
-            request = request_of.get(id(sample))
-            if request is None:
+            if not sample.advanced:
                 continue
+            request = sample.request
             new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
             sample.num_emitted_tokens = request.num_output_tokens
             new_logprobs = None
