@@ -74,23 +74,35 @@ class Scheduler:
         preempted = False
         self._preempted_for_runner = set()
 
+        # Runs for every running request every step: attribute reads are hoisted and the common
+        # decode (one token that fits in the last block) skips the allocator altogether.
+        block_size = self.block_manager.block_size
+        running = self.running
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            num_new = num_prompt + len(request.output_token_ids) - computed
+            if num_new > budget:
+                num_new = budget
             num_blocks_before = len(request.block_ids)
-            while not self.block_manager.allocate(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break                          # it preempted itself: nothing after it remains
-            self._note_chunk(request, num_new)
+            if computed + num_new > num_blocks_before * block_size:
+                while not self.block_manager.allocate(request, num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    break                      # it preempted itself: nothing after it remains
+                new_block_ids = request.block_ids[num_blocks_before:]
+            else:
+                new_block_ids = []
+            if computed + num_new < num_prompt:
+                self.stats.num_chunked_prefills += 1
             num_scheduled[request.request_id] = num_new
-            cached_requests.append(CachedRequestData(
-                request.request_id, request.block_ids[num_blocks_before:], False, request.num_computed_tokens))
+            cached_requests.append(CachedRequestData(request.request_id, new_block_ids, False, computed))
             budget -= num_new
             index += 1
 
@@ -145,20 +157,31 @@ class Scheduler:
         """Advance counters, append sampled tokens, apply token-level stops. Returns the requests
         that received a token this step (some may now be finished)."""
         updated = []
+        requests, sampled = self.requests, step_output.sampled_token_ids
+        block_manager = self.block_manager
+        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if request is None:                # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
-            token = step_output.sampled_token_ids.get(request_id)
+            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if caching and computed // block_size > request.num_registered_blocks:
+                block_manager.cache_full_blocks(request)      # a block became full
+            token = sampled.get(request_id)
             if token is None:
                 continue
-            request.output_token_ids.append(token)
+            output = request.output_token_ids
+            output.append(token)
             updated.append(request)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request_id, status)
+            # Cheap screen: _check_stop can only end the request on one of these conditions.
+            num_output = len(output)
+            if (token in eos or num_output >= request.max_tokens
+                    or num_output + len(request.prompt_token_ids) >= max_model_len
+                    or token in request.sampling_params.stop_token_ids):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.finish_request(request_id, status)
         return updated
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -12,12 +12,25 @@ Logprobs are those of the RAW model distribution (log_softmax of unprocessed log
 like vLLM V1's default. Everything is whole-batch tensor ops with no host sync, so it runs
 unchanged on CPU and CUDA; the only per-row Python loop draws noise for rows that carry a
 seeded generator, which makes a seeded row independent of its batch-mates.
+
+Two ways to get a `SamplingBatch`:
+  * `SamplingBatch.build(params, histories, ...)`: from scratch every step. Host work is
+    O(rows) for the knobs and O(tokens in the histories) whenever a penalty needs them.
+  * `SamplingState`: per-request rows that live from a request's first step to its end. Knobs
+    are stored once when the request is added, the repetition penalty's seen-token mask and the
+    frequency/presence penalties' token counts are device tensors updated in place with each
+    step's sampled tokens (no host sync), so a step's batch is one gather by row: no per-token
+    and almost no per-request Python work. Same batches, bit for bit, as `build` on the same
+    histories (tests/unit/test_sampling_state.py).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -65,66 +78,224 @@ class SamplingBatch:
         b = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == b
         assert suppress_token_ids is None or len(suppress_token_ids) == b
+        knobs = np.array([_knob_row(p) for p in params], dtype=np.float64).reshape(b, _NUM_KNOBS).T
+        batch = _batch_from_knobs(knobs, list(generators), device)
 
-        def vec(values: list[float], neutral: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
-            # None lets the sampler skip the knob when no row uses it.
-            if all(v == neutral for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        temperature = torch.tensor(
-            [0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32, device=device
-        )
-        presence = vec([p.presence_penalty for p in params], 0.0)
-        frequency = vec([p.frequency_penalty for p in params], 0.0)
-        repetition = vec([p.repetition_penalty for p in params], 1.0)
-
-        counts = None
-        if presence is not None or frequency is not None:
-            counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
+        if batch.presence_penalty is not None or batch.frequency_penalty is not None:
+            batch.output_token_counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
             rows, toks = _flat_index(output_token_ids, device)
-            counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True)
+            batch.output_token_counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.int32),
+                                                 accumulate=True)
 
-        seen = None
-        if repetition is not None:
+        if batch.repetition_penalty is not None:
             seen = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            both = [pr + out for pr, out in zip(prompt_token_ids, output_token_ids)]
-            rows, toks = _flat_index(both, device)
-            seen[rows, toks] = True
+            for histories in (prompt_token_ids, output_token_ids):
+                rows, toks = _flat_index(histories, device)
+                seen[rows, toks] = True
+            batch.prompt_or_output_mask = seen
 
-        suppress = None
         if suppress_token_ids is not None and any(suppress_token_ids):
-            suppress = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+            batch.suppress_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
             rows, toks = _flat_index(suppress_token_ids, device)
-            suppress[rows, toks] = True
-
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=temperature,
-            top_k=vec([p.top_k for p in params], 0, torch.int64),
-            top_p=vec([p.top_p for p in params], 1.0),
-            min_p=vec([p.min_p for p in params], 0.0),
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            output_token_counts=counts,
-            prompt_or_output_mask=seen,
-            suppress_mask=suppress,
-            generators=list(generators),
-            max_num_logprobs=max(wanted) if wanted else None,
-            all_greedy=all(p.is_greedy for p in params),
-        )
+            batch.suppress_mask[rows, toks] = True
+        return batch
 
 
-def _flat_index(ids_per_row: list[list[int]], device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """(row index, token id) pairs of a ragged list, as two [N] int64 tensors on `device`."""
-    rows = [i for i, ids in enumerate(ids_per_row) for _ in ids]
-    toks = [t for ids in ids_per_row for t in ids]
-    # Built on the host then moved in one copy each: no per-element device writes.
-    return (
-        torch.tensor(rows, dtype=torch.int64).to(device),
-        torch.tensor(toks, dtype=torch.int64).to(device),
+# Per-request knobs as rows of one float64 table [_NUM_KNOBS, B] (float64 holds every value,
+# top_k and logprobs included, exactly): gathered and tested for neutrality with numpy, not per row.
+_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _TOP_K, _LOGPROBS = range(8)
+_NUM_KNOBS = 8
+# The value that makes a knob a no-op (None in the batch when every row has it).
+_NEUTRAL = np.array([np.nan, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, -1.0])
+
+
+def _knob_row(p: SamplingParams) -> tuple[float, ...]:
+    return (0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+            p.repetition_penalty, p.top_k, -1 if p.logprobs is None else p.logprobs)
+
+
+def _batch_from_knobs(knobs: np.ndarray, generators: list[torch.Generator | None],
+                      device: torch.device | str) -> SamplingBatch:
+    """A SamplingBatch without histories or masks from a [_NUM_KNOBS, B] knob table: one host→device
+    copy for all the float knobs that some row uses (temperature always)."""
+    active = (knobs != _NEUTRAL[:, None]).any(axis=1)
+    active[_TEMPERATURE] = True
+    floats = [k for k in (_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION) if active[k]]
+    table = torch.from_numpy(knobs[floats].astype(np.float32)).to(device)
+    column = dict(zip(floats, table))
+    top_k = None
+    if active[_TOP_K]:
+        top_k = torch.from_numpy(knobs[_TOP_K].astype(np.int64)).to(device)
+    max_logprobs = int(knobs[_LOGPROBS].max()) if knobs.shape[1] else -1
+    return SamplingBatch(
+        temperature=column[_TEMPERATURE],
+        top_k=top_k,
+        top_p=column.get(_TOP_P),
+        min_p=column.get(_MIN_P),
+        presence_penalty=column.get(_PRESENCE),
+        frequency_penalty=column.get(_FREQUENCY),
+        repetition_penalty=column.get(_REPETITION),
+        output_token_counts=None,
+        prompt_or_output_mask=None,
+        suppress_mask=None,
+        generators=generators,
+        max_num_logprobs=max_logprobs if max_logprobs >= 0 else None,
+        all_greedy=not knobs[_TEMPERATURE].any(),
     )
+
+
+def _flat_index(ids_per_row: Sequence[Sequence[int]], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """(row index, token id) pairs of a ragged list, as two [N] int64 tensors on `device`."""
+    lengths = np.fromiter(map(len, ids_per_row), dtype=np.int64, count=len(ids_per_row))
+    # Flattened in C (no per-token Python bytecode), then moved in one copy each.
+    toks = np.fromiter(itertools.chain.from_iterable(ids_per_row), dtype=np.int64, count=int(lengths.sum()))
+    rows = np.repeat(np.arange(len(ids_per_row), dtype=np.int64), lengths)
+    return torch.from_numpy(rows).to(device), torch.from_numpy(toks).to(device)
+
+
+class SamplingState:
+    """Sampling rows that persist across steps, one per live request, so a step's `SamplingBatch`
+    costs a gather instead of a rebuild.
+
+    Use (the model runner): `add(request_id, params, prompt_token_ids, generator=...)` when a
+    request first arrives, `batch(request_ids)` each step for the rows that sample, in row order,
+    then `update(sampled_token_ids)` with the sampler's output for those same rows, and
+    `remove(request_id)` when the request ends. A preempted request keeps its row (its output
+    history is kept too). Rows grow past `capacity` if needed (preempted requests keep theirs
+    while new ones arrive).
+
+    Knobs live in a host table (float64, like `build`); the repetition penalty's seen-token mask
+    [rows, V] bool and the frequency/presence penalties' output-token counts [rows, V] int32 are
+    device tensors allocated the first time a request needs them, seeded from the prompt (mask)
+    or the given output (both) on `add`, and updated by `update` with one scatter each (every
+    row of the step is updated: a row whose penalty is neutral ignores both, exactly).
+    `min_tokens` suppression needs only the number of outputs, counted on the host.
+    """
+
+    def __init__(self, capacity: int, vocab_size: int, device: torch.device | str,
+                 eos_token_ids: Sequence[int] = ()):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        self.capacity = 0
+        self._knobs = np.zeros((_NUM_KNOBS, 0))
+        self._num_output = np.zeros(0, dtype=np.int64)
+        self._min_tokens = np.zeros(0, dtype=np.int64)
+        self._suppress: list[list[int]] = []             # per row: eos + stop ids (min_tokens rows)
+        self._generators: list[torch.Generator | None] = []
+        self._num_seeded = 0
+        self._num_min_tokens = 0
+        self._row: dict[str, int] = {}
+        self._free: list[int] = []
+        self._seen: Tensor | None = None                 # [capacity, V] bool
+        self._counts: Tensor | None = None               # [capacity, V] int32
+        self._last_rows: Tensor | None = None            # the rows of the last batch(), on the device
+        self._last_rows_np: np.ndarray | None = None
+        self._grow(max(1, capacity))
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._row
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - self.capacity
+        self._knobs = np.concatenate([self._knobs, np.zeros((_NUM_KNOBS, extra))], axis=1)
+        self._num_output = np.concatenate([self._num_output, np.zeros(extra, dtype=np.int64)])
+        self._min_tokens = np.concatenate([self._min_tokens, np.zeros(extra, dtype=np.int64)])
+        self._suppress += [[] for _ in range(extra)]
+        self._generators += [None] * extra
+        self._free += range(capacity - 1, self.capacity - 1, -1)     # lowest row first
+        if self._seen is not None:
+            self._seen = torch.cat([self._seen, self._seen.new_zeros(extra, self.vocab_size)])
+        if self._counts is not None:
+            self._counts = torch.cat([self._counts, self._counts.new_zeros(extra, self.vocab_size)])
+        self.capacity = capacity
+
+    def add(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
+            output_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> None:
+        """Start a request's row. `generator`: its seeded RNG on this device (None = the global RNG)."""
+        assert request_id not in self._row, f"request {request_id} already has a sampling row"
+        if not self._free:
+            self._grow(2 * self.capacity)
+        row = self._free.pop()
+        self._row[request_id] = row
+        knobs = _knob_row(params)
+        self._knobs[:, row] = knobs
+        self._num_output[row] = len(output_token_ids)
+        self._min_tokens[row] = params.min_tokens
+        self._suppress[row] = self.eos_token_ids + list(params.stop_token_ids) if params.min_tokens else []
+        self._num_min_tokens += params.min_tokens > 0
+        self._generators[row] = generator
+        self._num_seeded += generator is not None
+        if knobs[_REPETITION] != 1.0 or self._seen is not None:
+            if self._seen is None:
+                self._seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
+            self._seen[row] = False
+            if knobs[_REPETITION] != 1.0:
+                ids = torch.tensor(list(prompt_token_ids) + list(output_token_ids), dtype=torch.int64)
+                self._seen[row, ids.to(self.device)] = True
+        if knobs[_PRESENCE] != 0.0 or knobs[_FREQUENCY] != 0.0 or self._counts is not None:
+            if self._counts is None:
+                self._counts = torch.zeros(self.capacity, self.vocab_size, dtype=torch.int32, device=self.device)
+            self._counts[row] = 0
+            if output_token_ids:
+                ids = torch.tensor(list(output_token_ids), dtype=torch.int64).to(self.device)
+                self._counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
+    def remove(self, request_id: str) -> None:
+        """End a request's row (unknown ids are ignored: the runner may finish a request it never sampled)."""
+        row = self._row.pop(request_id, None)
+        if row is None:
+            return
+        self._num_seeded -= self._generators[row] is not None
+        self._num_min_tokens -= bool(self._min_tokens[row])
+        self._generators[row] = None
+        self._min_tokens[row] = 0
+        self._suppress[row] = []
+        self._free.append(row)
+
+    def batch(self, request_ids: Sequence[str]) -> SamplingBatch:
+        """The SamplingBatch of these requests (one row each, in this order) for this step."""
+        row_of = self._row
+        rows_np = np.fromiter((row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+        knobs = self._knobs[:, rows_np]
+        generators = ([self._generators[r] for r in rows_np.tolist()] if self._num_seeded
+                      else [None] * len(rows_np))
+        batch = _batch_from_knobs(knobs, generators, self.device)
+        rows = None
+        if batch.repetition_penalty is not None or batch.presence_penalty is not None \
+                or batch.frequency_penalty is not None or self._seen is not None or self._counts is not None:
+            rows = torch.from_numpy(rows_np).to(self.device)
+        if batch.repetition_penalty is not None:
+            assert self._seen is not None
+            batch.prompt_or_output_mask = self._seen.index_select(0, rows)
+        if batch.presence_penalty is not None or batch.frequency_penalty is not None:
+            assert self._counts is not None
+            batch.output_token_counts = self._counts.index_select(0, rows)
+        if self._num_min_tokens:
+            waiting = np.flatnonzero(self._num_output[rows_np] < self._min_tokens[rows_np])
+            suppress = [self._suppress[row] for row in rows_np[waiting].tolist()]
+            if any(suppress):
+                rows_s, toks = _flat_index(suppress, self.device)
+                mask = torch.zeros(len(rows_np), self.vocab_size, dtype=torch.bool, device=self.device)
+                mask[torch.from_numpy(waiting).to(self.device)[rows_s], toks] = True
+                batch.suppress_mask = mask
+        self._last_rows, self._last_rows_np = rows, rows_np
+        return batch
+
+    def update(self, sampled_token_ids: Tensor) -> None:
+        """Record the tokens just sampled for the rows of the last `batch()` ([B] int64, on the device)."""
+        rows_np = self._last_rows_np
+        assert rows_np is not None and sampled_token_ids.shape == (len(rows_np),), "update() needs the last batch()"
+        self._num_output[rows_np] += 1
+        if self._seen is not None:
+            self._seen[self._last_rows, sampled_token_ids] = True
+        if self._counts is not None:
+            self._counts.index_put_((self._last_rows, sampled_token_ids),
+                                    torch.ones_like(sampled_token_ids, dtype=torch.int32), accumulate=True)
+        self._last_rows = self._last_rows_np = None
 
 
 @dataclass
