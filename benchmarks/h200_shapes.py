@@ -52,8 +52,8 @@ def write_config(folder: str, shape: str, tokenizer_dir: str | None = None) -> s
     return path
 
 
-def kv_bytes_per_token(shape: str, dtype_bytes: int = 2) -> int:
-    c = SHAPES[shape]
+def kv_bytes_per_token(c: dict, dtype_bytes: int = 2) -> int:
+    """K and V bytes one token occupies over all layers, for a config dict like SHAPES' values."""
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads", heads)
     return 2 * c["num_hidden_layers"] * kv_heads * (c["hidden_size"] // heads) * dtype_bytes

@@ -89,7 +89,7 @@ class _State:
 def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_size: int = 1, fast: bool = False,
                tokenizer: str | None = None, host: str = "0.0.0.0", device: str = "auto",
                skip_tokenizer_init: bool = False, chat_template: str | None = None,
-               trust_remote_code: bool = False) -> list[Check]:
+               trust_remote_code: bool = False, load_format: str = "auto") -> list[Check]:
     """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights.
 
     `model` is an HF folder, hub id or .gguf file (None: the embedded default model), as for serve.
@@ -118,7 +118,10 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
             run("preprocessor config", lambda: _check_preprocessor(state))
         if tensor_parallel_size > 1:
             run("tensor parallel", lambda: _check_tensor_parallel(state.hf_config, tensor_parallel_size))
-        run("shards", lambda: _check_shards(state))
+        if load_format == "dummy":
+            out.append(Check("shards", "ok", "--load-format dummy: random weights, no checkpoint is read", None))
+        else:
+            run("shards", lambda: _check_shards(state))
         run("permissions", lambda: _check_permissions(state, skip_tokenizer_init))
         if state.weight_format == "safetensors" and state.weight_files:
             run("safetensors", lambda: _check_safetensors(state))
@@ -893,7 +896,8 @@ def serve_preflight(ns: argparse.Namespace) -> list[Check]:
                         device=getattr(ns, "device", "auto"),
                         skip_tokenizer_init=bool(getattr(ns, "skip_tokenizer_init", False)),
                         chat_template=getattr(ns, "chat_template", None),
-                        trust_remote_code=bool(getattr(ns, "trust_remote_code", False)))
+                        trust_remote_code=bool(getattr(ns, "trust_remote_code", False)),
+                        load_format=getattr(ns, "load_format", "auto"))
     bad = failed(checks)
     if bad:
         raise ConfigError("preflight failed (`pagoda doctor` shows every check):\n" + format_report(bad))

@@ -78,6 +78,15 @@ def test_fast_subset_skips_slow_and_gpu_checks(model_dir):
     assert not names & {"chat template", "checkpoint vs model", "cuda"}
 
 
+def test_dummy_load_format_needs_no_weights(model_dir):
+    """Benchmarks serve config-only folders with --load-format dummy: no weights is then no failure."""
+    for name in shard_names(model_dir) + ["model.safetensors.index.json"]:
+        os.remove(os.path.join(model_dir, name))
+    assert fails(run_checks(model_dir, fast=True), "shards")
+    checks = run_checks(model_dir, fast=True, load_format="dummy")
+    assert not fails(checks) and "dummy" in line_of(checks, "shards", "ok")
+
+
 def test_missing_shard(model_dir):
     victim = shard_names(model_dir)[1]
     os.remove(os.path.join(model_dir, victim))
