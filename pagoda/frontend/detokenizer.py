@@ -25,11 +25,13 @@ present, to find the special tokens that skip_special_tokens drops.
 Speed: a decoding request costs two window decodes per token, every step, for every request.
 For a stock `transformers` fast tokenizer (no decode override, no clean-up of tokenization
 spaces) they go straight to its Rust `tokenizers.Tokenizer.decode`, which is what
-`tokenizer.decode` ends up calling anyway, minus ~5 µs of Python argument handling per call.
+`tokenizer.decode` ends up calling anyway, minus ~5 µs of Python argument handling per call,
+and the one-token context window's text comes from a per-tokenizer cache.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -80,15 +82,26 @@ def _skippable_special_ids(tokenizer: Any) -> frozenset[int]:
     return skippable
 
 
-# (tokenizer, skip_special_tokens) -> a decode(ids) -> str equivalent to tokenizer.decode, or None.
-_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[bool, Callable[[list[int]], str] | None]] = (
-    weakref.WeakKeyDictionary())
+class _FastDecoder:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` through the backend's Rust decoder, plus a
+    cache of single-token decodes (the steady-state context window is one token; a decode is a
+    pure function of the ids, so the cached text is exactly what decoding again would give)."""
+
+    __slots__ = ("decode", "single")
+
+    def __init__(self, raw: Callable[..., str], skip_special_tokens: bool):
+        self.decode: Callable[[list[int]], str] = functools.partial(raw, skip_special_tokens=skip_special_tokens)
+        self.single: dict[int, str] = {}
 
 
-def _fast_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=...)` through the backend's Rust decoder,
-    when that is provably the same function; None otherwise (custom tokenizers, overridden or
-    patched decode methods, clean_up_tokenization_spaces, transformers without fast tokenizers)."""
+# tokenizer -> {skip_special_tokens: _FastDecoder or None (use tokenizer.decode)}.
+_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[bool, _FastDecoder | None]] = weakref.WeakKeyDictionary()
+
+
+def _fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> _FastDecoder | None:
+    """A decoder equivalent to `tokenizer.decode(ids, skip_special_tokens=...)` that skips its
+    Python layers, when that is provably the same function; None otherwise (custom tokenizers,
+    overridden or patched decode methods, clean_up_tokenization_spaces, no fast tokenizer)."""
     try:
         per_tokenizer = _FAST_DECODE_CACHE.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable
@@ -108,13 +121,11 @@ def _fast_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
                 and "decode" not in vars(tokenizer) and "_decode" not in vars(tokenizer)
                 and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
                 and callable(getattr(backend, "decode", None))):
-            raw = backend.decode
-
-            def fast(ids: list[int]) -> str:
-                return raw(ids, skip_special_tokens=skip_special_tokens)
+            fast = _FastDecoder(backend.decode, skip_special_tokens)
             # Belt and braces: the two must agree on a few ids (specials included) before use.
             probe = [[0], [1, 2, 3], list(getattr(tokenizer, "all_special_ids", None) or ())[:4] + [5]]
-            if any(fast(ids) != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in probe):
+            if any(fast.decode(ids) != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+                   for ids in probe):
                 fast = None
     except Exception:  # anything unexpected: the general path is always right
         fast = None
@@ -153,8 +164,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
-        self._decode: Callable[[list[int]], str] = (
-            _fast_decode(tokenizer, skip_special_tokens) or self._decode_general)
+        fast = _fast_decoder(tokenizer, skip_special_tokens)
+        self._decode: Callable[[list[int]], str] = fast.decode if fast is not None else self._decode_general
+        self._single_token_text: dict[int, str] | None = fast.single if fast is not None else None
         self._skip_ids: frozenset[int] = (
             _skippable_special_ids(tokenizer) if skip_special_tokens else frozenset()
         )
@@ -316,7 +328,15 @@ class IncrementalDetokenizer:
         ids, prefix_offset = self._ids, self._prefix_offset
         prefix_text = self._prefix_text
         if prefix_text is None:
-            prefix_text = self._prefix_text = self._decode(ids[prefix_offset : self._read_offset])
+            single = self._single_token_text
+            if single is not None and self._read_offset - prefix_offset == 1:
+                token_id = ids[prefix_offset]
+                prefix_text = single.get(token_id)
+                if prefix_text is None:
+                    prefix_text = single[token_id] = self._decode([token_id])
+            else:
+                prefix_text = self._decode(ids[prefix_offset : self._read_offset])
+            self._prefix_text = prefix_text
         new_text = self._decode(ids[prefix_offset:])
         # Not longer: the new token(s) produced no visible text yet (e.g. a lone SentencePiece
         # byte piece decodes to fewer chars than it will); keep them in the unread part.
