@@ -234,6 +234,20 @@ def wait_ready(server: subprocess.Popen, port: int, log_path: str, timeout: floa
     raise RuntimeError(f"pagoda serve not ready after {timeout:.0f} s")
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (engine core included), SIGKILL after 30 s; it may be gone."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -278,11 +292,7 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
     except RuntimeError as exc:
         print(f"serve {shape} failed: {exc}", flush=True)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        _stop(server)
         log.close()
     return rows
 
