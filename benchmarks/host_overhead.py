@@ -17,6 +17,7 @@ streaming (delta) mode, as the server drives it. Once every request decodes, `--
   sampler     Sampler.forward: device work, excluded from the host total
   update      Scheduler.update()
   process     OutputProcessor.process() (incremental detokenization in the +detok configs)
+  gc          time in the garbage collector during the step (already counted in the rows above)
 
 Times are this thread's CPU time by default (--clock thread: steady when other work shares the
 cores; forward and sampler then miss torch's other intra-op threads) or wall time (--clock wall).
@@ -24,6 +25,9 @@ Per-step µs are medians over the timed steps (the per-block-boundary steps incl
 in the JSON). Configs: greedy (no tokenizer), greedy+detok, sampled+detok (temperature 0.8,
 top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), seeded+detok
 (sampled with a per-request seed), logprobs+detok (greedy, logprobs=5).
+--decode-graphs sends decode steps through the runner's CUDA-graph input path (static buffers,
+`worker/cuda_graphs.py`) with the replay stubbed by fixed random logits: prep is then the host work
+of a graph step as on the GPU machine.
 --sampling-state patches the runner to keep a persistent `SamplingState` (layers/sampler.py)
 instead of calling `SamplingBatch.build` every step: the integration proposed for the runner.
 --profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -175,8 +180,29 @@ def use_sampling_state(runner) -> None:
     runner._sample = _sample
 
 
+def use_decode_graph_path(runner) -> None:
+    """Send pure decode steps through the runner's CUDA-graph input path (`worker/cuda_graphs.py`,
+    static buffers, capture=False on the CPU) with the replay itself stubbed: it returns one of a few
+    fixed random logits tensors, standing in for the GPU work of the captured forward. What is timed
+    as prep is then exactly the host work a graph step has on the GPU machine."""
+    from pagoda.layers.triton_attention import TritonAttentionBackend
+
+    runner.backend = TritonAttentionBackend()     # graphs need it; no kernel runs (replay is stubbed)
+    runner.enable_decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    gen = torch.Generator().manual_seed(0)
+    bank = [torch.randn(graphs.max_rows, runner.vocab_size, generator=gen) * 4 for _ in range(3)]
+    calls = [0]
+
+    def replay(b, attn):
+        calls[0] += 1
+        return bank[calls[0] % len(bank)][:b]
+    graphs._attention = lambda b: None            # built once at capture on the GPU, not per step
+    graphs._forward = replay
+
+
 def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool,
-               sampling_state: bool = False) -> dict:
+               sampling_state: bool = False, decode_graphs: bool = False) -> dict:
     detok, knobs = CONFIGS[name]
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=not detok, max_model_len=2048,
               max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), cpu_kv_cache_space_gib=1.0,
@@ -191,12 +217,25 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         engine.add_request(str(i), prompt, params, delta=True)
     while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
+    if decode_graphs:
+        use_decode_graph_path(engine.runner)
     for _ in range(3):                                       # warm up the decode path
         engine.step()
     timer = Timer()
     instrument(engine, timer)
+    if decode_graphs:
+        graphs = engine.runner.decode_graphs
+        graphs._forward = timer.wrap("forward", graphs._forward)
     samples: list[dict[str, float]] = []
     prof = cProfile.Profile() if profile else None
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:          # time in the garbage collector, any generation
+        if phase == "start":
+            gc_start[0] = timer.clock()
+        else:
+            timer.step["gc"] += timer.clock() - gc_start[0]
+    gc.callbacks.append(on_gc)
     for _ in range(steps):
         timer.step = defaultdict(float)
         t0 = timer.clock()
@@ -215,11 +254,12 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         s["host"] = sum(s.get(k, 0) for k in HOST) + s["other"]
         s["step"] = total
         samples.append(s)
+    gc.callbacks.remove(on_gc)
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
         print(out.getvalue())
-    keys = PARTS + ["other", "host", "step"]
+    keys = PARTS + ["other", "host", "step", "gc"]
     return {
         "median_us": {k: 1e6 * statistics.median(s.get(k, 0.0) for s in samples) for k in keys},
         "mean_us": {k: 1e6 * statistics.fmean(s.get(k, 0.0) for s in samples) for k in keys},
@@ -239,6 +279,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: on a shared CPU, waking a second OpenMP thread "
                     "for tiny ops can cost milliseconds)")
+    ap.add_argument("--decode-graphs", action="store_true",
+                    help="decode steps through the CUDA-graph input path with the replay stubbed (host "
+                    "work of a graph step; forward = the stub)")
     ap.add_argument("--clock", choices=["thread", "wall"], default="thread",
                     help="thread: this thread's CPU time (steady on a shared machine; torch's intra-op "
                     "threads in forward/sampler are not counted); wall: perf_counter")
@@ -255,11 +298,13 @@ def main() -> None:
         folder = model_folder(root)
         for name in names:
             results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile,
-                                       args.sampling_state)
-    cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "forward", "sampler"]
+                                       args.sampling_state, args.decode_graphs)
+    cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "gc", "forward", "sampler"]
     print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock"
-          f"{', runner patched to use SamplingState' if args.sampling_state else ''}) "
-          f"(host = schedule+prep+samp_prep+update+process+other; forward/sampler = device work on CPU)")
+          f"{', runner patched to use SamplingState' if args.sampling_state else ''}"
+          f"{', decode-graph input path, replay stubbed' if args.decode_graphs else ''}) "
+          f"(host = schedule+prep+samp_prep+update+process+other; gc = garbage collection, already "
+          f"inside those; forward/sampler = device work on CPU)")
     print(f"{'config':16s}" + "".join(f"{c:>11s}" for c in cols))
     for name, r in results.items():
         print(f"{name:16s}" + "".join(f"{r['median_us'][c]:11.0f}" for c in cols))
