@@ -176,8 +176,7 @@ def transformers_runs(folder: str, shape: str, args: argparse.Namespace) -> list
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    cls = (transformers.Qwen2VLForConditionalGeneration if config.model_type == "qwen2_vl"
-           else transformers.AutoModelForCausalLM)
+    cls = getattr(transformers, config.architectures[0])      # the concrete class has _from_config
     torch.manual_seed(0)
     with torch.device(_device()):
         model = cls._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()

@@ -415,12 +415,18 @@ def build_prefill_tiles(query_lens: Sequence[int], rows: Sequence[int], device: 
                         block_m: int | None = None) -> PrefillTiles:
     """Tiles for requests `rows` (indices into query_lens), each cut into ceil(q_len / block_m) tiles."""
     block_m = block_m or prefill_block_m()
+    req, m0 = prefill_tile_arrays(query_lens, rows, block_m)
+    return PrefillTiles(torch.from_numpy(req).to(device), torch.from_numpy(m0).to(device), block_m)
+
+
+def prefill_tile_arrays(query_lens: Sequence[int], rows: Sequence[int], block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host arrays (req, m0) int32 of `build_prefill_tiles`."""
     lens = np.asarray([query_lens[r] for r in rows], dtype=np.int64)
     counts = -(-lens // block_m)                                               # tiles per request
     req = np.repeat(np.asarray(rows, dtype=np.int32), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)                      # index of each tile's first sibling
     m0 = ((np.arange(int(counts.sum())) - first) * block_m).astype(np.int32)
-    return PrefillTiles(torch.from_numpy(req).to(device), torch.from_numpy(m0).to(device), block_m)
+    return req, m0
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int]:

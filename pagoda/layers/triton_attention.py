@@ -110,6 +110,18 @@ class TritonAttentionBackend(AttentionBackend):
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
         return TritonAttentionMetadata(slot_mapping, decode, None, block_tables, query_start_loc, seq_lens, num_sms)
 
+    def tiled_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor, tile_req: torch.Tensor, tile_m0: torch.Tensor,
+                       block_m: int) -> TritonAttentionMetadata:
+        """Metadata for a mixed step over caller-owned tensors, for CUDA-graph capture: every row, decode
+        rows included, goes through the prefill kernel's tile list (a fixed-length list whose unused
+        tiles point at a row with no queries and no keys, so they do nothing)."""
+        from pagoda.kernels.paged_attention import PrefillTiles
+
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
+        return TritonAttentionMetadata(slot_mapping, None, PrefillTiles(tile_req, tile_m0, block_m), block_tables,
+                                       query_start_loc, seq_lens, num_sms)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.

@@ -182,3 +182,176 @@ class DecodeGraphs:
             graph.replay()
             return logits[:rows]
         return self._forward(b, self._attention(b))[:rows]
+
+
+# ---- mixed steps (prefill chunks + decodes) -------------------------------------------------------
+
+def default_token_buckets(max_tokens: int) -> list[int]:
+    """Token-count buckets for mixed steps: fine steps where serving lives (a few new prompts among
+    decodes), coarser above; capped at 2048 — larger steps are prefill-heavy and their GPU time
+    hides the host's launch time anyway."""
+    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    top = next((b for b in sizes if b > max_tokens), sizes[-1])     # every step up to max_tokens fits
+    return [b for b in sizes if b <= top]
+
+
+@dataclass
+class StepInputs:
+    """One step of B rows and T tokens, host side (what the runner's eager path builds anyway)."""
+
+    token_ids: np.ndarray          # [T]
+    positions: np.ndarray          # [T]
+    slots: np.ndarray              # [T]
+    query_start_loc: np.ndarray    # [B + 1]
+    seq_lens: np.ndarray           # [B]
+    block_tables: list[list[int]]  # [B]
+    tile_req: np.ndarray           # [tiles] prefill-kernel tiles over all B rows
+    tile_m0: np.ndarray            # [tiles]
+    state_slots: np.ndarray | None = None      # [B]
+    snapshot_tokens: np.ndarray | None = None  # [S] tokens that complete a KV block
+    snapshot_blocks: np.ndarray | None = None  # [S]
+    mrope_positions: np.ndarray | None = None  # [3, T]
+
+
+class StepGraphs:
+    """Mixed steps (any rows, prefill chunks among decodes) as CUDA graphs, one per token bucket.
+
+    Without them every step that admits a new prompt runs eagerly: ~1,000 launches from Python,
+    ~20 ms of host time, which at serving concurrency is paid every few steps and dominates TTFT.
+    Attention goes through the Triton prefill kernel's tile list for every row (a decode row is a
+    one-query chunk). Static shapes: T_b tokens (a step of T < T_b tokens; at least one token is
+    spare, so padding rows can point at it), R = max_num_seqs + 1 rows (the last row is always
+    padding: zero queries, zero keys, the scratch state slot), T_b/block_m + R tiles (the unused
+    ones point at the padding row) and T_b/block_size + R snapshot entries (unused: the spare token
+    into the null block). Logits come out for each row's last token; the runner keeps the rows
+    that sample."""
+
+    def __init__(self, model: nn.Module, backend, max_seqs: int, max_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, block_m: int, device: torch.device, scratch_slot: int | None,
+                 with_snapshots: bool, uses_mrope: bool, buckets: list[int] | None = None, capture: bool = True):
+        self.model, self.backend, self.device = model, backend, device
+        self.block_size, self.block_m = block_size, block_m
+        self.scratch_slot, self.with_snapshots, self.uses_mrope = scratch_slot, with_snapshots, uses_mrope
+        self.buckets = sorted(buckets or default_token_buckets(max_tokens))
+        self.max_tokens = t = self.buckets[-1]
+        self.rows = r = max_seqs + 1
+        self.max_tiles = -(-t // block_m) + r
+        self.max_snapshots = t // block_size + r
+        pin = device.type == "cuda"
+        shapes = {"tok": (6, t), "row": (4, r), "qsl": (r + 1,), "tiles": (2, self.max_tiles),
+                  "snap": (2, self.max_snapshots), "tables": (r, max_blocks_per_seq)}
+        self.host = {k: torch.zeros(v, dtype=torch.int64, pin_memory=pin) for k, v in shapes.items()}
+        self.np = {k: v.numpy() for k, v in self.host.items()}
+        self.dev = {k: torch.zeros(v, dtype=torch.int64, device=device) for k, v in shapes.items()}
+        self.capture = capture and device.type == "cuda"
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._fill_padding(0, 0, t)
+        for k in self.dev:
+            self.dev[k].copy_(self.host[k])
+
+    def bucket(self, tokens: int) -> int | None:
+        """The smallest bucket with a spare token beyond `tokens`, or None (run eagerly)."""
+        return next((b for b in self.buckets if b > tokens), None)
+
+    def _attention(self, b: int) -> StepAttention:
+        d = self.dev
+        tiles = -(-b // self.block_m) + self.rows
+        meta = self.backend.tiled_metadata(d["tok"][2, :b], d["tables"], d["qsl"], d["row"][0],
+                                           d["tiles"][0, :tiles], d["tiles"][1, :tiles], self.block_m)
+        state = None
+        if self.scratch_slot is not None:
+            snaps = b // self.block_size + self.rows
+            state = SequenceStateBatch(d["row"][1], d["row"][2], d["row"][3], False,
+                                       d["snap"][0, :snaps] if self.with_snapshots else None,
+                                       d["snap"][1, :snaps] if self.with_snapshots else None)
+        mrope = d["tok"][3:6, :b] if self.uses_mrope else None
+        return StepAttention(self.backend, meta, state, mrope_positions=mrope)
+
+    def _forward(self, b: int, attn: StepAttention) -> torch.Tensor:
+        d = self.dev
+        hidden = self.model(d["tok"][0, :b], d["tok"][1, :b], attn)
+        return self.model.compute_logits(hidden.index_select(0, d["row"][3]))
+
+    def _fill_padding(self, tokens: int, rows: int, bucket: int) -> None:
+        """Tokens [tokens, bucket) and rows [rows, R) become padding; `tokens` is the spare token."""
+        n = self.np
+        n["tok"][:, tokens:bucket] = 0
+        n["tok"][2, tokens:bucket] = -1                        # store no K/V
+        n["row"][0, rows:] = 0                                 # no keys
+        n["row"][1, rows:] = self.scratch_slot if self.scratch_slot is not None else 0
+        n["row"][2:4, rows:] = tokens                          # first/last token: the spare one
+        n["qsl"][rows:] = tokens                               # no queries
+
+    def capture_all(self) -> None:
+        if not self.capture:
+            return
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._fill_padding(0, 0, self.max_tokens)
+        tiles, snaps = self.np["tiles"], self.np["snap"]
+        tiles[0], tiles[1] = self.rows - 1, 0
+        snaps[0], snaps[1] = 0, 0
+        for k in self.dev:
+            self.dev[k].copy_(self.host[k])
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                attn = self._attention(b)
+                for _ in range(2):
+                    self._forward(b, attn)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(b, attn)
+                self.graphs[b] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d mixed-step CUDA graphs (tokens %d..%d) in %.1f s", len(self.graphs),
+                    self.buckets[0], self.buckets[-1], time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [B, V] for each row's last token this step."""
+        t, rows = len(inputs.token_ids), len(inputs.seq_lens)
+        b = self.bucket(t)
+        if self._copied is not None:
+            self._copied.synchronize()
+        n = self.np
+        n["tok"][0, :t] = inputs.token_ids
+        n["tok"][1, :t] = inputs.positions
+        n["tok"][2, :t] = inputs.slots
+        if self.uses_mrope:
+            n["tok"][3:6, :t] = inputs.mrope_positions if inputs.mrope_positions is not None else inputs.positions
+        n["row"][0, :rows] = inputs.seq_lens
+        if self.scratch_slot is not None:
+            n["row"][1, :rows] = inputs.state_slots
+        n["row"][2, :rows] = inputs.query_start_loc[:-1]
+        n["row"][3, :rows] = inputs.query_start_loc[1:] - 1
+        n["qsl"][:rows + 1] = inputs.query_start_loc
+        self._fill_padding(t, rows, b)
+        tiles = len(inputs.tile_req)
+        n["tiles"][0, :tiles] = inputs.tile_req
+        n["tiles"][1, :tiles] = inputs.tile_m0
+        n["tiles"][0, tiles:] = self.rows - 1
+        n["tiles"][1, tiles:] = 0
+        if self.with_snapshots and self.scratch_slot is not None:
+            s = 0 if inputs.snapshot_tokens is None else len(inputs.snapshot_tokens)
+            if s:
+                n["snap"][0, :s] = inputs.snapshot_tokens
+                n["snap"][1, :s] = inputs.snapshot_blocks
+            n["snap"][0, s:] = t
+            n["snap"][1, s:] = 0
+        for row, blocks in enumerate(inputs.block_tables):
+            n["tables"][row, :len(blocks)] = blocks
+        for k in ("tok", "row", "qsl", "tiles", "snap"):
+            self.dev[k].copy_(self.host[k], non_blocking=True)
+        self.dev["tables"][:rows].copy_(self.host["tables"][:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if self.capture:
+            graph, logits = self.graphs[b]
+            graph.replay()
+            return logits[:rows]
+        return self._forward(b, self._attention(b))[:rows]

@@ -24,7 +24,7 @@ from pagoda.models.source import ModelSource
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.multimodal.inputs import MultiModalInputs
-from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs
+from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs, StepGraphs, StepInputs
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.state_slots import StateSlotPool
 
@@ -70,6 +70,7 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
         self.decode_graphs: DecodeGraphs | None = None   # set by `enable_decode_graphs`
+        self.step_graphs: StepGraphs | None = None       # mixed steps, likewise
 
     @staticmethod
     def _make_backend(name: str) -> AttentionBackend:
@@ -101,10 +102,12 @@ class ModelRunner:
         if self.state_snapshots:
             self.state_pool.allocate_snapshots(layout.num_blocks)
 
-    def enable_decode_graphs(self, capture: bool = True, buckets: list[int] | None = None) -> None:
-        """Run pure decode steps of up to max_num_seqs rows from static buffers, replaying CUDA graphs
-        captured now (capture=False: the same buffers, run eagerly — for tests on the CPU). Call after
-        `initialize_kv_cache` with the real cache: graphs hold the cache's addresses."""
+    def enable_decode_graphs(self, capture: bool = True, buckets: list[int] | None = None,
+                             token_buckets: list[int] | None = None) -> None:
+        """Run pure decode steps of up to max_num_seqs rows, and mixed steps of up to 2047 tokens,
+        from static buffers, replaying CUDA graphs captured now (capture=False: the same buffers, run
+        eagerly — for tests on the CPU). Call after `initialize_kv_cache` with the real cache: graphs
+        hold the cache's addresses."""
         if self.backend.name != "triton":
             raise ValueError("decode graphs need the Triton attention backend")
         if not getattr(self.model, "supports_cuda_graphs", True):
@@ -117,6 +120,14 @@ class ModelRunner:
             self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
             self.uses_mrope, buckets, capture)
         self.decode_graphs.capture_all()
+        from pagoda.kernels.paged_attention import prefill_block_m
+
+        self.step_graphs = StepGraphs(
+            self.model, self.backend, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
+            -(-cfg.model.max_model_len // self.block_size), self.block_size, prefill_block_m(), self.device,
+            self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
+            self.uses_mrope, token_buckets, capture)
+        self.step_graphs.capture_all()
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -251,6 +262,10 @@ class ModelRunner:
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
 
+        if self.step_graphs is not None and self.step_graphs.bucket(len(token_ids)) is not None \
+                and not self._needs_encoder(states, starts, seq_lens):
+            return self._execute_step_graph(request_ids, states, token_ids, positions, slots, query_start_loc,
+                                            query_lens, seq_lens, starts)
         dev = self.device
         batch = AttentionBatch(
             query_lens=query_lens, seq_lens=seq_lens,
@@ -296,6 +311,38 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
         for s in states:
             s.num_computed_tokens += 1
+        if not sample_rows:
+            return StepOutput({})
+        if len(sample_rows) < len(states):
+            logits = logits[torch.tensor(sample_rows, device=logits.device)]
+        return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+
+    @staticmethod
+    def _needs_encoder(states: list[RunnerRequestState], starts: list[int], ends: list[int]) -> bool:
+        return any(s.mm_inputs is not None and any(item.overlaps(a, e) for item in s.mm_inputs.items)
+                   for s, a, e in zip(states, starts, ends))
+
+    def _execute_step_graph(self, request_ids: list[str], states: list[RunnerRequestState], token_ids: np.ndarray,
+                            positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
+                            query_lens: list[int], seq_lens: list[int], starts: list[int]) -> StepOutput:
+        """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
+        from pagoda.kernels.paged_attention import prefill_tile_arrays
+
+        graphs = self.step_graphs
+        req, m0 = prefill_tile_arrays(query_lens, range(len(states)), graphs.block_m)
+        inputs = StepInputs(token_ids, positions, slots, query_start_loc, np.asarray(seq_lens, dtype=np.int64),
+                            [s.block_ids for s in states], req, m0)
+        if self.state_pool is not None:
+            inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
+            if self.state_snapshots:
+                ends = np.flatnonzero(positions % self.block_size == self.block_size - 1)
+                inputs.snapshot_tokens, inputs.snapshot_blocks = ends, slots[ends] // self.block_size
+        if self.uses_mrope and any(s.mm_inputs is not None for s in states):
+            inputs.mrope_positions = self._mrope_positions(states, starts, seq_lens)
+        logits = graphs.run(inputs)
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        for i, s in enumerate(states):
+            s.num_computed_tokens = seq_lens[i]
         if not sample_rows:
             return StepOutput({})
         if len(sample_rows) < len(states):

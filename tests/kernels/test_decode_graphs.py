@@ -15,7 +15,7 @@ import torch
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.cuda_graphs import default_buckets
+from pagoda.worker.cuda_graphs import default_buckets, default_token_buckets
 from tests.conftest import SHARED_FIXTURES
 
 CUDA = torch.cuda.is_available()
@@ -49,6 +49,37 @@ def test_default_buckets():
     assert default_buckets(8) == [1, 2, 4, 8]
     assert default_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and default_buckets(256)[-1] == 256
     assert default_buckets(100)[-2:] == [96, 100]
+
+
+def test_default_token_buckets():
+    assert default_token_buckets(8) == [16]
+    assert default_token_buckets(100)[-1] == 128 and default_token_buckets(8192)[-1] == 2048
+    assert default_token_buckets(2048)[-1] == 2048     # a 2048-token step has no spare token: eager
+
+
+def _count_buckets(graphs) -> list[int]:
+    used = []
+    run = graphs.run
+    graphs.run = lambda inputs: used.append(graphs.bucket(len(inputs.token_ids))) or run(inputs)
+    return used
+
+
+def test_yuan_goldens_through_mixed_step_graphs():
+    """Chunked prefill (8-token budget) mixed with decodes: every step with a prefill chunk replays a
+    token-bucket graph (decode rows through the prefill kernel's tiles, padding rows on the scratch
+    slot), the second round restores LF snapshots those graphs wrote."""
+    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = golden["cases"]
+    engine = _engine("yuan2-tiny", max_num_batched_tokens=8)
+    assert engine.runner.step_graphs.buckets == [16]
+    mixed = _count_buckets(engine.runner.step_graphs)
+    decode = _count_buckets(engine.runner.decode_graphs)
+    for round_ in range(2):
+        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, 16)
+        for i, case in enumerate(cases):
+            assert done[f"{round_}-{i}"] == case["greedy_16"], f"round {round_}, case {i}"
+    assert engine.scheduler.stats.num_chunked_prefills > 0 and engine.block_manager.prefix_hits > 0
+    assert len(mixed) >= 10 and len(decode) >= 10
 
 
 def test_yuan_goldens_through_decode_graphs():
