@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
-from pagoda.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.frontend.detokenizer import IncrementalDetokenizer, single_token_decoder
 from pagoda.request import Request, RequestStatus
 
 
@@ -53,6 +53,7 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
+        self._token_text = single_token_decoder(tokenizer) if tokenizer is not None else None
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
 
@@ -158,7 +159,7 @@ class OutputProcessor:
         sample.cumulative_logprob += lp.sampled_logprob
 
     def _decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+        return None if self._token_text is None else self._token_text(token)
 
     def _finish_sample(self, sample: _Sample, request: Request) -> None:
         if sample.detokenizer is not None and sample.detokenizer.stop_str is None:

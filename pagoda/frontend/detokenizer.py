@@ -133,6 +133,22 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> _FastDecoder | N
     return fast
 
 
+def single_token_decoder(tokenizer: Any) -> Callable[[int], str]:
+    """`token_id -> tokenizer.decode([token_id])` (special tokens kept), e.g. for the text of logprob
+    alternatives: a dict lookup after the first time, when the fast decoder applies."""
+    fast = _fast_decoder(tokenizer, False)
+    if fast is None:
+        return lambda token_id: tokenizer.decode([token_id])
+    cache, decode = fast.single, fast.decode
+
+    def token_text(token_id: int) -> str:
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = decode([token_id])
+        return text
+    return token_text
+
+
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text deltas as they arrive, and finds stop strings.
 

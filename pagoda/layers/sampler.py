@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -78,7 +79,15 @@ class SamplingBatch:
         b = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == b
         assert suppress_token_ids is None or len(suppress_token_ids) == b
-        knobs = np.array([_knob_row(p) for p in params], dtype=np.float64).reshape(b, _NUM_KNOBS).T
+        knobs = np.empty((_NUM_KNOBS, b))
+        for k, get in _KNOB_GETTERS:          # a column per knob: attribute reads and conversion in C
+            knobs[k] = np.fromiter(map(get, params), dtype=np.float64, count=b)
+        temperature = knobs[_TEMPERATURE]
+        temperature[temperature < GREEDY_TEMPERATURE_EPS] = 0.0      # SamplingParams.is_greedy rows
+        logprobs = [p.logprobs for p in params]
+        knobs[_LOGPROBS] = -1.0
+        if any(n is not None for n in logprobs):
+            knobs[_LOGPROBS] = [-1 if n is None else n for n in logprobs]
         batch = _batch_from_knobs(knobs, list(generators), device)
 
         if batch.presence_penalty is not None or batch.frequency_penalty is not None:
@@ -107,6 +116,12 @@ _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _TOP_K, _LOGPR
 _NUM_KNOBS = 8
 # The value that makes a knob a no-op (None in the batch when every row has it).
 _NEUTRAL = np.array([np.nan, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, -1.0])
+
+
+_KNOB_GETTERS = [(_TOP_P, attrgetter("top_p")), (_MIN_P, attrgetter("min_p")),
+                 (_PRESENCE, attrgetter("presence_penalty")), (_FREQUENCY, attrgetter("frequency_penalty")),
+                 (_REPETITION, attrgetter("repetition_penalty")), (_TOP_K, attrgetter("top_k")),
+                 (_TEMPERATURE, attrgetter("temperature"))]
 
 
 def _knob_row(p: SamplingParams) -> tuple[float, ...]:
