@@ -330,6 +330,7 @@ def print_table(rows: list[dict]) -> None:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = f"{r['concurrency']}" + (f" ({r['client_processes']} clients)" if r.get("client_processes") else "")
+        c += " (earlier code)" if r.get("variant") else ""
         print(f"| {r['shape']} | {r['system']} | {r['workload']} | {c} | {f(r['output_throughput'], '{:,.0f}')} | "
               f"{f(r['median_ttft_ms'])} / {f(r['p95_ttft_ms'])} | {f(r['median_tpot_ms'], '{:.2f}')} / "
               f"{f(r['p95_tpot_ms'], '{:.2f}')} | {f(r['decode_step_ms'], '{:.2f}')} / {f(r['decode_floor_ms'], '{:.2f}')} |")
@@ -373,6 +374,9 @@ def main() -> None:
         print("ROWS " + json.dumps(fn(args.child_folder, shapes[0], args)), flush=True)
         return
 
+    # A `timeout` around this script must not leave a server holding the GPU for the next run:
+    # SIGTERM unwinds through pagoda_serve's finally, which stops the server's process group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.artifacts = args.artifacts or tempfile.mkdtemp(prefix="h200_")
     os.makedirs(args.artifacts, exist_ok=True)
     rows: list[dict] = []
