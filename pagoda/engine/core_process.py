@@ -97,6 +97,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outbox.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     layout = engine.kv_layout
+    engine.freeze_startup_heap()     # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
     outbox.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
                             layout.max_concurrency(config.model.max_model_len)))
     try:
