@@ -79,16 +79,32 @@ class SamplingBatch:
         b = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == b
         assert suppress_token_ids is None or len(suppress_token_ids) == b
-        knobs = np.empty((_NUM_KNOBS, b))
-        for k, get in _KNOB_GETTERS:          # a column per knob: attribute reads and conversion in C
-            knobs[k] = np.fromiter(map(get, params), dtype=np.float64, count=b)
-        temperature = knobs[_TEMPERATURE]
-        temperature[temperature < GREEDY_TEMPERATURE_EPS] = 0.0      # SamplingParams.is_greedy rows
-        logprobs = [p.logprobs for p in params]
-        knobs[_LOGPROBS] = -1.0
-        if any(n is not None for n in logprobs):
-            knobs[_LOGPROBS] = [-1 if n is None else n for n in logprobs]
-        batch = _batch_from_knobs(knobs, list(generators), device)
+        # Each knob is read as a column (map + attrgetter: the loop runs in C) and becomes a tensor
+        # only when some row is not neutral (list.count compares in C too).
+        def column(name: str, neutral: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
+            values = list(map(attrgetter(name), params))
+            return None if values.count(neutral) == b else torch.tensor(values, dtype=dtype, device=device)
+
+        temperatures = list(map(attrgetter("temperature"), params))
+        if b and min(temperatures) < GREEDY_TEMPERATURE_EPS:           # SamplingParams.is_greedy rows
+            temperatures = [0.0 if t < GREEDY_TEMPERATURE_EPS else t for t in temperatures]
+        logprobs = list(map(attrgetter("logprobs"), params))
+        wanted = [n for n in logprobs if n is not None] if logprobs.count(None) != b else []
+        batch = cls(
+            temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_k=column("top_k", 0, torch.int64),
+            top_p=column("top_p", 1.0),
+            min_p=column("min_p", 0.0),
+            presence_penalty=column("presence_penalty", 0.0),
+            frequency_penalty=column("frequency_penalty", 0.0),
+            repetition_penalty=column("repetition_penalty", 1.0),
+            output_token_counts=None,
+            prompt_or_output_mask=None,
+            suppress_mask=None,
+            generators=list(generators),
+            max_num_logprobs=max(wanted) if wanted else None,
+            all_greedy=not any(temperatures),
+        )
 
         if batch.presence_penalty is not None or batch.frequency_penalty is not None:
             batch.output_token_counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
@@ -118,15 +134,16 @@ _NUM_KNOBS = 8
 _NEUTRAL = np.array([np.nan, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, -1.0])
 
 
-_KNOB_GETTERS = [(_TOP_P, attrgetter("top_p")), (_MIN_P, attrgetter("min_p")),
-                 (_PRESENCE, attrgetter("presence_penalty")), (_FREQUENCY, attrgetter("frequency_penalty")),
-                 (_REPETITION, attrgetter("repetition_penalty")), (_TOP_K, attrgetter("top_k")),
-                 (_TEMPERATURE, attrgetter("temperature"))]
-
-
 def _knob_row(p: SamplingParams) -> tuple[float, ...]:
     return (0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
             p.repetition_penalty, p.top_k, -1 if p.logprobs is None else p.logprobs)
+
+
+def _active_knobs(knobs: np.ndarray) -> np.ndarray:
+    """[_NUM_KNOBS] 0/1: which knobs of one row's column are not neutral (temperature: not greedy)."""
+    active = (knobs != _NEUTRAL).astype(np.int64)
+    active[_TEMPERATURE] = knobs[_TEMPERATURE] != 0.0
+    return active
 
 
 def _batch_from_knobs(knobs: np.ndarray, generators: list[torch.Generator | None],
@@ -200,6 +217,9 @@ class SamplingState:
         self._generators: list[torch.Generator | None] = []
         self._num_seeded = 0
         self._num_min_tokens = 0
+        # Live rows whose knob k is not neutral (temperature: not greedy): knobs no live row uses
+        # are not even looked at in batch().
+        self._num_live_active = np.zeros(_NUM_KNOBS, dtype=np.int64)
         self._row: dict[str, int] = {}
         self._free: list[int] = []
         self._seen: Tensor | None = None                 # [capacity, V] bool
@@ -244,6 +264,7 @@ class SamplingState:
         self._num_min_tokens += params.min_tokens > 0
         self._generators[row] = generator
         self._num_seeded += generator is not None
+        self._num_live_active += _active_knobs(self._knobs[:, row])
         if knobs[_REPETITION] != 1.0 or self._seen is not None:
             if self._seen is None:
                 self._seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
@@ -265,6 +286,7 @@ class SamplingState:
         if row is None:
             return
         self._num_seeded -= self._generators[row] is not None
+        self._num_live_active -= _active_knobs(self._knobs[:, row])
         self._num_min_tokens -= bool(self._min_tokens[row])
         self._generators[row] = None
         self._min_tokens[row] = 0
@@ -275,10 +297,16 @@ class SamplingState:
         """The SamplingBatch of these requests (one row each, in this order) for this step."""
         row_of = self._row
         rows_np = np.fromiter((row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
-        knobs = self._knobs[:, rows_np]
         generators = ([self._generators[r] for r in rows_np.tolist()] if self._num_seeded
                       else [None] * len(rows_np))
-        batch = _batch_from_knobs(knobs, generators, self.device)
+        if self._num_live_active[_TOP_P:].any():
+            batch = _batch_from_knobs(self._knobs[:, rows_np], generators, self.device)
+        else:
+            # Common case: only temperatures differ between live rows (greedy and/or plain sampling).
+            temperature = self._knobs[_TEMPERATURE, rows_np]
+            batch = SamplingBatch(torch.from_numpy(temperature.astype(np.float32)).to(self.device), None, None,
+                                  None, None, None, None, None, None, None, generators, None,
+                                  not self._num_live_active[_TEMPERATURE] or not temperature.any())
         rows = None
         if batch.repetition_penalty is not None or batch.presence_penalty is not None \
                 or batch.frequency_penalty is not None or self._seen is not None or self._counts is not None:

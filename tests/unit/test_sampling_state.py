@@ -137,3 +137,37 @@ def test_plain_rows_need_no_vocab_sized_tensors() -> None:
     assert b.temperature.tolist() == pytest.approx([0.8, 0.0]) and not b.all_greedy
     state.update(torch.tensor([5, 6]))
     assert state._seen is None and state._counts is None
+
+
+def test_temperature_only_fast_path_matches_build() -> None:
+    """While no live row uses a knob other than temperature, batch() skips the knob table; a row
+    that uses one (top_p here) switches back to the full path, and its removal back again."""
+    state = SamplingState(capacity=4, vocab_size=30, device="cpu", eos_token_ids=EOS)
+    plain = {"g": SamplingParams(temperature=0.0), "t": SamplingParams(temperature=0.6),
+             "m": SamplingParams(temperature=0.0, min_tokens=2, max_tokens=10)}
+    for rid, params in plain.items():
+        state.add(rid, params, [1, 2])
+
+    def check(rows: list[str], params: dict[str, SamplingParams], outputs: dict[str, int]) -> None:
+        got = state.batch(rows)
+        want = SamplingBatch.build(
+            [params[r] for r in rows], [[1, 2]] * len(rows), [[0] * outputs.get(r, 0) for r in rows],
+            [None] * len(rows),
+            [EOS if outputs.get(r, 0) < params[r].min_tokens else [] for r in rows], 30, "cpu")
+        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "suppress_mask"):
+            assert_same(getattr(got, name), getattr(want, name))
+        assert got.all_greedy == want.all_greedy and got.max_num_logprobs == want.max_num_logprobs
+        state.update(torch.zeros(len(rows), dtype=torch.int64))
+        for r in rows:
+            outputs[r] = outputs.get(r, 0) + 1
+
+    outputs: dict[str, int] = {}
+    check(["m", "g"], plain, outputs)                 # all greedy
+    check(["t", "g", "m"], plain, outputs)
+    state.add("p", SamplingParams(temperature=0.9, top_p=0.5), [3])
+    both = plain | {"p": SamplingParams(temperature=0.9, top_p=0.5)}
+    check(["g", "t"], both, outputs)                  # a live row uses top_p: the full path
+    check(["p", "m"], both, outputs)
+    state.remove("p")
+    check(["t", "m", "g"], plain, outputs)
