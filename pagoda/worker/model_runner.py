@@ -8,6 +8,7 @@ the model, compute logits only for rows that sample, and sample them as one batc
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,6 +121,8 @@ class ModelRunner:
             self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
             self.uses_mrope, buckets, capture)
         self.decode_graphs.capture_all()
+        if os.environ.get("PAGODA_MIXED_STEP_GRAPHS", "1") == "0":    # A/B switch: mixed steps eager
+            return
         from pagoda.kernels.paged_attention import prefill_block_m
 
         self.step_graphs = StepGraphs(
