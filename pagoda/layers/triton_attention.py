@@ -111,15 +111,20 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(slot_mapping, decode, None, block_tables, query_start_loc, seq_lens, num_sms)
 
     def tiled_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                       seq_lens: torch.Tensor, tile_req: torch.Tensor, tile_m0: torch.Tensor,
-                       block_m: int) -> TritonAttentionMetadata:
-        """Metadata for a mixed step over caller-owned tensors, for CUDA-graph capture: every row, decode
-        rows included, goes through the prefill kernel's tile list (a fixed-length list whose unused
-        tiles point at a row with no queries and no keys, so they do nothing)."""
+                       seq_lens: torch.Tensor, tile_req: torch.Tensor, tile_m0: torch.Tensor, block_m: int,
+                       decode_token_index: torch.Tensor, decode_seq_lens: torch.Tensor,
+                       max_seq_len: int) -> TritonAttentionMetadata:
+        """Metadata for a mixed step over caller-owned tensors, for CUDA-graph capture, split like
+        `prepare` splits it: every row runs through the decode kernel with its own query token
+        (`decode_token_index`) and `decode_seq_lens` — the context length for one-token rows, 0 for
+        the others, which only write zeros to a spare token — and the prefill kernel's fixed-length
+        tile list covers the multi-token rows (unused tiles point at a row with no queries and no keys).
+        max_seq_len fixes the decode split-K count for the capture."""
         from pagoda.kernels.paged_attention import PrefillTiles
 
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
-        return TritonAttentionMetadata(slot_mapping, None, PrefillTiles(tile_req, tile_m0, block_m), block_tables,
+        decode = _DecodeRows(decode_token_index, block_tables, decode_seq_lens, max_seq_len)
+        return TritonAttentionMetadata(slot_mapping, decode, PrefillTiles(tile_req, tile_m0, block_m), block_tables,
                                        query_start_loc, seq_lens, num_sms)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

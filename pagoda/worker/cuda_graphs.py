@@ -218,8 +218,9 @@ class StepGraphs:
 
     Without them every step that admits a new prompt runs eagerly: ~1,000 launches from Python,
     ~20 ms of host time, which at serving concurrency is paid every few steps and dominates TTFT.
-    Attention goes through the Triton prefill kernel's tile list for every row (a decode row is a
-    one-query chunk). Static shapes: T_b tokens (a step of T < T_b tokens; at least one token is
+    Attention is split as in the eager path: one-token rows through the decode kernel (every row is
+    a decode row of the launch; the others have context 0 and write zeros to the spare token), the
+    multi-token rows through the prefill kernel's tile list. Static shapes: T_b tokens (a step of T < T_b tokens; at least one token is
     spare, so padding rows can point at it), R = max_num_seqs + 1 rows (the last row is always
     padding: zero queries, zero keys, the scratch state slot), T_b/block_m + R tiles (the unused
     ones point at the padding row) and T_b/block_size + R snapshot entries (unused: the spare token
@@ -228,8 +229,10 @@ class StepGraphs:
 
     def __init__(self, model: nn.Module, backend, max_seqs: int, max_tokens: int, max_blocks_per_seq: int,
                  block_size: int, block_m: int, device: torch.device, scratch_slot: int | None,
-                 with_snapshots: bool, uses_mrope: bool, buckets: list[int] | None = None, capture: bool = True):
+                 with_snapshots: bool, uses_mrope: bool, buckets: list[int] | None = None, capture: bool = True,
+                 max_seq_len: int = 0):
         self.model, self.backend, self.device = model, backend, device
+        self.max_seq_len = max_seq_len
         self.block_size, self.block_m = block_size, block_m
         self.scratch_slot, self.with_snapshots, self.uses_mrope = scratch_slot, with_snapshots, uses_mrope
         self.buckets = sorted(buckets or default_token_buckets(max_tokens))
@@ -238,7 +241,7 @@ class StepGraphs:
         self.max_tiles = -(-t // block_m) + r
         self.max_snapshots = t // block_size + r
         pin = device.type == "cuda"
-        shapes = {"tok": (6, t), "row": (4, r), "qsl": (r + 1,), "tiles": (2, self.max_tiles),
+        shapes = {"tok": (6, t), "row": (6, r), "qsl": (r + 1,), "tiles": (2, self.max_tiles),
                   "snap": (2, self.max_snapshots), "tables": (r, max_blocks_per_seq)}
         self.host = {k: torch.zeros(v, dtype=torch.int64, pin_memory=pin) for k, v in shapes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
@@ -258,7 +261,8 @@ class StepGraphs:
         d = self.dev
         tiles = -(-b // self.block_m) + self.rows
         meta = self.backend.tiled_metadata(d["tok"][2, :b], d["tables"], d["qsl"], d["row"][0],
-                                           d["tiles"][0, :tiles], d["tiles"][1, :tiles], self.block_m)
+                                           d["tiles"][0, :tiles], d["tiles"][1, :tiles], self.block_m,
+                                           d["row"][4], d["row"][5], self.max_seq_len)
         state = None
         if self.scratch_slot is not None:
             snaps = b // self.block_size + self.rows
@@ -281,6 +285,8 @@ class StepGraphs:
         n["row"][0, rows:] = 0                                 # no keys
         n["row"][1, rows:] = self.scratch_slot if self.scratch_slot is not None else 0
         n["row"][2:4, rows:] = tokens                          # first/last token: the spare one
+        n["row"][4, rows:] = tokens                            # decode query: the spare token
+        n["row"][5, rows:] = 0                                 # decode context: none
         n["qsl"][rows:] = tokens                               # no queries
 
     def capture_all(self) -> None:
@@ -330,6 +336,9 @@ class StepGraphs:
         n["row"][2, :rows] = inputs.query_start_loc[:-1]
         n["row"][3, :rows] = inputs.query_start_loc[1:] - 1
         n["qsl"][:rows + 1] = inputs.query_start_loc
+        one = np.diff(inputs.query_start_loc) == 1
+        n["row"][4, :rows] = np.where(one, inputs.query_start_loc[1:] - 1, t)
+        n["row"][5, :rows] = np.where(one, inputs.seq_lens, 0)
         self._fill_padding(t, rows, b)
         tiles = len(inputs.tile_req)
         n["tiles"][0, :tiles] = inputs.tile_req

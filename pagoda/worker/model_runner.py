@@ -129,7 +129,7 @@ class ModelRunner:
             self.model, self.backend, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
             -(-cfg.model.max_model_len // self.block_size), self.block_size, prefill_block_m(), self.device,
             self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
-            self.uses_mrope, token_buckets, capture)
+            self.uses_mrope, token_buckets, capture, cfg.model.max_model_len)
         self.step_graphs.capture_all()
 
     @torch.inference_mode()
@@ -332,7 +332,8 @@ class ModelRunner:
         from pagoda.kernels.paged_attention import prefill_tile_arrays
 
         graphs = self.step_graphs
-        req, m0 = prefill_tile_arrays(query_lens, range(len(states)), graphs.block_m)
+        # Tiles for the multi-token rows; one-token rows go through the decode kernel.
+        req, m0 = prefill_tile_arrays(query_lens, [i for i, n in enumerate(query_lens) if n > 1], graphs.block_m)
         inputs = StepInputs(token_ids, positions, slots, query_start_loc, np.asarray(seq_lens, dtype=np.int64),
                             [s.block_ids for s in states], req, m0)
         if self.state_pool is not None:
