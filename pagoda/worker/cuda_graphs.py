@@ -50,6 +50,32 @@ def default_buckets(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def _capture_buckets(buckets: list[int], device: torch.device, attention, forward, what: str) -> dict:
+    """Capture forward(b, attention(b)) for each bucket, largest first, in one memory pool (smaller
+    graphs reuse the largest one's memory); two warm-up runs first compile the Triton kernels and
+    pick cuBLAS algorithms. Returns {bucket: (graph, output tensor)}."""
+    start = time.perf_counter()
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for b in reversed(buckets):
+            attn = attention(b)
+            for _ in range(2):
+                forward(b, attn)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = forward(b, attn)
+            graphs[b] = (graph, out)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    logger.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(graphs), what, buckets[0], buckets[-1],
+                time.perf_counter() - start)
+    return graphs
+
+
 @dataclass
 class DecodeInputs:
     """One pure decode step, host side: B rows, one token each."""
@@ -120,26 +146,9 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool). Every row is
         padding while capturing, so the warm-up runs write no live KV, state or snapshot."""
-        if not self.capture:
-            return
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                attn = self._attention(b)
-                for _ in range(2):                 # compile Triton kernels, pick cuBLAS algorithms
-                    self._forward(b, attn)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(b, attn)
-                self.graphs[b] = (graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                    self.buckets[0], self.buckets[-1], time.perf_counter() - start)
+        if self.capture:
+            self.graphs = _capture_buckets(self.buckets, self.device, self._attention, self._forward,
+                                           "decode (batch sizes)")
 
     # ---- one step ---------------------------------------------------------------------------
     def bucket(self, rows: int) -> int | None:
@@ -292,30 +301,14 @@ class StepGraphs:
     def capture_all(self) -> None:
         if not self.capture:
             return
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         self._fill_padding(0, 0, self.max_tokens)
         tiles, snaps = self.np["tiles"], self.np["snap"]
         tiles[0], tiles[1] = self.rows - 1, 0
         snaps[0], snaps[1] = 0, 0
         for k in self.dev:
             self.dev[k].copy_(self.host[k])
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                attn = self._attention(b)
-                for _ in range(2):
-                    self._forward(b, attn)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(b, attn)
-                self.graphs[b] = (graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d mixed-step CUDA graphs (tokens %d..%d) in %.1f s", len(self.graphs),
-                    self.buckets[0], self.buckets[-1], time.perf_counter() - start)
+        self.graphs = _capture_buckets(self.buckets, self.device, self._attention, self._forward,
+                                       "mixed-step (tokens)")
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

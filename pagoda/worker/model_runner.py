@@ -22,11 +22,11 @@ from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
-from pagoda.sampling_params import SamplingParams
-from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.multimodal.inputs import MultiModalInputs
+from pagoda.sampling_params import SamplingParams
 from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs, StepGraphs, StepInputs
 from pagoda.worker.encoder_cache import EncoderCache
+from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.state_slots import StateSlotPool
 
 logger = logging.getLogger(__name__)
@@ -311,9 +311,15 @@ class ModelRunner:
             inputs.mrope_positions = self._mrope_positions(states, positions.tolist(), ends)
         logits = self.decode_graphs.run(inputs)
         # A one-token row samples unless it is a 1-token prefill chunk short of its prompt's end.
-        sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
-        for s in states:
-            s.num_computed_tokens += 1
+        return self._sample_rows_of(request_ids, states, (positions + 1).tolist(), logits)
+
+    def _sample_rows_of(self, request_ids: list[str], states: list[RunnerRequestState], seq_lens: list[int],
+                        logits: torch.Tensor) -> StepOutput:
+        """After a graph step with logits [B, V] for every row's last token: advance each row to its
+        new length and sample the rows that reached the end of their known tokens."""
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        for s, n in zip(states, seq_lens):
+            s.num_computed_tokens = n
         if not sample_rows:
             return StepOutput({})
         if len(sample_rows) < len(states):
@@ -343,15 +349,7 @@ class ModelRunner:
                 inputs.snapshot_tokens, inputs.snapshot_blocks = ends, slots[ends] // self.block_size
         if self.uses_mrope and any(s.mm_inputs is not None for s in states):
             inputs.mrope_positions = self._mrope_positions(states, starts, seq_lens)
-        logits = graphs.run(inputs)
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
-        for i, s in enumerate(states):
-            s.num_computed_tokens = seq_lens[i]
-        if not sample_rows:
-            return StepOutput({})
-        if len(sample_rows) < len(states):
-            logits = logits[torch.tensor(sample_rows, device=logits.device)]
-        return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+        return self._sample_rows_of(request_ids, states, seq_lens, graphs.run(inputs))
 
     @staticmethod
     def _mrope_positions(states: list[RunnerRequestState], starts: list[int], ends: list[int]) -> np.ndarray:
