@@ -23,18 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_shapes import SHAPES, write_config  # noqa: E402
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted)."""
-    import torch
-    import triton.testing
-
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * src.numel() / (ms / 1e3)
+from h200_shapes import SHAPES, copy_bandwidth, write_config  # noqa: E402
 
 
 def kernel_bench(batches: list[int], context: int, bandwidth: float) -> list[dict]:

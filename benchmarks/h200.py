@@ -39,7 +39,6 @@ import datetime
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -48,7 +47,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_shapes import SHAPES, kv_bytes_per_token, write_config  # noqa: E402
+from h200_shapes import SHAPES, copy_bandwidth, kv_bytes_per_token, write_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = [1, 8, 32, 64, 128, 256]
@@ -76,27 +75,6 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def copy_bandwidth() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / 10
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2 * 2**30 / seconds
-
-
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights one decode step reads: everything but the vision tower and an untied input
     embedding (a gather of B rows); a tied embedding is read whole as the LM head."""
@@ -117,8 +95,6 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 # ---- Pagoda, offline + decode step (one process) ------------------------------------------------
 def pagoda_offline(folder: str, shape: str, args: argparse.Namespace) -> list[dict]:
-    import torch
-
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,

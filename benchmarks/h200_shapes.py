@@ -57,3 +57,27 @@ def kv_bytes_per_token(c: dict, dtype_bytes: int = 2) -> int:
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads", heads)
     return 2 * c["num_hidden_layers"] * kv_heads * (c["hidden_size"] // heads) * dtype_bytes
+
+
+def copy_bandwidth() -> float | None:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted); None without a GPU."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 10
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2 * 2**30 / seconds

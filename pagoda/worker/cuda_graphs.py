@@ -76,6 +76,18 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     return graphs
 
 
+def _launch(graphs: DecodeGraphs | StepGraphs, bucket: int, rows: int) -> torch.Tensor:
+    """After a step's host→device copies: mark the host buffers reusable once they are done, then
+    replay the bucket's graph (or run its forward uncaptured) and return the real rows' logits."""
+    if graphs._copied is not None:
+        graphs._copied.record()
+    if graphs.capture:
+        graph, logits = graphs.graphs[bucket]
+        graph.replay()
+        return logits[:rows]
+    return graphs._forward(bucket, graphs._attention(bucket))[:rows]
+
+
 @dataclass
 class DecodeInputs:
     """One pure decode step, host side: B rows, one token each."""
@@ -184,13 +196,7 @@ class DecodeGraphs:
             self._tables_np[row, :len(blocks)] = blocks
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        if self.capture:
-            graph, logits = self.graphs[b]
-            graph.replay()
-            return logits[:rows]
-        return self._forward(b, self._attention(b))[:rows]
+        return _launch(self, b, rows)
 
 
 # ---- mixed steps (prefill chunks + decodes) -------------------------------------------------------
@@ -213,7 +219,7 @@ class StepInputs:
     slots: np.ndarray              # [T]
     query_start_loc: np.ndarray    # [B + 1]
     seq_lens: np.ndarray           # [B]
-    block_tables: list[list[int]]  # [B]
+    block_tables: np.ndarray       # [B, max_blocks] null-padded (the eager path's table)
     tile_req: np.ndarray           # [tiles] prefill-kernel tiles over all B rows
     tile_m0: np.ndarray            # [tiles]
     state_slots: np.ndarray | None = None      # [B]
@@ -345,15 +351,8 @@ class StepGraphs:
                 n["snap"][1, :s] = inputs.snapshot_blocks
             n["snap"][0, s:] = t
             n["snap"][1, s:] = 0
-        for row, blocks in enumerate(inputs.block_tables):
-            n["tables"][row, :len(blocks)] = blocks
+        n["tables"][:rows, :inputs.block_tables.shape[1]] = inputs.block_tables
         for k in ("tok", "row", "qsl", "tiles", "snap"):
             self.dev[k].copy_(self.host[k], non_blocking=True)
         self.dev["tables"][:rows].copy_(self.host["tables"][:rows], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        if self.capture:
-            graph, logits = self.graphs[b]
-            graph.replay()
-            return logits[:rows]
-        return self._forward(b, self._attention(b))[:rows]
+        return _launch(self, b, rows)

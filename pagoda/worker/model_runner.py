@@ -267,8 +267,8 @@ class ModelRunner:
 
         if self.step_graphs is not None and self.step_graphs.bucket(len(token_ids)) is not None \
                 and not self._needs_encoder(states, starts, seq_lens):
-            return self._execute_step_graph(request_ids, states, token_ids, positions, slots, query_start_loc,
-                                            query_lens, seq_lens, starts)
+            return self._execute_step_graph(request_ids, states, token_ids, positions, slots, tables,
+                                            query_start_loc, query_lens, seq_lens, starts)
         dev = self.device
         batch = AttentionBatch(
             query_lens=query_lens, seq_lens=seq_lens,
@@ -332,8 +332,9 @@ class ModelRunner:
                    for s, a, e in zip(states, starts, ends))
 
     def _execute_step_graph(self, request_ids: list[str], states: list[RunnerRequestState], token_ids: np.ndarray,
-                            positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
-                            query_lens: list[int], seq_lens: list[int], starts: list[int]) -> StepOutput:
+                            positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+                            query_start_loc: np.ndarray, query_lens: list[int], seq_lens: list[int],
+                            starts: list[int]) -> StepOutput:
         """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
         from pagoda.kernels.paged_attention import prefill_tile_arrays
 
@@ -341,7 +342,7 @@ class ModelRunner:
         # Tiles for the multi-token rows; one-token rows go through the decode kernel.
         req, m0 = prefill_tile_arrays(query_lens, [i for i, n in enumerate(query_lens) if n > 1], graphs.block_m)
         inputs = StepInputs(token_ids, positions, slots, query_start_loc, np.asarray(seq_lens, dtype=np.int64),
-                            [s.block_ids for s in states], req, m0)
+                            tables, req, m0)
         if self.state_pool is not None:
             inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
             if self.state_snapshots:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from pagoda.config import EngineArgs, EngineConfig
@@ -114,10 +113,10 @@ def test_yuan_one_row_at_a_time_matches_golden_steps():
     assert done["b"] == b["greedy_16"] and done["c"] == c["greedy_16"]
 
 
-@pytest.mark.parametrize("fixture", ["yuan2-tiny"])
-def test_enforce_eager_and_moe_skip_graphs(fixture):
+def test_enforce_eager_and_moe_skip_graphs():
+    # The eager half can only fail on a GPU (the CPU never captures); the MoE half runs everywhere.
     engine = LLMEngine(EngineConfig.create(EngineArgs(
-        model=str(SHARED_FIXTURES / fixture), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        model=str(SHARED_FIXTURES / "yuan2-tiny"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         attention_backend="triton" if CUDA else "torch", num_gpu_blocks_override=50,
         device="cuda" if CUDA else "cpu")))
     assert not engine.config.device.cuda_graphs and engine.runner.decode_graphs is None
