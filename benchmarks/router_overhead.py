@@ -103,12 +103,13 @@ def serve_fake(port: int, ttft_ms: float, tpot_ms: float) -> None:
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
-def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace) -> list[str]:
+def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace,
+              processes: int = 1) -> list[str]:
     cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--concurrency", str(concurrency),
            "--num-prompts", str(prompts), "--warmup", str(min(concurrency, ns.warmup)),
            "--input-len", str(ns.input_len), "--output-len", str(ns.output_len), "--ignore-eos",
            "--no-calibrate", "--seed", str(seed), "--save-detailed", "--no-progress", "--out", str(out),
-           "--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off"]
+           "--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off", "--client-processes", str(processes)]
     if ns.api_key:
         cmd += ["--api-key", ns.api_key]
     return cmd
@@ -118,14 +119,16 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag: str) -> list[dict[str, Any]]:
-    """One bench per URL, all at once; returns the successful per-request records."""
+def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag: str,
+             processes: int = 1) -> list[dict[str, Any]]:
+    """One bench per URL, all at once (each over `processes` client processes); returns the successful
+    per-request records."""
     procs = []
     for i, (url, c, n) in enumerate(zip(urls, split(ns.concurrency, len(urls)), split(ns.num_prompts, len(urls)))):
         if c == 0 or n == 0:
             continue
         out = tmp / f"{tag}-{seed}-{i}.json"
-        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns), cwd=REPO,
+        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns, processes), cwd=REPO,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
     records = []
     for proc, out in procs:
@@ -167,6 +170,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="around+through pairs, alternating order")
     p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--router-cpu", type=int, default=None,
+                   help="pin the router to this CPU (Linux), so client and backends do not share its core")
     ns = p.parse_args()
 
     children: list[subprocess.Popen] = []
@@ -187,7 +192,8 @@ def main() -> int:
         if ns.api_key:
             router_cmd += ["--backend-api-key", ns.api_key]
         t0 = time.monotonic()
-        children.append(subprocess.Popen(router_cmd, cwd=REPO))
+        pin = None if ns.router_cpu is None else (lambda: os.sched_setaffinity(0, {ns.router_cpu}))
+        children.append(subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin))
         router = f"http://127.0.0.1:{port}"
         wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
         print(f"router ready in {time.monotonic() - t0:.2f} s (healthy backends: {len(backends)})", file=sys.stderr)
@@ -199,7 +205,8 @@ def main() -> int:
                 order = [("around", backends), ("through", [router])]
                 for tag, urls in (order if rnd % 2 == 0 else order[::-1]):
                     seed = 1 + rnd * 2 + (tag == "through")
-                    records = run_side(urls, ns, seed, Path(tmp), tag)
+                    # the same number of client processes on both sides: the client must not be what differs
+                    records = run_side(urls, ns, seed, Path(tmp), tag, 1 if tag == "around" else len(backends))
                     (around if tag == "around" else through).append(records)
                     print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
         a, t = summarize(around), summarize(through)
