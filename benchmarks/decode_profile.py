@@ -9,7 +9,10 @@
 2. Engine: for each backend (its own subprocess: a clean GPU), B requests of --context prompt
    tokens are prefilled, then --steps decode steps are timed one by one: wall time of
    `LLMEngine.step()` (synchronised), the GPU time of the model forward (CUDA events), and the host
-   time around it. A torch.profiler table of a few steps goes to DIR/profile_<backend>_<B>.txt.
+   time around it. Then --steps steps back to back (no sync between them: with async scheduling the
+   host prepares step N+1 while the GPU runs step N), and where `ModelRunner.launch` still made
+   the host wait for the GPU (`torch.cuda.set_sync_debug_mode`: file:line of each synchronizing
+   call). A torch.profiler table of a few steps goes to DIR/profile_<backend>_<B>.txt.
 """
 
 from __future__ import annotations
@@ -117,8 +120,18 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
             gpu.append(sum(s.elapsed_time(e) for s, e in events))
         walls.sort()
         gpu.sort()
+        t0 = time.perf_counter()
+        syncs = _count_syncs(runner) if cuda else None
+        for _ in range(steps):
+            engine.step()
+        sync()
+        pipelined = (time.perf_counter() - t0) * 1e3 / steps
         row = {"backend": backend, "batch": b, "context": context, "step_ms_p50": walls[len(walls) // 2],
-               "forward_gpu_ms_p50": gpu[len(gpu) // 2], "running": engine.scheduler.num_running}
+               "forward_gpu_ms_p50": gpu[len(gpu) // 2], "running": engine.scheduler.num_running,
+               "step_ms_back_to_back": pipelined,
+               "launch_syncs": dict(syncs.most_common(8)) if syncs is not None else None}
+        if syncs is not None:
+            runner.__dict__.pop("launch", None)          # back to the unwrapped method
         if out and cuda:
             from torch.profiler import ProfilerActivity, profile
 
@@ -133,9 +146,36 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
         while engine.has_unfinished_requests():
             engine.step()
         print(f"engine {backend:6s} B={b:4d}: step {row['step_ms_p50']:.2f} ms, forward GPU "
-              f"{row['forward_gpu_ms_p50']:.2f} ms", flush=True)
+              f"{row['forward_gpu_ms_p50']:.2f} ms, back to back {pipelined:.2f} ms/step, "
+              f"syncs in launch: {row['launch_syncs']}", flush=True)
         results.append(row)
     return results
+
+
+def _count_syncs(runner):
+    """Wrap runner.launch so that every call that makes the host wait for the GPU is counted by the
+    Python line that issued it (torch's sync debug mode turns them into warnings)."""
+    import collections
+    import warnings
+
+    import torch
+
+    counts: collections.Counter = collections.Counter()
+    launch = runner.launch
+
+    def checked(so):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(so)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                for w in caught:
+                    counts[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
+
+    runner.launch = checked
+    return counts
 
 
 def main() -> None:

@@ -46,6 +46,8 @@ class EngineArgs:
     load_format: str = "auto"               # "dummy": random weights, shapes only (benchmarks)
     attention_backend: str = "auto"         # "torch" | "triton" | "auto" (= triton on CUDA, torch on the CPU)
     enforce_eager: bool = False             # no CUDA graphs: every decode step runs eagerly
+    async_scheduling: bool | None = None    # schedule/launch step N+1 before step N's tokens reach the host
+                                            # (None = on for CUDA, off on the CPU where nothing overlaps)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256                 # requests in one step
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # token budget of one step
     max_model_len: int = 2048               # copy of ModelConfig.max_model_len for the scheduler
+    # Step N+1 is scheduled and launched while step N runs on the GPU: each running request counts
+    # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,8 @@ class EngineConfig:
                 cpu_kv_cache_space_gib=cpu_kv_cache_space_gib),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len),
+                max_model_len=max_model_len,
+                async_scheduling=resolved_device == "cuda" if a.async_scheduling is None else a.async_scheduling),
             device=_device_config(resolved_device, a.attention_backend, a.enforce_eager),
         )
 

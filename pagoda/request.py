@@ -4,11 +4,14 @@ Counters (defined here and nowhere else):
 - prompt_token_ids   the prompt, as tokenized.
 - output_token_ids   tokens sampled so far (already appended when sampled).
 - num_tokens         len(prompt) + len(output): every token the request has.
-- num_computed_tokens tokens whose K/V are in the cache. It chases num_tokens: prefill, chunked
-                     prefill, a prefix-cache hit and decode are all "compute the next
-                     (num_tokens - num_computed_tokens) tokens, as many as the step's budget allows".
-                     A sampled token is appended before its K/V exist, so a decoding request
-                     always has exactly one uncomputed token.
+- num_pending        tokens sampled by launched steps that the host has not seen yet (0 without
+                     async scheduling once a step is processed; with it, the last step's token).
+- num_computed_tokens tokens whose K/V are in the cache or written by a step already scheduled: the
+                     scheduler advances it when it schedules a step. It chases num_tokens +
+                     num_pending: prefill, chunked prefill, a prefix-cache hit and decode are all
+                     "compute the next (num_tokens + num_pending - num_computed_tokens) tokens, as
+                     many as the step's budget allows". A sampled token is known before its K/V
+                     exist, so a decoding request always has exactly one uncomputed token.
 - num_cached_tokens  tokens found in the prefix cache when the request was first admitted.
 Preemption frees the blocks and resets num_computed_tokens to 0; the output is kept and the
 request recomputes prompt + output later (often hitting its own cached blocks).
@@ -56,6 +59,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by launched steps but not yet appended (async scheduling: at most 2, briefly).
+    # The scheduler counts them as known tokens; num_computed_tokens advances when a step is scheduled.
+    num_pending: int = 0
     num_cached_tokens: int = -1                      # -1 until first admitted
     block_ids: list[int] = field(default_factory=list)     # owned by BlockManager
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order

@@ -29,6 +29,8 @@ _HELP = {
     "load_format": "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)",
     "attention_backend": "auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)",
     "enforce_eager": "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)",
+    "async_scheduling": "schedule and launch the next step while the GPU runs the current one (default: on "
+                        "with CUDA, off on the CPU; a request that stops on EOS costs one discarded token)",
 }
 
 

@@ -105,7 +105,8 @@ class BlockManager:
         """Register the request's computed full blocks in the prefix cache (after each step)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size,
+                       len(request.block_ids))
         self._extend_hashes(request, num_full * self.block_size)
         # Only blocks that became full since the last call: this runs for every request every step.
         for i in range(request.num_registered_blocks, num_full):

@@ -62,6 +62,7 @@ class LLM:
         allow_private_media_urls: bool = False,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ):
         self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -70,7 +71,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
             trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format,
-            attention_backend=attention_backend, enforce_eager=enforce_eager))
+            attention_backend=attention_backend, enforce_eager=enforce_eager, async_scheduling=async_scheduling))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source

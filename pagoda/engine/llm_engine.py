@@ -1,6 +1,9 @@
 """The synchronous engine core: add requests, step, abort.
 
-`step()` = schedule → run the model → update request state → turn tokens into outputs.
+`step()` = schedule → run the model → update request state → turn tokens into outputs. With async
+scheduling (the default on CUDA) `step()` schedules and launches step N+1 first and only then reads
+step N's tokens: the host work of each step (update, detokenize, send, schedule, input prep) runs
+while the GPU computes the next one.
 Startup sizes the KV pool (from a GPU profile or the CPU budget), logs it, and refuses to start
 when one max_model_len request could not fit.
 """
@@ -17,7 +20,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
-from pagoda.engine.outputs import EngineStats, RequestOutput
+from pagoda.engine.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.validation import validate_request
 from pagoda.errors import ConfigError, InvalidRequest
@@ -26,7 +29,7 @@ from pagoda.models.source import resolve_model_source
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import memory
-from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger("pagoda")
 
@@ -49,6 +52,7 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None   # launched, not yet read
         self.vocab_size = self.runner.vocab_size
         self._log_startup()
 
@@ -149,7 +153,7 @@ class LLMEngine:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
         mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any."""
-        if self.output_processor.has_request(request_id):
+        if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         max_tokens = validate_request(prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size,
                                       self.tokenizer is not None)
@@ -171,11 +175,21 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
 
+    def _in_flight(self, request_id: str, n: int) -> bool:
+        """Whether a finished request of this id is still in the launched, unread step (its token
+        would land on the new request)."""
+        if self._inflight is None:
+            return False
+        scheduled = self._inflight[0].num_scheduled_tokens
+        return any(child_request_id(request_id, i, n) in scheduled for i in range(n))
+
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         # The output processor knows each user request's samples: no scan over every live request.
         children = [cid for rid in request_ids for cid in self.output_processor.child_ids(rid)]
         aborted = self.scheduler.abort_requests(children)
-        return self.output_processor.finish_aborted(aborted)
+        outputs = self.output_processor.finish_aborted(aborted)
+        self._settle_if_idle()
+        return outputs
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
@@ -183,12 +197,32 @@ class LLMEngine:
                            bm.prefix_queries, bm.prefix_hits, sched.stats.num_steps)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        step_output = self.runner.execute(scheduler_output)
+        launched = self.runner.launch(scheduler_output)
+        if not self.config.scheduler.async_scheduling:
+            return self._process(scheduler_output, launched)
+        # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
+        # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
+        # `Scheduler.update` (the request is gone); max_tokens stops are not scheduled at all.
+        previous = self._inflight
+        self._inflight = None if scheduler_output.is_empty else (scheduler_output, launched)
+        outputs = self._process(*previous) if previous is not None else []
+        self._settle_if_idle()
+        return outputs
+
+    def _settle_if_idle(self) -> None:
+        """With no request left, a launched step only holds tokens of finished ones (an EOS
+        overshoot, an abort): read and drop it now, so an idle engine has nothing in flight."""
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            previous, self._inflight = self._inflight, None
+            self._process(*previous)
+
+    def _process(self, scheduler_output: SchedulerOutput, launched: PendingStep) -> list[RequestOutput]:
+        step_output = launched.result()
         updated = self.scheduler.update(scheduler_output, step_output)
         return self.output_processor.process(updated, step_output.logprobs, self._finish)
 

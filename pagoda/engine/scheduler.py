@@ -77,13 +77,20 @@ class Scheduler:
         # Runs for every running request every step: attribute reads are hoisted and the common
         # decode (one token that fits in the last block) skips the allocator altogether.
         block_size = self.block_manager.block_size
+        max_model_len = self.config.max_model_len
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
             num_prompt = len(request.prompt_token_ids)
-            num_new = num_prompt + len(request.output_token_ids) - computed
+            num_output = len(request.output_token_ids) + request.num_pending
+            total = num_prompt + num_output
+            num_new = total - computed
+            if num_new <= 0 or (request.num_pending and (num_output >= request.max_tokens
+                                                           or total >= max_model_len)):
+                index += 1          # its last token is still in flight: nothing more to compute
+                continue
             if num_new > budget:
                 num_new = budget
             num_blocks_before = len(request.block_ids)
@@ -103,12 +110,17 @@ class Scheduler:
                 self.stats.num_chunked_prefills += 1
             num_scheduled[request.request_id] = num_new
             cached_requests.append(CachedRequestData(request.request_id, new_block_ids, False, computed))
+            request.num_computed_tokens = computed + num_new
+            if computed + num_new == total:
+                request.num_pending += 1           # this step samples its next token
             budget -= num_new
             index += 1
 
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
+            assert not request.num_pending, "a waiting request still has a token in flight"
             hits = self.block_manager.match_prefix(request)
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
@@ -132,6 +144,9 @@ class Scheduler:
                 new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params,
                     list(request.block_ids), request.num_computed_tokens, request.mm_inputs))
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending += 1
             budget -= num_new
 
         finished, self._finished_for_runner = self._finished_for_runner, set()
@@ -154,25 +169,30 @@ class Scheduler:
 
     # ---- after the step -----------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, step_output: StepOutput) -> list[Request]:
-        """Advance counters, append sampled tokens, apply token-level stops. Returns the requests
-        that received a token this step (some may now be finished)."""
+        """Append the step's sampled tokens, offer newly full blocks to the prefix cache, apply
+        token-level stops. Returns the requests that received a token this step (some may now be
+        finished). num_computed_tokens already moved when the step was scheduled; with async
+        scheduling the next step may be scheduled (and a request preempted) before this runs."""
         updated = []
         requests, sampled = self.requests, step_output.sampled_token_ids
         block_manager = self.block_manager
         caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
-        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+        for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is None:                # aborted while the step ran
+            if request is None:                # finished or aborted while the step ran
                 continue
-            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
-            if caching and computed // block_size > request.num_registered_blocks:
-                block_manager.cache_full_blocks(request)      # a block became full
             token = sampled.get(request_id)
+            if token is not None:
+                request.num_pending -= 1
+                request.output_token_ids.append(token)
+            # A block is full once its tokens are computed and known (a pending token is not).
+            if caching and min(request.num_computed_tokens, request.num_tokens) // block_size \
+                    > request.num_registered_blocks and request.status is RequestStatus.RUNNING:
+                block_manager.cache_full_blocks(request)
             if token is None:
                 continue
             output = request.output_token_ids
-            output.append(token)
             updated.append(request)
             # Cheap screen: _check_stop can only end the request on one of these conditions.
             num_output = len(output)

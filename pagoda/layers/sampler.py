@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from pagoda.device_copy import to_device
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -83,7 +84,7 @@ class SamplingBatch:
         # only when some row is not neutral (list.count compares in C too).
         def column(name: str, neutral: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
             values = list(map(attrgetter(name), params))
-            return None if values.count(neutral) == b else torch.tensor(values, dtype=dtype, device=device)
+            return None if values.count(neutral) == b else to_device(values, device, dtype)
 
         temperatures = list(map(attrgetter("temperature"), params))
         if b and min(temperatures) < GREEDY_TEMPERATURE_EPS:           # SamplingParams.is_greedy rows
@@ -91,7 +92,7 @@ class SamplingBatch:
         logprobs = list(map(attrgetter("logprobs"), params))
         wanted = [n for n in logprobs if n is not None] if logprobs.count(None) != b else []
         batch = cls(
-            temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            temperature=to_device(temperatures, device, torch.float32),
             top_k=column("top_k", 0, torch.int64),
             top_p=column("top_p", 1.0),
             min_p=column("min_p", 0.0),
@@ -182,7 +183,7 @@ def _flat_index(ids_per_row: Sequence[Sequence[int]], device: torch.device | str
     # Flattened in C (no per-token Python bytecode), then moved in one copy each.
     toks = np.fromiter(itertools.chain.from_iterable(ids_per_row), dtype=np.int64, count=int(lengths.sum()))
     rows = np.repeat(np.arange(len(ids_per_row), dtype=np.int64), lengths)
-    return torch.from_numpy(rows).to(device), torch.from_numpy(toks).to(device)
+    return to_device(rows, device), to_device(toks, device)
 
 
 class SamplingState:

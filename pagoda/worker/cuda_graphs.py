@@ -98,6 +98,9 @@ class DecodeInputs:
     block_tables: list[list[int]]  # [B] block ids per row
     state_slots: np.ndarray | None = None     # [B] (stateful models)
     mrope_positions: np.ndarray | None = None  # [3, B] (M-RoPE models)
+    # (row index, token id) device tensors for rows whose token the host has not seen yet
+    # (async scheduling: the previous step's sample); written over token_ids' placeholders.
+    late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecodeGraphs:
@@ -196,6 +199,8 @@ class DecodeGraphs:
             self._tables_np[row, :len(blocks)] = blocks
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
+        if inputs.late_tokens is not None:
+            self.ints[_IDS].index_copy_(0, *inputs.late_tokens)
         return _launch(self, b, rows)
 
 
@@ -226,6 +231,7 @@ class StepInputs:
     snapshot_tokens: np.ndarray | None = None  # [S] tokens that complete a KV block
     snapshot_blocks: np.ndarray | None = None  # [S]
     mrope_positions: np.ndarray | None = None  # [3, T]
+    late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None   # as in DecodeInputs (flat token index)
 
 
 class StepGraphs:
@@ -355,4 +361,6 @@ class StepGraphs:
         for k in ("tok", "row", "qsl", "tiles", "snap"):
             self.dev[k].copy_(self.host[k], non_blocking=True)
         self.dev["tables"][:rows].copy_(self.host["tables"][:rows], non_blocking=True)
+        if inputs.late_tokens is not None:
+            self.dev["tok"][0].index_copy_(0, *inputs.late_tokens)
         return _launch(self, b, rows)

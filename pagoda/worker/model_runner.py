@@ -1,8 +1,14 @@
 """The only part of the engine that touches the model and its tensors.
 
-`execute(SchedulerOutput) -> StepOutput`: update per-request state from the scheduler's diff,
-build the flattened inputs (token ids, positions, slot mapping, block tables — no padding), run
-the model, compute logits only for rows that sample, and sample them as one batch.
+`launch(SchedulerOutput) -> PendingStep`: update per-request state from the scheduler's diff,
+build the flattened inputs (token ids, positions, slot mapping, block tables — no padding), queue
+the model, logits only for rows that sample, and the batched sampling on the device; nothing on
+this path waits for the GPU. `PendingStep.result() -> StepOutput` waits for that step's tokens.
+`execute` = both at once.
+
+Async scheduling launches step N+1 before step N's result is read: a row whose input token is
+step N's sample (`num_pending`) gets a placeholder on the host and the real id from step N's
+device tensor (`_last_sampled`) by one gather on the GPU, so the host never waits for it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.device_copy import to_device
 from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingBatch
@@ -45,6 +52,61 @@ class RunnerRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None      # per-sequence state slot while running (stateful models)
     mm_inputs: MultiModalInputs | None = None   # images/videos and M-RoPE positions (multimodal models)
+    num_pending: int = 0               # tokens sampled by launched steps, not yet in token_ids
+    pending_row: int = -1              # the newest one's row in the last launched step's samples
+
+
+class PendingStep:
+    """A launched step's sampled tokens (and logprobs): device → pinned host copies queued right
+    after sampling, an event after them. `result()` waits for that event only — not for a later
+    step queued behind it — then appends the tokens to the request states, once."""
+
+    def __init__(self, request_ids: list[str], states: list[RunnerRequestState], out=None,
+                 done: StepOutput | None = None):
+        self.request_ids, self.states = request_ids, states
+        self._output = done
+        self._event = None
+        if out is None:
+            return
+        cuda = out.sampled_token_ids.is_cuda
+        tensors = (out.sampled_token_ids, out.sampled_logprobs, out.top_logprobs, out.top_token_ids)
+        # non_blocking device→host copies land in pinned memory; plain CPU tensors pass through.
+        self._host = [t.to("cpu", non_blocking=True) if t is not None and cuda else t for t in tensors]
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def result(self) -> StepOutput:
+        if self._output is not None:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, sampled_lp, top_lp, top_ids = self._host
+        sampled = tokens.tolist()
+        result = StepOutput(dict(zip(self.request_ids, sampled)))
+        if sampled_lp is not None:
+            sampled_lp = sampled_lp.tolist()
+            top_lp = top_lp.tolist() if top_lp is not None else None
+            top_ids = top_ids.tolist() if top_ids is not None else None
+            for row, (rid, s) in enumerate(zip(self.request_ids, self.states)):
+                k = s.sampling_params.logprobs
+                if k is None:
+                    continue
+                top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
+                result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
+        for s, token in zip(self.states, sampled):
+            s.token_ids.append(token)
+            s.output_token_ids.append(token)
+            s.num_pending -= 1
+        self._output = result
+        return result
+
+
+_NO_TOKENS = StepOutput({})
 
 
 class ModelRunner:
@@ -72,6 +134,8 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
         self.decode_graphs: DecodeGraphs | None = None   # set by `enable_decode_graphs`
         self.step_graphs: StepGraphs | None = None       # mixed steps, likewise
+        self._inflight: PendingStep | None = None        # the last launched step that samples
+        self._last_sampled: torch.Tensor | None = None   # its token ids, on the device
 
     @staticmethod
     def _make_backend(name: str) -> AttentionBackend:
@@ -234,16 +298,22 @@ class ModelRunner:
     def _zero_blocks(self, blocks: list[int]) -> None:
         """A block's unwritten tail is read (then masked) by block-granular attention; zero it on
         hand-out so stale or uninitialised memory can never inject NaN (0 * NaN = NaN)."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        index = to_device(np.asarray(blocks, dtype=np.int64), self.device)
         for k, v in self.kv_caches:
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepOutput:
+        """Run one step to the end: launch it and wait for its tokens."""
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingStep:
+        """Queue one step on the device. At most one earlier step may still be unread (its
+        tokens feed this one's pending rows on the device)."""
         self._update_states(so)
         if so.is_empty:
-            return StepOutput({})
+            return PendingStep([], [], done=_NO_TOKENS)
         request_ids = list(so.num_scheduled_tokens)
         states = [self.states[rid] for rid in request_ids]
         if (self.decode_graphs is not None and so.total_num_scheduled_tokens == len(states)
@@ -253,7 +323,12 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in states]
         seq_lens = [a + n for a, n in zip(starts, query_lens)]
 
-        token_ids = np.concatenate([np.asarray(s.token_ids[a:e], dtype=np.int64)
+        # A row ending past its known tokens ends on its pending token: a placeholder here, the
+        # real id gathered on the device (`_late_tokens`).
+        late_rows = [i for i, (s, e) in enumerate(zip(states, seq_lens)) if e > len(s.token_ids)]
+        token_ids = np.concatenate([np.asarray(s.token_ids[a:e] + [0] * (e - max(a, len(s.token_ids))),
+                                               dtype=np.int64) if e > len(s.token_ids)
+                                    else np.asarray(s.token_ids[a:e], dtype=np.int64)
                                     for s, a, e in zip(states, starts, seq_lens)])
         positions = np.concatenate([np.arange(a, e, dtype=np.int64) for a, e in zip(starts, seq_lens)])
         max_blocks = max(len(s.block_ids) for s in states)
@@ -265,10 +340,11 @@ class ModelRunner:
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
 
+        late = self._late_tokens(states, late_rows, query_start_loc[1:][late_rows] - 1 if late_rows else None)
         if self.step_graphs is not None and self.step_graphs.bucket(len(token_ids)) is not None \
                 and not self._needs_encoder(states, starts, seq_lens):
             return self._execute_step_graph(request_ids, states, token_ids, positions, slots, tables,
-                                            query_start_loc, query_lens, seq_lens, starts)
+                                            query_start_loc, query_lens, seq_lens, starts, late)
         dev = self.device
         batch = AttentionBatch(
             query_lens=query_lens, seq_lens=seq_lens,
@@ -284,26 +360,48 @@ class ModelRunner:
         if self.uses_mrope and any(s.mm_inputs is not None for s in states):
             attn.mrope_positions = torch.from_numpy(self._mrope_positions(states, starts, seq_lens)).to(dev)
             attn.mm_embeds = self._multimodal_embeds(states, starts, seq_lens, query_start_loc)
-        hidden = self.model(torch.from_numpy(token_ids).to(dev), positions_t, attn)
+        ids_t = to_device(token_ids, dev)
+        if late is not None:
+            ids_t.index_copy_(0, *late)
+        hidden = self.model(ids_t, positions_t, attn)
 
         # Only a request whose last uncomputed token is in this step samples.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + s.num_pending]
         for i in range(len(states)):
             states[i].num_computed_tokens = seq_lens[i]
         if not sample_rows:
-            return StepOutput({})
-        last_token = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
+            return PendingStep([], [], done=_NO_TOKENS)
+        last_token = to_device(query_start_loc[1:][sample_rows] - 1, dev)
         logits = self.model.compute_logits(hidden[last_token])
         return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
+
+    def _late_tokens(self, states: list[RunnerRequestState], rows: list[int] | np.ndarray,
+                     flat_index: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat token index, token id) on the device for rows whose input is the last launched
+        step's sample, not yet on the host; None when every input token is known."""
+        if not len(rows):
+            return None
+        src = []
+        for i in rows:
+            s = states[i]
+            assert s.num_pending == 1 and self._last_sampled is not None, "a pending token from an older step"
+            src.append(s.pending_row)
+        values = self._last_sampled.index_select(0, to_device(np.asarray(src, dtype=np.int64), self.device))
+        return to_device(np.asarray(flat_index, dtype=np.int64), self.device), values
 
     def _execute_decode_graph(self, request_ids: list[str], states: list[RunnerRequestState]) -> StepOutput:
         """A step where every row has exactly one token: static buffers + a captured graph."""
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
-        token_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), np.int64, len(states))
+        known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        token_ids = np.fromiter((s.token_ids[p] if p < k else 0 for s, p, k in zip(states, positions.tolist(),
+                                                                                known.tolist())),
+                                np.int64, len(states))
+        late_rows = np.flatnonzero(positions >= known)
         bs = self.block_size
         block_of = np.fromiter((s.block_ids[p // bs] for s, p in zip(states, positions.tolist())), np.int64,
                                len(states))
-        inputs = DecodeInputs(token_ids, positions, block_of * bs + positions % bs, [s.block_ids for s in states])
+        inputs = DecodeInputs(token_ids, positions, block_of * bs + positions % bs, [s.block_ids for s in states],
+                              late_tokens=self._late_tokens(states, late_rows, late_rows))
         if self.state_pool is not None:
             inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
         if self.uses_mrope and any(s.mm_inputs is not None for s in states):
@@ -314,16 +412,16 @@ class ModelRunner:
         return self._sample_rows_of(request_ids, states, (positions + 1).tolist(), logits)
 
     def _sample_rows_of(self, request_ids: list[str], states: list[RunnerRequestState], seq_lens: list[int],
-                        logits: torch.Tensor) -> StepOutput:
+                        logits: torch.Tensor) -> PendingStep:
         """After a graph step with logits [B, V] for every row's last token: advance each row to its
         new length and sample the rows that reached the end of their known tokens."""
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + s.num_pending]
         for s, n in zip(states, seq_lens):
             s.num_computed_tokens = n
         if not sample_rows:
-            return StepOutput({})
+            return PendingStep([], [], done=_NO_TOKENS)
         if len(sample_rows) < len(states):
-            logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            logits = logits[to_device(np.asarray(sample_rows, dtype=np.int64), logits.device)]
         return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
 
     @staticmethod
@@ -334,7 +432,7 @@ class ModelRunner:
     def _execute_step_graph(self, request_ids: list[str], states: list[RunnerRequestState], token_ids: np.ndarray,
                             positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
                             query_start_loc: np.ndarray, query_lens: list[int], seq_lens: list[int],
-                            starts: list[int]) -> StepOutput:
+                            starts: list[int], late: tuple[torch.Tensor, torch.Tensor] | None) -> PendingStep:
         """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
         from pagoda.kernels.paged_attention import prefill_tile_arrays
 
@@ -342,7 +440,7 @@ class ModelRunner:
         # Tiles for the multi-token rows; one-token rows go through the decode kernel.
         req, m0 = prefill_tile_arrays(query_lens, [i for i, n in enumerate(query_lens) if n > 1], graphs.block_m)
         inputs = StepInputs(token_ids, positions, slots, query_start_loc, np.asarray(seq_lens, dtype=np.int64),
-                            tables, req, m0)
+                            tables, req, m0, late_tokens=late)
         if self.state_pool is not None:
             inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
             if self.state_snapshots:
@@ -403,10 +501,15 @@ class ModelRunner:
             embeds.append(outputs[item.content_hash][lo - item.offset:hi - item.offset])
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(embeds)
 
-    def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> StepOutput:
-        suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids
-                    if len(s.output_token_ids) < s.sampling_params.min_tokens else [] for s in states]
+    def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
         params = [s.sampling_params for s in states]
+        # Penalties read each row's whole output: a token still in flight must reach the host first.
+        needs_history = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params)
+        if needs_history and self._inflight is not None and any(s.num_pending for s in states):
+            self._inflight.result()
+        suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids
+                    if len(s.output_token_ids) + s.num_pending < s.sampling_params.min_tokens else []
+                    for s in states]
         # Prompt histories only matter to the repetition penalty; slicing them every step costs
         # O(all prompt tokens) of host time per step.
         needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
@@ -415,19 +518,9 @@ class ModelRunner:
             [s.output_token_ids for s in states], [s.generator for s in states],
             suppress if any(suppress) else None, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch)
-        sampled = out.sampled_token_ids.tolist()
-        result = StepOutput(dict(zip(request_ids, sampled)))
-        if out.sampled_logprobs is not None:
-            sampled_lp = out.sampled_logprobs.tolist()
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            for row, (rid, s) in enumerate(zip(request_ids, states)):
-                k = s.sampling_params.logprobs
-                if k is None:
-                    continue
-                top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
-                result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
-        for s, token in zip(states, sampled):
-            s.token_ids.append(token)
-            s.output_token_ids.append(token)
-        return result
+        for row, s in enumerate(states):
+            s.num_pending += 1
+            s.pending_row = row
+        self._last_sampled = out.sampled_token_ids
+        self._inflight = PendingStep(request_ids, states, out)
+        return self._inflight

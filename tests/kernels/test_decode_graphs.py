@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pagoda.config import EngineArgs, EngineConfig
@@ -63,13 +64,15 @@ def _count_buckets(graphs) -> list[int]:
     return used
 
 
-def test_yuan_goldens_through_mixed_step_graphs():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_yuan_goldens_through_mixed_step_graphs(async_scheduling):
     """Chunked prefill (8-token budget) mixed with decodes: every step with a prefill chunk replays a
     token-bucket graph (decode rows through the prefill kernel's tiles, padding rows on the scratch
-    slot), the second round restores LF snapshots those graphs wrote."""
+    slot), the second round restores LF snapshots those graphs wrote. With async scheduling the
+    decode rows' input tokens are gathered on the device into the graph's static buffer."""
     golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     cases = golden["cases"]
-    engine = _engine("yuan2-tiny", max_num_batched_tokens=8)
+    engine = _engine("yuan2-tiny", max_num_batched_tokens=8, async_scheduling=async_scheduling)
     assert engine.runner.step_graphs.buckets == [16]
     mixed = _count_buckets(engine.runner.step_graphs)
     decode = _count_buckets(engine.runner.decode_graphs)
@@ -81,10 +84,11 @@ def test_yuan_goldens_through_mixed_step_graphs():
     assert len(mixed) >= 10 and len(decode) >= 10
 
 
-def test_yuan_goldens_through_decode_graphs():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_yuan_goldens_through_decode_graphs(async_scheduling):
     golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     cases = golden["cases"]                       # 1, 2, 7, 23 and 45 prompt tokens
-    engine = _engine("yuan2-tiny")
+    engine = _engine("yuan2-tiny", async_scheduling=async_scheduling)
     graphs = engine.runner.decode_graphs
     assert graphs is not None
     used = []

@@ -150,6 +150,21 @@ def test_preemption_with_prefix_cache(name):
     _assert_all_slots_free(capture)
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_async_scheduling_chunked_preempted_and_cached(name):
+    """Step N+1 launched before step N's tokens are read: LF state, chunked prefill (5-token steps
+    mixed with decodes), preemption and snapshot restores must still give the goldens."""
+    chunked = CapturingEngine(name, max_num_batched_tokens=5, max_num_seqs=5, async_scheduling=True)
+    _check_all(name, chunked, chunked.run([c["prompt_ids"] for c in _golden(name)["cases"]]))
+    capture = CapturingEngine(name, block_size=4, num_gpu_blocks_override=21, max_model_len=64, max_num_seqs=5,
+                              async_scheduling=True)
+    tokens = capture.run([c["prompt_ids"] for c in _golden(name)["cases"]])
+    assert capture.engine.scheduler.stats.num_preemptions > 0
+    assert capture.engine.block_manager.prefix_hits > 0
+    _check_all(name, capture, tokens)
+    _assert_all_slots_free(capture)
+
+
 def test_prefix_hit_on_a_longer_prompt():
     """A new prompt that extends a cached one continues from the snapshot, not from zero state."""
     name = "yuan2-m32-tiny"

@@ -169,7 +169,9 @@ class Harness:
                 assert d.new_block_ids == request.block_ids[len(blocks_before):]
                 assert request.block_ids[:len(blocks_before)] == blocks_before
             else:
-                start = request.num_computed_tokens    # prefix hit found at admission
+                # The prefix hit found at admission (num_computed_tokens has moved past this step already).
+                start = (data[rid] if rid in data else cached[rid]).num_computed_tokens
+                assert request.num_computed_tokens == start + so.num_scheduled_tokens[rid]
                 assert computed_before == 0 and blocks_before == []
                 assert start % bs == 0 and start <= num_tokens - 1
                 if not self.bm.enable_prefix_caching:
