@@ -78,11 +78,12 @@ class LocalizedFilter(nn.Module):
         x_prev, o1_prev = saved[:, :h], saved[:, h:]
         o1 = self.conv1(_previous(x, x_prev, batch), x)              # [T, H/2]
         o2 = self.conv2(_previous(o1, o1_prev, batch), o1)           # [T, H]
-        y = self.output_layernorm(o2 + x)
+        y, _ = self.output_layernorm(o2, x)                          # norm(o2 + x), one launch on CUDA
 
-        self.state.index_copy_(0, batch.slots, _state_after(x, o1, batch.last_token))
+        _save_state(self.state, batch.slots, x, o1, batch.last_token, batch.one_token_per_row)
         if batch.snapshot_tokens is not None and self.snapshots.numel():
-            self.snapshots.index_copy_(0, batch.snapshot_blocks, _state_after(x, o1, batch.snapshot_tokens))
+            _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens,
+                        batch.snapshot_every_row)
         return y
 
 
@@ -97,8 +98,16 @@ def _previous(values: torch.Tensor, carried: torch.Tensor, batch: SequenceStateB
     return shifted
 
 
-def _state_after(x: torch.Tensor, o1: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x.index_select(0, tokens), o1.index_select(0, tokens)], dim=-1)
+def _save_state(target: torch.Tensor, index: torch.Tensor, x: torch.Tensor, o1: torch.Tensor,
+                tokens: torch.Tensor, every_row: bool) -> None:
+    """target[index[i]] = [x | o1] of token tokens[i]. every_row: tokens are 0..T-1 in order (a
+    one-token-per-row step), so x and o1 go in as they are: two launches per step instead of four,
+    which a decode step pays in every layer."""
+    h = x.shape[-1]
+    if not every_row:
+        x, o1 = x.index_select(0, tokens), o1.index_select(0, tokens)
+    target[:, :h].index_copy_(0, index, x)
+    target[:, h:].index_copy_(0, index, o1)
 
 
 def reference_localized_filter(conv1_weight: torch.Tensor, conv1_bias: torch.Tensor, conv2_weight: torch.Tensor,

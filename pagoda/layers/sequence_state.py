@@ -30,6 +30,9 @@ class SequenceStateBatch:
     one_token_per_row: bool             # pure decode step: every row is exactly one token
     snapshot_tokens: torch.Tensor | None = None  # [S] flat indices of tokens that complete a KV block
     snapshot_blocks: torch.Tensor | None = None  # [S] the block each of those tokens completes
+    # snapshot_tokens is every token 0..T-1 in order (captured decode steps, where the tokens that
+    # complete no block write into the null block's snapshot instead of being left out).
+    snapshot_every_row: bool = False
 
     @classmethod
     def build(cls, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,

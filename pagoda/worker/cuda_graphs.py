@@ -141,7 +141,8 @@ class DecodeGraphs:
             rows = self.rows[:b]
             state = SequenceStateBatch(ints[_STATE, :b], rows, rows, True,
                                        rows if self.with_snapshots else None,
-                                       ints[_SNAPSHOT, :b] if self.with_snapshots else None)
+                                       ints[_SNAPSHOT, :b] if self.with_snapshots else None,
+                                       snapshot_every_row=True)
         mrope = ints[_MROPE:_MROPE + 3, :b] if self.uses_mrope else None
         return StepAttention(self.backend, meta, state, mrope_positions=mrope)
 
