@@ -84,13 +84,37 @@ class YuanTokenizer(SentencePieceBackend):
 
     # -- legacy LlamaTokenizer decoding ----------------------------------------------------------
 
+    def _decode_tables(self) -> tuple[frozenset[int], frozenset[str], frozenset[str]]:
+        """(special ids, special tokens, added tokens past the SentencePiece vocabulary).
+
+        transformers rebuilds `all_special_tokens` on every access (~12 µs) and decode asked for it
+        twice per call: with a window decoded twice per generated token that was most of a
+        serving step's host time at 256 streams. Cached, and rebuilt whenever the added-token
+        table changes size (adding special tokens adds them there too)."""
+        key = len(self._added_tokens_decoder)
+        cached = self.__dict__.get("_pagoda_decode_tables")
+        if cached is None or cached[0] != key:
+            base = self.sp_model.get_piece_size()
+            cached = (key, frozenset(self.all_special_ids), frozenset(self.all_special_tokens),
+                      frozenset(tok for tok, idx in self._added_tokens_encoder.items() if idx >= base))
+            self.__dict__["_pagoda_decode_tables"] = cached
+        return cached[1], cached[2], cached[3]
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
+        if isinstance(ids, int):
+            return super().convert_ids_to_tokens(ids, skip_special_tokens)
+        skip = self._decode_tables()[0] if skip_special_tokens else frozenset()
+        added = self._added_tokens_decoder
+        return [added[i].content if i in added else self._convert_id_to_token(i)
+                for i in map(int, ids) if i not in skip]
+
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         if not tokens:
             return ""
         tokens = list(tokens)
         if tokens[0].startswith(_SPIECE_UNDERLINE):
             tokens[0] = tokens[0][1:]
-        special = set(self.all_special_tokens)
+        special = self._decode_tables()[1]
         out: list[str] = []
         run: list[str] = []
         prev_is_special = False
@@ -118,8 +142,7 @@ class YuanTokenizer(SentencePieceBackend):
             # The byte-fallback piece for "\n" decodes to a line break through SentencePiece itself.
             tokens = [_NEWLINE_BYTE_PIECE if t == YUAN_NEWLINE_TOKEN else t for t in tokens]
         # Added tokens beyond the SentencePiece vocabulary are never given to sentencepiece.
-        base = self.sp_model.get_piece_size()
-        appended = {tok for tok, idx in self._added_tokens_encoder.items() if idx >= base}
+        appended = self._decode_tables()[2]
         parts: list[str] = []
         run: list[str] = []
         for token in tokens:

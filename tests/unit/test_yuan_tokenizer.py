@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -139,3 +140,25 @@ def test_serving_tokenizer_maps_the_newline_piece():
     assert serving.decode(answer, skip_special_tokens=True) == "第一行\n line two"
     assert reference.decode(answer, skip_special_tokens=True) == "第一行<n> line two"
     assert _stream(serving, answer) == "第一行\n line two"
+
+
+def test_cached_decode_tables_match_transformers(tok):
+    """The cached special/added-token tables give what transformers' own code gives, on random
+    windows of real pieces, special tokens, added tokens and the <n> piece."""
+    from transformers.tokenization_python import PreTrainedTokenizer
+
+    rng = random.Random(7)
+    pool = list(range(0, 300)) + list(tok.all_special_ids) + [77186] + list(tok._added_tokens_decoder)
+    for _ in range(400):
+        ids = [rng.choice(pool) if rng.random() < 0.3 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+        for skip in (False, True):
+            assert tok.convert_ids_to_tokens(ids, skip) == PreTrainedTokenizer.convert_ids_to_tokens(tok, ids, skip)
+            tok.__dict__.pop("_pagoda_decode_tables", None)           # rebuilt from scratch: same text
+            fresh = tok.decode(ids, skip_special_tokens=skip)
+            assert tok.decode(ids, skip_special_tokens=skip) == fresh
+    # Adding a special token rebuilds the tables (a private copy: the fixture is shared).
+    tok = load_yuan_tokenizer(_FIXTURES)
+    before = tok.decode([5, 6], skip_special_tokens=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<pagoda_test>"]})
+    new_id = tok.convert_tokens_to_ids("<pagoda_test>")
+    assert tok.decode([5, new_id, 6], skip_special_tokens=True) == before
