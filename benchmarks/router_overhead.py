@@ -13,6 +13,12 @@ pooled over the runs of each side: P50 TTFT, output tokens/s (all tokens / wall 
 median per-stream decode rate ((completion tokens - 1) / (E2E - TTFT)). Targets: +<= 1 ms P50 TTFT,
 >= 95 % tokens/s.
 
+`--cpu-per-event` measures instead the router's own CPU per relayed stream event: a light in-process client
+opens `--concurrency` streams (`--num-prompts` in all) through the router, and the router's CPU seconds
+(utime + stime of its process tree, from /proc) are divided by the SSE events the clients received. At a
+moderate concurrency the router is not saturated even on a small machine, so this is what one event costs,
+and 1e6 / (us per event) is the event rate one core sustains.
+
 `--fake-backends N` starts N tiny OpenAI-compatible servers here that stream `--output-len` chunks
 `--fake-tpot-ms` apart after `--fake-ttft-ms`: no model, so what remains is the router's own overhead
 (and the client's), measurable even on a small CPU.
@@ -102,6 +108,77 @@ def serve_fake(port: int, ttft_ms: float, tpot_ms: float) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
 
 
+# -- router CPU per relayed event ------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process and its live children, in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        pass
+    user = system = 0.0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        user += int(fields[11]) / tick
+        system += int(fields[12]) / tick
+    return user, system
+
+
+async def drive_streams(url: str, concurrency: int, prompts: int, ns: argparse.Namespace) -> tuple[int, int]:
+    """Stream `prompts` chat completions through `url`, `concurrency` at once; (events received, failures)."""
+    body = json.dumps({"model": "fake", "stream": True, "max_tokens": ns.output_len,
+                       "messages": [{"role": "user", "content": "word " * ns.input_len}]}).encode()
+    headers = {"content-type": "application/json"}
+    if ns.api_key:
+        headers["authorization"] = f"Bearer {ns.api_key}"
+    events = failures = 0
+    todo = iter(range(prompts))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0), limits=limits, trust_env=False) as client:
+        async def worker() -> None:
+            nonlocal events, failures
+            for _ in todo:
+                try:
+                    async with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as r:
+                        n = 0
+                        async for chunk in r.aiter_raw():
+                            n += chunk.count(b"data:")
+                        if r.status_code != 200:
+                            failures += 1
+                        events += n
+                except httpx.HTTPError:
+                    failures += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return events, failures
+
+
+def cpu_per_event(router: str, pid: int, ns: argparse.Namespace) -> dict[str, Any]:
+    asyncio.run(drive_streams(router, min(ns.concurrency, 8), min(ns.num_prompts, 16), ns))   # warm-up
+    rows = []
+    for _ in range(ns.rounds):
+        c0, t0 = cpu_seconds(pid), time.monotonic()
+        events, failures = asyncio.run(drive_streams(router, ns.concurrency, ns.num_prompts, ns))
+        c1, wall = cpu_seconds(pid), time.monotonic() - t0
+        user, system = c1[0] - c0[0], c1[1] - c0[1]
+        cpu = user + system
+        rows.append({"events": events, "failures": failures, "router_cpu_s": cpu, "router_user_s": user,
+                     "router_system_s": system, "wall_s": wall,
+                     "us_per_event": cpu / max(events, 1) * 1e6, "events_per_s": events / wall,
+                     "router_cores_busy": cpu / wall})
+        print(f"{events} events in {wall:.2f} s ({events / wall:.0f}/s), {failures} failed; router CPU {cpu:.2f} s "
+              f"({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): {rows[-1]['us_per_event']:.1f} us/event -> one core relays "
+              f"{1e6 / max(rows[-1]['us_per_event'], 1e-9):.0f} events/s", file=sys.stderr)
+    best = min(r["us_per_event"] for r in rows)
+    return {"runs": rows, "us_per_event_min": best, "us_per_event_median": statistics.median(
+        r["us_per_event"] for r in rows), "events_per_core_s": 1e6 / best}
+
+
 # -- driver ---------------------------------------------------------------------------------------------------
 def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace,
               processes: int = 1) -> list[str]:
@@ -170,6 +247,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="around+through pairs, alternating order")
     p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--cpu-per-event", action="store_true",
+                   help="measure the router's CPU per relayed stream event instead (in-process client; "
+                        "use a moderate --concurrency so the machine is not saturated)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `pagoda router` (repeat; e.g. --router-arg=--max-attempts --router-arg=1)")
     p.add_argument("--router-cpu", type=int, default=None,
                    help="pin the router to this CPU (Linux), so client and backends do not share its core")
     ns = p.parse_args()
@@ -191,12 +273,25 @@ def main() -> int:
                       "--policy", ns.policy, *[arg for u in backends for arg in ("--backend", u)]]
         if ns.api_key:
             router_cmd += ["--backend-api-key", ns.api_key]
+        router_cmd += ns.router_arg
         t0 = time.monotonic()
         pin = None if ns.router_cpu is None else (lambda: os.sched_setaffinity(0, {ns.router_cpu}))
-        children.append(subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin))
+        router_proc = subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin)
+        children.append(router_proc)
         router = f"http://127.0.0.1:{port}"
         wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
         print(f"router ready in {time.monotonic() - t0:.2f} s (healthy backends: {len(backends)})", file=sys.stderr)
+        if ns.cpu_per_event:
+            result = {"config": {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
+                                 "concurrency": ns.concurrency, "num_prompts": ns.num_prompts,
+                                 "output_len": ns.output_len, "router_args": ns.router_arg},
+                      **cpu_per_event(router, router_proc.pid, ns)}
+            print(f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
+                  f"median {result['us_per_event_median']:.1f} us; one core relays "
+                  f"~{result['events_per_core_s']:.0f} events/s")
+            if ns.out:
+                Path(ns.out).write_text(json.dumps(result, indent=2))
+            return 0
 
         around: list[list[dict[str, Any]]] = []
         through: list[list[dict[str, Any]]] = []
