@@ -28,6 +28,7 @@ from pagoda.router.health import Backend, HealthChecker, auth_headers
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policy import Balancer
 from pagoda.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
+from pagoda.router.upstream import FastHTTPTransport
 from pagoda.router.usage import UsageLedger
 
 logger = logging.getLogger("pagoda.router")
@@ -140,13 +141,13 @@ class RouterState:
         The hot path sends through the transport, not through AsyncClient.send: a proxy must not keep a client
         cookie jar (one user's cookies would go out with another's requests) and needs no auth or redirect
         handling, and that layer alone costs ~0.2 ms per request on a small CPU. One pool per backend, not one
-        for all: httpcore's pool does O(connections^2) work whenever a request starts or ends, which at 256
-        streams cost more CPU than relaying the tokens.
+        for all (httpcore's pool, still used for https backends, does O(connections^2) work whenever a request
+        starts or ends). The transport is upstream.FastHTTPTransport: httpcore's per-chunk cost was most of the
+        router's CPU per relayed token.
         """
         transport = self._upstreams.get(backend.url)
         if transport is None:
-            transport = self._upstreams[backend.url] = self._transport or httpx.AsyncHTTPTransport(
-                limits=self._limits)
+            transport = self._upstreams[backend.url] = self._transport or FastHTTPTransport(limits=self._limits)
         return transport
 
     # -- accounting ----------------------------------------------------------------------------------

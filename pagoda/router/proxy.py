@@ -4,14 +4,16 @@ Per request: read the body (413 beyond --max-request-bytes), parse the JSON once
 stream flag), optionally ask a stream for usage, wait in the long-request queue if the message text is
 long, pick backends (policy.Balancer), then send upstream.
 
-- Upstream: one httpx connection pool per backend, requests sent through its transport (see
+- Upstream: one connection pool per backend, an httpx transport (upstream.FastHTTPTransport: asyncio
+  protocols + httptools; httpx's own for https), requests sent through it directly (see
   RouterState.upstream_for for why not AsyncClient.send).
 - Retries: a connection error or timeout, or a 502/503/504 status, before anything was sent to the
   client marks the backend failed (circuit breaker) and the request goes to the next backend in the
   plan (ring order), up to --max-attempts. Once our status line is sent nothing is retried.
 - Passthrough: our status line and headers go out only when the upstream status is known (so errors
-  pass through as the backend's own JSON with its status); the body is forwarded chunk by chunk as
-  httpx reads it from the socket (`aiter_raw`, no re-chunking), with `X-Accel-Buffering: no`.
+  pass through as the backend's own JSON with its status); the body is forwarded as it arrives: the
+  bytes read from the socket since the last send go out in one piece (never held back, never split),
+  with `X-Accel-Buffering: no`.
   Every response carries `X-Pagoda-Backend` (the backend's name; "router" when the router answered).
 - Disconnects: a watcher task waits for `http.disconnect` and cancels the handler; closing the
   half-read upstream response closes that connection, so the backend aborts the request and frees
@@ -331,7 +333,9 @@ class ProxyHandler:
             first = True
             tail = b""
             try:
-                async for chunk in upstream.aiter_raw():
+                # The transport's byte stream itself: Response.aiter_raw only adds a generator layer per chunk
+                # (the same bytes; aclose in `finally` below releases the connection either way).
+                async for chunk in upstream.stream:
                     if first:
                         metrics.child(metrics.ttfb, backend.name).observe(time.perf_counter() - t0)
                         first = False
