@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_NO_USAGE = b'"usage":null'
 _MAX_PENDING = 1 << 20   # an "event" longer than this is not SSE: stop inspecting, pass it through
 
 
@@ -69,6 +70,10 @@ class SSEUsageTap:
 
     def feed(self, chunk: bytes) -> bytes:
         if not self._inspecting:
+            return chunk
+        if not self._pending and chunk.endswith(b"\n\n") and chunk.count(b'"usage"') == chunk.count(_NO_USAGE):
+            # The common case, one token's chunk: whole events (nothing left pending), and every "usage" key in
+            # them is null, so no event carries usage or is the usage-only one. Nothing to split or parse.
             return chunk
         data = self._pending + chunk if self._pending else chunk
         pos = 0

@@ -97,3 +97,28 @@ def test_json_usage_and_ledger() -> None:
     ledger.add("alice", 0, 0, counted=False)
     assert ledger.snapshot() == {"alice": {"requests": 2, "requests_without_usage": 1, "prompt_tokens": 12,
                                            "completion_tokens": 5, "total_tokens": 17}}
+
+
+def test_whole_events_without_usage_skip_the_parse(monkeypatch: object) -> None:
+    """A chunk of whole events whose "usage" keys are all null goes out as it came without being split or
+    parsed; a chunk that carries usage (or ends mid-event) is still examined event by event."""
+    examined = []
+    original = SSEUsageTap._examine
+
+    def spy(self: SSEUsageTap, ev: bytes) -> bool:
+        examined.append(ev)
+        return original(self, ev)
+
+    monkeypatch.setattr(SSEUsageTap, "_examine", spy)
+    full, without = stream()
+    plain = without.split(b"data: [DONE]")[0]
+    for drop in (False, True):
+        examined.clear()
+        tap = SSEUsageTap(drop_usage_chunk=drop)
+        assert tap.feed(plain) == plain and examined == [] and tap.usage is None
+        tap = SSEUsageTap(drop_usage_chunk=drop)
+        assert tap.feed(full) == (without if drop else full) and tap.usage == USAGE and examined
+        examined.clear()
+        tap = SSEUsageTap(drop_usage_chunk=drop)
+        assert tap.feed(plain[:-1]) == (plain[:-1] if not drop else plain.rsplit(b"\n\n", 2)[0] + b"\n\n")
+        assert examined   # ends mid-event: the slow path, which keeps the partial event pending
