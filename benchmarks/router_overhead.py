@@ -13,6 +13,11 @@ pooled over the runs of each side: P50 TTFT, output tokens/s (all tokens / wall 
 median per-stream decode rate ((completion tokens - 1) / (E2E - TTFT)). Targets: +<= 1 ms P50 TTFT,
 >= 95 % tokens/s.
 
+Closed loop (the default) starts streams in waves of `--concurrency` when every stream has the same
+length: the router then sets up hundreds of requests at the same instant. `--request-rate R` runs open
+loop instead (Poisson arrivals, R requests/s in all, split between the backends around the router), the
+way independent users arrive; R x stream duration is the number of streams open at once.
+
 `--cpu-per-event` measures instead the router's own CPU per relayed stream event: a light in-process client
 opens `--concurrency` streams (`--num-prompts` in all) through the router, and the router's CPU seconds
 (utime + stime of its process tree, from /proc) are divided by the SSE events the clients received. At a
@@ -181,12 +186,14 @@ def cpu_per_event(router: str, pid: int, ns: argparse.Namespace) -> dict[str, An
 
 # -- driver ---------------------------------------------------------------------------------------------------
 def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace,
-              processes: int = 1) -> list[str]:
+              processes: int = 1, rate: float | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--concurrency", str(concurrency),
            "--num-prompts", str(prompts), "--warmup", str(min(concurrency, ns.warmup)),
            "--input-len", str(ns.input_len), "--output-len", str(ns.output_len), "--ignore-eos",
            "--no-calibrate", "--seed", str(seed), "--save-detailed", "--no-progress", "--out", str(out),
            "--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off", "--client-processes", str(processes)]
+    if rate is not None:
+        cmd += ["--request-rate", f"{rate:g}"]
     if ns.api_key:
         cmd += ["--api-key", ns.api_key]
     return cmd
@@ -205,7 +212,9 @@ def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag:
         if c == 0 or n == 0:
             continue
         out = tmp / f"{tag}-{seed}-{i}.json"
-        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns, processes), cwd=REPO,
+        # Open loop: the same total arrival rate on both sides, split like the prompts.
+        rate = ns.request_rate * n / ns.num_prompts if ns.request_rate else None
+        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns, processes, rate), cwd=REPO,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
     records = []
     for proc, out in procs:
@@ -240,7 +249,11 @@ def main() -> int:
     p.add_argument("--fake-tpot-ms", type=float, default=20.0)
     p.add_argument("--api-key", default=None, help="the backends' key (sent directly, and by the router)")
     p.add_argument("--policy", default="least-loaded")
-    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=256,
+                   help="streams at once (closed loop); with --request-rate the cap on streams in flight")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="open loop: Poisson arrivals at this many requests/s in all (e.g. 100 with the fake "
+                        "backends' defaults keeps ~256 streams open) instead of waves of --concurrency")
     p.add_argument("--num-prompts", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests per bench process (at most its c)")
     p.add_argument("--input-len", type=int, default=256)
@@ -307,8 +320,9 @@ def main() -> int:
         a, t = summarize(around), summarize(through)
         result = {
             "config": {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
-                       "concurrency": ns.concurrency, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
-                       "output_len": ns.output_len, "rounds": ns.rounds},
+                       "concurrency": ns.concurrency, "request_rate": ns.request_rate,
+                       "num_prompts": ns.num_prompts, "input_len": ns.input_len, "output_len": ns.output_len,
+                       "rounds": ns.rounds},
             "around": a, "through": t,
             "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
             "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
