@@ -1,7 +1,7 @@
 """The API process's handle on the engine core process: `generate()` → async iterator of outputs.
 
-One asyncio task reads every batch of outputs the core sends and routes each `RequestOutput` to
-the queue of its request; a background check marks the engine dead if the core process exits.
+One asyncio task reads every batch of outputs the core sends and routes each output (a wire tuple,
+rebuilt into a `RequestOutput`) to the stream of its request; a background check marks the engine dead if the core process exits.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core_process import (AbortRequests, AddRequest, CoreDied, Outputs, Ready, Shutdown,
-                                        StartupFailed, run_engine_core)
+                                        StartupFailed, from_wire, run_engine_core)
 from pagoda.engine.outputs import EngineStats, RequestOutput
 from pagoda.errors import ConfigError, EngineDead, InvalidRequest
 from pagoda.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ class AsyncEngine:
         self.ready: Ready | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
         self.dead_reason: str | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list = []          # callables(Outputs) — metrics
@@ -43,7 +43,7 @@ class AsyncEngine:
 
     @property
     def num_pending(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     def add_listener(self, callback) -> None:
         self._listeners.append(callback)
@@ -94,31 +94,57 @@ class AsyncEngine:
                        mm_inputs: Any = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the last one (`finished=True`). Cancelling the consumer (client gone)
         aborts the request in the engine and frees its KV blocks."""
+        async for batch in self.generate_batches(prompt_token_ids, params, prompt, delta, request_id, mm_inputs):
+            for output in batch:
+                yield output
+
+    async def generate_batches(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                               delta: bool = True, request_id: str | None = None,
+                               mm_inputs: Any = None) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, but each wake-up yields every output that has arrived since the last one (in order;
+        the last batch ends with the `finished` output): a consumer that fell behind by several engine
+        steps catches up in one pass (and, streaming, in one write)."""
         if self.is_dead:
             raise EngineDead(f"The engine is not running: {self.dead_reason}")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            # Checked here, not only in the core: registering a second queue under the same id would
+        if request_id in self._streams:
+            # Checked here, not only in the core: registering a second stream under the same id would
             # steal the first request's outputs, and the second's cleanup would abort the first.
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue
+        stream = _Stream(prompt, prompt_token_ids)
+        self._streams[request_id] = stream
         finished = False
+        loop = asyncio.get_running_loop()
         try:
             await self._outbox.send_pyobj(AddRequest(request_id, prompt_token_ids, params, prompt, delta,
                                                      time.monotonic(), mm_inputs))
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                if not stream.items:
+                    stream.waiter = loop.create_future()
+                    try:
+                        await stream.waiter
+                    finally:
+                        stream.waiter = None
+                items, stream.items = stream.items, []
+                batch: list[RequestOutput] = []
+                for item in items:
+                    if isinstance(item, Exception):
+                        if batch:
+                            yield batch
+                        raise item
+                    batch.append(item)
+                    if item.finished:
+                        finished = True
+                        break
+                if batch:
+                    yield batch
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished and not self.is_dead:
                 await self._outbox.send_pyobj(AbortRequests([request_id]))
 
     async def _read_outputs(self) -> None:
+        streams = self._streams
         while True:
             message = await self._inbox.recv_pyobj()
             if isinstance(message, CoreDied):
@@ -128,11 +154,11 @@ class AsyncEngine:
                 continue
             self.stats = message.stats
             for request_id, error in message.rejected.items():
-                if (queue := self._queues.get(request_id)) is not None:
-                    queue.put_nowait(InvalidRequest(error))
-            for output in message.outputs:
-                if (queue := self._queues.get(output.request_id)) is not None:
-                    queue.put_nowait(output)
+                if (stream := streams.get(request_id)) is not None:
+                    stream.push(InvalidRequest(error))
+            for wire in message.outputs:
+                if (stream := streams.get(wire[0])) is not None:
+                    stream.push(from_wire(wire, stream.prompt, stream.prompt_token_ids))
             for listener in self._listeners:
                 listener(message)
 
@@ -146,6 +172,24 @@ class AsyncEngine:
         if self.dead_reason is None:
             logger.error("Engine is dead: %s", reason)
             self.dead_reason = reason
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDead("The engine stopped while serving this request."))
+        for stream in self._streams.values():
+            stream.push(EngineDead("The engine stopped while serving this request."))
+
+
+class _Stream:
+    """One request's undelivered outputs and the consumer's wake-up (lighter than an asyncio.Queue:
+    one append per output, at most one future per wake-up however many outputs it collects)."""
+
+    __slots__ = ("prompt", "prompt_token_ids", "items", "waiter")
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.items: list[RequestOutput | Exception] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: RequestOutput | Exception) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 

@@ -57,16 +57,24 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         # The core sends running totals; counters advance by the difference.
         pre, queries, hits = stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
-        self.preemptions.inc(max(0, pre - self._last[0]))
-        self.prefix_queries.inc(max(0, queries - self._last[1]))
-        self.prefix_hits.inc(max(0, hits - self._last[2]))
+        last_pre, last_queries, last_hits = self._last
+        if pre > last_pre:
+            self.preemptions.inc(pre - last_pre)
+        if queries > last_queries:
+            self.prefix_queries.inc(queries - last_queries)
+        if hits > last_hits:
+            self.prefix_hits.inc(hits - last_hits)
         self._last = (pre, queries, hits)
-        for output in message.outputs:
-            self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
-            if output.finished:
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
-                if output.queue_time is not None:
-                    self.queue_time.observe(output.queue_time)
+        generated = 0
+        for _, finished, completions, num_prompt_tokens, _, queue_time in message.outputs:   # wire tuples
+            for completion in completions:
+                generated += len(completion[2])
+            if finished:
+                self.prompt_tokens.inc(num_prompt_tokens)
+                if queue_time is not None:
+                    self.queue_time.observe(queue_time)
+        if generated:
+            self.generation_tokens.inc(generated)
 
     def on_request_finished(self, finish_reasons: list[str | None]) -> None:
         for reason in finish_reasons:
