@@ -107,11 +107,11 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Resp
             return Response(status_code=499)
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[str | bytes]) -> StreamingResponse:
     """Frame an event stream; errors mid-stream become one SSE error event. Client disconnects
     cancel the generator, whose cleanup aborts the engine request."""
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[str | bytes]:
         try:
             async for event in events:
                 yield event

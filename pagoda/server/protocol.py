@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from json.encoder import encode_basestring as _json_str
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -226,3 +227,65 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---- streamed chunks without pydantic -----------------------------------------------------------
+# One chunk per engine step per stream is the API process's hottest path: building the pydantic
+# models and serializing them cost more than everything else per token. These write the same JSON,
+# byte for byte, as `CompletionResponse.model_dump_json(exclude_none=True)` and
+# `ChatCompletionChunk.model_dump_json()` for choices without logprobs (json's C string escaper
+# matches pydantic's output for every code point); a choice with logprobs, or a stop reason of an
+# unexpected type, is serialized by its pydantic model and spliced in (`choice` returns None for those).
+
+
+def _stop_json(stop: int | str | None) -> str | None:
+    if stop is None:
+        return "null"
+    if type(stop) is str:
+        return _json_str(stop)
+    if type(stop) is int:
+        return str(stop)
+    return None
+
+
+class CompletionChunkTemplate:
+    """`CompletionResponse` chunks of one stream (exclude_none: unset reasons are left out)."""
+
+    def __init__(self, chunk_id: str, created: int, model: str):
+        self.head = (f'data: {{"id":{_json_str(chunk_id)},"object":"text_completion","created":{int(created)},'
+                     f'"model":{_json_str(model)},"choices":[')
+
+    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str | None:
+        body = f'{{"index":{index},"text":{_json_str(text)}'
+        if finish_reason is not None:
+            body += ',"finish_reason":' + _json_str(finish_reason)
+        if stop_reason is not None:
+            stop = _stop_json(stop_reason)
+            if stop is None:
+                return None
+            body += ',"stop_reason":' + stop
+        return body + "}"
+
+    def event(self, choices: list[str]) -> str:
+        """The SSE event ("data: ...\\n\\n") of a chunk with these serialized choices."""
+        return self.head + ",".join(choices) + "]}\n\n"
+
+
+class ChatChunkTemplate:
+    """`ChatCompletionChunk`s of one stream (every field present, unset ones as null)."""
+
+    def __init__(self, chunk_id: str, created: int, model: str):
+        self.head = (f'data: {{"id":{_json_str(chunk_id)},"object":"chat.completion.chunk","created":{int(created)},'
+                     f'"model":{_json_str(model)},"choices":[')
+
+    def choice(self, index: int, content: str, finish_reason: str | None,
+               stop_reason: int | str | None) -> str | None:
+        stop = _stop_json(stop_reason)
+        if stop is None:
+            return None
+        reason = "null" if finish_reason is None else _json_str(finish_reason)
+        return (f'{{"index":{index},"delta":{{"role":null,"content":{_json_str(content)}}},"logprobs":null,'
+                f'"finish_reason":{reason},"stop_reason":{stop}}}')
+
+    def event(self, choices: list[str]) -> str:
+        return self.head + ",".join(choices) + '],"usage":null}\n\n'

@@ -173,14 +173,15 @@ class OpenAIServing:
         text, ids, params, mm_inputs = await self.prepare_chat(req)
         self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
-        async for out in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
-            for c in out.outputs:
-                texts[c.index].append(c.text)
-                token_counts[c.index] += len(c.token_ids)
-                if c.logprobs is not None:
-                    logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
-                if c.finish_reason is not None:
-                    finals[c.index] = c
+        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
+            for out in batch:
+                for c in out.outputs:
+                    texts[c.index].append(c.text)
+                    token_counts[c.index] += len(c.token_ids)
+                    if c.logprobs is not None:
+                        logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
+                    if c.finish_reason is not None:
+                        finals[c.index] = c
         choices = [p.ChatChoice(index=i, message=p.ResponseMessage(content="".join(texts[i])),
                                 logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
                                 finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i]))
@@ -188,16 +189,17 @@ class OpenAIServing:
         return p.ChatCompletionResponse(id=p.make_id("chatcmpl"), created=p.now(), model=self.ctx.model_name,
                                         choices=choices, usage=_usage(len(ids), sum(token_counts)))
 
-    async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str]:
+    async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         text, ids, params, mm_inputs = await self.prepare_chat(req)
         self.check_capacity()
         return self._chat_stream(req, text, ids, params, arrival, mm_inputs)
 
     async def _chat_stream(self, req: p.ChatCompletionRequest, text: str, ids: list[int], params: SamplingParams,
-                           arrival: float, mm_inputs: Any = None) -> AsyncIterator[str]:
+                           arrival: float, mm_inputs: Any = None) -> AsyncIterator[str | bytes]:
         chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
+        template = p.ChatChunkTemplate(chunk_id, created, name)
 
         def frame(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             chunk = p.ChatCompletionChunk(id=chunk_id, created=created, model=name, choices=choices, usage=usage)
@@ -205,18 +207,26 @@ class OpenAIServing:
 
         yield frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(params.n)])
-        async for out in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
-            choices = []
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                if not c.text and c.finish_reason is None:
-                    continue
-                lp = (p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
-                      if c.logprobs is not None else None)
-                choices.append(p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(content=c.text), logprobs=lp,
-                                                  finish_reason=_reason(c), stop_reason=_stop(c)))
-            if choices:
-                yield frame(choices)
+        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
+            events = []       # one chunk per output, as they came; all of a batch go out in one write
+            for out in batch:
+                choices = []
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    choice = (template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None
+                              else None)
+                    if choice is None:
+                        lp = (p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
+                              if c.logprobs is not None else None)
+                        choice = p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(content=c.text), logprobs=lp,
+                                                    finish_reason=_reason(c), stop_reason=_stop(c)).model_dump_json()
+                    choices.append(choice)
+                if choices:
+                    events.append(template.event(choices))
+            if events:
+                yield "".join(events).encode()
         if include_usage:
             yield frame([], _usage(len(ids), completion_tokens))
 
@@ -263,15 +273,16 @@ class OpenAIServing:
         n = req.n
         texts, counts, finals, logprobs = _accumulators(n * len(prepared))
         prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-        async for k, out in self._merged(prepared, arrival, req.request_id):
-            for c in out.outputs:
-                i = k * n + c.index
-                texts[i].append(c.text)
-                counts[i] += len(c.token_ids)
-                if c.logprobs is not None:
-                    logprobs[i].append((c.token_ids, c.logprobs))
-                if c.finish_reason is not None:
-                    finals[i] = c
+        async for k, batch in self._merged(prepared, arrival, req.request_id):
+            for out in batch:
+                for c in out.outputs:
+                    i = k * n + c.index
+                    texts[i].append(c.text)
+                    counts[i] += len(c.token_ids)
+                    if c.logprobs is not None:
+                        logprobs[i].append((c.token_ids, c.logprobs))
+                    if c.finish_reason is not None:
+                        finals[i] = c
         choices = []
         for i in range(n * len(prepared)):
             prefix = (prepared[i // n][0] or self._decode(prepared[i // n][1])) if req.echo else ""
@@ -281,37 +292,46 @@ class OpenAIServing:
         return p.CompletionResponse(id=p.make_id("cmpl"), created=p.now(), model=self.ctx.model_name,
                                     choices=choices, usage=_usage(prompt_tokens, sum(counts)))
 
-    async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str]:
+    async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         prepared = self.prepare_completion(req)
         self.check_capacity()
         return self._completion_stream(req, prepared, arrival)
 
-    async def _completion_stream(self, req: p.CompletionRequest, prepared: list, arrival: float) -> AsyncIterator[str]:
+    async def _completion_stream(self, req: p.CompletionRequest, prepared: list,
+                                 arrival: float) -> AsyncIterator[str | bytes]:
         chunk_id, created, name, n = p.make_id("cmpl"), p.now(), self.ctx.model_name, req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
         echoed: set[int] = set()
         offsets = [0] * (n * len(prepared))
-        async for k, out in self._merged(prepared, arrival, req.request_id):
-            choices = []
-            for c in out.outputs:
-                i = k * n + c.index
-                completion_tokens += len(c.token_ids)
-                text = c.text
-                if req.echo and i not in echoed:
-                    echoed.add(i)
-                    text = (prepared[k][0] or self._decode(prepared[k][1])) + text
-                if not text and c.finish_reason is None:
-                    continue
-                lp = None
-                if c.logprobs is not None:
-                    lp = self._completion_logprobs([(c.token_ids, c.logprobs)], offsets[i] + len(text) - len(c.text))
-                offsets[i] += len(text)
-                choices.append(p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_reason(c),
-                                                  stop_reason=_stop(c)))
-            if choices:
-                chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=choices)
-                yield sse_data(chunk.model_dump_json(exclude_none=True))
+        template = p.CompletionChunkTemplate(chunk_id, created, name)
+        async for k, batch in self._merged(prepared, arrival, req.request_id):
+            events = []       # one chunk per output, as they came; all of a batch go out in one write
+            for out in batch:
+                choices = []
+                for c in out.outputs:
+                    i = k * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    text = c.text
+                    if req.echo and i not in echoed:
+                        echoed.add(i)
+                        text = (prepared[k][0] or self._decode(prepared[k][1])) + text
+                    if not text and c.finish_reason is None:
+                        continue
+                    choice = template.choice(i, text, _reason(c), c.stop_reason) if c.logprobs is None else None
+                    if choice is None:
+                        lp = None
+                        if c.logprobs is not None:
+                            lp = self._completion_logprobs([(c.token_ids, c.logprobs)],
+                                                           offsets[i] + len(text) - len(c.text))
+                        choice = p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_reason(c),
+                                                    stop_reason=_stop(c)).model_dump_json(exclude_none=True)
+                    offsets[i] += len(text)
+                    choices.append(choice)
+                if choices:
+                    events.append(template.event(choices))
+            if events:
+                yield "".join(events).encode()
         if include_usage:
             prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
             chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=[],
@@ -338,19 +358,19 @@ class OpenAIServing:
 
     # ---- engine streams and metrics -----------------------------------------------------------
     async def _merged(self, prepared: list, arrival: float,
-                      request_id: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run several prompts at once; yield (prompt index, output) as they come."""
+                      request_id: str | None) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+        """Run several prompts at once; yield (prompt index, batch of its outputs) as they come."""
         if len(prepared) == 1:
             text, ids, params = prepared[0]
-            async for out in self._generate(ids, params, text, arrival, request_id):
-                yield 0, out
+            async for batch in self._generate(ids, params, text, arrival, request_id):
+                yield 0, batch
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | None | BaseException]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, list[RequestOutput] | None | BaseException]] = asyncio.Queue()
 
         async def pump(k: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
             try:
-                async for out in self._generate(ids, params, text, arrival, None):
-                    await queue.put((k, out))
+                async for batch in self._generate(ids, params, text, arrival, None):
+                    await queue.put((k, batch))
                 await queue.put((k, None))
             except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((k, exc))
@@ -371,26 +391,32 @@ class OpenAIServing:
                 task.cancel()
 
     async def _generate(self, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
-                        request_id: str | None, mm_inputs: Any = None) -> AsyncIterator[RequestOutput]:
+                        request_id: str | None, mm_inputs: Any = None) -> AsyncIterator[list[RequestOutput]]:
+        """The engine's outputs for one prompt, in batches (all that arrived since the last wake-up);
+        feeds TTFT / inter-token latency (per output with tokens) and the finish-reason counters."""
         metrics = self.ctx.metrics
         if self.ctx.log_requests:
             logger.info("request: %d prompt tokens, params=%s", len(ids), params)
         last = None
         reasons: dict[int, str | None] = {}
         try:
-            async for out in self.ctx.engine.generate(ids, params, prompt, delta=True, request_id=request_id,
-                                                      mm_inputs=mm_inputs):
+            async for batch in self.ctx.engine.generate_batches(ids, params, prompt, delta=True,
+                                                                request_id=request_id, mm_inputs=mm_inputs):
                 now = time.monotonic()
-                if any(c.token_ids for c in out.outputs):
-                    if last is None:
-                        metrics.ttft.observe(now - arrival)
-                    else:
-                        metrics.itl.observe(now - last)
-                    last = now
-                for c in out.outputs:
-                    if c.finish_reason is not None:
-                        reasons[c.index] = c.finish_reason
-                yield out
+                for out in batch:
+                    has_tokens = False
+                    for c in out.outputs:
+                        if c.token_ids:
+                            has_tokens = True
+                        if c.finish_reason is not None:
+                            reasons[c.index] = c.finish_reason
+                    if has_tokens:
+                        if last is None:
+                            metrics.ttft.observe(now - arrival)
+                        else:
+                            metrics.itl.observe(now - last)
+                        last = now
+                yield batch
         finally:
             metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
             metrics.e2e.observe(time.monotonic() - arrival)
