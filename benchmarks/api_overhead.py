@@ -7,7 +7,7 @@ The API process here is the real one (AsyncEngine, the FastAPI app, uvicorn on t
 that has no model and emits one token (" tok") per running request per step, `--step-ms` apart (a decode
 step's duration). So what remains is the API process's own work per token (receiving and routing the
 core's outputs, building SSE chunks, HTTP), measurable on a small CPU. The client is a light in-process
-streaming client (`/v1/completions`, token-id prompts, stream_options.include_usage, like `pagoda bench`
+raw HTTP streaming client (`/v1/completions`, token-id prompts, stream_options.include_usage, like `pagoda bench`
 with --endpoint completions --ignore-eos).
 
 1e6 / (us per token) is the token rate one API core can stream.
@@ -115,8 +115,9 @@ def fake_core(step_s: float, input_address: str, output_address: str) -> None:
         inbox.close(linger=0)
 
 
-def serve_fake_api(port: int, step_s: float) -> None:
-    """The API process: AsyncEngine (over the fake core), the app, uvicorn, on asyncio.run like `pagoda serve`."""
+def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False) -> None:
+    """The API process: AsyncEngine (over the fake core), the app, uvicorn, on asyncio.run like `pagoda serve`
+    (or on a uvloop loop, to see what that would change)."""
     import functools
 
     import uvicorn
@@ -142,7 +143,13 @@ def serve_fake_api(port: int, step_s: float) -> None:
         finally:
             await engine.shutdown()
 
-    asyncio.run(main())
+    if use_uvloop:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
 
 
 def _core_entry(step_s: float, config: Any, input_address: str, output_address: str) -> None:
@@ -158,39 +165,49 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 async def drive(url: str, concurrency: int, prompts: int, ns: argparse.Namespace) -> tuple[int, int, int]:
-    """(completion tokens per the usage chunks, data events, failures)."""
+    """(completion tokens per the usage chunks, data events, failures). A raw HTTP/1.1 keep-alive client
+    (no parsing beyond counting events and finding the end), so that on a small box it takes less CPU
+    than the server it measures."""
     body = json.dumps({"model": "fake", "stream": True, "max_tokens": ns.output_len, "ignore_eos": True,
                        "prompt": list(range(100, 100 + ns.input_len)), "n": ns.n,
                        "stream_options": {"include_usage": True}}).encode()
+    host, port = url.rsplit("/", 1)[1].split(":")
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     tokens = events = failures = 0
     todo = iter(range(prompts))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits, trust_env=False) as client:
-        async def worker() -> None:
-            nonlocal tokens, events, failures
-            for _ in todo:
-                try:
-                    async with client.stream("POST", "/v1/completions", content=body,
-                                             headers={"content-type": "application/json"}) as r:
-                        tail = b""
-                        async for chunk in r.aiter_raw():
-                            events += chunk.count(b"data:")
-                            tail = (tail + chunk)[-400:]
-                        if r.status_code != 200:
-                            failures += 1
-                            continue
-                        usage = tail.rsplit(b'"completion_tokens":', 1)
-                        tokens += int(usage[1].split(b",", 1)[0]) if len(usage) == 2 else 0
-                except httpx.HTTPError:
-                    failures += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    async def worker() -> None:
+        nonlocal tokens, events, failures
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for _ in todo:
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"HTTP/1.1 200"):
+                    failures += 1
+                    return
+                tail = b""
+                while not tail.endswith(b"0\r\n\r\n"):      # the chunked body's last chunk
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        raise ConnectionError("closed mid-stream")
+                    events += chunk.count(b"data:")
+                    tail = (tail + chunk)[-400:]
+                usage = tail.rsplit(b'"completion_tokens":', 1)
+                tokens += int(usage[1].split(b",", 1)[0]) if len(usage) == 2 else 0
+        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+            failures += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return tokens, events, failures
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve-fake":
-        serve_fake_api(int(sys.argv[2]), float(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--serve-fake":
+        serve_fake_api(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "uvloop")
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=64)
@@ -200,13 +217,16 @@ def main() -> int:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--step-ms", type=float, default=5.0, help="fake decode step time (default 5)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--uvloop", action="store_true",
+                   help="run the API process on uvloop (`pagoda serve` runs on asyncio's default loop)")
     p.add_argument("--profile", metavar="SVG", help="also record the API process with py-spy into SVG")
     p.add_argument("--out", help="write the results as JSON here")
     ns = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    api = subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port), str(ns.step_ms / 1000)], env=env)
+    api = subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port), str(ns.step_ms / 1000),
+                            "uvloop" if ns.uvloop else "asyncio"], env=env)
     spy = None
     try:
         deadline = time.monotonic() + 60
@@ -221,7 +241,7 @@ def main() -> int:
             time.sleep(0.2)
         asyncio.run(drive(url, min(ns.concurrency, 8), 16, ns))    # warm-up
         if ns.profile:
-            spy = subprocess.Popen(["py-spy", "record", "-o", ns.profile, "-p", str(api.pid), "-r", "200",
+            spy = subprocess.Popen(["py-spy", "record", "-o", ns.profile, "-p", str(api.pid), "-r", "1000",
                                     "--nonblocking", "-f", "raw"])
             time.sleep(1)
         rows = []
