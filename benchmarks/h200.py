@@ -306,7 +306,7 @@ def print_table(rows: list[dict]) -> None:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = f"{r['concurrency']}" + (f" ({r['client_processes']} clients)" if r.get("client_processes") else "")
-        c += " (earlier code)" if r.get("variant") else ""
+        c += f" (commit {r['variant']})" if r.get("variant") else ""
         print(f"| {r['shape']} | {r['system']} | {r['workload']} | {c} | {f(r['output_throughput'], '{:,.0f}')} | "
               f"{f(r['median_ttft_ms'])} / {f(r['p95_ttft_ms'])} | {f(r['median_tpot_ms'], '{:.2f}')} / "
               f"{f(r['p95_tpot_ms'], '{:.2f}')} | {f(r['decode_step_ms'], '{:.2f}')} / {f(r['decode_floor_ms'], '{:.2f}')} |")
