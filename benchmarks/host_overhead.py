@@ -10,7 +10,7 @@ streaming (delta) mode, as the server drives it. Once every request decodes, `--
 `LLMEngine.step()` are timed, each split into
 
   schedule    Scheduler.schedule()
-  prep        ModelRunner.execute() minus the timed parts below: state diff, input arrays and
+  prep        ModelRunner.launch() + PendingStep.result() minus the timed parts below: state diff, input arrays and
               tensors, sample-row selection, token bookkeeping (the runner's host work)
   forward     model forward (+ compute_logits): device work, excluded from the host total
   samp_prep   building the sampler's batch (SamplingBatch.build): host work
@@ -112,7 +112,14 @@ def instrument(engine, timer: Timer) -> None:
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update = timer.wrap("update", engine.scheduler.update)
     engine.output_processor.process = timer.wrap("process", engine.output_processor.process)
-    runner.execute = timer.wrap("execute", runner.execute)
+    # The runner's step: launch() (inputs, forward, sampling queued) + PendingStep.result() (tokens read
+    # back and appended); the engine calls the two, in order without async scheduling (the CPU default).
+    from pagoda.worker.model_runner import PendingStep
+
+    runner.launch = timer.wrap("execute", runner.launch)
+    original = PendingStep.__dict__.get("_unwrapped_result", PendingStep.result)   # one wrap per config
+    PendingStep._unwrapped_result = original
+    PendingStep.result = timer.wrap("execute", original)
     runner.model.forward = timer.wrap("forward", runner.model.forward)
     # The logits ([B, V] float32, 50 MB here) are kept until the step's timing is over: on the CPU,
     # freeing them at the end of execute() is an munmap of several ms that a GPU's caching

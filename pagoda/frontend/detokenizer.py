@@ -95,19 +95,29 @@ class _FastDecoder:
 
 
 # tokenizer -> {skip_special_tokens: _FastDecoder or None (use tokenizer.decode)}.
-_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[bool, _FastDecoder | None]] = weakref.WeakKeyDictionary()
+_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _FastDecoder | None]] = weakref.WeakKeyDictionary()
 
 
-def _fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> _FastDecoder | None:
+def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
+                  spaces_between_special_tokens: bool = True) -> _FastDecoder | None:
     """A decoder equivalent to `tokenizer.decode(ids, skip_special_tokens=...)` that skips its
     Python layers, when that is provably the same function; None otherwise (custom tokenizers,
-    overridden or patched decode methods, clean_up_tokenization_spaces, no fast tokenizer)."""
+    overridden or patched decode methods, clean_up_tokenization_spaces, no fast tokenizer).
+    A tokenizer may offer its own exact shortcut as `fast_decode(ids, skip_special_tokens,
+    spaces_between_special_tokens)` (Yuan2's SentencePiece tokenizer does)."""
     try:
         per_tokenizer = _FAST_DECODE_CACHE.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable
         per_tokenizer = {}
-    if skip_special_tokens in per_tokenizer:
-        return per_tokenizer[skip_special_tokens]
+    key = (skip_special_tokens, spaces_between_special_tokens)
+    if key in per_tokenizer:
+        return per_tokenizer[key]
+    own = getattr(tokenizer, "fast_decode", None)
+    if callable(own):
+        fast = _FastDecoder(functools.partial(own, spaces_between_special_tokens=spaces_between_special_tokens),
+                            skip_special_tokens)
+        per_tokenizer[key] = fast
+        return fast
     fast = None
     try:
         from transformers import PreTrainedTokenizerFast
@@ -129,7 +139,7 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> _FastDecoder | N
                 fast = None
     except Exception:  # anything unexpected: the general path is always right
         fast = None
-    per_tokenizer[skip_special_tokens] = fast
+    per_tokenizer[key] = fast
     return fast
 
 
@@ -180,7 +190,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._spaces_between_special_tokens = spaces_between_special_tokens
-        fast = _fast_decoder(tokenizer, skip_special_tokens)
+        fast = _fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._decode: Callable[[list[int]], str] = fast.decode if fast is not None else self._decode_general
         self._single_token_text: dict[int, str] | None = fast.single if fast is not None else None
         self._skip_ids: frozenset[int] = (

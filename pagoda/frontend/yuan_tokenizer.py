@@ -100,6 +100,33 @@ class YuanTokenizer(SentencePieceBackend):
             self.__dict__["_pagoda_decode_tables"] = cached
         return cached[1], cached[2], cached[3]
 
+    def fast_decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+                    spaces_between_special_tokens: bool = True) -> str:
+        """`decode(token_ids, ...)` without transformers' layers, for the detokenizer's short windows.
+
+        A window of ordinary SentencePiece pieces (no special or added token: the common case) goes
+        straight to sentencepiece the way `_decode` ends up sending it: the first piece's "▁" stripped
+        (legacy decoding), <n> as the line-break byte piece when serving. Anything else takes `decode`.
+        `tests/unit/test_yuan_tokenizer.py` checks the two agree on random windows."""
+        _, special_tokens, _ = self._decode_tables()
+        added = self._added_tokens_decoder
+        base = self.sp_model.get_piece_size()
+        to_piece = self.sp_model.IdToPiece
+        pieces = []
+        for i in token_ids:
+            piece = to_piece(i) if 0 <= i < base and i not in added else None
+            if piece is None or piece in special_tokens:
+                return self.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                   spaces_between_special_tokens=spaces_between_special_tokens)
+            if piece == YUAN_NEWLINE_TOKEN and self.newline_token_as_text:
+                piece = _NEWLINE_BYTE_PIECE
+            pieces.append(piece)
+        if not pieces:
+            return ""
+        if pieces[0].startswith(_SPIECE_UNDERLINE):
+            pieces[0] = pieces[0][1:]
+        return self.sp_model.decode(pieces)
+
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
         if isinstance(ids, int):
             return super().convert_ids_to_tokens(ids, skip_special_tokens)

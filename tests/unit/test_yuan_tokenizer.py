@@ -162,3 +162,26 @@ def test_cached_decode_tables_match_transformers(tok):
     tok.add_special_tokens({"additional_special_tokens": ["<pagoda_test>"]})
     new_id = tok.convert_tokens_to_ids("<pagoda_test>")
     assert tok.decode([5, new_id, 6], skip_special_tokens=True) == before
+
+
+@pytest.mark.parametrize("newline_as_text", [False, True])
+def test_fast_decode_equals_decode(newline_as_text):
+    """The detokenizer's shortcut (`fast_decode`) against the tokenizer's own `decode`, on random
+    windows mixing ordinary pieces, byte pieces, <n>, special and added tokens, with every flag."""
+    tok = load_yuan_tokenizer(_FIXTURES)
+    tok.newline_token_as_text = newline_as_text
+    rng = random.Random(11)
+    byte_pieces = [tok.sp_model.PieceToId(f"<0x{b:02X}>") for b in (0x0A, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F)]
+    pool = [77186] * 5 + byte_pieces + list(tok.all_special_ids) + list(tok._added_tokens_decoder)
+    checked_fast = 0
+    for _ in range(600):
+        ids = [rng.choice(pool) if rng.random() < 0.25 else rng.randrange(len(tok)) for _ in range(rng.randint(0, 7))]
+        for skip in (False, True):
+            for spaces in (True, False):
+                want = tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+                assert tok.fast_decode(ids, skip, spaces) == want, (ids, skip, spaces)
+        checked_fast += all(i not in tok._added_tokens_decoder for i in ids)
+    assert checked_fast > 100            # most windows took the shortcut, not the fallback
+    # The detokenizer picks it up, and streams the same text as one full decode.
+    ids = [rng.randrange(3, 60000) for _ in range(40)] + [77186, 5, 6]
+    assert _stream(tok, ids) == tok.decode(ids, skip_special_tokens=True)
