@@ -294,11 +294,12 @@ def main() -> int:
         router = f"http://127.0.0.1:{port}"
         wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
         print(f"router ready in {time.monotonic() - t0:.2f} s (healthy backends: {len(backends)})", file=sys.stderr)
+        config = {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
+                  "concurrency": ns.concurrency, "request_rate": ns.request_rate, "num_prompts": ns.num_prompts,
+                  "input_len": ns.input_len, "output_len": ns.output_len, "rounds": ns.rounds,
+                  "router_args": ns.router_arg}
         if ns.cpu_per_event:
-            result = {"config": {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
-                                 "concurrency": ns.concurrency, "num_prompts": ns.num_prompts,
-                                 "output_len": ns.output_len, "router_args": ns.router_arg},
-                      **cpu_per_event(router, router_proc.pid, ns)}
+            result = {"config": config, **cpu_per_event(router, router_proc.pid, ns)}
             print(f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
                   f"median {result['us_per_event_median']:.1f} us; one core relays "
                   f"~{result['events_per_core_s']:.0f} events/s")
@@ -319,11 +320,7 @@ def main() -> int:
                     print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
         a, t = summarize(around), summarize(through)
         result = {
-            "config": {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
-                       "concurrency": ns.concurrency, "request_rate": ns.request_rate,
-                       "num_prompts": ns.num_prompts, "input_len": ns.input_len, "output_len": ns.output_len,
-                       "rounds": ns.rounds},
-            "around": a, "through": t,
+            "config": config, "around": a, "through": t,
             "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
             "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
             "stream_tok_s_ratio": t["median_stream_tok_s"] / a["median_stream_tok_s"],
