@@ -13,7 +13,7 @@ streaming (delta) mode, as the server drives it. Once every request decodes, `--
   prep        ModelRunner.launch() + PendingStep.result() minus the timed parts below: state diff, input arrays and
               tensors, sample-row selection, token bookkeeping (the runner's host work)
   forward     model forward (+ compute_logits): device work, excluded from the host total
-  samp_prep   building the sampler's batch (SamplingBatch.build): host work
+  samp_prep   the sampler's batch from the runner's SamplingState rows, and their updates: host work
   sampler     Sampler.forward: device work, excluded from the host total
   update      Scheduler.update()
   process     OutputProcessor.process() (incremental detokenization in the +detok configs)
@@ -28,8 +28,6 @@ top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), se
 --decode-graphs sends decode steps through the runner's CUDA-graph input path (static buffers,
 `worker/cuda_graphs.py`) with the replay stubbed by fixed random logits: prep is then the host work
 of a graph step as on the GPU machine.
---sampling-state patches the runner to keep a persistent `SamplingState` (layers/sampler.py)
-instead of calling `SamplingBatch.build` every step: the integration proposed for the runner.
 --profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
 compute included: read the host rows).
 """
@@ -106,8 +104,6 @@ class Timer:
 
 
 def instrument(engine, timer: Timer) -> None:
-    import pagoda.layers.sampler as sampler_mod
-
     runner = engine.runner
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update = timer.wrap("update", engine.scheduler.update)
@@ -132,59 +128,10 @@ def instrument(engine, timer: Timer) -> None:
         return logits
     runner.model.compute_logits = timer.wrap("forward", keep_logits)
     runner.sampler.forward = timer.wrap("sampler", runner.sampler.forward)
-    build = sampler_mod.SamplingBatch.build.__func__
-    sampler_mod.SamplingBatch.build = classmethod(
-        lambda cls, *a, **k: timer.wrap("samp_prep", build)(cls, *a, **k))
-    # An incremental sampler state (if the runner has one) is sampling prep too.
-    state = getattr(runner, "sampling_state", None)
-    if state is not None:
-        for name in ("add", "remove", "batch", "update"):
-            if hasattr(state, name):
-                setattr(state, name, timer.wrap("samp_prep", getattr(state, name)))
-
-
-def use_sampling_state(runner) -> None:
-    """Drive the runner's sampling through a persistent `SamplingState` instead of rebuilding a
-    `SamplingBatch` every step: the integration proposed for worker/model_runner.py (its owner
-    adopts it there; this patch only lets the benchmark measure it). Same tokens either way."""
-    from pagoda.engine.outputs import StepOutput, TokenLogprobs
-    from pagoda.layers.sampler import SamplingState
-
-    state = SamplingState(runner.config.scheduler.max_num_seqs, runner.vocab_size, runner.device,
-                          runner.eos_token_ids)
-    runner.sampling_state = state
-    update_states = runner._update_states
-
-    def _update_states(so):
-        for request_id in so.finished_request_ids:
-            state.remove(request_id)
-        update_states(so)
-        for new in so.new_requests:
-            s = runner.states[new.request_id]
-            state.add(new.request_id, s.sampling_params, new.prompt_token_ids, generator=s.generator)
-
-    def _sample(request_ids, states, logits):
-        out = runner.sampler(logits, runner.sampling_state.batch(request_ids))
-        runner.sampling_state.update(out.sampled_token_ids)
-        sampled = out.sampled_token_ids.tolist()
-        result = StepOutput(dict(zip(request_ids, sampled)))
-        if out.sampled_logprobs is not None:
-            sampled_lp = out.sampled_logprobs.tolist()
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            for row, (rid, s) in enumerate(zip(request_ids, states)):
-                k = s.sampling_params.logprobs
-                if k is None:
-                    continue
-                top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
-                result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
-        for s, token in zip(states, sampled):
-            s.token_ids.append(token)
-            s.output_token_ids.append(token)
-        return result
-
-    runner._update_states = _update_states
-    runner._sample = _sample
+    # The runner's persistent sampling rows (layers/sampler.py: SamplingState) are the sampling prep.
+    state = runner.sampling
+    for name in ("add", "remove", "batch", "update"):
+        setattr(state, name, timer.wrap("samp_prep", getattr(state, name)))
 
 
 def use_decode_graph_path(runner) -> None:
@@ -209,14 +156,12 @@ def use_decode_graph_path(runner) -> None:
 
 
 def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool,
-               sampling_state: bool = False, decode_graphs: bool = False) -> dict:
+               decode_graphs: bool = False) -> dict:
     detok, knobs = CONFIGS[name]
     llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=not detok, max_model_len=2048,
               max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), cpu_kv_cache_space_gib=1.0,
               seed=0)
     engine = llm.engine
-    if sampling_state:
-        use_sampling_state(engine.runner)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
     for i in range(batch):
@@ -280,9 +225,6 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--configs", default="greedy,greedy+detok,sampled+detok,rep+detok")
     ap.add_argument("--profile", default=None, help="cProfile this config")
-    ap.add_argument("--sampling-state", action="store_true",
-                    help="patch the runner to sample through a persistent SamplingState (the proposed "
-                    "runner integration) instead of SamplingBatch.build every step")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: on a shared CPU, waking a second OpenMP thread "
                     "for tiny ops can cost milliseconds)")
@@ -305,10 +247,9 @@ def main() -> None:
         folder = model_folder(root)
         for name in names:
             results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile,
-                                       args.sampling_state, args.decode_graphs)
+                                       args.decode_graphs)
     cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "gc", "forward", "sampler"]
     print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock"
-          f"{', runner patched to use SamplingState' if args.sampling_state else ''}"
           f"{', decode-graph input path, replay stubbed' if args.decode_graphs else ''}) "
           f"(host = schedule+prep+samp_prep+update+process+other; gc = garbage collection, already "
           f"inside those; forward/sampler = device work on CPU)")

@@ -154,11 +154,11 @@ def _batch_from_knobs(knobs: np.ndarray, generators: list[torch.Generator | None
     active = (knobs != _NEUTRAL[:, None]).any(axis=1)
     active[_TEMPERATURE] = True
     floats = [k for k in (_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION) if active[k]]
-    table = torch.from_numpy(knobs[floats].astype(np.float32)).to(device)
+    table = to_device(knobs[floats].astype(np.float32), device)
     column = dict(zip(floats, table))
     top_k = None
     if active[_TOP_K]:
-        top_k = torch.from_numpy(knobs[_TOP_K].astype(np.int64)).to(device)
+        top_k = to_device(knobs[_TOP_K].astype(np.int64), device)
     max_logprobs = int(knobs[_LOGPROBS].max()) if knobs.shape[1] else -1
     return SamplingBatch(
         temperature=column[_TEMPERATURE],
@@ -271,14 +271,14 @@ class SamplingState:
                 self._seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
             self._seen[row] = False
             if knobs[_REPETITION] != 1.0:
-                ids = torch.tensor(list(prompt_token_ids) + list(output_token_ids), dtype=torch.int64)
-                self._seen[row, ids.to(self.device)] = True
+                ids = to_device(list(prompt_token_ids) + list(output_token_ids), self.device, torch.int64)
+                self._seen[row, ids] = True
         if knobs[_PRESENCE] != 0.0 or knobs[_FREQUENCY] != 0.0 or self._counts is not None:
             if self._counts is None:
                 self._counts = torch.zeros(self.capacity, self.vocab_size, dtype=torch.int32, device=self.device)
             self._counts[row] = 0
             if output_token_ids:
-                ids = torch.tensor(list(output_token_ids), dtype=torch.int64).to(self.device)
+                ids = to_device(list(output_token_ids), self.device, torch.int64)
                 self._counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
 
     def remove(self, request_id: str) -> None:
@@ -305,13 +305,13 @@ class SamplingState:
         else:
             # Common case: only temperatures differ between live rows (greedy and/or plain sampling).
             temperature = self._knobs[_TEMPERATURE, rows_np]
-            batch = SamplingBatch(torch.from_numpy(temperature.astype(np.float32)).to(self.device), None, None,
+            batch = SamplingBatch(to_device(temperature.astype(np.float32), self.device), None, None,
                                   None, None, None, None, None, None, None, generators, None,
                                   not self._num_live_active[_TEMPERATURE] or not temperature.any())
         rows = None
         if batch.repetition_penalty is not None or batch.presence_penalty is not None \
                 or batch.frequency_penalty is not None or self._seen is not None or self._counts is not None:
-            rows = torch.from_numpy(rows_np).to(self.device)
+            rows = to_device(rows_np, self.device)
         if batch.repetition_penalty is not None:
             assert self._seen is not None
             batch.prompt_or_output_mask = self._seen.index_select(0, rows)
@@ -324,7 +324,7 @@ class SamplingState:
             if any(suppress):
                 rows_s, toks = _flat_index(suppress, self.device)
                 mask = torch.zeros(len(rows_np), self.vocab_size, dtype=torch.bool, device=self.device)
-                mask[torch.from_numpy(waiting).to(self.device)[rows_s], toks] = True
+                mask[to_device(waiting, self.device)[rows_s], toks] = True
                 batch.suppress_mask = mask
         self._last_rows, self._last_rows_np = rows, rows_np
         return batch

@@ -24,7 +24,7 @@ from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
 from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
-from pagoda.layers.sampler import Sampler, SamplingBatch
+from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
@@ -122,6 +122,10 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.backend = backend or self._make_backend(config.device.attention_backend)
         self.sampler = Sampler()
+        # Per-request sampling rows kept across steps: a step's batch is a gather, and the penalties'
+        # token history lives on the device (updated with each step's samples, no host round trip).
+        self.sampling = SamplingState(config.scheduler.max_num_seqs, self.vocab_size, self.device,
+                                      self.eos_token_ids)
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         stateful = getattr(self.model, "sequence_state_layers", list)()
@@ -134,7 +138,6 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
         self.decode_graphs: DecodeGraphs | None = None   # set by `enable_decode_graphs`
         self.step_graphs: StepGraphs | None = None       # mixed steps, likewise
-        self._inflight: PendingStep | None = None        # the last launched step that samples
         self._last_sampled: torch.Tensor | None = None   # its token ids, on the device
 
     @staticmethod
@@ -250,6 +253,7 @@ class ModelRunner:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self._release_slot(state)
+            self.sampling.remove(request_id)
         for request_id in so.preempted_request_ids:
             if request_id in self.states:
                 self._release_slot(self.states[request_id])
@@ -262,6 +266,7 @@ class ModelRunner:
             self.states[new.request_id] = state = RunnerRequestState(
                 list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
                 generator, new.num_computed_tokens, mm_inputs=new.mm_inputs)
+            self.sampling.add(new.request_id, params, new.prompt_token_ids, generator=generator)
             self._acquire_slot(state)
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
@@ -502,25 +507,13 @@ class ModelRunner:
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(embeds)
 
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
-        params = [s.sampling_params for s in states]
-        # Penalties read each row's whole output: a token still in flight must reach the host first.
-        needs_history = any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params)
-        if needs_history and self._inflight is not None and any(s.num_pending for s in states):
-            self._inflight.result()
-        suppress = [self.eos_token_ids + s.sampling_params.stop_token_ids
-                    if len(s.output_token_ids) + s.num_pending < s.sampling_params.min_tokens else []
-                    for s in states]
-        # Prompt histories only matter to the repetition penalty; slicing them every step costs
-        # O(all prompt tokens) of host time per step.
-        needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
-        batch = SamplingBatch.build(
-            params, [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
-            [s.output_token_ids for s in states], [s.generator for s in states],
-            suppress if any(suppress) else None, logits.shape[-1], logits.device)
+        # The batch counts tokens still in flight too (min_tokens; the penalties' device history
+        # already holds them), so sampling never waits for the step before.
+        batch = self.sampling.batch(request_ids)
         out = self.sampler(logits, batch)
+        self.sampling.update(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row
         self._last_sampled = out.sampled_token_ids
-        self._inflight = PendingStep(request_ids, states, out)
-        return self._inflight
+        return PendingStep(request_ids, states, out)

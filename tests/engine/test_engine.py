@@ -144,3 +144,23 @@ def test_repetition_penalty_sees_the_prompt_through_the_engine(tiny_llama):
     assert not set(out) & set(prompt)
     assert len(set(out)) == len(out)
     assert set(plain) & set(prompt) or len(set(plain)) < len(plain), "the unpenalized run should repeat something"
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama):
+    """Greedy decoding with a repetition penalty, against transformers' own `generate()` (its
+    RepetitionPenaltyLogitsProcessor penalises prompt and generated tokens alike), for a batch of
+    prompts decoded together: the runner's persistent device-side token history must equal it."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompts = _random_prompts(4, 5, 40, seed=9)
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64,
+              dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    got = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                 repetition_penalty=1.8, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
