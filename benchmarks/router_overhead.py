@@ -303,35 +303,8 @@ def main() -> int:
             print(f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
                   f"median {result['us_per_event_median']:.1f} us; one core relays "
                   f"~{result['events_per_core_s']:.0f} events/s")
-            if ns.out:
-                Path(ns.out).write_text(json.dumps(result, indent=2))
-            return 0
-
-        around: list[list[dict[str, Any]]] = []
-        through: list[list[dict[str, Any]]] = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for rnd in range(ns.rounds):
-                order = [("around", backends), ("through", [router])]
-                for tag, urls in (order if rnd % 2 == 0 else order[::-1]):
-                    seed = 1 + rnd * 2 + (tag == "through")
-                    # the same number of client processes on both sides: the client must not be what differs
-                    records = run_side(urls, ns, seed, Path(tmp), tag, 1 if tag == "around" else len(backends))
-                    (around if tag == "around" else through).append(records)
-                    print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
-        a, t = summarize(around), summarize(through)
-        result = {
-            "config": config, "around": a, "through": t,
-            "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
-            "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
-            "stream_tok_s_ratio": t["median_stream_tok_s"] / a["median_stream_tok_s"],
-        }
-        print(f"{'':10}{'requests':>10}{'P50 TTFT ms':>14}{'out tok/s':>12}{'stream tok/s':>14}")
-        for name, s in (("around", a), ("through", t)):
-            print(f"{name:10}{s['requests']:>10}{s['p50_ttft_ms']:>14.2f}{s['output_tok_s']:>12.1f}"
-                  f"{s['median_stream_tok_s']:>14.2f}")
-        print(f"router adds {result['ttft_p50_added_ms']:+.2f} ms P50 TTFT (target <= 1 ms); output tok/s "
-              f"x{result['output_tok_s_ratio']:.3f}, per-stream tok/s x{result['stream_tok_s_ratio']:.3f} "
-              f"(target >= 0.95)")
+        else:
+            result = compare_around_through(backends, router, config, ns)
         if ns.out:
             Path(ns.out).write_text(json.dumps(result, indent=2))
         return 0
@@ -343,6 +316,37 @@ def main() -> int:
                 child.wait(15)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def compare_around_through(backends: list[str], router: str, config: dict[str, Any],
+                           ns: argparse.Namespace) -> dict[str, Any]:
+    """Alternating rounds straight at the backends and through the router; prints the comparison."""
+    around: list[list[dict[str, Any]]] = []
+    through: list[list[dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(ns.rounds):
+            order = [("around", backends), ("through", [router])]
+            for tag, urls in (order if rnd % 2 == 0 else order[::-1]):
+                seed = 1 + rnd * 2 + (tag == "through")
+                # the same number of client processes on both sides: the client must not be what differs
+                records = run_side(urls, ns, seed, Path(tmp), tag, 1 if tag == "around" else len(backends))
+                (around if tag == "around" else through).append(records)
+                print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
+    a, t = summarize(around), summarize(through)
+    result = {
+        "config": config, "around": a, "through": t,
+        "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
+        "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
+        "stream_tok_s_ratio": t["median_stream_tok_s"] / a["median_stream_tok_s"],
+    }
+    print(f"{'':10}{'requests':>10}{'P50 TTFT ms':>14}{'out tok/s':>12}{'stream tok/s':>14}")
+    for name, s in (("around", a), ("through", t)):
+        print(f"{name:10}{s['requests']:>10}{s['p50_ttft_ms']:>14.2f}{s['output_tok_s']:>12.1f}"
+              f"{s['median_stream_tok_s']:>14.2f}")
+    print(f"router adds {result['ttft_p50_added_ms']:+.2f} ms P50 TTFT (target <= 1 ms); output tok/s "
+          f"x{result['output_tok_s_ratio']:.3f}, per-stream tok/s x{result['stream_tok_s_ratio']:.3f} "
+          f"(target >= 0.95)")
+    return result
 
 
 if __name__ == "__main__":
