@@ -152,7 +152,16 @@ COUNTERS = {
     "generation_tokens": ("generation_tokens_total",),
     "prefix_cache_queries": ("prefix_cache_queries_total",),
     "prefix_cache_hits": ("prefix_cache_hits_total",),
+    # Histogram sums and counts: their deltas give the server's own mean TTFT and queue time for the
+    # point, to set against the client's TTFT (the rest is HTTP, streaming and the client itself).
+    "ttft_seconds_sum": ("time_to_first_token_seconds_sum",),
+    "ttft_seconds_count": ("time_to_first_token_seconds_count",),
+    "queue_seconds_sum": ("request_queue_time_seconds_sum",),
+    "queue_seconds_count": ("request_queue_time_seconds_count",),
 }
+# mean key -> (sum counter, count counter), in milliseconds
+MEANS_MS = {"server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
+            "server_mean_queue_ms": ("queue_seconds_sum", "queue_seconds_count")}
 PREFIXES = ("vllm:", "pagoda:")
 
 
@@ -201,4 +210,7 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
             out[f"{key}_delta"] = after[key] - before[key]
         else:
             out[f"{key}_delta"] = None
+    for key, (total, count) in MEANS_MS.items():
+        n = out[f"{count}_delta"]
+        out[key] = 1e3 * out[f"{total}_delta"] / n if n else None
     return out

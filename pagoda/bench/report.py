@@ -18,6 +18,7 @@ COLUMNS = [  # (header, key in the point or server_metrics, format)
     ("in tok", "mean_input_tokens", "{:.0f}"),
     ("p50 TTFT", "median_ttft_ms", "{:.0f}"),
     ("p95 TTFT", "p95_ttft_ms", "{:.0f}"),
+    ("srv TTFT", "sm:server_mean_ttft_ms", "{:.0f}"),
     ("p50 TPOT", "median_tpot_ms", "{:.1f}"),
     ("p95 TPOT", "p95_tpot_ms", "{:.1f}"),
     ("p95 ITL", "p95_itl_ms", "{:.1f}"),
@@ -30,7 +31,8 @@ COLUMNS = [  # (header, key in the point or server_metrics, format)
     ("SLO", "slo_pass", "{}"),
 ]
 CSV_SERVER_KEYS = ("running_peak", "running_mean", "waiting_peak", "waiting_mean", "kv_cache_usage_peak",
-                   "preemptions_delta", "generation_tokens_delta")
+                   "preemptions_delta", "generation_tokens_delta",
+                   "server_mean_ttft_ms", "server_mean_queue_ms")
 
 
 def _value(point: dict[str, Any], key: str) -> Any:

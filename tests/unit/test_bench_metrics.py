@@ -247,6 +247,26 @@ def test_parse_prometheus_either_prefix(prefix: str) -> None:
     assert server_metrics_summary(None, None, []) == {"available": False}
 
 
+def test_server_mean_ttft_from_histogram_deltas() -> None:
+    """The server's mean TTFT/queue time over a point comes from the histograms' sum/count deltas,
+    read from a page prometheus_client itself renders."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    ttft = Histogram("vllm:time_to_first_token_seconds", "t", ["model_name"], registry=registry).labels("m")
+    queue = Histogram("vllm:request_queue_time_seconds", "q", ["model_name"], registry=registry).labels("m")
+    ttft.observe(5.0)                                     # before the point: must not count
+    before = parse_prometheus(generate_latest(registry).decode())
+    for seconds in (0.010, 0.030):
+        ttft.observe(seconds)
+        queue.observe(seconds / 10)
+    after = parse_prometheus(generate_latest(registry).decode())
+    summary = server_metrics_summary(before, after, [])
+    assert summary["server_mean_ttft_ms"] == pytest.approx(20.0)
+    assert summary["server_mean_queue_ms"] == pytest.approx(2.0)
+    assert server_metrics_summary(before, before, [])["server_mean_ttft_ms"] is None   # no requests: no mean
+
+
 # ---- the SSE client on a mock transport -----------------------------------------------------------------
 
 def _sse(events: list, done: bool = True) -> bytes:
