@@ -26,6 +26,7 @@ on the buffers): the CPU tests use it to check padding, scratch state and buffer
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -59,16 +60,28 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.inference_mode(), torch.cuda.stream(stream):
-        for b in reversed(buckets):
-            attn = attention(b)
-            for _ in range(2):
-                forward(b, attn)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = forward(b, attn)
-            graphs[b] = (graph, out)
+    # No garbage collection inside a capture: a collected pinned host tensor (e.g. an earlier
+    # engine's transfer buffer) makes the host allocator query its CUDA event, which is illegal
+    # while a stream captures and invalidates the graph. So collect now, then not until the end.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in reversed(buckets):
+                attn = attention(b)
+                for _ in range(2):
+                    forward(b, attn)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
+                # invalidate this capture; this thread's own illegal calls still fail loudly.
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    out = forward(b, attn)
+                graphs[b] = (graph, out)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     logger.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(graphs), what, buckets[0], buckets[-1],
