@@ -252,7 +252,7 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
                    "--endpoint", "completions", "--concurrency", ",".join(map(str, ladder)), "--input-len", "40",
                    "--output-len", str(args.serve_output_len), "--ignore-eos",
                    "--prompts-per-concurrency", str(args.prompts_per_level), "--warmup", str(args.serve_warmup), "--client-processes", str(processes), "--ready-timeout", "600",
-                   "--no-progress", "--out", out]
+                   "--no-progress", "--save-detailed", "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
             with open(os.path.join(args.artifacts, f"bench_{shape}_p{processes}.txt"), "w") as f:
                 f.write(proc.stdout + proc.stderr)

@@ -1,5 +1,5 @@
 """Fused elementwise kernels for the decoder layers: RMSNorm (alone, or fused with the residual add),
-neox-style RoPE for q and k in one launch, and SiLU-and-mul.
+neox-style RoPE for q and k in one launch, SiLU-and-mul, and the LF gate's two-tap state shift.
 
 Each replaces a chain of small PyTorch kernels (a decode step of a 2B model spent ~70 launches per
 layer on them) with one launch, and keeps the PyTorch code's numerics: fp32 math inside, rounded to
@@ -11,6 +11,7 @@ the activation dtype at the same points. The PyTorch references are the layers' 
 | `fused_add_rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps, residual)` |
 | `rotary` | `pagoda.layers.rotary.apply_rotary_reference(q, k, (cos, sin))` |
 | `silu_and_mul` | `pagoda.layers.activation.silu_and_mul_reference(x)` |
+| `two_tap_shift` | `LocalizedFilter`'s PyTorch path: `index_select` + `cat` + `index_copy_` (pure copies) |
 
 Where the results can differ from the reference (everything else is bit-identical):
 - RMSNorm's mean of squares is a different fp32 summation order than PyTorch's reduction, and
@@ -284,4 +285,63 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
         x2, out2, x2.stride(0), out2.stride(0), n_cols,
         BLOCK=block, PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting(), num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-tap state shift (Yuan2's LF gate on one-token rows)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _two_tap_shift_kernel(cur_ptr, state_ptr, slots_ptr, snap_ptr, snapshots_ptr, out_ptr,
+                          stride_cur, stride_state, stride_snap, stride_out, col0,
+                          N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_SNAPSHOT: tl.constexpr):
+    """Grid (B, cdiv(F, BLOCK)). Row b: out[b] = [state[slot, col0:col0+F] | cur[b]], then
+    state[slot, col0:col0+F] = cur[b] (and snapshots[snap[b], same columns] = cur[b])."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N_COLS
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    saved = state_ptr + slot * stride_state + col0 + offs
+    previous = tl.load(saved, mask=mask, other=0.0)
+    current = tl.load(cur_ptr + row * stride_cur + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, previous, mask=mask)
+    tl.store(out_ptr + row * stride_out + N_COLS + offs, current, mask=mask)
+    tl.debug_barrier()                 # every lane has read the old state before any lane overwrites it
+    tl.store(saved, current, mask=mask)
+    if HAS_SNAPSHOT:
+        snap = tl.load(snap_ptr + row).to(tl.int64)
+        tl.store(snapshots_ptr + snap * stride_snap + col0 + offs, current, mask=mask)
+
+
+def supports_two_tap_shift(current: torch.Tensor, state: torch.Tensor, col0: int) -> bool:
+    return (current.dim() == 2 and state.dim() == 2 and current.dtype in DTYPES and state.dtype == current.dtype
+            and current.stride(1) == 1 and state.stride(1) == 1 and current.device == state.device
+            and 0 <= col0 and col0 + current.shape[1] <= state.shape[1])
+
+
+def two_tap_shift(current: torch.Tensor, state: torch.Tensor, col0: int, slots: torch.Tensor,
+                  snapshot_index: torch.Tensor | None = None,
+                  snapshots: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch for a width-2 causal convolution's input on one-token rows, plus the state update.
+
+    current [B, F] (row b is the one new token of the sequence in state slot slots[b]); state
+    [S, W], whose columns [col0, col0 + F) hold each sequence's previous token. Returns [B, 2F] =
+    [previous | current] (what `torch.cat([state[slots, cols], current], -1)` gives) and writes
+    state[slots[b], cols] = current[b]; with snapshots, also snapshots[snapshot_index[b], cols].
+    Slots must be distinct except for rows whose outputs are discarded (CUDA-graph padding rows
+    sharing one scratch slot, which read whatever the others left)."""
+    assert supports_two_tap_shift(current, state, col0), "unsupported two_tap_shift arguments"
+    rows, n_cols = current.shape
+    out = torch.empty(rows, 2 * n_cols, dtype=current.dtype, device=current.device)
+    if rows == 0:
+        return out
+    has_snapshot = snapshot_index is not None
+    if has_snapshot:
+        assert snapshots is not None and snapshots.stride(1) == 1 and snapshots.shape[1] == state.shape[1]
+    block = min(triton.next_power_of_2(n_cols), 1024)
+    _two_tap_shift_kernel[(rows, triton.cdiv(n_cols, block))](
+        current, state, slots, snapshot_index if has_snapshot else slots, snapshots if has_snapshot else state,
+        out, current.stride(0), state.stride(0), snapshots.stride(0) if has_snapshot else 0, out.stride(0), col0,
+        N_COLS=n_cols, BLOCK=block, HAS_SNAPSHOT=has_snapshot, num_warps=4)
     return out

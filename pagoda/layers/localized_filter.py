@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import dispatch
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -74,6 +75,9 @@ class LocalizedFilter(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
         h = self.hidden_size
+        ops = dispatch.fused_ops_for(x) if batch.one_token_per_row else None
+        if ops is not None and ops.supports_two_tap_shift(x, self.state, 0):
+            return self._one_token_rows(ops, x, batch)
         saved = self.state.index_select(0, batch.slots)              # [B, 1.5H]
         x_prev, o1_prev = saved[:, :h], saved[:, h:]
         o1 = self.conv1(_previous(x, x_prev, batch), x)              # [T, H/2]
@@ -84,6 +88,24 @@ class LocalizedFilter(nn.Module):
         if batch.snapshot_tokens is not None and self.snapshots.numel():
             _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens,
                         batch.snapshot_every_row)
+        return y
+
+
+    def _one_token_rows(self, ops, x: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
+        """A decode step (every row one token) on CUDA: each convolution's [previous | current]
+        input and the slot's update come from one `two_tap_shift` launch, instead of a gather, a
+        concatenation and two scatters (plus two for snapshots) per layer."""
+        h = self.hidden_size
+        every_row = batch.snapshot_every_row and batch.snapshot_tokens is not None and self.snapshots.numel() > 0
+        snap_index = batch.snapshot_blocks if every_row else None
+        snapshots = self.snapshots if every_row else None
+        o1 = F.linear(ops.two_tap_shift(x, self.state, 0, batch.slots, snap_index, snapshots),
+                      self.conv1.weight, self.conv1.bias)                                   # [B, H/2]
+        o2 = F.linear(ops.two_tap_shift(o1, self.state, h, batch.slots, snap_index, snapshots),
+                      self.conv2.weight, self.conv2.bias)                                   # [B, H]
+        y, _ = self.output_layernorm(o2, x)
+        if not every_row and batch.snapshot_tokens is not None and self.snapshots.numel():
+            _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens, False)
         return y
 
 

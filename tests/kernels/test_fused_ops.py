@@ -206,6 +206,43 @@ def test_cpu_tensors_never_take_the_kernels(monkeypatch):
         dispatch.fused_ops_module.cache_clear()
 
 
+# ---------------------------------------------------------------------------------------------
+# Two-tap state shift (LF gate, one-token rows)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols, col0, with_snapshots", [(6, 0, False), (6, 9, True), (1030, 3, True)])
+def test_two_tap_shift_matches_gather_cat_scatter(cols, col0, with_snapshots, dtype):
+    """Against the LF gate's PyTorch path: [state[slots, cols] | current], then the scatters; rows in
+    shuffled slot order, `current` a strided column slice, snapshot rows including repeats of the
+    null block (written last by whichever row: every writer there carries the value of its own row,
+    so only the distinct real blocks are compared)."""
+    rows, num_slots, width = 5, 9, col0 + cols + 2
+    state = _randn(num_slots, width, dtype=dtype, seed=30)
+    wide = _randn(rows, cols + 7, dtype=dtype, seed=31)
+    current = wide[:, 4:4 + cols]                                   # stride(0) = cols + 7
+    slots = torch.tensor([7, 2, 0, 5, 3], device=DEVICE)
+    snapshots = _randn(6, width, dtype=dtype, seed=32) if with_snapshots else None
+    snap_index = torch.tensor([0, 4, 0, 1, 0], device=DEVICE) if with_snapshots else None
+
+    want_out = torch.cat([state[slots, col0:col0 + cols], current], dim=-1)
+    want_state = state.clone()
+    want_state[:, col0:col0 + cols].index_copy_(0, slots, current)
+    want_snapshots = snapshots.clone() if with_snapshots else None
+
+    out = fused_ops.two_tap_shift(current, state, col0, slots, snap_index, snapshots)
+    assert torch.equal(out, want_out)
+    assert torch.equal(state, want_state)
+    if with_snapshots:
+        assert torch.equal(snapshots[4, col0:col0 + cols], current[1])
+        assert torch.equal(snapshots[1, col0:col0 + cols], current[3])
+        untouched = [2, 3, 5]
+        assert torch.equal(snapshots[untouched], want_snapshots[untouched])
+        outside = torch.ones(width, dtype=torch.bool)
+        outside[col0:col0 + cols] = False
+        assert torch.equal(snapshots[:, outside.to(DEVICE)], want_snapshots[:, outside.to(DEVICE)])
+
+
 @pytest.fixture
 def kernels_everywhere(monkeypatch):
     """Layers use the kernels for every tensor, CPU included (interpreted there)."""
@@ -214,7 +251,7 @@ def kernels_everywhere(monkeypatch):
     class Spy:
         def __getattr__(self, name):
             attr = getattr(fused_ops, name)
-            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
+            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "two_tap_shift"):
                 def wrapped(*args, **kwargs):
                     calls.append(name)
                     return attr(*args, **kwargs)
@@ -244,7 +281,7 @@ def test_layers_use_the_kernels_and_fall_back(kernels_everywhere):
 
 def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
     """The whole engine with every norm, residual add, RoPE and SiLU-and-mul in the kernels (the LF
-    gate's norm too) reproduces the official code's greedy continuations and logits: Yuan2 dense
+    gate's norm and, on decode steps, its state shift too) reproduces the official code's greedy continuations and logits: Yuan2 dense
     (full rotary) and M32 (partial rotary over a bf16-built table, experts)."""
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
@@ -277,7 +314,7 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
         for i, case in enumerate(cases):
             assert done[str(i)] == case["greedy_16"][:6], name
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
-    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul"} <= set(kernels_everywhere)
+    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "two_tap_shift"} <= set(kernels_everywhere)
 
 
 def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):

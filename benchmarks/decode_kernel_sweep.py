@@ -1,0 +1,96 @@
+"""Sweep the paged decode kernel's launch configuration on the GPU, per attention shape.
+
+    python benchmarks/decode_kernel_sweep.py [--out sweep.json]
+
+For each (heads, kv heads, head dim) of the benchmark shapes, batch and context length, times
+`paged_decode_attention` (`triton.testing.do_bench`, scattered cache blocks, block size 16) under
+every BLOCK_N x num_warps x num_stages (x split count: 1 and the one a CUDA-graph step picks), next to the memory floor
+(K and V bytes read / measured copy bandwidth) and the current default. Prints the best per case;
+the JSON holds every timing. `decode_config` in `pagoda/kernels/paged_attention.py` takes its rule
+from these results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_shapes import copy_bandwidth  # noqa: E402
+
+ATTENTION_SHAPES = {"yuan2-2b": (32, 32, 64), "qwen2-vl-2b": (12, 2, 128), "llama-3-8b": (32, 8, 128)}
+CASES = [(1, 168), (64, 168), (256, 168), (256, 512)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+    import triton.testing
+
+    from pagoda.kernels import paged_attention as pa
+
+    bandwidth = copy_bandwidth()
+    default = pa.decode_config
+    results = []
+    block = 16
+    for shape in args.shapes.split(","):
+        heads, kv_heads, dim = ATTENTION_SHAPES[shape]
+        for batch, context in CASES:
+            blocks_per = -(-(context + 1) // block)
+            num_blocks = batch * blocks_per + 1
+            k_cache = torch.randn(num_blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            perm = torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per] + 1
+            tables = perm.view(batch, blocks_per).int()
+            seq_lens = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
+            q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+            floor_us = 2 * batch * (context + 1) * kv_heads * dim * 2 / bandwidth * 1e6
+            # The split count a CUDA-graph decode step uses (max_seq_len = a 2048 max_model_len).
+            graph_splits = pa.choose_num_splits(batch, kv_heads, 2048, pa.device_sm_count("cuda"))
+            splits_options = sorted({1, graph_splits})
+
+            def run(cfg, splits):
+                pa.decode_config = lambda head_dim, cfg=cfg: cfg
+                try:
+                    return 1e3 * triton.testing.do_bench(
+                        lambda: pa.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5, splits),
+                        warmup=5, rep=30)
+                finally:
+                    pa.decode_config = default
+
+            base = {s: run(default(dim), s) for s in splits_options}
+            case = {"shape": shape, "batch": batch, "context": context, "floor_us": floor_us,
+                    "graph_splits": graph_splits, "default": {str(s): us for s, us in base.items()}, "configs": []}
+            for block_n, warps, stages, splits in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3),
+                                                                   splits_options):
+                cfg = pa.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    us = run(cfg, splits)
+                except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is just skipped
+                    print(f"  skip {cfg} splits={splits}: {type(exc).__name__}", flush=True)
+                    continue
+                case["configs"].append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                                        "splits": splits, "us": us})
+            best = min(case["configs"], key=lambda c: c["us"])
+            case["best"] = best
+            results.append(case)
+            print(f"{shape:12s} B={batch:4d} ctx={context:4d}: default {base[graph_splits]:7.1f} us "
+                  f"(graph splits {graph_splits}) | best {best['us']:7.1f} us  BLOCK_N={best['block_n']} "
+                  f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']} | "
+                  f"floor {floor_us:6.1f} us", flush=True)
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bandwidth": bandwidth, "cases": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
