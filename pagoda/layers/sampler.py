@@ -375,6 +375,11 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x
 
 
+def _no_penalties(batch: SamplingBatch) -> bool:
+    return (batch.repetition_penalty is None and batch.frequency_penalty is None
+            and batch.presence_penalty is None and batch.suppress_mask is None)
+
+
 def apply_filters(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Temperature, top-k, top-p, min-p on penalised logits. [B, V] -> new [B, V] float32.
 
@@ -434,6 +439,11 @@ class Sampler(nn.Module):
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] of any float dtype; all math in float32."""
+        if batch.all_greedy and batch.max_num_logprobs is None and _no_penalties(batch):
+            # Widening to float32 is exact and order-preserving, so the argmax (first maximum on
+            # ties) is the same without the [B, V] float32 copy: ~0.1 ms a step at B=256 on a
+            # 135k vocabulary, the plain greedy/ignore-eos benchmark case.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
         greedy_ids = penalised.argmax(dim=-1)
