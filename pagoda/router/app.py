@@ -8,14 +8,19 @@ or middleware on the hot path). Everything else goes to a small FastAPI app:
   GET /health      200 while at least one backend is healthy, else 503; JSON with each backend's state
   GET /metrics     Prometheus text (router.metrics)
   GET /usage       per-key token totals as JSON (labels, never the keys)
+
+With --workers N (router.workers) each worker process runs this app with its own RouterState; /health then
+also names the worker that answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
+import os
 from typing import Any
 
 import httpx
@@ -59,13 +64,20 @@ class LongQueue:
 
 
 class RouterState:
-    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
+    """Everything one router process knows. With --workers N there is one per worker: backends' health, breakers,
+    in-flight counts and the usage ledger are that worker's own; metrics and /usage aggregate through the
+    multiprocess directory (`multiprocess_dir`, router.metrics)."""
+
+    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
+                 multiprocess_dir: str | None = None, worker_index: int = 0):
         self.config = config
         self.backends: list[Backend] = []
         self.usage = UsageLedger()
         self.reloads = 0
+        self.worker_index = worker_index
+        self.multiprocess = multiprocess_dir is not None
         self.long_queue = LongQueue(config.long_request_concurrency)
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(self, multiprocess_dir, worker_index)
         self.client: httpx.AsyncClient | None = None
         self._upstreams: dict[str, httpx.AsyncBaseTransport] = {}
         self._limits = httpx.Limits()
@@ -93,6 +105,9 @@ class RouterState:
             if (config.host, config.port) != (self.config.host, self.config.port):
                 logger.warning("router config: host/port changes need a restart; still on %s:%d",
                                self.config.host, self.config.port)
+            if config.workers != self.config.workers:
+                logger.warning("router config: a workers change needs a restart; still %d", self.config.workers)
+                config = dataclasses.replace(config, workers=self.config.workers)
             if config.long_request_concurrency != self.long_queue.limit:
                 self.long_queue = LongQueue(config.long_request_concurrency)
             self.reloads += 1
@@ -119,6 +134,18 @@ class RouterState:
             self._tasks.append(asyncio.ensure_future(self.health.run()))
         if watcher is not None:
             self._tasks.append(asyncio.ensure_future(watcher.run()))
+        if self.multiprocess:
+            self._tasks.append(asyncio.ensure_future(self._publish_gauges()))
+
+    async def _publish_gauges(self) -> None:
+        from pagoda.router.metrics import GAUGE_PUBLISH_S
+
+        while True:
+            try:
+                self.metrics.publish()
+            except Exception:
+                logger.exception("router metrics: publishing the gauges")
+            await asyncio.sleep(GAUGE_PUBLISH_S)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -160,6 +187,12 @@ class RouterState:
             m.child(m.prompt_tokens, label).inc(prompt)
         if completion:
             m.child(m.completion_tokens, label).inc(completion)
+        if tokens is None:
+            m.child(m.key_no_usage, label).inc()
+
+    def usage_snapshot(self) -> dict[str, dict[str, int]]:
+        """Per-key totals: this process's ledger, or with --workers N the sum over all workers."""
+        return self.metrics.usage_totals() if self.multiprocess else self.usage.snapshot()
 
     def auth(self, scope: Any) -> str | None:
         """The caller's usage label, or None when keys are configured and the bearer token is not one."""
@@ -236,8 +269,11 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
     async def health() -> Response:
         backends = [b.describe() for b in state.backends]
         ok = any(b.healthy for b in state.backends)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "policy": state.config.policy,
-                             "backends": backends}, status_code=200 if ok else 503)
+        answer: dict[str, Any] = {"status": "ok" if ok else "unavailable", "policy": state.config.policy,
+                                  "backends": backends}
+        if state.multiprocess:   # --workers N: this is the view of the worker that answered
+            answer["worker"] = {"index": state.worker_index, "pid": os.getpid(), "reloads": state.reloads}
+        return JSONResponse(answer, status_code=200 if ok else 503)
 
     @api.get("/metrics")
     async def metrics() -> Response:
@@ -247,7 +283,7 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
 
     @api.get("/usage")
     async def usage() -> Response:
-        return JSONResponse({"keys": state.usage.snapshot()})
+        return JSONResponse({"keys": state.usage_snapshot()})
 
     @api.get("/v1/models")
     async def models() -> Response:

@@ -3,6 +3,7 @@ cheap); the router itself imports no torch and no engine code, so it starts in a
 
     pagoda router --port 8080 --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 [--policy session]
     pagoda router --config router.toml            # reloaded when the file changes
+    pagoda router --workers 4 ...                 # four processes on one socket (router.workers)
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", action="append", default=None, metavar="URL",
                    help="a backend server root, e.g. http://127.0.0.1:8000 (repeat for each backend)")
     g.add_argument("--reload-interval", type=float, default=1.0, help="seconds between config file checks")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="router processes serving the one listening socket (default 1). Each has its own event "
+                        "loop, health probes, breakers and in-flight counts; /metrics and /usage add up all of them")
 
     g = p.add_argument_group("routing")
     g.add_argument("--policy", choices=("session", "least-loaded", "round-robin", "prefix"), default=None,
@@ -71,7 +75,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def overrides_from(ns: argparse.Namespace) -> dict[str, Any]:
     """Flag values as config keys (None = not given, the file or the default applies)."""
     return {
-        "host": ns.host, "port": ns.port, "backends": ns.backend, "policy": ns.policy,
+        "host": ns.host, "port": ns.port, "workers": ns.workers, "backends": ns.backend, "policy": ns.policy,
         "session_header": ns.session_header, "load_factor": ns.load_factor, "load_floor": ns.load_floor,
         "vnodes": ns.vnodes,
         "prefix_chars": ns.prefix_chars, "max_attempts": ns.max_attempts, "api_keys": ns.api_key,
@@ -89,7 +93,7 @@ def run_router(ns: argparse.Namespace) -> int:
     import logging
 
     from pagoda.errors import ConfigError
-    from pagoda.router.config import ConfigWatcher, build_config, parse_file
+    from pagoda.router.config import build_config, parse_file
 
     logger = logging.getLogger("pagoda.router")
     overrides = overrides_from(ns)
@@ -98,19 +102,12 @@ def run_router(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagoda router: error: {exc.message}", file=sys.stderr)
         return 2
+    if config.workers > 1:
+        from pagoda.router.workers import run_workers
 
-    import uvicorn
+        return run_workers(ns, config)
 
-    from pagoda.router.app import RouterState, build_app
-
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    state = RouterState(config)
-    watcher = ConfigWatcher(ns.config, overrides, state.apply, ns.reload_interval) if ns.config else None
-    app = build_app(state, watcher)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=ns.uvicorn_log_level,
-                                           access_log=False, timeout_graceful_shutdown=ns.shutdown_timeout,
-                                           backlog=4096, proxy_headers=False, timeout_keep_alive=75))
+    server = make_server(ns, config)
     from importlib.util import find_spec
 
     # uvicorn's "auto" loop and HTTP parser are uvloop and httptools when installed (dependencies): they and the
@@ -119,7 +116,28 @@ def run_router(ns: argparse.Namespace) -> int:
     logger.info("pagoda router on http://%s:%d: %d backends (%s), policy %s, %s%s", config.host, config.port,
                 len(config.backends), ", ".join(b.name for b in config.backends), config.policy, stack,
                 f", config {ns.config} (reloaded on change)" if ns.config else "")
-    # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
-    # 15 s), so a client never reuses a connection the router is closing at that moment.
     server.run()
     return 0 if server.started else 1
+
+
+def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | None = None,
+                worker_index: int = 0) -> Any:
+    """The uvicorn server of one router process (the only one, or worker `worker_index` of --workers N)."""
+    import logging
+
+    import uvicorn
+
+    from pagoda.router.app import RouterState, build_app
+    from pagoda.router.config import ConfigWatcher
+
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    overrides = overrides_from(ns)
+    state = RouterState(config, multiprocess_dir=multiprocess_dir, worker_index=worker_index)
+    watcher = ConfigWatcher(ns.config, overrides, state.apply, ns.reload_interval) if ns.config else None
+    app = build_app(state, watcher)
+    # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
+    # 15 s), so a client never reuses a connection the router is closing at that moment.
+    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=ns.uvicorn_log_level,
+                                         access_log=False, timeout_graceful_shutdown=ns.shutdown_timeout,
+                                         backlog=4096, proxy_headers=False, timeout_keep_alive=75))

@@ -3,7 +3,8 @@
 The file is optional. When given, it is polled (content hash, every `--reload-interval` s) and a valid
 new version replaces the running settings without a restart; an invalid one is logged and ignored.
 Command-line flags override the file's values; `--backend` and `--api-key` add to the file's lists.
-`host` and `port` are read once at startup (a change needs a restart).
+`host`, `port` and `workers` are read once at startup (a change needs a restart). With `workers` > 1 every
+worker process polls the file and applies a change on its own.
 
 File layout (TOML shown; the same keys work in YAML or JSON)::
 
@@ -86,6 +87,7 @@ class RouterConfig:
     max_connections: int = 2048              # upstream connection pool (all backends)
     host: str = "0.0.0.0"
     port: int = 8080
+    workers: int = 1                         # router processes sharing the listening socket (read at startup)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
@@ -110,7 +112,7 @@ def normalize_url(url: str) -> str:
 
 
 # File keys -> flat names. Sections flatten to "section.key" except [limits], whose keys are top-level.
-_TOP = {"host", "port", "policy", "session_header", "load_factor", "load_floor", "vnodes", "prefix_chars",
+_TOP = {"host", "port", "workers", "policy", "session_header", "load_factor", "load_floor", "vnodes", "prefix_chars",
         "backend_api_key",
         "max_attempts", "connect_timeout", "read_timeout", "inject_usage", "max_connections", "max_request_bytes",
         "long_request_chars", "long_request_concurrency", "backends", "api_keys"}
@@ -263,6 +265,8 @@ def _validate(cfg: RouterConfig) -> None:
     check(cfg.long_request_concurrency >= 1, "long_request_concurrency must be >= 1")
     check(cfg.max_connections >= 1, "max_connections must be >= 1")
     check(0 <= cfg.port <= 65535, "port must be in 0..65535")
+    check(isinstance(cfg.workers, int) and not isinstance(cfg.workers, bool) and 1 <= cfg.workers <= 256,
+          "workers must be an integer in 1..256")
     check(bool(cfg.session_header), "session_header must not be empty")
     h, b = cfg.health, cfg.breaker
     check(h.interval > 0 and h.timeout > 0, "health interval and timeout must be > 0")
