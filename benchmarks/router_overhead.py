@@ -24,6 +24,10 @@ opens `--concurrency` streams (`--num-prompts` in all) through the router, and t
 moderate concurrency the router is not saturated even on a small machine, so this is what one event costs,
 and 1e6 / (us per event) is the event rate one core sustains.
 
+`--router-workers N` starts the router with `--workers N` (N processes on one socket). `--router-cpu C` pins
+the router to cores C .. C+N-1, one per worker (the workers float over those cores; the parent only
+supervises); leave it out to let the kernel place them.
+
 `--fake-backends N` starts N tiny OpenAI-compatible servers here that stream `--output-len` chunks
 `--fake-tpot-ms` apart after `--fake-ttft-ms`: no model, so what remains is the router's own overhead
 (and the client's), measurable even on a small CPU.
@@ -266,7 +270,10 @@ def main() -> int:
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `pagoda router` (repeat; e.g. --router-arg=--max-attempts --router-arg=1)")
     p.add_argument("--router-cpu", type=int, default=None,
-                   help="pin the router to this CPU (Linux), so client and backends do not share its core")
+                   help="pin the router to this CPU (Linux), so client and backends do not share its core; with "
+                        "--router-workers N, to the N cores from this one")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes (`pagoda router --workers N`, default 1)")
     ns = p.parse_args()
 
     children: list[subprocess.Popen] = []
@@ -286,10 +293,13 @@ def main() -> int:
                       "--policy", ns.policy, *[arg for u in backends for arg in ("--backend", u)]]
         if ns.api_key:
             router_cmd += ["--backend-api-key", ns.api_key]
+        if ns.router_workers > 1:
+            router_cmd += ["--workers", str(ns.router_workers)]
         router_cmd += ns.router_arg
         t0 = time.monotonic()
-        pin = None if ns.router_cpu is None else (lambda: os.sched_setaffinity(0, {ns.router_cpu}))
-        router_proc = subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin)
+        cores = None if ns.router_cpu is None else set(range(ns.router_cpu, ns.router_cpu + ns.router_workers))
+        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))   # the workers inherit it
+        router_proc = subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin)  # noqa: PLW1509 - no threads yet
         children.append(router_proc)
         router = f"http://127.0.0.1:{port}"
         wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
@@ -297,7 +307,8 @@ def main() -> int:
         config = {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
                   "concurrency": ns.concurrency, "request_rate": ns.request_rate, "num_prompts": ns.num_prompts,
                   "input_len": ns.input_len, "output_len": ns.output_len, "rounds": ns.rounds,
-                  "router_args": ns.router_arg}
+                  "router_args": ns.router_arg, "router_workers": ns.router_workers,
+                  "router_cpus": sorted(cores) if cores is not None else None}
         if ns.cpu_per_event:
             result = {"config": config, **cpu_per_event(router, router_proc.pid, ns)}
             print(f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
