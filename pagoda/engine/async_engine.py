@@ -2,6 +2,10 @@
 
 One asyncio task reads every batch of outputs the core sends and routes each output (a wire tuple,
 rebuilt into a `RequestOutput`) to the stream of its request; a background check marks the engine dead if the core process exits.
+
+With several API processes (`CoreClient`), each process's `AsyncEngine` attaches to a core that the
+launcher started: it connects to the core's input pipe, binds its own output pipe, tags what it sends
+with its index, and leaves starting and stopping the core to the launcher.
 """
 
 from __future__ import annotations
@@ -9,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -26,9 +32,22 @@ from pagoda.sampling_params import SamplingParams
 logger = logging.getLogger("pagoda")
 
 
+@dataclass(frozen=True)
+class CoreClient:
+    """How API process `index` reaches a core started by the launcher (`cli/serve_multi.py`)."""
+
+    index: int
+    input_address: str        # the core's input pipe (bound by the core)
+    output_address: str       # this process's output pipe (bound here, the core connects)
+    core_pid: int
+    ready: Ready
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, client: CoreClient | None = None):
         self.config = config
+        self.client = client
+        self._client_index = client.index if client is not None else 0
         self.ready: Ready | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
         self.dead_reason: str | None = None
@@ -53,6 +72,15 @@ class AsyncEngine:
         import zmq
         import zmq.asyncio
 
+        if self.client is not None:
+            self._zmq = zmq.asyncio.Context()
+            self._outbox = self._zmq.socket(zmq.PUSH)
+            self._outbox.connect(self.client.input_address)
+            self._inbox = self._zmq.socket(zmq.PULL)
+            self._inbox.bind(self.client.output_address)
+            self.ready = self.client.ready
+            self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_pid())]
+            return
         folder = self._ipc_folder = tempfile.mkdtemp(prefix="pagoda-")
         to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
         self._zmq = zmq.asyncio.Context()
@@ -80,6 +108,9 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.client is not None:          # the launcher stops the core
+            self._zmq.destroy(linger=0)
+            return
         if self._process is not None and self._process.is_alive():
             await self._outbox.send_pyobj(Shutdown())
             await asyncio.to_thread(self._process.join, 10)
@@ -117,7 +148,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             await self._outbox.send_pyobj(AddRequest(request_id, prompt_token_ids, params, prompt, delta,
-                                                     time.monotonic(), mm_inputs))
+                                                     time.monotonic(), mm_inputs, self._client_index))
             while not finished:
                 if not stream.items:
                     stream.waiter = loop.create_future()
@@ -141,7 +172,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and not self.is_dead:
-                await self._outbox.send_pyobj(AbortRequests([request_id]))
+                await self._outbox.send_pyobj(AbortRequests([request_id], self._client_index))
 
     async def _read_outputs(self) -> None:
         streams = self._streams
@@ -167,6 +198,20 @@ class AsyncEngine:
         while self._process.is_alive():
             await asyncio.sleep(0.5)
         self._mark_dead(f"engine process exited with code {self._process.exitcode}")
+
+    async def _watch_pid(self) -> None:
+        """A core this process did not start: the launcher reaps it when it exits (and tells every API
+        process with a CoreDied); this is the fallback should that message not come."""
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                os.kill(self.client.core_pid, 0)
+            except ProcessLookupError:
+                self._mark_dead("engine process exited")
+                return
+            except PermissionError:
+                pass
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:

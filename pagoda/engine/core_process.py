@@ -8,6 +8,13 @@ Wire protocol (pickled dataclasses over two ZMQ PUSH/PULL pipes):
   API → core: AddRequest | AbortRequests | Shutdown
   core → API: Ready | StartupFailed (once) then Outputs (every step that produced something) | CoreDied
 
+With several API processes (`--api-server-count N > 1`, `cli/serve_multi.py`) the core binds its
+input pipe (every API process pushes into it) and pushes to one pipe per API process: a request's
+outputs go only to the process that submitted it (`AddRequest.client_index`), `EngineStats` to all
+of them; Ready / StartupFailed / CoreDied go to the launcher's own pipe (and CoreDied to every API
+process too). The core remembers which process owns each live request id, so an abort from another
+process (whose duplicate id the core rejected) cannot abort the owner's request.
+
 `Outputs` carries each request's delta as a plain tuple (`wire_output`), not a pickled `RequestOutput`:
 every streamed token crosses this pipe, and unpickling dataclasses (plus the prompt's token ids, resent
 with every delta) cost the API process ~2.4 us per output against ~0.25 us for the tuple. The API side
@@ -37,11 +44,13 @@ class AddRequest:
     delta: bool
     arrival_time: float
     mm_inputs: Any = None          # multimodal.inputs.MultiModalInputs (pixels travel pickled)
+    client_index: int = 0          # which API process sent it (several API processes only)
 
 
 @dataclass
 class AbortRequests:
     request_ids: list[str]
+    client_index: int = 0
 
 
 @dataclass
@@ -96,8 +105,12 @@ class CoreDied:
     message: str
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Process entry point (spawned)."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    client_addresses: list[str] | None = None) -> None:
+    """Process entry point (spawned). One API process: it bound both pipes, `output_address` carries
+    everything. Several (`client_addresses`, one per API process): this process binds the input pipe,
+    `output_address` is the launcher's (Ready / StartupFailed / CoreDied) and outputs go to
+    `client_addresses[AddRequest.client_index]`."""
     import os
     import signal
 
@@ -109,13 +122,24 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # Ctrl-C reaches the whole process group: the API process drains in-flight requests and then
     # sends Shutdown, so the core must not die on the same SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if client_addresses is not None:
+        # Likewise SIGTERM sent to the whole group or cgroup (`timeout`, systemd): the launcher stops
+        # the API processes first and then this one (SIGKILL if it must).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_address)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(output_address)
+    clients = []
+    if client_addresses is None:
+        inbox.connect(input_address)
+    else:
+        inbox.bind(input_address)
+        for address in client_addresses:     # connected before the API processes bind: messages queue
+            clients.append(ctx.socket(zmq.PUSH))
+            clients[-1].connect(address)
     try:
         engine = LLMEngine(config)
     except PagodaError as exc:
@@ -129,12 +153,18 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outbox.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
                             layout.max_concurrency(config.model.max_model_len)))
     try:
-        _loop(engine, inbox, outbox, parent)
+        if clients:
+            _loop_clients(engine, inbox, clients, parent)
+        else:
+            _loop(engine, inbox, outbox, parent)
     except Exception:
-        outbox.send_pyobj(CoreDied(traceback.format_exc(limit=8)))
+        died = CoreDied(traceback.format_exc(limit=8))
+        for box in [outbox, *clients]:
+            box.send_pyobj(died)
         raise
     finally:
-        outbox.close(linger=1000)
+        for box in [outbox, *clients]:
+            box.close(linger=1000)
         inbox.close(linger=0)
 
 
@@ -173,6 +203,63 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
         if outputs or rejected or _changed(stats, last_stats):
             outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected))
         last_stats = stats
+
+
+def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
+    """`_loop` for several API processes: each output goes to the process that owns its request,
+    the stats to every process whenever they change (the first process also counts the engine's
+    running totals into its metrics, so they must reach it every time they move)."""
+    import os
+
+    from pagoda.errors import PagodaError
+
+    owners: dict[str, int] = {}            # live request id → index of the API process that sent it
+    count = len(clients)
+    last_stats: EngineStats | None = None
+    while True:
+        timeout = 0 if engine.has_unfinished_requests() else 1000
+        if timeout and os.getppid() != parent:
+            return
+        outputs: list[RequestOutput] = []
+        rejected: list[dict[str, str]] = [{} for _ in range(count)]
+        while inbox.poll(timeout):
+            timeout = 0
+            message = inbox.recv_pyobj()
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, AbortRequests):
+                # Only the owner may abort: another process's request with the same (rejected) id
+                # sends an abort from its cleanup too.
+                ids = [rid for rid in message.request_ids if owners.get(rid) == message.client_index]
+                if ids:
+                    outputs += engine.abort_request(ids)
+            elif isinstance(message, AddRequest):
+                try:
+                    engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                       prompt=message.prompt, delta=message.delta, arrival_time=message.arrival_time,
+                                       mm_inputs=message.mm_inputs)
+                except PagodaError as exc:
+                    rejected[message.client_index][message.request_id] = exc.message
+                else:
+                    owners[message.request_id] = message.client_index
+        if engine.has_unfinished_requests():
+            outputs += engine.step()
+        per_client: list[list[WireOutput]] = [[] for _ in range(count)]
+        for out in outputs:
+            owner = owners.pop(out.request_id, None) if out.finished else owners.get(out.request_id)
+            if owner is not None:
+                per_client[owner].append(wire_output(out))
+        stats = engine.stats()
+        changed = _totals_changed(stats, last_stats)
+        for index, box in enumerate(clients):
+            if per_client[index] or rejected[index] or changed:
+                box.send_pyobj(Outputs(per_client[index], stats, rejected[index]))
+        last_stats = stats
+
+
+def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:
+    return _changed(stats, last) or (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits) != (
+        last.num_preemptions, last.prefix_cache_queries, last.prefix_cache_hits)
 
 
 def _changed(stats: EngineStats, last: EngineStats | None) -> bool:
