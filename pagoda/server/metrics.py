@@ -3,6 +3,12 @@
 Gauges mirror the engine core's last `EngineStats`; counters and histograms are fed per request by
 the serving layer (TTFT and inter-token latency are measured in the API process, from arrival,
 so they include tokenization and queueing, like vLLM's).
+
+Several API processes (`--api-server-count`): prometheus_client's multiprocess mode (the launcher sets
+PROMETHEUS_MULTIPROC_DIR before they start). Every process renders the values of all of them:
+counters and histograms summed, the engine gauges the most recently written value (every process
+receives every change of them). The engine's running totals (preemptions, prefix-cache tokens) reach
+every process; only the first one counts them, or the sum would be N times the truth.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, multiprocess: bool = False, count_engine_totals: bool = True):
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
+        self.count_engine_totals = count_engine_totals
         label = ["model_name"]
         r, m = self.registry, model_name
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagoda:{name}", doc, label, registry=r)
+            return Gauge(f"pagoda:{name}", doc, label, registry=r, multiprocess_mode="mostrecent")
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(f"pagoda:{name}", doc, label + (extra or []), registry=r)
@@ -55,16 +63,6 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        # The core sends running totals; counters advance by the difference.
-        pre, queries, hits = stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
-        last_pre, last_queries, last_hits = self._last
-        if pre > last_pre:
-            self.preemptions.inc(pre - last_pre)
-        if queries > last_queries:
-            self.prefix_queries.inc(queries - last_queries)
-        if hits > last_hits:
-            self.prefix_hits.inc(hits - last_hits)
-        self._last = (pre, queries, hits)
         generated = 0
         for _, finished, completions, num_prompt_tokens, _, queue_time in message.outputs:   # wire tuples
             for completion in completions:
@@ -75,10 +73,28 @@ class ServerMetrics:
                     self.queue_time.observe(queue_time)
         if generated:
             self.generation_tokens.inc(generated)
+        if not self.count_engine_totals:
+            return
+        # The core sends running totals; counters advance by the difference.
+        pre, queries, hits = stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+        last_pre, last_queries, last_hits = self._last
+        if pre > last_pre:
+            self.preemptions.inc(pre - last_pre)
+        if queries > last_queries:
+            self.prefix_queries.inc(queries - last_queries)
+        if hits > last_hits:
+            self.prefix_hits.inc(hits - last_hits)
+        self._last = (pre, queries, hits)
 
     def on_request_finished(self, finish_reasons: list[str | None]) -> None:
         for reason in finish_reasons:
             self._success.labels(self.model_name, reason or "abort").inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
