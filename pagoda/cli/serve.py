@@ -3,6 +3,7 @@
 The engine core starts in its own process first (so a bad flag or a model that does not fit fails
 with one line before any port is opened), then uvicorn serves until SIGTERM/SIGINT: new requests
 stop, in-flight ones get `--shutdown-timeout` seconds to finish, and the process exits 0.
+`--api-server-count N > 1` runs N API processes in front of the one core (`serve_multi.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Any
 
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
@@ -43,6 +45,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 + Retry-After when this many requests are already waiting")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="API server processes (HTTP, tokenization, SSE) in front of the one engine core, "
+                             "all serving --host:--port (default 1)")
     parser.add_argument("--uvicorn-log-level", default="warning")
     parser.add_argument("--skip-preflight", action="store_true",
                         help="do not run `pagoda doctor`'s fast checks before loading the model")
@@ -62,6 +67,10 @@ def serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     try:
+        if ns.api_server_count > 1:
+            from pagoda.cli.serve_multi import serve_multi
+
+            return serve_multi(ns)
         return asyncio.run(_serve(ns))
     except ConfigError as exc:
         print(f"pagoda: error: {exc.message}", file=sys.stderr)
@@ -69,6 +78,8 @@ def serve(ns: argparse.Namespace) -> int:
 
 
 def _unsupported(ns: argparse.Namespace) -> None:
+    if ns.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be at least 1 (got {ns.api_server_count}).")
     if ns.tensor_parallel_size != 1:
         raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1.")
     if ns.pipeline_parallel_size != 1:
@@ -77,53 +88,77 @@ def _unsupported(ns: argparse.Namespace) -> None:
         logger.warning("--no-enable-chunked-prefill ignored: chunked prefill is always on")
 
 
-async def _serve(ns: argparse.Namespace) -> int:
-    import uvicorn
+class ServeSetup:
+    """Everything an API process needs besides the engine: built (and validated, so a bad flag fails
+    with one line) before the core starts; with several API processes, again in each of them."""
 
-    from pagoda.config import EngineConfig
-    from pagoda.engine.async_engine import AsyncEngine
-    from pagoda.frontend.chat_template import load_chat_template
-    from pagoda.frontend.tokenizer import load_tokenizer
-    from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
-    from pagoda.models.source import resolve_model_source
-    from pagoda.server.app import build_app
-    from pagoda.server.metrics import ServerMetrics
-    from pagoda.multimodal.chat import multimodal_serving
-    from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
+    def __init__(self, ns: argparse.Namespace, check: bool = True, config: Any = None):
+        from pagoda.config import EngineConfig
+        from pagoda.frontend.chat_template import load_chat_template
+        from pagoda.frontend.tokenizer import load_tokenizer
+        from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
+        from pagoda.models.source import resolve_model_source
+        from pagoda.multimodal.chat import multimodal_serving
+        from pagoda.server.serving import sampling_defaults
 
-    _unsupported(ns)
-    config = EngineConfig.create(engine_args_from(ns))
-    if not ns.skip_preflight:
-        from pagoda.tools.doctor import serve_preflight
+        if check:
+            _unsupported(ns)
+        self.ns = ns
+        self.config = config = config or EngineConfig.create(engine_args_from(ns))
+        if check and not ns.skip_preflight:
+            from pagoda.tools.doctor import serve_preflight
 
-        serve_preflight(ns)          # shards, headers, tokenizer, port: fail in seconds, before the weights load
-    source = resolve_model_source(config.model.model)
-    multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
-                                    ns.limit_mm_per_prompt, ns.mm_processor_kwargs, ns.allowed_local_media_path,
-                                    ns.allow_private_media_urls)
-    tokenizer = None
-    if not config.model.skip_tokenizer_init:
-        tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
-    names = ns.served_model_name or [ns.model or DEFAULT_SERVED_NAME]
-    engine = AsyncEngine(config)
-    await engine.start()
-    try:
+            serve_preflight(ns)      # shards, headers, tokenizer, port: fail in seconds, before the weights load
+        source = resolve_model_source(config.model.model)
+        self.multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
+                                             ns.limit_mm_per_prompt, ns.mm_processor_kwargs,
+                                             ns.allowed_local_media_path, ns.allow_private_media_urls)
+        self.tokenizer = None
+        if not config.model.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
+        self.names = ns.served_model_name or [ns.model or DEFAULT_SERVED_NAME]
+        self.chat_template = load_chat_template(ns.chat_template)
+        self.generation_defaults = _generation_defaults(ns.generation_config, source, sampling_defaults,
+                                                        log=check)
+
+    def app(self, engine, metrics):  # type: ignore[no-untyped-def]
+        from pagoda.server.app import build_app
+        from pagoda.server.serving import OpenAIServing, ServingContext
+
+        config, ns = self.config, self.ns
         ctx = ServingContext(
-            engine=engine, tokenizer=tokenizer, served_model_names=names, max_model_len=config.model.max_model_len,
-            vocab_size=config.model.vocab_size, architecture=config.model.architecture,
-            chat_template=load_chat_template(ns.chat_template), metrics=ServerMetrics(names[0]),
-            generation_defaults=_generation_defaults(ns.generation_config, source, sampling_defaults),
-            max_waiting_requests=ns.max_waiting_requests, log_requests=ns.enable_log_requests,
-            multimodal=multimodal)
+            engine=engine, tokenizer=self.tokenizer, served_model_names=self.names,
+            max_model_len=config.model.max_model_len, vocab_size=config.model.vocab_size,
+            architecture=config.model.architecture, chat_template=self.chat_template, metrics=metrics,
+            generation_defaults=self.generation_defaults, max_waiting_requests=ns.max_waiting_requests,
+            log_requests=ns.enable_log_requests, multimodal=self.multimodal)
         engine.add_listener(ctx.metrics.on_engine_outputs)
-        app = build_app(OpenAIServing(ctx), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"))
-        ready = engine.ready
-        assert ready is not None
-        logger.info("model=%s served as %s dtype=%s device=%s", config.model.model, ", ".join(names),
+        return build_app(OpenAIServing(ctx), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"))
+
+    def log_startup(self, ready) -> None:  # type: ignore[no-untyped-def]
+        config, ns = self.config, self.ns
+        logger.info("model=%s served as %s dtype=%s device=%s", config.model.model, ", ".join(self.names),
                     config.model.dtype, config.device.device)
         logger.info("KV cache: %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
                     ready.num_blocks, ready.block_size, config.model.max_model_len, ready.max_concurrency)
-        logger.info("Serving on http://%s:%d (OpenAI API under /v1)", ns.host, ns.port)
+        extra = f" ({ns.api_server_count} API server processes)" if ns.api_server_count > 1 else ""
+        logger.info("Serving on http://%s:%d (OpenAI API under /v1)%s", ns.host, ns.port, extra)
+
+
+async def _serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.server.metrics import ServerMetrics
+
+    setup = ServeSetup(ns)
+    engine = AsyncEngine(setup.config)
+    await engine.start()
+    try:
+        app = setup.app(engine, ServerMetrics(setup.names[0]))
+        ready = engine.ready
+        assert ready is not None
+        setup.log_startup(ready)
         server = _server_class()(uvicorn.Config(
             app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
             timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False))
@@ -160,7 +195,7 @@ def _server_class():  # type: ignore[no-untyped-def]
     return Server
 
 
-def _generation_defaults(choice: str, source, to_defaults) -> dict:  # type: ignore[no-untyped-def]
+def _generation_defaults(choice: str, source, to_defaults, log: bool = True) -> dict:  # type: ignore[no-untyped-def]
     import json
 
     if choice == "vllm":
@@ -174,7 +209,7 @@ def _generation_defaults(choice: str, source, to_defaults) -> dict:  # type: ign
                               "or a folder that has one.")
         with open(path) as f:
             defaults = to_defaults(json.load(f))
-    if defaults:
+    if defaults and log:
         logger.info("Sampling defaults from generation_config.json (override with --generation-config vllm): %s",
                     defaults)
     return defaults
