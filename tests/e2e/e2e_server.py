@@ -29,14 +29,14 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagoda serve` subprocess in its own session (so the engine child can be cleaned up with it)."""
 
-    def __init__(self, log_path: Path, extra_flags: list[str]):
+    def __init__(self, log_path: Path, extra_flags: list[str], env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "pagoda", "serve", *BASE_FLAGS, "--port", str(self.port), *extra_flags]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
