@@ -202,8 +202,12 @@ class _Launcher:
 
 def _listen_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio sets TCP_NODELAY on an accepted connection only when the socket's
+    # proto is IPPROTO_TCP, and the API processes rebuild this socket from (family, type, proto).
+    # Without it Nagle holds the first SSE chunk until the client's delayed ACK: +40 ms TTFT.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # Linux: accepted sockets inherit it
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -45,9 +45,12 @@ _WORKER_CODE = "import sys; from pagoda.router.workers import worker_main; sys.e
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio only sets TCP_NODELAY on connections accepted from a TCP-proto
+    # socket; without it Nagle delays small SSE writes until the peer's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(4096)
     except OSError:
