@@ -168,33 +168,47 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         inbox.close(linger=0)
 
 
-def _loop(engine, inbox, outbox, parent: int) -> None:
+def _receive(engine, inbox, parent: int) -> list | None:
+    """The messages that arrived since the last step, in order: blocks (1 s at a time) while the
+    engine is idle, only drains while it has work. None: stop (a Shutdown, or the parent is gone —
+    killed without a Shutdown — so do not linger as an orphan)."""
     import os
 
+    timeout = 0 if engine.has_unfinished_requests() else 1000
+    if timeout and os.getppid() != parent:
+        return None
+    messages = []
+    while inbox.poll(timeout):
+        timeout = 0
+        message = inbox.recv_pyobj()
+        if isinstance(message, Shutdown):
+            return None
+        messages.append(message)
+    return messages
+
+
+def _add(engine, message: AddRequest) -> str | None:
+    """Queue the request; the refusal's message if the engine refuses it."""
     from pagoda.errors import PagodaError
 
+    try:
+        engine.add_request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt,
+                           delta=message.delta, arrival_time=message.arrival_time, mm_inputs=message.mm_inputs)
+    except PagodaError as exc:
+        return exc.message
+    return None
+
+
+def _loop(engine, inbox, outbox, parent: int) -> None:
     last_stats: EngineStats | None = None
-    while True:
-        # Block while idle; otherwise only drain what has already arrived.
-        timeout = 0 if engine.has_unfinished_requests() else 1000
-        if timeout and os.getppid() != parent:
-            return  # the API process is gone (killed without a Shutdown): do not linger as an orphan
+    while (messages := _receive(engine, inbox, parent)) is not None:
         outputs: list[RequestOutput] = []
         rejected: dict[str, str] = {}
-        while inbox.poll(timeout):
-            timeout = 0
-            message = inbox.recv_pyobj()
-            if isinstance(message, Shutdown):
-                return
+        for message in messages:
             if isinstance(message, AbortRequests):
                 outputs += engine.abort_request(message.request_ids)
-            elif isinstance(message, AddRequest):
-                try:
-                    engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                       prompt=message.prompt, delta=message.delta, arrival_time=message.arrival_time,
-                                       mm_inputs=message.mm_inputs)
-                except PagodaError as exc:
-                    rejected[message.request_id] = exc.message
+            elif isinstance(message, AddRequest) and (refused := _add(engine, message)) is not None:
+                rejected[message.request_id] = refused
         if engine.has_unfinished_requests():
             outputs += engine.step()
         # Report outputs, and also any change of state without outputs (a prefill chunk, a request
@@ -209,24 +223,13 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
     """`_loop` for several API processes: each output goes to the process that owns its request,
     the stats to every process whenever they change (the first process also counts the engine's
     running totals into its metrics, so they must reach it every time they move)."""
-    import os
-
-    from pagoda.errors import PagodaError
-
     owners: dict[str, int] = {}            # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
-    while True:
-        timeout = 0 if engine.has_unfinished_requests() else 1000
-        if timeout and os.getppid() != parent:
-            return
+    while (messages := _receive(engine, inbox, parent)) is not None:
         outputs: list[RequestOutput] = []
         rejected: list[dict[str, str]] = [{} for _ in range(count)]
-        while inbox.poll(timeout):
-            timeout = 0
-            message = inbox.recv_pyobj()
-            if isinstance(message, Shutdown):
-                return
+        for message in messages:
             if isinstance(message, AbortRequests):
                 # Only the owner may abort: another process's request with the same (rejected) id
                 # sends an abort from its cleanup too.
@@ -234,12 +237,9 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
                 if ids:
                     outputs += engine.abort_request(ids)
             elif isinstance(message, AddRequest):
-                try:
-                    engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                       prompt=message.prompt, delta=message.delta, arrival_time=message.arrival_time,
-                                       mm_inputs=message.mm_inputs)
-                except PagodaError as exc:
-                    rejected[message.client_index][message.request_id] = exc.message
+                refused = _add(engine, message)
+                if refused is not None:
+                    rejected[message.client_index][message.request_id] = refused
                 else:
                     owners[message.request_id] = message.client_index
         if engine.has_unfinished_requests():
