@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -145,7 +145,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except PagodaError as exc:
         outbox.send_pyobj(StartupFailed(exc.message))
         return
-    except Exception as exc:  # a bug or a broken environment: still say why in one line
+    except Exception as exc:  # noqa: BLE001 - a bug or a broken environment: still say why in one line
         outbox.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     layout = engine.kv_layout
