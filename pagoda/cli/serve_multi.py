@@ -33,6 +33,7 @@ from typing import Any
 
 from pagoda.engine.async_engine import CoreClient
 from pagoda.errors import ConfigError
+from pagoda.shared_socket import listen_socket
 
 logger = logging.getLogger("pagoda")
 
@@ -201,21 +202,11 @@ class _Launcher:
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on an accepted connection only when the socket's
-    # proto is IPPROTO_TCP, and the API processes rebuild this socket from (family, type, proto).
-    # Without it Nagle holds the first SSE chunk until the client's delayed ACK: +40 ms TTFT.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # Linux: accepted sockets inherit it
     try:
-        sock.bind((host, port))
+        return listen_socket(host, port)
     except OSError as exc:
-        sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
                           f"(is another server using port {port}?)") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 # ---- one API process (spawned) ------------------------------------------------------------------

@@ -37,33 +37,18 @@ import tempfile
 import time
 from typing import Any
 
+from pagoda.shared_socket import listen_socket
+
 logger = logging.getLogger("pagoda.router")
 
 _ENV = "PAGODA_ROUTER_WORKER"
 _WORKER_CODE = "import sys; from pagoda.router.workers import worker_main; sys.exit(worker_main())"
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio only sets TCP_NODELAY on connections accepted from a TCP-proto
-    # socket; without it Nagle delays small SSE writes until the peer's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-        sock.listen(4096)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def run_workers(ns: argparse.Namespace, config: Any) -> int:
     n = config.workers
     try:
-        sock = _bind(config.host, config.port)
+        sock = listen_socket(config.host, config.port)
     except OSError as exc:
         print(f"pagoda router: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
               file=sys.stderr)

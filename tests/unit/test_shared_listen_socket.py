@@ -1,5 +1,5 @@
-"""The listening sockets that several processes share (`pagoda serve --api-server-count N`, `pagoda
-router --workers N`): a connection accepted from them must have TCP_NODELAY, or Nagle holds each
+"""The listening socket that several processes share (`pagoda/shared_socket.py`, used by `pagoda serve
+--api-server-count N` and `pagoda router --workers N`): a connection accepted from them must have TCP_NODELAY, or Nagle holds each
 small SSE write until the client's delayed ACK (~40 ms added to the first token on the H200).
 
 asyncio sets TCP_NODELAY on an accepted connection only when the listening socket's `proto` is
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from pagoda.cli.serve_multi import _listen_socket
-from pagoda.router.workers import _bind
+from pagoda.shared_socket import listen_socket
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP socket options as on Linux")
 
@@ -56,7 +56,7 @@ def _nodelay_of_accepted(listener: socket.socket) -> int:
         rebuilt.close()
 
 
-@pytest.mark.parametrize("make", [_serve_listen, lambda host: _bind(host, 0)], ids=["serve", "router"])
+@pytest.mark.parametrize("make", [_serve_listen, lambda host: listen_socket(host, 0)], ids=["serve", "router"])
 def test_connections_accepted_from_the_shared_socket_have_nodelay(make) -> None:
     listener = make("127.0.0.1")
     try:
