@@ -12,22 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import dispatch
-
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except that few-row matmuls on CUDA (decode steps) stream the weight through the
-    skinny GEMM kernel, which is faster than cuBLAS there; see `pagoda/kernels/skinny_gemm.py`."""
-    gemm = dispatch.skinny_gemm_for(x)
-    if gemm is not None and gemm.supports(x, weight, dispatch.skinny_max_rows()):
-        return gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -37,7 +26,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

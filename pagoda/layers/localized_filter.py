@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import dispatch
-from pagoda.layers.linear import linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -50,7 +49,7 @@ class TwoTapConv(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        return linear(torch.cat([previous, current], dim=-1), self.weight, self.bias)
+        return F.linear(torch.cat([previous, current], dim=-1), self.weight, self.bias)
 
 
 class LocalizedFilter(nn.Module):
@@ -100,9 +99,9 @@ class LocalizedFilter(nn.Module):
         every_row = batch.snapshot_every_row and batch.snapshot_tokens is not None and self.snapshots.numel() > 0
         snap_index = batch.snapshot_blocks if every_row else None
         snapshots = self.snapshots if every_row else None
-        o1 = linear(ops.two_tap_shift(x, self.state, 0, batch.slots, snap_index, snapshots),
+        o1 = F.linear(ops.two_tap_shift(x, self.state, 0, batch.slots, snap_index, snapshots),
                       self.conv1.weight, self.conv1.bias)                                   # [B, H/2]
-        o2 = linear(ops.two_tap_shift(o1, self.state, h, batch.slots, snap_index, snapshots),
+        o2 = F.linear(ops.two_tap_shift(o1, self.state, h, batch.slots, snap_index, snapshots),
                       self.conv2.weight, self.conv2.bias)                                   # [B, H]
         y, _ = self.output_layernorm(o2, x)
         if not every_row and batch.snapshot_tokens is not None and self.snapshots.numel():
