@@ -98,7 +98,7 @@ def main() -> None:
                 return time_in_graph(lambda i: pa.paged_decode_attention(
                     q, k_cache, v_cache, tables[i], seq_lens, dim ** -0.5, splits, out=out, config=cfg), variants)
 
-            default_cfg = pa.decode_config(dim, heads // kv_heads, kv_heads, batch)
+            default_cfg = pa.decode_config(dim, heads // kv_heads, kv_heads)
             base = {s: run(default_cfg, s) for s in splits_options}
             case = {"shape": shape, "batch": batch, "context": context, "floor_us": floor_us,
                     "graph_splits": graph_splits, "default": {str(s): us for s, us in base.items()}, "configs": []}

@@ -303,27 +303,18 @@ class DecodeConfig:
     kv_per_program: int = 1
 
 
-def decode_config(head_dim: int, group: int = 1, num_kv_heads: int = 1, rows: int = 1) -> DecodeConfig:
-    """Tile sizes for decode (GPU defaults; the interpreter just runs them); kv_per_program divides
-    num_kv_heads.
-
-    From the H200 sweep (`benchmarks/decode_kernel_sweep.py`, CUDA-graph timing, engine-sized cache):
-    MHA (group 1) at 64+ rows is fastest with 4 kv heads per program, 32-key tiles and 3 stages
-    (Yuan2-2B shape: B=64/ctx 168 28.5 vs 31.1 µs, B=256/ctx 512 262 vs 280 µs, B=64/ctx 1024 130 vs
-    152 µs). Few rows want the opposite (more, smaller programs: B=1 4.6 vs 5.3 µs), and GQA already
-    reads several query heads per key row, so both keep one kv head per program.
-    PAGODA_DECODE_KV_PER_PROGRAM=N (A/B timing) forces N where it divides num_kv_heads; 1 restores
-    the one-head config everywhere."""
+def decode_config(head_dim: int, group: int = 1, num_kv_heads: int = 1) -> DecodeConfig:
+    """Tile sizes for decode (GPU defaults; the interpreter just runs them). kv_per_program divides
+    num_kv_heads. PAGODA_DECODE_KV_PER_PROGRAM=N overrides kv_per_program where N divides
+    num_kv_heads (for A/B timing)."""
     if _interpreting():
         return DecodeConfig(block_n=32, num_warps=1, num_stages=1, kv_per_program=2 if num_kv_heads % 2 == 0 else 1)
-    one_head = DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
-    kv_per_program = 4 if group == 1 and rows >= 64 and head_dim <= 128 else 1
+    kv_per_program = 1
     forced = int(os.environ.get("PAGODA_DECODE_KV_PER_PROGRAM", "0"))
-    if forced > 0:
+    if forced > 0 and num_kv_heads % forced == 0:
         kv_per_program = forced
-    if kv_per_program == 1 or num_kv_heads % kv_per_program:
-        return one_head
-    return DecodeConfig(block_n=32, num_warps=4, num_stages=3, kv_per_program=kv_per_program)
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
+                        kv_per_program=kv_per_program)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -361,7 +352,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(rows, num_kv_heads, int(seq_lens.max()), sms)
 
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, group, num_kv_heads, rows)
+    cfg = config or decode_config(head_dim, group, num_kv_heads)
     kv_per_program = cfg.kv_per_program
     assert num_kv_heads % kv_per_program == 0, f"kv_per_program {kv_per_program} must divide Hkv={num_kv_heads}"
     block_d = max(16, triton.next_power_of_2(head_dim))
