@@ -168,7 +168,7 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode: one query token per row; the query heads of KV_PER_PROG kv heads in one program
+# Decode: one query token per row; all query heads of a KV head in one program
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -177,29 +177,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, KV_PER_PROG: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   HAS_QIDX: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """Program (row, kv block, split): the query heads of KV_PER_PROG adjacent kv heads attend to this
-    split's share of the row's keys; each K/V tile is read once for all of them.
-
-    Why several kv heads per program: with MHA (GROUP 1) one head's key row is only D·2 bytes (128 B
-    for Yuan2's D=64), so a one-head program issues small scattered loads and spends its life
-    waiting on latency. Adjacent kv heads of a token are adjacent in the cache, so KV_PER_PROG heads
-    make each key row one contiguous KV_PER_PROG·D·2-byte load.
-
-    The tile math stays two dense MMAs. Query rows r = (local kv head j, group member g) hold q in a
-    block-diagonal [BLOCK_R, KV_PER_PROG·BLOCK_D] tile: row r is zero outside kv head j's D columns,
-    so S = Q K^T gives each row its own head's scores exactly (the other heads' columns add exact
-    zeros), and acc = P V holds each row's output in its own head's D columns (the other columns are
-    never stored). Masked (invalid) keys load as 0, so no garbage meets a zero.
+                   BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_QIDX: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (row, kv_head, split): the GROUP query heads sharing kv_head attend to this split's
+    share of the row's keys, so each K/V tile is read once for the whole group.
 
     Splits divide the row's key tiles evenly (computed here from seq_len, so NUM_SPLITS is the only
     host-side choice); trailing splits of a short row may be empty. With one split the normalised
-    output is written directly; otherwise the unnormalised acc, max and sum per query head go to the
+    output is written directly; otherwise the unnormalised acc [GROUP, D], max and sum go to the
     partial buffers [rows, Hq, NUM_SPLITS(, D)] for `_decode_reduce_kernel`."""
     row = tl.program_id(0)
-    kv_block = tl.program_id(1)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
     if HAS_QIDX:
@@ -207,56 +196,33 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
     else:
         token = row.to(tl.int64)
 
-    BLOCK_W: tl.constexpr = KV_PER_PROG * BLOCK_D
-    offs_r = tl.arange(0, BLOCK_R)                      # query rows: r = j * GROUP + g
-    offs_w = tl.arange(0, BLOCK_W)                      # key/value columns: w = j * BLOCK_D + d
-    row_kv = offs_r // GROUP                            # [BLOCK_R] local kv head of each query row
-    col_kv = offs_w // BLOCK_D                          # [BLOCK_W] local kv head of each column
-    col_d = offs_w % BLOCK_D
-    heads = (kv_block * KV_PER_PROG + row_kv) * GROUP + offs_r % GROUP               # [BLOCK_R] query head
-    mask_r = offs_r < KV_PER_PROG * GROUP
-    diag = (row_kv[:, None] == col_kv[None, :]) & mask_r[:, None] & (col_d[None, :] < HEAD_DIM)  # [BLOCK_R, BLOCK_W]
-    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + col_d[None, :], mask=diag, other=0.0)
-    kv_heads = (kv_block * KV_PER_PROG + col_kv).to(tl.int64)                         # [BLOCK_W]
-    k_cols = kv_heads * stride_kch + col_d
-    v_cols = kv_heads * stride_vch + col_d
-    mask_d = col_d < HEAD_DIM
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g                                                  # [BLOCK_G]
+    mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)                 # [BLOCK_G, BLOCK_D]
+    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
 
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    m_i = tl.full([BLOCK_R], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = tables_ptr + row.to(tl.int64) * stride_table
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)                                           # [BLOCK_N] key positions
-        mask_n = offs_n < end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        within = offs_n % BLOCK_SIZE
-        mask_kv = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kcb + within * stride_kcs)[:, None] + k_cols[None, :],
-                    mask=mask_kv, other=0.0)                                          # [BLOCK_N, BLOCK_W]
-        s = _mma(q, tl.trans(k), IEEE, UPCAST) * qk_scale                              # [BLOCK_R, BLOCK_N] log2 domain
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (block * stride_vcb + within * stride_vcs)[:, None] + v_cols[None, :],
-                    mask=mask_kv, other=0.0)                                          # [BLOCK_N, BLOCK_W]
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, IEEE, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row, kv_head, n0,
+                                     end, 0, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, IEEE, UPCAST)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]          # seq_len 0 (a padding row) → zeros
-        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + col_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=diag)
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_q)
     else:
-        part = (row * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split        # [BLOCK_R] into [rows, Hq, S]
-        tl.store(part_m_ptr + part, m_i, mask=mask_r)
-        tl.store(part_l_ptr + part, l_i, mask=mask_r)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + col_d[None, :], acc, mask=diag)
+        part = (row * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split        # [BLOCK_G] into [rows, Hq, S]
+        tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
+        tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_q)
 
 
 @triton.jit
@@ -300,28 +266,19 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    kv_per_program: int = 1
 
 
-def decode_config(head_dim: int, group: int = 1, num_kv_heads: int = 1) -> DecodeConfig:
-    """Tile sizes for decode (GPU defaults; the interpreter just runs them). kv_per_program divides
-    num_kv_heads. PAGODA_DECODE_KV_PER_PROGRAM=N overrides kv_per_program where N divides
-    num_kv_heads (for A/B timing)."""
+def decode_config(head_dim: int) -> DecodeConfig:
+    """Tile sizes for decode (GPU defaults; the interpreter just runs them)."""
     if _interpreting():
-        return DecodeConfig(block_n=32, num_warps=1, num_stages=1, kv_per_program=2 if num_kv_heads % 2 == 0 else 1)
-    kv_per_program = 1
-    forced = int(os.environ.get("PAGODA_DECODE_KV_PER_PROGRAM", "0"))
-    if forced > 0 and num_kv_heads % forced == 0:
-        kv_per_program = forced
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
-                        kv_per_program=kv_per_program)
+        return DecodeConfig(block_n=32, num_warps=1, num_stages=1)
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = 1, *, query_index: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, num_sms: int | None = None,
-                           config: DecodeConfig | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """Single-token attention per row through the paged cache.
 
     q [B, Hq, D] (or [T, Hq, D] with query_index [B]: row b's query is token query_index[b], and its
@@ -329,8 +286,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens [B] int32/int64 = keys per row (0 = padding row → zeros). Returns out [*, Hq, D].
 
     num_splits: split-K count (a launch parameter; the split boundaries come from seq_lens on the
-    device). None picks `choose_num_splits` from seq_lens.max(), which syncs with the device.
-    config: launch configuration (default `decode_config`; the sweep and tests pass others)."""
+    device). None picks `choose_num_splits` from seq_lens.max(), which syncs with the device."""
     rows = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -352,9 +308,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(rows, num_kv_heads, int(seq_lens.max()), sms)
 
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, group, num_kv_heads)
-    kv_per_program = cfg.kv_per_program
-    assert num_kv_heads % kv_per_program == 0, f"kv_per_program {kv_per_program} must divide Hkv={num_kv_heads}"
+    cfg = decode_config(head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     ieee, upcast = _dot_flags(q.dtype)
     if num_splits > 1:
@@ -364,14 +318,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_m = part_l = out           # unused
     qidx = query_index if query_index is not None else seq_lens   # unused placeholder when None
-    _decode_kernel[(rows, num_kv_heads // kv_per_program, num_splits)](
+    _decode_kernel[(rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, qidx, out, part_acc, part_m, part_l, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        KV_PER_PROG=kv_per_program, BLOCK_R=max(16, triton.next_power_of_2(group * kv_per_program)),
-        BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:

@@ -22,7 +22,6 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels.paged_attention import (
-    DecodeConfig,
     MAX_SPLITS,
     choose_num_splits,
     paged_decode_attention,
@@ -164,28 +163,6 @@ def test_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, block_s
     out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables.to(torch.int32),
                                  case.batch.seq_lens_tensor.to(torch.int32), case.scale, num_splits)
     assert_matches(out, dense_attention(case), torch.float32)
-
-
-@pytest.mark.parametrize("kv_per_program", [1, 2, 4])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 8, 16), (8, 4, 32), (12, 4, 24), (16, 8, 64)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_several_kv_heads_per_program(kv_per_program, num_heads, num_kv_heads, head_dim, num_splits, dtype):
-    """Each program attends for kv_per_program adjacent kv heads through a block-diagonal query tile:
-    every head must still see only its own keys (a leak between heads shows up as a wrong output),
-    for MHA and GQA, a head_dim below its power-of-two tile, with and without split-K."""
-    case = make_case(DECODE_ONLY, num_heads, num_kv_heads, head_dim, 16, seed=kv_per_program + 10 * num_splits)
-    k_cache, v_cache = case.k_cache.to(dtype), case.v_cache.to(dtype)
-    store_kv(case.k.to(dtype), case.v.to(dtype), k_cache, v_cache, case.batch.slot_mapping)
-    gpu = DEVICE == "cuda"
-    cfg = DecodeConfig(block_n=32 if gpu else 16, num_warps=4 if gpu else 1, num_stages=2 if gpu else 1,
-                       kv_per_program=kv_per_program)
-    out = paged_decode_attention(case.q.to(dtype), k_cache, v_cache, case.batch.block_tables.to(torch.int32),
-                                 case.batch.seq_lens_tensor.to(torch.int32), case.scale, num_splits, config=cfg)
-    expected = dense_attention(Case(**{**case.__dict__, "q": case.q.to(dtype).float(),
-                                       "keys": [k.to(dtype).float() for k in case.keys],
-                                       "values": [v.to(dtype).float() for v in case.values]}))
-    assert_matches(out, expected, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
