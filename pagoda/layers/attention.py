@@ -42,6 +42,10 @@ class AttentionBackend(ABC):
     """One implementation of paged attention (PyTorch reference on CPU, Triton on GPU)."""
 
     name: str
+    # Whether cache slots past a request's length must hold finite values (the model runner then
+    # zeroes every block it hands out). A backend whose kernels never load those slots sets False
+    # and saves the zeroing: two launches per layer in almost every serving step.
+    needs_zeroed_blocks: bool = True
 
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> Any:

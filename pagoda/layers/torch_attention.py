@@ -7,8 +7,8 @@ padded batch with a key-padding mask; prefill chunks are attended one request at
 causal mask offset by the number of already-cached tokens.
 
 Gathered blocks may hold slots past a request's length: those are masked out, and they are never
-NaN garbage because the model runner zeroes every block when it is handed out (the null block 0
-that pads tables is zeroed at allocation).
+NaN garbage because the model runner zeroes every block when it is handed out
+(`needs_zeroed_blocks`; the null block 0 that pads tables is zeroed at allocation).
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
     from batch size, KV heads and the longest sequence); `num_sms` overrides the device's SM count."""
 
     name = "triton"
+    needs_zeroed_blocks = False       # the kernels mask every load past seq_len (paged_attention.py)
 
     def __init__(self, decode_splits: int | None = None, num_sms: int | None = None):
         assert decode_splits is None or decode_splits >= 1

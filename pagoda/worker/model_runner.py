@@ -157,7 +157,8 @@ class ModelRunner:
         """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
 
         Uninitialised (zeroing gigabytes costs seconds at startup): the null block 0 is zeroed
-        here, every other block when it is handed out (`_zero_blocks`)."""
+        here, every other block when it is handed out (`_zero_blocks`) if the attention backend
+        reads past a request's length (`needs_zeroed_blocks`; the Triton kernels never do)."""
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = (layout.num_blocks, layout.block_size, layer.num_kv_heads, layer.head_dim)
@@ -278,7 +279,7 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
                 fresh += cached.new_block_ids
-        if fresh:
+        if fresh and self.backend.needs_zeroed_blocks:
             self._zero_blocks(fresh)
 
     def _acquire_slot(self, state: RunnerRequestState) -> None:
