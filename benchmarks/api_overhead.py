@@ -92,8 +92,8 @@ class FakeEngine:
         return self._stats(len(self.running), 0, len(self.running) / 1000, 0, 0, 0, self.steps)
 
 
-def fake_core(step_s: float, input_address: str, output_address: str) -> None:
-    """Like `core_process.run_engine_core`, with a FakeEngine."""
+def fake_core(step_s: float, input_address: str, output_address: str, engine: Any = None) -> None:
+    """Like `core_process.run_engine_core`, with a FakeEngine (or `engine`, one like it)."""
     import signal
 
     import zmq
@@ -109,15 +109,17 @@ def fake_core(step_s: float, input_address: str, output_address: str) -> None:
     send = getattr(core_process, "send_message", None) or (lambda sock, msg: sock.send_pyobj(msg))
     send(outbox, core_process.Ready(10_000, 16, 1000.0))
     try:
-        core_process._loop(FakeEngine(step_s), inbox, outbox, os.getppid())
+        core_process._loop(engine or FakeEngine(step_s), inbox, outbox, os.getppid())
     finally:
         outbox.close(linger=1000)
         inbox.close(linger=0)
 
 
-def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False) -> None:
+def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer: Any = None,
+                   core_entry: Any = None, instrument: Any = None) -> None:
     """The API process: AsyncEngine (over the fake core), the app, uvicorn, on asyncio.run like `pagoda serve`
-    (or on a uvloop loop, to see what that would change)."""
+    (or on a uvloop loop, to see what that would change). `tokenizer` (for text prompts), `core_entry` (a
+    picklable `run_engine_core` stand-in) and `instrument(app, engine) -> app` are for `api_burst.py`."""
     import functools
 
     import uvicorn
@@ -128,15 +130,21 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False) -> None:
     from pagoda.server.serving import OpenAIServing, ServingContext
 
     async def main() -> None:
-        async_engine.run_engine_core = functools.partial(_core_entry, step_s)   # type: ignore[assignment]
+        async_engine.run_engine_core = core_entry or functools.partial(_core_entry, step_s)  # type: ignore
         engine = async_engine.AsyncEngine(None)   # type: ignore[arg-type]
         await engine.start()
         try:
-            ctx = ServingContext(engine=engine, tokenizer=None, served_model_names=["fake"], max_model_len=4096,
+            ctx = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=["fake"], max_model_len=4096,
                                  vocab_size=32000, architecture="Fake", chat_template=None,
                                  metrics=ServerMetrics("fake"))
             engine.add_listener(ctx.metrics.on_engine_outputs)
             app = build_app(OpenAIServing(ctx))
+            if instrument is not None:
+                app = instrument(app, engine)
+            from pagoda.server import app as app_module
+
+            if hasattr(app_module, "prepare_gc_for_serving"):      # as `pagoda serve` does (older trees: not)
+                app_module.prepare_gc_for_serving()
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                    access_log=False, backlog=4096))
             await server.serve()
