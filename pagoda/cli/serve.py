@@ -149,6 +149,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.server.app import prepare_gc_for_serving
     from pagoda.server.metrics import ServerMetrics
 
     setup = ServeSetup(ns)
@@ -159,6 +160,7 @@ async def _serve(ns: argparse.Namespace) -> int:
         ready = engine.ready
         assert ready is not None
         setup.log_startup(ready)
+        prepare_gc_for_serving()
         server = _server_class()(uvicorn.Config(
             app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
             timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False))

@@ -225,6 +225,7 @@ async def _api_main(ns: argparse.Namespace, config: Any, client: CoreClient, soc
 
     from pagoda.cli.serve import ServeSetup
     from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.server.app import prepare_gc_for_serving
     from pagoda.server.metrics import ServerMetrics
 
     setup = ServeSetup(ns, check=False, config=config)
@@ -233,6 +234,7 @@ async def _api_main(ns: argparse.Namespace, config: Any, client: CoreClient, soc
     try:
         metrics = ServerMetrics(setup.names[0], multiprocess=True, count_engine_totals=client.index == 0)
         app = setup.app(engine, metrics)
+        prepare_gc_for_serving()
         server = _api_server_class()(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
                                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False))
         orphan_check = asyncio.create_task(_exit_with_launcher(server, launcher_pid))
