@@ -19,6 +19,7 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
+from pagoda.frontend.tokenizer import fast_encoder
 from pagoda.multimodal.chat import MultiModalServing, render_chat_prompt
 from pagoda.sampling_params import SamplingParams
 from pagoda.server import protocol as p
@@ -59,6 +60,7 @@ def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
 class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
+        self._encode = fast_encoder(ctx.tokenizer) if ctx.tokenizer is not None else None
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -77,9 +79,9 @@ class OpenAIServing:
                              "retry later.")
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.ctx.tokenizer is None:
+        if self._encode is None:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
-        return self.ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode(text, add_special_tokens)
 
     def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
                             media_tokens: int = 0) -> int:
