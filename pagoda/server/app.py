@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.engine.core_process import raise_gen0_threshold
 from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
 from pagoda.server.serving import OpenAIServing, sse_data, sse_error
 
@@ -74,23 +75,16 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
     return app
 
 
-# Young-generation threshold while serving (CPython's default is 700). The count is container
-# allocations minus deallocations, so with 700 every step's burst of short-lived output objects (256
-# streams: tuples, lists, RequestOutputs, chunks) set off a collection, ~300 per 256-step round at
-# ~0.3 ms each; at 10,000 only real growth does (a few per round).
-GEN0_THRESHOLD = 10_000
-
-
 def prepare_gc_for_serving() -> None:
     """For an API process once it has started, and serves until it exits. gc.freeze() everything alive
     (tokenizer, torch, FastAPI and pydantic schemas: ~250k tracked objects), as the engine core does
     (`LLMEngine.freeze_startup_heap`): a burst of requests allocates enough long-lived objects
     (streams, coroutines, responses) to set off full collections, each of which otherwise walks that
     heap, ~0.1-0.2 s with the event loop stopped, in the middle of the burst's first tokens. And
-    raise the young generation's threshold (`GEN0_THRESHOLD`)."""
+    raise the young generation's threshold (`core_process.GEN0_THRESHOLD`)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    raise_gen0_threshold()
 
 
 class APIKeyMiddleware:

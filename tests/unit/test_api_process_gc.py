@@ -8,7 +8,8 @@ import sys
 
 CHECK = """
 import gc
-from pagoda.server.app import GEN0_THRESHOLD, prepare_gc_for_serving
+from pagoda.engine.core_process import GEN0_THRESHOLD
+from pagoda.server.app import prepare_gc_for_serving
 before = gc.get_threshold()
 prepare_gc_for_serving()
 after = gc.get_threshold()
