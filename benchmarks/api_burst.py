@@ -40,10 +40,10 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from api_overhead import REPO, FakeEngine, cpu_seconds, fake_core, free_port, serve_fake_api  # noqa: E402
+from api_overhead import REPO, FakeEngine, cpu_seconds, fake_core, free_port, serve_fake_api
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact").split()
+WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye",
+         "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem"]
 SEGMENTS = [("accept", "send", "asgi"), ("body", "asgi", "body"), ("validate", "body", "route"),
             ("prepare+send", "route", "sent"), ("to core", "sent", "core_add"), ("core step", "core_add", "core_out"),
             ("to API", "core_out", "api_out"), ("SSE write", "api_out", "write"), ("to client", "write", "first")]
@@ -83,11 +83,11 @@ PROFILER: list[Any] = []
 def instrument(app: Any, engine: Any) -> Any:
     """Record per request (keyed by the client's x-bench-id header = its request_id): ASGI call, body read,
     route entry, AddRequest sent, first output received, first body write. GET /bench-times hands them over."""
+    import gc
+
     from pagoda.engine import async_engine
     from pagoda.engine.core_process import AddRequest
     from pagoda.server.serving import OpenAIServing
-
-    import gc
 
     times: dict[str, dict[str, float]] = {}
     gc_time = [[0, 0.0] for _ in range(3)]      # per generation: collections, seconds
@@ -196,7 +196,7 @@ async def burst_rounds(host: str, port: int, n: int, rounds: int, ns: argparse.N
                                        f"application/json\r\nx-bench-id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n"
                                        ).encode() + body))
 
-            async def one(k: int) -> dict[str, float]:
+            async def one(k: int, requests: list[tuple[str, bytes]] = requests) -> dict[str, float]:
                 reader, writer = conns[k]
                 rid, request = requests[k]
                 times = {"id": rid, "send": time.monotonic()}     # type: ignore[dict-item]

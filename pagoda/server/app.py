@@ -21,13 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.core_process import raise_gen0_threshold
 from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
-from pagoda.server.serving import OpenAIServing, sse_data, sse_error
+from pagoda.server.serving import SSE_DONE, OpenAIServing, sse_error
 
 logger = logging.getLogger("pagoda.server")
 T = TypeVar("T")
 
 # Paths that never need the API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
+SSE_DONE_BYTES = SSE_DONE.encode()
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -123,20 +124,26 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Resp
 
 def sse_response(events: AsyncIterator[str | bytes]) -> StreamingResponse:
     """Frame an event stream; errors mid-stream become one SSE error event. Client disconnects
-    cancel the generator, whose cleanup aborts the engine request."""
+    cancel the generator, whose cleanup aborts the engine request. The stream ends with the [DONE]
+    event; a stream may write it itself with its last event (one write less per request)."""
 
     async def body() -> AsyncIterator[str | bytes]:
+        last: str | bytes = ""
         try:
             async for event in events:
+                last = event
                 yield event
         except PagodaError as exc:
             yield sse_error(exc.message, exc.error_type, exc.http_status)
+            last = ""
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is already sent
             logger.exception("error while streaming")
             yield sse_error(f"Internal server error: {type(exc).__name__}", "InternalServerError", 500)
-        yield sse_data("[DONE]")
+            last = ""
+        if not (last.endswith(SSE_DONE_BYTES) if isinstance(last, bytes) else last.endswith(SSE_DONE)):
+            yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=STREAM_HEADERS)
 

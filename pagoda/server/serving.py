@@ -227,10 +227,12 @@ class OpenAIServing:
                     choices.append(choice)
                 if choices:
                     events.append(template.event(choices))
+            if batch[-1].finished:       # the last write: the usage chunk and the end marker go with it
+                if include_usage:
+                    events.append(frame([], _usage(len(ids), completion_tokens)))
+                events.append(SSE_DONE)
             if events:
                 yield "".join(events).encode()
-        if include_usage:
-            yield frame([], _usage(len(ids), completion_tokens))
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> list[p.ChatTokenLogprob]:
         result = []
@@ -307,9 +309,11 @@ class OpenAIServing:
         echoed: set[int] = set()
         offsets = [0] * (n * len(prepared))
         template = p.CompletionChunkTemplate(chunk_id, created, name)
+        unfinished = len(prepared)
         async for k, batch in self._merged(prepared, arrival, req.request_id):
             events = []       # one chunk per output, as they came; all of a batch go out in one write
             for out in batch:
+                unfinished -= out.finished
                 choices = []
                 for c in out.outputs:
                     i = k * n + c.index
@@ -332,13 +336,15 @@ class OpenAIServing:
                     choices.append(choice)
                 if choices:
                     events.append(template.event(choices))
+            if not unfinished:           # the last write: the usage chunk and the end marker go with it
+                if include_usage:
+                    prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
+                    chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=[],
+                                                 usage=_usage(prompt_tokens, completion_tokens))
+                    events.append(sse_data(chunk.model_dump_json(exclude_none=True)))
+                events.append(SSE_DONE)
             if events:
                 yield "".join(events).encode()
-        if include_usage:
-            prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-            chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=[],
-                                         usage=_usage(prompt_tokens, completion_tokens))
-            yield sse_data(chunk.model_dump_json(exclude_none=True))
 
     def _completion_logprobs(self, parts: list[tuple[list[int], list[dict[int, Logprob]]]],
                              offset: int = 0) -> p.CompletionLogprobs:
@@ -426,6 +432,9 @@ class OpenAIServing:
 
 def sse_data(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse_data("[DONE]")     # a stream's end marker (`app.sse_response` adds it unless the stream did)
 
 
 def sse_error(exc_message: str, error_type: str, code: int) -> str:

@@ -1,0 +1,115 @@
+"""The end of a streamed response: the last token chunk, the usage chunk (include_usage) and `data: [DONE]`
+go out in one write, and the events are exactly those of the pydantic models, in OpenAI's order
+(chunks, usage, [DONE] once). The reference events are built here from the protocol models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.server import protocol as p
+from pagoda.server.app import sse_response
+from pagoda.server.metrics import ServerMetrics
+from pagoda.server.serving import OpenAIServing, ServingContext
+
+PROMPT = [5, 6, 7]
+
+
+class FakeEngine:
+    """Three steps of deltas for each request ("a", "b", "c"), the last one finished."""
+
+    is_dead = False
+    stats = None
+
+    async def generate_batches(self, ids, params, prompt=None, delta=True, request_id=None, mm_inputs=None):
+        for step, text in enumerate("abc"):
+            done = step == 2
+            yield [RequestOutput(request_id or "x", prompt, ids,
+                                 [CompletionOutput(0, text, [100 + step], None, None, "length" if done else None)],
+                                 done, 0, 0.0 if done else None)]
+            await asyncio.sleep(0)
+
+
+def serving() -> OpenAIServing:
+    ctx = ServingContext(engine=FakeEngine(), tokenizer=None, served_model_names=["m"], max_model_len=1024,  # type: ignore[arg-type]
+                         vocab_size=1000, architecture="Fake", chat_template=None,
+                         metrics=ServerMetrics("m-stream-end-test"))
+    return OpenAIServing(ctx)
+
+
+async def writes(events) -> list[str]:
+    response = sse_response(events)
+    return [w.decode() if isinstance(w, bytes) else w async for w in response.body_iterator]
+
+
+def parse(text: str) -> list[str]:
+    assert text.endswith("\n\n")
+    return [event.removeprefix("data: ") for event in text[:-2].split("\n\n")]
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+@pytest.mark.parametrize("usage", [False, True])
+def test_completion_stream_end(prompts: int, usage: bool) -> None:
+    server = serving()
+    body = {"model": "m", "prompt": PROMPT if prompts == 1 else [PROMPT] * prompts, "max_tokens": 3, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+
+    async def run() -> list[str]:
+        return await writes(await server.completion_stream(p.CompletionRequest(**body), 0.0))
+
+    out = asyncio.run(run())
+    events = parse("".join(out))
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    head = chunks[0]
+    expected_usage = p.UsageInfo(prompt_tokens=3 * prompts, completion_tokens=3 * prompts,
+                                 total_tokens=6 * prompts)
+    if usage:
+        assert chunks[-1] == json.loads(p.CompletionResponse(id=head["id"], created=head["created"], model="m",
+                                                             choices=[], usage=expected_usage)
+                                        .model_dump_json(exclude_none=True))
+        chunks = chunks[:-1]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {i: "abc" for i in range(prompts)}
+    last = parse(out[-1])                       # the final write carries the end of the stream
+    assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][-1]["finish_reason"] == "length"
+    assert len(last) == (3 if usage else 2)
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_chat_stream_end(usage: bool) -> None:
+    server = serving()
+    server._message_dict = lambda m: {"role": m.role, "content": m.content}    # type: ignore[method-assign]
+
+    async def chat_prompt(*args, **kwargs):
+        return "text", PROMPT, None
+
+    server.chat_prompt = chat_prompt                                       # type: ignore[method-assign]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+
+    async def run() -> list[str]:
+        return await writes(await server.chat_stream(p.ChatCompletionRequest(**body), 0.0))
+
+    out = asyncio.run(run())
+    events = parse("".join(out))
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    head = chunks[0]
+    if usage:
+        reference = p.ChatCompletionChunk(id=head["id"], created=head["created"], model="m", choices=[],
+                                          usage=p.UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6))
+        assert chunks[-1] == json.loads(reference.model_dump_json())
+        chunks = chunks[:-1]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "abc"
+    last = parse(out[-1])
+    assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][0]["finish_reason"] == "length"
+    assert len(last) == (3 if usage else 2)
