@@ -12,7 +12,10 @@
    time around it. Then --steps steps back to back (no sync between them: with async scheduling the
    host prepares step N+1 while the GPU runs step N), and where `ModelRunner.launch` still made
    the host wait for the GPU (`torch.cuda.set_sync_debug_mode`: file:line of each synchronizing
-   call). A torch.profiler table of a few steps goes to DIR/profile_<backend>_<B>.txt.
+   call). A torch.profiler table of a few steps goes to DIR/profile_<backend>_<B>.txt, and one of
+   the prefill steps before them (timed: prefill ms and step count are printed) to
+   DIR/profile_prefill_<backend>_<B>_<k>.txt (k: the batch's index in --batches, so a repeated
+   batch size profiles a prefill after warm-up; pass --extra '{"enable_prefix_caching": false}' then).
 """
 
 from __future__ import annotations
@@ -100,13 +103,23 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
     runner.model.register_forward_hook(after)
     params = SamplingParams(temperature=0, max_tokens=4 * steps + 32, ignore_eos=True)
     results = []
-    for b in batches:
-        ids = [f"b{b}-{i}" for i in range(b)]
+    for k, b in enumerate(batches):
+        ids = [f"b{b}-{k}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
             engine.add_request(rid, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
-        while engine.scheduler.num_waiting or any(
-                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-            engine.step()
+        prefill = _profiler(out and cuda)
+        sync()
+        t0, prefill_steps = time.perf_counter(), 0
+        with prefill:
+            while engine.scheduler.num_waiting or any(
+                    r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+                engine.step()
+                prefill_steps += 1
+            sync()
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        if out and cuda:
+            with open(os.path.join(out, f"profile_prefill_{backend}_{b}_{k}.txt"), "w") as f:
+                f.write(prefill.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
         for _ in range(3):
             engine.step()
         sync()
@@ -128,14 +141,12 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
         pipelined = (time.perf_counter() - t0) * 1e3 / steps
         row = {"backend": backend, "batch": b, "context": context, "step_ms_p50": walls[len(walls) // 2],
                "forward_gpu_ms_p50": gpu[len(gpu) // 2], "running": engine.scheduler.num_running,
-               "step_ms_back_to_back": pipelined,
+               "step_ms_back_to_back": pipelined, "prefill_ms": prefill_ms, "prefill_steps": prefill_steps,
                "launch_syncs": dict(syncs.most_common(8)) if syncs is not None else None}
         if syncs is not None:
             runner.__dict__.pop("launch", None)          # back to the unwrapped method
         if out and cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with _profiler(True) as prof:
                 for _ in range(3):
                     engine.step()
                 sync()
@@ -145,11 +156,23 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        print(f"engine {backend:6s} B={b:4d}: step {row['step_ms_p50']:.2f} ms, forward GPU "
+        print(f"engine {backend:6s} B={b:4d}: prefill {prefill_ms:.1f} ms in {prefill_steps} steps, "
+              f"step {row['step_ms_p50']:.2f} ms, forward GPU "
               f"{row['forward_gpu_ms_p50']:.2f} ms, back to back {pipelined:.2f} ms/step, "
               f"syncs in launch: {row['launch_syncs']}", flush=True)
         results.append(row)
     return results
+
+
+def _profiler(enabled: bool):
+    """A torch.profiler context over CPU and CUDA activity, or a no-op context."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
 
 def _count_syncs(runner):
