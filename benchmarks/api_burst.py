@@ -40,7 +40,17 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from api_overhead import REPO, FakeEngine, cpu_seconds, fake_core, free_port, serve_fake_api
+from api_overhead import (
+    REPO,
+    FakeEngine,
+    cpu_seconds,
+    fake_core,
+    free_port,
+    serve_fake_api,
+    start_py_spy,
+    stop,
+    wait_healthy,
+)
 
 WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye",
          "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem"]
@@ -256,24 +266,13 @@ def main() -> int:
     spy = None
     report: dict[str, Any] = {"config": vars(ns), "bursts": {}}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or api.poll() is not None:
-                raise RuntimeError("the API process did not come up")
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", api)
         asyncio.run(burst_rounds("127.0.0.1", port, 8, 1, ns))      # warm-up
         httpx.get(f"http://127.0.0.1:{port}/bench-times")
         if ns.cprofile:
             Path(ns.cprofile).unlink(missing_ok=True)
         if ns.profile:
-            spy = subprocess.Popen(["py-spy", "record", "-o", ns.profile, "-p", str(api.pid), "-r", "1000",
-                                    "-f", "raw"])
-            time.sleep(1)
+            spy = start_py_spy(ns.profile, api.pid)
         for n in [int(x) for x in ns.burst.split(",")]:
             httpx.get(f"http://127.0.0.1:{port}/bench-times")
             c0 = sum(cpu_seconds(api.pid))
@@ -311,11 +310,7 @@ def main() -> int:
         if ns.out:
             Path(ns.out).write_text(json.dumps(report, indent=2))
     finally:
-        if spy is not None:
-            spy.send_signal(2)
-            spy.wait(30)
-        api.terminate()
-        api.wait(30)
+        stop(api, spy)
         Path(core_times).unlink(missing_ok=True)
     return 0
 

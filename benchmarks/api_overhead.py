@@ -165,6 +165,34 @@ def _core_entry(step_s: float, config: Any, input_address: str, output_address: 
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
+def wait_healthy(url: str, api: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or api.poll() is not None:
+            raise RuntimeError("the API process did not come up")
+        time.sleep(0.2)
+
+
+def stop(api: subprocess.Popen, spy: subprocess.Popen | None) -> None:
+    if spy is not None:
+        spy.send_signal(2)
+        spy.wait(30)
+    api.terminate()
+    api.wait(30)
+
+
+def start_py_spy(path: str, pid: int) -> subprocess.Popen:
+    """py-spy recording `pid` at 1 kHz in raw (collapsed stacks) format into `path`; stop it with SIGINT."""
+    spy = subprocess.Popen(["py-spy", "record", "-o", path, "-p", str(pid), "-r", "1000", "--nonblocking", "-f", "raw"])
+    time.sleep(1)
+    return spy
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(utime, stime) of one process (not its children: the fake core is not the API's cost)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -237,21 +265,10 @@ def main() -> int:
                             "uvloop" if ns.uvloop else "asyncio"], env=env)
     spy = None
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or api.poll() is not None:
-                raise RuntimeError("the API process did not come up")
-            time.sleep(0.2)
+        wait_healthy(url, api)
         asyncio.run(drive(url, min(ns.concurrency, 8), 16, ns))    # warm-up
         if ns.profile:
-            spy = subprocess.Popen(["py-spy", "record", "-o", ns.profile, "-p", str(api.pid), "-r", "1000",
-                                    "--nonblocking", "-f", "raw"])
-            time.sleep(1)
+            spy = start_py_spy(ns.profile, api.pid)
         rows = []
         for _ in range(ns.rounds):
             c0, t0 = cpu_seconds(api.pid), time.monotonic()
@@ -274,11 +291,7 @@ def main() -> int:
         if ns.out:
             Path(ns.out).write_text(json.dumps(result, indent=2))
     finally:
-        if spy is not None:
-            spy.send_signal(2)
-            spy.wait(30)
-        api.terminate()
-        api.wait(30)
+        stop(api, spy)
     return 0
 
 

@@ -50,6 +50,21 @@ def parse(text: str) -> list[str]:
     return [event.removeprefix("data: ") for event in text[:-2].split("\n\n")]
 
 
+def token_chunks(out: list[str], usage_reference) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Checks the stream's end against the reference; returns its token chunks. `usage_reference(first
+    chunk)` is the expected usage chunk's JSON; None without include_usage."""
+    events = parse("".join(out))
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    if usage_reference is not None:
+        assert chunks[-1] == json.loads(usage_reference(chunks[0]))
+        chunks = chunks[:-1]
+    last = parse(out[-1])                       # the final write carries the end of the stream
+    assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][-1]["finish_reason"] == "length"
+    assert len(last) == (3 if usage_reference is not None else 2)
+    return chunks
+
+
 @pytest.mark.parametrize("prompts", [1, 2])
 @pytest.mark.parametrize("usage", [False, True])
 def test_completion_stream_end(prompts: int, usage: bool) -> None:
@@ -61,33 +76,21 @@ def test_completion_stream_end(prompts: int, usage: bool) -> None:
     async def run() -> list[str]:
         return await writes(await server.completion_stream(p.CompletionRequest(**body), 0.0))
 
-    out = asyncio.run(run())
-    events = parse("".join(out))
-    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    chunks = [json.loads(e) for e in events[:-1]]
-    head = chunks[0]
     expected_usage = p.UsageInfo(prompt_tokens=3 * prompts, completion_tokens=3 * prompts,
                                  total_tokens=6 * prompts)
-    if usage:
-        assert chunks[-1] == json.loads(p.CompletionResponse(id=head["id"], created=head["created"], model="m",
-                                                             choices=[], usage=expected_usage)
-                                        .model_dump_json(exclude_none=True))
-        chunks = chunks[:-1]
+    chunks = token_chunks(asyncio.run(run()), (
+        lambda head: p.CompletionResponse(id=head["id"], created=head["created"], model="m", choices=[],
+                                          usage=expected_usage).model_dump_json(exclude_none=True)) if usage else None)
     texts: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {i: "abc" for i in range(prompts)}
-    last = parse(out[-1])                       # the final write carries the end of the stream
-    assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][-1]["finish_reason"] == "length"
-    assert len(last) == (3 if usage else 2)
 
 
 @pytest.mark.parametrize("usage", [False, True])
 def test_chat_stream_end(usage: bool) -> None:
     server = serving()
-    server._message_dict = lambda m: {"role": m.role, "content": m.content}    # type: ignore[method-assign]
-
     async def chat_prompt(*args, **kwargs):
         return "text", PROMPT, None
 
@@ -99,17 +102,8 @@ def test_chat_stream_end(usage: bool) -> None:
     async def run() -> list[str]:
         return await writes(await server.chat_stream(p.ChatCompletionRequest(**body), 0.0))
 
-    out = asyncio.run(run())
-    events = parse("".join(out))
-    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    chunks = [json.loads(e) for e in events[:-1]]
-    head = chunks[0]
-    if usage:
-        reference = p.ChatCompletionChunk(id=head["id"], created=head["created"], model="m", choices=[],
-                                          usage=p.UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6))
-        assert chunks[-1] == json.loads(reference.model_dump_json())
-        chunks = chunks[:-1]
+    chunks = token_chunks(asyncio.run(run()), (
+        lambda head: p.ChatCompletionChunk(id=head["id"], created=head["created"], model="m", choices=[],
+                                           usage=p.UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6))
+        .model_dump_json()) if usage else None)
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "abc"
-    last = parse(out[-1])
-    assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][0]["finish_reason"] == "length"
-    assert len(last) == (3 if usage else 2)
