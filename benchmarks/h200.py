@@ -20,8 +20,9 @@ Pagoda
   serve     `pagoda serve` (max_num_seqs 256, --api-server-count 2 unless --serve-extra says otherwise)
             + `pagoda bench` on /v1/completions: closed-loop
             ladder 1, 8, 32, 64, 128, 256, 4 x c requests per level (at least 8), 40 in / 256 out,
-            ignore_eos, 4 client processes; at the top level a second run with 8 client processes
-            shows whether the client limits the number.
+            ignore_eos, 8 client processes; at the top level a second run with 16 client processes
+            shows whether the client limits the number (with 4 processes it did: on 2026-11-30, commit
+            24caae0, c=256 went from 33,959 to 39,202 tok/s with 8).
 transformers (bf16, sdpa, greedy, the same shapes; no Yuan2 class exists in transformers, so the
 llama-yuan2-2b-dims row is Yuan2-2B's stand-in)
   offline   one static batch of 64 prompts x 512 ids → 256 tokens (min_new_tokens = 256); the
@@ -342,7 +343,7 @@ def main() -> None:
         help="Yuan2's SentencePiece tokenizer folder (the served yuan2-2b shape needs it)")
     ap.add_argument("--ladder", default=",".join(map(str, LADDER)))
     ap.add_argument("--prompts-per-level", type=int, default=4)
-    ap.add_argument("--client-processes", type=int, default=4)
+    ap.add_argument("--client-processes", type=int, default=8)
     ap.add_argument("--recheck-clients", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--offline-prompts", type=int, default=512)
     ap.add_argument("--offline-max-num-seqs", type=int, default=512)
