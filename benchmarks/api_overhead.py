@@ -141,10 +141,9 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
             app = build_app(OpenAIServing(ctx))
             if instrument is not None:
                 app = instrument(app, engine)
-            from pagoda.server import app as app_module
+            from pagoda.serving_gc import prepare_gc_for_serving
 
-            if hasattr(app_module, "prepare_gc_for_serving"):      # as `pagoda serve` does (older trees: not)
-                app_module.prepare_gc_for_serving()
+            prepare_gc_for_serving()                             # as `pagoda serve` does
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                    access_log=False, backlog=4096))
             await server.serve()

@@ -149,7 +149,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from pagoda.engine.async_engine import AsyncEngine
-    from pagoda.server.app import prepare_gc_for_serving
+    from pagoda.serving_gc import prepare_gc_for_serving
     from pagoda.server.metrics import ServerMetrics
 
     setup = ServeSetup(ns)

@@ -225,7 +225,7 @@ async def _api_main(ns: argparse.Namespace, config: Any, client: CoreClient, soc
 
     from pagoda.cli.serve import ServeSetup
     from pagoda.engine.async_engine import AsyncEngine
-    from pagoda.server.app import prepare_gc_for_serving
+    from pagoda.serving_gc import prepare_gc_for_serving
     from pagoda.server.metrics import ServerMetrics
 
     setup = ServeSetup(ns, check=False, config=config)

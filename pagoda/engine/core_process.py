@@ -23,7 +23,6 @@ already knows each request's prompt; `AsyncEngine` rebuilds `RequestOutput`s fro
 
 from __future__ import annotations
 
-import gc
 import logging
 import traceback
 from dataclasses import dataclass, field
@@ -32,22 +31,9 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.serving_gc import prepare_gc_for_serving
 
 logger = logging.getLogger("pagoda.core")
-
-
-# Young-generation GC threshold of a serving process (CPython's default is 700). The count is container
-# allocations minus deallocations, so at 700 the short-lived objects of every step's outputs (256 rows:
-# RequestOutputs, wire tuples, lists; in the API process also its streams' chunks) set off a collection
-# or more per step (~0.16 ms of the engine core's step at 256 rows, benchmarks/host_overhead.py's gc
-# row; ~300 per 256-step round at ~0.3 ms in an API process, benchmarks/api_burst.py); at 10,000 only
-# real growth does.
-GEN0_THRESHOLD = 10_000
-
-
-def raise_gen0_threshold() -> None:
-    """For a process that serves until it exits, once its startup heap is frozen."""
-    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 @dataclass
@@ -164,8 +150,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outbox.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     layout = engine.kv_layout
-    engine.freeze_startup_heap()     # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
-    raise_gen0_threshold()
+    prepare_gc_for_serving()         # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
     outbox.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
                             layout.max_concurrency(config.model.max_model_len)))
     try:

@@ -10,7 +10,6 @@ when one max_model_len request could not fit.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import replace
 from typing import Any
@@ -102,19 +101,6 @@ class LLMEngine:
                         spec.state_pool_bytes(cfg.scheduler.max_num_seqs) / 2**20,
                         f"stores a {spec.snapshot_bytes_per_block / 1024:.1f} KiB state snapshot per block"
                         if spec.snapshot_bytes_per_block else "is off")
-
-    @staticmethod
-    def freeze_startup_heap() -> None:
-        """Take every object alive now out of the garbage collector's reach (gc.freeze).
-
-        After startup the heap holds ~370k tracked objects (model, tokenizer, imported modules); a
-        full (generation 2) collection walks them all, ~0.2 s on one core, and the collector
-        starts one on its own every so often while serving: a stall of dozens of GPU steps. Frozen,
-        they are skipped. For a process that keeps its engine for life (the engine core process),
-        right after constructing it: frozen objects are never freed, so a process that builds and
-        drops engines (tests, notebooks) must not call it."""
-        gc.collect()
-        gc.freeze()
 
     def planned_blocks(self) -> int | None:
         return self._planned_blocks()

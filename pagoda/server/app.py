@@ -8,7 +8,6 @@ shape. `Overloaded` and `EngineDead` add `Retry-After`.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
@@ -19,7 +18,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.engine.core_process import raise_gen0_threshold
 from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
 from pagoda.server.serving import SSE_DONE, OpenAIServing, sse_error
 
@@ -74,18 +72,6 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     return app
-
-
-def prepare_gc_for_serving() -> None:
-    """For an API process once it has started, and serves until it exits. gc.freeze() everything alive
-    (tokenizer, torch, FastAPI and pydantic schemas: ~250k tracked objects), as the engine core does
-    (`LLMEngine.freeze_startup_heap`): a burst of requests allocates enough long-lived objects
-    (streams, coroutines, responses) to set off full collections, each of which otherwise walks that
-    heap, ~0.1-0.2 s with the event loop stopped, in the middle of the burst's first tokens. And
-    raise the young generation's threshold (`core_process.GEN0_THRESHOLD`)."""
-    gc.collect()
-    gc.freeze()
-    raise_gen0_threshold()
 
 
 class APIKeyMiddleware:

@@ -1,4 +1,4 @@
-"""`server.app.prepare_gc_for_serving`: the startup heap is frozen and the young generation's threshold raised
+"""`serving_gc.prepare_gc_for_serving`: the startup heap is frozen and the young generation's threshold raised
 (checked in a fresh interpreter: both are process-wide)."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import sys
 
 CHECK = """
 import gc
-from pagoda.engine.core_process import GEN0_THRESHOLD
-from pagoda.server.app import prepare_gc_for_serving
+from pagoda.serving_gc import GEN0_THRESHOLD, prepare_gc_for_serving
 before = gc.get_threshold()
 prepare_gc_for_serving()
 after = gc.get_threshold()

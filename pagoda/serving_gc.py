@@ -1,0 +1,28 @@
+"""What a long-lived serving process (the engine core, each API process) does to the garbage collector
+once its startup is over. One function for both, so they cannot drift apart."""
+
+from __future__ import annotations
+
+import gc
+
+# Young-generation GC threshold of a serving process (CPython's default is 700). The count is container
+# allocations minus deallocations, so at 700 the short-lived objects of every step's outputs (256 rows:
+# RequestOutputs, wire tuples, lists; in the API process also its streams' chunks) set off a collection
+# or more per step (~0.16 ms of the engine core's step at 256 rows, benchmarks/host_overhead.py's gc
+# row; ~300 per 256-step round at ~0.3 ms in an API process, benchmarks/api_burst.py); at 10,000 only
+# real growth does.
+GEN0_THRESHOLD = 10_000
+
+
+def prepare_gc_for_serving() -> None:
+    """Freeze every object alive now and raise the young generation's threshold.
+
+    After startup the heap holds a few hundred thousand tracked objects (model, tokenizer, torch,
+    FastAPI and pydantic schemas); a full collection walks them all, ~0.1-0.2 s with the process
+    stopped, and the collector starts one on its own while serving (in an API process, in the middle
+    of a burst's first tokens; in the engine core, a stall of dozens of GPU steps). Frozen, they are
+    skipped. Frozen objects are never freed, so only a process that keeps its startup state until it
+    exits may call this (not tests or notebooks that build and drop engines)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
