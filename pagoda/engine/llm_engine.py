@@ -45,6 +45,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.source, set(self.token_info.eos_token_ids))
         self.kv_layout = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.kv_layout)
+        self.runner.warm_up_attention()
         if config.device.cuda_graphs:
             self.runner.enable_decode_graphs()
         self.block_manager = BlockManager(self.kv_layout.num_blocks, config.cache.block_size,

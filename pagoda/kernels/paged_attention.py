@@ -171,22 +171,26 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
 # Decode: one query token per row; all query heads of a KV head in one program
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qidx_ptr, out_ptr,
                    part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                   stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                   stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, num_splits,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_QIDX: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HAS_QIDX: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Program (row, kv_head, split): the GROUP query heads sharing kv_head attend to this split's
     share of the row's keys, so each K/V tile is read once for the whole group.
 
-    Splits divide the row's key tiles evenly (computed here from seq_len, so NUM_SPLITS is the only
-    host-side choice); trailing splits of a short row may be empty. With one split the normalised
-    output is written directly; otherwise the unnormalised acc [GROUP, D], max and sum go to the
-    partial buffers [rows, Hq, NUM_SPLITS(, D)] for `_decode_reduce_kernel`."""
+    Splits divide the row's key tiles evenly (computed here from seq_len, so num_splits is the only
+    host-side choice); trailing splits of a short row may be empty. Without SPLIT (num_splits == 1)
+    the normalised output is written directly; otherwise the unnormalised acc [GROUP, D], max and sum
+    go to the partial buffers [rows, Hq, num_splits(, D)] for `_decode_reduce_kernel`.
+
+    num_splits and stride_table (the block-table width, which changes from step to step in eager
+    steps) are plain runtime integers, not specialised: otherwise each new value, or a width that
+    happens to be divisible by 16, would JIT-compile a fresh kernel in the middle of serving."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -202,7 +206,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
     mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)                 # [BLOCK_G, BLOCK_D]
     q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
@@ -214,20 +218,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
                                      end, 0, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, IEEE, UPCAST)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]          # seq_len 0 (a padding row) → zeros
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_q)
     else:
-        part = (row * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split        # [BLOCK_G] into [rows, Hq, S]
+        part = (row * NUM_HEADS + heads).to(tl.int64) * num_splits + split        # [BLOCK_G] into [rows, Hq, S]
         tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_q)
 
 
-@triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, qidx_ptr, out_ptr, stride_ot, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, qidx_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_QIDX: tl.constexpr):
     """Program (row, head): merge the split partials, out = Σ w_s acc_s / Σ w_s l_s with
     w_s = 2^(m_s - max_s m_s). Empty splits carry m = -1e30, l = 0, acc = 0 and get weight 0."""
@@ -239,8 +243,8 @@ def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, qidx_ptr, out_pt
         token = row.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    base = (row * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
+    mask_s = offs_s < num_splits
+    base = (row * NUM_HEADS + head).to(tl.int64) * num_splits
     m = tl.load(part_m_ptr + base + offs_s, mask=mask_s, other=float("-inf"))        # [BLOCK_S]
     l = tl.load(part_l_ptr + base + offs_s, mask=mask_s, other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
@@ -307,6 +311,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         sms = num_sms if num_sms is not None else device_sm_count(q.device)
         num_splits = choose_num_splits(rows, num_kv_heads, int(seq_lens.max()), sms)
 
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
     group = num_heads // num_kv_heads
     cfg = decode_config(head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -322,16 +327,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, qidx, out, part_acc, part_m, part_l, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_splits,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
+        SPLIT=num_splits > 1, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(rows, num_heads)](
-            part_acc, part_m, part_l, qidx, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
+            part_acc, part_m, part_l, qidx, out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
+            BLOCK_D=triton.next_power_of_2(head_dim),
             HAS_QIDX=query_index is not None, num_warps=1 if _interpreting() else 4)
     return out
 
@@ -340,7 +345,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # Prefill: variable-length causal chunks, keys from the paged cache
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
                     tile_req_ptr, tile_m0_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
@@ -473,6 +478,33 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         IEEE=ieee, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up compilation
+# ---------------------------------------------------------------------------------------------
+
+def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device | str) -> None:
+    """Launch each kernel once in every variant a step can need for this attention shape, on a tiny
+    scratch cache, so Triton compiles them at start-up rather than inside a step (a compile stalls
+    every running request for ~0.5 s). The variants are the launch constexprs that differ between
+    steps: decode with and without a query index (mixed vs pure-decode steps), each with one split
+    and with several (then also the reduce kernel); prefill; store_kv. What else changes from step to
+    step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers."""
+    blocks = 3
+    k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.tensor([[1, 2]], dtype=torch.int32, device=device)
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+    store_kv(kv, kv, k_cache, v_cache, torch.tensor([block_size, block_size + 1], device=device))
+    seq_len = torch.tensor([2], dtype=torch.int32, device=device)
+    for splits, index in itertools.product((1, 2), (None, torch.tensor([1], dtype=torch.int32, device=device))):
+        paged_decode_attention(q if index is not None else q[:1], k_cache, v_cache, tables, seq_len, 1.0, splits,
+                               query_index=index)
+    paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 2], dtype=torch.int32, device=device),
+                            seq_len, 1.0, tiles=build_prefill_tiles([2], [0], device))
 
 
 # ---------------------------------------------------------------------------------------------

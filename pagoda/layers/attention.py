@@ -47,6 +47,11 @@ class AttentionBackend(ABC):
     # and saves the zeroing: two launches per layer in almost every serving step.
     needs_zeroed_blocks: bool = True
 
+    def warm_up(self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Called once at start-up with every (num_heads, num_kv_heads, head_dim) the model's
+        attention layers use: a backend that compiles kernels on first use compiles them here."""
+
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> Any:
         """Per-step metadata shared by all layers (computed once, not per layer)."""

@@ -76,6 +76,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_splits = decode_splits
         self.num_sms = num_sms
 
+    def warm_up(self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        for num_heads, num_kv_heads, head_dim in sorted(shapes):
+            self._kernels.compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+
     def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         device = batch.slot_mapping.device
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)

@@ -171,6 +171,12 @@ class ModelRunner:
         if self.state_snapshots:
             self.state_pool.allocate_snapshots(layout.num_blocks)
 
+    def warm_up_attention(self) -> None:
+        """Let the attention backend compile its kernels for this model's attention shapes now, before
+        the first request (see `AttentionBackend.warm_up`)."""
+        shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in self.model.attention_layers()}
+        self.backend.warm_up(shapes, self.block_size, self.dtype, self.device)
+
     def enable_decode_graphs(self, capture: bool = True, buckets: list[int] | None = None,
                              token_buckets: list[int] | None = None) -> None:
         """Run pure decode steps of up to max_num_seqs rows, and mixed steps of up to 2047 tokens,

@@ -247,3 +247,38 @@ def test_split_rule() -> None:
 def test_select_attention_backend() -> None:
     assert select_attention_backend("cpu").name == "torch"
     assert select_attention_backend("cuda").name == "triton"   # triton imports here (the tests need it)
+
+
+# ---- start-up compilation -------------------------------------------------------------------------------
+
+def _compiled_kernels() -> int:
+    """How many compiled specialisations the attention kernels hold (all devices)."""
+    from pagoda.kernels import paged_attention as pa
+
+    fns = (pa._store_kv_kernel, pa._decode_kernel, pa._decode_reduce_kernel, pa._prefill_kernel)
+    return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_warm_up_compiles_every_step_variant(num_heads: int, num_kv_heads: int) -> None:
+    """After `warm_up`, steps of any shape the engine can produce — block-table widths 2, 16 or 34
+    (Triton would specialise an integer on divisibility by 16), any split count, decode rows with
+    and without a query index, prefill rows — launch without compiling anything new."""
+    head_dim, block_size = 64, 16
+    backend = TritonAttentionBackend()
+    backend.warm_up({(num_heads, num_kv_heads, head_dim)}, block_size, torch.bfloat16, torch.device(DEVICE))
+    compiled = _compiled_kernels()
+    for spec, splits in itertools.product((DECODE_ONLY, MIXED, PREFILL_ONLY, [(0, 1)], [(239, 1)], [(520, 1), (3, 1)]),
+                                          (None, 1, 3, 16, 64)):
+        case = make_case(spec, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=5)
+        run_backend(TritonAttentionBackend(decode_splits=splits), case, case.k_cache, case.v_cache)
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == compiled
+
+
+def test_warm_up_runs_every_variant_on_cpu() -> None:
+    """The start-up launches themselves are valid calls (under the interpreter on CPU)."""
+    from pagoda.kernels.paged_attention import compile_variants
+
+    compile_variants(4, 2, 16, 4, torch.float32, DEVICE)
