@@ -1,6 +1,7 @@
 """Sweep the paged decode kernel's launch configuration on the GPU, per attention shape.
 
-    python benchmarks/decode_kernel_sweep.py [--out sweep.json]
+    python benchmarks/decode_kernel_sweep.py [--shapes yuan2-2b,qwen2-vl-2b] [--cases 64x168,512x640]
+        [--layouts token,head] [--block-n 16,32,64,128] [--warps 1,2,4] [--stages 1,2,3] [--out sweep.json]
 
 For each (heads, kv heads, head dim) of the benchmark shapes, batch and context length, times
 `paged_decode_attention` (`triton.testing.do_bench`, scattered cache blocks, block size 16) under
@@ -22,14 +23,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_shapes import copy_bandwidth  # noqa: E402
 
 ATTENTION_SHAPES = {"yuan2-2b": (32, 32, 64), "qwen2-vl-2b": (12, 2, 128), "llama-3-8b": (32, 8, 128)}
-CASES = [(1, 168), (64, 168), (256, 168), (256, 512)]
+CASES = "1x168,64x168,256x168,256x512,512x640"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b")
+    ap.add_argument("--cases", default=CASES, help="BATCHxCONTEXT,...")
+    ap.add_argument("--layouts", default="token",
+                    help="token: cache [blocks, block_size, Hkv, D] (Pagoda's); head: [blocks, Hkv, block_size, D] "
+                         "storage seen through a permuted view (the kernels take strides)")
+    ap.add_argument("--block-n", default="16,32,64,128")
+    ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    ints = lambda text: [int(v) for v in text.split(",")]
 
     import torch
     import triton.testing
@@ -42,11 +52,16 @@ def main() -> None:
     block = 16
     for shape in args.shapes.split(","):
         heads, kv_heads, dim = ATTENTION_SHAPES[shape]
-        for batch, context in CASES:
+        for (batch, context), layout in itertools.product(cases, args.layouts.split(",")):
             blocks_per = -(-(context + 1) // block)
             num_blocks = batch * blocks_per + 1
-            k_cache = torch.randn(num_blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
+            if layout == "head":
+                k_cache = torch.randn(num_blocks, kv_heads, block, dim, device="cuda", dtype=torch.bfloat16)
+                v_cache = torch.randn_like(k_cache)
+                k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+            else:
+                k_cache = torch.randn(num_blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+                v_cache = torch.randn_like(k_cache)
             perm = torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per] + 1
             tables = perm.view(batch, blocks_per).int()
             seq_lens = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
@@ -56,20 +71,19 @@ def main() -> None:
             graph_splits = pa.choose_num_splits(batch, kv_heads, 2048, pa.device_sm_count("cuda"))
             splits_options = sorted({1, graph_splits})
 
-            def run(cfg, splits):
+            def run(cfg, splits, args=(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5)):
                 pa.decode_config = lambda head_dim, cfg=cfg: cfg
                 try:
-                    return 1e3 * triton.testing.do_bench(
-                        lambda: pa.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5, splits),
-                        warmup=5, rep=30)
+                    return 1e3 * triton.testing.do_bench(lambda: pa.paged_decode_attention(*args, splits),
+                                                         warmup=5, rep=30)
                 finally:
                     pa.decode_config = default
 
             base = {s: run(default(dim), s) for s in splits_options}
-            case = {"shape": shape, "batch": batch, "context": context, "floor_us": floor_us,
+            case = {"shape": shape, "batch": batch, "context": context, "layout": layout, "floor_us": floor_us,
                     "graph_splits": graph_splits, "default": {str(s): us for s, us in base.items()}, "configs": []}
-            for block_n, warps, stages, splits in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3),
-                                                                   splits_options):
+            for block_n, warps, stages, splits in itertools.product(
+                    ints(args.block_n), ints(args.warps), ints(args.stages), splits_options):
                 cfg = pa.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     us = run(cfg, splits)
@@ -81,8 +95,8 @@ def main() -> None:
             best = min(case["configs"], key=lambda c: c["us"])
             case["best"] = best
             results.append(case)
-            print(f"{shape:12s} B={batch:4d} ctx={context:4d}: default {base[graph_splits]:7.1f} us "
-                  f"(graph splits {graph_splits}) | best {best['us']:7.1f} us  BLOCK_N={best['block_n']} "
+            print(f"{shape:12s} B={batch:4d} ctx={context:4d} {layout:5s}: default {base[graph_splits]:7.1f} us "
+                  f"(graph splits {graph_splits}) | best {best['us']:7.1f} us BLOCK_N={best['block_n']} "
                   f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']} | "
                   f"floor {floor_us:6.1f} us", flush=True)
             del k_cache, v_cache
