@@ -1,5 +1,5 @@
 """Fused elementwise kernels for the decoder layers: RMSNorm (alone, or fused with the residual add),
-neox-style RoPE for q and k in one launch, SiLU-and-mul, and the LF gate's two-tap state shift.
+neox-style RoPE for q and k in one launch, SiLU-and-mul, and Yuan2's LF gate on decode steps.
 
 Each replaces a chain of small PyTorch kernels (a decode step of a 2B model spent ~70 launches per
 layer on them) with one launch, and keeps the PyTorch code's numerics: fp32 math inside, rounded to
@@ -11,7 +11,7 @@ the activation dtype at the same points. The PyTorch references are the layers' 
 | `fused_add_rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps, residual)` |
 | `rotary` | `pagoda.layers.rotary.apply_rotary_reference(q, k, (cos, sin))` |
 | `silu_and_mul` | `pagoda.layers.activation.silu_and_mul_reference(x)` |
-| `two_tap_shift` | `LocalizedFilter`'s PyTorch path: `index_select` + `cat` + `index_copy_` (pure copies) |
+| `lf_decode_input` / `lf_decode_output` | `input_layernorm` / `output_layernorm` plus `LocalizedFilter`'s PyTorch path (`index_select` + `cat` + `index_copy_`: pure copies) |
 
 Where the results can differ from the reference (everything else is bit-identical):
 - RMSNorm's mean of squares is a different fp32 summation order than PyTorch's reduction, and
@@ -289,59 +289,151 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Two-tap state shift (Yuan2's LF gate on one-token rows)
+# Yuan2's LF gate on one-token rows: the state shifts fused into the norms around its two GEMMs
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _two_tap_shift_kernel(cur_ptr, state_ptr, slots_ptr, snap_ptr, snapshots_ptr, out_ptr,
-                          stride_cur, stride_state, stride_snap, stride_out, col0,
-                          N_COLS: tl.constexpr, BLOCK: tl.constexpr, HAS_SNAPSHOT: tl.constexpr):
-    """Grid (B, cdiv(F, BLOCK)). Row b: out[b] = [state[slot, col0:col0+F] | cur[b]], then
-    state[slot, col0:col0+F] = cur[b] (and snapshots[snap[b], same columns] = cur[b])."""
+def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr, EMULATE_BF16: tl.constexpr):
+    """weight * round(x * rstd(x)) rounded to out_ptr's dtype: `_rms_norm_kernel`'s arithmetic."""
+    xf = x.to(tl.float32)
+    variance = tl.math.div_rn(tl.sum(xf * xf, axis=0), N_COLS * 1.0)
+    normed = _round_to(xf * tl.math.rsqrt(variance + eps), out_ptr, EMULATE_BF16)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    return _round_to(w.to(tl.float32) * normed.to(tl.float32), out_ptr, EMULATE_BF16)
+
+
+@triton.jit
+def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, state_ptr, slots_ptr,
+                         snap_ptr, snapshots_ptr, in1_ptr, in2_ptr,
+                         stride_h, stride_r, stride_s, stride_state, stride_snap, stride_in1, stride_in2, eps,
+                         H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         HAS_RESIDUAL: tl.constexpr, HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One program per row b (sequence in state slot s):
+    x = input_layernorm(h [+ residual]) (the sum stored to summed), then
+    in1[b] = [state[s, :H] | x], in2[b] = [state[s, H:] | conv1 bias], state[s, :H] = x
+    (and the snapshot's). in2's right half is where conv1's GEMM accumulates o1."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N_COLS
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = _round_to(x.to(tl.float32) + r.to(tl.float32), h_ptr, EMULATE_BF16)
+        tl.store(summed_ptr + row * stride_s + offs, x, mask=mask)
+    x = _rms_weighted(x, weight_ptr, offs, mask, eps, H, in1_ptr, EMULATE_BF16)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    saved = state_ptr + slot * stride_state + col0 + offs
-    previous = tl.load(saved, mask=mask, other=0.0)
-    current = tl.load(cur_ptr + row * stride_cur + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, previous, mask=mask)
-    tl.store(out_ptr + row * stride_out + N_COLS + offs, current, mask=mask)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    mask_half = offs_half < HALF
+    saved = state_ptr + slot * stride_state
+    x_prev = tl.load(saved + offs, mask=mask, other=0.0)
+    o1_prev = tl.load(saved + H + offs_half, mask=mask_half, other=0.0)
+    tl.store(in1_ptr + row * stride_in1 + offs, x_prev, mask=mask)
+    tl.store(in1_ptr + row * stride_in1 + H + offs, x, mask=mask)
+    tl.store(in2_ptr + row * stride_in2 + offs_half, o1_prev, mask=mask_half)
+    tl.store(in2_ptr + row * stride_in2 + HALF + offs_half, tl.load(bias_ptr + offs_half, mask=mask_half),
+             mask=mask_half)
     tl.debug_barrier()                 # every lane has read the old state before any lane overwrites it
-    tl.store(saved, current, mask=mask)
+    tl.store(saved + offs, x, mask=mask)
     if HAS_SNAPSHOT:
         snap = tl.load(snap_ptr + row).to(tl.int64)
-        tl.store(snapshots_ptr + snap * stride_snap + col0 + offs, current, mask=mask)
+        tl.store(snapshots_ptr + snap * stride_snap + offs, x, mask=mask)
 
 
-def supports_two_tap_shift(current: torch.Tensor, state: torch.Tensor, col0: int) -> bool:
-    return (current.dim() == 2 and state.dim() == 2 and current.dtype in DTYPES and state.dtype == current.dtype
-            and current.stride(1) == 1 and state.stride(1) == 1 and current.device == state.device
-            and 0 <= col0 and col0 + current.shape[1] <= state.shape[1])
+@triton.jit
+def _lf_decode_out_kernel(o2_ptr, x_ptr, weight_ptr, out_ptr, o1_ptr, state_ptr, slots_ptr, snap_ptr, snapshots_ptr,
+                          stride_o2, stride_x, stride_out, stride_o1, stride_state, stride_snap, eps,
+                          H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One program per row b: out[b] = output_layernorm(o2[b] + x[b]); state[s, H:] = o1[b]
+    (and the snapshot's)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    o2 = tl.load(o2_ptr + row * stride_o2 + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    summed = _round_to(o2.to(tl.float32) + x.to(tl.float32), o2_ptr, EMULATE_BF16)
+    tl.store(out_ptr + row * stride_out + offs, _rms_weighted(summed, weight_ptr, offs, mask, eps, H, out_ptr,
+                                                              EMULATE_BF16), mask=mask)
+    offs_half = tl.arange(0, BLOCK_HALF)
+    mask_half = offs_half < HALF
+    o1 = tl.load(o1_ptr + row * stride_o1 + offs_half, mask=mask_half, other=0.0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    tl.store(state_ptr + slot * stride_state + H + offs_half, o1, mask=mask_half)
+    if HAS_SNAPSHOT:
+        snap = tl.load(snap_ptr + row).to(tl.int64)
+        tl.store(snapshots_ptr + snap * stride_snap + H + offs_half, o1, mask=mask_half)
 
 
-def two_tap_shift(current: torch.Tensor, state: torch.Tensor, col0: int, slots: torch.Tensor,
-                  snapshot_index: torch.Tensor | None = None,
-                  snapshots: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch for a width-2 causal convolution's input on one-token rows, plus the state update.
+def supports_lf_decode(h: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor) -> bool:
+    """h [B, H] one token per row; state [S, 1.5·H] = [x_prev | o1_prev] per slot."""
+    hidden = h.shape[-1] if h.dim() == 2 else 0
+    return (h.dim() == 2 and h.dtype in DTYPES and h.stride(1) == 1 and hidden % 2 == 0
+            and 0 < hidden <= MAX_NORM_SIZE and norm_weight.dtype == h.dtype and norm_weight.shape == (hidden,)
+            and state.dim() == 2 and state.dtype == h.dtype and state.stride(1) == 1
+            and state.shape[1] == hidden + hidden // 2 and state.device == h.device == norm_weight.device)
 
-    current [B, F] (row b is the one new token of the sequence in state slot slots[b]); state
-    [S, W], whose columns [col0, col0 + F) hold each sequence's previous token. Returns [B, 2F] =
-    [previous | current] (what `torch.cat([state[slots, cols], current], -1)` gives) and writes
-    state[slots[b], cols] = current[b]; with snapshots, also snapshots[snapshot_index[b], cols].
-    Slots must be distinct except for rows whose outputs are discarded (CUDA-graph padding rows
-    sharing one scratch slot, which read whatever the others left)."""
-    assert supports_two_tap_shift(current, state, col0), "unsupported two_tap_shift arguments"
-    rows, n_cols = current.shape
-    out = torch.empty(rows, 2 * n_cols, dtype=current.dtype, device=current.device)
-    if rows == 0:
-        return out
-    has_snapshot = snapshot_index is not None
-    if has_snapshot:
-        assert snapshots is not None and snapshots.stride(1) == 1 and snapshots.shape[1] == state.shape[1]
-    block = min(triton.next_power_of_2(n_cols), 1024)
-    _two_tap_shift_kernel[(rows, triton.cdiv(n_cols, block))](
-        current, state, slots, snapshot_index if has_snapshot else slots, snapshots if has_snapshot else state,
-        out, current.stride(0), state.stride(0), snapshots.stride(0) if has_snapshot else 0, out.stride(0), col0,
-        N_COLS=n_cols, BLOCK=block, HAS_SNAPSHOT=has_snapshot, num_warps=4)
+
+def _snapshot_args(snapshot_index: torch.Tensor | None, snapshots: torch.Tensor | None, state: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if snapshot_index is None:
+        return slots, state, 0                  # placeholders, never read (HAS_SNAPSHOT false)
+    assert snapshots is not None and snapshots.stride(1) == 1 and snapshots.shape[1] == state.shape[1]
+    return snapshot_index, snapshots, snapshots.stride(0)
+
+
+def lf_decode_input(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    conv1_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                    snapshot_index: torch.Tensor | None = None, snapshots: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder layer's input norm and the LF gate's input shifts in one launch, for one-token rows.
+
+    h [B, H] (+ residual [B, H]: the norm sees round(h + residual), which is returned as the new
+    residual stream; without it h is the stream). Returns (in1 [B, 2H], in2 [B, H], residual) with
+    x = input_layernorm(...) = in1[:, H:]:
+      in1 = [x_prev | x]            conv1's input (x_prev = state[slots, :H])
+      in2 = [o1_prev | conv1 bias]  conv2's input once conv1 has accumulated into in2[:, H/2:]
+    and writes state[slots, :H] = x (and snapshots[snapshot_index, :H]). The reference is the layer's
+    unfused path: `input_layernorm`, then `index_select` / `cat` / `index_copy_` on the state."""
+    assert supports_lf_decode(h, norm_weight, state), "unsupported lf_decode_input arguments"
+    rows, hidden = h.shape
+    half = hidden // 2
+    assert conv1_bias.shape == (half,) and conv1_bias.dtype == h.dtype and conv1_bias.is_contiguous()
+    if residual is not None:
+        assert residual.shape == h.shape and residual.dtype == h.dtype and residual.stride(1) == 1
+    in1 = torch.empty(rows, 2 * hidden, dtype=h.dtype, device=h.device)
+    in2 = torch.empty(rows, hidden, dtype=h.dtype, device=h.device)
+    summed = torch.empty_like(h) if residual is not None else h
+    if rows:
+        snap_index, snaps, stride_snap = _snapshot_args(snapshot_index, snapshots, state, slots)
+        block = triton.next_power_of_2(hidden)
+        r = residual if residual is not None else h
+        _lf_decode_in_kernel[(rows,)](
+            h, r, norm_weight, summed, conv1_bias, state, slots, snap_index, snaps, in1, in2,
+            h.stride(0), r.stride(0), summed.stride(0), state.stride(0), stride_snap, in1.stride(0), in2.stride(0),
+            float(eps), H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
+            HAS_RESIDUAL=residual is not None, HAS_SNAPSHOT=snapshot_index is not None,
+            EMULATE_BF16=_interpreting(), num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+    return in1, in2, summed
+
+
+def lf_decode_output(o2: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, o1: torch.Tensor,
+                     state: torch.Tensor, slots: torch.Tensor, snapshot_index: torch.Tensor | None = None,
+                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
+    """The LF gate's output norm, output_layernorm(o2 + x) [B, H], with the state update
+    state[slots, H:] = o1 [B, H/2] (and snapshots[snapshot_index, H:]) in the same launch.
+    x and o1 may be strided row views (unit stride along features)."""
+    assert supports_lf_decode(o2, norm_weight, state), "unsupported lf_decode_output arguments"
+    rows, hidden = o2.shape
+    half = hidden // 2
+    assert x.shape == o2.shape and x.stride(1) == 1 and o1.shape == (rows, half) and o1.stride(1) == 1
+    out = torch.empty_like(o2)
+    if rows:
+        snap_index, snaps, stride_snap = _snapshot_args(snapshot_index, snapshots, state, slots)
+        block = triton.next_power_of_2(hidden)
+        _lf_decode_out_kernel[(rows,)](
+            o2, x, norm_weight, out, o1, state, slots, snap_index, snaps,
+            o2.stride(0), x.stride(0), out.stride(0), o1.stride(0), state.stride(0), stride_snap, float(eps),
+            H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
+            HAS_SNAPSHOT=snapshot_index is not None, EMULATE_BF16=_interpreting(),
+            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
     return out

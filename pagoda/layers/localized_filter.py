@@ -73,11 +73,12 @@ class LocalizedFilter(nn.Module):
     def bind_state(self, state: torch.Tensor, snapshots: torch.Tensor) -> None:
         self.state, self.snapshots = state, snapshots
 
-    def forward(self, x: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: SequenceStateBatch,
+                decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """decode_inputs: what `fused_decode_input` prepared for this decode step (then x is its view)."""
+        if decode_inputs is not None:
+            return self._one_token_rows(x, batch, *decode_inputs)
         h = self.hidden_size
-        ops = dispatch.fused_ops_for(x) if batch.one_token_per_row else None
-        if ops is not None and ops.supports_two_tap_shift(x, self.state, 0):
-            return self._one_token_rows(ops, x, batch)
         saved = self.state.index_select(0, batch.slots)              # [B, 1.5H]
         x_prev, o1_prev = saved[:, :h], saved[:, h:]
         o1 = self.conv1(_previous(x, x_prev, batch), x)              # [T, H/2]
@@ -90,21 +91,43 @@ class LocalizedFilter(nn.Module):
                         batch.snapshot_every_row)
         return y
 
+    def fused_decode_input(self, h: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm,
+                           batch: SequenceStateBatch | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+        """On a CUDA decode step (every row one token): the decoder layer's input norm fused with this
+        gate's state shifts (`fused_ops.lf_decode_input`). Returns (x, residual stream, decode_inputs
+        for `forward`), or None where the unfused path runs (CPU, prefill and mixed steps)."""
+        ops = dispatch.fused_ops_for(h) if batch is not None and batch.one_token_per_row else None
+        if ops is None or not ops.supports_lf_decode(h, input_norm.weight, self.state) \
+                or self.conv1.bias.dtype != h.dtype:
+            return None
+        snap_index, snapshots = self._in_kernel_snapshots(batch)
+        in1, in2, residual = ops.lf_decode_input(h, residual, input_norm.weight, input_norm.eps, self.conv1.bias,
+                                                 self.state, batch.slots, snap_index, snapshots)
+        return in1[:, self.hidden_size:], residual, (in1, in2)
 
-    def _one_token_rows(self, ops, x: torch.Tensor, batch: SequenceStateBatch) -> torch.Tensor:
-        """A decode step (every row one token) on CUDA: each convolution's [previous | current]
-        input and the slot's update come from one `two_tap_shift` launch, instead of a gather, a
-        concatenation and two scatters (plus two for snapshots) per layer."""
+    def _in_kernel_snapshots(self, batch: SequenceStateBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(snapshot block per row, snapshots) when every row writes a snapshot (captured decode
+        steps: rows completing no block write the null block's), else (None, None)."""
+        if batch.snapshot_every_row and batch.snapshot_tokens is not None and self.snapshots.numel():
+            return batch.snapshot_blocks, self.snapshots
+        return None, None
+
+    def _one_token_rows(self, x: torch.Tensor, batch: SequenceStateBatch, in1: torch.Tensor,
+                        in2: torch.Tensor) -> torch.Tensor:
+        """A decode step on CUDA, from `fused_decode_input`'s buffers: in1 = [x_prev | x] and
+        in2 = [o1_prev | conv1 bias]. conv1 accumulates into in2's right half in place (so in2 is
+        conv2's [o1_prev | o1] input with no copy), and the output norm's launch also saves o1 in
+        the state: two launches per layer fewer than a shift kernel before each convolution."""
         h = self.hidden_size
-        every_row = batch.snapshot_every_row and batch.snapshot_tokens is not None and self.snapshots.numel() > 0
-        snap_index = batch.snapshot_blocks if every_row else None
-        snapshots = self.snapshots if every_row else None
-        o1 = F.linear(ops.two_tap_shift(x, self.state, 0, batch.slots, snap_index, snapshots),
-                      self.conv1.weight, self.conv1.bias)                                   # [B, H/2]
-        o2 = F.linear(ops.two_tap_shift(o1, self.state, h, batch.slots, snap_index, snapshots),
-                      self.conv2.weight, self.conv2.bias)                                   # [B, H]
-        y, _ = self.output_layernorm(o2, x)
-        if not every_row and batch.snapshot_tokens is not None and self.snapshots.numel():
+        o1 = in2[:, h // 2:]
+        o1.addmm_(in1, self.conv1.weight.t())                                          # [B, H/2] + bias
+        o2 = F.linear(in2, self.conv2.weight, self.conv2.bias)                         # [B, H]
+        snap_index, snapshots = self._in_kernel_snapshots(batch)
+        ops = dispatch.fused_ops_for(x)
+        y = ops.lf_decode_output(o2, x, self.output_layernorm.weight, self.output_layernorm.eps, o1, self.state,
+                                 batch.slots, snap_index, snapshots)
+        if snapshots is None and batch.snapshot_tokens is not None and self.snapshots.numel():
             _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens, False)
         return y
 

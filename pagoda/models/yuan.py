@@ -110,10 +110,11 @@ class YuanAttention(nn.Module):
         self.o_proj = Linear(shape.projection, shape.hidden)
         self.attn = Attention(shape.num_heads, shape.num_heads, shape.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention,
+                lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t = x.shape[0]
         v = self.v_proj(x)                                   # values from x, before the filter
-        y = self.lf_gate(x, step.state)
+        y = self.lf_gate(x, step.state, lf_inputs)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
         q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_heads, self.head_dim), rope)
         return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, step))
@@ -203,12 +204,17 @@ class YuanDecoderLayer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `LlamaDecoderLayer.forward`: h is the previous layer's MLP output, not yet added to
         `residual`; returns (MLP output, residual stream) and each residual add is fused into the
-        next norm. The LF gate still sees input_layernorm's output (inside self_attn), as before."""
-        if residual is None:
+        next norm. The LF gate still sees input_layernorm's output (inside self_attn), as before; on
+        CUDA decode steps that norm is fused with the gate's state shifts (`fused_decode_input`)."""
+        fused = self.self_attn.lf_gate.fused_decode_input(h, residual, self.input_layernorm, step.state)
+        lf_inputs = None
+        if fused is not None:
+            x, residual, lf_inputs = fused
+        elif residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step, lf_inputs), residual)
         return self.mlp(x), residual
 
 

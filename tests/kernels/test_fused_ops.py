@@ -207,40 +207,56 @@ def test_cpu_tensors_never_take_the_kernels(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Two-tap state shift (LF gate, one-token rows)
+# Yuan2's LF gate on one-token rows: norms fused with the state shifts
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols, col0, with_snapshots", [(6, 0, False), (6, 9, True), (1030, 3, True)])
-def test_two_tap_shift_matches_gather_cat_scatter(cols, col0, with_snapshots, dtype):
-    """Against the LF gate's PyTorch path: [state[slots, cols] | current], then the scatters; rows in
-    shuffled slot order, `current` a strided column slice, snapshot rows including repeats of the
-    null block (written last by whichever row: every writer there carries the value of its own row,
-    so only the distinct real blocks are compared)."""
-    rows, num_slots, width = 5, 9, col0 + cols + 2
-    state = _randn(num_slots, width, dtype=dtype, seed=30)
-    wide = _randn(rows, cols + 7, dtype=dtype, seed=31)
-    current = wide[:, 4:4 + cols]                                   # stride(0) = cols + 7
+@pytest.mark.parametrize("hidden, with_residual, with_snapshots", [(6, True, False), (10, False, True),
+                                                                   (34, True, True)])
+def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_snapshots, dtype):
+    """`lf_decode_input` then `lf_decode_output` against the reference composition: the layer's
+    input norm (`rms_norm_reference`, with or without the residual add), the LF gate's gather /
+    concatenate / scatter of [x_prev | o1_prev] state rows, and its output norm. Rows sit in
+    shuffled slots; snapshot rows include repeats of the null block 0 (whichever row writes it
+    last wins, so only distinct real blocks are compared)."""
+    rows, num_slots, half = 5, 9, hidden // 2
+    width = hidden + half
+    h = _randn(rows, hidden, dtype=dtype, seed=40)
+    residual = _randn(rows, hidden, dtype=dtype, seed=41) if with_residual else None
+    weight, out_weight = _randn(hidden, dtype=dtype, seed=42), _randn(hidden, dtype=dtype, seed=43)
+    bias = _randn(half, dtype=dtype, seed=44)
+    state = _randn(num_slots, width, dtype=dtype, seed=45)
     slots = torch.tensor([7, 2, 0, 5, 3], device=DEVICE)
-    snapshots = _randn(6, width, dtype=dtype, seed=32) if with_snapshots else None
+    snapshots = _randn(6, width, dtype=dtype, seed=46) if with_snapshots else None
     snap_index = torch.tensor([0, 4, 0, 1, 0], device=DEVICE) if with_snapshots else None
+    old_state, old_snapshots = state.clone(), snapshots.clone() if with_snapshots else None
 
-    want_out = torch.cat([state[slots, col0:col0 + cols], current], dim=-1)
-    want_state = state.clone()
-    want_state[:, col0:col0 + cols].index_copy_(0, slots, current)
-    want_snapshots = snapshots.clone() if with_snapshots else None
+    if with_residual:
+        x_ref, summed_ref = rms_norm_reference(h, weight, 1e-6, residual)
+    else:
+        x_ref, summed_ref = rms_norm_reference(h, weight, 1e-6), h
+    in1, in2, summed = fused_ops.lf_decode_input(h, residual, weight, 1e-6, bias, state, slots, snap_index, snapshots)
+    _check_normed(in1[:, hidden:], x_ref)
+    assert torch.equal(summed, summed_ref)
+    x = in1[:, hidden:]
+    assert torch.equal(in1[:, :hidden], old_state[slots, :hidden])
+    assert torch.equal(in2, torch.cat([old_state[slots, hidden:], bias.expand(rows, half)], dim=-1))
+    want_state = old_state.clone()
+    want_state[slots, :hidden] = x
+    assert torch.equal(state, want_state)
 
-    out = fused_ops.two_tap_shift(current, state, col0, slots, snap_index, snapshots)
-    assert torch.equal(out, want_out)
+    o1 = _randn(rows, half, dtype=dtype, seed=47)
+    in2[:, half:] = o1                                  # what conv1 accumulates there
+    o2 = _randn(rows, hidden, dtype=dtype, seed=48)
+    y = fused_ops.lf_decode_output(o2, x, out_weight, 1e-6, in2[:, half:], state, slots, snap_index, snapshots)
+    _check_normed(y, rms_norm_reference(o2, out_weight, 1e-6, x)[0])
+    want_state[slots, hidden:] = o1
     assert torch.equal(state, want_state)
     if with_snapshots:
-        assert torch.equal(snapshots[4, col0:col0 + cols], current[1])
-        assert torch.equal(snapshots[1, col0:col0 + cols], current[3])
+        for row, block in ((1, 4), (3, 1)):
+            assert torch.equal(snapshots[block], torch.cat([x[row], o1[row]]))
         untouched = [2, 3, 5]
-        assert torch.equal(snapshots[untouched], want_snapshots[untouched])
-        outside = torch.ones(width, dtype=torch.bool)
-        outside[col0:col0 + cols] = False
-        assert torch.equal(snapshots[:, outside.to(DEVICE)], want_snapshots[:, outside.to(DEVICE)])
+        assert torch.equal(snapshots[untouched], old_snapshots[untouched])
 
 
 @pytest.fixture
@@ -251,7 +267,8 @@ def kernels_everywhere(monkeypatch):
     class Spy:
         def __getattr__(self, name):
             attr = getattr(fused_ops, name)
-            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "two_tap_shift"):
+            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
+                        "lf_decode_output"):
                 def wrapped(*args, **kwargs):
                     calls.append(name)
                     return attr(*args, **kwargs)
@@ -281,7 +298,8 @@ def test_layers_use_the_kernels_and_fall_back(kernels_everywhere):
 
 def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
     """The whole engine with every norm, residual add, RoPE and SiLU-and-mul in the kernels (the LF
-    gate's norm and, on decode steps, its state shift too) reproduces the official code's greedy continuations and logits: Yuan2 dense
+    gate's norms and, on decode steps, its state shifts fused into them) reproduces the official
+    code's greedy continuations and logits: Yuan2 dense
     (full rotary) and M32 (partial rotary over a bf16-built table, experts)."""
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
@@ -314,7 +332,8 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
         for i, case in enumerate(cases):
             assert done[str(i)] == case["greedy_16"][:6], name
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
-    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "two_tap_shift"} <= set(kernels_everywhere)
+    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
+            "lf_decode_output"} <= set(kernels_everywhere)
 
 
 def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
