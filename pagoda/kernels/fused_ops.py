@@ -68,6 +68,17 @@ def _round_to(x, ptr, EMULATE_BF16: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr, EMULATE_BF16: tl.constexpr):
+    """weight * round(x * rstd(x)), rounded to out_ptr's dtype: F.rms_norm in fp32 (mean of squares in
+    fp32), cast to the dtype, then the weight product (exact in fp32 for bf16/fp16), cast again."""
+    xf = x.to(tl.float32)
+    variance = tl.math.div_rn(tl.sum(xf * xf, axis=0), N_COLS * 1.0)
+    normed = _round_to(xf * tl.math.rsqrt(variance + eps), out_ptr, EMULATE_BF16)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    return _round_to(w.to(tl.float32) * normed.to(tl.float32), out_ptr, EMULATE_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
                      stride_x, stride_r, stride_o, stride_s, eps,
                      N_COLS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -81,13 +92,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = _round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr, EMULATE_BF16)   # rounded like `x + r`
         tl.store(summed_ptr + row * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    variance = tl.math.div_rn(tl.sum(xf * xf, axis=0), N_COLS * 1.0)   # mean in fp32
-    rstd = tl.math.rsqrt(variance + eps)
-    normed = _round_to(xf * rstd, x_ptr, EMULATE_BF16)                          # F.rms_norm(...).to(dtype)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = w.to(tl.float32) * normed.to(tl.float32)                               # weight * normed
-    tl.store(out_ptr + row * stride_o + offs, _round_to(out, out_ptr, EMULATE_BF16), mask=mask)
+    # out has x's dtype (the launcher allocates it so), so rounding to out's dtype is rounding to x's.
+    tl.store(out_ptr + row * stride_o + offs, _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS, out_ptr,
+                                                            EMULATE_BF16), mask=mask)
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
@@ -291,16 +298,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Yuan2's LF gate on one-token rows: the state shifts fused into the norms around its two GEMMs
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr, EMULATE_BF16: tl.constexpr):
-    """weight * round(x * rstd(x)) rounded to out_ptr's dtype: `_rms_norm_kernel`'s arithmetic."""
-    xf = x.to(tl.float32)
-    variance = tl.math.div_rn(tl.sum(xf * xf, axis=0), N_COLS * 1.0)
-    normed = _round_to(xf * tl.math.rsqrt(variance + eps), out_ptr, EMULATE_BF16)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    return _round_to(w.to(tl.float32) * normed.to(tl.float32), out_ptr, EMULATE_BF16)
-
 
 @triton.jit
 def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, state_ptr, slots_ptr,
