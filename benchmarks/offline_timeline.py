@@ -17,6 +17,7 @@ With async scheduling a step's wall time is mostly the GPU time of the step laun
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -102,6 +103,8 @@ def timeline(folder: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    import torch
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="yuan2-2b,llama-yuan2-2b-dims")
     ap.add_argument("--prompts", type=int, default=512)
@@ -120,10 +123,7 @@ def main() -> None:
             with open(os.path.join(path, "config.json"), "w") as f:
                 json.dump(shape_config(shape, args.tiny), f, indent=1)
             results[shape] = timeline(path, args)
-            import gc
-
-            import torch
-            gc.collect()
+            gc.collect()                        # the previous shape's engine, before the next one's
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if args.out:
