@@ -30,7 +30,12 @@ from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.side_stream import Branch
 
+# Decode steps up to this many rows overlap v_proj with the LF gate. H200, Yuan2-2B (device call 3 of
+# 2026-11-30d, same machine): c=1 TPOT 2.25 → 2.15 ms; at B=64 no change (3.06 / 3.07 ms); at B=256
+# the decode step got slower (6.17 → 6.28 ms): there one matmul already fills the GPU.
+SIDE_STREAM_MAX_ROWS = 32
 YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
 
 
@@ -113,11 +118,14 @@ class YuanAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention,
                 lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t = x.shape[0]
-        v = self.v_proj(x)                                   # values from x, before the filter
+        # Values come from x, before the filter: on small decode steps (lf_inputs: the fused CUDA path)
+        # v_proj runs on a side stream while conv1 → conv2 → norm → qk run (`side_stream`: there each
+        # small matmul is bound by a per-kernel fixed cost, so two side by side cost little more than one).
+        v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= SIDE_STREAM_MAX_ROWS)
         y = self.lf_gate(x, step.state, lf_inputs)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
         q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_heads, self.head_dim), rope)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, step))
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v_branch.join(), step))
 
 
 class YuanMLP(nn.Module):
