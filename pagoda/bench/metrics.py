@@ -158,6 +158,10 @@ COUNTERS = {
     "ttft_seconds_count": ("time_to_first_token_seconds_count",),
     "queue_seconds_sum": ("request_queue_time_seconds_sum",),
     "queue_seconds_count": ("request_queue_time_seconds_count",),
+    # Pagoda only: the engine core's steps, busy time and the part of it spent waiting for the GPU.
+    "engine_steps": ("engine_steps_total",),
+    "engine_busy_seconds": ("engine_core_busy_seconds_total",),
+    "engine_device_wait_seconds": ("engine_core_device_wait_seconds_total",),
 }
 # mean key -> (sum counter, count counter), in milliseconds
 MEANS_MS = {"server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
@@ -213,4 +217,11 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
     for key, (total, count) in MEANS_MS.items():
         n = out[f"{count}_delta"]
         out[key] = 1e3 * out[f"{total}_delta"] / n if n else None
+    # Per engine step over the point: host work (busy minus device wait) and the wait itself. A wait
+    # near zero under load says the engine core's host work, not the GPU, sets the step rate.
+    steps, busy, wait = (out[f"{k}_delta"] for k in ("engine_steps", "engine_busy_seconds",
+                                                     "engine_device_wait_seconds"))
+    ok = steps and busy is not None and wait is not None
+    out["engine_host_ms_per_step"] = 1e3 * (busy - wait) / steps if ok else None
+    out["engine_wait_ms_per_step"] = 1e3 * wait / steps if ok else None
     return out

@@ -24,6 +24,7 @@ already knows each request's prompt; `AsyncEngine` rebuilds `RequestOutput`s fro
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,7 +203,9 @@ def _add(engine, message: AddRequest) -> str | None:
 
 def _loop(engine, inbox, outbox, parent: int) -> None:
     last_stats: EngineStats | None = None
+    busy = 0.0
     while (messages := _receive(engine, inbox, parent)) is not None:
+        started = time.perf_counter()
         outputs: list[RequestOutput] = []
         rejected: dict[str, str] = {}
         for message in messages:
@@ -215,9 +218,11 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
         # Report outputs, and also any change of state without outputs (a prefill chunk, a request
         # admitted): the gauges stay current. Nothing is sent while nothing changes.
         stats = engine.stats()
+        stats.busy_seconds = busy
         if outputs or rejected or _changed(stats, last_stats):
             outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected))
         last_stats = stats
+        busy += time.perf_counter() - started
 
 
 def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
@@ -227,7 +232,9 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
     owners: dict[str, int] = {}            # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
+    busy = 0.0
     while (messages := _receive(engine, inbox, parent)) is not None:
+        started = time.perf_counter()
         outputs: list[RequestOutput] = []
         rejected: list[dict[str, str]] = [{} for _ in range(count)]
         for message in messages:
@@ -251,16 +258,20 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
             if owner is not None:
                 per_client[owner].append(wire_output(out))
         stats = engine.stats()
+        stats.busy_seconds = busy
         changed = _totals_changed(stats, last_stats)
         for index, box in enumerate(clients):
             if per_client[index] or rejected[index] or changed:
                 box.send_pyobj(Outputs(per_client[index], stats, rejected[index]))
         last_stats = stats
+        busy += time.perf_counter() - started
 
 
 def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:
-    return _changed(stats, last) or (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits) != (
-        last.num_preemptions, last.prefix_cache_queries, last.prefix_cache_hits)
+    # num_steps: the core's clock totals (busy, device wait) move with every step and process 0 counts them.
+    return _changed(stats, last) or (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                                     stats.num_steps) != (last.num_preemptions, last.prefix_cache_queries,
+                                                          last.prefix_cache_hits, last.num_steps)
 
 
 def _changed(stats: EngineStats, last: EngineStats | None) -> bool:

@@ -11,6 +11,7 @@ when one max_model_len request could not fit.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None   # launched, not yet read
+        self._device_wait_s = 0.0           # total seconds `step()` waited for sampled tokens (EngineStats)
         self.vocab_size = self.runner.vocab_size
         self._log_startup()
 
@@ -181,7 +183,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(sched.num_running, sched.num_waiting, bm.usage, sched.stats.num_preemptions,
-                           bm.prefix_queries, bm.prefix_hits, sched.stats.num_steps)
+                           bm.prefix_queries, bm.prefix_hits, sched.stats.num_steps, self._device_wait_s)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -209,7 +211,9 @@ class LLMEngine:
             self._process(*previous)
 
     def _process(self, scheduler_output: SchedulerOutput, launched: PendingStep) -> list[RequestOutput]:
-        step_output = launched.result()
+        started = time.perf_counter()
+        step_output = launched.result()             # waits for the device (the step's sampled tokens)
+        self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
         return self.output_processor.process(updated, step_output.logprobs, self._finish)
 

@@ -118,3 +118,9 @@ class EngineStats:
     prefix_cache_queries: int       # tokens looked up in the prefix cache
     prefix_cache_hits: int          # tokens found there
     num_steps: int
+    # Where the core's time goes (totals, seconds): `busy_seconds` = its loop passes from the moment a
+    # pass's messages are in to when its outputs are sent (so not the blocking wait while idle), set by
+    # the core process; `device_wait_seconds` = the part spent waiting for a step's sampled tokens.
+    # busy − wait is host work; wait ≈ 0 at a level means the host, not the GPU, sets the step rate.
+    device_wait_seconds: float = 0.0
+    busy_seconds: float = 0.0

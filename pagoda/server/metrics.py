@@ -49,6 +49,13 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler").labels(m)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(m)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(m)
+        # Pagoda's own (no vLLM name): where the engine core's time goes, to tell a host-bound core
+        # from a GPU-bound one under load (`pagoda bench` reports them per point, per step).
+        self.engine_steps = counter("engine_steps", "Engine steps run").labels(m)
+        self.engine_busy = counter("engine_core_busy_seconds",
+                                   "Engine core time in its loop (not idle-waiting for requests)").labels(m)
+        self.engine_wait = counter("engine_core_device_wait_seconds",
+                                   "Part of the busy time spent waiting for a step's sampled tokens").labels(m)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS).labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
@@ -56,7 +63,7 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled",
                                     _TTFT_BUCKETS).labels(m)
         self.model_name = m
-        self._last = (0, 0, 0)
+        self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0)
 
     def on_engine_outputs(self, message: Outputs) -> None:
         stats = message.stats
@@ -76,15 +83,14 @@ class ServerMetrics:
         if not self.count_engine_totals:
             return
         # The core sends running totals; counters advance by the difference.
-        pre, queries, hits = stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
-        last_pre, last_queries, last_hits = self._last
-        if pre > last_pre:
-            self.preemptions.inc(pre - last_pre)
-        if queries > last_queries:
-            self.prefix_queries.inc(queries - last_queries)
-        if hits > last_hits:
-            self.prefix_hits.inc(hits - last_hits)
-        self._last = (pre, queries, hits)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
+                  stats.busy_seconds, stats.device_wait_seconds)
+        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.engine_steps, self.engine_busy,
+                    self.engine_wait)
+        for counter, total, last in zip(counters, totals, self._last):
+            if total > last:
+                counter.inc(total - last)
+        self._last = totals
 
     def on_request_finished(self, finish_reasons: list[str | None]) -> None:
         for reason in finish_reasons:

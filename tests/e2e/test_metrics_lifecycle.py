@@ -46,7 +46,8 @@ def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
                    "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
                    "prefix_cache_hits_total", "time_to_first_token_seconds_count",
                    "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
-                   "request_queue_time_seconds_count"]:
+                   "request_queue_time_seconds_count", "engine_steps_total", "engine_core_busy_seconds_total",
+                   "engine_core_device_wait_seconds_total"]:
         assert f"pagoda:{family}" in names, family
 
 
@@ -78,6 +79,11 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
     ttft_buckets = [v for (name, labels), v in after.items() if name == "pagoda:time_to_first_token_seconds_bucket"]
     assert ttft_buckets and max(ttft_buckets) == metric(after, "pagoda:time_to_first_token_seconds_count")
     assert delta(before, after, "pagoda:prefix_cache_queries_total") >= len(prompt_ids)
+    # The core's own clock: one request at a time, so at least one step per generated token; the
+    # GPU-wait part (here the CPU forward's result) is within the busy time.
+    assert delta(before, after, "pagoda:engine_steps_total") >= generated
+    busy = delta(before, after, "pagoda:engine_core_busy_seconds_total")
+    assert 0 < busy and 0 <= delta(before, after, "pagoda:engine_core_device_wait_seconds_total") <= busy
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:

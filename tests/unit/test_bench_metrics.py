@@ -267,6 +267,29 @@ def test_server_mean_ttft_from_histogram_deltas() -> None:
     assert server_metrics_summary(before, before, [])["server_mean_ttft_ms"] is None   # no requests: no mean
 
 
+def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
+    """The engine core's totals → ServerMetrics counters → the rendered page → bench's per-step host
+    work and GPU wait over a point (names on both sides must agree)."""
+    from pagoda.engine.core_process import Outputs
+    from pagoda.engine.outputs import EngineStats
+    from pagoda.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+
+    def feed(steps: int, busy: float, wait: float) -> dict:
+        metrics.on_engine_outputs(Outputs([], EngineStats(1, 0, 0.1, 0, 0, 0, steps, wait, busy), {}))
+        return parse_prometheus(metrics.render().decode())
+
+    before = feed(10, 1.0, 0.5)
+    after = feed(110, 1.6, 0.9)                 # 100 steps: 0.6 s busy, 0.4 s of it waiting
+    summary = server_metrics_summary(before, after, [])
+    assert summary["engine_steps_delta"] == 100
+    assert summary["engine_host_ms_per_step"] == pytest.approx(2.0)
+    assert summary["engine_wait_ms_per_step"] == pytest.approx(4.0)
+    vllm_like = {k: v for k, v in after.items() if not k.startswith("engine_")}
+    assert server_metrics_summary(vllm_like, vllm_like, [])["engine_host_ms_per_step"] is None
+
+
 # ---- the SSE client on a mock transport -----------------------------------------------------------------
 
 def _sse(events: list, done: bool = True) -> bytes:
