@@ -282,6 +282,10 @@ def test_metrics_are_the_true_totals_whichever_process_answers(asc: ServerProces
             assert delta(before[pid], after, "pagoda:prefix_cache_queries_total") == prompt_tokens, where
             assert delta(before[pid], after, "pagoda:prefix_cache_hits_total") == cached, where
             assert metric(after, "pagoda:num_requests_running") == 0, where
+            # Requests one at a time: a step per generated token (at most one spare step per request),
+            # counted once although both processes receive the core's totals.
+            steps = delta(before[pid], after, "pagoda:engine_steps_total")
+            assert generated <= steps <= generated + len(results), (where, steps, generated)
 
 
 @pytest.mark.parametrize("side", [0, 1])
