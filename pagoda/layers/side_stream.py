@@ -31,8 +31,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Branch:
-    """fork(fn, *args) starts fn on the side stream; join() returns its result once the main stream
-    may use it. On CPU (or when `enabled` is False) fn simply runs at fork time."""
+    """`Branch(fn, *args)` forks: fn(*args) is queued on the side stream after the main stream's work
+    so far; `join()` returns its result and makes the main stream wait for it. On CPU (or when
+    `enabled` is False) fn simply runs inline in the constructor."""
 
     def __init__(self, fn: Callable[..., T], *args: torch.Tensor, enabled: bool = True):
         first = args[0]

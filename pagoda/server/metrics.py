@@ -23,6 +23,11 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0)
 
 
+def _engine_totals(stats) -> tuple[float, ...]:
+    return (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
+            stats.busy_seconds, stats.device_wait_seconds)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, multiprocess: bool = False, count_engine_totals: bool = True):
         self.registry = CollectorRegistry()
@@ -63,6 +68,9 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled",
                                     _TTFT_BUCKETS).labels(m)
         self.model_name = m
+        # Counters fed from the core's running totals, in `_engine_totals` order.
+        self._total_counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.engine_steps,
+                                self.engine_busy, self.engine_wait)
         self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0)
 
     def on_engine_outputs(self, message: Outputs) -> None:
@@ -83,11 +91,8 @@ class ServerMetrics:
         if not self.count_engine_totals:
             return
         # The core sends running totals; counters advance by the difference.
-        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
-                  stats.busy_seconds, stats.device_wait_seconds)
-        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.engine_steps, self.engine_busy,
-                    self.engine_wait)
-        for counter, total, last in zip(counters, totals, self._last):
+        totals = _engine_totals(stats)
+        for counter, total, last in zip(self._total_counters, totals, self._last):
             if total > last:
                 counter.inc(total - last)
         self._last = totals
