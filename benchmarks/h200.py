@@ -267,7 +267,8 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
                                           "p95_tpot_ms", "completed", "failed", "client_processes",
                                           "client_cpu_percent", "total_input_tokens")},
                     **{k: (p.get("server_metrics") or {}).get(k)
-                       for k in ("server_mean_ttft_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step")},
+                       for k in ("server_mean_ttft_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step",
+                                 "engine_cpu_ms_per_step")},
                     api_server_count=_api_server_count(args.serve_extra)))
     except RuntimeError as exc:
         print(f"serve {shape} failed: {exc}", flush=True)
@@ -326,7 +327,9 @@ def print_table(rows: list[dict]) -> None:
               + (f" (server mean {r['server_mean_ttft_ms']:.1f})" if r.get("server_mean_ttft_ms") else "")
               + f" | {f(r['median_tpot_ms'], '{:.2f}')} / {f(r['p95_tpot_ms'], '{:.2f}')}"
               # the engine core per step over the level: host work + waiting for the GPU (≈ 0: host-bound)
-              + (f" (core host {r['engine_host_ms_per_step']:.2f} + GPU wait {r['engine_wait_ms_per_step']:.2f})"
+              + (f" (core host {r['engine_host_ms_per_step']:.2f} + GPU wait {r['engine_wait_ms_per_step']:.2f}"
+                 + (f", core CPU {r['engine_cpu_ms_per_step']:.2f}" if r.get("engine_cpu_ms_per_step") is not None
+                    else "") + ")"
                  if r.get("engine_host_ms_per_step") is not None else "")
               + f" | {f(r['decode_step_ms'], '{:.2f}')} / {f(r['decode_floor_ms'], '{:.2f}')} |")
 

@@ -162,6 +162,7 @@ COUNTERS = {
     "engine_steps": ("engine_steps_total",),
     "engine_busy_seconds": ("engine_core_busy_seconds_total",),
     "engine_device_wait_seconds": ("engine_core_device_wait_seconds_total",),
+    "engine_cpu_seconds": ("engine_core_cpu_seconds_total",),
 }
 # mean key -> (sum counter, count counter), in milliseconds
 MEANS_MS = {"server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
@@ -224,4 +225,7 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
     ok = steps and busy is not None and wait is not None
     out["engine_host_ms_per_step"] = 1e3 * (busy - wait) / steps if ok else None
     out["engine_wait_ms_per_step"] = 1e3 * wait / steps if ok else None
+    # The core thread's CPU time per step: well under the host ms means it waited for a free core.
+    cpu = out["engine_cpu_seconds_delta"]
+    out["engine_cpu_ms_per_step"] = 1e3 * cpu / steps if steps and cpu is not None else None
     return out

@@ -30,11 +30,13 @@ COLUMNS = [  # (header, key in the point or server_metrics, format)
     ("preempt", "sm:preemptions_delta", "{:.0f}"),
     ("host ms/step", "sm:engine_host_ms_per_step", "{:.2f}"),
     ("GPU wait ms/step", "sm:engine_wait_ms_per_step", "{:.2f}"),
+    ("core CPU ms/step", "sm:engine_cpu_ms_per_step", "{:.2f}"),
     ("SLO", "slo_pass", "{}"),
 ]
 CSV_SERVER_KEYS = ("running_peak", "running_mean", "waiting_peak", "waiting_mean", "kv_cache_usage_peak",
                    "preemptions_delta", "generation_tokens_delta",
-                   "server_mean_ttft_ms", "server_mean_queue_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step")
+                   "server_mean_ttft_ms", "server_mean_queue_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step",
+                   "engine_cpu_ms_per_step")
 
 
 def _value(point: dict[str, Any], key: str) -> Any:

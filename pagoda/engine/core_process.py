@@ -203,9 +203,9 @@ def _add(engine, message: AddRequest) -> str | None:
 
 def _loop(engine, inbox, outbox, parent: int) -> None:
     last_stats: EngineStats | None = None
-    busy = 0.0
+    busy = cpu = 0.0
     while (messages := _receive(engine, inbox, parent)) is not None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
         rejected: dict[str, str] = {}
         for message in messages:
@@ -218,11 +218,12 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
         # Report outputs, and also any change of state without outputs (a prefill chunk, a request
         # admitted): the gauges stay current. Nothing is sent while nothing changes.
         stats = engine.stats()
-        stats.busy_seconds = busy
+        stats.busy_seconds, stats.cpu_seconds = busy, cpu
         if outputs or rejected or _changed(stats, last_stats):
             outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected))
         last_stats = stats
         busy += time.perf_counter() - started
+        cpu += time.thread_time() - started_cpu
 
 
 def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
@@ -232,9 +233,9 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
     owners: dict[str, int] = {}            # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
-    busy = 0.0
+    busy = cpu = 0.0
     while (messages := _receive(engine, inbox, parent)) is not None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
         rejected: list[dict[str, str]] = [{} for _ in range(count)]
         for message in messages:
@@ -258,13 +259,14 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
             if owner is not None:
                 per_client[owner].append(wire_output(out))
         stats = engine.stats()
-        stats.busy_seconds = busy
+        stats.busy_seconds, stats.cpu_seconds = busy, cpu
         changed = _totals_changed(stats, last_stats)
         for index, box in enumerate(clients):
             if per_client[index] or rejected[index] or changed:
                 box.send_pyobj(Outputs(per_client[index], stats, rejected[index]))
         last_stats = stats
         busy += time.perf_counter() - started
+        cpu += time.thread_time() - started_cpu
 
 
 def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:

@@ -122,5 +122,8 @@ class EngineStats:
     # pass's messages are in to when its outputs are sent (so not the blocking wait while idle), set by
     # the core process; `device_wait_seconds` = the part spent waiting for a step's sampled tokens.
     # busy − wait is host work; wait ≈ 0 at a level means the host, not the GPU, sets the step rate.
+    # `cpu_seconds` = the core loop thread's CPU time over the same passes: well under busy − wait
+    # means the core was runnable but off a CPU (other processes took the cores), not short of speed.
     device_wait_seconds: float = 0.0
     busy_seconds: float = 0.0
+    cpu_seconds: float = 0.0

@@ -25,7 +25,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 
 def _engine_totals(stats) -> tuple[float, ...]:
     return (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
-            stats.busy_seconds, stats.device_wait_seconds)
+            stats.busy_seconds, stats.device_wait_seconds, stats.cpu_seconds)
 
 
 class ServerMetrics:
@@ -61,6 +61,8 @@ class ServerMetrics:
                                    "Engine core time in its loop (not idle-waiting for requests)").labels(m)
         self.engine_wait = counter("engine_core_device_wait_seconds",
                                    "Part of the busy time spent waiting for a step's sampled tokens").labels(m)
+        self.engine_cpu = counter("engine_core_cpu_seconds",
+                                  "CPU time of the engine core's loop thread over its busy time").labels(m)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS).labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
@@ -70,8 +72,8 @@ class ServerMetrics:
         self.model_name = m
         # Counters fed from the core's running totals, in `_engine_totals` order.
         self._total_counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.engine_steps,
-                                self.engine_busy, self.engine_wait)
-        self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0)
+                                self.engine_busy, self.engine_wait, self.engine_cpu)
+        self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0, 0.0)
 
     def on_engine_outputs(self, message: Outputs) -> None:
         stats = message.stats

@@ -47,7 +47,7 @@ def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
                    "prefix_cache_hits_total", "time_to_first_token_seconds_count",
                    "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                    "request_queue_time_seconds_count", "engine_steps_total", "engine_core_busy_seconds_total",
-                   "engine_core_device_wait_seconds_total"]:
+                   "engine_core_device_wait_seconds_total", "engine_core_cpu_seconds_total"]:
         assert f"pagoda:{family}" in names, family
 
 
@@ -84,6 +84,8 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
     assert delta(before, after, "pagoda:engine_steps_total") >= generated
     busy = delta(before, after, "pagoda:engine_core_busy_seconds_total")
     assert 0 < busy and 0 <= delta(before, after, "pagoda:engine_core_device_wait_seconds_total") <= busy
+    # One thread's CPU time over the same passes cannot exceed their wall time.
+    assert 0 < delta(before, after, "pagoda:engine_core_cpu_seconds_total") <= busy
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:

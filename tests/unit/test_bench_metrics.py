@@ -276,18 +276,20 @@ def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
 
     metrics = ServerMetrics("m")
 
-    def feed(steps: int, busy: float, wait: float) -> dict:
-        metrics.on_engine_outputs(Outputs([], EngineStats(1, 0, 0.1, 0, 0, 0, steps, wait, busy), {}))
+    def feed(steps: int, busy: float, wait: float, cpu: float) -> dict:
+        metrics.on_engine_outputs(Outputs([], EngineStats(1, 0, 0.1, 0, 0, 0, steps, wait, busy, cpu), {}))
         return parse_prometheus(metrics.render().decode())
 
-    before = feed(10, 1.0, 0.5)
-    after = feed(110, 1.6, 0.9)                 # 100 steps: 0.6 s busy, 0.4 s of it waiting
+    before = feed(10, 1.0, 0.5, 0.3)
+    after = feed(110, 1.6, 0.9, 0.45)           # 100 steps: 0.6 s busy, 0.4 s of it waiting, 0.15 s on a CPU
     summary = server_metrics_summary(before, after, [])
     assert summary["engine_steps_delta"] == 100
     assert summary["engine_host_ms_per_step"] == pytest.approx(2.0)
     assert summary["engine_wait_ms_per_step"] == pytest.approx(4.0)
+    assert summary["engine_cpu_ms_per_step"] == pytest.approx(1.5)
     vllm_like = {k: v for k, v in after.items() if not k.startswith("engine_")}
     assert server_metrics_summary(vllm_like, vllm_like, [])["engine_host_ms_per_step"] is None
+    assert server_metrics_summary(vllm_like, vllm_like, [])["engine_cpu_ms_per_step"] is None
 
 
 # ---- the SSE client on a mock transport -----------------------------------------------------------------
