@@ -17,6 +17,7 @@ streaming (delta) mode, as the server drives it. Once every request decodes, `--
   sampler     Sampler.forward: device work, excluded from the host total
   update      Scheduler.update()
   process     OutputProcessor.process() (incremental detokenization in the +detok configs)
+  send        the step's outputs as wire tuples, pickled, as the core process sends them to the API
   gc          time in the garbage collector during the step (already counted in the rows above)
 
 Times are this thread's CPU time by default (--clock thread: steady when other work shares the
@@ -24,7 +25,9 @@ cores; forward and sampler then miss torch's other intra-op threads) or wall tim
 Per-step µs are medians over the timed steps (the per-block-boundary steps included; means are
 in the JSON). Configs: greedy (no tokenizer), greedy+detok, sampled+detok (temperature 0.8,
 top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), seeded+detok
-(sampled with a per-request seed), logprobs+detok (greedy, logprobs=5).
+(sampled with a per-request seed), logprobs+detok (greedy, logprobs=5), greedy+apidetok (greedy, a
+tokenizer loaded, but requests added with detokenize=False: the server's case for requests without
+stop strings, whose text the API process decodes).
 --decode-graphs sends decode steps through the runner's CUDA-graph input path (static buffers,
 `worker/cuda_graphs.py`) with the replay stubbed by fixed random logits: prep is then the host work
 of a graph step as on the GPU machine.
@@ -40,6 +43,7 @@ import gc
 import io
 import json
 import os
+import pickle
 import pstats
 import random
 import statistics
@@ -53,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda.engine.core_process import Outputs, wire_output  # noqa: E402
 
 VOCAB = 49152
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
@@ -67,9 +72,12 @@ CONFIGS = {
     "rep+detok": (True, dict(temperature=0.0, repetition_penalty=1.05)),
     "seeded+detok": (True, dict(temperature=0.8, top_p=0.95, seed=1)),
     "logprobs+detok": (True, dict(temperature=0.0, logprobs=5)),
+    # As the server runs a request without stop strings: the API process detokenizes it, not the core.
+    "greedy+apidetok": (True, dict(temperature=0.0)),
 }
-PARTS = ["schedule", "prep", "samp_prep", "update", "process", "forward", "sampler"]
-HOST = ["schedule", "prep", "samp_prep", "update", "process"]
+API_DETOK = {"greedy+apidetok"}
+PARTS = ["schedule", "prep", "samp_prep", "update", "process", "send", "forward", "sampler"]
+HOST = ["schedule", "prep", "samp_prep", "update", "process", "send"]
 
 
 def model_folder(root: str) -> str:
@@ -166,7 +174,7 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
     params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
     for i in range(batch):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
-        engine.add_request(str(i), prompt, params, delta=True)
+        engine.add_request(str(i), prompt, params, delta=True, detokenize=name not in API_DETOK)
     while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     if decode_graphs:
@@ -194,6 +202,10 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         if prof:
             prof.enable()
         outs = engine.step()
+        # What the core process then sends: the outputs as wire tuples, pickled (ZMQ's send_pyobj).
+        t_send = timer.clock()
+        pickle.dumps(Outputs([wire_output(out) for out in outs], engine.stats()), pickle.DEFAULT_PROTOCOL)
+        timer.step["send"] += timer.clock() - t_send
         if prof:
             prof.disable()
         total = timer.clock() - t0
@@ -201,7 +213,7 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         assert len(outs) == batch and engine.scheduler.num_running == batch
         s = dict(timer.step)
         s["prep"] = s.pop("execute") - s.get("forward", 0) - s.get("sampler", 0) - s.get("samp_prep", 0)
-        s["other"] = total - sum(s.get(k, 0) for k in ("schedule", "update", "process")) - (
+        s["other"] = total - sum(s.get(k, 0) for k in ("schedule", "update", "process", "send")) - (
             s["prep"] + s.get("forward", 0) + s.get("sampler", 0) + s.get("samp_prep", 0))
         s["host"] = sum(s.get(k, 0) for k in HOST) + s["other"]
         s["step"] = total
@@ -248,14 +260,14 @@ def main() -> None:
         for name in names:
             results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile,
                                        args.decode_graphs)
-    cols = ["schedule", "prep", "samp_prep", "update", "process", "other", "host", "gc", "forward", "sampler"]
+    cols = ["schedule", "prep", "samp_prep", "update", "process", "send", "other", "host", "gc", "forward", "sampler"]
     print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock"
           f"{', decode-graph input path, replay stubbed' if args.decode_graphs else ''}) "
-          f"(host = schedule+prep+samp_prep+update+process+other; gc = garbage collection, already "
+          f"(host = schedule+prep+samp_prep+update+process+send+other; gc = garbage collection, already "
           f"inside those; forward/sampler = device work on CPU)")
-    print(f"{'config':16s}" + "".join(f"{c:>11s}" for c in cols))
+    print(f"{'config':18s}" + "".join(f"{c:>10s}" for c in cols))
     for name, r in results.items():
-        print(f"{name:16s}" + "".join(f"{r['median_us'][c]:11.0f}" for c in cols))
+        print(f"{name:18s}" + "".join(f"{r['median_us'][c]:10.0f}" for c in cols))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "steps": args.steps, "results": results}, f, indent=1)

@@ -133,6 +133,7 @@ class ServeSetup:
             generation_defaults=self.generation_defaults, max_waiting_requests=ns.max_waiting_requests,
             log_requests=ns.enable_log_requests, multimodal=self.multimodal)
         engine.add_listener(ctx.metrics.on_engine_outputs)
+        engine.use_tokenizer(self.tokenizer)     # token ids → text in this process, off the engine core
         return build_app(OpenAIServing(ctx), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"))
 
     def log_startup(self, ready) -> None:  # type: ignore[no-untyped-def]

@@ -138,10 +138,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, delta: bool = False, arrival_time: float | None = None,
-                    mm_inputs: Any = None) -> None:
+                    mm_inputs: Any = None, detokenize: bool = True) -> None:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
-        mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any."""
+        mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any.
+        detokenize=False: outputs carry token ids and empty text (the caller decodes them), unless the
+        request has stop strings, which need the text here."""
         if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         max_tokens = validate_request(prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size,
@@ -160,7 +162,7 @@ class LLMEngine:
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             children.append(child)
-        self.output_processor.add_request(request_id, prompt, children, delta)
+        self.output_processor.add_request(request_id, prompt, children, delta, detokenize)
         for child in children:
             self.scheduler.add_request(child)
 

@@ -57,12 +57,15 @@ class OutputProcessor:
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
 
-    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], delta: bool) -> None:
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], delta: bool,
+                    detokenize: bool = True) -> None:
+        """detokenize=False: the caller decodes the token ids itself (outputs carry empty text); stop
+        strings still need the text here, so a request with any is detokenized regardless."""
         parent = _Parent(parent_id, prompt, children[0].prompt_token_ids, len(children), delta)
         for index, child in enumerate(children):
             params = child.sampling_params
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and (detokenize or params.stop):
                 detok = IncrementalDetokenizer(
                     self.tokenizer, child.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
