@@ -2,7 +2,8 @@
 
 Why a process: at high stream counts the HTTP event loop and the engine loop fighting over one GIL
 is where servers stall (performance-notes.md). The API process owns HTTP, tokenization and chat
-templates; this process owns the model, the KV cache and detokenization of outputs.
+templates, and detokenization of requests without stop strings (`AddRequest.detokenize`); this
+process owns the model, the KV cache and the text of requests with stop strings.
 
 Wire protocol (pickled dataclasses over two ZMQ PUSH/PULL pipes):
   API → core: AddRequest | AbortRequests | Shutdown
