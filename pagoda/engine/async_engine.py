@@ -4,10 +4,11 @@ One asyncio task reads every batch of outputs the core sends and routes each out
 rebuilt into a `RequestOutput`) to the stream of its request; a background check marks the engine dead if the core process exits.
 
 Detokenization happens here, not in the core, for every request without stop strings once the server
-hands this engine its tokenizer (`use_tokenizer`): the core sends token ids, and each stream's own
-`IncrementalDetokenizer` turns them into the same text deltas the core's would have. That takes ~2 ms
-per step at 256 streams off the core's critical path and spreads it over the API processes. Requests
-with stop strings stay detokenized in the core, which must see the text to stop generating.
+hands this engine its tokenizer (`use_tokenizer`; `pagoda serve` does with several API processes): the
+core sends token ids, and each stream's own `IncrementalDetokenizer` turns them into the same text
+deltas the core's would have. That takes ~1 ms per step at 256 streams off the core's critical path
+and spreads it over the API processes. Requests with stop strings stay detokenized in the core, which
+must see the text to stop generating.
 
 With several API processes (`CoreClient`), each process's `AsyncEngine` attaches to a core that the
 launcher started: it connects to the core's input pipe, binds its own output pipe, tags what it sends

@@ -97,21 +97,3 @@ def test_streamed_chat_matches_non_streamed(http: httpx.Client, extra: dict[str,
         if choice["logprobs"] is not None:
             assert tokens[i] == [e["token"] for e in choice["logprobs"]["content"]]
 
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_text_decoded_by_the_api_process_matches_the_cores(http: httpx.Client, stream: bool) -> None:
-    """A request without stop strings is detokenized in the API process, one with a stop string that
-    never matches in the engine core: the same greedy tokens must come out as the same text."""
-    base = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0.0, "max_tokens": 40,
-            "ignore_eos": True}
-    texts = []
-    for extra in ({}, {"stop": ["\u0000never in the text"]}):
-        body = {**base, **extra}
-        if stream:
-            texts.append("".join(choice["text"] for event in _stream(http, "/v1/completions", body)
-                                 for choice in event["choices"]))
-        else:
-            response = http.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            texts.append(response.json()["choices"][0]["text"])
-    assert texts[0] and texts[0] == texts[1]
