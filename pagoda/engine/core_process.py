@@ -50,7 +50,8 @@ class AddRequest:
     client_index: int = 0          # which API process sent it (several API processes only)
     # False: the API process turns this request's tokens into text itself, so its outputs carry
     # token ids and empty text (the core still detokenizes any request with stop strings: it must
-    # see the text to stop). Detokenizing every stream cost the core ~2 ms per step at 256 streams.
+    # see the text to stop). Detokenizing every stream cost the core ~1 ms of its ~3.3 ms host work per
+    # step at 256 streams (benchmarks/host_overhead.py).
     detokenize: bool = True
 
 
