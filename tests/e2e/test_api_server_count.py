@@ -234,6 +234,24 @@ def test_concurrent_requests_on_both_processes_match_single_process_outputs(asc:
         assert len(got["ids"]) == 1
 
 
+def test_text_decoded_in_the_api_processes_matches_the_cores(asc: ServerProcess) -> None:
+    """With several API processes a request without stop strings is detokenized in its API process, one
+    with a stop string in the engine core. A stop string that never matches changes nothing else, so
+    the same greedy tokens must come out as the same text, streamed or not, on either process."""
+    pinned = pin(asc)
+    base = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    try:
+        for (conn,) in pinned.values():
+            for stream in (False, True):
+                api = completion(conn, {**base, "stream": stream})
+                core = completion(conn, {**base, "stream": stream, "stop": ["\u0000never in the text"]})
+                assert api["text"] and api["text"] == core["text"], (stream, api, core)
+                assert api["usage"]["completion_tokens"] == core["usage"]["completion_tokens"] == 48
+    finally:
+        for conns in pinned.values():
+            conns[0].close()
+
+
 def test_metrics_are_the_true_totals_whichever_process_answers(asc: ServerProcess) -> None:
     wait_idle(asc)
     before = scrape_every_process(asc)
@@ -416,20 +434,3 @@ def test_startup_failures_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
     assert [line for line in result.stderr.splitlines() if line.startswith("pagoda: error:")] != []
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("pagoda-", "pymp-"))]
 
-
-def test_text_decoded_in_the_api_processes_matches_the_cores(asc: ServerProcess) -> None:
-    """With several API processes a request without stop strings is detokenized in its API process, one
-    with a stop string in the engine core. A stop string that never matches changes nothing else, so
-    the same greedy tokens must come out as the same text, streamed or not, on either process."""
-    pinned = pin(asc)
-    base = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
-    try:
-        for (conn,) in pinned.values():
-            for stream in (False, True):
-                api = completion(conn, {**base, "stream": stream})
-                core = completion(conn, {**base, "stream": stream, "stop": ["\u0000never in the text"]})
-                assert api["text"] and api["text"] == core["text"], (stream, api, core)
-                assert api["usage"]["completion_tokens"] == core["usage"]["completion_tokens"] == 48
-    finally:
-        for conns in pinned.values():
-            conns[0].close()
