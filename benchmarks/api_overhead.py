@@ -54,7 +54,10 @@ class FakeEngine:
         return bool(self.running)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: str | None = None,
-                    delta: bool = True, arrival_time: float | None = None, mm_inputs: Any = None) -> None:
+                    delta: bool = True, arrival_time: float | None = None, mm_inputs: Any = None,
+                    detokenize: bool = True) -> None:
+        # detokenize=False (API-side text, several API processes) is not modelled: this API process is
+        # the one-process layout, where the core sends the text.
         self.running[request_id] = [params, prompt_token_ids, prompt, 0]
 
     def abort_request(self, request_ids: list[str]) -> list[Any]:
