@@ -96,4 +96,3 @@ def test_streamed_chat_matches_non_streamed(http: httpx.Client, extra: dict[str,
         assert reasons[i] == (choice["finish_reason"], choice.get("stop_reason"))
         if choice["logprobs"] is not None:
             assert tokens[i] == [e["token"] for e in choice["logprobs"]["content"]]
-
