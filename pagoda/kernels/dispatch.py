@@ -1,8 +1,10 @@
-"""When the layers use the fused Triton kernels (`pagoda/kernels/fused_ops.py`) instead of PyTorch.
+"""When the layers use the fused Triton kernels (`pagoda/kernels/fused_ops.py`) and the few-row GEMV
+(`pagoda/kernels/gemv.py`) instead of PyTorch / cuBLAS.
 
 Only for CUDA tensors, and only when Triton imports; CPU tensors always take the PyTorch code,
-which stays bit-identical to what it was. `PAGODA_FUSED_OPS=0` turns the kernels off (for A/B
-timing or to rule them out); it is read once, like the import check.
+which stays bit-identical to what it was. `PAGODA_FUSED_OPS=0` turns the fused kernels off and
+`PAGODA_GEMV=0` the GEMV (for A/B timing or to rule them out); each is read once, like the import
+check.
 
 The kernels module is imported on first use, not with the layers: `@triton.jit` picks compiled vs
 interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing a layer must not fix
@@ -34,3 +36,20 @@ def fused_ops_module() -> ModuleType | None:
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     """The kernels module when x lives on a CUDA device and the kernels are available, else None."""
     return fused_ops_module() if x.is_cuda else None
+
+
+@functools.cache
+def gemv_module() -> ModuleType | None:
+    """`pagoda.kernels.gemv`, or None when Triton cannot be imported or PAGODA_GEMV=0."""
+    if os.environ.get("PAGODA_GEMV", "1") == "0":
+        return None
+    try:
+        from pagoda.kernels import gemv
+    except ImportError:
+        return None
+    return gemv
+
+
+def gemv_for(x: torch.Tensor) -> ModuleType | None:
+    """The GEMV module when x lives on a CUDA device and Triton is available, else None."""
+    return gemv_module() if x.is_cuda else None

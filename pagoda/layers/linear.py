@@ -4,6 +4,10 @@
 matmul; each checkpoint tensor is copied into its slice of the fused weight by `weight_loader`.
 These are single-device layers; the tensor-parallel variants will keep the same loader contract
 (narrow the checkpoint tensor to the rank's shard first).
+
+`linear` is the one matmul entry point: on CUDA, inputs of at most `gemv.MAX_ROWS` rows (decode at
+batch 1) go to the Triton GEMV (`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all
+others to `F.linear`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.kernels import dispatch
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the few-row GEMV kernel where it applies."""
+    kernels = dispatch.gemv_for(x)
+    if kernels is not None and kernels.supports(x, weight) and (bias is None or bias.dtype == x.dtype):
+        return kernels.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -26,7 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import dispatch
+from pagoda.layers.linear import linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -121,8 +122,12 @@ class LocalizedFilter(nn.Module):
         the state: two launches per layer fewer than a shift kernel before each convolution."""
         h = self.hidden_size
         o1 = in2[:, h // 2:]
-        o1.addmm_(in1, self.conv1.weight.t())                                          # [B, H/2] + bias
-        o2 = F.linear(in2, self.conv2.weight, self.conv2.bias)                         # [B, H]
+        kernels = dispatch.gemv_for(in1)
+        if kernels is not None and kernels.supports(in1, self.conv1.weight):
+            kernels.gemv(in1, self.conv1.weight, out=o1, accumulate=True)              # [B, H/2] + bias
+        else:
+            o1.addmm_(in1, self.conv1.weight.t())
+        o2 = linear(in2, self.conv2.weight, self.conv2.bias)                           # [B, H]
         snap_index, snapshots = self._in_kernel_snapshots(batch)
         ops = dispatch.fused_ops_for(x)
         y = ops.lf_decode_output(o2, x, self.output_layernorm.weight, self.output_layernorm.eps, o1, self.state,

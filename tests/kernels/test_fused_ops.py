@@ -296,11 +296,25 @@ def test_layers_use_the_kernels_and_fall_back(kernels_everywhere):
     assert calls == ["fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary"]
 
 
-def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
+@pytest.mark.parametrize("with_gemv", [False, True])
+def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch, with_gemv):
     """The whole engine with every norm, residual add, RoPE and SiLU-and-mul in the kernels (the LF
     gate's norms and, on decode steps, its state shifts fused into them) reproduces the official
     code's greedy continuations and logits: Yuan2 dense
-    (full rotary) and M32 (partial rotary over a bf16-built table, experts)."""
+    (full rotary) and M32 (partial rotary over a bf16-built table, experts). with_gemv: every
+    matmul of at most 8 rows (the decode steps: LF conv1 accumulating in place, conv2, q/k, v, o,
+    MLP, lm_head) in the few-row GEMV kernel as well."""
+    from pagoda.kernels import gemv
+
+    gemv_calls: list[tuple[int, int]] = []
+    if with_gemv:
+        def spy(*args, **kwargs):
+            gemv_calls.append(tuple(args[1].shape))
+            return gemv.gemv(*args, **kwargs)
+
+        monkeypatch.setattr(gemv, "MAX_ROWS", 8)
+        monkeypatch.setattr(dispatch, "gemv_for",
+                            lambda x: type("Gemv", (), {"supports": staticmethod(gemv.supports), "gemv": staticmethod(spy)}))
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.sampling_params import SamplingParams
@@ -334,6 +348,9 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere):
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
     assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
             "lf_decode_output"} <= set(kernels_everywhere)
+    if with_gemv:      # conv1 [H/2, 2H] and conv2 [H, H] of the LF gate's decode path among them
+        hidden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())["hidden_size"]
+        assert {(hidden // 2, 2 * hidden), (hidden, hidden)} <= set(gemv_calls)
 
 
 def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):

@@ -1,0 +1,120 @@
+"""Few-row matmuls on the GPU: cuBLAS (`F.linear`) vs `pagoda.kernels.gemv`, per model matmul.
+
+    python benchmarks/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b] [--rows 1,2,4,8]
+                                    [--grid-rows 2,4] [--out sweep.json]
+
+Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no Python launch
+cost), cycling through enough copies of the weight that none is still in L2 (a step reads each
+layer's weights once, from HBM). Prints µs and weight-stream TB/s for cuBLAS and for the kernel at
+its rule config (`gemv_config`), and for --grid-rows the best of a small config grid too: where the
+rule loses, or where the kernel stops beating cuBLAS (`gemv.MAX_ROWS` comes from that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+# name → [(matmul, N, K, bias)] per decoder layer, then the lm_head.
+MATMULS = {
+    "yuan2-2b": [("lf_conv1", 1024, 4096, True), ("lf_conv2", 2048, 2048, True), ("qk", 4096, 2048, False),
+                 ("v", 2048, 2048, False), ("o", 2048, 2048, False), ("up_gate", 16384, 2048, False),
+                 ("down", 2048, 8192, False), ("lm_head", 135040, 2048, False)],
+    "qwen2-vl-2b": [("qkv", 2048, 1536, True), ("o", 1536, 1536, False), ("gate_up", 17920, 1536, False),
+                    ("down", 1536, 8960, False), ("lm_head", 151936, 1536, False)],
+    "llama-3-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
+                   ("down", 4096, 14336, False), ("lm_head", 128256, 4096, False)],
+}
+L2_DEFEAT_BYTES = 400 * 2**20      # the H200's L2 is 50 MB; cycle through at least this many bytes
+
+
+def graph_us(fn, calls: int, repeats: int = 5, replays: int = 20) -> float:
+    """Best-of-repeats µs per call of one CUDA graph holding `calls` calls of fn."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / replays / calls)
+    return best
+
+
+def main() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.kernels.gemv import GemvConfig, gemv, gemv_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b,llama-3-8b")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--grid-rows", default="", help="row counts for which a config grid is also swept")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    grid_rows = {int(r) for r in args.grid_rows.split(",") if r}
+    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in itertools.product([1, 2, 4], [1024, 2048, 4096], [2, 4, 8])]
+    results = []
+    dtype = torch.bfloat16
+    for shape in args.shapes.split(","):
+        for name, n, k, has_bias in MATMULS[shape]:
+            copies = max(2, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+            weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(copies)]
+            bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+            mbytes = n * k * 2 / 1e6
+            for m in rows_list:
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                out = torch.empty(m, n, device="cuda", dtype=dtype)
+
+                def cublas(x=x, out=out):
+                    for w in weights:
+                        torch.addmm(bias, x, w.t(), out=out) if bias is not None else torch.mm(x, w.t(), out=out)
+
+                def kernel(config, x=x, out=out):
+                    for w in weights:
+                        gemv(x, w, bias, out=out, config=config)
+
+                ref = F.linear(x.float(), weights[0].float(), None if bias is None else bias.float())
+                err = (gemv(x, weights[0], bias).float() - ref).abs().max().item()
+                row = {"shape": shape, "matmul": name, "n": n, "k": k, "rows": m, "mbytes": mbytes,
+                       "cublas_us": graph_us(cublas, copies), "rule": vars(gemv_config(m, n, k)),
+                       "max_abs_err": err}
+                row["gemv_us"] = graph_us(lambda: kernel(None), copies)
+                if m in grid_rows:
+                    timed = [(graph_us(lambda c=c: kernel(c), copies), c) for c in grid
+                             if c.block_k < 2 * k]
+                    best_us, best = min(timed, key=lambda t: t[0])
+                    row["grid_best_us"], row["grid_best"] = best_us, vars(best)
+                results.append(row)
+                extra = (f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
+                         if "grid_best_us" in row else "")
+                print(f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
+                      f"({mbytes / row['cublas_us'] / 1e3:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
+                      f"({mbytes / row['gemv_us'] / 1e3:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
+                      f"{extra}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

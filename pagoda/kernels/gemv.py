@@ -1,0 +1,142 @@
+"""Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for M ≤ MAX_ROWS.
+
+Why: at decode batch 1 a step is a serial chain of weight streams, and cuBLAS picks latency-bound
+kernels for them. Measured on the H200 inside CUDA graphs with the weights cycled out of L2
+(2026-11-30, `benchmarks/gemv_sweep.py`): a 2048x2048 bf16 projection takes 6.0 µs with cuBLAS
+and 3.8-3.9 µs here; Yuan2's LF conv1 (1024x4096) 7.6 vs 3.9; the 2048x8192 down projection 13.7
+vs 9.4-9.7; the 16384x2048 up/gate 18.2 vs 16.8. An earlier Triton attempt (`tl.dot` tiles of 16
+rows, split K with a second reduce kernel) was no faster than cuBLAS: the gain comes from issuing
+all of a program's weight loads at once over very many small programs, and from one launch.
+
+Shape of the work: program p owns BLOCK_N (1-2) output columns for all M rows, so each weight byte
+is read once. Per K tile it loads a [BLOCK_N, BLOCK_K] weight tile (BLOCK_K up to 4096: one or
+two tiles cover K for these models) and the [ROWS, BLOCK_K] rows of x (L2-resident, re-read by
+every program), multiplies in fp32 on the CUDA cores (no tensor cores: at M ≤ 8 a GEMV is a weight
+stream, arithmetic is free) and reduces along K. Thousands of programs keep every SM loading.
+
+Numerics: exact bf16/fp16 products (fp32 inputs: rounded products) summed in fp32 (as cuBLAS does, in a different order), plus the
+bias or the existing y in fp32, rounded once to the output dtype. So results match `F.linear` /
+`torch.addmm` to within fp32 accumulation order: an ulp of the output dtype on some elements. The
+reference is `F.linear` (tests/kernels/test_gemv.py).
+
+The launcher checks shapes, dtypes and strides, never reads device values, and takes its config
+from `gemv_config` (a rule fitted to the H200 sweep).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.fused_ops import _round_to
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
+MAX_ROWS = 1            # rows above this go to cuBLAS (see gemv_sweep: where the kernel stops winning)
+MAX_BLOCK_K = 4096
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+                 EMULATE_BF16: tl.constexpr):
+    """Program p: columns [p·BLOCK_N, (p+1)·BLOCK_N) of rows 0..M-1 (ROWS ≥ M, a power of two).
+    EVEN_K: K % BLOCK_K == 0, so no K mask. ACCUMULATE: y += x·Wᵀ (y's old value read first)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BLOCK_N, 1]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm                               # [ROWS, 1]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_rows + k[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            mask_k = k < K
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptrs, _round_to(acc, y_ptr, EMULATE_BF16), mask=out_mask)
+
+
+def gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps:
+    within 0.3 µs of the best of a 5x5x3 grid for every Yuan2-2B matmul at M = 1 on the H200."""
+    if _interpreting():
+        return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), 32), num_warps=1)
+    return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), MAX_BLOCK_K), num_warps=4)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether `gemv` takes this matmul: on CUDA (or the interpreter), at most max_rows (default
+    MAX_ROWS) rows of x, one dtype, unit inner strides, W [N, K] with K = x's last dim."""
+    if x.dim() < 1:
+        return False
+    max_rows = MAX_ROWS if max_rows is None else max_rows
+    k = x.shape[-1]
+    # rows first: the common rejection (every prefill matmul) costs one comparison on the host
+    if not 0 < x.numel() <= max_rows * k:
+        return False
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
+        return False
+    return weight.shape[1] == k and weight.stride(1) == 1 and (x.is_cuda or _interpreting())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, accumulate: bool = False,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for few rows: x [..., K], weight [N, K], bias [N] → [..., N].
+
+    out: a [M, N] tensor to write (unit column stride; any row stride); with accumulate=True the
+    result is out + x·Wᵀ (+ bias), like `out.addmm_(x, weight.t())`."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, {k}] with contiguous rows, got {tuple(weight.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out must be a [{m}, {n}] {x.dtype} tensor with unit column stride")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] vector")
+    config = config or gemv_config(m, n, k)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x2, weight, bias if bias is not None else out, out, m, n, k,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        ROWS=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=k % config.block_k == 0,
+        EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16, num_warps=config.num_warps)
+    return out.reshape(*x.shape[:-1], n) if x.dim() != 2 else out

@@ -1,0 +1,121 @@
+"""The few-row GEMV kernel against `F.linear` / `torch.addmm` computed in float64 and rounded.
+
+The kernel sums exact products in fp32 in its own order, then rounds once; the float64 reference
+rounded to the dtype can differ from it by one ulp where the fp32 sum lands near a rounding
+boundary, never more. On CPU the kernel runs under the Triton interpreter (`conftest.py`): tiny
+shapes, with K not a multiple of the K tile to cover the masked path.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.importorskip("triton")
+
+from pagoda.kernels import gemv as gemv_module
+from pagoda.kernels.gemv import GemvConfig, gemv, supports
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(INT_VIEW[t.dtype]).long()
+        return torch.where(bits < 0, torch.iinfo(INT_VIEW[t.dtype]).min - bits, bits)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def reference(x, w, bias=None, base=None):
+    y = x.double() @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if base is not None:
+        y = y + base.double()
+    return y.to(x.dtype)
+
+
+SHAPES = [(1, 24, 40), (1, 7, 64), (2, 16, 33), (3, 10, 96)]      # (M, N, K): odd N and K on purpose
+if DEVICE == "cuda":
+    SHAPES += [(1, 2048, 2048), (1, 1024, 4096), (1, 2048, 8192), (1, 16384, 2048), (4, 4096, 2048),
+               (1, 1000, 3000)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_linear(m, n, k, dtype, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    y = gemv(x, w, bias)
+    assert y.shape == (m, n) and y.dtype == dtype
+    if dtype == torch.float32:          # rounded products: the fp32 sum is accurate, not correctly rounded
+        torch.testing.assert_close(y.double(), x.double() @ w.double().t() + (0 if bias is None else bias.double()),
+                                   atol=1e-5, rtol=1e-5)
+    else:
+        assert ulps(y, reference(x, w, bias)) <= 1
+    # and agrees with what the layer would otherwise run
+    assert torch.allclose(y.float(), F.linear(x.float(), w.float(), None if bias is None else bias.float()),
+                          atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_accumulates_into_a_strided_view_like_addmm(dtype):
+    """LF conv1's use: out is the right half of a [M, 2N] buffer holding the bias; y = out + x·Wᵀ."""
+    m, n, k = 1, 12, 40
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(m, 2 * n, generator=g).to(DEVICE, dtype)
+    left_before = buffer[:, :n].clone()
+    base = buffer[:, n:].clone()
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    out = buffer[:, n:]
+    gemv(x, w, out=out, accumulate=True)
+    assert ulps(buffer[:, n:], reference(x, w, base=base)) <= 1
+    assert torch.equal(buffer[:, :n], left_before)          # nothing written outside the view
+
+
+def test_leading_dims_and_strided_input():
+    x = torch.randn(1, 1, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
+    assert gemv(x, w).shape == (1, 1, 8)
+    wide = torch.randn(1, 128).to(DEVICE, torch.bfloat16)
+    view = wide[:, 64:]                                      # row stride 128, unit column stride
+    assert ulps(gemv(view, w), reference(view, w)) <= 1
+
+
+def test_explicit_config_with_several_k_tiles():
+    x = torch.randn(1, 100).to(DEVICE, torch.bfloat16)
+    w = torch.randn(6, 100).to(DEVICE, torch.bfloat16)
+    y = gemv(x, w, config=GemvConfig(block_n=1, block_k=16, num_warps=1))
+    assert ulps(y, reference(x, w)) <= 1
+
+
+def test_supports_rejects_what_it_cannot_run():
+    w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
+    assert supports(torch.randn(1, 64).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(gemv_module.MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)               # mixed dtypes
+    assert not supports(torch.randn(1, 32).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())          # K not contiguous
+    assert not supports(torch.randn(0, 64).to(DEVICE, torch.bfloat16), w)
+
+
+def test_rejects_bad_out_and_bias():
+    x = torch.randn(1, 64).to(DEVICE, torch.bfloat16)
+    w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="accumulate"):
+        gemv(x, w, accumulate=True)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, out=torch.empty(1, 9).to(DEVICE, torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, bias=torch.empty(9).to(DEVICE, torch.bfloat16))
