@@ -106,8 +106,8 @@ def main() -> None:
                 extra = (f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
                          if "grid_best_us" in row else "")
                 print(f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
-                      f"({mbytes / row['cublas_us'] / 1e3:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
-                      f"({mbytes / row['gemv_us'] / 1e3:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
+                      f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
+                      f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
                       f"{extra}", flush=True)
             del weights
             torch.cuda.empty_cache()
