@@ -39,6 +39,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import wait_for_inputs
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_SIZE = 32768          # one program holds a whole row in registers; wider rows use PyTorch
 _ROPE_TILE = 1024             # elements of one RoPE program's [heads, R/2] tile (caps heads per program)
@@ -82,8 +85,9 @@ def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr,
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
                      stride_x, stride_r, stride_o, stride_s, eps,
                      N_COLS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     EMULATE_BF16: tl.constexpr):
+                     EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
     """One program per row. With a residual: s = round(x + r) is stored and normed; else x is."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N_COLS
@@ -129,7 +133,7 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(n_rows,)](
         x2, r2, weight, out2, s2, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
         N_COLS=n_cols, HAS_RESIDUAL=residual is not None, BLOCK=block, EMULATE_BF16=_interpreting(),
-        num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+        num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False, **pdl.launch_args(x))
     return out, summed
 
 
@@ -182,9 +186,10 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
                  HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                 EMULATE_BF16: tl.constexpr):
+                 EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Q_BLOCKS + K_BLOCKS): program (t, b) rotates a block of BLOCK_H heads of token t,
     of q for b < Q_BLOCKS, else of k."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -247,7 +252,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)), EMULATE_BF16=_interpreting(),
-        num_warps=4, enable_fp_fusion=False)
+        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
     return q_out, k_out
 
 
@@ -257,8 +262,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
-                         BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                         BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                         PDL: tl.constexpr):
     """Grid (T, cdiv(I, BLOCK)): out[t, i] = round(round(silu(x[t, i])) * x[t, I + i])."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -291,7 +298,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(n_cols), _SILU_BLOCK)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
         x2, out2, x2.stride(0), out2.stride(0), n_cols,
-        BLOCK=block, PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting(), num_warps=4, enable_fp_fusion=False)
+        BLOCK=block, PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting(), num_warps=4, enable_fp_fusion=False,
+        **pdl.launch_args(x))
     return out
 
 
@@ -304,11 +312,13 @@ def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, 
                          snap_ptr, snapshots_ptr, in1_ptr, in2_ptr,
                          stride_h, stride_r, stride_s, stride_state, stride_snap, stride_in1, stride_in2, eps,
                          H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         HAS_RESIDUAL: tl.constexpr, HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per row b (sequence in state slot s):
     x = input_layernorm(h [+ residual]) (the sum stored to summed), then
     in1[b] = [state[s, :H] | x], in2[b] = [state[s, H:] | conv1 bias], state[s, :H] = x
     (and the snapshot's). in2's right half is where conv1's GEMM accumulates o1."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -340,9 +350,10 @@ def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, 
 def _lf_decode_out_kernel(o2_ptr, x_ptr, weight_ptr, out_ptr, o1_ptr, state_ptr, slots_ptr, snap_ptr, snapshots_ptr,
                           stride_o2, stride_x, stride_out, stride_o1, stride_state, stride_snap, eps,
                           H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                          HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
     """One program per row b: out[b] = output_layernorm(o2[b] + x[b]); state[s, H:] = o1[b]
     (and the snapshot's)."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -409,7 +420,8 @@ def lf_decode_input(h: torch.Tensor, residual: torch.Tensor | None, norm_weight:
             h.stride(0), r.stride(0), summed.stride(0), state.stride(0), stride_snap, in1.stride(0), in2.stride(0),
             float(eps), H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
             HAS_RESIDUAL=residual is not None, HAS_SNAPSHOT=snapshot_index is not None,
-            EMULATE_BF16=_interpreting(), num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+            EMULATE_BF16=_interpreting(), num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
+            **pdl.launch_args(h))
     return in1, in2, summed
 
 
@@ -432,5 +444,5 @@ def lf_decode_output(o2: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tenso
             o2.stride(0), x.stride(0), out.stride(0), o1.stride(0), state.stride(0), stride_snap, float(eps),
             H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
             HAS_SNAPSHOT=snapshot_index is not None, EMULATE_BF16=_interpreting(),
-            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False, **pdl.launch_args(o2))
     return out

@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.fused_ops import _round_to
+from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
 MAX_ROWS = 1            # rows above this go to cuBLAS (see gemv_sweep: where the kernel stops winning)
@@ -51,10 +53,26 @@ class GemvConfig:
 
 
 @triton.jit
+def _weight_tile(w_rows, k, mask_n, K, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns k; EVEN: no mask needed (K and N divide)."""
+    if EVEN:
+        return tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _x_vector(x_ptr, k, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(x_ptr + k)
+    return tl.load(x_ptr + k, mask=k < K, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                 EVEN_N: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Program p: columns [p·BLOCK_N, (p+1)·BLOCK_N) of rows 0..M-1 (ROWS ≥ M, a power of two).
     EVEN_K / EVEN_N: K % BLOCK_K == 0 / N % BLOCK_N == 0, so no mask on that axis.
     ACCUMULATE: y += x·Wᵀ (y's old value read first)."""
@@ -64,23 +82,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BLOCK_N, 1]
     if ROWS == 1:
-        # One row: a [BLOCK_N, BLOCK_K] tile times a [BLOCK_K] vector. Kept 2-D: the 3-D form below
+        # One row: [BLOCK_N, BLOCK_K] tiles times a [BLOCK_K] vector. Kept 2-D: the 3-D form below
         # with a unit leading axis gets a load layout that streams ~15 % slower on the H200.
-        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        # The first weight tile (for K <= BLOCK_K all of it) is loaded before waiting for the
+        # previous kernel (PDL): weights are never written, so their stream overlaps its tail.
+        w = _weight_tile(w_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
+        wait_for_inputs(PDL)
+        x = _x_vector(x_ptr, offs_k, K, EVEN_K)
+        acc1 = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + offs_k
-            if EVEN_K and EVEN_N:
-                w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-                x = tl.load(x_ptr + k)
-            else:
-                mask_k = k < K
-                w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                x = tl.load(x_ptr + k, mask=mask_k, other=0.0)
+            w = _weight_tile(w_rows, k, mask_n, K, EVEN_K and EVEN_N)
+            x = _x_vector(x_ptr, k, K, EVEN_K)
             acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         acc = acc1[None, :]                                                    # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
     else:
+        wait_for_inputs(PDL)
         offs_m = tl.arange(0, ROWS)
         mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm                           # [ROWS, 1]
@@ -88,8 +106,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             mask_k = k < K
-            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _weight_tile(w_rows, k, mask_n, K, False)
             x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_mask = (offs_m < M)[:, None] & mask_n[None, :]
@@ -153,5 +170,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x2.stride(0), weight.stride(0), out.stride(0),
         ROWS=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=k % config.block_k == 0,
-        EVEN_N=n % config.block_n == 0, EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16, num_warps=config.num_warps)
+        EVEN_N=n % config.block_n == 0, EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, **pdl.launch_args(x))
     return out.reshape(*x.shape[:-1], n) if x.dim() != 2 else out

@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import wait_for_inputs
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)   # running-max start: finite, so exp2(m_old - m_new) is never NaN
 
@@ -73,9 +76,10 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One program per token: copy its [Hkv, D] K and V rows into cache slot slot_mapping[t].
     A negative slot (a padding token) writes nothing."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -108,7 +112,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl.launch_args(k))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +184,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HAS_QIDX: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv_head, split): the GROUP query heads sharing kv_head attend to this split's
     share of the row's keys, so each K/V tile is read once for the whole group.
 
@@ -191,6 +196,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
     num_splits and stride_table (the block-table width, which changes from step to step in eager
     steps) are plain runtime integers, not specialised: otherwise each new value, or a width that
     happens to be divisible by 16, would JIT-compile a fresh kernel in the middle of serving."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -232,9 +238,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, qidx_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_QIDX: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_QIDX: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program (row, head): merge the split partials, out = Σ w_s acc_s / Σ w_s l_s with
     w_s = 2^(m_s - max_s m_s). Empty splits carry m = -1e30, l = 0, acc = 0 and get weight 0."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if HAS_QIDX:
@@ -331,13 +339,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         SPLIT=num_splits > 1, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(q))
     if num_splits > 1:
         _decode_reduce_kernel[(rows, num_heads)](
             part_acc, part_m, part_l, qidx, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
             BLOCK_D=triton.next_power_of_2(head_dim),
-            HAS_QIDX=query_index is not None, num_warps=1 if _interpreting() else 4)
+            HAS_QIDX=query_index is not None, num_warps=1 if _interpreting() else 4, **pdl.launch_args(q))
     return out
 
 
