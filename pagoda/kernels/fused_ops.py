@@ -269,8 +269,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(gate, up, out_ptr, PRECISE_EXP, EMULATE_BF16), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up, out_ptr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """round(round(F.silu(gate)) * up) in out_ptr's dtype, from gate and up in that dtype (also
+    the few-row GEMV's epilogue, `pagoda/kernels/gemv.py`, which must round exactly like this)."""
+    gate = gate.to(tl.float32)
     if PRECISE_EXP:
         e = libdevice.exp(-gate)           # expf, as PyTorch's CUDA silu (tl.exp would be ex2.approx)
     else:
@@ -279,7 +287,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
         e = tl.exp(-gate.to(tl.float64)).to(tl.float32)
     silu = _round_to(tl.math.div_rn(gate, 1.0 + e), out_ptr, EMULATE_BF16)   # F.silu(gate), rounded
     out = silu.to(tl.float32) * up.to(tl.float32)                             # * up, rounded again
-    tl.store(out_ptr + row * stride_o + offs, _round_to(out, out_ptr, EMULATE_BF16), mask=mask)
+    return _round_to(out, out_ptr, EMULATE_BF16)
 
 
 def supports_silu_and_mul(x: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl
-from pagoda.kernels.fused_ops import _round_to
+from pagoda.kernels.fused_ops import _round_to, silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
@@ -118,6 +118,37 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(y_ptrs, _round_to(acc, y_ptr, EMULATE_BF16), mask=out_mask)
 
 
+@triton.jit
+def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                              EVEN_N: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                              PDL: tl.constexpr):
+    """One row, W [2N, K] = [activated | linear]: y[n] = silu(x·W[n]) * (x·W[N + n]), each product
+    rounded to the dtype first, so y equals `silu_and_mul(gemv(x, W))` bit for bit while the [2N]
+    intermediate never goes to memory and the SiLU kernel's launch is saved. Program p owns columns
+    [p·BLOCK_N, (p+1)·BLOCK_N) of both halves."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    a_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    b_rows = w_ptr + (offs_n[:, None] + N).to(tl.int64) * stride_wn
+    wa = _weight_tile(a_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)          # before the wait, as in gemv
+    wb = _weight_tile(b_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
+    wait_for_inputs(PDL)
+    x = _x_vector(x_ptr, offs_k, K, EVEN_K).to(tl.float32)
+    acc_a = tl.sum(wa.to(tl.float32) * x[None, :], axis=1)
+    acc_b = tl.sum(wb.to(tl.float32) * x[None, :], axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + offs_k
+        x = _x_vector(x_ptr, k, K, EVEN_K).to(tl.float32)
+        acc_a += tl.sum(_weight_tile(a_rows, k, mask_n, K, EVEN_K and EVEN_N).to(tl.float32) * x[None, :], axis=1)
+        acc_b += tl.sum(_weight_tile(b_rows, k, mask_n, K, EVEN_K and EVEN_N).to(tl.float32) * x[None, :], axis=1)
+    a = _round_to(acc_a, y_ptr, EMULATE_BF16)
+    b = _round_to(acc_b, y_ptr, EMULATE_BF16)
+    tl.store(y_ptr + offs_n, silu_mul(a, b, y_ptr, PRECISE_EXP, EMULATE_BF16), mask=mask_n)
+
+
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps:
     within 0.3 µs of the best of a 5x5x3 grid for every Yuan2-2B matmul at M = 1 on the H200."""
@@ -173,3 +204,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         EVEN_N=n % config.block_n == 0, EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
         num_warps=config.num_warps, **pdl.launch_args(x))
     return out.reshape(*x.shape[:-1], n) if x.dim() != 2 else out
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] (one row), weight [2I, K] laid out
+    [activated | linear] → [..., I], rounded like the two kernels it replaces."""
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0] % 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [2I, {k}] with contiguous rows, got {tuple(weight.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] != 1:
+        raise ValueError(f"gemv_silu_and_mul takes one row, got {x2.shape[0]}")
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    n = weight.shape[0] // 2
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    config = config or gemv_config(1, 2 * n, k)
+    block_n = max(1, config.block_n // 2)        # two rows per column: the same weight bytes per program
+    _gemv_silu_and_mul_kernel[(triton.cdiv(n, block_n),)](
+        x2, weight, out, n, k, weight.stride(0),
+        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, EVEN_N=n % block_n == 0,
+        PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, **pdl.launch_args(x))
+    return out.reshape(*x.shape[:-1], n)

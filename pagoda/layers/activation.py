@@ -1,7 +1,9 @@
 """SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul.
 
 On CUDA tensors one Triton launch (`pagoda/kernels/fused_ops.py`, via `pagoda/kernels/dispatch.py`);
-everywhere else `silu_and_mul_reference`, which is also the kernel's reference.
+everywhere else `silu_and_mul_reference`, which is also the kernel's reference. `of_projection`
+also takes the gate/up matmul: at one row on CUDA both run as one GEMV launch
+(`pagoda/kernels/gemv.py`), rounded exactly as the two launches would be.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import dispatch
+from pagoda.layers.linear import Linear
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -27,3 +30,11 @@ class SiluAndMul(nn.Module):
         if ops is not None and ops.supports_silu_and_mul(gate_up):
             return ops.silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)
+
+    def of_projection(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        """self(proj(x)) for a fused [gate | up] projection without bias."""
+        kernels = dispatch.gemv_for(x)
+        if (kernels is not None and proj.bias is None and x.numel() == x.shape[-1]
+                and kernels.supports(x, proj.weight, max_rows=1)):
+            return kernels.gemv_silu_and_mul(x, proj.weight)
+        return self(proj(x))

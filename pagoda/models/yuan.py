@@ -138,7 +138,7 @@ class YuanMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_gate_proj(x)))
+        return self.down_proj(self.act.of_projection(self.up_gate_proj, x))
 
 
 class YuanAttentionRouter(nn.Module):

@@ -302,19 +302,24 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     gate's norms and, on decode steps, its state shifts fused into them) reproduces the official
     code's greedy continuations and logits: Yuan2 dense
     (full rotary) and M32 (partial rotary over a bf16-built table, experts). with_gemv: every
-    matmul of at most 8 rows (the decode steps: LF conv1 accumulating in place, conv2, q/k, v, o,
-    MLP, lm_head) in the few-row GEMV kernel as well."""
+    matmul of at most 8 rows in the few-row GEMV kernel as well (the decode steps: LF conv1
+    accumulating in place, conv2, q/k, v, o, down, lm_head), and the requests run one at a time, so
+    the dense model's decode steps have one row and its MLP takes the GEMV with SiLU-and-mul fused."""
+    from types import SimpleNamespace
+
     from pagoda.kernels import gemv
 
-    gemv_calls: list[tuple[int, int]] = []
+    gemv_calls: list[tuple[str, tuple[int, int]]] = []
     if with_gemv:
-        def spy(*args, **kwargs):
-            gemv_calls.append(tuple(args[1].shape))
-            return gemv.gemv(*args, **kwargs)
+        def spy(name):
+            def call(*args, **kwargs):
+                gemv_calls.append((name, tuple(args[1].shape)))
+                return getattr(gemv, name)(*args, **kwargs)
+            return call
 
         monkeypatch.setattr(gemv, "MAX_ROWS", 8)
-        monkeypatch.setattr(dispatch, "gemv_for",
-                            lambda x: type("Gemv", (), {"supports": staticmethod(gemv.supports), "gemv": staticmethod(spy)}))
+        monkeypatch.setattr(dispatch, "gemv_for", lambda x: SimpleNamespace(
+            supports=gemv.supports, gemv=spy("gemv"), gemv_silu_and_mul=spy("gemv_silu_and_mul")))
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.sampling_params import SamplingParams
@@ -336,21 +341,24 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         runner._sample = capture
         cases = golden["cases"][:3]
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        for i, case in enumerate(cases):
-            engine.add_request(str(i), case["prompt_ids"], params)
         done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        for batch in ([list(enumerate(cases))] if not with_gemv else [[pair] for pair in enumerate(cases)]):
+            for i, case in batch:
+                engine.add_request(str(i), case["prompt_ids"], params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
         for i, case in enumerate(cases):
             assert done[str(i)] == case["greedy_16"][:6], name
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
     assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
             "lf_decode_output"} <= set(kernels_everywhere)
-    if with_gemv:      # conv1 [H/2, 2H] and conv2 [H, H] of the LF gate's decode path among them
-        hidden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())["hidden_size"]
-        assert {(hidden // 2, 2 * hidden), (hidden, hidden)} <= set(gemv_calls)
+    if with_gemv:      # the LF gate's conv1 [H/2, 2H] and conv2 [H, H], and the dense MLP's up/gate [2I, H]
+        cfg = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        assert {("gemv", (hidden // 2, 2 * hidden)), ("gemv", (hidden, hidden)),
+                ("gemv_silu_and_mul", (2 * inter, hidden))} <= set(gemv_calls)
 
 
 def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):

@@ -109,3 +109,33 @@ def test_rejects_bad_out_and_bias():
         gemv(x, w, out=torch.empty(1, 9).to(DEVICE, torch.bfloat16))
     with pytest.raises(ValueError, match="bias"):
         gemv(x, w, bias=torch.empty(9).to(DEVICE, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(12, 40), (7, 64), (16, 33)])
+def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtype):
+    """One row through `gemv_silu_and_mul` equals `silu_and_mul(gemv(x, W))` bit for bit (same
+    rounding points), and both agree with the PyTorch layers' path up to the matmul's rounding."""
+    from pagoda.kernels import fused_ops
+    from pagoda.kernels.gemv import gemv_silu_and_mul
+    from pagoda.layers.activation import silu_and_mul_reference
+
+    g = torch.Generator().manual_seed(n * 100 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * n, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
+    fused = gemv_silu_and_mul(x, w)
+    assert fused.shape == (1, n) and fused.dtype == dtype
+    assert torch.equal(fused, fused_ops.silu_and_mul(gemv(x, w)))
+    torch.testing.assert_close(fused.float(), silu_and_mul_reference(F.linear(x.float(), w.float())),
+                               atol=3e-2, rtol=3e-2)
+    assert gemv_silu_and_mul(x.view(1, 1, k), w).shape == (1, 1, n)
+
+
+def test_silu_and_mul_gemv_rejects_what_it_cannot_run():
+    from pagoda.kernels.gemv import gemv_silu_and_mul
+
+    x = torch.randn(2, 64).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_silu_and_mul(x, torch.randn(8, 64).to(DEVICE, torch.bfloat16))
+    with pytest.raises(ValueError, match="2I"):
+        gemv_silu_and_mul(x[:1], torch.randn(7, 64).to(DEVICE, torch.bfloat16))
