@@ -2,11 +2,14 @@
 
 Why: at decode batch 1 a step is a serial chain of weight streams, and cuBLAS picks latency-bound
 kernels for them. Measured on the H200 inside CUDA graphs with the weights cycled out of L2
-(2026-11-30, `benchmarks/gemv_sweep.py`): a 2048x2048 bf16 projection takes 6.0 µs with cuBLAS
-and 3.8-3.9 µs here; Yuan2's LF conv1 (1024x4096) 7.6 vs 3.9; the 2048x8192 down projection 13.7
-vs 9.4-9.7; the 16384x2048 up/gate 18.2 vs 16.8. An earlier Triton attempt (`tl.dot` tiles of 16
-rows, split K with a second reduce kernel) was no faster than cuBLAS: the gain comes from issuing
-all of a program's weight loads at once over very many small programs, and from one launch.
+(2026-11-30, `benchmarks/gemv_sweep.py`, `benchmarks/results/gemv_sweep_h200.json`), cuBLAS vs
+this kernel at M = 1: Yuan2-2B's 2048x2048 projections 6.0-6.2 vs 4.1-4.2 µs, LF conv1 (1024x4096)
+7.1 vs 4.6, qk 7.1 vs 6.4, down (2048x8192) 13.6 vs 10.5, up/gate 18.5 vs 18.2, lm_head 134 vs
+125. An earlier Triton attempt (`tl.dot` tiles of 16 rows, split K with a second reduce kernel) was
+no faster than cuBLAS: the gain comes from issuing all of a program's weight loads at once over
+very many small programs, in one launch. From two rows on, cuBLAS wins for most matmuls (same
+sweep), hence MAX_ROWS = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
+before waiting for the previous kernel.
 
 Shape of the work: program p owns BLOCK_N (1-2) output columns for all M rows, so each weight byte
 is read once. Per K tile it loads a [BLOCK_N, BLOCK_K] weight tile (BLOCK_K up to 4096: one or
@@ -14,10 +17,10 @@ two tiles cover K for these models) and the [ROWS, BLOCK_K] rows of x (L2-reside
 every program), multiplies in fp32 on the CUDA cores (no tensor cores: at M ≤ 8 a GEMV is a weight
 stream, arithmetic is free) and reduces along K. Thousands of programs keep every SM loading.
 
-Numerics: exact bf16/fp16 products (fp32 inputs: rounded products) summed in fp32 (as cuBLAS does, in a different order), plus the
-bias or the existing y in fp32, rounded once to the output dtype. So results match `F.linear` /
-`torch.addmm` to within fp32 accumulation order: an ulp of the output dtype on some elements. The
-reference is `F.linear` (tests/kernels/test_gemv.py).
+Numerics: exact bf16/fp16 products (fp32 inputs: rounded products) summed in fp32 (as cuBLAS
+does, in a different order), plus the bias or the existing y in fp32, rounded once to the output
+dtype. So results match `F.linear` / `torch.addmm` to within fp32 accumulation order: an ulp of the
+output dtype on some elements. The reference is `F.linear` in float64 (tests/kernels/test_gemv.py).
 
 The launcher checks shapes, dtypes and strides, never reads device values, and takes its config
 from `gemv_config` (a rule fitted to the H200 sweep).
@@ -150,8 +153,9 @@ def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
 
 
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps:
-    within 0.3 µs of the best of a 5x5x3 grid for every Yuan2-2B matmul at M = 1 on the H200."""
+    """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps: in
+    an H200 sweep of this loop over 5 column counts x 5 K tiles x 3 warp counts it was within 0.3 µs
+    of the best config for every Yuan2-2B matmul at M = 1."""
     if _interpreting():
         return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), 32), num_warps=1)
     return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), MAX_BLOCK_K), num_warps=4)
