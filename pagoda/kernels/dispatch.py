@@ -15,22 +15,27 @@ it to run the kernels on CPU tensors under the interpreter.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from types import ModuleType
 
 import torch
 
 
+def _optional_kernels(name: str, switch: str) -> ModuleType | None:
+    """`pagoda.kernels.<name>`, or None when Triton cannot be imported or the env switch is "0"."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return importlib.import_module(f"pagoda.kernels.{name}")
+    except ImportError:
+        return None
+
+
 @functools.cache
 def fused_ops_module() -> ModuleType | None:
     """`pagoda.kernels.fused_ops`, or None when Triton cannot be imported or PAGODA_FUSED_OPS=0."""
-    if os.environ.get("PAGODA_FUSED_OPS", "1") == "0":
-        return None
-    try:
-        from pagoda.kernels import fused_ops
-    except ImportError:
-        return None
-    return fused_ops
+    return _optional_kernels("fused_ops", "PAGODA_FUSED_OPS")
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
@@ -41,13 +46,7 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
 @functools.cache
 def gemv_module() -> ModuleType | None:
     """`pagoda.kernels.gemv`, or None when Triton cannot be imported or PAGODA_GEMV=0."""
-    if os.environ.get("PAGODA_GEMV", "1") == "0":
-        return None
-    try:
-        from pagoda.kernels import gemv
-    except ImportError:
-        return None
-    return gemv
+    return _optional_kernels("gemv", "PAGODA_GEMV")
 
 
 def gemv_for(x: torch.Tensor) -> ModuleType | None:

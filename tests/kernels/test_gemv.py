@@ -139,3 +139,18 @@ def test_silu_and_mul_gemv_rejects_what_it_cannot_run():
         gemv_silu_and_mul(x, torch.randn(8, 64).to(DEVICE, torch.bfloat16))
     with pytest.raises(ValueError, match="2I"):
         gemv_silu_and_mul(x[:1], torch.randn(7, 64).to(DEVICE, torch.bfloat16))
+
+
+def test_dispatch_switch_and_device(monkeypatch):
+    """PAGODA_GEMV=0 turns the kernel off; CPU tensors never get it (the layers keep F.linear)."""
+    from pagoda.kernels import dispatch
+
+    dispatch.gemv_module.cache_clear()
+    try:
+        assert dispatch.gemv_module() is gemv_module
+        assert dispatch.gemv_for(torch.zeros(2)) is None
+        dispatch.gemv_module.cache_clear()
+        monkeypatch.setenv("PAGODA_GEMV", "0")
+        assert dispatch.gemv_module() is None
+    finally:
+        dispatch.gemv_module.cache_clear()
