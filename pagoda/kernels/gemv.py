@@ -28,7 +28,6 @@ from `gemv_config` (a rule fitted to the H200 sweep).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,16 +35,12 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl
-from pagoda.kernels.fused_ops import _round_to, silu_mul
+from pagoda.kernels.fused_ops import _interpreting, _round_to, silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
 MAX_ROWS = 1            # rows above this go to cuBLAS (see gemv_sweep: where the kernel stops winning)
 MAX_BLOCK_K = 4096
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)

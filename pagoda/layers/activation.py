@@ -34,7 +34,6 @@ class SiluAndMul(nn.Module):
     def of_projection(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
         """self(proj(x)) for a fused [gate | up] projection without bias."""
         kernels = dispatch.gemv_for(x)
-        if (kernels is not None and proj.bias is None and x.numel() == x.shape[-1]
-                and kernels.supports(x, proj.weight, max_rows=1)):
+        if kernels is not None and proj.bias is None and kernels.supports(x, proj.weight, max_rows=1):
             return kernels.gemv_silu_and_mul(x, proj.weight)
         return self(proj(x))
