@@ -10,6 +10,7 @@ the activation dtype at the same points. The PyTorch references are the layers' 
 | `rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps)` |
 | `fused_add_rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps, residual)` |
 | `rotary` | `pagoda.layers.rotary.apply_rotary_reference(q, k, (cos, sin))` |
+| `rotary_store_kv` | `rotary`, then `paged_attention.store_kv` (the Triton backend's KV store) |
 | `silu_and_mul` | `pagoda.layers.activation.silu_and_mul_reference(x)` |
 | `lf_decode_input` / `lf_decode_output` | `input_layernorm` / `output_layernorm` plus `LocalizedFilter`'s PyTorch path (`index_select` + `cat` + `index_copy_`: pure copies) |
 
@@ -180,6 +181,16 @@ def _rope_heads(src, dst, stride_src_h, stride_dst_h, head0, num_heads, cos, sin
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin rows [BLOCK_HALF] in fp32 (zero past HALF)."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                  stride_ct, stride_st,
@@ -192,10 +203,7 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, BLOCK_HALF)
     if b < Q_BLOCKS:
         _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
                     b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
@@ -254,6 +262,83 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)), EMULATE_BF16=_interpreting(),
         num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
     return q_out, k_out
+
+
+@triton.jit
+def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch,
+                          stride_vcb, stride_vcs, stride_vch, stride_ct, stride_st,
+                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
+                          HALF: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                          BLOCK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+    """`_rope_kernel`'s grid, but k programs write their rotated heads, and copy the same heads of v,
+    straight into the paged cache at slot_mapping[t] (slot = block * CACHE_BLOCK + offset) instead
+    of into a k tensor; a negative slot (a padding token) stores nothing. q programs as before."""
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, BLOCK_HALF)
+    if b < Q_BLOCKS:
+        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
+                    b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
+                    EMULATE_BF16)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            block = slot // CACHE_BLOCK
+            offset = slot % CACHE_BLOCK
+            head0 = (b - Q_BLOCKS) * BLOCK_H
+            _rope_heads(k_ptr + t * stride_kt, k_cache_ptr + block * stride_kcb + offset * stride_kcs,
+                        stride_kh, stride_kch, head0, NUM_K_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H,
+                        BLOCK_HALF, BLOCK_PASS, EMULATE_BF16)
+            offs_h = head0 + tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HEAD_DIM)
+            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch
+            tl.store(v_dst + offs_d[None, :], v, mask=mask)
+
+
+def supports_rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """`supports_rotary`, plus v shaped like k and caches [num_blocks, block_size, Hkv, D] of q's dtype
+    with unit head_dim stride (any layout of the other dims)."""
+    return (supports_rotary(q, k, cos, sin) and v.shape == k.shape and v.dtype == k.dtype and v.stride(2) == 1
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
+            and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rotary` and the attention backend's `store_kv` in one launch: returns the rotated q (new,
+    contiguous) and writes the rotated k and v [T, Hkv, D] into k_cache/v_cache at slot_mapping [T]
+    (negative = skip). The stored values are bit-identical to `rotary` followed by `store_kv`."""
+    assert supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache), "unsupported rotary/cache arguments"
+    t, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert slot_mapping.shape == (t,), "slot_mapping must be [T]"
+    half = cos.shape[-1]
+    cos2, sin2 = _table_2d(cos, t), _table_2d(sin, t)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _ROPE_TILE // block_half))
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    k_blocks = triton.cdiv(num_k_heads, block_h)
+    _rope_store_kv_kernel[(t, q_blocks + k_blocks)](
+        q, k, v, q_out, k_cache, v_cache, slot_mapping, cos2, sin2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos2.stride(0), sin2.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half, HEAD_DIM=head_dim,
+        CACHE_BLOCK=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim), EMULATE_BF16=_interpreting(),
+        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
+    return q_out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.layers.rotary import apply_rotary
 from pagoda.layers.sequence_state import SequenceStateBatch
 
 
@@ -61,6 +62,14 @@ class AttentionBackend(ABC):
                 v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
         """Store k/v [T, Hkv, D] into the cache, then attend q [T, Hq, D] → [T, Hq, D]."""
 
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: Any, scale: float) -> torch.Tensor:
+        """`forward` of q and k rotated by cos_sin (`apply_rotary`). Backends that fold the rotation
+        into their KV store (one launch fewer per layer) override this."""
+        q, k = apply_rotary(q, k, cos_sin)
+        return self.forward(q, k, v, k_cache, v_cache, metadata, scale)
+
 
 @dataclass
 class StepAttention:
@@ -91,10 +100,16 @@ class Attention(nn.Module):
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        # q [T, Hq * D], k/v [T, Hkv * D] → [T, Hq * D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: StepAttention,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, Hq * D] (or [T, Hq, D]), k/v [T, Hkv * D] (or [T, Hkv, D]) → [T, Hq * D]. With rope
+        (the step's cos/sin) q and k are rotated first: by the backend, inside its KV store where it can."""
         t = q.shape[0]
-        out = attn.backend.forward(
-            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn.metadata, self.scale)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if rope is None:
+            out = attn.backend.forward(q, k, v, self.k_cache, self.v_cache, attn.metadata, self.scale)
+        else:
+            out = attn.backend.forward_rotary(q, k, v, rope, self.k_cache, self.v_cache, attn.metadata, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 
@@ -136,13 +137,29 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.
+        self._kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        """RoPE and the KV store in one launch (`fused_ops.rotary_store_kv`) where the fused kernels run."""
+        ops = dispatch.fused_ops_for(q)
+        cos, sin = cos_sin
+        if ops is None or not ops.supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache):
+            return super().forward_rotary(q, k, v, cos_sin, k_cache, v_cache, metadata, scale)
+        q = ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, metadata.slot_mapping)
+        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: TritonAttentionMetadata, scale: float, num_kv_heads: int) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, which already holds this step's keys and values."""
         kernels = self._kernels
-        kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         decode = metadata.decode
         if decode is not None:
             kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, scale,
-                                           self._num_splits(decode, k.shape[1], metadata.num_sms),
+                                           self._num_splits(decode, num_kv_heads, metadata.num_sms),
                                            query_index=decode.token_index, out=out)
         if metadata.prefill_tiles is not None:
             kernels.paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,

@@ -16,7 +16,7 @@ from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
@@ -36,9 +36,7 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                            rope)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, attn))
+        return self.o_proj(self.attn(q, k, v, attn, rope=rope))     # RoPE inside (fused with the KV store)
 
 
 class LlamaMLP(nn.Module):

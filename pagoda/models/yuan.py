@@ -29,7 +29,7 @@ from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 
 # Decode steps up to this many rows overlap v_proj with the LF gate. H200, Yuan2-2B (device call 3 of
@@ -124,8 +124,7 @@ class YuanAttention(nn.Module):
         v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= SIDE_STREAM_MAX_ROWS)
         y = self.lf_gate(x, step.state, lf_inputs)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
-        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_heads, self.head_dim), rope)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v_branch.join(), step))
+        return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))   # RoPE inside, as in Llama
 
 
 class YuanMLP(nn.Module):

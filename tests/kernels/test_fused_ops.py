@@ -157,6 +157,52 @@ def test_rotary_tables_and_head_blocks(dtype, monkeypatch):
     assert fused_ops.rotary(q, k, *RotaryEmbedding(d, 8, 1e4, None).cos_sin(positions[:0]))[0].shape == (0, hq, d)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,rotary_dim", [(8, 8), (12, 8), (16, 8)])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_rotary_store_kv_matches_rotary_then_store(hq, hkv, d, rotary_dim, dtype, head_major, monkeypatch):
+    """One launch = `rotary` + the backend's `store_kv`, bit for bit: the returned q, every cache slot
+    written (k rotated, v copied), padding tokens (slot -1) writing nothing, heads over one or several
+    programs, caches stored token-major or head-major (a transposed view)."""
+    from pagoda.kernels.paged_attention import store_kv
+
+    t, num_blocks, block_size = 5, 6, 4
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=30)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    cos_sin = RotaryEmbedding(rotary_dim, 64, 10000.0, None).cos_sin(torch.tensor([0, 5, 17, 3, 40], device=DEVICE))
+    slots = torch.tensor([9, -1, 0, 22, 13], device=DEVICE)
+
+    def caches():
+        shape = (num_blocks, hkv, block_size, d) if head_major else (num_blocks, block_size, hkv, d)
+        pair = [_randn(*shape, dtype=dtype, seed=31 + i) for i in range(2)]
+        return [c.transpose(1, 2) for c in pair] if head_major else pair
+
+    k_ref, v_ref = caches()
+    q_ref, k_rot = fused_ops.rotary(q, k, *cos_sin)
+    store_kv(k_rot, v, k_ref, v_ref, slots)
+    for tile in (fused_ops._ROPE_TILE, 8):
+        monkeypatch.setattr(fused_ops, "_ROPE_TILE", tile)
+        k_cache, v_cache = caches()
+        assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache)
+        q_out = fused_ops.rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache, slots)
+        assert torch.equal(q_out, q_ref) and q_out.is_contiguous()
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), tile
+
+
+def test_rotary_store_kv_refuses_what_it_cannot_store():
+    q, k = _qkv_views(2, 4, 2, 8, torch.float32, seed=32)
+    v = torch.zeros_like(k)
+    cos_sin = RotaryEmbedding(8, 16, 1e4, None).cos_sin(torch.tensor([1, 2], device=DEVICE))
+    cache = torch.zeros(3, 4, 2, 8, device=DEVICE)
+    assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache, cache.clone())
+    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache.half(), cache.half())     # dtype
+    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache[..., :4], cache[..., :4])  # head_dim
+    assert not fused_ops.supports_rotary_store_kv(q, k, v[:, :1], *cos_sin, cache, cache)             # v shape
+    assert fused_ops.rotary_store_kv(q[:0], k[:0], v[:0], cos_sin[0][:0], cos_sin[1][:0], cache, cache,
+                                     torch.zeros(0, dtype=torch.long, device=DEVICE)).shape == (0, 4, 8)
+
+
 # ---------------------------------------------------------------------------------------------
 # SiLU-and-mul
 # ---------------------------------------------------------------------------------------------
@@ -267,8 +313,8 @@ def kernels_everywhere(monkeypatch):
     class Spy:
         def __getattr__(self, name):
             attr = getattr(fused_ops, name)
-            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
-                        "lf_decode_output"):
+            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_store_kv", "silu_and_mul",
+                        "lf_decode_input", "lf_decode_output"):
                 def wrapped(*args, **kwargs):
                     calls.append(name)
                     return attr(*args, **kwargs)
@@ -325,10 +371,11 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     from pagoda.sampling_params import SamplingParams
     from tests.conftest import SHARED_FIXTURES
 
-    for name in ("yuan2-tiny", "yuan2-m32-tiny"):
+    # yuan2-tiny runs the Triton attention backend too (RoPE fused into its KV store); M32 the PyTorch one.
+    for name, backend in (("yuan2-tiny", "triton"), ("yuan2-m32-tiny", "torch")):
         golden = json.loads((SHARED_FIXTURES / name / "golden.json").read_text())
         engine = LLMEngine(EngineConfig.create(EngineArgs(
-            model=str(SHARED_FIXTURES / name), skip_tokenizer_init=True, dtype="float32",
+            model=str(SHARED_FIXTURES / name), skip_tokenizer_init=True, dtype="float32", attention_backend=backend,
             max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=80, device=DEVICE)))
         runner, captured = engine.runner, {}
         sample = runner._sample
@@ -352,7 +399,7 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         for i, case in enumerate(cases):
             assert done[str(i)] == case["greedy_16"][:6], name
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
-    assert {"fused_add_rms_norm", "rms_norm", "rotary", "silu_and_mul", "lf_decode_input",
+    assert {"fused_add_rms_norm", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "lf_decode_input",
             "lf_decode_output"} <= set(kernels_everywhere)
     if with_gemv:      # the LF gate's conv1 [H/2, 2H] and conv2 [H, H], and the dense MLP's up/gate [2I, H]
         cfg = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())
