@@ -37,7 +37,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)   # running-max start: finite, so exp2(m_old - m_new) is never NaN
 
 # Split-K rule (decode): aim for ~2 programs per SM, but never give a split fewer than this many keys
-# (below that the partial write + reduce cost more than the parallelism buys) nor more splits than this.
+# (below that the partial write + merge cost more than the parallelism buys) nor more splits than this.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
@@ -178,12 +178,12 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
 
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qidx_ptr, out_ptr,
-                   part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale,
+                   part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr, qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, num_splits,
-                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, HAS_QIDX: tl.constexpr,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, HAS_QIDX: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv_head, split): the GROUP query heads sharing kv_head attend to this split's
     share of the row's keys, so each K/V tile is read once for the whole group.
@@ -191,7 +191,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
     Splits divide the row's key tiles evenly (computed here from seq_len, so num_splits is the only
     host-side choice); trailing splits of a short row may be empty. Without SPLIT (num_splits == 1)
     the normalised output is written directly; otherwise the unnormalised acc [GROUP, D], max and sum
-    go to the partial buffers [rows, Hq, num_splits(, D)] for `_decode_reduce_kernel`.
+    go to the partial buffers [rows, Hq, num_splits(, D)], and the split that finishes last for its
+    (row, kv_head) merges them (`_merge_splits`): no second kernel, whose launch and drain cost a
+    batch-1 step more than the merge itself. counter_ptr [rows, Hkv] int32 counts finished splits;
+    it must be zero at launch and the merging split sets it back to zero.
 
     num_splits and stride_table (the block-table width, which changes from step to step in eager
     steps) are plain runtime integers, not specialised: otherwise each new value, or a width that
@@ -233,35 +236,42 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
         tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_q)
+        # Release: every thread's partial stores happen before the (one-thread) gpu-scope atomic, so
+        # the split that counts last sees all partials of its (row, kv_head) (the CUTLASS semaphore
+        # pattern: CTA barrier, then a release by one thread; the reader acquires, then barriers).
+        tl.debug_barrier()
+        counter = counter_ptr + row * NUM_KV_HEADS + kv_head
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if finished == num_splits - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)                      # ready for the next launch (which waits for this one)
+            _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + token * stride_ot, stride_oh,
+                          (row * NUM_HEADS + kv_head * GROUP).to(tl.int64) * num_splits, kv_head * GROUP,
+                          num_splits, GROUP, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, qidx_ptr, out_ptr, stride_ot, stride_oh, num_splits,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_QIDX: tl.constexpr,
-                          PDL: tl.constexpr):
-    """Program (row, head): merge the split partials, out = Σ w_s acc_s / Σ w_s l_s with
-    w_s = 2^(m_s - max_s m_s). Empty splits carry m = -1e30, l = 0, acc = 0 and get weight 0."""
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    if HAS_QIDX:
-        token = tl.load(qidx_ptr + row).to(tl.int64)
-    else:
-        token = row.to(tl.int64)
+@triton.jit
+def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_row_ptr, stride_oh, base, head0, num_splits,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads head0 .. head0 + GROUP - 1 of one row: out = Σ w_s acc_s / Σ w_s l_s over the splits, with
+    w_s = 2^(m_s - max_s m_s); head g's partials start at base + g * num_splits. Empty splits carry
+    m = -1e30, l = 0, acc = 0 and get weight 0 (a row with no keys at all gets zeros). Loads bypass
+    L1 (.cg): the partials were written by other SMs."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
-    base = (row * NUM_HEADS + head).to(tl.int64) * num_splits
-    m = tl.load(part_m_ptr + base + offs_s, mask=mask_s, other=float("-inf"))        # [BLOCK_S]
-    l = tl.load(part_l_ptr + base + offs_s, mask=mask_s, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
     mask = mask_s[:, None] & (offs_d[None, :] < HEAD_DIM)
-    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
-    denom = tl.sum(w * l, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)                 # [BLOCK_D]
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        part = base + g * num_splits + offs_s                                                  # [BLOCK_S]
+        m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m - tl.max(m, 0))
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                      cache_modifier=".cg")
+        denom = tl.sum(w * l, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)                  # [BLOCK_D]
+        tl.store(out_row_ptr + (head0 + g) * stride_oh + offs_d, out.to(out_row_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -290,7 +300,8 @@ def decode_config(head_dim: int) -> DecodeConfig:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = 1, *, query_index: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_sms: int | None = None,
+                           split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Single-token attention per row through the paged cache.
 
     q [B, Hq, D] (or [T, Hq, D] with query_index [B]: row b's query is token query_index[b], and its
@@ -298,7 +309,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens [B] int32/int64 = keys per row (0 = padding row → zeros). Returns out [*, Hq, D].
 
     num_splits: split-K count (a launch parameter; the split boundaries come from seq_lens on the
-    device). None picks `choose_num_splits` from seq_lens.max(), which syncs with the device."""
+    device). None picks `choose_num_splits` from seq_lens.max(), which syncs with the device.
+    split_counters: int32, at least B * Hkv elements, all zero (and zero again after the launch), for
+    the splits to find the last of them; None allocates zeros per call (one memset more). A caller
+    that keeps one (`SplitCounters`) must not run two launches on it at once."""
     rows = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -328,25 +342,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = torch.empty(rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_m = torch.empty(rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
+        if split_counters is None:
+            split_counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=q.device)
+        assert split_counters.dtype == torch.int32 and split_counters.is_contiguous() \
+            and split_counters.numel() >= rows * num_kv_heads, "split_counters must be int32, >= B * Hkv elements"
     else:
-        part_acc = part_m = part_l = out           # unused
+        part_acc = part_m = part_l = split_counters = out           # unused
     qidx = query_index if query_index is not None else seq_lens   # unused placeholder when None
     _decode_kernel[(rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, qidx, out, part_acc, part_m, part_l, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, qidx, out, part_acc, part_m, part_l, split_counters,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_splits,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
         SPLIT=num_splits > 1, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(q))
-    if num_splits > 1:
-        _decode_reduce_kernel[(rows, num_heads)](
-            part_acc, part_m, part_l, qidx, out, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            HAS_QIDX=query_index is not None, num_warps=1 if _interpreting() else 4, **pdl.launch_args(q))
     return out
+
+
+class SplitCounters:
+    """A caller-owned, always-zero counter buffer for `paged_decode_attention(split_counters=...)`,
+    grown on demand. A CUDA graph keeps the address it captured, so a buffer that is outgrown stays
+    alive (a captured graph may still use it); growing happens in the eager warm-up runs before a
+    capture, as every launch size is first run eagerly."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+        need = rows * num_kv_heads
+        current = self._buffers[-1] if self._buffers else None
+        if current is None or current.numel() < need or current.device != device:
+            current = torch.zeros(max(need, 1024), dtype=torch.int32, device=device)
+            self._buffers.append(current)
+        return current
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +530,7 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
     scratch cache, so Triton compiles them at start-up rather than inside a step (a compile stalls
     every running request for ~0.5 s). The variants are the launch constexprs that differ between
     steps: decode with and without a query index (mixed vs pure-decode steps), each with one split
-    and with several (then also the reduce kernel); prefill; store_kv. What else changes from step to
+    and with several (then the in-kernel merge); prefill; store_kv. What else changes from step to
     step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers."""
     blocks = 3
     k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -4,7 +4,7 @@
 lengths): it splits rows into decode rows (one new token) and prefill rows (a chunk of several,
 possibly after a cached prefix), converts indices to int32 on the device, and builds the prefill
 tile list. `forward` then runs per layer with no host-device sync and no Python loop over requests
-(store K/V, one decode launch (+ its split-K reduce), one prefill launch), so a decode step can be
+(store K/V, one decode launch (split-K merged in-kernel), one prefill launch), so a decode step can be
 captured in a CUDA graph later; for that, fix the split count (`decode_splits`), since the rule
 depends on the step's longest sequence, and copy the step's values into static buffers (padding
 rows: seq_len 0 gives zeros, slot -1 stores nothing) — `decode_metadata` builds the metadata over
@@ -76,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels = _load_kernels()      # ImportError without the `triton` package
         self.decode_splits = decode_splits
         self.num_sms = num_sms
+        self._split_counters = self._kernels.SplitCounters()   # one backend per model runner: launches in order
 
     def warm_up(self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype,
                 device: torch.device) -> None:
@@ -158,9 +159,10 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         decode = metadata.decode
         if decode is not None:
+            counters = self._split_counters.get(decode.num_rows, num_kv_heads, q.device)
             kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, scale,
                                            self._num_splits(decode, num_kv_heads, metadata.num_sms),
-                                           query_index=decode.token_index, out=out)
+                                           query_index=decode.token_index, out=out, split_counters=counters)
         if metadata.prefill_tiles is not None:
             kernels.paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
                                             metadata.seq_lens, scale, tiles=metadata.prefill_tiles, out=out)

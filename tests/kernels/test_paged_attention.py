@@ -179,6 +179,28 @@ def test_decode_more_splits_than_tiles_and_padding_rows(num_splits: int) -> None
     assert (out[1] == 0).all()
 
 
+def test_decode_split_counters_are_reused_and_left_zero() -> None:
+    """The last split of each (row, kv head) merges in-kernel and resets its counter: one buffer
+    serves launches of different row counts and split counts back to back (as a decode graph and
+    the layers after it do), each matching the dense reference, and ends all zero. A counter left
+    non-zero, or a merge by any split but the last, gives wrong outputs in the later launches."""
+    from pagoda.kernels.paged_attention import SplitCounters
+
+    counters = SplitCounters()
+    for spec, num_heads, num_kv_heads, splits in (([(0, 1), (37, 1), (70, 1)], 8, 2, 5),
+                                                  ([(9, 1)], 8, 2, 2), (DECODE_ONLY, 6, 3, 7),
+                                                  ([(0, 1), (37, 1), (70, 1)], 8, 2, 3)):
+        case = make_case(spec, num_heads, num_kv_heads, 16, 4, seed=splits)
+        store_kv(case.k, case.v, case.k_cache, case.v_cache, case.batch.slot_mapping)
+        rows = len(spec)
+        buffer = counters.get(rows, num_kv_heads, torch.device(DEVICE))
+        out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables,
+                                     case.batch.seq_lens_tensor, case.scale, splits, split_counters=buffer)
+        assert_matches(out, dense_attention(case), torch.float32)
+        assert (buffer == 0).all()
+    assert len(counters._buffers) == 1          # 1024 counters cover every launch above
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", grid())
 def test_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     case = make_case(PREFILL_ONLY, num_heads, num_kv_heads, head_dim, block_size)
@@ -255,7 +277,7 @@ def _compiled_kernels() -> int:
     """How many compiled specialisations the attention kernels hold (all devices)."""
     from pagoda.kernels import paged_attention as pa
 
-    fns = (pa._store_kv_kernel, pa._decode_kernel, pa._decode_reduce_kernel, pa._prefill_kernel)
+    fns = (pa._store_kv_kernel, pa._decode_kernel, pa._prefill_kernel)
     return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
 
