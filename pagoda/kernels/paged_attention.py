@@ -372,8 +372,11 @@ class SplitCounters:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
 
-    def get(self, rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    def get(self, rows: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
         need = rows * num_kv_heads
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:          # "cuda" is the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         current = self._buffers[-1] if self._buffers else None
         if current is None or current.numel() < need or current.device != device:
             current = torch.zeros(max(need, 1024), dtype=torch.int32, device=device)
