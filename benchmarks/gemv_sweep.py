@@ -1,7 +1,7 @@
 """Few-row matmuls on the GPU: cuBLAS (`F.linear`) vs `pagoda.kernels.gemv`, per model matmul.
 
     python benchmarks/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b] [--rows 1,2,4,8]
-                                    [--grid-rows 2,4] [--out sweep.json]
+                                    [--grid-rows 2,4] [--l2-hot] [--out sweep.json]
 
 Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no Python launch
 cost), cycling through enough copies of the weight that none is still in L2 (a step reads each
@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b,llama-3-8b")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--grid-rows", default="", help="row counts for which a config grid is also swept")
+    ap.add_argument("--l2-hot", action="store_true",
+                    help="also time the kernel re-reading one weight (L2-resident after the first call): what a "
+                         "matmul whose weight was prefetched into L2 would cost")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -97,6 +100,12 @@ def main() -> None:
                        "cublas_us": graph_us(cublas, copies), "rule": vars(gemv_config(m, n, k)),
                        "max_abs_err": err}
                 row["gemv_us"] = graph_us(lambda: kernel(None), copies)
+                if args.l2_hot:
+                    def hot(x=x, out=out, w=weights[0]):
+                        for _ in range(copies):
+                            gemv(x, w, bias, out=out)
+
+                    row["gemv_l2_hot_us"] = graph_us(hot, copies)
                 if m in grid_rows:
                     timed = [(graph_us(lambda c=c: kernel(c), copies), c) for c in grid
                              if c.block_k < 2 * k]
@@ -105,6 +114,7 @@ def main() -> None:
                 results.append(row)
                 extra = (f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
                          if "grid_best_us" in row else "")
+                extra += f"  L2-hot gemv {row['gemv_l2_hot_us']:7.2f} us" if "gemv_l2_hot_us" in row else ""
                 print(f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
                       f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
                       f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
