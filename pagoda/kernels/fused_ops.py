@@ -223,6 +223,20 @@ def _table_2d(table: torch.Tensor, t: int) -> torch.Tensor | None:
     return table
 
 
+def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> tuple[tuple[int, int], dict[str, int]]:
+    """The grid (T, Q_BLOCKS + K_BLOCKS) and the shape constexprs shared by the two RoPE kernels."""
+    t, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    half = cos.shape[-1]
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _ROPE_TILE // block_half))
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    grid = (t, q_blocks + triton.cdiv(num_k_heads, block_h))
+    return grid, dict(NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half,
+                      HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                      BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)))
+
+
 def supports_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         return False
@@ -240,26 +254,18 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     must be contiguous), cos/sin [T, 1, R/2] → new contiguous rotated q, k. The first R dims of each
     head rotate as halves [x1 | x2] → [x1·cos − x2·sin | x2·cos + x1·sin]; dims R..D copy through."""
     assert supports_rotary(q, k, cos, sin), "unsupported rotary arguments"
-    t, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    half = cos.shape[-1]
+    t = q.shape[0]
     cos2, sin2 = _table_2d(cos, t), _table_2d(sin, t)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t == 0:
         return q_out, k_out
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _ROPE_TILE // block_half))
-    q_blocks = triton.cdiv(num_q_heads, block_h)
-    k_blocks = triton.cdiv(num_k_heads, block_h)
-    _rope_kernel[(t, q_blocks + k_blocks)](
+    grid, shape = _rope_launch(q, k, cos)
+    _rope_kernel[grid](
         q, k, q_out, k_out, cos2, sin2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos2.stride(0), sin2.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half, HEAD_DIM=head_dim,
-        BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)), EMULATE_BF16=_interpreting(),
+        cos2.stride(0), sin2.stride(0), **shape, EMULATE_BF16=_interpreting(),
         num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
     return q_out, k_out
 
@@ -316,27 +322,19 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     contiguous) and writes the rotated k and v [T, Hkv, D] into k_cache/v_cache at slot_mapping [T]
     (negative = skip). The stored values are bit-identical to `rotary` followed by `store_kv`."""
     assert supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache), "unsupported rotary/cache arguments"
-    t, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
+    t = q.shape[0]
     assert slot_mapping.shape == (t,), "slot_mapping must be [T]"
-    half = cos.shape[-1]
     cos2, sin2 = _table_2d(cos, t), _table_2d(sin, t)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _ROPE_TILE // block_half))
-    q_blocks = triton.cdiv(num_q_heads, block_h)
-    k_blocks = triton.cdiv(num_k_heads, block_h)
-    _rope_store_kv_kernel[(t, q_blocks + k_blocks)](
+    grid, shape = _rope_launch(q, k, cos)
+    _rope_store_kv_kernel[grid](
         q, k, v, q_out, k_cache, v_cache, slot_mapping, cos2, sin2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos2.stride(0), sin2.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half, HEAD_DIM=head_dim,
-        CACHE_BLOCK=k_cache.shape[1], BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
-        BLOCK_D=triton.next_power_of_2(head_dim), EMULATE_BF16=_interpreting(),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos2.stride(0), sin2.stride(0), **shape,
+        CACHE_BLOCK=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(q.shape[2]), EMULATE_BF16=_interpreting(),
         num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
     return q_out
 
