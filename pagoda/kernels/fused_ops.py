@@ -181,13 +181,25 @@ def _rope_heads(src, dst, stride_src_h, stride_dst_h, head0, num_heads, cos, sin
 
 
 @triton.jit
-def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Token t's cos and sin rows [BLOCK_HALF] in fp32 (zero past HALF)."""
+def _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct,
+                  stride_st, NUM_Q_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr, HALF: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_PASS: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+    """What both RoPE kernels' program (t, b) does first: wait for its inputs, load token t's cos
+    and sin [BLOCK_HALF] in fp32 (zero past HALF) and, for b < Q_BLOCKS, rotate its block of q
+    heads. Returns (t, b, cos, sin) for the k programs (b >= Q_BLOCKS)."""
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
     cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    return cos, sin
+    if b < Q_BLOCKS:
+        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
+                    b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
+                    EMULATE_BF16)
+    return t, b, cos, sin
 
 
 @triton.jit
@@ -200,15 +212,10 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                  EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Q_BLOCKS + K_BLOCKS): program (t, b) rotates a block of BLOCK_H heads of token t,
     of q for b < Q_BLOCKS, else of k."""
-    wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
-    cos, sin = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, BLOCK_HALF)
-    if b < Q_BLOCKS:
-        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                    b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
-                    EMULATE_BF16)
-    else:
+    t, b, cos, sin = _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
+                                   stride_ct, stride_st, NUM_Q_HEADS, Q_BLOCKS, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+                                   BLOCK_PASS, EMULATE_BF16, PDL)
+    if b >= Q_BLOCKS:
         _rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
                     (b - Q_BLOCKS) * BLOCK_H, NUM_K_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
                     BLOCK_PASS, EMULATE_BF16)
@@ -282,15 +289,10 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_p
     """`_rope_kernel`'s grid, but k programs write their rotated heads, and copy the same heads of v,
     straight into the paged cache at slot_mapping[t] (slot = block * CACHE_BLOCK + offset) instead
     of into a k tensor; a negative slot (a padding token) stores nothing. q programs as before."""
-    wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
-    cos, sin = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, BLOCK_HALF)
-    if b < Q_BLOCKS:
-        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                    b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
-                    EMULATE_BF16)
-    else:
+    t, b, cos, sin = _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
+                                   stride_ct, stride_st, NUM_Q_HEADS, Q_BLOCKS, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
+                                   BLOCK_PASS, EMULATE_BF16, PDL)
+    if b >= Q_BLOCKS:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             block = slot // CACHE_BLOCK
