@@ -14,9 +14,12 @@ it to run the kernels on CPU tensors under the interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from types import ModuleType
 
 import torch
@@ -52,3 +55,23 @@ def gemv_module() -> ModuleType | None:
 def gemv_for(x: torch.Tensor) -> ModuleType | None:
     """The GEMV module when x lives on a CUDA device and Triton is available, else None."""
     return gemv_module() if x.is_cuda else None
+
+
+# Whether kernels launched now may use programmatic dependent launch (`pagoda/kernels/pdl.py`, which
+# also needs a Hopper GPU and PAGODA_PDL unset). The model runner turns it off for eager steps and
+# for CUDA-graph buckets over `cuda_graphs.PDL_MAX_ROWS` rows; kernels called directly (tests,
+# benchmarks) keep it on.
+_PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
+
+
+@contextlib.contextmanager
+def pdl_allowed(on: bool) -> Iterator[None]:
+    token = _PDL_ALLOWED.set(on)
+    try:
+        yield
+    finally:
+        _PDL_ALLOWED.reset(token)
+
+
+def pdl_is_allowed() -> bool:
+    return _PDL_ALLOWED.get()

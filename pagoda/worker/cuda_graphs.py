@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagoda.kernels import dispatch
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -49,6 +50,12 @@ def default_buckets(max_rows: int) -> list[int]:
     costs at most 7 rows of work beyond 8."""
     sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
     return sorted(set(sizes))
+
+
+# Buckets of at most this many rows (tokens) are captured with programmatic dependent launch; larger
+# ones without. H200, Yuan2-2B, one machine (2026-11-30g call 9): the batch-256 decode step took 7.26 ms
+# with PDL and 6.56 without; at batch 1 PDL took c=1 TPOT from 1.80 to 1.58 ms (2026-11-30f call 7).
+PDL_MAX_ROWS = 64
 
 
 def _capture_buckets(buckets: list[int], device: torch.device, attention, forward, what: str) -> dict:
@@ -69,16 +76,17 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     try:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(buckets):
-                attn = attention(b)
-                for _ in range(2):
-                    forward(b, attn)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
-                # invalidate this capture; this thread's own illegal calls still fail loudly.
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    out = forward(b, attn)
-                graphs[b] = (graph, out)
+                with dispatch.pdl_allowed(b <= PDL_MAX_ROWS):     # compiled in the warm-up runs, baked in the graph
+                    attn = attention(b)
+                    for _ in range(2):
+                        forward(b, attn)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
+                    # invalidate this capture; this thread's own illegal calls still fail loudly.
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        out = forward(b, attn)
+                    graphs[b] = (graph, out)
     finally:
         if gc_was_enabled:
             gc.enable()

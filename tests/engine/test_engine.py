@@ -164,3 +164,30 @@ def test_repetition_penalty_matches_transformers(tiny_llama):
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                  repetition_penalty=1.8, pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens == ref
+
+
+def test_eager_steps_launch_without_pdl(tiny_llama, monkeypatch):
+    """Programmatic dependent launch is only for captured graphs of few rows (`cuda_graphs.PDL_MAX_ROWS`):
+    every eager step runs the model with `dispatch.pdl_allowed(False)` (so does the GPU-only profile
+    run), so eager kernels compile and launch one variant; outside (kernels called directly) it stays
+    allowed."""
+    from pagoda.kernels import dispatch
+
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128)
+    model = llm.engine.runner.model
+    seen = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(dispatch.pdl_is_allowed())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    llm.generate([[1, 2, 3, 4], [5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen and not any(seen)
+    assert dispatch.pdl_is_allowed()
+    with dispatch.pdl_allowed(False):
+        assert not dispatch.pdl_is_allowed()
+        with dispatch.pdl_allowed(True):
+            assert dispatch.pdl_is_allowed()
+        assert not dispatch.pdl_is_allowed()
