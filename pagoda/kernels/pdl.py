@@ -18,10 +18,9 @@ on its programs may occupy free SM slots while they wait.
 
 Inside a CUDA graph capture the launches become programmatic graph edges. Kernels without PDL
 (cuBLAS, PyTorch) are ordered as before. `PAGODA_PDL=0` turns it off (read once); the interpreter
-and GPUs before compute capability 9.0 never use it. The model runner uses it only in captured
-steps of few rows (`dispatch.pdl_allowed`, `cuda_graphs.PDL_MAX_ROWS`): at batch 256 the H200's
-decode step was 0.7 ms slower with it (7.26 vs 6.56 ms, 2026-11-30g call 9), and eager steps are
-bound by Python launch overhead anyway.
+and GPUs before compute capability 9.0 never use it. The model runner uses it only for steps of
+few tokens (`dispatch.pdl_for_rows`, `dispatch.PDL_MAX_ROWS`): at batch 256 the H200's decode step
+was 0.7 ms slower with it (7.06 vs 6.34 ms).
 """
 
 from __future__ import annotations

@@ -52,12 +52,6 @@ def default_buckets(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-# Buckets of at most this many rows (tokens) are captured with programmatic dependent launch; larger
-# ones without. H200, Yuan2-2B, one machine (2026-11-30g call 9): the batch-256 decode step took 7.26 ms
-# with PDL and 6.56 without; at batch 1 PDL took c=1 TPOT from 1.80 to 1.58 ms (2026-11-30f call 7).
-PDL_MAX_ROWS = 64
-
-
 def _capture_buckets(buckets: list[int], device: torch.device, attention, forward, what: str) -> dict:
     """Capture forward(b, attention(b)) for each bucket, largest first, in one memory pool (smaller
     graphs reuse the largest one's memory); two warm-up runs first compile the Triton kernels and
@@ -76,7 +70,7 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     try:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(buckets):
-                with dispatch.pdl_allowed(b <= PDL_MAX_ROWS):     # compiled in the warm-up runs, baked in the graph
+                with dispatch.pdl_for_rows(b):         # compiled in the warm-up runs, baked in the graph
                     attn = attention(b)
                     for _ in range(2):
                         forward(b, attn)

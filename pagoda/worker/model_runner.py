@@ -227,7 +227,7 @@ class ModelRunner:
         if self.state_pool is not None:
             state = self._state_batch([0], np.array([0, num_tokens]), pos.cpu().numpy(),
                                       batch.slot_mapping.cpu().numpy())
-        with dispatch.pdl_allowed(False):          # as eager steps run (and so compile) them
+        with dispatch.pdl_for_rows(num_tokens):     # as an eager step of this size runs (and so compiles) them
             hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
             self.model.compute_logits(hidden[-1:])
             if self.accepts_multimodal:
@@ -324,9 +324,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> PendingStep:
         """Queue one step on the device. At most one earlier step may still be unread (its
-        tokens feed this one's pending rows on the device). Kernels launched here (eager steps)
-        do not use PDL; captured graphs have theirs baked in (`cuda_graphs.PDL_MAX_ROWS`)."""
-        with dispatch.pdl_allowed(False):
+        tokens feed this one's pending rows on the device). Eager kernels use PDL as a captured
+        graph of the same size would (`dispatch.pdl_for_rows`); graphs have theirs baked in."""
+        with dispatch.pdl_for_rows(so.total_num_scheduled_tokens):
             return self._launch(so)
 
     def _launch(self, so: SchedulerOutput) -> PendingStep:

@@ -166,25 +166,27 @@ def test_repetition_penalty_matches_transformers(tiny_llama):
         assert tokens == ref
 
 
-def test_eager_steps_launch_without_pdl(tiny_llama, monkeypatch):
-    """Programmatic dependent launch is only for captured graphs of few rows (`cuda_graphs.PDL_MAX_ROWS`):
-    every eager step runs the model with `dispatch.pdl_allowed(False)` (so does the GPU-only profile
-    run), so eager kernels compile and launch one variant; outside (kernels called directly) it stays
-    allowed."""
+def test_pdl_only_for_steps_of_few_tokens(tiny_llama, monkeypatch):
+    """Programmatic dependent launch only for steps of at most `dispatch.PDL_MAX_ROWS` tokens, eager
+    or captured (so each kernel size launches, and compiles at start-up, in one variant): a long
+    prompt's prefill runs without it, the decode steps after it with it; outside a step (kernels
+    called directly) it stays allowed, and the context manager nests."""
     from pagoda.kernels import dispatch
 
-    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128)
+    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256)
     model = llm.engine.runner.model
     seen = []
     forward = model.forward
 
-    def spy(*args, **kwargs):
-        seen.append(dispatch.pdl_is_allowed())
-        return forward(*args, **kwargs)
+    def spy(input_ids, *args, **kwargs):
+        seen.append((input_ids.shape[0], dispatch.pdl_is_allowed()))
+        return forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", spy)
-    llm.generate([[1, 2, 3, 4], [5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert seen and not any(seen)
+    long_prompt = list(range(1, dispatch.PDL_MAX_ROWS + 40))
+    llm.generate([long_prompt, [5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen[0] == (len(long_prompt) + 2, False)
+    assert seen[1:] and all(allowed for _, allowed in seen[1:]) and all(n <= 2 for n, _ in seen[1:])
     assert dispatch.pdl_is_allowed()
     with dispatch.pdl_allowed(False):
         assert not dispatch.pdl_is_allowed()
