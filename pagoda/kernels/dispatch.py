@@ -14,9 +14,12 @@ it to run the kernels on CPU tensors under the interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from types import ModuleType
 
 import torch
@@ -52,3 +55,33 @@ def gemv_module() -> ModuleType | None:
 def gemv_for(x: torch.Tensor) -> ModuleType | None:
     """The GEMV module when x lives on a CUDA device and Triton is available, else None."""
     return gemv_module() if x.is_cuda else None
+
+
+# Whether kernels launched now may use programmatic dependent launch (`pagoda/kernels/pdl.py`, which
+# also needs a Hopper GPU and PAGODA_PDL unset). The model runner allows it only for steps of at most
+# PDL_MAX_ROWS tokens (`pdl_for_rows`), captured or eager, so a kernel of a given size always launches
+# (and is compiled at start-up) in one variant; kernels called directly (tests, benchmarks) keep it on.
+_PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
+
+# H200, Yuan2-2B, one machine: the batch-256 decode step took 7.26 ms with PDL and 6.56 without
+# (2026-11-30g call 9; 7.06 vs 6.34 ms in 2026-12-01 call 1); at batch 1 PDL took c=1 TPOT from
+# 1.80 to 1.58 ms (2026-11-30f call 7).
+PDL_MAX_ROWS = 64
+
+
+@contextlib.contextmanager
+def pdl_allowed(on: bool) -> Iterator[None]:
+    token = _PDL_ALLOWED.set(on)
+    try:
+        yield
+    finally:
+        _PDL_ALLOWED.reset(token)
+
+
+def pdl_for_rows(rows: int) -> contextlib.AbstractContextManager[None]:
+    """`pdl_allowed` for a step (or graph bucket) of `rows` tokens."""
+    return pdl_allowed(rows <= PDL_MAX_ROWS)
+
+
+def pdl_is_allowed() -> bool:
+    return _PDL_ALLOWED.get()

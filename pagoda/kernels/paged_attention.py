@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
+from pagoda.kernels import dispatch, pdl
 from pagoda.kernels.pdl import wait_for_inputs
 
 _LOG2E = 1.4426950408889634
@@ -534,7 +534,16 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
     every running request for ~0.5 s). The variants are the launch constexprs that differ between
     steps: decode with and without a query index (mixed vs pure-decode steps), each with one split
     and with several (then the in-kernel merge); prefill; store_kv. What else changes from step to
-    step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers."""
+    step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers.
+    Each once with and once without PDL: eager steps and large graph buckets launch without it
+    (`dispatch.pdl_allowed`)."""
+    for pdl_on in (True, False):
+        with dispatch.pdl_allowed(pdl_on):
+            _launch_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+
+
+def _launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device | str) -> None:
     blocks = 3
     k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)

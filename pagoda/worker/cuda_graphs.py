@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagoda.kernels import dispatch
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -69,16 +70,17 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     try:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(buckets):
-                attn = attention(b)
-                for _ in range(2):
-                    forward(b, attn)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
-                # invalidate this capture; this thread's own illegal calls still fail loudly.
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    out = forward(b, attn)
-                graphs[b] = (graph, out)
+                with dispatch.pdl_for_rows(b):         # compiled in the warm-up runs, baked in the graph
+                    attn = attention(b)
+                    for _ in range(2):
+                        forward(b, attn)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
+                    # invalidate this capture; this thread's own illegal calls still fail loudly.
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        out = forward(b, attn)
+                    graphs[b] = (graph, out)
     finally:
         if gc_was_enabled:
             gc.enable()

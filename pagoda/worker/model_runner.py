@@ -23,6 +23,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
 from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
+from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
@@ -226,10 +227,11 @@ class ModelRunner:
         if self.state_pool is not None:
             state = self._state_batch([0], np.array([0, num_tokens]), pos.cpu().numpy(),
                                       batch.slot_mapping.cpu().numpy())
-        hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
-        self.model.compute_logits(hidden[-1:])
-        if self.accepts_multimodal:
-            self._profile_encoder(num_tokens)
+        with dispatch.pdl_for_rows(num_tokens):     # as an eager step of this size runs (and so compiles) them
+            hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
+            self.model.compute_logits(hidden[-1:])
+            if self.accepts_multimodal:
+                self._profile_encoder(num_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del hidden
@@ -322,7 +324,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> PendingStep:
         """Queue one step on the device. At most one earlier step may still be unread (its
-        tokens feed this one's pending rows on the device)."""
+        tokens feed this one's pending rows on the device). Eager kernels use PDL as a captured
+        graph of the same size would (`dispatch.pdl_for_rows`); graphs have theirs baked in."""
+        with dispatch.pdl_for_rows(so.total_num_scheduled_tokens):
+            return self._launch(so)
+
+    def _launch(self, so: SchedulerOutput) -> PendingStep:
         self._update_states(so)
         if so.is_empty:
             return PendingStep([], [], done=_NO_TOKENS)

@@ -286,15 +286,20 @@ def _compiled_kernels() -> int:
 def test_warm_up_compiles_every_step_variant(num_heads: int, num_kv_heads: int) -> None:
     """After `warm_up`, steps of any shape the engine can produce — block-table widths 2, 16 or 34
     (Triton would specialise an integer on divisibility by 16), any split count, decode rows with
-    and without a query index, prefill rows — launch without compiling anything new."""
+    and without a query index, prefill rows, with PDL (small graph buckets) and without (eager
+    steps, large buckets) — launch without compiling anything new."""
+    from pagoda.kernels import dispatch
+
     head_dim, block_size = 64, 16
     backend = TritonAttentionBackend()
     backend.warm_up({(num_heads, num_kv_heads, head_dim)}, block_size, torch.bfloat16, torch.device(DEVICE))
     compiled = _compiled_kernels()
-    for spec, splits in itertools.product((DECODE_ONLY, MIXED, PREFILL_ONLY, [(0, 1)], [(239, 1)], [(520, 1), (3, 1)]),
-                                          (None, 1, 3, 16, 64)):
+    for spec, splits, pdl_on in itertools.product(
+            (DECODE_ONLY, MIXED, PREFILL_ONLY, [(0, 1)], [(239, 1)], [(520, 1), (3, 1)]), (None, 1, 3, 16, 64),
+            (True, False)):
         case = make_case(spec, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=5)
-        run_backend(TritonAttentionBackend(decode_splits=splits), case, case.k_cache, case.v_cache)
+        with dispatch.pdl_allowed(pdl_on):
+            run_backend(TritonAttentionBackend(decode_splits=splits), case, case.k_cache, case.v_cache)
     torch.cuda.synchronize()
     assert _compiled_kernels() == compiled
 
