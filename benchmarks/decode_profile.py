@@ -151,8 +151,11 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
                     engine.step()
                 sync()
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+            trace = os.path.join(out, f"trace_{backend}_{b}.json")
+            prof.export_chrome_trace(trace)
+            row["timeline"] = timeline_gaps(trace, 3)
             with open(os.path.join(out, f"profile_{backend}_{b}.txt"), "w") as f:
-                f.write(table)
+                f.write(table + "\n" + json.dumps(row["timeline"], indent=1))
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -160,8 +163,39 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
               f"step {row['step_ms_p50']:.2f} ms, forward GPU "
               f"{row['forward_gpu_ms_p50']:.2f} ms, back to back {pipelined:.2f} ms/step, "
               f"syncs in launch: {row['launch_syncs']}", flush=True)
+        if row.get("timeline"):
+            t = row["timeline"]
+            print(f"  GPU timeline B={b}: span {t['span_us_per_step']:.0f} us/step, busy {t['busy_us_per_step']:.0f}, "
+                  f"idle {t['idle_us_per_step']:.0f}, {t['device_events_per_step']:.0f} device events/step", flush=True)
+            for g in t["largest_gaps_us"]:
+                print(f"    gap {g[0]:6.1f} us  after {g[1]}  before {g[2]}", flush=True)
         results.append(row)
     return results
+
+
+def timeline_gaps(trace_path: str, steps: int, top: int = 12) -> dict:
+    """Where the GPU sat idle during the profiled steps, from the Chrome trace's device events
+    (kernels, copies, memsets, in start order): busy vs span per step, and the largest gaps with
+    the events on either side (e.g. a host-to-device copy the graph waits for, or the sampler's
+    kernels after it). Overlapping events (PDL, a side stream) count once."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not gpu:
+        return {}
+    busy, gaps, end, prev = 0.0, [], gpu[0][0], gpu[0][2]
+    for start, stop, name in gpu:
+        if start > end:
+            gaps.append((start - end, prev[:60], name[:60]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - gpu[0][0]
+    gaps.sort(reverse=True)
+    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": (span - busy) / steps, "device_events_per_step": len(gpu) / steps,
+            "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
 
 
 def _profiler(enabled: bool):
