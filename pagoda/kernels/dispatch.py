@@ -64,7 +64,7 @@ def gemv_for(x: torch.Tensor) -> ModuleType | None:
 _PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
 
 # H200, Yuan2-2B, one machine: the batch-256 decode step took 7.26 ms with PDL and 6.56 without
-# (2026-11-30g call 9; 7.06 vs 6.34 ms in 2026-12-01 call 1); at batch 1 PDL took c=1 TPOT from
+# (2026-11-30g call 9; 7.06 vs 6.34 ms in 2026-11-30h call 1); at batch 1 PDL took c=1 TPOT from
 # 1.80 to 1.58 ms (2026-11-30f call 7).
 PDL_MAX_ROWS = 64
 

@@ -535,8 +535,8 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
     steps: decode with and without a query index (mixed vs pure-decode steps), each with one split
     and with several (then the in-kernel merge); prefill; store_kv. What else changes from step to
     step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers.
-    Each once with and once without PDL: eager steps and large graph buckets launch without it
-    (`dispatch.pdl_allowed`)."""
+    Each once with and once without PDL: steps (eager or captured) of more than
+    `dispatch.PDL_MAX_ROWS` tokens launch without it (`dispatch.pdl_for_rows`)."""
     for pdl_on in (True, False):
         with dispatch.pdl_allowed(pdl_on):
             _launch_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
