@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from pagoda.device_copy import to_device
+from pagoda.kernels import dispatch
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -227,6 +228,7 @@ class SamplingState:
         self._counts: Tensor | None = None               # [capacity, V] int32
         self._last_rows: Tensor | None = None            # the rows of the last batch(), on the device
         self._last_rows_np: np.ndarray | None = None
+        self._zeros: Tensor | None = None                # float32 zeros on the device: all-greedy temperatures
         self._grow(max(1, capacity))
 
     def __len__(self) -> int:
@@ -294,6 +296,13 @@ class SamplingState:
         self._suppress[row] = []
         self._free.append(row)
 
+    def _greedy_temperatures(self, rows: int) -> Tensor:
+        """[rows] float32 zeros on the device, from one cached buffer: an all-greedy step (the batch-1
+        serving case) then copies nothing to the device for sampling."""
+        if self._zeros is None or self._zeros.numel() < rows:
+            self._zeros = torch.zeros(max(rows, self.capacity), dtype=torch.float32, device=self.device)
+        return self._zeros[:rows]
+
     def batch(self, request_ids: Sequence[str]) -> SamplingBatch:
         """The SamplingBatch of these requests (one row each, in this order) for this step."""
         row_of = self._row
@@ -305,9 +314,10 @@ class SamplingState:
         else:
             # Common case: only temperatures differ between live rows (greedy and/or plain sampling).
             temperature = self._knobs[_TEMPERATURE, rows_np]
-            batch = SamplingBatch(to_device(temperature.astype(np.float32), self.device), None, None,
-                                  None, None, None, None, None, None, None, generators, None,
-                                  not self._num_live_active[_TEMPERATURE] or not temperature.any())
+            all_greedy = not self._num_live_active[_TEMPERATURE] or not temperature.any()
+            batch = SamplingBatch(self._greedy_temperatures(len(rows_np)) if all_greedy
+                                  else to_device(temperature.astype(np.float32), self.device), None, None,
+                                  None, None, None, None, None, None, None, generators, None, all_greedy)
         rows = None
         if batch.repetition_penalty is not None or batch.presence_penalty is not None \
                 or batch.frequency_penalty is not None or self._seen is not None or self._counts is not None:
@@ -435,7 +445,21 @@ def _exponential_noise(shape: tuple[int, int], batch: SamplingBatch, device: tor
 
 
 class Sampler(nn.Module):
-    """Stateless: all per-request state arrives in the `SamplingBatch`."""
+    """Stateless: all per-request state arrives in the `SamplingBatch` (the greedy kernel keeps only
+    scratch slots that are reset after every call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._greedy = None          # `kernels.greedy.GreedyArgmax`, made on the first CUDA call
+
+    def _argmax(self, logits: Tensor) -> Tensor:
+        """torch.argmax(logits, dim=-1); few CUDA rows through the Triton kernel (`kernels/greedy.py`)."""
+        kernels = dispatch.greedy_module() if logits.is_cuda else None
+        if kernels is not None and kernels.GreedyArgmax.supports(logits):
+            if self._greedy is None:
+                self._greedy = kernels.GreedyArgmax()
+            return self._greedy(logits)
+        return logits.argmax(dim=-1)
 
     def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] of any float dtype; all math in float32."""
@@ -443,7 +467,7 @@ class Sampler(nn.Module):
             # Widening to float32 is exact and order-preserving, so the argmax (first maximum on
             # ties) is the same without the [B, V] float32 copy: ~0.1 ms a step at B=256 on a
             # 135k vocabulary, the plain greedy/ignore-eos benchmark case.
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(self._argmax(logits), None, None, None)
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
         greedy_ids = penalised.argmax(dim=-1)

@@ -193,3 +193,31 @@ def test_pdl_only_for_steps_of_few_tokens(tiny_llama, monkeypatch):
         with dispatch.pdl_allowed(True):
             assert dispatch.pdl_is_allowed()
         assert not dispatch.pdl_is_allowed()
+
+
+def test_late_tokens_of_a_batch_that_keeps_its_rows_need_no_copies(tiny_llama, monkeypatch):
+    """Rows whose input is the previous step's (still unread) sample get it by a gather on the
+    device; when row i takes sample i into token i (a batch that keeps its rows, always at batch 1)
+    a slice and a cached index replace the gather's two host-to-device copies. Either way the
+    (index, value) pairs are the same."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from pagoda.worker import model_runner
+
+    runner = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=16,
+                 max_model_len=64).engine.runner
+    copies = []
+    real = model_runner.to_device
+    monkeypatch.setattr(model_runner, "to_device", lambda *a, **k: copies.append(a) or real(*a, **k))
+    runner._last_sampled = torch.tensor([11, 22, 33])
+    states = [SimpleNamespace(num_pending=1, pending_row=r) for r in (0, 1, 2)]
+    index, values = runner._late_tokens(states, [0, 1, 2], np.array([0, 1, 2]))
+    assert index.tolist() == [0, 1, 2] and values.tolist() == [11, 22, 33] and not copies
+    index, values = runner._late_tokens(states[:1], [0], np.array([0]))
+    assert index.tolist() == [0] and values.tolist() == [11] and not copies
+    moved = [SimpleNamespace(num_pending=1, pending_row=r) for r in (2, 0)]
+    index, values = runner._late_tokens(moved + states[1:2], [0, 1], np.array([3, 7]))
+    assert index.tolist() == [3, 7] and values.tolist() == [33, 11] and len(copies) == 2

@@ -171,3 +171,23 @@ def test_temperature_only_fast_path_matches_build() -> None:
     check(["p", "m"], both, outputs)
     state.remove("p")
     check(["t", "m", "g"], plain, outputs)
+
+
+def test_all_greedy_batches_copy_nothing_to_the_device(monkeypatch) -> None:
+    """An all-greedy step (batch-1 serving) takes its zero temperatures from a cached device buffer,
+    also past the buffer's first size; a step with a sampled row still copies its temperatures."""
+    from pagoda.layers import sampler
+
+    copies = []
+    real = sampler.to_device
+    monkeypatch.setattr(sampler, "to_device", lambda *a, **k: copies.append(a) or real(*a, **k))
+    state = SamplingState(capacity=2, vocab_size=30, device="cpu")
+    for i in range(6):
+        state.add(f"g{i}", SamplingParams(temperature=0.0), [1])
+    for rows in (["g0"], ["g3", "g1"], [f"g{i}" for i in range(6)]):
+        b = state.batch(rows)
+        assert b.all_greedy and b.temperature.tolist() == [0.0] * len(rows)
+    assert not copies
+    state.add("t", SamplingParams(temperature=0.7), [1])
+    b = state.batch(["g0", "t"])
+    assert not b.all_greedy and b.temperature.tolist() == pytest.approx([0.0, 0.7]) and copies
