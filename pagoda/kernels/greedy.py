@@ -26,8 +26,7 @@ from pagoda.kernels.fused_ops import _interpreting
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8           # larger batches keep torch.argmax: its one-block-per-row reduce is then well fed
-_INT32_MAX = 2**31 - 1
-_EMPTY = -(2**63)      # a slot no program has written yet
+_EMPTY = -(2**63)      # a slot no program has written yet (the kernels spell it -9223372036854775807 - 1)
 
 
 @triton.jit
