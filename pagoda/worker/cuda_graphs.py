@@ -12,8 +12,9 @@ LM head, reading every per-step input from static device buffers owned here:
 
 A step of B <= N rows is written into a pinned host copy of `ints` (rows B..b-1 padded: context
 length 0 makes attention return zeros, slot -1 stores no K/V, the state slot is the pool's scratch
-slot, the snapshot block is the null block 0, which is never restored), copied in one transfer, the
-block tables in a second, then the smallest bucket b >= B is replayed; logits rows [:B] are real.
+slot, the snapshot block is the null block 0, which is never restored) and its rows' block tables
+after it in the same flat buffer, copied in one transfer; then the smallest bucket b >= B is
+replayed; logits rows [:B] are real.
 
 Attention must be the Triton backend: its decode path has no host syncs and fixed launch shapes
 once the split-K count is fixed (chosen at capture for the longest allowed context). Per-sequence
@@ -133,12 +134,18 @@ class DecodeGraphs:
         self.buckets = sorted(buckets or default_buckets(max_rows))
         self.max_rows = n = self.buckets[-1]
         pin = device.type == "cuda"
-        self.host_ints = torch.zeros(9, n, dtype=torch.int64, pin_memory=pin)
-        self.host_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int64, pin_memory=pin)
+        # ints and tables are views of one flat buffer [ints | table rows], host and device alike, so a
+        # step's inputs (ints and its rows' tables: a prefix) go over in one host-to-device copy.
+        self._tables_at = 9 * n
+        size = self._tables_at + n * max_blocks_per_seq
+        self.host_all = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.host_ints = self.host_all[:self._tables_at].view(9, n)
+        self.host_tables = self.host_all[self._tables_at:].view(n, max_blocks_per_seq)
         self._ints_np = self.host_ints.numpy()
         self._tables_np = self.host_tables.numpy()
-        self.ints = torch.zeros(9, n, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int64, device=device)
+        self.dev_all = torch.zeros(size, dtype=torch.int64, device=device)
+        self.ints = self.dev_all[:self._tables_at].view(9, n)
+        self.tables = self.dev_all[self._tables_at:].view(n, max_blocks_per_seq)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self._pad(0)
         self.ints.copy_(self.host_ints)
@@ -213,8 +220,8 @@ class DecodeGraphs:
         self._pad(rows)
         for row, blocks in enumerate(inputs.block_tables):
             self._tables_np[row, :len(blocks)] = blocks
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
+        end = self._tables_at + rows * self.tables.shape[1]
+        self.dev_all[:end].copy_(self.host_all[:end], non_blocking=True)
         if inputs.late_tokens is not None:
             self.ints[_IDS].index_copy_(0, *inputs.late_tokens)
         return _launch(self, b, rows)
