@@ -232,9 +232,12 @@ def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
     monkeypatch.setattr(fused_ops, "_SILU_BLOCK", 8)       # I = 21 → three column blocks, the last partial
     x = _randn(3, 50, dtype=dtype, seed=15)[:, 4:46]       # [3, 42], rows strided by 50
     out = fused_ops.silu_and_mul(x)
-    assert ulps(out, silu_and_mul_reference(x)) <= 1
+    # fp32: exp is not correctly rounded on either side (NumPy under the interpreter, Sleef or CUDA's
+    # exp in PyTorch), so a couple of fp32 ulps, as in test_silu_and_mul; bf16 rounds that away
+    limit = 4 if dtype == torch.float32 else 1
+    assert ulps(out, silu_and_mul_reference(x)) <= limit
     x3 = _randn(2, 2, 10, dtype=dtype, seed=16)
-    assert ulps(fused_ops.silu_and_mul(x3), silu_and_mul_reference(x3)) <= 1
+    assert ulps(fused_ops.silu_and_mul(x3), silu_and_mul_reference(x3)) <= limit
     assert fused_ops.silu_and_mul(x3[:0]).shape == (0, 2, 5)
 
 
