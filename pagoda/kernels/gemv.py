@@ -176,8 +176,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for few rows: x [..., K], weight [N, K], bias [N] → [..., N].
 
-    out: a [M, N] tensor to write (unit column stride; any row stride); with accumulate=True the
-    result is out + x·Wᵀ (+ bias), like `out.addmm_(x, weight.t())`."""
+    out: a [M, N] tensor to write (unit column stride; any row stride), of x's dtype or float32 (then
+    nothing is rounded: a partial sum another GEMV adds as its bias); with accumulate=True the
+    result is out + x·Wᵀ (+ bias), like `out.addmm_(x, weight.t())`. bias may be float32 too."""
     k = x.shape[-1]
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
@@ -190,10 +191,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if accumulate:
             raise ValueError("accumulate=True needs out")
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"out must be a [{m}, {n}] {x.dtype} tensor with unit column stride")
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{n}] vector")
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out must be a [{m}, {n}] {x.dtype} or float32 tensor with unit column stride")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1 or bias.dtype not in (x.dtype, torch.float32)):
+        raise ValueError(f"bias must be a contiguous [{n}] vector of {x.dtype} or float32")
     config = config or gemv_config(m, n, k)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2, weight, bias if bias is not None else out, out, m, n, k,

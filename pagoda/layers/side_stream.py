@@ -19,25 +19,26 @@ import torch
 
 T = TypeVar("T")
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _STREAMS.get(index)
+    stream = _STREAMS.get((index, lane))
     if stream is None:
-        stream = _STREAMS[index] = torch.cuda.Stream(index)
+        stream = _STREAMS[index, lane] = torch.cuda.Stream(index)
     return stream
 
 
 class Branch:
     """`Branch(fn, *args)` forks: fn(*args) is queued on the side stream after the main stream's work
     so far; `join()` returns its result and makes the main stream wait for it. On CPU (or when
-    `enabled` is False) fn simply runs inline in the constructor."""
+    `enabled` is False) fn simply runs inline in the constructor. Branches of different `lane`s run
+    on different side streams, so one lane's work never queues behind another's."""
 
-    def __init__(self, fn: Callable[..., T], *args: torch.Tensor, enabled: bool = True):
+    def __init__(self, fn: Callable[..., T], *args: torch.Tensor, enabled: bool = True, lane: int = 0):
         first = args[0]
-        self._side = _side_stream(first.device) if enabled and first.is_cuda else None
+        self._side = _side_stream(first.device, lane) if enabled and first.is_cuda else None
         if self._side is None:
             self._result = fn(*args)
             return

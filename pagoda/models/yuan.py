@@ -17,6 +17,7 @@ Spec: shared/specs/yuan2.md. What differs from Llama, and where it is handled:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,6 +37,12 @@ from pagoda.layers.side_stream import Branch
 # 2026-11-30d, same machine): c=1 TPOT 2.25 → 2.15 ms; at B=64 no change (3.06 / 3.07 ms); at B=256
 # the decode step got slower (6.17 → 6.28 ms): there one matmul already fills the GPU.
 SIDE_STREAM_MAX_ROWS = 32
+# One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
+# stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
+# H200, Yuan2-2B, one machine (2026-11-30j call 2): c=1 TPOT 1.493 / 1.491 ms with it, 1.509 without,
+# 1.508 / 1.507 on the previous head.
+LF_TERMS_AHEAD = os.environ.get("PAGODA_LF_TERMS", "1") != "0"
+LF_TERMS_LANE = 1
 YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
 
 
@@ -116,13 +123,14 @@ class YuanAttention(nn.Module):
         self.attn = Attention(shape.num_heads, shape.num_heads, shape.head_dim)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention,
-                lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         t = x.shape[0]
         # Values come from x, before the filter: on small decode steps (lf_inputs: the fused CUDA path)
         # v_proj runs on a side stream while conv1 → conv2 → norm → qk run (`side_stream`: there each
         # small matmul is bound by a per-kernel fixed cost, so two side by side cost little more than one).
         v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= SIDE_STREAM_MAX_ROWS)
-        y = self.lf_gate(x, step.state, lf_inputs)
+        y = self.lf_gate(x, step.state, lf_inputs, lf_terms)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
         return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))   # RoPE inside, as in Llama
 
@@ -208,7 +216,8 @@ class YuanDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden, eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, step: StepAttention,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None, lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `LlamaDecoderLayer.forward`: h is the previous layer's MLP output, not yet added to
         `residual`; returns (MLP output, residual stream) and each residual add is fused into the
         next norm. The LF gate still sees input_layernorm's output (inside self_attn), as before; on
@@ -221,7 +230,7 @@ class YuanDecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step, lf_inputs), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step, lf_inputs, lf_terms), residual)
         return self.mlp(x), residual
 
 
@@ -238,9 +247,21 @@ class YuanModel(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
-        for layer in self.layers:
-            h, residual = layer(rope, h, step, residual)
+        # One-row decode steps: layer i+1's LF previous-token terms are computed on a side stream
+        # while layer i runs (`LocalizedFilter.previous_token_terms`). The join sits before layer
+        # i+1's input norm, which overwrites the state the terms are read from.
+        gates = [layer.self_attn.lf_gate for layer in self.layers]
+        ahead = LF_TERMS_AHEAD and bool(gates) and gates[0].supports_previous_token_terms(h, step.state)
+        pending = self._terms_branch(gates[0], step) if ahead else None
+        for i, layer in enumerate(self.layers):
+            terms = pending.join() if pending is not None else None
+            pending = self._terms_branch(gates[i + 1], step) if ahead and i + 1 < len(gates) else None
+            h, residual = layer(rope, h, step, residual, terms)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
+
+    @staticmethod
+    def _terms_branch(gate: LocalizedFilter, step: StepAttention) -> Branch:
+        return Branch(gate.previous_token_terms, step.state.slots, lane=LF_TERMS_LANE)
 
 
 class YuanForCausalLM(nn.Module):

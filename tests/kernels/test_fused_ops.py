@@ -308,6 +308,62 @@ def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_sn
         assert torch.equal(snapshots[untouched], old_snapshots[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch):
+    """A one-row decode step of the gate with `previous_token_terms` (the convolutions' previous-token
+    halves in float32, read from the state before the input norm overwrites it) against the same step
+    with whole-weight convolutions and against the unfused PyTorch gate: the same x in the state, o1
+    within an ulp in bf16 (fp32 summation order), the same output to the dtype's tolerance."""
+    from pagoda.kernels import gemv
+    from pagoda.layers.localized_filter import LocalizedFilter
+    from pagoda.layers.sequence_state import SequenceStateBatch
+
+    hidden, half = 34, 17
+    torch.manual_seed(7)
+    lf = LocalizedFilter(hidden)
+    norm = RMSNorm(hidden)
+    for p in (*lf.parameters(), *norm.parameters()):
+        p.data.normal_(0, 0.3)
+    lf, norm = lf.to(DEVICE, dtype), norm.to(DEVICE, dtype)
+    state0 = _randn(5, hidden + half, dtype=dtype, seed=60)
+    h, residual = _randn(1, hidden, dtype=dtype, seed=61), _randn(1, hidden, dtype=dtype, seed=62)
+    slot = torch.tensor([3], device=DEVICE)
+    batch = SequenceStateBatch(slots=slot, first_token=torch.tensor([0], device=DEVICE),
+                               last_token=torch.tensor([0], device=DEVICE), one_token_per_row=True)
+
+    def step(with_terms: bool):
+        lf.bind_state(state0.clone(), torch.empty(0))
+        terms = lf.previous_token_terms(slot) if with_terms else None
+        x, _, inputs = lf.fused_decode_input(h, residual, norm, batch)
+        return lf(x, batch, inputs, terms), lf.state
+
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "fused_ops_for", lambda x: fused_ops)
+        m.setattr(dispatch, "gemv_for", lambda x: gemv)
+        lf.bind_state(state0.clone(), torch.empty(0))
+        assert lf.supports_previous_token_terms(h, batch)
+        assert not lf.supports_previous_token_terms(torch.cat([h, h]), batch)
+        y_split, state_split = step(True)
+        y_whole, state_whole = step(False)
+    with monkeypatch.context() as m:                         # the PyTorch gate (what the CPU runs)
+        m.setattr(dispatch, "fused_ops_for", lambda x: None)
+        m.setattr(dispatch, "gemv_for", lambda x: None)
+        lf.bind_state(state0.clone(), torch.empty(0))
+        x_ref, _ = norm(h, residual)
+        y_ref, state_ref = lf(x_ref, batch), lf.state
+
+    assert torch.equal(state_split[:, :hidden], state_whole[:, :hidden])
+    if dtype == torch.float32:          # nothing rounded to a narrower type: fp32 summation order only
+        torch.testing.assert_close(state_split[:, hidden:], state_whole[:, hidden:])
+    else:
+        assert ulps(state_split[:, hidden:], state_whole[:, hidden:]) <= 1
+    assert torch.equal(state_split[[0, 1, 2, 4]], state0[[0, 1, 2, 4]])
+    tolerance = {} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(y_split, y_whole, **tolerance)
+    torch.testing.assert_close(y_split, y_ref, **tolerance)
+    torch.testing.assert_close(state_split, state_ref, **tolerance)
+
+
 @pytest.fixture
 def kernels_everywhere(monkeypatch):
     """Layers use the kernels for every tensor, CPU included (interpreted there)."""
@@ -353,7 +409,10 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     (full rotary) and M32 (partial rotary over a bf16-built table, experts). with_gemv: every
     matmul of at most 8 rows in the few-row GEMV kernel as well (the decode steps: LF conv1
     accumulating in place, conv2, q/k, v, o, down, lm_head), and the requests run one at a time, so
-    the dense model's decode steps have one row and its MLP takes the GEMV with SiLU-and-mul fused."""
+    the dense model's decode steps have one row and its MLP takes the GEMV with SiLU-and-mul fused.
+    Those one-row steps compute the LF previous-token terms a layer ahead, so the convolutions run
+    as their weights' halves (whole-weight convolutions at one row: `test_lf_previous_token_terms_...`;
+    this test is the suite's slowest under the interpreter, the lm_head GEMV's many programs)."""
     from types import SimpleNamespace
 
     from pagoda.kernels import gemv
@@ -404,10 +463,10 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
     assert {"fused_add_rms_norm", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "lf_decode_input",
             "lf_decode_output"} <= set(kernels_everywhere)
-    if with_gemv:      # the LF gate's conv1 [H/2, 2H] and conv2 [H, H], and the dense MLP's up/gate [2I, H]
+    if with_gemv:      # the LF convolutions' halves conv1 [H/2, H] x 2 and conv2 [H, H/2] x 2, the MLP's up/gate [2I, H]
         cfg = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        assert {("gemv", (hidden // 2, 2 * hidden)), ("gemv", (hidden, hidden)),
+        assert {("gemv", (hidden // 2, hidden)), ("gemv", (hidden, hidden // 2)),
                 ("gemv_silu_and_mul", (2 * inter, hidden))} <= set(gemv_calls)
 
 

@@ -74,6 +74,26 @@ def test_accumulates_into_a_strided_view_like_addmm(dtype):
     assert torch.equal(buffer[:, :n], left_before)          # nothing written outside the view
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(12, 40), (7, 64)] + ([(1024, 2048), (2048, 1024)] if DEVICE == "cuda" else []))
+def test_float32_partial_sum_then_its_second_half_rounds_once(n, k, dtype):
+    """The LF gate's split convolution: t = A0·x_prev + bias kept in float32 (nothing rounded), then
+    y = A1·x + t rounded once; together the one-GEMV result over [x_prev | x], within fp32 order. Both
+    weight halves are column views of one [N, 2K] matrix (row stride 2K)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, 2 * k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    x_prev, x = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    partial = torch.empty(1, n, dtype=torch.float32, device=DEVICE)
+    gemv(x_prev, w[:, :k], bias, out=partial)
+    assert_near_exact(partial, x_prev.float(), w[:, :k].float(), bias.float())      # fp32 ulps: not rounded
+    y = gemv(x, w[:, k:], partial.view(-1))
+    assert y.dtype == dtype
+    assert_near_exact(y, torch.cat([x_prev, x], dim=-1), w, bias)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w[:, k:], out=torch.empty(1, n, dtype=torch.float64, device=DEVICE))
+
+
 def test_leading_dims_and_strided_input():
     x = torch.randn(1, 1, 64).to(DEVICE, torch.bfloat16)
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
