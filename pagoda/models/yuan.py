@@ -40,7 +40,9 @@ SIDE_STREAM_MAX_ROWS = 32
 # One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
 # stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
 # H200, Yuan2-2B, one machine (2026-11-30j call 2): c=1 TPOT 1.493 / 1.491 ms with it, 1.509 without,
-# 1.508 / 1.507 on the previous head.
+# 1.508 / 1.507 on the previous head. Layer 0 keeps its whole convolutions: its terms could only
+# start with the step, and its chain waited for them (call 4: 1.488 / 1.490 without them, 1.492 /
+# 1.494 with).
 LF_TERMS_AHEAD = os.environ.get("PAGODA_LF_TERMS", "1") != "0"
 LF_TERMS_LANE = 1
 YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
@@ -247,15 +249,17 @@ class YuanModel(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
-        # One-row decode steps: layer i+1's LF previous-token terms are computed on a side stream
-        # while layer i runs (`LocalizedFilter.previous_token_terms`). The join sits before layer
-        # i+1's input norm, which overwrites the state the terms are read from.
+        # One-row decode steps: layer i's LF previous-token terms (i >= 1) are computed on a side
+        # stream while layer i-1 runs (`LocalizedFilter.previous_token_terms`); the join sits before
+        # layer i's input norm, which overwrites the state they are read from. Layer 0 keeps whole
+        # convolutions: its terms could only start with the step, and its chain would wait for them.
         gates = [layer.self_attn.lf_gate for layer in self.layers]
-        ahead = LF_TERMS_AHEAD and bool(gates) and gates[0].supports_previous_token_terms(h, step.state)
-        pending = self._terms_branch(gates[0], step) if ahead else None
+        ahead = LF_TERMS_AHEAD and len(gates) > 1 and gates[0].supports_previous_token_terms(h, step.state)
+        pending = self._terms_branch(gates[1], step) if ahead else None
         for i, layer in enumerate(self.layers):
-            terms = pending.join() if pending is not None else None
-            pending = self._terms_branch(gates[i + 1], step) if ahead and i + 1 < len(gates) else None
+            terms = pending.join() if pending is not None and i > 0 else None
+            if terms is not None:
+                pending = self._terms_branch(gates[i + 1], step) if i + 1 < len(gates) else None
             h, residual = layer(rope, h, step, residual, terms)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
