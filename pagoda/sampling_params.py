@@ -19,6 +19,13 @@ from pagoda.errors import InvalidRequest
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Cap on top logprobs per token: bounds the [B, K] top-k work done every step.
 MAX_LOGPROBS = 20
+# Samples per prompt (OpenAI's cap): every one is a sequence in the engine and a set of buffers here.
+MAX_N = 128
+# Stop conditions are checked for every new token of every sequence: bound how many and how long.
+# (OpenAI allows 4 stop strings; vLLM has no cap.)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(v: object) -> bool:
@@ -70,6 +77,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if _check_int("n", self.n) < 1:
             raise _fail("n", "must be >= 1", self.n)
+        if self.n > MAX_N:
+            raise _fail("n", f"must be <= {MAX_N}", self.n)
         for name in ("presence_penalty", "frequency_penalty"):
             self._check_range(name, lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
         self._check_range("repetition_penalty", lambda v: v > 0.0, "must be > 0")
@@ -110,9 +119,14 @@ class SamplingParams:
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)):
             raise _fail("stop", "must be a string or a list of strings", stop)
+        if len(items) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(items)}", param="stop")
         for s in items:
             if not isinstance(s, str) or not s:
                 raise _fail("stop", "must contain only non-empty strings", s)
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters long, got one of "
+                                     f"{len(s)}", param="stop")
         return list(items)
 
     @staticmethod
@@ -121,6 +135,9 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)):
             raise _fail("stop_token_ids", "must be a list of integers >= 0", ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                                 param="stop_token_ids")
         for t in ids:
             if not _is_int(t) or t < 0:
                 raise _fail("stop_token_ids", "must contain only integers >= 0", t)

@@ -63,3 +63,52 @@ def default_llm():
     from pagoda import LLM
 
     return LLM(max_model_len=2048, cpu_kv_cache_space_gib=0.25, seed=0)
+
+
+YUAN_VOCAB = 135040          # Yuan2's embedding rows; its tokenizer has 134,958 pieces
+
+
+def build_wide_yuan(folder: Path, padding_head: bool = False) -> str:
+    """The tiny golden Yuan2 with the real tokenizer and its embedding widened to Yuan's 135,040
+    rows (the first 512 are the fixture's), so every id the tokenizer produces is valid and ids
+    134,958..135,039 are rows without a tokenizer piece, as in the real checkpoints.
+    padding_head: an untied LM head whose rows 135,000 and 135,001 are +-0.2 r (r a random vector):
+    one of the two always has a positive logit, so greedy decoding samples ids the tokenizer has no
+    piece for about half the time, between ordinary ones."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tiny = SHARED_FIXTURES / "yuan2-tiny"
+    weights = load_file(str(tiny / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    embed = weights["model.embed_tokens.weight"]
+    wide = torch.randn(YUAN_VOCAB, embed.shape[1], generator=generator) * 0.02
+    wide[:embed.shape[0]] = embed
+    weights["model.embed_tokens.weight"] = wide
+    head = wide.clone()
+    if padding_head:
+        head[135000] = 0.2 * torch.randn(embed.shape[1], generator=torch.Generator().manual_seed(1))
+        head[135001] = -head[135000]
+    weights["lm_head.weight"] = head
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"))
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(vocab_size=YUAN_VOCAB, eod_token=77185, sep_token=77187, eod_token_id=77185, eos_token_id=77185,
+                  bos_token_id=77185, pad_token_id=77185, sep_token_id=77185, mask_token_id=77185,
+                  tie_word_embeddings=not padding_head)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(SHARED_FIXTURES / "yuan2-tokenizer" / name, folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def wide_yuan(tmp_path_factory) -> str:
+    return build_wide_yuan(tmp_path_factory.mktemp("wide-yuan"))
+
+
+@pytest.fixture(scope="session")
+def padding_yuan(tmp_path_factory) -> str:
+    return build_wide_yuan(tmp_path_factory.mktemp("padding-yuan"), padding_head=True)

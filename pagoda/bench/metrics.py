@@ -176,18 +176,20 @@ def parse_prometheus(text: str) -> dict[str, float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list[float]] = {}
-    prefix_seen = None
     try:
         families = list(text_string_to_metric_families(text))
     except Exception:  # noqa: BLE001 - any malformed page reads as "no metrics"
         return None
-    by_name: dict[str, list[float]] = {}
+    # One prefix only: Pagoda shows every metric under both (same values), which summed would double.
+    per_prefix: dict[str, dict[str, list[float]]] = {prefix: {} for prefix in PREFIXES}
     for family in families:
         for sample in family.samples:
             for prefix in PREFIXES:
                 if sample.name.startswith(prefix):
-                    prefix_seen = prefix_seen or prefix.rstrip(":")
-                    by_name.setdefault(sample.name[len(prefix):], []).append(float(sample.value))
+                    per_prefix[prefix].setdefault(sample.name[len(prefix):], []).append(float(sample.value))
+    # pagoda: first, when present: it says the server is Pagoda (whose pages carry both).
+    prefix_seen = next((prefix.rstrip(":") for prefix in reversed(PREFIXES) if per_prefix[prefix]), None)
+    by_name = per_prefix[f"{prefix_seen}:"] if prefix_seen else {}
     for key, names in {**GAUGES, **COUNTERS}.items():
         for name in names:
             if name in by_name:

@@ -18,7 +18,8 @@ _HELP = {
     "max_num_batched_tokens": "token budget per step (default: 8192)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse KV blocks across requests that share a prefix",
-    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (default 0.9; on the CPU "
+                              "--cpu-kv-cache-space-gib sets the KV budget instead)",
     "num_gpu_blocks_override": "exact number of KV blocks (testing)",
     "swap_space": "accepted for vLLM compatibility (preemption recomputes)",
     "cpu_kv_cache_space_gib": "KV cache budget in GiB when running on the CPU",
@@ -31,7 +32,10 @@ _HELP = {
     "enforce_eager": "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)",
     "async_scheduling": "schedule and launch the next step while the GPU runs the current one (default: on "
                         "with CUDA, off on the CPU; a request that stops on EOS costs one discarded token)",
+    "quantization": "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted",
 }
+# vLLM's short spellings of the same flags.
+_ALIASES = {"quantization": ("-q",)}
 
 
 def _base_type(annotation: str) -> type:
@@ -46,12 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     for f in dataclasses.fields(EngineArgs):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
         kind = _base_type(f.type)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=_HELP[f.name])
+            parser.add_argument(*flags, type=kind, default=f.default, help=_HELP[f.name])
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -223,20 +223,21 @@ async def _api_main(ns: argparse.Namespace, config: Any, client: CoreClient, soc
                     launcher_pid: int) -> None:
     import uvicorn
 
-    from pagoda.cli.serve import ServeSetup
+    from pagoda.cli.serve import STREAM_END_GRACE_S, ServeSetup
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.serving_gc import prepare_gc_for_serving
-    from pagoda.server.metrics import ServerMetrics
 
     setup = ServeSetup(ns, check=False, config=config)
     engine = AsyncEngine(config, client)
     await engine.start()
     try:
-        metrics = ServerMetrics(setup.names[0], multiprocess=True, count_engine_totals=client.index == 0)
+        metrics = setup.metrics(multiprocess=True, count_engine_totals=client.index == 0)
         app = setup.app(engine, metrics)
         prepare_gc_for_serving()
-        server = _api_server_class()(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
-                                           timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False))
+        server = _api_server_class()(uvicorn.Config(
+            app, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=ns.shutdown_timeout + STREAM_END_GRACE_S,
+            access_log=False, **setup.http_limits.uvicorn_args()))
+        server.engine, server.deadline_s = engine, ns.shutdown_timeout
         orphan_check = asyncio.create_task(_exit_with_launcher(server, launcher_pid))
         try:
             await server.serve(sockets=[sock])
@@ -257,7 +258,9 @@ def _api_server_class():  # type: ignore[no-untyped-def]
 
     import uvicorn
 
-    class ApiServer(uvicorn.Server):
+    from pagoda.cli.serve import EndStreamsAtDeadline
+
+    class ApiServer(EndStreamsAtDeadline, uvicorn.Server):
         """SIGTERM (from the launcher) starts uvicorn's graceful shutdown; it is not re-raised afterwards,
         so the process exits 0. SIGINT stays ignored."""
 

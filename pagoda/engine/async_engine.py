@@ -13,6 +13,16 @@ must see the text to stop generating.
 With several API processes (`CoreClient`), each process's `AsyncEngine` attaches to a core that the
 launcher started: it connects to the core's input pipe, binds its own output pipe, tags what it sends
 with its index, and leaves starting and stopping the core to the launcher.
+
+Admission counts (`num_unreported`): the core's `EngineStats` are as of its last report, and it reports
+only between steps, so a burst sent during a long step is invisible in them. Each report also says how
+many AddRequests the core has taken from this process (`Outputs.received`); what this process sent
+beyond that, plus what `admit` reserved for requests about to be sent, is counted as waiting by
+`--max-waiting-requests` and, once stale, by the waiting gauge (`waiting_estimate`).
+
+The core's death: a pidfd wakes `_watch_core` the moment the core process exits, and a send never waits
+on a dead core (`_send`): a PUSH to a peer that is gone never completes, and a request stuck there
+would hang until its client gave up.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +44,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core_process import (AbortRequests, AddRequest, CoreDied, Outputs, Ready, Shutdown,
                                         StartupFailed, from_wire, run_engine_core)
 from pagoda.engine.outputs import EngineStats, RequestOutput
-from pagoda.errors import ConfigError, EngineDead, InvalidRequest
+from pagoda.errors import ConfigError, EngineDead, InvalidRequest, RequestFailed, ShuttingDown
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
 from pagoda.sampling_params import SamplingParams
 
@@ -51,6 +62,19 @@ class CoreClient:
     ready: Ready
 
 
+class Admission:
+    """Room that `check_capacity` took for `count` requests not yet sent to the core: a stream is sent
+    only once its response has started, so every request of a burst would pass the check before the
+    first was sent. Held by the request's generator; it ends when the request is sent, or when the
+    generator is dropped without ever starting (a client gone before its stream began): the engine
+    only keeps a weak reference."""
+
+    __slots__ = ("count", "__weakref__")
+
+    def __init__(self, count: int):
+        self.count = count
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, client: CoreClient | None = None):
         self.config = config
@@ -64,6 +88,13 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list = []          # callables(Outputs) — metrics
         self._tokenizer: Any | None = None  # set: detokenize requests without stop strings here
+        self._sent = 0                      # AddRequests sent to the core
+        self._seen = 0                      # of them, those the core had taken at its last report
+        self._unseen_since = 0.0            # monotonic time of the first send since the core had seen all
+        self._last_report = 0.0             # monotonic time of the core's last report
+        self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
+        self._died = asyncio.Event()
+        self._closed: str | None = None     # why new requests are refused (`end_streams`)
 
     def use_tokenizer(self, tokenizer: Any | None) -> None:
         """Detokenize in this process, with this tokenizer (the same one the core loads), every request
@@ -77,6 +108,34 @@ class AsyncEngine:
     @property
     def num_pending(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_unreported(self) -> int:
+        """This process's requests that the core's last report does not count: sent since, or admitted
+        and about to be sent."""
+        return self._sent - self._seen + sum(a.count for a in self._admissions)
+
+    def admit(self, count: int = 1) -> Admission:
+        """Reserve room for `count` requests until they are sent (see `Admission`)."""
+        admission = Admission(count)
+        self._admissions.add(admission)
+        return admission
+
+    def waiting_estimate(self, stale_after: float = 1.0) -> int | None:
+        """The core's last waiting count plus this process's requests sent since that it has not
+        reported, once they have gone unreported for `stale_after` s (the core is in a long step); None
+        while its report is current. A short delay keeps the gauge the core's own between steps."""
+        unseen = self._sent - self._seen
+        if unseen <= 0 or time.monotonic() - max(self._last_report, self._unseen_since) < stale_after:
+            return None
+        return self.stats.num_waiting + unseen
+
+    def end_streams(self, message: str) -> None:
+        """End every open request with a `ShuttingDown` error (a stream's last events are that error
+        and [DONE]) and refuse new ones: `--shutdown-timeout` has run out."""
+        self._closed = message
+        for stream in self._streams.values():
+            stream.push(ShuttingDown(message))
 
     def add_listener(self, callback) -> None:
         self._listeners.append(callback)
@@ -93,7 +152,7 @@ class AsyncEngine:
             self._inbox = self._zmq.socket(zmq.PULL)
             self._inbox.bind(self.client.output_address)
             self.ready = self.client.ready
-            self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_pid())]
+            self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
             return
         folder = self._ipc_folder = tempfile.mkdtemp(prefix="pagoda-")
         to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
@@ -117,7 +176,7 @@ class AsyncEngine:
             raise ConfigError(first.message)
         assert isinstance(first, Ready)
         self.ready = first
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_process())]
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -126,7 +185,10 @@ class AsyncEngine:
             self._zmq.destroy(linger=0)
             return
         if self._process is not None and self._process.is_alive():
-            await self._outbox.send_pyobj(Shutdown())
+            try:
+                await asyncio.wait_for(self._send(Shutdown()), 10)
+            except (EngineDead, asyncio.TimeoutError):
+                pass                          # gone already, or wedged: killed below
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
@@ -145,12 +207,16 @@ class AsyncEngine:
 
     async def generate_batches(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                                delta: bool = True, request_id: str | None = None,
-                               mm_inputs: Any = None) -> AsyncIterator[list[RequestOutput]]:
+                               mm_inputs: Any = None,
+                               admission: Admission | None = None) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, but each wake-up yields every output that has arrived since the last one (in order;
         the last batch ends with the `finished` output): a consumer that fell behind by several engine
-        steps catches up in one pass (and, streaming, in one write)."""
+        steps catches up in one pass (and, streaming, in one write). `admission`: the room `admit` took
+        for this request, handed over to the sent count when it is sent."""
         if self.is_dead:
             raise EngineDead(f"The engine is not running: {self.dead_reason}")
+        if self._closed is not None:
+            raise ShuttingDown(self._closed)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             # Checked here, not only in the core: registering a second stream under the same id would
@@ -166,9 +232,15 @@ class AsyncEngine:
         finished = False
         loop = asyncio.get_running_loop()
         try:
-            await self._outbox.send_pyobj(AddRequest(request_id, prompt_token_ids, params, prompt, delta,
-                                                     time.monotonic(), mm_inputs, self._client_index,
-                                                     detokenize=stream.detokenizers is None))
+            if admission is not None and admission.count > 0:
+                admission.count -= 1
+                if not admission.count:
+                    self._admissions.discard(admission)
+            if self._sent == self._seen:
+                self._unseen_since = time.monotonic()
+            self._sent += 1
+            await self._send(AddRequest(request_id, prompt_token_ids, params, prompt, delta, time.monotonic(),
+                                        mm_inputs, self._client_index, detokenize=stream.detokenizers is None))
             while not finished:
                 if not stream.items:
                     stream.waiter = loop.create_future()
@@ -192,7 +264,28 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and not self.is_dead:
-                await self._outbox.send_pyobj(AbortRequests([request_id], self._client_index))
+                try:
+                    await self._send(AbortRequests([request_id], self._client_index))
+                except EngineDead:
+                    pass                      # nothing left to abort
+
+    async def _send(self, message: Any) -> None:
+        """Send to the core; at once while its pipe has room (the usual case), otherwise wait for room
+        or for the core's death, whichever comes first (EngineDead)."""
+        sending = self._outbox.send_pyobj(message)
+        if not isinstance(sending, asyncio.Future):
+            await sending                     # a stand-in pipe's coroutine (tests)
+            return
+        if not sending.done():
+            died = asyncio.ensure_future(self._died.wait())
+            try:
+                await asyncio.wait((sending, died), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                died.cancel()
+            if not sending.done():
+                sending.cancel()              # out of the socket's queue: there is no one to take it
+                raise EngineDead(f"The engine is not running: {self.dead_reason}")
+        sending.result()
 
     async def _read_outputs(self) -> None:
         streams = self._streams
@@ -204,44 +297,82 @@ class AsyncEngine:
             if not isinstance(message, Outputs):
                 continue
             self.stats = message.stats
+            self._seen = message.received
+            self._last_report = time.monotonic()
             for request_id, error in message.rejected.items():
                 if (stream := streams.get(request_id)) is not None:
                     stream.push(InvalidRequest(error))
             for wire in message.outputs:
                 if (stream := streams.get(wire[0])) is not None:
-                    output = from_wire(wire, stream.prompt, stream.prompt_token_ids)
-                    if stream.detokenizers is not None:
-                        _add_text(output, stream.detokenizers)
-                    stream.push(output)
+                    # The common case (a step's delta, decoded by the core) without the checks' call.
+                    stream.push(_deliverable(wire, stream) if wire[1] or stream.detokenizers is not None
+                                else from_wire(wire, stream.prompt, stream.prompt_token_ids))
             for listener in self._listeners:
                 listener(message)
 
-    async def _watch_process(self) -> None:
-        assert self._process is not None
-        while self._process.is_alive():
-            await asyncio.sleep(0.5)
-        self._mark_dead(f"engine process exited with code {self._process.exitcode}")
+    async def _watch_core(self) -> None:
+        """Mark the engine dead when the core process exits. A pidfd (Linux 5.3+) wakes this the moment
+        it does, so requests that race the death are answered 503 at once rather than after a polling
+        interval; polling every 0.5 s is the fallback. A core the launcher started is reaped by it (a
+        zombie still answers kill(pid, 0), so only the pidfd or the launcher's CoreDied notice it)."""
+        pid = self._process.pid if self._process is not None else self.client.core_pid  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        try:
+            fd: int | None = os.pidfd_open(pid)
+            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        except (AttributeError, OSError):
+            fd = None
+        try:
+            while not exited.done() and self._core_alive(pid):
+                await asyncio.wait((exited,), timeout=0.5)
+        finally:
+            if fd is not None:
+                loop.remove_reader(fd)
+                os.close(fd)
+        if self._process is not None:
+            self._process.is_alive()          # reaps it: the exit code is known from here on
+            self._mark_dead(f"engine process exited with code {self._process.exitcode}")
+        else:
+            self._mark_dead("engine process exited")
 
-    async def _watch_pid(self) -> None:
-        """A core this process did not start: the launcher reaps it when it exits (and tells every API
-        process with a CoreDied); this is the fallback should that message not come."""
-        assert self.client is not None
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                os.kill(self.client.core_pid, 0)
-            except ProcessLookupError:
-                self._mark_dead("engine process exited")
-                return
-            except PermissionError:
-                pass
+    def _core_alive(self, pid: int) -> bool:
+        if self._process is not None:
+            return self._process.is_alive()
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             logger.error("Engine is dead: %s", reason)
             self.dead_reason = reason
+        self._died.set()
         for stream in self._streams.values():
             stream.push(EngineDead("The engine stopped while serving this request."))
+
+
+def _deliverable(wire: Any, stream: _Stream) -> RequestOutput | Exception:
+    """What a stream gets for one wire output: the `RequestOutput` (its text decoded here when this
+    process detokenizes), or the error that ends the request — the core ended it with finish_reason
+    "error", or decoding it here raised (that request fails; the reader goes on for all the others)."""
+    request_id, finished, completions = wire[0], wire[1], wire[2]
+    if finished and any(c[3] == "error" for c in completions):
+        message = next(c[4] for c in completions if c[3] == "error")
+        return RequestFailed(str(message or "The engine failed while processing this request."))
+    try:
+        output = from_wire(wire, stream.prompt, stream.prompt_token_ids)
+        if stream.detokenizers is not None:
+            _add_text(output, stream.detokenizers)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        logger.exception("Request %s failed while turning its tokens into text", request_id)
+        return RequestFailed(f"Internal error while turning this request's tokens into text: {type(exc).__name__}. "
+                             f"The server log has the details (request {request_id}).")
+    return output
 
 
 def _add_text(output: RequestOutput, detokenizers: list[IncrementalDetokenizer]) -> None:

@@ -106,6 +106,10 @@ class Outputs:
     outputs: list[WireOutput]      # `wire_output` of each RequestOutput of the step
     stats: EngineStats
     rejected: dict[str, str] = field(default_factory=dict)   # request id → error message (validation in core)
+    # AddRequests taken from this API process so far, counted into `stats`: the API side counts the
+    # ones it sent beyond this as waiting (`--max-waiting-requests` holds against a burst sent while
+    # the core was in a long step; `AsyncEngine.num_unreported`).
+    received: int = 0
 
 
 @dataclass
@@ -205,12 +209,16 @@ def _add(engine, message: AddRequest) -> str | None:
                            detokenize=message.detokenize)
     except PagodaError as exc:
         return exc.message
+    except Exception as exc:  # noqa: BLE001 - a bug reached by this request must not end the core
+        logger.exception("Request %s could not be added", message.request_id)
+        return f"Internal error while adding the request: {type(exc).__name__}."
     return None
 
 
 def _loop(engine, inbox, outbox, parent: int) -> None:
     last_stats: EngineStats | None = None
     busy = cpu = 0.0
+    received = reported = 0
     while (messages := _receive(engine, inbox, parent)) is not None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
@@ -218,16 +226,19 @@ def _loop(engine, inbox, outbox, parent: int) -> None:
         for message in messages:
             if isinstance(message, AbortRequests):
                 outputs += engine.abort_request(message.request_ids)
-            elif isinstance(message, AddRequest) and (refused := _add(engine, message)) is not None:
-                rejected[message.request_id] = refused
+            elif isinstance(message, AddRequest):
+                received += 1
+                if (refused := _add(engine, message)) is not None:
+                    rejected[message.request_id] = refused
         if engine.has_unfinished_requests():
             outputs += engine.step()
         # Report outputs, and also any change of state without outputs (a prefill chunk, a request
         # admitted): the gauges stay current. Nothing is sent while nothing changes.
         stats = engine.stats()
         stats.busy_seconds, stats.cpu_seconds = busy, cpu
-        if outputs or rejected or _changed(stats, last_stats):
-            outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected))
+        if outputs or rejected or received != reported or _changed(stats, last_stats):
+            outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected, received))
+            reported = received
         last_stats = stats
         busy += time.perf_counter() - started
         cpu += time.thread_time() - started_cpu
@@ -241,6 +252,7 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
     count = len(clients)
     last_stats: EngineStats | None = None
     busy = cpu = 0.0
+    received, reported = [0] * count, [0] * count     # AddRequests per API process: taken, last reported
     while (messages := _receive(engine, inbox, parent)) is not None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
@@ -253,6 +265,7 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
                 if ids:
                     outputs += engine.abort_request(ids)
             elif isinstance(message, AddRequest):
+                received[message.client_index] += 1
                 refused = _add(engine, message)
                 if refused is not None:
                     rejected[message.client_index][message.request_id] = refused
@@ -269,8 +282,9 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
         stats.busy_seconds, stats.cpu_seconds = busy, cpu
         changed = _totals_changed(stats, last_stats)
         for index, box in enumerate(clients):
-            if per_client[index] or rejected[index] or changed:
-                box.send_pyobj(Outputs(per_client[index], stats, rejected[index]))
+            if per_client[index] or rejected[index] or changed or received[index] != reported[index]:
+                box.send_pyobj(Outputs(per_client[index], stats, rejected[index], received[index]))
+                reported[index] = received[index]
         last_stats = stats
         busy += time.perf_counter() - started
         cpu += time.thread_time() - started_cpu

@@ -47,7 +47,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         num_gpu_blocks_override: int | None = None,
         swap_space: float = 4,
         device: str = "auto",
@@ -63,6 +63,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
+        quantization: str | None = None,
     ):
         self.config = EngineConfig.create(EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -71,7 +72,8 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
             cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
             trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format,
-            attention_backend=attention_backend, enforce_eager=enforce_eager, async_scheduling=async_scheduling))
+            attention_backend=attention_backend, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            quantization=quantization))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source

@@ -94,6 +94,10 @@ class LLMEngine:
                     layout.total_bytes / memory.GiB)
         logger.info("Maximum concurrency for %d-token requests: %.2fx", cfg.model.max_model_len,
                     layout.max_concurrency(cfg.model.max_model_len))
+        if cfg.device.device == "cpu" and cfg.cache.gpu_memory_utilization_given:
+            logger.warning("--gpu-memory-utilization %g does not apply on the CPU: --cpu-kv-cache-space-gib "
+                           "sets the CPU KV cache budget (%g GiB now)", cfg.cache.gpu_memory_utilization,
+                           cfg.cache.cpu_kv_cache_space_gib)
         predicted = self._planned_blocks()
         if predicted is not None:
             logger.info("KV blocks: planner (pagoda plan) predicted %d, allocated %d", predicted, layout.num_blocks - 1)
@@ -194,8 +198,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         launched = self.runner.launch(scheduler_output)
+        failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []   # not launched
         if not self.config.scheduler.async_scheduling:
-            return self._process(scheduler_output, launched)
+            return failed + self._process(scheduler_output, launched)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
         # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
         # `Scheduler.update` (the request is gone); max_tokens stops are not scheduled at all.
@@ -203,7 +208,7 @@ class LLMEngine:
         self._inflight = None if scheduler_output.is_empty else (scheduler_output, launched)
         outputs = self._process(*previous) if previous is not None else []
         self._settle_if_idle()
-        return outputs
+        return failed + outputs if failed else outputs
 
     def _settle_if_idle(self) -> None:
         """With no request left, a launched step only holds tokens of finished ones (an EOS
@@ -217,7 +222,34 @@ class LLMEngine:
         step_output = launched.result()             # waits for the device (the step's sampled tokens)
         self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
-        return self.output_processor.process(updated, step_output.logprobs, self._finish)
+        outputs = self.output_processor.process(updated, step_output.logprobs, self._finish)
+        if self.scheduler.failures:
+            outputs += self._fail_all(self.scheduler.take_failures())
+        if self.output_processor.failures:
+            for parent_id, request, exc in self.output_processor.take_failures():
+                outputs += self._fail(request.request_id, "processing its output (text, stop strings, logprobs)",
+                                      exc, parent_id, request)
+        return outputs
 
     def _finish(self, request_id: str, status: RequestStatus, stop_reason: str) -> None:
         self.scheduler.finish_request(request_id, status, stop_reason)
+
+    # ---- one request's failure ----------------------------------------------------------------
+    def _fail_all(self, failures: list[tuple[str, str, Exception]]) -> list[RequestOutput]:
+        return [out for request_id, stage, exc in failures for out in self._fail(request_id, stage, exc)]
+
+    def _fail(self, request_id: str, stage: str, exc: Exception, parent_id: str | None = None,
+              request: Request | None = None) -> list[RequestOutput]:
+        """End the user request that engine request `request_id` belongs to (all its samples) with
+        finish_reason "error": its blocks are freed, its final output says why, it is logged once
+        with its id. Nothing else changes: the engine and every other request carry on."""
+        parent_id = parent_id or self.output_processor.parent_of(request_id) or request_id
+        logger.error("Request %s failed while %s; it ends with an error, the engine carries on.", parent_id, stage,
+                     exc_info=exc)
+        message = (f"Internal error while {stage}: {type(exc).__name__}. The server log has the details "
+                   f"(request {parent_id}).")
+        requests = {request.request_id: request} if request is not None else {}
+        for child_id in [*self.output_processor.child_ids(parent_id), request_id]:
+            if child_id in self.scheduler.requests:
+                requests[child_id] = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR, message)
+        return [self.output_processor.fail(parent_id, message, requests)]

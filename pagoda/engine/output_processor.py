@@ -7,6 +7,10 @@ results back into one `RequestOutput` whose `outputs[i]` is sample i. Stop strin
 Two output kinds: final-only (offline `LLM`: one cumulative output when every sample is done) and
 delta (serving: every step that advanced a request yields only what is new — text delta, new
 token ids and their logprobs — for the samples that advanced).
+
+An exception while processing one request's token (its logprobs, text, stop strings, output) is
+caught per request: that request is left out of the step's outputs and reported (`take_failures`);
+the engine ends it with an error (`fail`), and every other request is processed as if it were not there.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class OutputProcessor:
         self._token_text = single_token_decoder(tokenizer) if tokenizer is not None else None
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
+        self.failures: list[tuple[str, Request, Exception]] = []     # see take_failures
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request], delta: bool,
                     detokenize: bool = True) -> None:
@@ -88,41 +93,87 @@ class OutputProcessor:
         samples = self._samples
         outputs: list[Any] = []        # RequestOutputs, and a parent with n > 1 where its output goes
         multi = False
+        num_failures = len(self.failures)
         for request in updated:
             sample = samples.get(request.request_id)
             if sample is None:
                 continue
-            token = request.output_token_ids[-1]
-            if sample.logprobs is not None:
-                lp = logprobs.get(request.request_id)
-                if lp is not None:
-                    self._append_logprobs(sample, token, lp)
-            detok = sample.detokenizer
-            if detok is not None:
-                stop = detok.update_one(token)
-                if stop is not None:
-                    if request.status.is_finished:     # e.g. hit max_tokens on the same token
-                        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                    else:
-                        finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            if request.status.is_finished:
-                self._finish_sample(sample, request)
-            parent = sample.parent
-            if parent.num_samples == 1:
-                if parent.delta:
-                    outputs.append(self._single_delta_output(parent, sample, request))
-                elif sample.output is not None:
-                    outputs.append(self._final_output(parent))
-                continue
-            if not any(s.advanced for s in parent.samples):
-                outputs.append(parent)
-                multi = True
-            sample.advanced = True
-            sample.request = request
+            try:       # free unless it raises; inline, not a call per request (every step, every request)
+                token = request.output_token_ids[-1]
+                if sample.logprobs is not None:
+                    lp = logprobs.get(request.request_id)
+                    if lp is not None:
+                        self._append_logprobs(sample, token, lp)
+                detok = sample.detokenizer
+                if detok is not None:
+                    stop = detok.update_one(token)
+                    if stop is not None:
+                        if request.status.is_finished:     # e.g. hit max_tokens on the same token
+                            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                        else:
+                            finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                if request.status.is_finished:
+                    self._finish_sample(sample, request)
+                parent = sample.parent
+                if parent.num_samples == 1:
+                    if parent.delta:
+                        outputs.append(self._single_delta_output(parent, sample, request))
+                    elif sample.output is not None:
+                        outputs.append(self._final_output(parent))
+                    continue
+                if not any(s.advanced for s in parent.samples):
+                    outputs.append(parent)
+                    multi = True
+                sample.advanced = True
+                sample.request = request
+            except Exception as exc:  # noqa: BLE001 - this request fails (the engine calls `fail`), others go on
+                self.failures.append((sample.parent.request_id, request, exc))
+        if len(self.failures) > num_failures:
+            failed = {parent_id for parent_id, _, _ in self.failures[num_failures:]}
+            for out in outputs:
+                if isinstance(out, _Parent) and out.request_id in failed:
+                    for s in out.samples:
+                        s.advanced, s.request = False, None
+            outputs = [out for out in outputs if out.request_id not in failed]
         if multi:
             outputs = [self._fold(out) if isinstance(out, _Parent) else out for out in outputs]
             outputs = [out for out in outputs if out is not None]
         return outputs
+
+    def take_failures(self) -> list[tuple[str, Request, Exception]]:
+        """(user request id, the engine request, exception) of each request whose output processing
+        raised since the last call; the engine ends them with `fail`."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def parent_of(self, request_id: str) -> str | None:
+        """The user request an unfinished engine request (a sample) belongs to."""
+        sample = self._samples.get(request_id)
+        return None if sample is None else sample.parent.request_id
+
+    def fail(self, parent_id: str, message: str, requests: dict[str, Request]) -> RequestOutput:
+        """End a user request whose processing raised: its final output, every sample not already
+        reported ending with finish_reason "error" and `message` as its stop_reason (the API turns
+        that into an error response). `requests`: the engine requests of its samples, where known
+        (for their tokens). Its state here is dropped whatever it was."""
+        parent = self._parents.pop(parent_id, None)
+        if parent is None:     # it raised while emitting its last output: still end it
+            return RequestOutput(parent_id, None, [], [CompletionOutput(0, "", [], None, None, "error", message)],
+                                 True)
+        outputs = []
+        for sample in parent.samples:
+            self._samples.pop(child_request_id(parent_id, sample.index, parent.num_samples), None)
+            sample.advanced, sample.request = False, None
+            if sample.output is not None and not parent.delta:
+                outputs.append(sample.output)
+                continue
+            request = requests.get(child_request_id(parent_id, sample.index, parent.num_samples))
+            tokens = list(request.output_token_ids[sample.num_emitted_tokens if parent.delta else 0:]) \
+                if request is not None else []
+            outputs.append(CompletionOutput(sample.index, "", tokens, sample.cumulative_logprob, None, "error",
+                                            message))
+        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, True,
+                             parent.num_cached_tokens, parent.queue_time)
 
     def _fold(self, parent: _Parent) -> RequestOutput | None:
         """The output of a parent with n > 1 whose samples advanced in this call (flags cleared)."""

@@ -89,8 +89,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None   # the stop token id / stop string that matched
+    finish_reason: str | None       # "stop" | "length" | "abort" | "error" | None while running
+    # The stop token id / stop string that matched; with finish_reason "error", the error message.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -43,6 +43,7 @@ class Scheduler:
         self._runner_known: set[str] = set()       # requests the runner holds state for
         self._finished_for_runner: set[str] = set()
         self._preempted_for_runner: set[str] = set()   # filled while building one step's output
+        self.failures: list[tuple[str, str, Exception]] = []   # see take_failures
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -199,10 +200,21 @@ class Scheduler:
             if (token in eos or num_output >= request.max_tokens
                     or num_output + len(request.prompt_token_ids) >= max_model_len
                     or token in request.sampling_params.stop_token_ids):
-                status = self._check_stop(request, token)
+                try:
+                    status = self._check_stop(request, token)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
+                    updated.pop()
+                    self.failures.append((request_id, "checking its stop conditions", exc))
+                    continue
                 if status is not None:
                     self.finish_request(request_id, status)
         return updated
+
+    def take_failures(self) -> list[tuple[str, str, Exception]]:
+        """(request id, stage, exception) of the requests whose stop check raised since the last
+        call; the engine ends each with an error (they are still running here)."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

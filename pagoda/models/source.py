@@ -9,6 +9,7 @@ pickles; safetensors win when both are present.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -25,6 +26,8 @@ _BIN_SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.bin$")
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _BIN_SINGLE = "pytorch_model.bin"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -36,18 +39,37 @@ class ModelSource:
     def folder(self) -> str:
         return self.location if self.kind == "hf" else os.path.dirname(self.location)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weight_files(self) -> list[str]:
+        """The files `iter_weights` reads, in order (a shard set is checked against its index first)."""
         if self.kind == "gguf":
-            from pagoda.models.gguf_checkpoint import iter_gguf_tensors
+            return [self.location]
+        if has_safetensors(self.location):
+            return _shard_paths(self.location)
+        return _bin_shard_paths(self.location)
 
-            yield from iter_gguf_tensors(self.location, self.hf_config)
-        elif has_safetensors(self.location):
-            yield from iter_safetensors(self.location)
-        else:
-            yield from iter_pytorch_bin(self.location)
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpoint tensor, file by file; each file is announced in the log as it starts,
+        the progress an operator watches while a checkpoint of tens of GiB loads."""
+        paths = self.weight_files()
+        for number, path in enumerate(paths, 1):
+            logger.info("loading shard %d/%d (%s, %s)...", number, len(paths), os.path.basename(path),
+                        format_bytes(os.path.getsize(path)))
+            if self.kind == "gguf":
+                from pagoda.models.gguf_checkpoint import iter_gguf_tensors
+
+                yield from iter_gguf_tensors(path, self.hf_config)
+            elif path.endswith(".safetensors"):
+                yield from _iter_safetensors_file(path)
+            else:
+                yield from _iter_bin_file(path)
 
     def generation_config(self) -> dict[str, Any]:
-        """The folder's generation_config.json (sampling defaults, EOS ids), or {}."""
+        """The folder's generation_config.json (sampling defaults, EOS ids), or {}; for the embedded
+        default GGUF model, the defaults shipped with it."""
+        if self.kind == "gguf":
+            from pagoda.models.gguf_checkpoint import DEFAULT_GENERATION_CONFIG, is_default_gguf
+
+            return dict(DEFAULT_GENERATION_CONFIG) if is_default_gguf(self.location) else {}
         path = os.path.join(self.folder, "generation_config.json")
         if self.kind != "hf" or not os.path.isfile(path):
             return {}
@@ -94,6 +116,14 @@ def _download(model_id: str) -> str:
             f"({type(exc).__name__}); pass the path of a downloaded model folder.") from None
 
 
+def format_bytes(n: float) -> str:
+    """4.9 GiB, 405.6 KiB: sizes in startup logs."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def has_safetensors(folder: str) -> bool:
     """Whether the folder is a safetensors checkpoint (then any .bin files beside it are ignored)."""
     names = os.listdir(folder)
@@ -107,12 +137,16 @@ def _no_weights_error(folder: str) -> ModelLoadError:
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) shard by shard; a shard missing from or extra to the index is an error."""
+    for path in _shard_paths(folder):
+        yield from _iter_safetensors_file(path)
+
+
+def _iter_safetensors_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for path in _shard_paths(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
 
 
 def _shard_paths(folder: str) -> list[str]:
@@ -146,10 +180,14 @@ def iter_pytorch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     shard is opened, so a non-mmap (legacy format) shard is freed as the model takes it in.
     """
     for path in _bin_shard_paths(folder):
-        state = _load_bin_shard(path)
-        for name in list(state):
-            yield name, state.pop(name)
-        del state
+        yield from _iter_bin_file(path)
+
+
+def _iter_bin_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    state = _load_bin_shard(path)
+    for name in list(state):
+        yield name, state.pop(name)
+    del state
 
 
 def _bin_shard_paths(folder: str) -> list[str]:

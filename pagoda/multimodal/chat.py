@@ -161,10 +161,14 @@ def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
 async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messages: list[dict[str, Any]],
                              chat_template: str | None, add_generation_prompt: bool, model_label: str,
                              template_kwargs: dict[str, Any] | None = None,
-                             processor_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int], Any]:
+                             processor_kwargs: dict[str, Any] | None = None, *,
+                             continue_final_message: bool = False,
+                             request_template: str | None = None) -> tuple[str, list[int], Any]:
     """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
-    MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts."""
-    from pagoda.frontend.chat_template import render_chat
+    MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
+    `chat_template` is trusted (the server's); `request_template`, a request's own template, is
+    rendered in the bounded sandbox instead (`frontend/template_sandbox.py`)."""
+    from pagoda.frontend.chat_template import check_template_kwargs, render_chat
 
     dicts, refs = split_content(messages)
     if refs and mm is None:
@@ -176,12 +180,36 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
                  if isinstance(d.get("content"), list) else d for d in dicts]
     elif refs:
         check_limits(refs, mm.limits)
-    text = render_chat(tokenizer, dicts, chat_template, add_generation_prompt, **(template_kwargs or {}))
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
+    if request_template is not None:
+        from pagoda.frontend.template_sandbox import render_request_template
+
+        variables = {**(getattr(tokenizer, "special_tokens_map", None) or {}), **template_kwargs}
+        text = await render_request_template(request_template, dicts, variables, add_generation_prompt,
+                                             continue_final_message)
+    else:
+        text = render_chat(tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs,
+                           continue_final_message)
+    try:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+    except Exception:
+        _check_encodable(text)
+        raise
     mm_inputs = None
     if refs:
         token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
     return text, token_ids, mm_inputs
+
+
+def _check_encodable(text: str) -> None:
+    """A prompt the tokenizer refuses because it is not valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON allows in a string) is the request's fault: 400, not 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"The prompt is not valid Unicode text: {text[exc.start:exc.end]!r} at character "
+                             f"{exc.start} (a lone UTF-16 surrogate) comes from the messages or "
+                             "chat_template_kwargs.", "messages") from None
 
 
 def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tuple[str, Any]],

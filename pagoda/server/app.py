@@ -2,12 +2,13 @@
 
 Error mapping: a `PagodaError` carries its HTTP status and OpenAI error type; schema errors become
 400 BadRequestError (not FastAPI's 422); anything else is a 500 whose body still has the OpenAI
-shape. `Overloaded` and `EngineDead` add `Retry-After`.
+shape. `Overloaded`, `EngineDead` and `ShuttingDown` add `Retry-After`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
@@ -18,7 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.errors import EngineDead, Overloaded, PagodaError, Unauthorized
+from pagoda.errors import EngineDead, Overloaded, PagodaError, ShuttingDown, Unauthorized
+from pagoda.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from pagoda.server.serving import SSE_DONE, OpenAIServing, sse_error
 
 logger = logging.getLogger("pagoda.server")
@@ -30,22 +32,31 @@ SSE_DONE_BYTES = SSE_DONE.encode()
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
+class _ErrorJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # ASCII with \u escapes: a message quoting what the client sent (a lone surrogate, say) may
+        # have no UTF-8 form, and the error must still go out.
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, error_type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return _ErrorJSON(body, status_code=status, headers=headers)
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any = None) -> FastAPI:
+def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any = None,
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     from pagoda.server.routes import router
 
     app = FastAPI(title="Pagoda OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
     app.include_router(router)
+    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(PagodaError)
     async def _pagoda_error(_: Request, exc: PagodaError) -> JSONResponse:
-        headers = {"Retry-After": "5"} if isinstance(exc, (Overloaded, EngineDead)) else None
+        headers = {"Retry-After": "5"} if isinstance(exc, (Overloaded, EngineDead, ShuttingDown)) else None
         return error_response(exc.http_status, exc.message, exc.error_type, exc.param, headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -70,8 +81,23 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if max_request_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)     # outermost: before anything reads
 
     return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema less the 422 it documents for every route that takes a body: this server answers
+    schema errors with 400, in OpenAI's error shape, as the routes document."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)          # builds and caches app.openapi_schema
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):      # only the 422s referred to these
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return app.openapi_schema
 
 
 class APIKeyMiddleware:
@@ -137,4 +163,5 @@ def sse_response(events: AsyncIterator[str | bytes]) -> StreamingResponse:
 def metrics_response(serving: OpenAIServing) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(serving.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # Between the core's reports (a long step) the waiting gauge also counts what this process sent since.
+    return Response(serving.ctx.metrics.render(serving.ctx.engine.waiting_estimate()), media_type=CONTENT_TYPE_LATEST)

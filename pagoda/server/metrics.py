@@ -1,8 +1,15 @@
-"""Prometheus metrics with vLLM's names under the `pagoda:` prefix, in the server's own registry.
+"""Prometheus metrics with vLLM's names, in the server's own registry, under both `pagoda:` and `vllm:`.
 
 Gauges mirror the engine core's last `EngineStats`; counters and histograms are fed per request by
 the serving layer (TTFT and inter-token latency are measured in the API process, from arrival,
-so they include tokenization and queueing, like vLLM's).
+so they include tokenization and queueing, like vLLM's). Between the core's reports (it reports only
+between steps, and a step can take many seconds) the waiting gauge shows the API side's count too
+(`render(waiting_estimate)`).
+
+Two prefixes, so that dashboards and alerts written for vLLM work unchanged: every metric is recorded
+once, as `pagoda:…`, and `render` writes each family a second time as `vllm:…` with the same values and
+labels (`_Prefixed`), which costs a scrape a few hundred extra lines instead of a second observation of
+every token's histograms. `--metrics-prefix` picks one of the two instead.
 
 Several API processes (`--api-server-count`): prometheus_client's multiprocess mode (the launcher sets
 PROMETHEUS_MULTIPROC_DIR before they start). Every process renders the values of all of them:
@@ -12,6 +19,8 @@ every process; only the first one counts them, or the sum would be N times the t
 """
 
 from __future__ import annotations
+
+import copy
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -23,15 +32,53 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0)
 
 
+# --metrics-prefix → the prefixes /metrics shows, in order.
+METRICS_PREFIXES = {"both": ("pagoda", "vllm"), "pagoda": ("pagoda",), "vllm": ("vllm",)}
+_OWN = "pagoda:"           # the prefix the metrics are recorded under
+
+
+class _Prefixed:
+    """A collector that yields every family of `source` (names starting with `pagoda:`) once per
+    prefix, renamed. Families are copied per scrape, the recorded values are not touched."""
+
+    def __init__(self, source, prefixes: tuple[str, ...]):  # type: ignore[no-untyped-def]
+        self.source, self.prefixes = source, prefixes
+
+    def describe(self) -> list:
+        return []               # nothing to check for clashes: this is the render registry's only collector
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        families = list(self.source.collect())
+        for prefix in self.prefixes:
+            if f"{prefix}:" == _OWN:
+                yield from families
+                continue
+            for family in families:
+                yield _renamed(family, f"{prefix}:")
+
+
+def _renamed(family, prefix: str):  # type: ignore[no-untyped-def]
+    if not family.name.startswith(_OWN):
+        return family
+    cut = len(_OWN)
+    out = copy.copy(family)
+    out.name = prefix + family.name[cut:]
+    out.samples = [s._replace(name=prefix + s.name[cut:]) if s.name.startswith(_OWN) else s for s in family.samples]
+    return out
+
+
 def _engine_totals(stats) -> tuple[float, ...]:
     return (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
             stats.busy_seconds, stats.device_wait_seconds, stats.cpu_seconds)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, multiprocess: bool = False, count_engine_totals: bool = True):
+    def __init__(self, model_name: str, multiprocess: bool = False, count_engine_totals: bool = True,
+                 prefixes: tuple[str, ...] = METRICS_PREFIXES["both"]):
         self.registry = CollectorRegistry()
         self.multiprocess = multiprocess
+        self.prefixes = prefixes
+        self._render_registry: CollectorRegistry | None = None
         self.count_engine_totals = count_engine_totals
         label = ["model_name"]
         r, m = self.registry, model_name
@@ -103,11 +150,17 @@ class ServerMetrics:
         for reason in finish_reasons:
             self._success.labels(self.model_name, reason or "abort").inc()
 
-    def render(self) -> bytes:
-        if self.multiprocess:
-            from prometheus_client import multiprocess
+    def render(self, waiting_estimate: int | None = None) -> bytes:
+        """The exposition text. `waiting_estimate`: the API side's waiting count while the core's report
+        is stale (`AsyncEngine.waiting_estimate`); it holds until the core's next report."""
+        if waiting_estimate is not None:
+            self.waiting.set(waiting_estimate)
+        if self._render_registry is None:
+            source = self.registry
+            if self.multiprocess:
+                from prometheus_client import multiprocess
 
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+                source = multiprocess.MultiProcessCollector(None)     # every process's files, summed
+            self._render_registry = CollectorRegistry()
+            self._render_registry.register(_Prefixed(source, self.prefixes))
+        return generate_latest(self._render_registry)

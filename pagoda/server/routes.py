@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,12 +16,29 @@ from pagoda.server.serving import OpenAIServing
 
 router = APIRouter()
 
+# What /openapi.json documents for each route's errors: all of them in OpenAI's shape (`app.py` drops
+# FastAPI's 422, which this server never answers: schema errors are 400 too).
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: not JSON, a field of the wrong type, or a value out of range",
+    401: "Missing or wrong API key (when the server runs with --api-key)",
+    404: "The model named is not served here",
+    503: "The engine is not running, or too many requests are waiting (with Retry-After)",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": p.ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+_GENERATE_ERRORS = _errors(400, 401, 404, 503)
+_TOKENIZER_ERRORS = _errors(400, 401, 404)
+
 
 def _serving(request: Request) -> OpenAIServing:
     return request.app.state.serving
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=_GENERATE_ERRORS)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request):  # type: ignore[no-untyped-def]
     serving, arrival = _serving(request), time.monotonic()
     if body.stream:
@@ -28,7 +46,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):  # 
     return await run_until_disconnect(request, serving.chat(body, arrival))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=_GENERATE_ERRORS)
 async def completions(body: p.CompletionRequest, request: Request):  # type: ignore[no-untyped-def]
     serving, arrival = _serving(request), time.monotonic()
     if body.stream:
@@ -36,15 +54,17 @@ async def completions(body: p.CompletionRequest, request: Request):  # type: ign
     return await run_until_disconnect(request, serving.completion(body, arrival))
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=_errors(401, 503))
 async def models(request: Request) -> p.ModelList:
     ctx = _serving(request).ctx
+    if ctx.engine.is_dead:      # as /health: a load balancer listing models must not route here
+        raise EngineDead(f"The engine is not running: {ctx.engine.dead_reason}")
     created = p.now()
     return p.ModelList(data=[p.ModelCard(id=name, created=created, root=ctx.served_model_names[0],
                                          max_model_len=ctx.max_model_len) for name in ctx.served_model_names])
 
 
-@router.get("/health")
+@router.get("/health", responses=_errors(503))
 async def health(request: Request) -> Response:
     engine = _serving(request).ctx.engine
     if engine.is_dead:
@@ -67,7 +87,7 @@ async def metrics(request: Request) -> Response:
     return metrics_response(_serving(request))
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=_TOKENIZER_ERRORS)
 async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     serving = _serving(request)
     serving.check_model(body.model)
@@ -82,9 +102,10 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse({"count": len(tokens), "max_model_len": serving.ctx.max_model_len, "tokens": tokens})
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=_TOKENIZER_ERRORS)
 async def detokenize(body: p.DetokenizeRequest, request: Request) -> JSONResponse:
     serving = _serving(request)
     serving.check_model(body.model)
-    serving._check_tokens(body.tokens)
+    if body.tokens:             # no ids decode to "" (as vLLM); only a prompt must have some
+        serving._check_tokens(body.tokens, "tokens")
     return JSONResponse({"prompt": serving._decode(body.tokens)})

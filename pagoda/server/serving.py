@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.async_engine import Admission, AsyncEngine
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
+from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.tokenizer import fast_encoder
 from pagoda.multimodal.chat import MultiModalServing, render_chat_prompt
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
 
@@ -43,8 +44,10 @@ class ServingContext:
     metrics: ServerMetrics
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int | None = None
+    api_server_count: int = 1                     # API processes sharing the engine (--api-server-count)
     log_requests: bool = False
     multimodal: MultiModalServing | None = None   # set for vision-language models
+    trust_request_chat_template: bool = False     # --trust-request-chat-template
 
     @property
     def model_name(self) -> str:
@@ -65,22 +68,33 @@ class OpenAIServing:
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.ctx.served_model_names:
-            raise ModelNotFound(f"The model `{name}` does not exist. Served models: "
+            raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: "
                                 f"{', '.join(self.ctx.served_model_names)}.", "model")
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, count: int = 1) -> Admission | None:
+        """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
+        these `count` requests until they are sent (None without a limit). Waiting: the core's last count
+        plus this process's requests that count does not include yet (`AsyncEngine.num_unreported`),
+        so a burst cannot all pass on a stale count. With N API processes each knows only its own, so
+        each may hold at most its share, 1/N rounded up, of the room the core's count leaves: a burst
+        spread over them overshoots the limit by at most N - 1."""
         # Checked before a stream starts, so a dead engine is a 503, not a 200 with an error event.
         engine = self.ctx.engine
         if engine.is_dead:
             raise EngineDead(f"The engine is not running: {engine.dead_reason}")
         limit = self.ctx.max_waiting_requests
-        if limit is not None and self.ctx.engine.stats.num_waiting >= limit:
-            raise Overloaded(f"The server is overloaded ({self.ctx.engine.stats.num_waiting} requests waiting); "
-                             "retry later.")
+        if limit is None:
+            return None
+        waiting, unreported = engine.stats.num_waiting, engine.num_unreported
+        share = -(-(limit - waiting) // self.ctx.api_server_count)
+        if unreported >= share:
+            raise Overloaded(f"The server is overloaded ({waiting + unreported} requests waiting); retry later.")
+        return engine.admit(count)
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._encode is None:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        check_unicode(text, "prompt")
         return self._encode(text, add_special_tokens)
 
     def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
@@ -107,8 +121,8 @@ class OpenAIServing:
                 "Please reduce the length of the messages or completion.", "max_tokens")
         return requested
 
-    def _check_tokens(self, token_ids: list[int]) -> None:
-        check_prompt_tokens(token_ids, self.ctx.vocab_size)
+    def _check_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
+        check_prompt_tokens(token_ids, self.ctx.vocab_size, param)
 
     def _sampling_params(self, req: p._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         defaults = self.ctx.generation_defaults
@@ -133,18 +147,28 @@ class OpenAIServing:
     async def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, Any]:
         """(rendered text, prompt ids with image/video placeholders expanded, params, mm inputs or None)."""
         self.check_model(req.model)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                 "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
         if req.add_generation_prompt and req.continue_final_message:
             raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true.",
                                  "continue_final_message")
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
+        if not req.continue_final_message and all(m.role == "assistant" for m in req.messages):
+            # Nothing to answer. With continue_final_message it is a prefill: the model continues that text.
+            raise InvalidRequest("The messages are all assistant messages; send a user (or system, developer, "
+                                 "tool) message too, or set continue_final_message (and add_generation_prompt "
+                                 "false) to continue the last one.", "messages")
+        if req.chat_template and not self.ctx.trust_request_chat_template:
+            from pagoda.frontend.template_sandbox import refused_message
+
+            raise InvalidRequest(refused_message(), "chat_template")
         text, token_ids, mm_inputs = await self.chat_prompt(
-            req.messages, req.chat_template or self.ctx.chat_template, req.add_generation_prompt, kwargs,
-            req.mm_processor_kwargs)
-        self._check_tokens(token_ids)
+            req.messages, self.ctx.chat_template, req.add_generation_prompt, req.chat_template_kwargs,
+            req.mm_processor_kwargs, continue_final_message=req.continue_final_message,
+            request_template=req.chat_template or None)
+        self._check_tokens(token_ids, "messages")
         media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
         max_tokens = self._resolve_max_tokens(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids),
@@ -154,14 +178,22 @@ class OpenAIServing:
 
     async def chat_prompt(self, messages: list[p.ChatMessage], chat_template: str | None, add_generation_prompt: bool,
                           template_kwargs: dict[str, Any] | None = None,
-                          processor_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int], Any]:
-        """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders."""
+                          processor_kwargs: dict[str, Any] | None = None, *, continue_final_message: bool = False,
+                          request_template: str | None = None) -> tuple[str, list[int], Any]:
+        """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders.
+        `request_template` (a request's own, allowed by --trust-request-chat-template) replaces
+        `chat_template` and is rendered in the bounded sandbox, off the event loop."""
         if self.ctx.tokenizer is None:
             raise InvalidRequest("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.", "messages")
+        dicts = [self._message_dict(m) for m in messages]
+        # All of it may end up in the rendered prompt, which the tokenizer must be able to take.
+        for value, param in ((dicts, "messages"), (request_template, "chat_template"),
+                             (template_kwargs, "chat_template_kwargs")):
+            check_unicode(value, param)
         return await render_chat_prompt(
-            self.ctx.tokenizer, self.ctx.multimodal, [self._message_dict(m) for m in messages], chat_template,
+            self.ctx.tokenizer, self.ctx.multimodal, dicts, chat_template,
             add_generation_prompt, f"{self.ctx.model_name} ({self.ctx.architecture})", template_kwargs,
-            processor_kwargs)
+            processor_kwargs, continue_final_message=continue_final_message, request_template=request_template)
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
         data = message.model_dump(exclude_none=True)
@@ -173,9 +205,9 @@ class OpenAIServing:
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
         text, ids, params, mm_inputs = await self.prepare_chat(req)
-        self.check_capacity()
+        admission = self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
-        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
+        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
             for out in batch:
                 for c in out.outputs:
                     texts[c.index].append(c.text)
@@ -193,11 +225,12 @@ class OpenAIServing:
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         text, ids, params, mm_inputs = await self.prepare_chat(req)
-        self.check_capacity()
-        return self._chat_stream(req, text, ids, params, arrival, mm_inputs)
+        admission = self.check_capacity()
+        return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission)
 
     async def _chat_stream(self, req: p.ChatCompletionRequest, text: str, ids: list[int], params: SamplingParams,
-                           arrival: float, mm_inputs: Any = None) -> AsyncIterator[str | bytes]:
+                           arrival: float, mm_inputs: Any = None,
+                           admission: Admission | None = None) -> AsyncIterator[str | bytes]:
         chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
@@ -209,7 +242,7 @@ class OpenAIServing:
 
         yield frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                      for i in range(params.n)])
-        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs):
+        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
             events = []       # one chunk per output, as they came; all of a batch go out in one write
             for out in batch:
                 choices = []
@@ -253,6 +286,10 @@ class OpenAIServing:
         if req.best_of not in (None, 1) and req.best_of != req.n:
             raise InvalidRequest("best_of is not supported; use n.", "best_of")
         prompt = req.prompt
+        count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        if count * req.n > p.MAX_PROMPTS:
+            raise InvalidRequest(f"n times the number of prompts must be at most {p.MAX_PROMPTS}, got n={req.n} "
+                                 f"for {count} prompts.", "n")
         if isinstance(prompt, str):
             items: list[tuple[str | None, list[int]]] = [(prompt, self._tokenize(prompt, True))]
         elif prompt and all(isinstance(x, str) for x in prompt):
@@ -266,18 +303,18 @@ class OpenAIServing:
                                  "token-id lists, and not empty.", "prompt")
         prepared = []
         for text, ids in items:
+            max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))   # first: O(1) for an overlong prompt
             self._check_tokens(ids)
-            max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))
             prepared.append((text, ids, self._sampling_params(req, max_tokens, req.logprobs)))
         return prepared
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
         prepared = self.prepare_completion(req)
-        self.check_capacity()
+        admission = self.check_capacity(len(prepared))
         n = req.n
         texts, counts, finals, logprobs = _accumulators(n * len(prepared))
         prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-        async for k, batch in self._merged(prepared, arrival, req.request_id):
+        async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
             for out in batch:
                 for c in out.outputs:
                     i = k * n + c.index
@@ -298,11 +335,11 @@ class OpenAIServing:
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         prepared = self.prepare_completion(req)
-        self.check_capacity()
-        return self._completion_stream(req, prepared, arrival)
+        admission = self.check_capacity(len(prepared))
+        return self._completion_stream(req, prepared, arrival, admission)
 
-    async def _completion_stream(self, req: p.CompletionRequest, prepared: list,
-                                 arrival: float) -> AsyncIterator[str | bytes]:
+    async def _completion_stream(self, req: p.CompletionRequest, prepared: list, arrival: float,
+                                 admission: Admission | None = None) -> AsyncIterator[str | bytes]:
         chunk_id, created, name, n = p.make_id("cmpl"), p.now(), self.ctx.model_name, req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
@@ -310,7 +347,7 @@ class OpenAIServing:
         offsets = [0] * (n * len(prepared))
         template = p.CompletionChunkTemplate(chunk_id, created, name)
         unfinished = len(prepared)
-        async for k, batch in self._merged(prepared, arrival, req.request_id):
+        async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
             events = []       # one chunk per output, as they came; all of a batch go out in one write
             for out in batch:
                 unfinished -= out.finished
@@ -362,22 +399,22 @@ class OpenAIServing:
         return result
 
     def _decode(self, ids: list[int]) -> str:
-        return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
+        return decode_ids(self.ctx.tokenizer, ids) if self.ctx.tokenizer is not None else ""
 
     # ---- engine streams and metrics -----------------------------------------------------------
-    async def _merged(self, prepared: list, arrival: float,
-                      request_id: str | None) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+    async def _merged(self, prepared: list, arrival: float, request_id: str | None,
+                      admission: Admission | None = None) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
         """Run several prompts at once; yield (prompt index, batch of its outputs) as they come."""
         if len(prepared) == 1:
             text, ids, params = prepared[0]
-            async for batch in self._generate(ids, params, text, arrival, request_id):
+            async for batch in self._generate(ids, params, text, arrival, request_id, admission=admission):
                 yield 0, batch
             return
         queue: asyncio.Queue[tuple[int, list[RequestOutput] | None | BaseException]] = asyncio.Queue()
 
         async def pump(k: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
             try:
-                async for batch in self._generate(ids, params, text, arrival, None):
+                async for batch in self._generate(ids, params, text, arrival, None, admission=admission):
                     await queue.put((k, batch))
                 await queue.put((k, None))
             except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
@@ -399,7 +436,8 @@ class OpenAIServing:
                 task.cancel()
 
     async def _generate(self, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
-                        request_id: str | None, mm_inputs: Any = None) -> AsyncIterator[list[RequestOutput]]:
+                        request_id: str | None, mm_inputs: Any = None,
+                        admission: Admission | None = None) -> AsyncIterator[list[RequestOutput]]:
         """The engine's outputs for one prompt, in batches (all that arrived since the last wake-up);
         feeds TTFT / inter-token latency (per output with tokens) and the finish-reason counters."""
         metrics = self.ctx.metrics
@@ -408,8 +446,10 @@ class OpenAIServing:
         last = None
         reasons: dict[int, str | None] = {}
         try:
-            async for batch in self.ctx.engine.generate_batches(ids, params, prompt, delta=True,
-                                                                request_id=request_id, mm_inputs=mm_inputs):
+            # Passed only when there is one: without a limit, any engine with `generate_batches` will do.
+            extra = {"admission": admission} if admission is not None else {}
+            async for batch in self.ctx.engine.generate_batches(ids, params, prompt, delta=True, request_id=request_id,
+                                                                mm_inputs=mm_inputs, **extra):
                 now = time.monotonic()
                 for out in batch:
                     has_tokens = False
@@ -428,6 +468,31 @@ class OpenAIServing:
         finally:
             metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
             metrics.e2e.observe(time.monotonic() - arrival)
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Text (or text nested in lists and objects) that is not valid Unicode is a 400: JSON's \\ud800
+    escapes decode to lone surrogates, which have no UTF-8 form, so the tokenizer cannot take them."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code = ord(value[exc.start])
+                raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate (\\u{code:04x}) at character "
+                                     f"{exc.start}; send text as UTF-8.", param) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, param)
+            check_unicode(item, param)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_unicode(item, param)
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    """A client-sent value quoted in an error message, cut short (a 1 MB model name is not echoed back)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def sse_data(payload: str) -> str:

@@ -113,6 +113,7 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
     if state.source is not None:
         run("architecture", lambda: _check_architecture(state.hf_config))
         run("config fields", lambda: _check_config_fields(state.hf_config))
+        run("quantization", lambda: _check_quantization(state, load_format))
         if _is_qwen2_vl(state.hf_config):
             run("vision config", lambda: _check_vision_config(state.hf_config))
             run("preprocessor config", lambda: _check_preprocessor(state))
@@ -128,7 +129,9 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
             run("index", lambda: _check_index_consistency(state))
         elif state.weight_format == "bin" and state.weight_files:
             run("pytorch bin", lambda: _check_bin_files(state))
-        if not fast and state.headers_complete:
+        quantized = any(c.name == "quantization" and c.status == "FAIL" for c in out)
+        # A quantized checkpoint's tensors do not map onto the model: that FAIL would only repeat it.
+        if not fast and state.headers_complete and not quantized:
             run("checkpoint vs model", lambda: _check_weights_match_model(state))
         run("disk", lambda: _check_disk(state))
         if skip_tokenizer_init:
@@ -140,7 +143,7 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
                 if _is_yuan(state.hf_config):
                     run("yuan tokens", lambda: _check_yuan_tokens(state.tokenizer))
                 if not fast:
-                    run("chat template", lambda: _check_chat_template(state.tokenizer, chat_template))
+                    run("chat template", lambda: _check_chat_template(state, chat_template))
     if not fast:
         run("cuda", lambda: _check_cuda(state, device, tensor_parallel_size))
     if port is not None:
@@ -270,6 +273,19 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
         return Check("config fields", "FAIL", "; ".join(problems), "fix config.json or re-download it")
     return Check("config fields", "ok", f"hidden {hidden}, {heads} heads ({kv_heads} KV), "
                  f"{values['num_hidden_layers']} layers, vocab {values['vocab_size']}", None)
+
+
+def _check_quantization(state: _State, load_format: str) -> Check | None:
+    """A quantized checkpoint (AWQ, GPTQ, FP8...) fails at startup: say so, rather than letting the
+    tensor mismatch read as a damaged download. Nothing is reported for an unquantized one."""
+    from pagoda.models.quantization import checkpoint_quantization
+
+    source = state.source
+    found = checkpoint_quantization(source.location, source.kind, source.hf_config,
+                                    read_tensor_names=load_format != "dummy")
+    if found is None:
+        return None
+    return Check("quantization", "FAIL", found.problem(source.location), found.advice)
 
 
 def _check_vision_config(cfg: dict[str, Any]) -> Check:
@@ -708,6 +724,10 @@ def _check_special_tokens(state: _State) -> Check:
         if size > vocab:
             problems.append(f"the tokenizer has {size} tokens but vocab_size is {vocab}: prompts with ids >= "
                             f"{vocab} will be rejected")
+        elif size < vocab:
+            problems.append(f"the tokenizer has {size} tokens, fewer than vocab_size {vocab}: ids {size}..{vocab - 1} "
+                            "have no text and decode to nothing (the model can still sample them; prompts may "
+                            "contain them)")
     if problems:
         return Check("special tokens", "warn", "; ".join(problems),
                      "check that the tokenizer (--tokenizer) and generation_config.json belong to this model")
@@ -723,25 +743,26 @@ def _check_yuan_tokens(tok: Any) -> Check:
     return Check("yuan tokens", "ok", ", ".join(f"{t} = {i}" for t, i in got.items()), None)
 
 
-def _check_chat_template(tok: Any, override: str | None) -> Check:
-    from pagoda.errors import PagodaError
-    from pagoda.frontend.chat_template import load_chat_template, render_chat
+def _check_chat_template(state: _State, override: str | None) -> Check:
+    """Renders a short user/assistant conversation: FAIL when it cannot, warn when the prompt lacks
+    the turns or is not the model family's format (Yuan2's <n>/<sep>, Qwen's <|im_start|> roles)."""
+    from pagoda.frontend.chat_template import inspect_chat_template
 
-    template = load_chat_template(override) or getattr(tok, "chat_template", None)
-    if not template:
+    path = state.tokenizer_path
+    folder = path if path and os.path.isdir(path) else state.source.location
+    report = inspect_chat_template(state.tokenizer, state.hf_config, override, folder)
+    if report.error:
+        detail = report.error if report.template is None else (f"{report.origin} does not render a user/assistant "
+                                                               f"conversation: {report.error}")
+        return Check("chat template", "FAIL", detail, report.fix)
+    if report.template is None:
         return Check("chat template", "warn", "the tokenizer has no chat template: /v1/chat/completions will "
                      "fail (completions work)", "pass --chat-template <file or template text>")
-    probe = "Doctor check message"
-    try:
-        text = render_chat(tok, [{"role": "user", "content": probe}], template)
-    except PagodaError as exc:
-        return Check("chat template", "FAIL", f"does not render a one-message conversation: {exc.message}",
-                     "fix the template (tokenizer_config.json / chat_template.jinja), or pass --chat-template")
-    if probe not in text:
-        return Check("chat template", "warn", "renders, but the user's message is not in the prompt",
-                     "check the template, or pass --chat-template")
-    source = "--chat-template" if override else "the tokenizer's"
-    return Check("chat template", "ok", f"{source} template renders ({len(text)} chars)", None)
+    if report.mismatch:
+        return Check("chat template", "warn", f"{report.origin} does not produce {report.mismatch}: a probe "
+                     f"conversation renders as {report.rendered!r}", report.fix)
+    family = f", {report.family} format" if report.family else ""
+    return Check("chat template", "ok", f"{report.origin} renders ({len(report.rendered or '')} chars){family}", None)
 
 
 # ---------------------------------------------------------------------------------------------

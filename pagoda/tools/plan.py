@@ -284,6 +284,12 @@ def run_plan(ns: argparse.Namespace) -> int:
                      enable_prefix_caching=ns.enable_prefix_caching, cpu_kv_cache_space_gib=ns.cpu_kv_cache_space_gib,
                      typical_len=ns.typical_len, image=image, images_per_request=ns.images_per_request,
                      min_pixels=ns.min_pixels, max_pixels=ns.max_pixels)
+    from pagoda.models.quantization import checkpoint_quantization
+
+    quantized = checkpoint_quantization(source.location, source.kind, source.hf_config)
+    if quantized is not None:
+        plan.notes.append(f"{quantized.problem(source.location)}: `pagoda serve` refuses it; the sizes above "
+                          f"are those of the unquantized {ns.dtype} model")
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
     return 0 if plan.fits_one_max_len_request else 1
 

@@ -128,6 +128,9 @@ class ModelRunner:
         self.sampling = SamplingState(config.scheduler.max_num_seqs, self.vocab_size, self.device,
                                       self.eos_token_ids)
         self.states: dict[str, RunnerRequestState] = {}
+        # (request id, stage, exception) of new requests whose per-request setup raised: left out of
+        # the step; the engine ends them with an error (`take_failures`).
+        self.failures: list[tuple[str, str, Exception]] = []
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         stateful = getattr(self.model, "sequence_state_layers", list)()
         self.state_pool = (StateSlotPool(stateful, config.scheduler.max_num_seqs, self.dtype, self.device)
@@ -270,13 +273,17 @@ class ModelRunner:
         for new in so.new_requests:
             fresh += new.block_ids[new.num_computed_tokens // self.block_size:]
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            try:
+                generator = None
+                if params.seed is not None:
+                    generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self.sampling.add(new.request_id, params, new.prompt_token_ids, generator=generator)
+            except Exception as exc:  # noqa: BLE001 - this request fails; the step runs without it
+                self.failures.append((new.request_id, "setting up its sampling", exc))
+                continue
             self.states[new.request_id] = state = RunnerRequestState(
                 list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
                 generator, new.num_computed_tokens, mm_inputs=new.mm_inputs)
-            self.sampling.add(new.request_id, params, new.prompt_token_ids, generator=generator)
             self._acquire_slot(state)
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
@@ -318,6 +325,10 @@ class ModelRunner:
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
 
+    def take_failures(self) -> list[tuple[str, str, Exception]]:
+        failures, self.failures = self.failures, []
+        return failures
+
     def execute(self, so: SchedulerOutput) -> StepOutput:
         """Run one step to the end: launch it and wait for its tokens."""
         return self.launch(so).result()
@@ -332,14 +343,17 @@ class ModelRunner:
 
     def _launch(self, so: SchedulerOutput) -> PendingStep:
         self._update_states(so)
-        if so.is_empty:
+        scheduled = so.num_scheduled_tokens
+        if self.failures:              # requests whose setup failed are left out of the batch
+            scheduled = {rid: n for rid, n in scheduled.items() if rid in self.states}
+        if not scheduled:
             return PendingStep([], [], done=_NO_TOKENS)
-        request_ids = list(so.num_scheduled_tokens)
+        request_ids = list(scheduled)
         states = [self.states[rid] for rid in request_ids]
-        if (self.decode_graphs is not None and so.total_num_scheduled_tokens == len(states)
+        if (self.decode_graphs is not None and sum(scheduled.values()) == len(states)
                 and len(states) <= self.decode_graphs.max_rows):
             return self._execute_decode_graph(request_ids, states)
-        query_lens = [so.num_scheduled_tokens[rid] for rid in request_ids]
+        query_lens = [scheduled[rid] for rid in request_ids]
         starts = [s.num_computed_tokens for s in states]
         seq_lens = [a + n for a, n in zip(starts, query_lens)]
 

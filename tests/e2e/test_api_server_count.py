@@ -26,6 +26,7 @@ import psutil
 import pytest
 from e2e_helpers import API_KEY, MODEL, metric
 from e2e_server import ServerProcess
+from kill_race import assert_answered_503, fire_after_kill
 from prometheus_client.parser import text_string_to_metric_families
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
@@ -398,11 +399,12 @@ def test_engine_core_death_fails_every_process_and_stops_the_server(tmp_path: Pa
             while not line.startswith(b"data:"):
                 line = response.readline()
             streams.append(response)
-        core.kill()
+        raced = fire_after_kill(server.url, core.kill)   # requests sent 0-440 ms after the kill
         for response in streams:              # every process ends its stream with an error event
             rest = response.read().decode()
             assert '"error"' in rest and "engine stopped" in rest.lower(), rest[-500:]
             assert rest.rstrip().endswith("data: [DONE]")
+        assert_answered_503(raced)
         assert server.proc.wait(60) == 1
         log = server.log_tail(20000)
         errors = [line for line in log.splitlines() if line.startswith("pagoda: error:")]

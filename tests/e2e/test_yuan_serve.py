@@ -10,19 +10,13 @@ greedy raw completion of that string.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import openai
 import pytest
-import torch
 from e2e_helpers import API_KEY, MODEL
-from safetensors.torch import load_file, save_file
 
-from tests.conftest import SHARED_FIXTURES
-
-YUAN_VOCAB = 135040
 MESSAGES = [{"role": "system", "content": "You are helpful. "},
             {"role": "user", "content": "  Hi there"},
             {"role": "assistant", "content": "Hello!"},
@@ -32,24 +26,8 @@ EXPECTED_PROMPT = "You are helpful.\nHi there<n>Hello!<n>Name a city.<sep>"
 
 
 @pytest.fixture(scope="module")
-def yuan_folder(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("yuan-tiny-served")
-    tiny = SHARED_FIXTURES / "yuan2-tiny"
-    weights = load_file(str(tiny / "model.safetensors"))
-    generator = torch.Generator().manual_seed(0)
-    embed = weights["model.embed_tokens.weight"]
-    wide = torch.randn(YUAN_VOCAB, embed.shape[1], generator=generator) * 0.02
-    wide[:embed.shape[0]] = embed
-    weights["model.embed_tokens.weight"] = wide
-    weights["lm_head.weight"] = wide.clone()
-    save_file(weights, str(folder / "model.safetensors"))
-    config = json.loads((tiny / "config.json").read_text())
-    config.update(vocab_size=YUAN_VOCAB, eod_token=77185, sep_token=77187, eod_token_id=77185, eos_token_id=77185,
-                  bos_token_id=77185, pad_token_id=77185, sep_token_id=77185, mask_token_id=77185)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(SHARED_FIXTURES / "yuan2-tokenizer" / name, folder / name)
-    return str(folder)
+def yuan_folder(wide_yuan) -> str:
+    return wide_yuan
 
 
 def test_chat_template_command_prints_the_yuan_format(yuan_folder, tmp_path):

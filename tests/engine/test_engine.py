@@ -84,7 +84,7 @@ def test_max_model_len_and_lengths(tiny_llama):
     assert len(out.outputs[0].token_ids) == 64 - 57 and out.outputs[0].finish_reason == "length"
     with pytest.raises(InvalidRequest, match="maximum model length of 64"):
         llm.generate([{"prompt_token_ids": list(range(3, 70))}], GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidRequest, match="out of vocabulary"):
+    with pytest.raises(InvalidRequest, match="outside the model.s vocabulary"):
         llm.generate([{"prompt_token_ids": [5, 9999]}], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequest, match="empty"):
         llm.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)

@@ -1,0 +1,266 @@
+"""The API side's own counts and the core's death, without a core process: `--max-waiting-requests`
+against a burst the core has not reported yet (and its share with several API processes), the core's
+`received` count, a send to a core that cannot take it ending when the core dies, the pidfd noticing
+an exit at once, and `end_streams` (the `--shutdown-timeout` cut)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagoda.engine.async_engine import AsyncEngine, CoreClient
+from pagoda.engine.core_process import AbortRequests, AddRequest, Outputs, Ready, Shutdown, _loop
+from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagoda.errors import EngineDead, Overloaded, ShuttingDown
+from pagoda.sampling_params import SamplingParams
+from pagoda.server.app import sse_response
+from pagoda.server.metrics import ServerMetrics
+from pagoda.server.serving import OpenAIServing, ServingContext
+
+
+class _Pipe:
+    """Both pipes of an AsyncEngine in memory. `stuck`: sends never complete (a core that is gone)."""
+
+    def __init__(self, stuck: bool = False) -> None:
+        self.sent: list = []
+        self.stuck = stuck
+        self.inbound: asyncio.Queue = asyncio.Queue()
+
+    def send_pyobj(self, message):  # noqa: ANN001, ANN201 - the zmq.asyncio shape: a Future
+        future = asyncio.get_running_loop().create_future()
+        if not self.stuck:
+            self.sent.append(message)
+            future.set_result(None)
+        return future
+
+    async def recv_pyobj(self):  # noqa: ANN201
+        return await self.inbound.get()
+
+
+def _engine(stuck: bool = False) -> tuple[AsyncEngine, _Pipe]:
+    engine = AsyncEngine(None)  # type: ignore[arg-type]
+    pipe = _Pipe(stuck)
+    engine._outbox = engine._inbox = pipe  # type: ignore[attr-defined]
+    engine._tasks = [asyncio.get_running_loop().create_task(engine._read_outputs())]
+    return engine, pipe
+
+
+def _serving(engine: AsyncEngine, limit: int, processes: int = 1) -> OpenAIServing:
+    return OpenAIServing(ServingContext(engine=engine, tokenizer=None, served_model_names=["m"], max_model_len=512,
+                                        vocab_size=1000, architecture="Fake", chat_template=None,
+                                        metrics=ServerMetrics("m"), max_waiting_requests=limit,
+                                        api_server_count=processes))
+
+
+def _stats(running: int, waiting: int) -> EngineStats:
+    return EngineStats(running, waiting, 0.1, 0, 0, 0, 1)
+
+
+def _admitted(serving: OpenAIServing, tries: int) -> list:
+    admitted = []
+    for _ in range(tries):
+        try:
+            admitted.append(serving.check_capacity())
+        except Overloaded:
+            pass
+    return admitted
+
+
+def test_a_burst_cannot_pass_on_a_stale_waiting_count() -> None:
+    async def main() -> None:
+        engine, pipe = _engine()
+        serving = _serving(engine, limit=8)
+        # 20 requests pass the check before any is sent (a stream is sent once its response started).
+        admitted = _admitted(serving, 20)
+        assert len(admitted) == 8
+        gens = [engine.generate_batches([1], SamplingParams(max_tokens=4), request_id=f"r{i}", admission=a)
+                for i, a in enumerate(admitted)]
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        await asyncio.sleep(0)
+        assert sum(isinstance(m, AddRequest) for m in pipe.sent) == 8
+        assert engine.num_unreported == 8 and not _admitted(serving, 5)     # sent, not yet reported
+        # The core took all 8: 3 run, 5 wait; room for 3 more.
+        pipe.inbound.put_nowait(Outputs([], _stats(3, 5), {}, received=8))
+        await asyncio.sleep(0)
+        assert engine.num_unreported == 0
+        unstarted = _admitted(serving, 10)
+        assert len(unstarted) == 3 and engine.num_unreported == 3
+        # Room taken for streams that never started (their clients left) comes back with them.
+        del unstarted
+        gc.collect()
+        assert engine.num_unreported == 0
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+def test_several_api_processes_share_the_room() -> None:
+    async def main() -> None:
+        engine, _ = _engine()
+        assert len(_admitted(_serving(engine, limit=8, processes=2), 20)) == 4
+        engine2, _ = _engine()
+        assert len(_admitted(_serving(engine2, limit=8, processes=3), 20)) == 3      # ceil(8 / 3)
+        engine3, pipe3 = _engine()
+        pipe3.inbound.put_nowait(Outputs([], _stats(0, 7), {}, received=0))
+        await asyncio.sleep(0)
+        assert len(_admitted(_serving(engine3, limit=8, processes=4), 20)) == 1      # room 1: one each at most
+        for e in (engine, engine2, engine3):
+            e._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+def test_the_waiting_gauge_counts_sends_the_core_has_not_reported_once_stale() -> None:
+    async def main() -> None:
+        engine, pipe = _engine()
+        pipe.inbound.put_nowait(Outputs([], _stats(1, 2), {}, received=0))
+        await asyncio.sleep(0)
+        gens = [engine.generate_batches([1], SamplingParams(max_tokens=4), request_id=f"r{i}") for i in range(3)]
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        await asyncio.sleep(0)
+        assert engine.waiting_estimate() is None              # just sent: the core's report is current
+        assert engine.waiting_estimate(stale_after=0.0) == 2 + 3
+        pipe.inbound.put_nowait(Outputs([], _stats(1, 5), {}, received=3))
+        await asyncio.sleep(0)
+        assert engine.waiting_estimate(stale_after=0.0) is None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+def test_a_send_the_dead_core_never_takes_ends_with_engine_dead() -> None:
+    async def main() -> None:
+        engine, _ = _engine(stuck=True)
+        gen = engine.generate_batches([1], SamplingParams(max_tokens=4), request_id="r1")
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert not task.done()                                # the send is waiting for the core
+        engine._mark_dead("test")
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(task, 1.0)
+        with pytest.raises(EngineDead):
+            await engine.generate_batches([1], SamplingParams(max_tokens=4)).__anext__()
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+def test_the_core_exiting_is_noticed_at_once() -> None:
+    async def main() -> None:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            engine = AsyncEngine(None, CoreClient(0, "", "", child.pid, Ready(1, 16, 1.0)))  # type: ignore[arg-type]
+            watch = asyncio.create_task(engine._watch_core())
+            await asyncio.sleep(0.7)                          # past one 0.5 s fallback check
+            assert not engine.is_dead
+            child.kill()                                      # a zombie until reaped: kill(pid, 0) still works
+            started = time.monotonic()
+            await asyncio.wait_for(watch, 2.0)
+            assert engine.is_dead and time.monotonic() - started < 0.2
+        finally:
+            child.kill()
+            child.wait()
+
+    asyncio.run(main())
+
+
+def test_end_streams_fails_open_requests_with_an_error_event_and_done() -> None:
+    async def main() -> None:
+        engine, pipe = _engine()
+        serving = _serving(engine, limit=100)
+        from pagoda.server import protocol as p
+
+        body = p.CompletionRequest(model="m", prompt=[1, 2], max_tokens=50, stream=True)
+        response = sse_response(await serving.completion_stream(body, time.monotonic()))
+        writes: list = []
+
+        async def read() -> None:
+            async for chunk in response.body_iterator:
+                writes.append(chunk.decode() if isinstance(chunk, bytes) else chunk)
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.01)
+        assert engine.num_pending == 1
+        engine.end_streams("The server is shutting down: --shutdown-timeout (1 s) ran out.")
+        await asyncio.wait_for(reader, 1.0)
+        text = "".join(writes)
+        assert '"code": 503' in text and "shutting down" in text and text.endswith("data: [DONE]\n\n")
+        assert isinstance(pipe.sent[-1], AbortRequests)       # the core frees the request's blocks
+        with pytest.raises(ShuttingDown):
+            await engine.generate_batches([1], SamplingParams(max_tokens=4)).__anext__()
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+class _FakeCore:
+    """The slice of LLMEngine that `core_process._loop` uses: requests wait until aborted, and the
+    stats never change (so only the received count can make the core report)."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def add_request(self, request_id, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        self.live.add(request_id)
+
+    def abort_request(self, ids: list[str]) -> list[RequestOutput]:
+        self.live -= set(ids)
+        return [RequestOutput(i, None, [1], [CompletionOutput(0, "", [], None, None, "abort")], True) for i in ids]
+
+    def step(self) -> list:
+        return []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 0, 0, 0, 0)
+
+
+class _Inbox:
+    """Batches of messages: each `_receive` drains one."""
+
+    def __init__(self, batches: list[list]) -> None:
+        self.batches, self.current = batches, []
+
+    def poll(self, timeout: int) -> bool:
+        if self.current:
+            return True
+        self.current = self.batches.pop(0) if self.batches else [Shutdown()]
+        return False
+
+    def recv_pyobj(self):  # noqa: ANN201
+        return self.current.pop(0)
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[Outputs] = []
+
+    def send_pyobj(self, message: Outputs) -> None:
+        self.sent.append(message)
+
+
+def test_the_core_reports_how_many_requests_it_took() -> None:
+    def add(rid: str) -> AddRequest:
+        return AddRequest(rid, [1], SamplingParams(max_tokens=4), None, True, 0.0)
+
+    # Requests taken are always reported, even when the stats did not change: until then the API side
+    # counts them as waiting.
+    inbox, outbox = _Inbox([[], [add("a"), add("b")], [add("c")], [Shutdown()]]), _Outbox()
+    _loop(_FakeCore(), inbox, outbox, os.getppid())
+    assert [m.received for m in outbox.sent] == [0, 2, 3]
