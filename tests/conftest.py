@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,22 @@ def wide_yuan(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def padding_yuan(tmp_path_factory) -> str:
     return build_wide_yuan(tmp_path_factory.mktemp("padding-yuan"), padding_head=True)
+
+
+def read_http_response(sock: socket.socket, timeout: float | None = 5.0) -> tuple[int, dict, bytes]:
+    """Status, headers and body of one response, read until the connection closes or the body is complete."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # e2e_helpers / e2e_server, whatever pytest's import mode
 
 from e2e_helpers import API_KEY  # noqa: E402
-from e2e_server import BASE_FLAGS, STARTUP_TIMEOUT_S, ServerProcess, free_port  # noqa: E402,F401
+from e2e_server import BASE_FLAGS, STARTUP_TIMEOUT_S, ServerProcess, free_port, running_server  # noqa: E402,F401
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,12 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("server") / "serve.log", [])
-    try:
-        proc.wait_healthy()
+    with running_server(tmp_path_factory.mktemp("server") / "serve.log", []) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")

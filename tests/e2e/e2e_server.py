@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -87,3 +89,14 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self._log.close()
+
+
+@contextmanager
+def running_server(log_path: Path, extra_flags: list[str]) -> Iterator[ServerProcess]:
+    """A healthy `pagoda serve` for the duration of the block (for module- and session-scoped fixtures)."""
+    proc = ServerProcess(log_path, extra_flags)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from e2e_helpers import API_KEY, MODEL, metric, scrape
-from e2e_server import ServerProcess
+from e2e_server import ServerProcess, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -28,13 +28,9 @@ CAP, SEQS, BURST = 8, 4, 200
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory):
-    proc = ServerProcess(tmp_path_factory.mktemp("capped") / "serve.log",
-                         ["--max-waiting-requests", str(CAP), "--max-num-seqs", str(SEQS), "--shutdown-timeout", "1"])
-    try:
-        proc.wait_healthy()
+    flags = ["--max-waiting-requests", str(CAP), "--max-num-seqs", str(SEQS), "--shutdown-timeout", "1"]
+    with running_server(tmp_path_factory.mktemp("capped") / "serve.log", flags) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ import psutil
 import pytest
 from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, assert_openai_error
 
+from tests.conftest import read_http_response
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 AUTH = f"Authorization: Bearer {API_KEY}\r\n".encode()
@@ -85,21 +87,8 @@ def send_until_answered(sock: socket.socket, first: bytes, piece: bytes, most: i
 
 
 def read_response(sock: socket.socket) -> httpx.Response:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed without a response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    length = int({k.lower(): v for k, v in headers.items()}.get("content-length", 0))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return httpx.Response(int(lines[0].split()[1]), headers=headers, content=body)
+    status, headers, body = read_http_response(sock, timeout=sock.gettimeout())
+    return httpx.Response(status, headers=headers, content=body)
 
 
 def raw(url: str, first: bytes, piece: bytes = b"", most: int = 0) -> httpx.Response:

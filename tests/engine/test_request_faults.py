@@ -127,7 +127,7 @@ def test_a_fault_in_one_request_ends_only_that_request(wide_yuan, reference, mon
         results = _run(llm, _params())
     tokens, reason, message = results[TARGET]
     assert reason == "error" and "Internal error while" in str(message) and TARGET in str(message)
-    assert [r for r in caplog.records if TARGET in r.getMessage()].__len__() == 1, "logged once, with its id"
+    assert len([r for r in caplog.records if TARGET in r.getMessage()]) == 1, "logged once, with its id"
     for rid in PROMPTS:
         if rid != TARGET:
             assert results[rid] == reference[rid], rid

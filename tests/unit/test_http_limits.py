@@ -18,6 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
+from tests.conftest import read_http_response as read_response
+
 from pagoda.server.http_limits import (BodyLimitMiddleware, HttpLimits, _Notices, default_max_connections,
                                        quiet_accept_errors, raise_fd_limit)
 
@@ -83,23 +85,6 @@ def server() -> Iterator[ThreadServer]:
     srv.stop()
 
 
-def read_response(sock: socket.socket, timeout: float = 5.0) -> tuple[int, dict, bytes]:
-    """Status, headers and body of one response, read until the connection closes or the body is complete."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    while len(body) < int(headers.get("content-length", 0)):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
 
 
 def send_until_answered(sock: socket.socket, pieces: Iterator[bytes]) -> None:
