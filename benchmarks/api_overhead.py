@@ -43,7 +43,7 @@ class FakeEngine:
     """The slice of LLMEngine that `core_process._loop` uses; every running request gets one token per step."""
 
     def __init__(self, step_s: float):
-        from pagoda.engine.outputs import EngineStats
+        from pagoda.outputs import EngineStats
 
         self.step_s = step_s
         self.running: dict[str, list[Any]] = {}   # id → [params, prompt ids, prompt, samples emitted, n]
@@ -61,7 +61,7 @@ class FakeEngine:
         self.running[request_id] = [params, prompt_token_ids, prompt, 0]
 
     def abort_request(self, request_ids: list[str]) -> list[Any]:
-        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+        from pagoda.outputs import CompletionOutput, RequestOutput
 
         outs = []
         for rid in request_ids:
@@ -72,7 +72,7 @@ class FakeEngine:
         return outs
 
     def step(self) -> list[Any]:
-        from pagoda.engine.outputs import CompletionOutput, RequestOutput
+        from pagoda.outputs import CompletionOutput, RequestOutput
 
         if self.step_s:
             time.sleep(self.step_s)

@@ -85,7 +85,7 @@ def _random_image_visual(rng: np.random.Generator):
     try:
         from PIL import Image
 
-        from pagoda.multimodal.image_processor import VisionPreprocessConfig, preprocess_image
+        from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image
     except ImportError:             # no Pillow: the 1000x750 image's grid (1, 54, 72), random pixels
         return _GridVisual(rng.standard_normal((54 * 72, 1176), dtype=np.float32), (1, 54, 72))
     image = Image.fromarray(rng.integers(0, 256, (750, 1000, 3), dtype=np.uint8))
@@ -95,7 +95,7 @@ def _random_image_visual(rng: np.random.Generator):
 def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict:
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+    from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
     from pagoda.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig.create(EngineArgs(model=folder, load_format="dummy", skip_tokenizer_init=True,
@@ -139,7 +139,7 @@ def run_hf(folder: str, requests, concurrency: int, output_len: int, device: str
         config, dtype=torch.bfloat16, attn_implementation="sdpa").to(device).eval()
 
     def generate(batch) -> int:
-        from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+        from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 
         expanded = [expand_prompt(ids, [("image", v)], PlaceholderIds(IMAGE_PAD, VIDEO_PAD), "hf")[0]
                     for ids, v in batch]

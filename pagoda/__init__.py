@@ -9,11 +9,11 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagoda.engine.llm import LLM
-    from pagoda.engine.outputs import CompletionOutput, RequestOutput
+    from pagoda.outputs import CompletionOutput, RequestOutput
     from pagoda.sampling_params import SamplingParams
 
-_EXPORTS = {"LLM": "pagoda.engine.llm", "RequestOutput": "pagoda.engine.outputs",
-            "CompletionOutput": "pagoda.engine.outputs", "SamplingParams": "pagoda.sampling_params"}
+_EXPORTS = {"LLM": "pagoda.engine.llm", "RequestOutput": "pagoda.outputs",
+            "CompletionOutput": "pagoda.outputs", "SamplingParams": "pagoda.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

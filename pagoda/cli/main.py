@@ -19,7 +19,7 @@ import argparse
 import logging
 import sys
 
-from pagoda.bench.cli import add_bench_args
+from pagoda.tools.bench.cli import add_bench_args
 from pagoda.tools.doctor import add_doctor_args
 from pagoda.tools.plan import add_plan_args
 from pagoda.cli.args import add_engine_args, engine_args_from
@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     doctor = sub.add_parser("doctor", help="preflight checks of a model folder and this machine")
     add_doctor_args(doctor)
-    from pagoda.batch.cli import add_batch_args  # argparse only: `pagoda` still starts fast
+    from pagoda.tools.batch.cli import add_batch_args  # argparse only: `pagoda` still starts fast
 
     add_batch_args(sub.add_parser("batch", help="run an OpenAI Batch JSONL or images + a prompt against a server, "
                                                 "with retries, rate limit and resume"))
-    from pagoda.router.cli import add_router_args  # argparse only
+    from pagoda.tools.router.cli import add_router_args  # argparse only
 
     add_router_args(sub.add_parser("router", help="OpenAI-compatible front for several servers: session affinity, "
                                                   "health checks, retries, usage per key"))
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             return serve(ns)
         if ns.command == "bench":
-            from pagoda.bench.cli import run_bench
+            from pagoda.tools.bench.cli import run_bench
 
             return run_bench(ns)
         if ns.command == "plan":
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_doctor(ns)
         if ns.command == "batch":
-            from pagoda.batch.cli import run_batch
+            from pagoda.tools.batch.cli import run_batch
 
             return run_batch(ns)
         if ns.command == "router":
-            from pagoda.router.cli import run_router
+            from pagoda.tools.router.cli import run_router
 
             return run_router(ns)
         if ns.command == "chat-template":

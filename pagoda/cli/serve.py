@@ -128,7 +128,7 @@ class ServeSetup:
         from pagoda.frontend.tokenizer import load_tokenizer
         from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
         from pagoda.models.source import resolve_model_source
-        from pagoda.multimodal.chat import multimodal_serving
+        from pagoda.frontend.multimodal.chat import multimodal_serving
         from pagoda.server.serving import sampling_defaults
 
         if check:

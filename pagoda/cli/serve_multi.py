@@ -33,7 +33,7 @@ from typing import Any
 
 from pagoda.engine.async_engine import CoreClient
 from pagoda.errors import ConfigError
-from pagoda.shared_socket import listen_socket
+from pagoda.launch.sockets import listen_socket
 
 logger = logging.getLogger("pagoda")
 

@@ -43,7 +43,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.core_process import (AbortRequests, AddRequest, CoreDied, Outputs, Ready, Shutdown,
                                         StartupFailed, from_wire, run_engine_core)
-from pagoda.engine.outputs import EngineStats, RequestOutput
+from pagoda.outputs import EngineStats, RequestOutput
 from pagoda.errors import ConfigError, EngineDead, InvalidRequest, RequestFailed, ShuttingDown
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
 from pagoda.sampling_params import SamplingParams

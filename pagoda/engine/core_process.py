@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.serving_gc import prepare_gc_for_serving
 

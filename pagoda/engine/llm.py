@@ -15,9 +15,9 @@ from typing import Any, TypeVar, Union
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.outputs import RequestOutput
+from pagoda.outputs import RequestOutput
 from pagoda.errors import InvalidRequest
-from pagoda.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
+from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
 from pagoda.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any], list[int]]

@@ -20,7 +20,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
-from pagoda.engine.outputs import EngineStats, RequestOutput, SchedulerOutput
+from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.validation import validate_request
 from pagoda.errors import ConfigError, InvalidRequest
@@ -98,9 +98,6 @@ class LLMEngine:
             logger.warning("--gpu-memory-utilization %g does not apply on the CPU: --cpu-kv-cache-space-gib "
                            "sets the CPU KV cache budget (%g GiB now)", cfg.cache.gpu_memory_utilization,
                            cfg.cache.cpu_kv_cache_space_gib)
-        predicted = self._planned_blocks()
-        if predicted is not None:
-            logger.info("KV blocks: planner (pagoda plan) predicted %d, allocated %d", predicted, layout.num_blocks - 1)
         spec = self.runner.kv_cache_spec()
         if spec.state_bytes_per_seq:
             logger.info("Per-sequence state (LF): %.1f KiB x %d slots = %.2f MiB, counted in the KV budget; "
@@ -108,30 +105,6 @@ class LLMEngine:
                         spec.state_pool_bytes(cfg.scheduler.max_num_seqs) / 2**20,
                         f"stores a {spec.snapshot_bytes_per_block / 1024:.1f} KiB state snapshot per block"
                         if spec.snapshot_bytes_per_block else "is off")
-
-    def planned_blocks(self) -> int | None:
-        return self._planned_blocks()
-
-    def _planned_blocks(self) -> int | None:
-        """What `pagoda plan` predicts for this very configuration (None with a block-count override)."""
-        from pagoda.tools.plan import make_plan
-
-        cfg = self.config
-        if cfg.cache.num_gpu_blocks_override is not None:
-            return None
-        total = torch.cuda.mem_get_info()[1] if cfg.device.device == "cuda" else None
-        try:
-            plan = make_plan(cfg.model.hf_config, device=cfg.device.device, memory_bytes_per_gpu=total,
-                             gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-                             max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
-                             block_size=cfg.cache.block_size, max_num_seqs=cfg.scheduler.max_num_seqs,
-                             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-                             enable_prefix_caching=cfg.cache.enable_prefix_caching,
-                             cpu_kv_cache_space_gib=cfg.cache.cpu_kv_cache_space_gib)
-        except Exception as exc:  # the log line is informative only; never fail startup over it
-            logger.debug("planner failed: %s", exc)
-            return None
-        return plan.kv_blocks
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

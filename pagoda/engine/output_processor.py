@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from pagoda.frontend.detokenizer import IncrementalDetokenizer, single_token_decoder
 from pagoda.request import Request, RequestStatus
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
-from pagoda.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepOutput
+from pagoda.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepOutput
 from pagoda.request import Request, RequestStatus
 
 

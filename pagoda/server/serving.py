@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.async_engine import Admission, AsyncEngine
-from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.tokenizer import fast_encoder
-from pagoda.multimodal.chat import MultiModalServing, render_chat_prompt
+from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics

@@ -308,7 +308,7 @@ def _check_preprocessor(state: _State) -> Check:
     from pagoda.config import text_field
     from pagoda.errors import PagodaError
     from pagoda.models.qwen2_vl_vision import vision_config_with_defaults
-    from pagoda.multimodal.image_processor import VisionPreprocessConfig
+    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig
 
     folder = state.folder
     path = os.path.join(folder, "preprocessor_config.json")

@@ -126,7 +126,7 @@ def image_tokens(hf_config: dict[str, Any], model_folder: str | None, width: int
     """Placeholder tokens of one image (Qwen2-VL), by the checkpoint's preprocessing rules."""
     if hf_config.get("vision_config") is None:
         return None
-    from pagoda.multimodal.image_processor import VisionPreprocessConfig, smart_resize
+    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, smart_resize
 
     cfg = VisionPreprocessConfig.from_model_folder(model_folder)
     lo, hi = min_pixels or cfg.min_pixels, max_pixels or cfg.max_pixels

@@ -22,7 +22,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
-from pagoda.engine.outputs import SchedulerOutput, StepOutput, TokenLogprobs
+from pagoda.outputs import SchedulerOutput, StepOutput, TokenLogprobs
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingState
@@ -30,7 +30,7 @@ from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
-from pagoda.multimodal.inputs import MultiModalInputs
+from pagoda.inputs import MultiModalInputs
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs, StepGraphs, StepInputs
 from pagoda.worker.encoder_cache import EncoderCache

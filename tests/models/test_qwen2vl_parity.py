@@ -15,7 +15,7 @@ import torch
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.sampling_params import SamplingParams
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653

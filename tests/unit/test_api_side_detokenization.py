@@ -12,7 +12,7 @@ import random
 import pytest
 
 from pagoda.engine.async_engine import _add_text
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
 
 PROMPT = "Tell me something: "

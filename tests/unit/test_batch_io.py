@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pagoda.batch import inputs, media, output
-from pagoda.batch.inputs import ImageRef, InputError
+from pagoda.tools.batch import inputs, media, output
+from pagoda.tools.batch.inputs import ImageRef, InputError
 
 
 def write_lines(path: Path, rows: list) -> Path:

@@ -8,8 +8,9 @@ import io
 import pytest
 from PIL import Image
 
-from pagoda.batch import media
-from pagoda.batch.scrape import extract_image_urls, largest_candidate, normalize_url, parse_srcset, scrape_page
+from pagoda.tools.batch import media
+from pagoda.tools.batch.inputs import normalize_url
+from pagoda.tools.batch.scrape import extract_image_urls, largest_candidate, parse_srcset, scrape_page
 
 PAGE = "https://Example.com/blog/post.html"
 

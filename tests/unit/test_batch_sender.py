@@ -9,15 +9,8 @@ import time
 
 import pytest
 
-from pagoda.batch.sender import (
-    MAX_RETRY_DELAY_S,
-    TokenBucket,
-    _error_fields,
-    backoff_delay,
-    parse_retry_after,
-    retry_delay,
-    should_retry_status,
-)
+from pagoda.tools.batch.retry import MAX_RETRY_DELAY_S, backoff_delay, parse_retry_after, retry_delay, should_retry_status
+from pagoda.tools.batch.sender import TokenBucket, _error_fields
 
 
 @pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504, 599])

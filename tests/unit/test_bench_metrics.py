@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from pagoda.bench.client import RequestResult, stream_request
-from pagoda.bench.metrics import (
+from pagoda.tools.bench.client import RequestResult, stream_request
+from pagoda.tools.bench.metrics import (
     SLO,
     aggregate,
     max_concurrency,
@@ -23,8 +23,8 @@ from pagoda.bench.metrics import (
     summarize_ms,
     tpot_of,
 )
-from pagoda.bench.sweep import analyze, find_knee, gain_per_doubling, max_passing, recommend, round_up8
-from pagoda.bench.workload import Workload, arrival_intervals, load_jsonl, parse_image_sizes
+from pagoda.tools.bench.sweep import analyze, find_knee, gain_per_doubling, max_passing, recommend, round_up8
+from pagoda.tools.bench.workload import Workload, arrival_intervals, load_jsonl, parse_image_sizes
 
 
 def _ok(start: float, ttft: float, gaps: list[float], tokens: int, prompt: int = 10) -> RequestResult:
@@ -271,7 +271,7 @@ def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
     """The engine core's totals → ServerMetrics counters → the rendered page → bench's per-step host
     work and GPU wait over a point (names on both sides must agree)."""
     from pagoda.engine.core_process import Outputs
-    from pagoda.engine.outputs import EngineStats
+    from pagoda.outputs import EngineStats
     from pagoda.server.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")

@@ -19,7 +19,7 @@ import tracemalloc
 import httpx
 import pytest
 
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend import template_sandbox as sandbox
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, render_chat
@@ -233,7 +233,7 @@ def test_lone_surrogate_is_a_400(tokenizer, where):
 
 
 def test_lone_surrogate_from_a_template_or_the_offline_api_is_a_400(tokenizer):
-    from pagoda.multimodal.chat import render_chat_prompt
+    from pagoda.frontend.multimodal.chat import render_chat_prompt
 
     with pytest.raises(InvalidRequest, match="not valid Unicode"):      # LLM.chat's path: no HTTP checks
         asyncio.run(render_chat_prompt(tokenizer, None, [{"role": "user", "content": "a\ud800"}], None, True, "m"))

@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 
 from pagoda.errors import InvalidRequest
-from pagoda.multimodal import media
-from pagoda.multimodal.media import MediaPolicy, check_public_host, is_private_address, load_image, load_video_frames
+from pagoda.frontend.multimodal import media
+from pagoda.frontend.multimodal.media import MediaPolicy, check_public_host, is_private_address, load_image, load_video_frames
 
 WHERE = "messages[1].content[0]"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.bench.metrics import parse_prometheus
+from pagoda.tools.bench.metrics import parse_prometheus
 from pagoda.engine.core_process import Outputs
-from pagoda.engine.outputs import EngineStats
+from pagoda.outputs import EngineStats
 from pagoda.server.metrics import METRICS_PREFIXES, ServerMetrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.multimodal.inputs import MultiModalItem
-from pagoda.multimodal.mrope import mrope_positions
+from pagoda.inputs import MultiModalItem
+from pagoda.frontend.multimodal.mrope import mrope_positions
 
 
 def _item(grid, offset, modality="image"):

@@ -16,7 +16,7 @@ import pytest
 
 from pagoda.engine.async_engine import AsyncEngine, CoreClient
 from pagoda.engine.core_process import AbortRequests, AddRequest, Outputs, Ready, Shutdown, _loop
-from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.errors import EngineDead, Overloaded, ShuttingDown
 from pagoda.sampling_params import SamplingParams
 from pagoda.server.app import sse_response

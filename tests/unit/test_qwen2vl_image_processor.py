@@ -14,7 +14,7 @@ from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from pagoda.errors import ConfigError, InvalidRequest
-from pagoda.multimodal.image_processor import (
+from pagoda.frontend.multimodal.image_processor import (
     ProcessedVisual,
     VisionPreprocessConfig,
     preprocess_image,

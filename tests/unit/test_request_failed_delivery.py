@@ -9,7 +9,7 @@ import json
 
 from pagoda.engine.async_engine import _deliverable, _Stream
 from pagoda.engine.core_process import wire_output
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.errors import RequestFailed
 from pagoda.server.app import sse_response
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagoda.errors import ConfigError
-from pagoda.router.app import RouterState
-from pagoda.router.config import ConfigWatcher, build_config, key_label, parse_file
+from pagoda.tools.router.app import RouterState
+from pagoda.tools.router.config import ConfigWatcher, build_config, key_label, parse_file
 
 TOML = """
 policy = "session"

@@ -6,8 +6,8 @@ import asyncio
 
 import httpx
 
-from pagoda.router.config import BackendConfig, BreakerConfig, HealthConfig, build_config
-from pagoda.router.health import CLOSED, HALF_OPEN, OPEN, Backend, CircuitBreaker, HealthChecker
+from pagoda.tools.router.config import BackendConfig, BreakerConfig, HealthConfig, build_config
+from pagoda.tools.router.health import CLOSED, HALF_OPEN, OPEN, Backend, CircuitBreaker, HealthChecker
 
 
 def test_breaker_opens_after_consecutive_failures_only() -> None:

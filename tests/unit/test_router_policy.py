@@ -3,9 +3,9 @@ the ring past unavailable backends, round-robin / least-loaded, and session keys
 
 from __future__ import annotations
 
-from pagoda.router.config import BackendConfig, BreakerConfig
-from pagoda.router.health import Backend
-from pagoda.router.policy import Balancer, opening, prefix_key, request_chars, session_key
+from pagoda.tools.router.config import BackendConfig, BreakerConfig
+from pagoda.tools.router.health import Backend
+from pagoda.tools.router.policy import Balancer, opening, prefix_key, request_chars, session_key
 
 KEYS = [f"s:session-{i}" for i in range(6000)]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from pagoda.router.app import RouterState, build_app
-from pagoda.router.config import build_config, key_label
+from pagoda.tools.router.app import RouterState, build_app
+from pagoda.tools.router.config import build_config, key_label
 
 URLS = {"a": "http://10.0.0.1:8000", "b": "http://10.0.0.2:8000", "c": "http://10.0.0.3:8000"}
 BY_HOST = {httpx.URL(u).host: n for n, u in URLS.items()}

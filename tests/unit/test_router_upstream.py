@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pagoda.router import upstream as upstream_mod
-from pagoda.router.upstream import FastHTTPTransport
+from pagoda.tools.router import upstream as upstream_mod
+from pagoda.tools.router.upstream import FastHTTPTransport
 
 # uvloop is a dependency wherever it exists (pyproject: not on Windows): there, a missing uvloop is a
 # broken install and fails these tests instead of skipping them.
@@ -340,8 +340,8 @@ def test_backpressure_and_large_request_body(loop_kind: str) -> None:
 # -- the proxy over it, with real sockets on both sides -----------------------------------------------------
 @pytest.mark.parametrize("loop_kind", LOOPS)
 def test_router_streams_through_the_fast_transport(loop_kind: str) -> None:
-    from pagoda.router.app import RouterState, build_app
-    from pagoda.router.config import build_config
+    from pagoda.tools.router.app import RouterState, build_app
+    from pagoda.tools.router.config import build_config
 
     usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     events = [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],"usage":null}\n\n',

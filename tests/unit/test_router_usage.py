@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from pagoda.router.usage import SSEUsageTap, UsageLedger, tokens_of, usage_of_json
+from pagoda.tools.router.usage import SSEUsageTap, UsageLedger, tokens_of, usage_of_json
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
 

@@ -190,9 +190,9 @@ def _total(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_concurrent_requests_and_session_affinity_across_workers(cluster: Cluster) -> None:
-    from pagoda.router.config import BackendConfig, BreakerConfig
-    from pagoda.router.health import Backend
-    from pagoda.router.policy import Balancer
+    from pagoda.tools.router.config import BackendConfig, BreakerConfig
+    from pagoda.tools.router.health import Backend
+    from pagoda.tools.router.policy import Balancer
 
     sessions = [f"sess-{i}" for i in range(24)]
     jobs = [("alice", s, i % 2 == 0, 4) for i in range(6) for s in sessions]

@@ -19,7 +19,7 @@ import pytest
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
-from pagoda.engine.outputs import SchedulerOutput, StepOutput
+from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.engine.scheduler import Scheduler
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams

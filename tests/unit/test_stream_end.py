@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from pagoda.engine.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server import protocol as p
 from pagoda.server.app import sse_response
 from pagoda.server.metrics import ServerMetrics

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.core_process import AbortRequests, AddRequest, Outputs, from_wire, wire_output
-from pagoda.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.errors import EngineDead, InvalidRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.server import protocol as p

@@ -15,6 +15,7 @@ also names the worker that answered.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -24,19 +25,20 @@ import os
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.router.config import RouterConfig, key_label
-from pagoda.router.health import Backend, HealthChecker, auth_headers
-from pagoda.router.metrics import RouterMetrics
-from pagoda.router.policy import Balancer
-from pagoda.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
-from pagoda.router.upstream import FastHTTPTransport
-from pagoda.router.usage import UsageLedger
+from pagoda.tools.router.config import ConfigWatcher, RouterConfig, key_label, overrides_from
+from pagoda.tools.router.health import Backend, HealthChecker, auth_headers
+from pagoda.tools.router.metrics import RouterMetrics
+from pagoda.tools.router.policy import Balancer
+from pagoda.tools.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
+from pagoda.tools.router.upstream import FastHTTPTransport
+from pagoda.tools.router.usage import UsageLedger
 
-logger = logging.getLogger("pagoda.router")
+logger = logging.getLogger("pagoda.tools.router")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -138,7 +140,7 @@ class RouterState:
             self._tasks.append(asyncio.ensure_future(self._publish_gauges()))
 
     async def _publish_gauges(self) -> None:
-        from pagoda.router.metrics import GAUGE_PUBLISH_S
+        from pagoda.tools.router.metrics import GAUGE_PUBLISH_S
 
         while True:
             try:
@@ -317,3 +319,19 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
                             headers={"x-pagoda-backend": ",".join(answered)})
 
     return RouterASGI(state, api)
+
+
+def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | None = None,
+                worker_index: int = 0) -> Any:
+    """The uvicorn server of one router process (the only one, or worker `worker_index` of --workers N)."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    overrides = overrides_from(ns)
+    state = RouterState(config, multiprocess_dir=multiprocess_dir, worker_index=worker_index)
+    watcher = ConfigWatcher(ns.config, overrides, state.apply, ns.reload_interval) if ns.config else None
+    app = build_app(state, watcher)
+    # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
+    # 15 s), so a client never reuses a connection the router is closing at that moment.
+    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=ns.uvicorn_log_level,
+                                         access_log=False, timeout_graceful_shutdown=ns.shutdown_timeout,
+                                         backlog=4096, proxy_headers=False, timeout_keep_alive=75))

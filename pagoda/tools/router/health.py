@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Any
 
-from pagoda.router.config import BackendConfig, BreakerConfig, HealthConfig
+from pagoda.tools.router.config import BackendConfig, BreakerConfig, HealthConfig
 
-logger = logging.getLogger("pagoda.router")
+logger = logging.getLogger("pagoda.tools.router")
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half-open", "open"
 STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}

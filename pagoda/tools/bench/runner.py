@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.client import RequestResult, stream_request
-from pagoda.bench.metrics import SLO, aggregate, parse_prometheus, server_metrics_summary
-from pagoda.bench.workload import RequestSpec, Workload, arrival_intervals, random_words
+from pagoda.tools.bench.client import RequestResult, stream_request
+from pagoda.tools.bench.metrics import SLO, aggregate, parse_prometheus, server_metrics_summary
+from pagoda.tools.bench.workload import RequestSpec, Workload, arrival_intervals, random_words
 
 SAMPLE_INTERVAL_S = 0.5
 

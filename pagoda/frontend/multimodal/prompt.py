@@ -15,8 +15,8 @@ from typing import Protocol
 import numpy as np
 
 from pagoda.errors import InvalidRequest
-from pagoda.multimodal.inputs import MultiModalInputs, MultiModalItem, content_hash
-from pagoda.multimodal.mrope import mrope_positions
+from pagoda.inputs import MultiModalInputs, MultiModalItem, content_hash
+from pagoda.frontend.multimodal.mrope import mrope_positions
 
 
 class Visual(Protocol):

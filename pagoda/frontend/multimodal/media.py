@@ -30,7 +30,7 @@ import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pagoda.errors import InvalidRequest
-from pagoda.multimodal.image_processor import to_rgb
+from pagoda.frontend.multimodal.image_processor import to_rgb
 
 logger = logging.getLogger("pagoda.media")
 

@@ -26,6 +26,7 @@ File layout (TOML shown; the same keys work in YAML or JSON)::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -38,7 +39,7 @@ from typing import Any
 
 from pagoda.errors import ConfigError
 
-logger = logging.getLogger("pagoda.router")
+logger = logging.getLogger("pagoda.tools.router")
 
 POLICIES = ("session", "least-loaded", "round-robin", "prefix")
 
@@ -322,3 +323,20 @@ class ConfigWatcher:
                 self.check()
             except Exception:
                 logger.exception("router config watcher")
+
+
+def overrides_from(ns: argparse.Namespace) -> dict[str, Any]:
+    """Flag values as config keys (None = not given, the file or the default applies)."""
+    return {
+        "host": ns.host, "port": ns.port, "workers": ns.workers, "backends": ns.backend, "policy": ns.policy,
+        "session_header": ns.session_header, "load_factor": ns.load_factor, "load_floor": ns.load_floor,
+        "vnodes": ns.vnodes,
+        "prefix_chars": ns.prefix_chars, "max_attempts": ns.max_attempts, "api_keys": ns.api_key,
+        "backend_api_key": ns.backend_api_key, "max_request_bytes": ns.max_request_bytes,
+        "long_request_chars": ns.long_request_chars, "long_request_concurrency": ns.long_request_concurrency,
+        "inject_usage": ns.inject_usage, "connect_timeout": ns.connect_timeout, "read_timeout": ns.read_timeout,
+        "max_connections": ns.max_connections,
+        "health.interval": ns.health_interval, "health.timeout": ns.health_timeout,
+        "health.fail_threshold": ns.health_fail_threshold, "health.pass_threshold": ns.health_pass_threshold,
+        "breaker.failures": ns.breaker_failures, "breaker.open_seconds": ns.breaker_open_seconds,
+    }

@@ -30,10 +30,10 @@ from typing import Any
 
 import httpx
 
-from pagoda.router.policy import prefix_key, request_chars, session_key
-from pagoda.router.usage import SSEUsageTap, _loads, tokens_of, usage_of_json
+from pagoda.tools.router.policy import prefix_key, request_chars, session_key
+from pagoda.tools.router.usage import SSEUsageTap, _loads, tokens_of, usage_of_json
 
-logger = logging.getLogger("pagoda.router")
+logger = logging.getLogger("pagoda.tools.router")
 
 PROXY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 RETRY_STATUSES = frozenset({502, 503, 504})

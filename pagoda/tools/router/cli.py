@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -72,30 +71,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning")
 
 
-def overrides_from(ns: argparse.Namespace) -> dict[str, Any]:
-    """Flag values as config keys (None = not given, the file or the default applies)."""
-    return {
-        "host": ns.host, "port": ns.port, "workers": ns.workers, "backends": ns.backend, "policy": ns.policy,
-        "session_header": ns.session_header, "load_factor": ns.load_factor, "load_floor": ns.load_floor,
-        "vnodes": ns.vnodes,
-        "prefix_chars": ns.prefix_chars, "max_attempts": ns.max_attempts, "api_keys": ns.api_key,
-        "backend_api_key": ns.backend_api_key, "max_request_bytes": ns.max_request_bytes,
-        "long_request_chars": ns.long_request_chars, "long_request_concurrency": ns.long_request_concurrency,
-        "inject_usage": ns.inject_usage, "connect_timeout": ns.connect_timeout, "read_timeout": ns.read_timeout,
-        "max_connections": ns.max_connections,
-        "health.interval": ns.health_interval, "health.timeout": ns.health_timeout,
-        "health.fail_threshold": ns.health_fail_threshold, "health.pass_threshold": ns.health_pass_threshold,
-        "breaker.failures": ns.breaker_failures, "breaker.open_seconds": ns.breaker_open_seconds,
-    }
-
-
 def run_router(ns: argparse.Namespace) -> int:
     import logging
 
     from pagoda.errors import ConfigError
-    from pagoda.router.config import build_config, parse_file
+    from pagoda.tools.router.app import make_server
+    from pagoda.tools.router.config import build_config, overrides_from, parse_file
 
-    logger = logging.getLogger("pagoda.router")
+    logger = logging.getLogger("pagoda.tools.router")
     overrides = overrides_from(ns)
     try:
         config = build_config(parse_file(ns.config) if ns.config else None, overrides)
@@ -103,7 +86,7 @@ def run_router(ns: argparse.Namespace) -> int:
         print(f"pagoda router: error: {exc.message}", file=sys.stderr)
         return 2
     if config.workers > 1:
-        from pagoda.router.workers import run_workers
+        from pagoda.tools.router.workers import run_workers
 
         return run_workers(ns, config)
 
@@ -118,26 +101,3 @@ def run_router(ns: argparse.Namespace) -> int:
                 f", config {ns.config} (reloaded on change)" if ns.config else "")
     server.run()
     return 0 if server.started else 1
-
-
-def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | None = None,
-                worker_index: int = 0) -> Any:
-    """The uvicorn server of one router process (the only one, or worker `worker_index` of --workers N)."""
-    import logging
-
-    import uvicorn
-
-    from pagoda.router.app import RouterState, build_app
-    from pagoda.router.config import ConfigWatcher
-
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    overrides = overrides_from(ns)
-    state = RouterState(config, multiprocess_dir=multiprocess_dir, worker_index=worker_index)
-    watcher = ConfigWatcher(ns.config, overrides, state.apply, ns.reload_interval) if ns.config else None
-    app = build_app(state, watcher)
-    # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
-    # 15 s), so a client never reuses a connection the router is closing at that moment.
-    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=ns.uvicorn_log_level,
-                                         access_log=False, timeout_graceful_shutdown=ns.shutdown_timeout,
-                                         backlog=4096, proxy_headers=False, timeout_keep_alive=75))

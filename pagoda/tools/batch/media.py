@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagoda.tools.batch.retry import RETRY_STATUSES
+
 USER_AGENT = "pagoda-batch/0.1 (+https://github.com/pagoda)"
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_FETCH_TIMEOUT_S = 30.0
@@ -60,8 +62,6 @@ class Fetched:
 def fetch(url: str, timeout: float = DEFAULT_FETCH_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
           accept: str = "image/*,*/*;q=0.5") -> Fetched:
     """GET `url` with a timeout and a size cap (redirects followed, at most 5). Raises MediaError."""
-    from pagoda.batch.sender import RETRY_STATUSES
-
     headers = {"User-Agent": USER_AGENT, "Accept": accept}
     deadline = time.monotonic() + timeout
     try:

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
-from urllib.parse import urldefrag, urljoin, urlsplit, urlunsplit
+from urllib.parse import urljoin, urlsplit
 
-from pagoda.batch import media
+from pagoda.tools.batch import media
+from pagoda.tools.batch.inputs import normalize_url
 
 DEFAULT_MIN_SIDE = 32
 MAX_PAGE_BYTES = 10 * 1024 * 1024
@@ -120,17 +121,6 @@ def largest_candidate(candidates: list[tuple[str, float | None, float | None]]) 
 
 
 # ---------------------------------------------------------------------------------------------- URLs
-
-def normalize_url(url: str) -> str:
-    url = urldefrag(url.strip())[0]
-    parts = urlsplit(url)
-    netloc = parts.netloc.lower()
-    if parts.scheme.lower() == "http" and netloc.endswith(":80"):
-        netloc = netloc[:-3]
-    elif parts.scheme.lower() == "https" and netloc.endswith(":443"):
-        netloc = netloc[:-4]
-    return urlunsplit((parts.scheme.lower(), netloc, parts.path or "/", parts.query, ""))
-
 
 def skip_reason(url: str) -> str | None:
     """Why an absolute image URL is not worth fetching, or None."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.errors import ConfigError, InvalidRequest
-from pagoda.multimodal.inputs import MultiModalInputs
-from pagoda.multimodal.media import MediaPolicy, load_image, load_video_frames
-from pagoda.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.inputs import MultiModalInputs
+from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
+from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 
 DEFAULT_LIMITS = {"image": 16, "video": 2}
 MAX_IMAGE_PIXELS = 16384 * 28 * 28      # Qwen2-VL's largest image: 16384 placeholder tokens
@@ -51,7 +51,7 @@ def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None, limi
                        allow_private_media_urls: bool) -> MultiModalServing | None:
     """The server's image/video settings for a vision-language model (None for text-only models).
     Flag mistakes raise ConfigError before the engine starts."""
-    from pagoda.multimodal.image_processor import VisionPreprocessConfig
+    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig
 
     architecture = (hf_config.get("architectures") or [""])[0]
     if architecture != "Qwen2VLForConditionalGeneration":
@@ -216,7 +216,7 @@ def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tu
                      processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
     """Already-loaded media (PIL images, or lists of frames for videos) for a prompt whose ids hold one
     placeholder per item: the offline API's `multi_modal_data`."""
-    from pagoda.multimodal.image_processor import preprocess_image, preprocess_video
+    from pagoda.frontend.multimodal.image_processor import preprocess_image, preprocess_video
 
     config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
         else mm.preprocess
@@ -229,7 +229,7 @@ def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tu
 async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef],
                        processor_kwargs: dict[str, Any] | None) -> tuple[list[int], MultiModalInputs]:
     """Fetch + decode every item (concurrently), preprocess them off the event loop, expand ids."""
-    from pagoda.multimodal.image_processor import preprocess_image, preprocess_video
+    from pagoda.frontend.multimodal.image_processor import preprocess_image, preprocess_video
 
     config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
         else mm.preprocess

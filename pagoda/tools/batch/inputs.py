@@ -16,7 +16,7 @@ import os
 import string
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urldefrag, urlsplit, urlunsplit
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 PROMPT_FIELDS = ("filename", "stem", "path", "url", "page")
@@ -132,10 +132,19 @@ def list_images(spec: str, pattern: str | None = None, recursive: bool = True) -
     return sorted(os.path.abspath(p) for p in paths)
 
 
+def normalize_url(url: str) -> str:
+    url = urldefrag(url.strip())[0]
+    parts = urlsplit(url)
+    netloc = parts.netloc.lower()
+    if parts.scheme.lower() == "http" and netloc.endswith(":80"):
+        netloc = netloc[:-3]
+    elif parts.scheme.lower() == "https" and netloc.endswith(":443"):
+        netloc = netloc[:-4]
+    return urlunsplit((parts.scheme.lower(), netloc, parts.path or "/", parts.query, ""))
+
+
 def read_url_list(path: str) -> list[str]:
     """One http(s) URL per line; blank lines and `#` comments skipped; repeats dropped (first kept)."""
-    from pagoda.batch.scrape import normalize_url
-
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()

@@ -151,8 +151,8 @@ def _say(msg: str) -> None:
 
 
 def run_batch(ns: argparse.Namespace) -> int:
-    from pagoda.batch.inputs import InputError
-    from pagoda.batch.media import MediaError
+    from pagoda.tools.batch.inputs import InputError
+    from pagoda.tools.batch.media import MediaError
 
     try:
         return _run(ns)
@@ -168,7 +168,7 @@ def run_batch(ns: argparse.Namespace) -> int:
 
 
 def _model_from_server(root: str, headers: dict[str, str]) -> str:
-    from pagoda.bench.client import first_model
+    from pagoda.tools.bench.client import first_model
 
     try:
         return first_model(root, headers)
@@ -177,7 +177,7 @@ def _model_from_server(root: str, headers: dict[str, str]) -> str:
 
 
 def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> tuple[list[Any], dict[str, Any]]:
-    from pagoda.batch import inputs, scrape
+    from pagoda.tools.batch import inputs, scrape
 
     image_sources = bool(ns.images or ns.urls or ns.page)
     if ns.input and image_sources:
@@ -249,9 +249,9 @@ def _run(ns: argparse.Namespace) -> int:
     import logging
     import time
 
-    from pagoda.batch import output
-    from pagoda.batch.sender import Runner, SendConfig
-    from pagoda.bench.client import auth_headers
+    from pagoda.tools.batch import output
+    from pagoda.tools.batch.sender import Runner, SendConfig
+    from pagoda.tools.bench.client import auth_headers
 
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)

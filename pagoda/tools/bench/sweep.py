@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from pagoda.bench.metrics import SLO
+from pagoda.tools.bench.metrics import SLO
 
 KNEE_MIN_GAIN = 0.10
 TPOT_FLAT = 0.15  # relative change in median TPOT under which TPOT counts as flat

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.router.health import Backend
+from pagoda.tools.router.health import Backend
 
 KEY_SOURCES = ("header", "user", "fingerprint", "prefix", "none")
 

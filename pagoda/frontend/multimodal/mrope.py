@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagoda.multimodal.inputs import MultiModalItem
+from pagoda.inputs import MultiModalItem
 
 
 def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge_size: int = 2) -> tuple[np.ndarray, int]:

@@ -37,12 +37,12 @@ import tempfile
 import time
 from typing import Any
 
-from pagoda.shared_socket import listen_socket
+from pagoda.launch.sockets import listen_socket
 
-logger = logging.getLogger("pagoda.router")
+logger = logging.getLogger("pagoda.tools.router")
 
 _ENV = "PAGODA_ROUTER_WORKER"
-_WORKER_CODE = "import sys; from pagoda.router.workers import worker_main; sys.exit(worker_main())"
+_WORKER_CODE = "import sys; from pagoda.tools.router.workers import worker_main; sys.exit(worker_main())"
 
 
 def run_workers(ns: argparse.Namespace, config: Any) -> int:
@@ -150,8 +150,8 @@ def worker_main() -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[w{spec['index']}]: %(message)s",
                         stream=sys.stderr)
     from pagoda.errors import ConfigError
-    from pagoda.router.cli import make_server, overrides_from
-    from pagoda.router.config import build_config, parse_file
+    from pagoda.tools.router.app import make_server
+    from pagoda.tools.router.config import build_config, overrides_from, parse_file
 
     ns = argparse.Namespace(**spec["args"])
     sock = socket.socket(fileno=spec["fd"])

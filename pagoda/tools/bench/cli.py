@@ -115,7 +115,7 @@ class BenchUsageError(Exception):
 
 
 def _plan_points(ns: argparse.Namespace) -> list[Any]:
-    from pagoda.bench.runner import PointConfig
+    from pagoda.tools.bench.runner import PointConfig
 
     if ns.burstiness <= 0:
         raise BenchUsageError("--burstiness must be > 0")
@@ -143,7 +143,7 @@ def _plan_points(ns: argparse.Namespace) -> list[Any]:
 def _build_workload(ns: argparse.Namespace, model: str) -> Any:
     import json
 
-    from pagoda.bench.workload import Workload, load_jsonl, parse_image_sizes
+    from pagoda.tools.bench.workload import Workload, load_jsonl, parse_image_sizes
 
     try:
         sizes = parse_image_sizes(ns.image)
@@ -202,11 +202,11 @@ def _run(ns: argparse.Namespace) -> int:
     import datetime
     import logging
 
-    from pagoda.bench import report
-    from pagoda.bench.client import auth_headers, first_model, wait_ready
-    from pagoda.bench.metrics import SLO
-    from pagoda.bench.runner import Target, calibrate, run_point
-    from pagoda.bench.sweep import KNEE_MIN_GAIN, analyze
+    from pagoda.tools.bench import report
+    from pagoda.tools.bench.client import auth_headers, first_model, wait_ready
+    from pagoda.tools.bench.metrics import SLO
+    from pagoda.tools.bench.runner import Target, calibrate, run_point
+    from pagoda.tools.bench.sweep import KNEE_MIN_GAIN, analyze
 
     for name in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(name).setLevel(logging.WARNING)
