@@ -1,4 +1,8 @@
-"""Engine flags for every subcommand, generated from `EngineArgs` so each flag maps to one field."""
+"""Flags generated from config dataclasses: one `--flag` per field, its help from the field's metadata.
+
+A field made with `config.knob(default, help, flags=(...), choices=(...))` becomes `--field-name` (plus the
+extra spellings in `flags`); a bool becomes `--name/--no-name`. Adding a knob is one edit, in its dataclass.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +10,14 @@ import argparse
 import dataclasses
 import types
 import typing
+from typing import Any, TypeVar
 
 from pagoda.config import EngineArgs
 
-_HELP = {
-    "model": "HF model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer folder or hub id (default: the model's)",
-    "dtype": "auto | float32 | float16 | bfloat16",
-    "max_model_len": "context length cap (default: from the model config)",
-    "max_num_seqs": "maximum requests per step",
-    "max_num_batched_tokens": "token budget per step (default: 8192)",
-    "block_size": "tokens per KV cache block",
-    "enable_prefix_caching": "reuse KV blocks across requests that share a prefix",
-    "gpu_memory_utilization": "fraction of GPU memory the engine may use (default 0.9; on the CPU "
-                              "--cpu-kv-cache-space-gib sets the KV budget instead)",
-    "num_gpu_blocks_override": "exact number of KV blocks (testing)",
-    "swap_space": "accepted for vLLM compatibility (preemption recomputes)",
-    "cpu_kv_cache_space_gib": "KV cache budget in GiB when running on the CPU",
-    "device": "auto | cpu | cuda",
-    "seed": "random seed for requests without their own seed",
-    "trust_remote_code": "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder",
-    "skip_tokenizer_init": "do not load a tokenizer (token-id prompts only)",
-    "load_format": "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)",
-    "attention_backend": "auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)",
-    "enforce_eager": "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)",
-    "async_scheduling": "schedule and launch the next step while the GPU runs the current one (default: on "
-                        "with CUDA, off on the CPU; a request that stops on EOS costs one discarded token)",
-    "quantization": "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted",
-}
-# vLLM's short spellings of the same flags.
-_ALIASES = {"quantization": ("-q",)}
+T = TypeVar("T")
 
 
-def _base_type(annotation: str) -> type:
+def _base_type(annotation: Any) -> Any:
     hint = eval(annotation, {"typing": typing}) if isinstance(annotation, str) else annotation  # noqa: S307
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -46,17 +25,35 @@ def _base_type(annotation: str) -> type:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
+def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `cls` that has help metadata (fields without it are not flags)."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
             continue
-        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
+        meta = f.metadata
+        flags = ["--" + f.name.replace("_", "-"), *meta.get("flags", ())]
         kind = _base_type(f.type)
+        extra: dict[str, Any] = {"choices": meta["choices"]} if "choices" in meta else {}
         if kind is bool:
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
+            action = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
+            parser.add_argument(*flags, action=action, default=f.default, help=meta["help"])
+        elif typing.get_origin(kind) in (list, tuple):
+            item = typing.get_args(kind)[0] if typing.get_args(kind) else str
+            parser.add_argument(*flags, nargs="+", type=item, default=f.default, help=meta["help"], **extra)
         else:
-            parser.add_argument(*flags, type=kind, default=f.default, help=_HELP[f.name])
+            parser.add_argument(*flags, type=kind, default=f.default, help=meta["help"], dest=f.name, **extra)
+
+
+def config_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
+    """The dataclass `cls` from the flags `add_config_args` added (fields without a flag keep their default)."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+              if "help" in f.metadata and hasattr(ns, f.name)}
+    return cls(**{**values, **overrides})
+
+
+def add_engine_args(parser: argparse.ArgumentParser | Any, skip: tuple[str, ...] = ()) -> None:
+    add_config_args(parser, EngineArgs, skip)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    return config_from(ns, EngineArgs)

@@ -21,35 +21,51 @@ DEFAULT_CPU_KV_CACHE_GIB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
+def knob(default: Any, help: str, **metadata: Any) -> Any:
+    """A user-facing config field: its default and its `--flag` help (`flags=(...)`: extra spellings)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The user-facing engine knobs, exactly as `LLM(...)` takes them and `--flag`s spell them.
 
-    Unresolved: None / "auto" mean "decide from the model and the hardware" in `EngineConfig.create`.
+    Each field is one knob and carries its `--flag` help (cli/args.py generates the flags from it), so a new
+    knob is one edit here. Unresolved: None / "auto" mean "decide from the model and the hardware" in
+    `EngineConfig.create`.
     """
 
-    model: str | None = None                # HF folder, hub id or .gguf; None = embedded default model
-    tokenizer: str | None = None            # defaults to the model's own
-    dtype: str = "auto"
-    max_model_len: int | None = None        # defaults to the model's context length
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float | None = None   # None = 0.9; only an explicit value is noted on the CPU
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4
-    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB
-    device: str = "auto"
-    seed: int = 0
-    trust_remote_code: bool = False
-    skip_tokenizer_init: bool = False
-    load_format: str = "auto"               # "dummy": random weights, shapes only (benchmarks)
-    attention_backend: str = "auto"         # "torch" | "triton" | "auto" (= triton on CUDA, torch on the CPU)
-    enforce_eager: bool = False             # no CUDA graphs: every decode step runs eagerly
-    async_scheduling: bool | None = None    # schedule/launch step N+1 before step N's tokens reach the host
-                                            # (None = on for CUDA, off on the CPU where nothing overlaps)
-    quantization: str | None = None         # vLLM's --quantization: only None / "none" (unquantized) run today
+    model: str | None = knob(None,
+        'HF model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)')
+    tokenizer: str | None = knob(None, "tokenizer folder or hub id (default: the model's)")
+    dtype: str = knob("auto", 'auto | float32 | float16 | bfloat16')
+    max_model_len: int | None = knob(None, 'context length cap (default: from the model config)')
+    max_num_seqs: int = knob(256, 'maximum requests per step')
+    max_num_batched_tokens: int | None = knob(None, 'token budget per step (default: 8192)')
+    block_size: int = knob(16, 'tokens per KV cache block')
+    enable_prefix_caching: bool = knob(True, 'reuse KV blocks across requests that share a prefix')
+    gpu_memory_utilization: float | None = knob(None,
+        'fraction of GPU memory the engine may use (default 0.9; on the CPU --cpu-kv-cache-space-gib sets the KV '
+        'budget instead)')
+    num_gpu_blocks_override: int | None = knob(None, 'exact number of KV blocks (testing)')
+    swap_space: float = knob(4, 'accepted for vLLM compatibility (preemption recomputes)')
+    cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, 'KV cache budget in GiB when running on the CPU')
+    device: str = knob("auto", 'auto | cpu | cuda')
+    seed: int = knob(0, 'random seed for requests without their own seed')
+    trust_remote_code: bool = knob(False,
+        'accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder')
+    skip_tokenizer_init: bool = knob(False, 'do not load a tokenizer (token-id prompts only)')
+    load_format: str = knob("auto",
+        "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)")
+    attention_backend: str = knob("auto",
+        'auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)')
+    enforce_eager: bool = knob(False,
+        'never capture CUDA graphs: run every decode step eagerly (slower; for debugging)')
+    async_scheduling: bool | None = knob(None,
+        'schedule and launch the next step while the GPU runs the current one (default: on with CUDA, off on the '
+        'CPU; a request that stops on EOS costs one discarded token)')
+    quantization: str | None = knob(None,
+        "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted", flags=("-q",))
 
 
 @dataclass(frozen=True)
