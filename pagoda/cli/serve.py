@@ -19,6 +19,7 @@ from typing import Any
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
 from pagoda.server import http_limits
+from pagoda import envs
 
 logger = logging.getLogger("pagoda")
 
@@ -172,7 +173,7 @@ class ServeSetup:
         # with the core decoding). With one, that process already carries all of HTTP and was the
         # bottleneck: decoding there too fell from 36.7k to 28.7k tok/s, so the core keeps it.
         engine.use_tokenizer(self.tokenizer if ns.api_server_count > 1 else None)
-        return build_app(OpenAIServing(ctx), api_key=ns.api_key or os.environ.get("PAGODA_API_KEY"),
+        return build_app(OpenAIServing(ctx), api_key=ns.api_key or envs.API_KEY.value,
                          max_request_bytes=self.http_limits.max_request_bytes)
 
     def metrics(self, **kwargs: Any):  # type: ignore[no-untyped-def]

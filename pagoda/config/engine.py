@@ -9,11 +9,11 @@ live in separate result objects (`worker.memory.KVCacheLayout`, `frontend.tokeni
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.errors import ConfigError
+from pagoda import envs
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -246,7 +246,7 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
         except ImportError:
             return "torch"
         return "triton"
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":   # the interpreter runs on CPU (tests)
+    if device != "cuda" and not envs.TRITON_INTERPRET.value:   # the interpreter runs on CPU (tests)
         raise ConfigError("attention_backend='triton' needs a CUDA GPU; use --attention-backend torch on the CPU.",
                           "attention_backend")
     try:

@@ -18,17 +18,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from types import ModuleType
 
 import torch
 
+from pagoda import envs
 
-def _optional_kernels(name: str, switch: str) -> ModuleType | None:
+
+def _optional_kernels(name: str, switch: envs.Env) -> ModuleType | None:
     """`pagoda.kernels.<name>`, or None when Triton cannot be imported or the env switch is "0"."""
-    if os.environ.get(switch, "1") == "0":
+    if not switch.value:
         return None
     try:
         return importlib.import_module(f"pagoda.kernels.{name}")
@@ -39,7 +40,7 @@ def _optional_kernels(name: str, switch: str) -> ModuleType | None:
 @functools.cache
 def fused_ops_module() -> ModuleType | None:
     """`pagoda.kernels.fused_ops`, or None when Triton cannot be imported or PAGODA_FUSED_OPS=0."""
-    return _optional_kernels("fused_ops", "PAGODA_FUSED_OPS")
+    return _optional_kernels("fused_ops", envs.FUSED_OPS)
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
@@ -50,13 +51,13 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
 @functools.cache
 def gemv_module() -> ModuleType | None:
     """`pagoda.kernels.gemv`, or None when Triton cannot be imported or PAGODA_GEMV=0."""
-    return _optional_kernels("gemv", "PAGODA_GEMV")
+    return _optional_kernels("gemv", envs.GEMV)
 
 
 @functools.cache
 def greedy_module() -> ModuleType | None:
     """`pagoda.kernels.greedy`, or None when Triton cannot be imported or PAGODA_GREEDY_KERNEL=0."""
-    return _optional_kernels("greedy", "PAGODA_GREEDY_KERNEL")
+    return _optional_kernels("greedy", envs.GREEDY_KERNEL)
 
 
 def gemv_for(x: torch.Tensor) -> ModuleType | None:

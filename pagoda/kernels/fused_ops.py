@@ -33,7 +33,6 @@ may not import layers.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -42,6 +41,7 @@ from triton.language.extra import libdevice
 
 from pagoda.kernels import pdl
 from pagoda.kernels.pdl import wait_for_inputs
+from pagoda import envs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_SIZE = 32768          # one program holds a whole row in registers; wider rows use PyTorch
@@ -50,7 +50,7 @@ _SILU_BLOCK = 1024            # columns per SiLU-and-mul program
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.TRITON_INTERPRET.value
 
 
 @triton.jit

@@ -21,7 +21,6 @@ per-layer path free of host-device syncs. The PyTorch reference for these kernel
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import triton.language as tl
 
 from pagoda.kernels import dispatch, pdl
 from pagoda.kernels.pdl import wait_for_inputs
+from pagoda import envs
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)   # running-max start: finite, so exp2(m_old - m_new) is never NaN
@@ -43,7 +43,7 @@ MAX_SPLITS = 64
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.TRITON_INTERPRET.value
 
 
 def _dot_flags(dtype: torch.dtype) -> tuple[bool, bool]:

@@ -26,7 +26,6 @@ was 0.7 ms slower with it (7.06 vs 6.34 ms).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -34,11 +33,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pagoda.kernels import dispatch
+from pagoda import envs
 
 
 @functools.cache
 def _switched_on() -> bool:
-    return os.environ.get("PAGODA_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return envs.PDL.value and not envs.TRITON_INTERPRET.value
 
 
 @functools.cache

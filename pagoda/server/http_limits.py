@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import resource
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from pagoda import envs
 
 logger = logging.getLogger("pagoda.server.http")
 
@@ -48,7 +49,7 @@ NOTICE_INTERVAL_S = 10.0
 # ---- limits and process setup ---------------------------------------------------------------------
 def default_keep_alive() -> float:
     try:
-        return float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", DEFAULT_KEEP_ALIVE_S))
+        return float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value)
     except ValueError:
         return DEFAULT_KEEP_ALIVE_S
 

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from pagoda import envs
+
 Status = Literal["ok", "warn", "FAIL"]
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -772,7 +774,7 @@ def _check_chat_template(state: _State, override: str | None) -> Check:
 def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
     import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = envs.CUDA_VISIBLE_DEVICES.value
     if device == "cpu" or visible in ("", "-1"):
         why = "--device cpu" if device == "cpu" else f"CUDA_VISIBLE_DEVICES={visible!r}"
         return [Check("cuda", "ok", f"running on CPU ({why})", None)]

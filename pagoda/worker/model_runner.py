@@ -14,7 +14,6 @@ device tensor (`_last_sampled`) by one gather on the GPU, so the host never wait
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +35,7 @@ from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs, StepGraphs, St
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.state_slots import StateSlotPool
+from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class ModelRunner:
             self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
             self.uses_mrope, buckets, capture)
         self.decode_graphs.capture_all()
-        if os.environ.get("PAGODA_MIXED_STEP_GRAPHS", "1") == "0":    # A/B switch: mixed steps eager
+        if not envs.MIXED_STEP_GRAPHS.value:    # A/B switch: mixed steps eager
             return
         from pagoda.kernels.paged_attention import prefill_block_m
 

@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Any
 
+from pagoda import envs
+
 DEFAULT_CONCURRENCY = 16
 
 
@@ -256,7 +258,7 @@ def _run(ns: argparse.Namespace) -> int:
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     root = ns.base_url.rstrip("/").removesuffix("/v1")
-    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGODA_API_KEY")
+    api_key = ns.api_key or envs.OPENAI_API_KEY.value or envs.API_KEY.value
     headers = auth_headers(api_key)
     out_path = ns.output
     err_path = ns.errors or _sibling(out_path, ".errors.jsonl")

@@ -6,9 +6,10 @@ Only argparse is imported at module level, so `pagoda --help` stays cheap; the r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
+
+from pagoda import envs
 
 DEFAULT_LADDER = "1,8,32,64,128,256"
 DEFAULT_SLO_TTFT_P95_MS = 1000.0   # shared/specs/tools.md §1.6 design defaults
@@ -213,7 +214,7 @@ def _run(ns: argparse.Namespace) -> int:
     plan = _plan_points(ns)
     root = ns.base_url.rstrip("/")
     root = root.removesuffix("/v1")
-    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGODA_API_KEY")
+    api_key = ns.api_key or envs.OPENAI_API_KEY.value or envs.API_KEY.value
     headers = auth_headers(api_key)
 
     problem = wait_ready(root, headers, ns.ready_timeout)
