@@ -21,8 +21,7 @@ Pagoda
             + `pagoda bench` on /v1/completions: closed-loop
             ladder 1, 8, 32, 64, 128, 256, 4 x c requests per level (at least 8), 40 in / 256 out,
             ignore_eos, 8 client processes; at the top level a second run with 16 client processes
-            shows whether the client limits the number (with 4 processes it did: on 2026-11-30, commit
-            24caae0, c=256 went from 33,959 to 39,202 tok/s with 8).
+            shows whether the client limits the number (with 4 client processes it did; docs/performance.md).
 transformers (bf16, sdpa, greedy, the same shapes; no Yuan2 class exists in transformers, so the
 llama-yuan2-2b-dims row is Yuan2-2B's stand-in)
   offline   one static batch of 64 prompts x 512 ids → 256 tokens (min_new_tokens = 256); the
@@ -253,7 +252,8 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
             cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", shape,
                    "--endpoint", "completions", "--concurrency", ",".join(map(str, ladder)), "--input-len", "40",
                    "--output-len", str(args.serve_output_len), "--ignore-eos",
-                   "--prompts-per-concurrency", str(args.prompts_per_level), "--warmup", str(args.serve_warmup), "--client-processes", str(processes), "--ready-timeout", "600",
+                   "--prompts-per-concurrency", str(args.prompts_per_level), "--warmup", str(args.serve_warmup),
+                   "--client-processes", str(processes), "--ready-timeout", "600",
                    "--no-progress", "--save-detailed", "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
             with open(os.path.join(args.artifacts, f"bench_{shape}_p{processes}.txt"), "w") as f:
@@ -406,7 +406,8 @@ def main() -> None:
     commit = os.environ.get("PAGODA_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip()
         except OSError:
             commit = None
     result = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}

@@ -62,6 +62,7 @@ def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int
 
 def build_hf_model(model: str | None, dtype: torch.dtype, device: str):
     import transformers
+
     from pagoda.models.source import resolve_model_source
 
     src = resolve_model_source(model)

@@ -71,9 +71,10 @@ def gemv_for(x: torch.Tensor) -> ModuleType | None:
 # (and is compiled at start-up) in one variant; kernels called directly (tests, benchmarks) keep it on.
 _PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
 
-# H200, Yuan2-2B, one machine: the batch-256 decode step took 7.26 ms with PDL and 6.56 without
-# (2026-11-30g call 9; 7.06 vs 6.34 ms in 2026-11-30h call 1); at batch 1 PDL took c=1 TPOT from
-# 1.80 to 1.58 ms (2026-11-30f call 7).
+# Why a row limit: PDL shortens a batch-1 decode step's kernel chain, but at batch 256 it makes the
+# decode step slower (waiting programs hold SM slots the running kernel needs). Measured by
+# benchmarks/h200.py (c=1 TPOT and the batch-256 decode step, PAGODA_PDL=0 against on); the figures
+# are in docs/performance.md.
 PDL_MAX_ROWS = 64
 
 

@@ -1,13 +1,12 @@
 """Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for M ≤ MAX_ROWS.
 
 Why: at decode batch 1 a step is a serial chain of weight streams, and cuBLAS picks latency-bound
-kernels for them. Measured on the H200 inside CUDA graphs with the weights cycled out of L2
-(2026-11-30, `benchmarks/gemv_sweep.py`, `benchmarks/results/gemv_sweep_h200.json`), cuBLAS vs
-this kernel at M = 1: Yuan2-2B's 2048x2048 projections 6.0-6.2 vs 4.1-4.2 µs, LF conv1 (1024x4096)
-7.1 vs 4.6, qk 7.1 vs 6.4, down (2048x8192) 13.6 vs 10.5, up/gate 18.5 vs 18.2, lm_head 134 vs
-125. An earlier Triton attempt (`tl.dot` tiles of 16 rows, split K with a second reduce kernel) was
-no faster than cuBLAS: the gain comes from issuing all of a program's weight loads at once over
-very many small programs, in one launch. From two rows on, cuBLAS wins for most matmuls (same
+kernels for them. At M = 1 this kernel beats cuBLAS on every Yuan2-2B matmul, measured inside CUDA
+graphs with the weights cycled out of L2 by `benchmarks/kernels/gemv_sweep.py` (current result:
+`benchmarks/results/gemv_sweep_h200.json`; summary in docs/performance.md). An earlier Triton
+attempt (`tl.dot` tiles of 16 rows, split K with a second reduce kernel) was no faster than cuBLAS:
+the gain comes from issuing all of a program's weight loads at once over very many small programs,
+in one launch. From two rows on, cuBLAS wins for most matmuls (same
 sweep), hence MAX_ROWS = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
 before waiting for the previous kernel.
 
@@ -39,7 +38,7 @@ from pagoda.kernels.fused_ops import _interpreting, _round_to, silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
-MAX_ROWS = 1            # rows above this go to cuBLAS (see gemv_sweep: where the kernel stops winning)
+MAX_ROWS = 1            # rows above this go to cuBLAS (benchmarks/kernels/gemv_sweep.py: where it stops winning)
 MAX_BLOCK_K = 4096
 
 
@@ -81,7 +80,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BLOCK_N, 1]
     if ROWS == 1:
         # One row: [BLOCK_N, BLOCK_K] tiles times a [BLOCK_K] vector. Kept 2-D: the 3-D form below
-        # with a unit leading axis gets a load layout that streams ~15 % slower on the H200.
+        # with a unit leading axis gets a load layout that streams slower on the H200 (gemv_sweep).
         # The first weight tile (for K <= BLOCK_K all of it) is loaded before waiting for the
         # previous kernel (PDL): weights are never written, so their stream overlaps its tail.
         w = _weight_tile(w_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
@@ -149,8 +148,8 @@ def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
 
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps: in
-    an H200 sweep of this loop over 5 column counts x 5 K tiles x 3 warp counts it was within 0.3 µs
-    of the best config for every Yuan2-2B matmul at M = 1."""
+    an H200 sweep of this loop over 5 column counts x 5 K tiles x 3 warp counts it was within noise
+    of the best config for every Yuan2-2B matmul at M = 1 (`benchmarks/kernels/gemv_sweep.py --grid-rows 1`)."""
     if _interpreting():
         return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), 32), num_warps=1)
     return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), MAX_BLOCK_K), num_warps=4)

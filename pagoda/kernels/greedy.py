@@ -1,8 +1,8 @@
 """Greedy sampling (argmax over the vocabulary) for few rows, in Triton.
 
 Why: at batch 1 a decode step is GPU-bound, and after the captured graph PyTorch's `argmax` over a
-135k vocabulary runs as one reduce kernel that spends ~8 µs on the H200 (one block walks the row),
-plus a memset for its semaphores (profile of 2026-11-30h, `benchmarks/decode_profile.py`). Here
+135k vocabulary runs as one reduce kernel in which one block walks the whole row, plus a memset for
+its semaphores (`benchmarks/profile/decode_profile.py` shows both outside the captured graph). Here
 the row is cut into CHUNK-wide pieces, one program each, so the whole row is read at once; each
 program reduces its piece to one 64-bit key and `atomic_max`es it into the row's slot; a second,
 one-program kernel turns the keys into token ids and resets the slots for the next call.

@@ -20,7 +20,7 @@ Inside a CUDA graph capture the launches become programmatic graph edges. Kernel
 (cuBLAS, PyTorch) are ordered as before. `PAGODA_PDL=0` turns it off (read once); the interpreter
 and GPUs before compute capability 9.0 never use it. The model runner uses it only for steps of
 few tokens (`dispatch.pdl_for_rows`, `dispatch.PDL_MAX_ROWS`): at batch 256 the H200's decode step
-was 0.7 ms slower with it (7.06 vs 6.34 ms).
+is slower with it (`benchmarks/h200.py`, the decode row; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Run an independent piece of a layer on a second CUDA stream, overlapping the main chain.
 
 Why: at decode batch sizes a small matmul is bound by the fixed cost of one kernel (an 8 MB
-projection takes ~6 µs on the H200 whether M is 1 or 256; its weight stream alone would take 2 µs),
-so two independent small matmuls that run side by side cost little more than one. Yuan2's v_proj
-reads the layer input, not the LF gate's output, so it can run while conv1 → conv2 → norm → qk run.
+projection takes about as long at M = 1 as at 256, several times its weight stream's time:
+`benchmarks/kernels/gemv_sweep.py`), so two independent small matmuls that run side by side cost
+little more than one. Yuan2's v_proj reads the layer input, not the LF gate's output, so it can run
+while conv1 → conv2 → norm → qk run.
 
 Inside a CUDA graph capture the fork and join become graph edges (no extra kernels); outside one
 they are two event waits. Memory: the branch's outputs are allocated on the side stream and freed

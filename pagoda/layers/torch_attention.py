@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: the reference backend, and the CPU backend.
 
 It reads K/V only through block tables: a request's context is gathered block by block
-(`index_select` of whole blocks, ~3x faster on the CPU than gathering single slots), never taken
+(`index_select` of whole blocks, faster on the CPU than gathering single slots), never taken
 from a per-request contiguous cache. Decode rows (one query token each) are attended together as a
 padded batch with a key-padding mask; prefill chunks are attended one request at a time with a
 causal mask offset by the number of already-cached tokens.

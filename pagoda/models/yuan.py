@@ -33,16 +33,14 @@ from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 from pagoda import envs
 
-# Decode steps up to this many rows overlap v_proj with the LF gate. H200, Yuan2-2B (device call 3 of
-# 2026-11-30d, same machine): c=1 TPOT 2.25 → 2.15 ms; at B=64 no change (3.06 / 3.07 ms); at B=256
-# the decode step got slower (6.17 → 6.28 ms): there one matmul already fills the GPU.
+# Decode steps up to this many rows overlap v_proj with the LF gate: it helps at batch 1, is neutral at
+# 64 and slows the batch-256 step, where one matmul already fills the GPU (benchmarks/h200.py: c=1 TPOT
+# and the batch-256 decode step; figures in docs/performance.md).
 SIDE_STREAM_MAX_ROWS = 32
 # One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
 # stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
-# H200, Yuan2-2B, one machine (2026-11-30j call 2): c=1 TPOT 1.493 / 1.491 ms with it, 1.509 without,
-# 1.508 / 1.507 on the previous head. Layer 0 keeps its whole convolutions: its terms could only
-# start with the step, and its chain waited for them (call 4: 1.488 / 1.490 without them, 1.492 /
-# 1.494 with).
+# Measured by benchmarks/h200.py (c=1 TPOT, PAGODA_LF_TERMS=0 against on; docs/performance.md). Layer 0
+# keeps its whole convolutions: its terms could only start with the step, and its chain waited for them.
 LF_TERMS_AHEAD = envs.LF_TERMS.value
 LF_TERMS_LANE = 1
 YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model

@@ -1,7 +1,8 @@
 """Pure decode steps replayed as CUDA graphs, one graph per batch-size bucket.
 
-Why: a 2B model's decode step launches ~1,700 kernels; launched from Python that costs ~20 ms of
-host time per step against ~1-3 ms of GPU work. A graph replays all of them for ~0.1 ms of host.
+Why: a 2B model's decode step launches ~1,700 kernels; launched from Python their host time is many
+times the step's GPU work. A graph replays all of them for a small fraction of it
+(`benchmarks/profile/decode_profile.py` shows the host and GPU time per step).
 
 What is captured: for a bucket of `b` rows, the model forward over b tokens (one per row) plus the
 LM head, reading every per-step input from static device buffers owned here:
@@ -260,8 +261,9 @@ class StepInputs:
 class StepGraphs:
     """Mixed steps (any rows, prefill chunks among decodes) as CUDA graphs, one per token bucket.
 
-    Without them every step that admits a new prompt runs eagerly: ~1,000 launches from Python,
-    ~20 ms of host time, which at serving concurrency is paid every few steps and dominates TTFT.
+    Without them every step that admits a new prompt runs eagerly: ~1,000 launches from Python, whose
+    host time at serving concurrency is paid every few steps and dominates TTFT (`benchmarks/h200.py`,
+    PAGODA_MIXED_STEP_GRAPHS=0 against on).
     Attention is split as in the eager path: one-token rows through the decode kernel (every row is
     a decode row of the launch; the others have context 0 and write zeros to the spare token), the
     multi-token rows through the prefill kernel's tile list. Static shapes: T_b tokens (a step of T < T_b tokens; at least one token is

@@ -1,6 +1,6 @@
 """Host time of one engine step beyond the model, at a full decode batch (CPU; no GPU needed).
 
-    python benchmarks/host_overhead.py [--batch 256] [--steps 48] [--prompt-len 40]
+    python benchmarks/profile/host_overhead.py [--batch 256] [--steps 48] [--prompt-len 40]
         [--configs greedy,greedy+detok,sampled+detok,rep+detok] [--profile CONFIG] [--json FILE]
 
 An `LLMEngine` on a tiny random Llama (2 layers, hidden 64, load_format="dummy") with the
@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

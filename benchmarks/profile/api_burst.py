@@ -1,6 +1,6 @@
 """Where a burst's time to first token goes in the API process: N streaming requests sent at the same instant.
 
-    python benchmarks/api_burst.py --burst 64,256 [--rounds 3] [--tokenizer .gpu/smol-tokenizer] [--out FILE]
+    python benchmarks/profile/api_burst.py --burst 64,256 [--rounds 3] [--tokenizer .gpu/smol-tokenizer] [--out FILE]
 
 The same real API process and fake engine core as `api_overhead.py` (core_process's loop and wire, no
 model, one token per running request per `--step-ms`), with text prompts tokenized by a real tokenizer
@@ -82,8 +82,9 @@ class TimedEngine(FakeEngine):
         return outs
 
 
-def _timed_core(step_s: float, path: str, config: Any, input_address: str, output_address: str) -> None:
-    fake_core(step_s, input_address, output_address, TimedEngine(step_s, path))
+def _timed_core(step_s: float, path: str, config: Any, input_address: str, control_address: str,
+                client_addresses: list[str]) -> None:
+    fake_core(step_s, input_address, control_address, client_addresses, TimedEngine(step_s, path))
 
 
 # -- the API process's instrumentation ----------------------------------------------------------------------
@@ -143,7 +144,8 @@ def instrument(app: Any, engine: Any) -> Any:
             body = json.dumps({**times, "_gc": gc_time}).encode()
             times.clear()
             gc_time[:] = [[0, 0.0] for _ in range(3)]
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": body})
             return
         rid = dict(scope.get("headers") or ()).get(b"x-bench-id")

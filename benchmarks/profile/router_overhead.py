@@ -1,8 +1,8 @@
 """What `pagoda router` costs: `pagoda bench` around the router (straight to the backends) and through it.
 
-    python benchmarks/router_overhead.py --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 \
+    python benchmarks/profile/router_overhead.py --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 \
         --api-key KEY --concurrency 256 --num-prompts 1024 --input-len 512 --output-len 256 [--rounds 2]
-    python benchmarks/router_overhead.py --fake-backends 3 --concurrency 256   # the router alone, no model
+    python benchmarks/profile/router_overhead.py --fake-backends 3 --concurrency 256   # the router alone, no model
 
 "Around": one `pagoda bench` per backend, all at once, each with its share of the concurrency and prompts.
 "Through": one `pagoda bench` at the full concurrency against a router started here over the same backends
@@ -50,7 +50,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -181,7 +181,8 @@ def cpu_per_event(router: str, pid: int, ns: argparse.Namespace) -> dict[str, An
                      "us_per_event": cpu / max(events, 1) * 1e6, "events_per_s": events / wall,
                      "router_cores_busy": cpu / wall})
         print(f"{events} events in {wall:.2f} s ({events / wall:.0f}/s), {failures} failed; router CPU {cpu:.2f} s "
-              f"({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): {rows[-1]['us_per_event']:.1f} us/event -> one core relays "
+              f"({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): "
+              f"{rows[-1]['us_per_event']:.1f} us/event -> one core relays "
               f"{1e6 / max(rows[-1]['us_per_event'], 1e-9):.0f} events/s", file=sys.stderr)
     best = min(r["us_per_event"] for r in rows)
     return {"runs": rows, "us_per_event_min": best, "us_per_event_median": statistics.median(

@@ -1,6 +1,6 @@
 """What the API process costs per streamed token: its CPU seconds (utime + stime from /proc) / tokens streamed.
 
-    python benchmarks/api_overhead.py --concurrency 64 --num-prompts 256 --output-len 256 [--rounds 3]
+    python benchmarks/profile/api_overhead.py --concurrency 64 --num-prompts 256 --output-len 256 [--rounds 3]
 
 The API process here is the real one (AsyncEngine, the FastAPI app, uvicorn on the same event loop as
 `pagoda serve`), but its engine core is a fake: `core_process`'s own loop and wire format around an engine
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -95,7 +95,8 @@ class FakeEngine:
         return self._stats(len(self.running), 0, len(self.running) / 1000, 0, 0, 0, self.steps)
 
 
-def fake_core(step_s: float, input_address: str, output_address: str, engine: Any = None) -> None:
+def fake_core(step_s: float, input_address: str, control_address: str, client_addresses: list[str],
+              engine: Any = None) -> None:
     """Like `core_process.run_engine_core`, with a FakeEngine (or `engine`, one like it)."""
     import signal
 
@@ -106,15 +107,18 @@ def fake_core(step_s: float, input_address: str, output_address: str, engine: An
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_address)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_address)
-    send = getattr(core_process, "send_message", None) or (lambda sock, msg: sock.send_pyobj(msg))
-    send(outbox, core_process.Ready(10_000, 16, 1000.0))
+    inbox.bind(input_address)
+    control = ctx.socket(zmq.PUSH)
+    control.connect(control_address)
+    outboxes = [ctx.socket(zmq.PUSH) for _ in client_addresses]
+    for outbox, address in zip(outboxes, client_addresses):
+        outbox.connect(address)
+    control.send_pyobj(core_process.Ready(10_000, 16, 1000.0))
     try:
-        core_process._loop(engine or FakeEngine(step_s), inbox, outbox, os.getppid())
+        core_process._loop(engine or FakeEngine(step_s), inbox, outboxes)
     finally:
-        outbox.close(linger=1000)
+        for box in [control, *outboxes]:
+            box.close(linger=1000)
         inbox.close(linger=0)
 
 
@@ -127,14 +131,19 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
 
     import uvicorn
 
-    from pagoda.engine import async_engine
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.engine.core_process import CoreProcess
+    from pagoda.launch.supervisor import Supervisor
     from pagoda.server.app import build_app
     from pagoda.server.metrics import ServerMetrics
     from pagoda.server.serving import OpenAIServing, ServingContext
 
     async def main() -> None:
-        async_engine.run_engine_core = core_entry or functools.partial(_core_entry, step_s)  # type: ignore
-        engine = async_engine.AsyncEngine(None)   # type: ignore[arg-type]
+        supervisor = Supervisor(metrics=False)
+        entry = core_entry or functools.partial(_core_entry, step_s)
+        core = CoreProcess(supervisor, None, 1, target=entry)  # type: ignore[arg-type]
+        core.wait_ready()
+        engine = AsyncEngine(None, core.clients[0])   # type: ignore[arg-type]
         await engine.start()
         try:
             ctx = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=["fake"], max_model_len=4096,
@@ -152,6 +161,9 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
             await server.serve()
         finally:
             await engine.shutdown()
+            core.shutdown()
+            core.close()
+            supervisor.close()
 
     if use_uvloop:
         import uvloop
@@ -162,8 +174,9 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
         asyncio.run(main())
 
 
-def _core_entry(step_s: float, config: Any, input_address: str, output_address: str) -> None:
-    fake_core(step_s, input_address, output_address)
+def _core_entry(step_s: float, config: Any, input_address: str, control_address: str,
+                client_addresses: list[str]) -> None:
+    fake_core(step_s, input_address, control_address, client_addresses)
 
 
 # -- measuring ------------------------------------------------------------------------------------------------

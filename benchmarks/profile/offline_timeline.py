@@ -1,6 +1,6 @@
 """Where the offline benchmark's wall time goes, step by step.
 
-    python benchmarks/offline_timeline.py [--shapes yuan2-2b,llama-yuan2-2b-dims] [--prompts 512]
+    python benchmarks/profile/offline_timeline.py [--shapes yuan2-2b,llama-yuan2-2b-dims] [--prompts 512]
         [--input-len 512] [--output-len 256] [--max-num-seqs 512] [--sync] [--tiny] [--out t.json]
 
 Runs h200.py's offline workload (random prompt ids, greedy, ignore_eos, one `LLM.generate`-like
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: h200, h200_shapes
 from h200 import random_prompts, shape_config
 from h200_shapes import write_config
 

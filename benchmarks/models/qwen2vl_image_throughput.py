@@ -1,6 +1,6 @@
 """Image-request throughput of Qwen2-VL: Pagoda vs transformers `generate()`, same machine, same run.
 
-    python benchmarks/qwen2vl_image_throughput.py [--shape 2b|tiny] [--concurrency 1 16 64]
+    python benchmarks/models/qwen2vl_image_throughput.py [--shape 2b|tiny] [--concurrency 1 16 64]
         [--output-len 128] [--text-len 20] [--out DIR]
 
 Workload (issue 5): one 1000x750 image (972 placeholder tokens at the checkpoint's pixel limits)
@@ -123,7 +123,7 @@ def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict
 
     drive(prepared[:2], 2)                                           # warm-up (also compiles nothing)
     seconds, latencies, produced = drive(prepared, concurrency)
-    del engine
+    engine = None
     free_gpu()
     return {"system": "pagoda", "concurrency": concurrency, "requests": len(prepared), "seconds": seconds,
             "requests_per_s": len(prepared) / seconds, "output_tok_per_s": produced / seconds,
@@ -166,7 +166,7 @@ def run_hf(folder: str, requests, concurrency: int, output_len: int, device: str
         sync()
         latencies += [time.perf_counter() - start] * len(requests[i:i + concurrency])
     seconds = time.perf_counter() - t0
-    del model
+    model = None
     free_gpu()
     return {"system": "transformers", "concurrency": concurrency, "requests": len(requests), "seconds": seconds,
             "requests_per_s": len(requests) / seconds, "output_tok_per_s": produced / seconds,
@@ -212,7 +212,8 @@ def main() -> None:
     table = ["| concurrency | system | image req/s | output tok/s | mean latency s | requests |",
              "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        table.append(f"| {r['concurrency']} | {r['system']} | {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.1f} | "
+        table.append(f"| {r['concurrency']} | {r['system']} | {r['requests_per_s']:.2f} | "
+                     f"{r['output_tok_per_s']:.1f} | "
                      f"{r['mean_latency_s']:.2f} | {r['requests']} |")
     speedups = []
     for c in args.concurrency:

@@ -1,6 +1,6 @@
 """Sweep the paged decode kernel's launch configuration on the GPU, per attention shape.
 
-    python benchmarks/decode_kernel_sweep.py [--shapes yuan2-2b,qwen2-vl-2b] [--cases 64x168,512x640]
+    python benchmarks/kernels/decode_kernel_sweep.py [--shapes yuan2-2b,qwen2-vl-2b] [--cases 64x168,512x640]
         [--layouts token,head] [--block-n 16,32,64,128] [--warps 1,2,4] [--stages 1,2,3] [--out sweep.json]
 
 For each (heads, kv heads, head dim) of the benchmark shapes, batch and context length, times
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: h200_shapes
 from h200_shapes import copy_bandwidth  # noqa: E402
 
 ATTENTION_SHAPES = {"yuan2-2b": (32, 32, 64), "qwen2-vl-2b": (12, 2, 128), "llama-3-8b": (32, 8, 128)}
@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
-    ints = lambda text: [int(v) for v in text.split(",")]
+    def ints(text: str) -> list[int]:
+        return [int(v) for v in text.split(",")]
 
     import torch
     import triton.testing

@@ -1,6 +1,6 @@
 """Few-row matmuls on the GPU: cuBLAS (`F.linear`) vs `pagoda.kernels.gemv`, per model matmul.
 
-    python benchmarks/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b] [--rows 1,2,4,8]
+    python benchmarks/kernels/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b] [--rows 1,2,4,8]
                                     [--grid-rows 2,4] [--l2-hot] [--out sweep.json]
 
 Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no Python launch
@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 # name → [(matmul, N, K, bias)] per decoder layer, then the lm_head.
 MATMULS = {
@@ -86,11 +90,11 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 out = torch.empty(m, n, device="cuda", dtype=dtype)
 
-                def cublas(x=x, out=out):
+                def cublas(x=x, out=out, weights=weights, bias=bias):
                     for w in weights:
                         torch.addmm(bias, x, w.t(), out=out) if bias is not None else torch.mm(x, w.t(), out=out)
 
-                def kernel(config, x=x, out=out):
+                def kernel(config, x=x, out=out, weights=weights, bias=bias):
                     for w in weights:
                         gemv(x, w, bias, out=out, config=config)
 
@@ -101,7 +105,7 @@ def main() -> None:
                        "max_abs_err": err}
                 row["gemv_us"] = graph_us(lambda: kernel(None), copies)
                 if args.l2_hot:
-                    def hot(x=x, out=out, w=weights[0]):
+                    def hot(x=x, out=out, w=weights[0], bias=bias, copies=copies):
                         for _ in range(copies):
                             gemv(x, w, bias, out=out)
 
@@ -119,7 +123,7 @@ def main() -> None:
                       f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
                       f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
                       f"{extra}", flush=True)
-            del weights
+            weights = None         # free this matmul's copies before the next one's
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

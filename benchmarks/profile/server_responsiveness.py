@@ -1,7 +1,7 @@
 """Server responsiveness under streaming load: is the HTTP side still snappy while the engine is busy?
 
 Usage:
-    python benchmarks/server_responsiveness.py [--url http://127.0.0.1:8000] [--api-key KEY]
+    python benchmarks/profile/server_responsiveness.py [--url http://127.0.0.1:8000] [--api-key KEY]
         [--model smol] [--concurrency 32] [--max-tokens 64] [--health-interval 0.05]
         [--json out.json] [--server-arg=--max-model-len --server-arg=2048 ...]
 

@@ -1,6 +1,6 @@
 """What Yuan2's localized filtering costs: Yuan2-2B vs a Llama of the same dimensions, same run.
 
-    python benchmarks/yuan_lf_overhead.py [--num-prompts 256] [--input-len 512] [--output-len 256]
+    python benchmarks/models/yuan_lf_overhead.py [--num-prompts 256] [--input-len 512] [--output-len 256]
         [--repeats 1] [--shape 2b|tiny] [--out DIR]
 
 Method:

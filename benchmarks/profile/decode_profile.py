@@ -1,6 +1,6 @@
 """Where a decode step's time goes, on the GPU: attention kernels alone, then whole engine steps.
 
-    python benchmarks/decode_profile.py [--shape yuan2-2b] [--backends torch,triton]
+    python benchmarks/profile/decode_profile.py [--shape yuan2-2b] [--backends torch,triton]
         [--batches 1,64,256] [--context 512] [--steps 20] [--out DIR]
 
 1. Kernels: one layer's decode attention (Yuan2-2B: 32 heads of 64, block 16) for each backend at
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: h200_shapes
 from h200_shapes import SHAPES, copy_bandwidth, write_config  # noqa: E402
 
 
@@ -59,13 +59,15 @@ def kernel_bench(batches: list[int], context: int, bandwidth: float) -> list[dic
         floor_ms = 2 * b * (context + 1) * heads * dim * 2 / bandwidth * 1e3
         for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
             meta = backend.prepare(batch)
-            ms = triton.testing.do_bench(lambda: backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5),
-                                         warmup=10, rep=100)
+            def step(backend=backend, meta=meta, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache):
+                return backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+
+            ms = triton.testing.do_bench(step, warmup=10, rep=100)
             rows.append({"backend": backend.name, "batch": b, "context": context, "ms": ms,
                          "floor_ms": floor_ms, "x_floor": ms / floor_ms})
             print(f"kernel {backend.name:6s} B={b:4d} ctx={context}: {ms * 1e3:8.1f} us  "
                   f"(floor {floor_ms * 1e3:6.1f} us, x{ms / floor_ms:.2f})", flush=True)
-        del k_cache, v_cache
+        k_cache = v_cache = None
         torch.cuda.empty_cache()
     return rows
 
