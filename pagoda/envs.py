@@ -51,7 +51,8 @@ LF_TERMS = Env("PAGODA_LF_TERMS", bool, True,
 API_KEY = Env("PAGODA_API_KEY", str, None,
               "the API key `pagoda serve` requires (--api-key wins), and the one the clients send")
 CACHE_DIR = Env("PAGODA_CACHE_DIR", str, None, "where converted GGUF checkpoints are cached (~/.cache/pagoda)")
-OPENAI_API_KEY = Env("OPENAI_API_KEY", str, None, "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)")
+OPENAI_API_KEY = Env("OPENAI_API_KEY", str, None,
+                     "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)")
 HTTP_TIMEOUT_KEEP_ALIVE = Env("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0,
                               "vLLM's name for --timeout-keep-alive's default, in seconds")
 

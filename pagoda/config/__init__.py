@@ -3,6 +3,8 @@ and handed to every process.
 
 - `engine.py`: `EngineArgs` (the engine knobs) resolved by `EngineConfig.create` into the model, cache,
   scheduler and device sections.
+- `multimodal.py`: `MultiModalConfig` (image/video limits, preprocessing defaults, media URL policy).
+- `server.py`: `ServerConfig` (the serve-only flags).
 """
 
 from pagoda.config.engine import (
@@ -19,9 +21,10 @@ from pagoda.config.engine import (
     knob,
     text_field,
 )
+from pagoda.config.multimodal import MultiModalConfig
 
 __all__ = [
     "DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "CacheConfig",
-    "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "SchedulerConfig", "_derived_max_model_len", "knob",
-    "text_field",
+    "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "MultiModalConfig", "SchedulerConfig",
+    "_derived_max_model_len", "knob", "text_field",
 ]

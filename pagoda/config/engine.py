@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pagoda.errors import ConfigError
 from pagoda import envs
+from pagoda.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+# Defaults that "None"/"auto" knobs resolve to in `EngineConfig.create` (also read by `pagoda plan`).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
-def knob(default: Any, help: str, **metadata: Any) -> Any:
-    """A user-facing config field: its default and its `--flag` help (`flags=(...)`: extra spellings)."""
+def knob(default: Any, help: str | None, **metadata: Any) -> Any:
+    """A user-facing config field: its default and its `--flag` help (None: a flag without help text).
+
+    Metadata read by cli/args.py: `flags=(...)` extra spellings, `choices=(...)`, `store_true=True` (a bool
+    flag without --no-), `cli_type=str` (the flag takes a string that the config's `from_cli` parses).
+    """
     return field(default=default, metadata={"help": help, **metadata})
 
 
@@ -30,9 +38,10 @@ def knob(default: Any, help: str, **metadata: Any) -> Any:
 class EngineArgs:
     """The user-facing engine knobs, exactly as `LLM(...)` takes them and `--flag`s spell them.
 
-    Each field is one knob and carries its `--flag` help (cli/args.py generates the flags from it), so a new
-    knob is one edit here. Unresolved: None / "auto" mean "decide from the model and the hardware" in
-    `EngineConfig.create`.
+    Each field is one knob and carries its `--flag` help (cli/args.py generates the flags from it; `LLM(**kwargs)`
+    forwards here), so a new knob is one edit here, plus its field in the section that uses it (`create` copies
+    same-named fields). Unresolved: None / "auto" mean "decide from the model and the hardware" in
+    `EngineConfig.create`. The defaults are written here only: the resolved sections below have none.
     """
 
     model: str | None = knob(None,
@@ -41,12 +50,13 @@ class EngineArgs:
     dtype: str = knob("auto", 'auto | float32 | float16 | bfloat16')
     max_model_len: int | None = knob(None, 'context length cap (default: from the model config)')
     max_num_seqs: int = knob(256, 'maximum requests per step')
-    max_num_batched_tokens: int | None = knob(None, 'token budget per step (default: 8192)')
+    max_num_batched_tokens: int | None = knob(None,
+        f'token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})')
     block_size: int = knob(16, 'tokens per KV cache block')
     enable_prefix_caching: bool = knob(True, 'reuse KV blocks across requests that share a prefix')
     gpu_memory_utilization: float | None = knob(None,
-        'fraction of GPU memory the engine may use (default 0.9; on the CPU --cpu-kv-cache-space-gib sets the KV '
-        'budget instead)')
+        f'fraction of GPU memory the engine may use (default {DEFAULT_GPU_MEMORY_UTILIZATION}; on the CPU '
+        '--cpu-kv-cache-space-gib sets the KV budget instead)')
     num_gpu_blocks_override: int | None = knob(None, 'exact number of KV blocks (testing)')
     swap_space: float = knob(4, 'accepted for vLLM compatibility (preemption recomputes)')
     cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, 'KV cache budget in GiB when running on the CPU')
@@ -68,21 +78,24 @@ class EngineArgs:
         "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted", flags=("-q",))
 
 
-@dataclass(frozen=True)
+# The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`
+# (a field named like a knob is copied from it, the others are resolved there), so every default is written once.
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     model: str                      # HF folder, hub id, or path to a .gguf file (resolved, never None)
     tokenizer: str                  # where the tokenizer comes from (defaults to `model`)
     dtype: str                      # resolved torch dtype name: "float32" | "float16" | "bfloat16"
     max_model_len: int              # resolved context cap (prompt + output tokens)
     hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)  # the model's config.json
-    trust_remote_code: bool = False
-    skip_tokenizer_init: bool = False
-    seed: int = 0
-    load_format: str = "auto"
+    trust_remote_code: bool
+    skip_tokenizer_init: bool
+    seed: int
+    load_format: str
 
     @property
     def architecture(self) -> str:
-        return (self.hf_config.get("architectures") or ["<missing>"])[0]
+        return str((self.hf_config.get("architectures") or ["<missing>"])[0])
 
     @property
     def vocab_size(self) -> int:
@@ -97,32 +110,41 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
     return (hf_config.get("text_config") or {}).get(key, default)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    block_size: int = 16                    # tokens per KV block
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # fraction of GPU memory for the whole engine
-    gpu_memory_utilization_given: bool = False  # set by the user (on the CPU, where it does nothing, that is logged)
-    num_gpu_blocks_override: int | None = None  # exact pool size (tests, debugging)
-    swap_space: float = 4                   # GiB; accepted for vLLM compatibility, preemption recomputes
-    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_GIB  # KV budget when running on the CPU
+    block_size: int                         # tokens per KV block
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float           # fraction of GPU memory for the whole engine
+    gpu_memory_utilization_given: bool      # set by the user (on the CPU, where it does nothing, that is logged)
+    num_gpu_blocks_override: int | None     # exact pool size (tests, debugging)
+    swap_space: float                       # GiB; accepted for vLLM compatibility, preemption recomputes
+    cpu_kv_cache_space_gib: float           # KV budget when running on the CPU
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256                 # requests in one step
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # token budget of one step
-    max_model_len: int = 2048               # copy of ModelConfig.max_model_len for the scheduler
+    max_num_seqs: int                       # requests in one step
+    max_num_batched_tokens: int             # token budget of one step
+    max_model_len: int                      # copy of ModelConfig.max_model_len for the scheduler
     # Step N+1 is scheduled and launched while step N runs on the GPU: each running request counts
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
-    async_scheduling: bool = False
+    async_scheduling: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceConfig:
-    device: str = "cpu"                     # resolved: "cpu" or "cuda"
-    attention_backend: str = "torch"        # resolved: "torch" or "triton"
-    cuda_graphs: bool = False               # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
+    device: str                             # resolved: "cpu" or "cuda"
+    attention_backend: str                  # resolved: "torch" or "triton"
+    cuda_graphs: bool                       # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
+
+
+S = TypeVar("S", bound="DataclassInstance")
+
+
+def _section(cls: type[S], args: EngineArgs, **resolved: Any) -> S:
+    """A section from the resolved values, its other fields copied from the same-named knobs."""
+    copied = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in resolved}
+    return cls(**copied, **resolved)
 
 
 @dataclass(frozen=True)
@@ -139,70 +161,59 @@ class EngineConfig:
         from pagoda.models.source import resolve_model_source
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
-        model, tokenizer, dtype, max_model_len = a.model, a.tokenizer, a.dtype, a.max_model_len
-        max_num_seqs, max_num_batched_tokens, block_size = a.max_num_seqs, a.max_num_batched_tokens, a.block_size
-        enable_prefix_caching, gpu_memory_utilization = a.enable_prefix_caching, a.gpu_memory_utilization
-        num_gpu_blocks_override, swap_space = a.num_gpu_blocks_override, a.swap_space
-        cpu_kv_cache_space_gib, device, seed = a.cpu_kv_cache_space_gib, a.device, a.seed
-        trust_remote_code, skip_tokenizer_init = a.trust_remote_code, a.skip_tokenizer_init
-        utilization_given = gpu_memory_utilization is not None
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+        utilization = a.gpu_memory_utilization
+        if utilization is None:
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION
 
         _check(a.quantization in (None, "none"), "quantization",
                f"--quantization {a.quantization} is not supported yet: Pagoda runs unquantized weights only "
                "(AWQ, GPTQ, FP8 and bitsandbytes will come with the quantization issue); omit --quantization "
                "or pass none.")
 
-        _check(block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-               f"block_size must be a power of two in [1, 128], got {block_size}")
-        _check(max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        _check(0 < gpu_memory_utilization <= 1, "gpu_memory_utilization",
-               f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        _check(num_gpu_blocks_override is None or num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
-               f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
-        _check(dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
-        _check(device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {device!r}")
+        _check(a.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               f"block_size must be a power of two in [1, 128], got {a.block_size}")
+        _check(a.max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {a.max_num_seqs}")
+        _check(0 < utilization <= 1, "gpu_memory_utilization",
+               f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        _check(a.num_gpu_blocks_override is None or a.num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
+               f"num_gpu_blocks_override must be >= 2, got {a.num_gpu_blocks_override}")
+        _check(a.dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {a.dtype!r}")
+        _check(a.device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {a.device!r}")
         _check(a.load_format in ("auto", "dummy"), "load_format",
                f"load_format must be auto or dummy; got {a.load_format!r}")
         _check(a.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                f"attention_backend must be auto, torch or triton; got {a.attention_backend!r}")
 
-        resolved_device = _resolve_device(device)
-        source = resolve_model_source(model)
+        device = _resolve_device(a.device)
+        source = resolve_model_source(a.model)
         hf_config = source.hf_config
         # Before any weight is read: a quantized folder would otherwise fail half-way through loading.
         refuse_quantized(source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy")
-        resolved_dtype = _resolve_dtype(dtype, hf_config, resolved_device)
+        dtype = _resolve_dtype(a.dtype, hf_config, device)
 
         derived_len = _derived_max_model_len(hf_config)
-        if max_model_len is None:
-            max_model_len = derived_len
+        max_model_len = derived_len if a.max_model_len is None else a.max_model_len
         _check(max_model_len >= 1, "max_model_len", f"max_model_len must be >= 1, got {max_model_len}")
         if max_model_len > derived_len:
             raise ConfigError(
                 f"max_model_len={max_model_len} is larger than the model's maximum context "
                 f"({derived_len} from config.json); lower --max-model-len.", "max_model_len")
+        max_num_batched_tokens = a.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, a.max_num_seqs)
         _check(max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
 
         return cls(
-            model=ModelConfig(
-                model=source.location, tokenizer=tokenizer or source.location, dtype=resolved_dtype,
-                max_model_len=max_model_len, hf_config=hf_config, trust_remote_code=trust_remote_code,
-                skip_tokenizer_init=skip_tokenizer_init, seed=seed, load_format=a.load_format),
-            cache=CacheConfig(
-                block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization, gpu_memory_utilization_given=utilization_given,
-                num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
-                cpu_kv_cache_space_gib=cpu_kv_cache_space_gib),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                async_scheduling=resolved_device == "cuda" if a.async_scheduling is None else a.async_scheduling),
-            device=_device_config(resolved_device, a.attention_backend, a.enforce_eager),
+            model=_section(ModelConfig, a, model=source.location, tokenizer=a.tokenizer or source.location,
+                           dtype=dtype, max_model_len=max_model_len,
+                           hf_config=hf_config),
+            cache=_section(CacheConfig, a, gpu_memory_utilization=utilization,
+                           gpu_memory_utilization_given=a.gpu_memory_utilization is not None),
+            scheduler=_section(SchedulerConfig, a, max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=max_model_len,
+                               async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling),
+            device=_device_config(device, a.attention_backend, a.enforce_eager),
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
@@ -234,8 +245,8 @@ def _device_config(device: str, attention_backend: str, enforce_eager: bool) -> 
 
 
 def _resolve_attention_backend(choice: str, device: str) -> str:
-    # "auto": the Triton kernels on a CUDA GPU (validated and timed on the H200: 1.15x the memory
-    # floor for decode at batch 256, 3x faster than the PyTorch backend), the PyTorch one elsewhere.
+    # "auto": the Triton kernels on a CUDA GPU (faster than the PyTorch backend at every batch size:
+    # benchmarks/h200.py's decode row), the PyTorch one elsewhere.
     if choice == "torch":
         return "torch"
     if choice == "auto":

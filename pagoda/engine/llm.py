@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import difflib
 import itertools
-import json
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar, cast
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, MultiModalConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
-PromptType = Union[str, dict[str, Any], list[int]]
+PromptType = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, Any]]
 T = TypeVar("T")
 
@@ -36,53 +37,36 @@ def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coroutine).result()
 
 
+def _knobs_by_config(owner: str, kwargs: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """`kwargs` split by the config dataclass whose field each one is; an unknown keyword is a TypeError
+    that names it (with the closest knob) and lists the valid ones."""
+    names = [[f.name for f in dataclasses.fields(cls)] for cls in classes]
+    unknown = [key for key in kwargs if not any(key in group for group in names)]
+    if unknown:
+        valid = sorted(name for group in names for name in group)
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{owner} got an unexpected keyword argument {unknown[0]!r}{hint}; valid keywords: "
+                        f"{', '.join(valid)}.")
+    return [{key: value for key, value in kwargs.items() if key in group} for group in names]
+
+
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float | None = None,
-        num_gpu_blocks_override: int | None = None,
-        swap_space: float = 4,
-        device: str = "auto",
-        seed: int = 0,
-        trust_remote_code: bool = False,
-        skip_tokenizer_init: bool = False,
-        cpu_kv_cache_space_gib: float = 4.0,
-        load_format: str = "auto",
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        mm_processor_kwargs: dict[str, Any] | None = None,
-        allowed_local_media_path: str | None = None,
-        allow_private_media_urls: bool = False,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-        quantization: str | None = None,
-    ):
-        self.config = EngineConfig.create(EngineArgs(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-            num_gpu_blocks_override=num_gpu_blocks_override, swap_space=swap_space,
-            cpu_kv_cache_space_gib=cpu_kv_cache_space_gib, device=device, seed=seed,
-            trust_remote_code=trust_remote_code, skip_tokenizer_init=skip_tokenizer_init, load_format=load_format,
-            attention_backend=attention_backend, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-            quantization=quantization))
+    """`LLM(model, **knobs)`: every keyword is a field of `config.EngineArgs` (the engine: dtype, max_model_len,
+    num_gpu_blocks_override...) or of `config.MultiModalConfig` (images/videos: limit_mm_per_prompt,
+    mm_processor_kwargs, allowed_local_media_path, allow_private_media_urls), with the same meaning and default
+    as the `--flag` of that name. A bad value raises ConfigError naming the knob; an unknown keyword, TypeError."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        engine_kwargs, mm_kwargs = _knobs_by_config("LLM()", kwargs, EngineArgs, MultiModalConfig)
+        self.mm_config = MultiModalConfig(**mm_kwargs)        # cheap checks first, before the model is read
+        self.config = EngineConfig.create(EngineArgs(model=model, **engine_kwargs))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source
         # Images/videos (vision-language models): the same settings and pipeline as the server's.
-        self._multimodal = multimodal_serving(
-            source.hf_config, source.folder if source.kind == "hf" else None,
-            json.dumps(limit_mm_per_prompt) if limit_mm_per_prompt else None,
-            json.dumps(mm_processor_kwargs) if mm_processor_kwargs else None, allowed_local_media_path,
-            allow_private_media_urls)
+        self._multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
+                                              self.mm_config)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -90,13 +74,15 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params_list = self._params_list(sampling_params, len(prompts))
+            batch = [cast(PromptType, prompts)]     # one prompt: a string, a prompt dict or one list of token ids
+        else:
+            batch = list(cast(Sequence[PromptType], prompts))
+        params_list = self._params_list(sampling_params, len(batch))
         ids = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params in zip(batch, params_list):
             text, token_ids, mm_inputs = self._parse_prompt(prompt)
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
@@ -109,7 +95,10 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Chat with OpenAI-style messages; content parts may carry images/videos (image_url with data:,
         http(s) or file:// urls, or Qwen's {"type": "image", ...}) on a vision-language model."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = list(cast(Sequence[Conversation], messages))
         if self.engine.tokenizer is None:
             raise InvalidRequest("Chat needs a tokenizer, but skip_tokenizer_init=True.", "messages")
         prompts: list[PromptType] = []

@@ -20,12 +20,12 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
-from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.validation import validate_request
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
 from pagoda.models.source import resolve_model_source
+from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import memory

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from pagoda.frontend.detokenizer import IncrementalDetokenizer, single_token_decoder
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from pagoda.request import Request, RequestStatus
 
 
@@ -73,7 +73,8 @@ class OutputProcessor:
             if self.tokenizer is not None and (detokenize or params.stop):
                 detok = IncrementalDetokenizer(
                     self.tokenizer, child.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=cast(list[str], params.stop),          # a list after SamplingParams.__post_init__
                     include_stop_str_in_output=params.include_stop_str_in_output)
             wants_logprobs = params.logprobs is not None
             sample = _Sample(parent, index, detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None)
@@ -264,6 +265,7 @@ class OutputProcessor:
             if not sample.advanced:
                 continue
             request = sample.request
+            assert request is not None          # set while `advanced`
             new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
             sample.num_emitted_tokens = request.num_output_tokens
             new_logprobs = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import cast
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
@@ -199,7 +200,7 @@ class Scheduler:
             num_output = len(output)
             if (token in eos or num_output >= request.max_tokens
                     or num_output + len(request.prompt_token_ids) >= max_model_len
-                    or token in request.sampling_params.stop_token_ids):
+                    or token in request.sampling_params.stop_token_ids):  # type: ignore[operator]  # a list
                 try:
                     status = self._check_stop(request, token)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
@@ -221,7 +222,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if token in cast(list[int], params.stop_token_ids):     # a list after SamplingParams.__post_init__
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:

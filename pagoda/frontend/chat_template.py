@@ -1,8 +1,8 @@
 """Chat messages → prompt text, with the model's Jinja chat template (or an override).
 
 The server's own template (the model folder's, or `--chat-template`) is trusted: transformers
-renders it, on the event loop (~60 µs for a ChatML template; a hop to a worker thread would cost
-~130 µs more per request). A template sent in a request body is not: `template_sandbox.py`.
+renders it, on the event loop: rendering a ChatML template costs less than the hop to a worker thread
+would (benchmarks/profile/api_burst.py). A template sent in a request body is not: `template_sandbox.py`.
 
 `inspect_chat_template` is the startup / `pagoda doctor` check: where the template comes from,
 whether it renders a plain conversation, and whether the prompt has the model family's format.
@@ -185,6 +185,7 @@ def inspect_chat_template(tokenizer: Any, hf_config: dict[str, Any], override: s
         rendered = render_chat(tokenizer, [dict(m) for m in PROBE], template, True)
         render_chat(tokenizer, [dict(PROBE[0])], template, True)
     except InvalidRequest as exc:
+        fix: str | None
         if override:
             fix = "fix the --chat-template template, or pass another one"
         elif model_file:

@@ -27,7 +27,7 @@ and in `decode_ids`, instead of raising inside the engine.
 Speed: a decoding request costs two window decodes per token, every step, for every request.
 For a stock `transformers` fast tokenizer (no decode override, no clean-up of tokenization
 spaces) they go straight to its Rust `tokenizers.Tokenizer.decode`, which is what
-`tokenizer.decode` ends up calling anyway, minus ~5 µs of Python argument handling per call,
+`tokenizer.decode` ends up calling anyway, minus its Python argument handling on every call,
 and the one-token context window's text comes from a per-tokenizer cache.
 """
 
@@ -138,7 +138,8 @@ class _FastDecoder:
 
 
 # tokenizer -> {skip_special_tokens: _FastDecoder or None (use tokenizer.decode)}.
-_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _FastDecoder | None]] = weakref.WeakKeyDictionary()
+_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _FastDecoder | None]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
@@ -157,17 +158,17 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
         return per_tokenizer[key]
     own = getattr(tokenizer, "fast_decode", None)
     if callable(own):
-        fast = _FastDecoder(functools.partial(own, spaces_between_special_tokens=spaces_between_special_tokens),
-                            skip_special_tokens)
-        per_tokenizer[key] = fast
-        return fast
-    fast = None
+        own_decoder = _FastDecoder(
+            functools.partial(own, spaces_between_special_tokens=spaces_between_special_tokens), skip_special_tokens)
+        per_tokenizer[key] = own_decoder
+        return own_decoder
+    fast: _FastDecoder | None = None
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
         cls = type(tokenizer)
-        backend = getattr(tokenizer, "_tokenizer", None)
+        backend: Any = getattr(tokenizer, "_tokenizer", None)
         if (isinstance(tokenizer, PreTrainedTokenizerFast)
                 and cls.decode is PreTrainedTokenizerBase.decode
                 and cls._decode is PreTrainedTokenizerFast._decode

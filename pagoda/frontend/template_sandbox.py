@@ -368,7 +368,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         _budget().tick()
         return _check_size(value, "an output value")
 
-    def concat(self, pieces: Any) -> str:  # type: ignore[override]
+    def concat(self, pieces: Any) -> str:
         # Joins what a macro, a {% set %} block or a call block wrote: count it before joining.
         pieces = list(pieces)
         budget = _budget()
@@ -490,8 +490,8 @@ def _messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any
 
 def _mark_final_message(messages: list[dict[str, Any]]) -> None:
     """continue_final_message: a mark after the final message's text, where the prompt is cut."""
-    last = messages[-1] if messages else None
-    content = last.get("content") if last else None
+    last = messages[-1] if messages else {}
+    content = last.get("content")
     if isinstance(content, str):
         last["content"] = content + _CONTINUE_MARK
         return

@@ -116,7 +116,7 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
     the backend's Rust `Tokenizer.encode` when that is provably the same function: a stock fast tokenizer
     (no overridden or patched encode) whose backend has no truncation or padding set and splits special
     tokens as the tokenizer says, and which agrees on a few probe texts. transformers' own path (a one-item
-    `encode_batch` plus the BatchEncoding around it) adds ~15 us to a 40-token prompt, and the API process
+    `encode_batch` plus the BatchEncoding around it) costs more than the encode itself, and the API process
     tokenizes every completion prompt on its event loop: at a burst of hundreds of requests that is part
     of everyone's time to first token. Anything else gets `tokenizer.encode`."""
 
@@ -128,7 +128,7 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
         cls = type(tokenizer)
-        backend = getattr(tokenizer, "_tokenizer", None)
+        backend: Any = getattr(tokenizer, "_tokenizer", None)
         if not (isinstance(tokenizer, PreTrainedTokenizerFast)
                 and cls.encode is PreTrainedTokenizerBase.encode
                 and cls._encode_plus is PreTrainedTokenizerFast._encode_plus

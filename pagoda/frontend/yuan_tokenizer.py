@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, ClassVar
+from typing import Any, cast, overload
 
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
@@ -62,7 +62,7 @@ _NEWLINE_BYTE_PIECE = "<0x0A>"
 class YuanTokenizer(SentencePieceBackend):
     """Slow (SentencePiece-library) tokenizer matching the official Yuan2 configuration."""
 
-    model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
+    model_input_names: list[str] = ["input_ids", "attention_mask"]
     # Decode the <n> piece as a line break (serving); False keeps the reference tokenizer's "<n>".
     newline_token_as_text: bool = False
 
@@ -87,7 +87,7 @@ class YuanTokenizer(SentencePieceBackend):
     def _decode_tables(self) -> tuple[frozenset[int], frozenset[str], frozenset[str]]:
         """(special ids, special tokens, added tokens past the SentencePiece vocabulary).
 
-        transformers rebuilds `all_special_tokens` on every access (~12 µs) and decode asked for it
+        transformers rebuilds `all_special_tokens` on every access and decode asked for it
         twice per call: with a window decoded twice per generated token that was most of a
         serving step's host time at 256 streams. Cached, and rebuilt whenever the added-token
         table changes size (adding special tokens adds them there too)."""
@@ -116,8 +116,8 @@ class YuanTokenizer(SentencePieceBackend):
         for i in token_ids:
             piece = to_piece(i) if 0 <= i < base and i not in added else None
             if piece is None or piece in special_tokens:
-                return self.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                   spaces_between_special_tokens=spaces_between_special_tokens)
+                return cast(str, self.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                             spaces_between_special_tokens=spaces_between_special_tokens))
             if piece == YUAN_NEWLINE_TOKEN and self.newline_token_as_text:
                 piece = _NEWLINE_BYTE_PIECE
             pieces.append(piece)
@@ -126,6 +126,12 @@ class YuanTokenizer(SentencePieceBackend):
         if pieces[0].startswith(_SPIECE_UNDERLINE):
             pieces[0] = pieces[0][1:]
         return self.sp_model.decode(pieces)
+
+    @overload
+    def convert_ids_to_tokens(self, ids: int, skip_special_tokens: bool = False) -> str: ...
+
+    @overload
+    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]: ...
 
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
         if isinstance(ids, int):

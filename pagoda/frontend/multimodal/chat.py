@@ -14,17 +14,16 @@ item's token count (`multimodal/prompt.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.config.multimodal import DEFAULT_LIMITS, MultiModalConfig, shown
 from pagoda.errors import ConfigError, InvalidRequest
-from pagoda.inputs import MultiModalInputs
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.inputs import MultiModalInputs
 
-DEFAULT_LIMITS = {"image": 16, "video": 2}
 MAX_IMAGE_PIXELS = 16384 * 28 * 28      # Qwen2-VL's largest image: 16384 placeholder tokens
 
 
@@ -43,14 +42,15 @@ class MultiModalServing:
     merge_size: int
     preprocess: Any                                     # multimodal.image_processor.VisionPreprocessConfig
     policy: MediaPolicy
-    limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
+    limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMITS))   # most items per prompt
 
 
-def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None, limit_mm_per_prompt: str | None,
-                       mm_processor_kwargs: str | None, allowed_local_media_path: str | None,
-                       allow_private_media_urls: bool) -> MultiModalServing | None:
-    """The server's image/video settings for a vision-language model (None for text-only models).
-    Flag mistakes raise ConfigError before the engine starts."""
+def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None,
+                       mm: MultiModalConfig) -> MultiModalServing | None:
+    """The server's image/video settings for a vision-language model (None for text-only models), from the
+    parsed `mm` (`MultiModalConfig`: no strings to parse here). Settings this model rejects (preprocessor
+    overrides against its preprocessor_config.json, the media folder) raise ConfigError before the engine starts.
+    """
     from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig
 
     architecture = (hf_config.get("architectures") or [""])[0]
@@ -60,38 +60,16 @@ def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None, limi
     placeholders = PlaceholderIds(int(text.get("image_token_id", 151655)), int(text.get("video_token_id", 151656)))
     vision = hf_config.get("vision_config") or {}
     try:
-        kwargs = json.loads(mm_processor_kwargs) if mm_processor_kwargs else {}
-        if not isinstance(kwargs, dict):
-            raise ValueError("expected a JSON object")
-        preprocess = VisionPreprocessConfig.from_model_folder(model_folder).with_overrides(kwargs, "mm_processor_kwargs")
-    except (ValueError, InvalidRequest) as exc:
-        raise ConfigError(f"--mm-processor-kwargs {mm_processor_kwargs!r}: {exc}", "mm_processor_kwargs") from None
-    if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
-        raise ConfigError(f"--allowed-local-media-path {allowed_local_media_path!r} is not a folder.",
-                          "allowed_local_media_path")
-    policy = MediaPolicy(allowed_local_media_path=allowed_local_media_path,
-                         allow_private_urls=allow_private_media_urls)
-    return MultiModalServing(placeholders, int(vision.get("spatial_merge_size", 2)), preprocess, policy,
-                             parse_limits(limit_mm_per_prompt))
-
-
-def parse_limits(value: str | None) -> dict[str, int]:
-    """--limit-mm-per-prompt: JSON ('{"image": 4, "video": 1}') or 'image=4,video=1'."""
-    limits = dict(DEFAULT_LIMITS)
-    if not value:
-        return limits
-    try:
-        parsed = json.loads(value) if value.strip().startswith("{") else {
-            k.strip(): v for k, v in (item.split("=", 1) for item in value.split(",") if item.strip())}
-        for key, number in parsed.items():
-            if key not in limits:
-                raise ValueError(f"unknown modality {key!r} (image, video)")
-            limits[key] = int(number)
-            if limits[key] < 0:
-                raise ValueError(f"{key} limit must be >= 0")
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"--limit-mm-per-prompt {value!r}: {exc}", "limit_mm_per_prompt") from None
-    return limits
+        preprocess = VisionPreprocessConfig.from_model_folder(model_folder).with_overrides(
+            mm.mm_processor_kwargs, "mm_processor_kwargs")
+    except InvalidRequest as exc:
+        raise ConfigError(f"--mm-processor-kwargs {shown(mm.mm_processor_kwargs)}: {exc}",
+                          "mm_processor_kwargs") from None
+    path = mm.allowed_local_media_path
+    if path is not None and not os.path.isdir(path):
+        raise ConfigError(f"--allowed-local-media-path {path!r} is not a folder.", "allowed_local_media_path")
+    policy = MediaPolicy(allowed_local_media_path=path, allow_private_urls=mm.allow_private_media_urls)
+    return MultiModalServing(placeholders, int(vision.get("spatial_merge_size", 2)), preprocess, policy, mm.limits)
 
 
 def _part_kind(part: dict[str, Any]) -> str:
@@ -197,6 +175,7 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
         raise
     mm_inputs = None
     if refs:
+        assert mm is not None           # media for a text-only model were refused above
         token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
     return text, token_ids, mm_inputs
 
@@ -236,7 +215,7 @@ async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[M
     if config.max_pixels > MAX_IMAGE_PIXELS:
         raise InvalidRequest(f"mm_processor_kwargs max_pixels {config.max_pixels} is over the model's limit "
                              f"{MAX_IMAGE_PIXELS} (16384 tokens per image).", "mm_processor_kwargs")
-    loaded = await asyncio.gather(*(
+    loaded: list[Any] = await asyncio.gather(*(
         load_image(r.urls[0], mm.policy, r.where) if r.modality == "image"
         else load_video_frames(list(r.urls), mm.policy, r.where) for r in refs))
 

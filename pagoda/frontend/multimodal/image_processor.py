@@ -77,7 +77,7 @@ class VisionPreprocessConfig:
             return self
         if not isinstance(kwargs, dict):
             raise InvalidRequest(f"{param} must be an object, got {type(kwargs).__name__}.", param)
-        updates: dict[str, int] = {}
+        updates: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key not in _OVERRIDABLE:
                 raise InvalidRequest(

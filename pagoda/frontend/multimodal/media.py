@@ -157,7 +157,7 @@ def is_private_address(address: str) -> bool:
 async def _resolve_addresses(host: str, port: int) -> list[str]:
     """All addresses `host` resolves to (literal IPs resolve to themselves)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [info[4][0] for info in infos]
+    return [str(info[4][0]) for info in infos]
 
 
 async def check_public_host(url: httpx.URL, policy: MediaPolicy, where: str) -> None:
@@ -209,7 +209,7 @@ async def _fetch_following_redirects(url: str, policy: MediaPolicy, where: str) 
     """Follow up to MAX_REDIRECTS redirects by hand so that every hop passes the address check."""
     current = httpx.URL(url)
     async with _http_client(policy) as client:
-        for hop in range(MAX_REDIRECTS + 1):
+        for _hop in range(MAX_REDIRECTS + 1):
             await check_public_host(current, policy, where)
             async with client.stream("GET", current) as response:
                 if response.has_redirect_location and response.next_request is not None:

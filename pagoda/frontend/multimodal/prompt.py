@@ -9,14 +9,15 @@ is refused: it would shift every image after it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from pagoda.errors import InvalidRequest
-from pagoda.inputs import MultiModalInputs, MultiModalItem, content_hash
 from pagoda.frontend.multimodal.mrope import mrope_positions
+from pagoda.inputs import MultiModalInputs, MultiModalItem, content_hash
 
 
 class Visual(Protocol):
@@ -33,7 +34,7 @@ class PlaceholderIds:
     video: int                          # <|video_pad|>
 
 
-def expand_prompt(token_ids: list[int], visuals: list[tuple[str, Visual]], placeholders: PlaceholderIds,
+def expand_prompt(token_ids: list[int], visuals: Sequence[tuple[str, Visual]], placeholders: PlaceholderIds,
                   settings: str, merge_size: int = 2) -> tuple[list[int], MultiModalInputs]:
     """visuals: (modality, preprocessed item) in the order the items appear in the messages."""
     by_modality: dict[str, list[Visual]] = {"image": [], "video": []}
@@ -51,15 +52,16 @@ def expand_prompt(token_ids: list[int], visuals: list[tuple[str, Visual]], place
     items: list[MultiModalItem] = []
     taken = {"image": 0, "video": 0}
     for token in token_ids:
-        modality = pad_of.get(token)
-        if modality is None:
+        kind = pad_of.get(token)
+        if kind is None:
             expanded.append(token)
             continue
-        visual = by_modality[modality][taken[modality]]
-        taken[modality] += 1
+        visual = by_modality[kind][taken[kind]]
+        taken[kind] += 1
         n = visual.num_tokens
-        items.append(MultiModalItem(modality, visual.pixel_values, tuple(visual.grid_thw), len(expanded), n,
-                                    content_hash(modality, visual.pixel_values, tuple(visual.grid_thw), settings)))
+        t, h, w = visual.grid_thw
+        items.append(MultiModalItem(kind, visual.pixel_values, (t, h, w), len(expanded), n,
+                                    content_hash(kind, visual.pixel_values, (t, h, w), settings)))
         expanded.extend([token] * n)
     positions, delta = mrope_positions(len(expanded), items, merge_size)
     counts = {m: sum(i.length for i in items if i.modality == m) for m in ("image", "video")}
