@@ -8,9 +8,8 @@ import gc
 # Young-generation GC threshold of a serving process (CPython's default is 700). The count is container
 # allocations minus deallocations, so at 700 the short-lived objects of every step's outputs (256 rows:
 # RequestOutputs, wire tuples, lists; in the API process also its streams' chunks) set off a collection
-# or more per step (~0.16 ms of the engine core's step at 256 rows, benchmarks/host_overhead.py's gc
-# row; ~300 per 256-step round at ~0.3 ms in an API process, benchmarks/api_burst.py); at 10,000 only
-# real growth does.
+# or more per step (benchmarks/profile/host_overhead.py's gc row for the engine core,
+# benchmarks/profile/api_burst.py for an API process); at 10,000 only real growth does.
 GEN0_THRESHOLD = 10_000
 
 

@@ -32,7 +32,7 @@ def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tupl
             continue
         meta = f.metadata
         flags = ["--" + f.name.replace("_", "-"), *meta.get("flags", ())]
-        kind = _base_type(f.type)
+        kind = meta.get("cli_type") or _base_type(f.type)     # cli_type: a string the config parses
         extra: dict[str, Any] = {"choices": meta["choices"]} if "choices" in meta else {}
         if kind is bool:
             action = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction

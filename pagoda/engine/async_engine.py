@@ -1,18 +1,20 @@
 """The API process's handle on the engine core process: `generate()` → async iterator of outputs.
 
 One asyncio task reads every batch of outputs the core sends and routes each output (a wire tuple,
-rebuilt into a `RequestOutput`) to the stream of its request; a background check marks the engine dead if the core process exits.
+rebuilt into a `RequestOutput`) to the stream of its request; a background check marks the engine dead if the
+core process exits.
 
 Detokenization happens here, not in the core, for every request without stop strings once the server
 hands this engine its tokenizer (`use_tokenizer`; `pagoda serve` does with several API processes): the
 core sends token ids, and each stream's own `IncrementalDetokenizer` turns them into the same text
-deltas the core's would have. That takes ~1 ms per step at 256 streams off the core's critical path
-and spreads it over the API processes. Requests with stop strings stay detokenized in the core, which
+deltas the core's would have. That takes detokenization off the core's critical path
+(benchmarks/profile/host_overhead.py) and spreads it over the API processes. Requests with stop strings stay detokenized in the core, which
 must see the text to stop generating.
 
-With several API processes (`CoreClient`), each process's `AsyncEngine` attaches to a core that the
-launcher started: it connects to the core's input pipe, binds its own output pipe, tags what it sends
-with its index, and leaves starting and stopping the core to the launcher.
+There is one way to reach a core: each API process's `AsyncEngine` attaches, through its `CoreClient`, to
+a core that the launcher started (`core_process.CoreProcess`): it connects to the core's input pipe, binds
+its own output pipe, tags what it sends with its index, and leaves starting and stopping the core to the
+launcher.
 
 Admission counts (`num_unreported`): the core's `EngineStats` are as of its last report, and it reports
 only between steps, so a burst sent during a long step is invisible in them. Each report also says how
@@ -29,37 +31,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+import zmq
+import zmq.asyncio
+
 from pagoda.config import EngineConfig
-from pagoda.engine.core_process import (AbortRequests, AddRequest, CoreDied, Outputs, Ready, Shutdown,
-                                        StartupFailed, from_wire, run_engine_core)
-from pagoda.outputs import EngineStats, RequestOutput
-from pagoda.errors import ConfigError, EngineDead, InvalidRequest, RequestFailed, ShuttingDown
+from pagoda.engine.core_process import AbortRequests, AddRequest, CoreClient, CoreDied, Outputs, Ready, from_wire
+from pagoda.errors import EngineDead, InvalidRequest, RequestFailed, ShuttingDown
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.outputs import EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagoda")
-
-
-@dataclass(frozen=True)
-class CoreClient:
-    """How API process `index` reaches a core started by the launcher (`cli/serve_multi.py`)."""
-
-    index: int
-    input_address: str        # the core's input pipe (bound by the core)
-    output_address: str       # this process's output pipe (bound here, the core connects)
-    core_pid: int
-    ready: Ready
 
 
 class Admission:
@@ -76,15 +65,14 @@ class Admission:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, client: CoreClient | None = None):
+    def __init__(self, config: EngineConfig, client: CoreClient):
         self.config = config
         self.client = client
-        self._client_index = client.index if client is not None else 0
+        self._client_index = client.index
         self.ready: Ready | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
         self.dead_reason: str | None = None
         self._streams: dict[str, _Stream] = {}
-        self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list = []          # callables(Outputs) — metrics
         self._tokenizer: Any | None = None  # set: detokenize requests without stop strings here
@@ -142,58 +130,20 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        import zmq
-        import zmq.asyncio
-
-        if self.client is not None:
-            self._zmq = zmq.asyncio.Context()
-            self._outbox = self._zmq.socket(zmq.PUSH)
-            self._outbox.connect(self.client.input_address)
-            self._inbox = self._zmq.socket(zmq.PULL)
-            self._inbox.bind(self.client.output_address)
-            self.ready = self.client.ready
-            self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
-            return
-        folder = self._ipc_folder = tempfile.mkdtemp(prefix="pagoda-")
-        to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
+        """Attach to the core: connect to its input pipe, bind this process's output pipe."""
         self._zmq = zmq.asyncio.Context()
         self._outbox = self._zmq.socket(zmq.PUSH)
-        self._outbox.bind(to_core)
+        self._outbox.connect(self.client.input_address)
         self._inbox = self._zmq.socket(zmq.PULL)
-        self._inbox.bind(from_core)
-        ctx = multiprocessing.get_context("spawn")
-        self._process = ctx.Process(target=run_engine_core, args=(self.config, to_core, from_core),
-                                    name="pagoda-engine-core", daemon=True)
-        self._process.start()
-        while True:
-            if await self._inbox.poll(500):
-                first = await self._inbox.recv_pyobj()
-                break
-            if not self._process.is_alive():
-                raise ConfigError(f"The engine process exited during startup (exit code {self._process.exitcode}).")
-        if isinstance(first, StartupFailed):
-            self._process.join(5)
-            raise ConfigError(first.message)
-        assert isinstance(first, Ready)
-        self.ready = first
+        self._inbox.bind(self.client.output_address)
+        self.ready = self.client.ready
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_core())]
 
     async def shutdown(self) -> None:
+        """Detach (the launcher stops the core)."""
         for task in self._tasks:
             task.cancel()
-        if self.client is not None:          # the launcher stops the core
-            self._zmq.destroy(linger=0)
-            return
-        if self._process is not None and self._process.is_alive():
-            try:
-                await asyncio.wait_for(self._send(Shutdown()), 10)
-            except (EngineDead, asyncio.TimeoutError):
-                pass                          # gone already, or wedged: killed below
-            await asyncio.to_thread(self._process.join, 10)
-            if self._process.is_alive():
-                self._process.kill()
         self._zmq.destroy(linger=0)
-        shutil.rmtree(self._ipc_folder, ignore_errors=True)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -225,7 +175,8 @@ class AsyncEngine:
         stream = _Stream(prompt, prompt_token_ids)
         if self._tokenizer is not None and not params.stop:
             stream.detokenizers = [
-                IncrementalDetokenizer(self._tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                IncrementalDetokenizer(self._tokenizer, prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens,
                                        spaces_between_special_tokens=params.spaces_between_special_tokens)
                 for _ in range(params.n)]
         self._streams[request_id] = stream
@@ -313,39 +264,25 @@ class AsyncEngine:
     async def _watch_core(self) -> None:
         """Mark the engine dead when the core process exits. A pidfd (Linux 5.3+) wakes this the moment
         it does, so requests that race the death are answered 503 at once rather than after a polling
-        interval; polling every 0.5 s is the fallback. A core the launcher started is reaped by it (a
+        interval; polling every 0.5 s is the fallback. The core is the launcher's child, reaped by it (a
         zombie still answers kill(pid, 0), so only the pidfd or the launcher's CoreDied notice it)."""
-        pid = self._process.pid if self._process is not None else self.client.core_pid  # type: ignore[union-attr]
+        pid = self.client.core_pid
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         try:
-            fd: int | None = os.pidfd_open(pid)
-            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+            opened = os.pidfd_open(pid)
+            loop.add_reader(opened, lambda: None if exited.done() else exited.set_result(None))
+            fd: int | None = opened
         except (AttributeError, OSError):
             fd = None
         try:
-            while not exited.done() and self._core_alive(pid):
+            while not exited.done() and _alive(pid):
                 await asyncio.wait((exited,), timeout=0.5)
         finally:
             if fd is not None:
                 loop.remove_reader(fd)
                 os.close(fd)
-        if self._process is not None:
-            self._process.is_alive()          # reaps it: the exit code is known from here on
-            self._mark_dead(f"engine process exited with code {self._process.exitcode}")
-        else:
-            self._mark_dead("engine process exited")
-
-    def _core_alive(self, pid: int) -> bool:
-        if self._process is not None:
-            return self._process.is_alive()
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        self._mark_dead("engine process exited")
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -354,6 +291,16 @@ class AsyncEngine:
         self._died.set()
         for stream in self._streams.values():
             stream.push(EngineDead("The engine stopped while serving this request."))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _deliverable(wire: Any, stream: _Stream) -> RequestOutput | Exception:

@@ -1,36 +1,44 @@
 """The engine core in its own process: a tight loop of drain inputs → step → send outputs.
 
 Why a process: at high stream counts the HTTP event loop and the engine loop fighting over one GIL
-is where servers stall (performance-notes.md). The API process owns HTTP, tokenization and chat
+is where servers stall. The API process owns HTTP, tokenization and chat
 templates, and detokenization of requests without stop strings (`AddRequest.detokenize`); this
 process owns the model, the KV cache and the text of requests with stop strings.
 
-Wire protocol (pickled dataclasses over two ZMQ PUSH/PULL pipes):
-  API → core: AddRequest | AbortRequests | Shutdown
-  core → API: Ready | StartupFailed (once) then Outputs (every step that produced something) | CoreDied
+Wire protocol (pickled dataclasses over ZMQ PUSH/PULL pipes), the same for N >= 1 API processes:
+  API process i → core (one PULL the core binds): AddRequest | AbortRequests (tagged with i) | Shutdown
+  core → API process i (a PULL it binds): Outputs of the requests it submitted, EngineStats | CoreDied
+  core → launcher (control pipe): Ready | StartupFailed (once), CoreDied
 
-With several API processes (`--api-server-count N > 1`, `cli/serve_multi.py`) the core binds its
-input pipe (every API process pushes into it) and pushes to one pipe per API process: a request's
-outputs go only to the process that submitted it (`AddRequest.client_index`), `EngineStats` to all
-of them; Ready / StartupFailed / CoreDied go to the launcher's own pipe (and CoreDied to every API
-process too). The core remembers which process owns each live request id, so an abort from another
+A request's outputs go only to the process that submitted it (`AddRequest.client_index`), `EngineStats` to
+all of them. The core remembers which process owns each live request id, so an abort from another
 process (whose duplicate id the core rejected) cannot abort the owner's request.
+
+The launcher's side is `CoreProcess`: it makes the pipes' addresses, starts this process through the
+`launch.Supervisor`, waits for Ready and hands each API process its `CoreClient`.
 
 `Outputs` carries each request's delta as a plain tuple (`wire_output`), not a pickled `RequestOutput`:
 every streamed token crosses this pipe, and unpickling dataclasses (plus the prompt's token ids, resent
-with every delta) cost the API process ~2.4 us per output against ~0.25 us for the tuple. The API side
+with every delta) cost the API process several times what the tuple costs
+(benchmarks/profile/api_overhead.py). The API side
 already knows each request's prompt; `AsyncEngine` rebuilds `RequestOutput`s from the tuples.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError, PagodaError
 from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.serving_gc import prepare_gc_for_serving
@@ -50,8 +58,8 @@ class AddRequest:
     client_index: int = 0          # which API process sent it (several API processes only)
     # False: the API process turns this request's tokens into text itself, so its outputs carry
     # token ids and empty text (the core still detokenizes any request with stop strings: it must
-    # see the text to stop). Detokenizing every stream cost the core ~1 ms of its ~3.3 ms host work per
-    # step at 256 streams (benchmarks/host_overhead.py).
+    # see the text to stop). Detokenizing every stream was a large share of the core's host work per
+    # step at 256 streams (benchmarks/profile/host_overhead.py).
     detokenize: bool = True
 
 
@@ -117,78 +125,154 @@ class CoreDied:
     message: str
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    client_addresses: list[str] | None = None) -> None:
-    """Process entry point (spawned). One API process: it bound both pipes, `output_address` carries
-    everything. Several (`client_addresses`, one per API process): this process binds the input pipe,
-    `output_address` is the launcher's (Ready / StartupFailed / CoreDied) and outputs go to
-    `client_addresses[AddRequest.client_index]`."""
-    import os
-    import signal
+@dataclass(frozen=True)
+class CoreClient:
+    """How API process `index` reaches the core: what `AsyncEngine` attaches through."""
 
-    import zmq
+    index: int
+    input_address: str        # the core's input pipe (bound by the core)
+    output_address: str       # this process's output pipe (bound by the API process, the core connects)
+    core_pid: int
+    ready: Ready
 
-    from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.errors import PagodaError
 
-    # Ctrl-C reaches the whole process group: the API process drains in-flight requests and then
-    # sends Shutdown, so the core must not die on the same SIGINT.
+# ---- the launcher's handle on the core ------------------------------------------------------------
+class CoreProcess:
+    """Start the engine core through `supervisor` for `api_count` API processes; `wait_ready`, then give
+    API process i `clients[i]`. `target`: the core's entry point (benchmarks pass a fake core)."""
+
+    def __init__(self, supervisor: Any, config: EngineConfig, api_count: int, target: Any = None):
+        self.folder = tempfile.mkdtemp(prefix="pagoda-")
+        self.input_address = f"ipc://{self.folder}/in"
+        self.control_address = f"ipc://{self.folder}/control"
+        self.client_addresses = [f"ipc://{self.folder}/out{i}" for i in range(api_count)]
+        self.zmq = zmq.Context()
+        self.control = self.zmq.socket(zmq.PULL)
+        self.control.bind(self.control_address)
+        self.ready: Ready | None = None
+        self.died_message: str | None = None      # the traceback a failing core sent (CoreDied)
+        self.child = supervisor.start("pagoda-engine-core", target or run_engine_core,
+                                      (config, self.input_address, self.control_address, self.client_addresses),
+                                      death_signal=signal.SIGKILL)   # it ignores SIGTERM (see run_engine_core)
+
+    @property
+    def clients(self) -> list[CoreClient]:
+        assert self.ready is not None, "wait_ready first"
+        return [CoreClient(i, self.input_address, address, self.child.pid, self.ready)
+                for i, address in enumerate(self.client_addresses)]
+
+    def wait_ready(self, stop: Any = None) -> Ready | None:
+        """Until the core has loaded the model (Ready); ConfigError with its one line if it could not.
+        `stop()` true (a stop signal meanwhile): None at once."""
+        while not self.control.poll(500):
+            if stop is not None and stop():
+                return None
+            if not self.child.alive:
+                raise ConfigError(f"The engine process exited during startup (exit code {self.child.exitcode}).")
+        first = self.control.recv_pyobj()
+        if isinstance(first, StartupFailed):
+            self.child.process.join(5)
+            raise ConfigError(first.message)
+        assert isinstance(first, Ready), first
+        self.ready = first
+        return first
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to `timeout` s for a message from the core (CoreDied: kept in `died_message`)."""
+        if self.control.poll(int(timeout * 1000)):
+            message = self.control.recv_pyobj()
+            if isinstance(message, CoreDied):
+                self.died_message = message.message
+
+    def tell_core_died(self, reason: str) -> None:
+        """Every API process marks its engine dead now (in-flight requests fail, /health answers 503),
+        rather than waiting for its own watch of the core's pid."""
+        for address in self.client_addresses:
+            push = self.zmq.socket(zmq.PUSH)
+            push.connect(address)
+            try:
+                push.send_pyobj(CoreDied(reason), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            push.close(linger=500)
+        time.sleep(0.5)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Shutdown to the core, which stops after its current step; SIGKILL if it has not in `timeout` s."""
+        if not self.child.alive:
+            return
+        push = self.zmq.socket(zmq.PUSH)
+        push.connect(self.input_address)
+        try:
+            push.send_pyobj(Shutdown(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.child.process.join(timeout)
+        if self.child.alive:
+            self.child.process.kill()
+            self.child.process.join(5)
+        push.close(linger=0)
+
+    def close(self) -> None:
+        self.zmq.destroy(linger=0)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# ---- the core process (spawned by the launcher) ----------------------------------------------------
+def run_engine_core(config: EngineConfig, input_address: str, control_address: str,
+                    client_addresses: list[str]) -> None:
+    """Process entry point. Binds the input pipe (every API process pushes into it), reports Ready /
+    StartupFailed / CoreDied on the launcher's control pipe, and pushes each API process's outputs to
+    `client_addresses[AddRequest.client_index]` (CoreDied to them too)."""
+    from pagoda.engine.llm_engine import LLMEngine  # torch and the model code: only the core process loads them
+
+    # Ctrl-C reaches the whole process group, and SIGTERM may reach the whole group or cgroup (`timeout`,
+    # systemd): the launcher stops the API processes first (they drain), then this one (Shutdown, or
+    # SIGKILL if it must; also SIGKILL if the launcher dies: `Supervisor.start(death_signal=...)`).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if client_addresses is not None:
-        # Likewise SIGTERM sent to the whole group or cgroup (`timeout`, systemd): the launcher stops
-        # the API processes first and then this one (SIGKILL if it must).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_address)
+    inbox.bind(input_address)
+    control = ctx.socket(zmq.PUSH)
+    control.connect(control_address)
     clients = []
-    if client_addresses is None:
-        inbox.connect(input_address)
-    else:
-        inbox.bind(input_address)
-        for address in client_addresses:     # connected before the API processes bind: messages queue
-            clients.append(ctx.socket(zmq.PUSH))
-            clients[-1].connect(address)
+    for address in client_addresses:     # connected before the API processes bind: messages queue
+        clients.append(ctx.socket(zmq.PUSH))
+        clients[-1].connect(address)
     try:
+        # The seam for tensor parallelism: "one engine core" is this LLMEngine in this process; with TP it
+        # becomes an engine whose executor drives N rank workers (started here, or by the launcher through
+        # the same Supervisor), while the pipes, the loop and the API processes stay as they are.
         engine = LLMEngine(config)
     except PagodaError as exc:
-        outbox.send_pyobj(StartupFailed(exc.message))
+        control.send_pyobj(StartupFailed(exc.message))
         return
     except Exception as exc:  # noqa: BLE001 - a bug or a broken environment: still say why in one line
-        outbox.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
+        control.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     layout = engine.kv_layout
     prepare_gc_for_serving()         # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
-    outbox.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
-                            layout.max_concurrency(config.model.max_model_len)))
+    control.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
+                             layout.max_concurrency(config.model.max_model_len)))
     try:
-        if clients:
-            _loop_clients(engine, inbox, clients, parent)
-        else:
-            _loop(engine, inbox, outbox, parent)
+        _loop(engine, inbox, clients)
     except Exception:
         died = CoreDied(traceback.format_exc(limit=8))
-        for box in [outbox, *clients]:
+        for box in [control, *clients]:
             box.send_pyobj(died)
         raise
     finally:
-        for box in [outbox, *clients]:
+        for box in [control, *clients]:
             box.close(linger=1000)
         inbox.close(linger=0)
 
 
-def _receive(engine, inbox, parent: int) -> list | None:
+def _receive(engine, inbox) -> list | None:
     """The messages that arrived since the last step, in order: blocks (1 s at a time) while the
-    engine is idle, only drains while it has work. None: stop (a Shutdown, or the parent is gone —
-    killed without a Shutdown — so do not linger as an orphan)."""
-    import os
-
+    engine is idle, only drains while it has work. None: stop (a Shutdown)."""
     timeout = 0 if engine.has_unfinished_requests() else 1000
-    if timeout and os.getppid() != parent:
-        return None
     messages = []
     while inbox.poll(timeout):
         timeout = 0
@@ -201,8 +285,6 @@ def _receive(engine, inbox, parent: int) -> list | None:
 
 def _add(engine, message: AddRequest) -> str | None:
     """Queue the request; the refusal's message if the engine refuses it."""
-    from pagoda.errors import PagodaError
-
     try:
         engine.add_request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt,
                            delta=message.delta, arrival_time=message.arrival_time, mm_inputs=message.mm_inputs,
@@ -215,45 +297,17 @@ def _add(engine, message: AddRequest) -> str | None:
     return None
 
 
-def _loop(engine, inbox, outbox, parent: int) -> None:
-    last_stats: EngineStats | None = None
-    busy = cpu = 0.0
-    received = reported = 0
-    while (messages := _receive(engine, inbox, parent)) is not None:
-        started, started_cpu = time.perf_counter(), time.thread_time()
-        outputs: list[RequestOutput] = []
-        rejected: dict[str, str] = {}
-        for message in messages:
-            if isinstance(message, AbortRequests):
-                outputs += engine.abort_request(message.request_ids)
-            elif isinstance(message, AddRequest):
-                received += 1
-                if (refused := _add(engine, message)) is not None:
-                    rejected[message.request_id] = refused
-        if engine.has_unfinished_requests():
-            outputs += engine.step()
-        # Report outputs, and also any change of state without outputs (a prefill chunk, a request
-        # admitted): the gauges stay current. Nothing is sent while nothing changes.
-        stats = engine.stats()
-        stats.busy_seconds, stats.cpu_seconds = busy, cpu
-        if outputs or rejected or received != reported or _changed(stats, last_stats):
-            outbox.send_pyobj(Outputs([wire_output(out) for out in outputs], stats, rejected, received))
-            reported = received
-        last_stats = stats
-        busy += time.perf_counter() - started
-        cpu += time.thread_time() - started_cpu
-
-
-def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
-    """`_loop` for several API processes: each output goes to the process that owns its request,
-    the stats to every process whenever they change (the first process also counts the engine's
-    running totals into its metrics, so they must reach it every time they move)."""
+def _loop(engine, inbox, clients: list) -> None:
+    """Drain inputs → step → send outputs, until Shutdown. Each output goes to the API process that owns its
+    request (`clients[index]`), the stats to every process whenever they change (the first process also
+    counts the engine's running totals into its metrics, so they must reach it every time they move).
+    Nothing is sent while nothing changes."""
     owners: dict[str, int] = {}            # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
     busy = cpu = 0.0
     received, reported = [0] * count, [0] * count     # AddRequests per API process: taken, last reported
-    while (messages := _receive(engine, inbox, parent)) is not None:
+    while (messages := _receive(engine, inbox)) is not None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
         rejected: list[dict[str, str]] = [{} for _ in range(count)]
@@ -278,6 +332,8 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
             owner = owners.pop(out.request_id, None) if out.finished else owners.get(out.request_id)
             if owner is not None:
                 per_client[owner].append(wire_output(out))
+        # Report outputs, and also any change of state without outputs (a prefill chunk, a request
+        # admitted): the gauges stay current.
         stats = engine.stats()
         stats.busy_seconds, stats.cpu_seconds = busy, cpu
         changed = _totals_changed(stats, last_stats)
@@ -292,6 +348,8 @@ def _loop_clients(engine, inbox, clients: list, parent: int) -> None:
 
 def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:
     # num_steps: the core's clock totals (busy, device wait) move with every step and process 0 counts them.
+    if last is None:
+        return True
     return _changed(stats, last) or (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
                                      stats.num_steps) != (last.num_preemptions, last.prefix_cache_queries,
                                                           last.prefix_cache_hits, last.num_steps)

@@ -12,8 +12,8 @@ def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
 
     proto is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on an accepted connection only when the
     listening socket's proto says TCP (and children rebuild the socket from family, type, proto).
-    Without it Nagle holds each small SSE write until the client's delayed ACK: +40 ms to the first
-    token. TCP_NODELAY on the listener too (Linux hands it to accepted sockets)."""
+    Without it Nagle holds each small SSE write until the client's delayed ACK, which delays the first
+    token by the ACK timer. TCP_NODELAY on the listener too (Linux hands it to accepted sockets)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:

@@ -7,29 +7,25 @@ shape. `Overloaded`, `EngineDead` and `ShuttingDown` add `Retry-After`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.errors import EngineDead, Overloaded, PagodaError, ShuttingDown, Unauthorized
 from pagoda.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
-from pagoda.server.serving import SSE_DONE, OpenAIServing, sse_error
+from pagoda.server.routes import router
+from pagoda.server.serving import OpenAIServing
 
 logger = logging.getLogger("pagoda.server")
-T = TypeVar("T")
 
 # Paths that never need the API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
-SSE_DONE_BYTES = SSE_DONE.encode()
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
 class _ErrorJSON(JSONResponse):
@@ -47,8 +43,6 @@ def error_response(status: int, message: str, error_type: str, param: str | None
 
 def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    from pagoda.server.routes import router
-
     app = FastAPI(title="Pagoda OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
     app.include_router(router)
@@ -97,7 +91,7 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):      # only the 422s referred to these
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-    return app.openapi_schema
+    return cast(dict[str, Any], app.openapi_schema)
 
 
 class APIKeyMiddleware:
@@ -118,50 +112,3 @@ class APIKeyMiddleware:
                 await error_response(err.http_status, err.message, err.error_type)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await `work`, cancelling it (which aborts the engine request) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            # Nobody is listening; an empty 499 (nginx's "client closed request") instead of raising,
-            # which uvicorn would log as an "Exception in ASGI application" traceback.
-            return Response(status_code=499)
-
-
-def sse_response(events: AsyncIterator[str | bytes]) -> StreamingResponse:
-    """Frame an event stream; errors mid-stream become one SSE error event. Client disconnects
-    cancel the generator, whose cleanup aborts the engine request. The stream ends with the [DONE]
-    event; a stream may write it itself with its last event (one write less per request)."""
-
-    async def body() -> AsyncIterator[str | bytes]:
-        last: str | bytes = ""
-        try:
-            async for event in events:
-                last = event
-                yield event
-        except PagodaError as exc:
-            yield sse_error(exc.message, exc.error_type, exc.http_status)
-            last = ""
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the status line is already sent
-            logger.exception("error while streaming")
-            yield sse_error(f"Internal server error: {type(exc).__name__}", "InternalServerError", 500)
-            last = ""
-        if not (last.endswith(SSE_DONE_BYTES) if isinstance(last, bytes) else last.endswith(SSE_DONE)):
-            yield SSE_DONE
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=STREAM_HEADERS)
-
-
-def metrics_response(serving: OpenAIServing) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST
-
-    # Between the core's reports (a long step) the waiting gauge also counts what this process sent since.
-    return Response(serving.ctx.metrics.render(serving.ctx.engine.waiting_estimate()), media_type=CONTENT_TYPE_LATEST)

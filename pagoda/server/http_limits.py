@@ -218,7 +218,8 @@ class BodyLimitMiddleware:
         if not chunked:
             await self.app(scope, receive, send)
             return
-        parts, size, more = [], 0, True
+        parts: list[bytes] = []
+        size, more = 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":

@@ -11,8 +11,8 @@ once, as `pagoda:â€¦`, and `render` writes each family a second time as `vllm:â€
 labels (`_Prefixed`), which costs a scrape a few hundred extra lines instead of a second observation of
 every token's histograms. `--metrics-prefix` picks one of the two instead.
 
-Several API processes (`--api-server-count`): prometheus_client's multiprocess mode (the launcher sets
-PROMETHEUS_MULTIPROC_DIR before they start). Every process renders the values of all of them:
+API processes (`--api-server-count N`, N >= 1): prometheus_client's multiprocess mode (the launcher's
+`launch.Supervisor` sets PROMETHEUS_MULTIPROC_DIR for them). Every process renders the values of all of them:
 counters and histograms summed, the engine gauges the most recently written value (every process
 receives every change of them). The engine's running totals (preemptions, prefix-cache tokens) reach
 every process; only the first one counts them, or the sum would be N times the truth.
@@ -21,6 +21,7 @@ every process; only the first one counts them, or the sum would be N times the t
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -41,13 +42,13 @@ class _Prefixed:
     """A collector that yields every family of `source` (names starting with `pagoda:`) once per
     prefix, renamed. Families are copied per scrape, the recorded values are not touched."""
 
-    def __init__(self, source, prefixes: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def __init__(self, source, prefixes: tuple[str, ...]):
         self.source, self.prefixes = source, prefixes
 
     def describe(self) -> list:
         return []               # nothing to check for clashes: this is the render registry's only collector
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):
         families = list(self.source.collect())
         for prefix in self.prefixes:
             if f"{prefix}:" == _OWN:
@@ -57,7 +58,7 @@ class _Prefixed:
                 yield _renamed(family, f"{prefix}:")
 
 
-def _renamed(family, prefix: str):  # type: ignore[no-untyped-def]
+def _renamed(family, prefix: str):
     if not family.name.startswith(_OWN):
         return family
     cut = len(_OWN)
@@ -156,7 +157,7 @@ class ServerMetrics:
         if waiting_estimate is not None:
             self.waiting.set(waiting_estimate)
         if self._render_registry is None:
-            source = self.registry
+            source: Any = self.registry
             if self.multiprocess:
                 from prometheus_client import multiprocess
 

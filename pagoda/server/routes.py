@@ -7,12 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagoda
-from pagoda.errors import EngineDead
+from pagoda.errors import EngineDead, InvalidRequest
 from pagoda.server import protocol as p
-from pagoda.server.app import metrics_response, run_until_disconnect, sse_response
 from pagoda.server.serving import OpenAIServing
+from pagoda.server.sse import run_until_disconnect, sse_response
 
 router = APIRouter()
 
@@ -39,7 +40,7 @@ def _serving(request: Request) -> OpenAIServing:
 
 
 @router.post("/v1/chat/completions", responses=_GENERATE_ERRORS)
-async def chat_completions(body: p.ChatCompletionRequest, request: Request):  # type: ignore[no-untyped-def]
+async def chat_completions(body: p.ChatCompletionRequest, request: Request):
     serving, arrival = _serving(request), time.monotonic()
     if body.stream:
         return sse_response(await serving.chat_stream(body, arrival))
@@ -47,7 +48,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):  # 
 
 
 @router.post("/v1/completions", responses=_GENERATE_ERRORS)
-async def completions(body: p.CompletionRequest, request: Request):  # type: ignore[no-untyped-def]
+async def completions(body: p.CompletionRequest, request: Request):
     serving, arrival = _serving(request), time.monotonic()
     if body.stream:
         return sse_response(await serving.completion_stream(body, arrival))
@@ -84,7 +85,9 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return metrics_response(_serving(request))
+    ctx = _serving(request).ctx
+    # Between the core's reports (a long step) the waiting gauge also counts what this process sent since.
+    return Response(ctx.metrics.render(ctx.engine.waiting_estimate()), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize", responses=_TOKENIZER_ERRORS)
@@ -94,10 +97,8 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         _, tokens, _ = await serving.chat_prompt(body.messages, serving.ctx.chat_template, body.add_generation_prompt)
     elif body.prompt is not None:
-        tokens = serving._tokenize(body.prompt, body.add_special_tokens)
+        tokens = serving.tokenize(body.prompt, body.add_special_tokens)
     else:
-        from pagoda.errors import InvalidRequest
-
         raise InvalidRequest("Send either prompt or messages.", "prompt")
     return JSONResponse({"count": len(tokens), "max_model_len": serving.ctx.max_model_len, "tokens": tokens})
 
@@ -107,5 +108,5 @@ async def detokenize(body: p.DetokenizeRequest, request: Request) -> JSONRespons
     serving = _serving(request)
     serving.check_model(body.model)
     if body.tokens:             # no ids decode to "" (as vLLM); only a prompt must have some
-        serving._check_tokens(body.tokens, "tokens")
-    return JSONResponse({"prompt": serving._decode(body.tokens)})
+        serving.check_tokens(body.tokens, "tokens")
+    return JSONResponse({"prompt": serving.decode(body.tokens)})

@@ -8,23 +8,23 @@ deltas accumulated.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pagoda.engine.async_engine import Admission, AsyncEngine
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
-from pagoda.frontend.tokenizer import fast_encoder
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
+from pagoda.frontend.tokenizer import fast_encoder
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.sse import SSE_DONE, sse_data
 
 logger = logging.getLogger("pagoda.server")
 
@@ -91,7 +91,7 @@ class OpenAIServing:
             raise Overloaded(f"The server is overloaded ({waiting + unreported} requests waiting); retry later.")
         return engine.admit(count)
 
-    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._encode is None:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
         check_unicode(text, "prompt")
@@ -121,7 +121,7 @@ class OpenAIServing:
                 "Please reduce the length of the messages or completion.", "max_tokens")
         return requested
 
-    def _check_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
+    def check_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
         check_prompt_tokens(token_ids, self.ctx.vocab_size, param)
 
     def _sampling_params(self, req: p._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -168,7 +168,7 @@ class OpenAIServing:
             req.messages, self.ctx.chat_template, req.add_generation_prompt, req.chat_template_kwargs,
             req.mm_processor_kwargs, continue_final_message=req.continue_final_message,
             request_template=req.chat_template or None)
-        self._check_tokens(token_ids, "messages")
+        self.check_tokens(token_ids, "messages")
         media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
         max_tokens = self._resolve_max_tokens(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids),
@@ -291,20 +291,20 @@ class OpenAIServing:
             raise InvalidRequest(f"n times the number of prompts must be at most {p.MAX_PROMPTS}, got n={req.n} "
                                  f"for {count} prompts.", "n")
         if isinstance(prompt, str):
-            items: list[tuple[str | None, list[int]]] = [(prompt, self._tokenize(prompt, True))]
+            items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, True))]
         elif prompt and all(isinstance(x, str) for x in prompt):
-            items = [(text, self._tokenize(text, True)) for text in prompt]  # type: ignore[arg-type]
+            items = [(text, self.tokenize(text, True)) for text in cast("list[str]", prompt)]
         elif prompt and all(isinstance(x, int) for x in prompt):
-            items = [(None, list(prompt))]  # type: ignore[arg-type]
+            items = [(None, list(cast("list[int]", prompt)))]
         elif prompt and all(isinstance(x, list) for x in prompt):
-            items = [(None, list(x)) for x in prompt]  # type: ignore[union-attr]
+            items = [(None, list(x)) for x in cast("list[list[int]]", prompt)]
         else:
             raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
                                  "token-id lists, and not empty.", "prompt")
         prepared = []
         for text, ids in items:
             max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))   # first: O(1) for an overlong prompt
-            self._check_tokens(ids)
+            self.check_tokens(ids)
             prepared.append((text, ids, self._sampling_params(req, max_tokens, req.logprobs)))
         return prepared
 
@@ -326,7 +326,7 @@ class OpenAIServing:
                         finals[i] = c
         choices = []
         for i in range(n * len(prepared)):
-            prefix = (prepared[i // n][0] or self._decode(prepared[i // n][1])) if req.echo else ""
+            prefix = (prepared[i // n][0] or self.decode(prepared[i // n][1])) if req.echo else ""
             lp = self._completion_logprobs(logprobs[i], len(prefix)) if req.logprobs is not None else None
             choices.append(p.CompletionChoice(index=i, text=prefix + "".join(texts[i]), logprobs=lp,
                                               finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i])))
@@ -358,7 +358,7 @@ class OpenAIServing:
                     text = c.text
                     if req.echo and i not in echoed:
                         echoed.add(i)
-                        text = (prepared[k][0] or self._decode(prepared[k][1])) + text
+                        text = (prepared[k][0] or self.decode(prepared[k][1])) + text
                     if not text and c.finish_reason is None:
                         continue
                     choice = template.choice(i, text, _reason(c), c.stop_reason) if c.logprobs is None else None
@@ -398,7 +398,7 @@ class OpenAIServing:
                 offset += len(chosen.decoded_token or "")
         return result
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return decode_ids(self.ctx.tokenizer, ids) if self.ctx.tokenizer is not None else ""
 
     # ---- engine streams and metrics -----------------------------------------------------------
@@ -493,17 +493,6 @@ def check_unicode(value: Any, param: str) -> None:
 def _clip(text: str, limit: int = 100) -> str:
     """A client-sent value quoted in an error message, cut short (a 1 MB model name is not echoed back)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def sse_data(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = sse_data("[DONE]")     # a stream's end marker (`app.sse_response` adds it unless the stream did)
-
-
-def sse_error(exc_message: str, error_type: str, code: int) -> str:
-    return sse_data(json.dumps({"error": {"message": exc_message, "type": error_type, "param": None, "code": code}}))
 
 
 def _accumulators(count: int) -> tuple[list[list[str]], list[int], list[CompletionOutput | None], list[list]]:

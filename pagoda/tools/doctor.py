@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pagoda import envs
+from pagoda.config import EngineArgs
+from pagoda.config.server import ServerConfig
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -909,18 +911,14 @@ def run_doctor(ns: argparse.Namespace) -> int:
     return 1 if counts["FAIL"] else 0
 
 
-def serve_preflight(ns: argparse.Namespace) -> list[Check]:
-    """The fast checks for `pagoda serve`'s namespace; raises ConfigError listing every FAIL line."""
+def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
+    """The fast checks for `pagoda serve`'s configs; raises ConfigError listing every FAIL line."""
     from pagoda.errors import ConfigError
 
-    checks = run_checks(getattr(ns, "model", None), port=getattr(ns, "port", None),
-                        tensor_parallel_size=getattr(ns, "tensor_parallel_size", 1), fast=True,
-                        tokenizer=getattr(ns, "tokenizer", None), host=getattr(ns, "host", "0.0.0.0"),
-                        device=getattr(ns, "device", "auto"),
-                        skip_tokenizer_init=bool(getattr(ns, "skip_tokenizer_init", False)),
-                        chat_template=getattr(ns, "chat_template", None),
-                        trust_remote_code=bool(getattr(ns, "trust_remote_code", False)),
-                        load_format=getattr(ns, "load_format", "auto"))
+    checks = run_checks(engine.model, port=server.port, tensor_parallel_size=server.tensor_parallel_size, fast=True,
+                        tokenizer=engine.tokenizer, host=server.host, device=engine.device,
+                        skip_tokenizer_init=engine.skip_tokenizer_init, chat_template=server.chat_template,
+                        trust_remote_code=engine.trust_remote_code, load_format=engine.load_format)
     bad = failed(checks)
     if bad:
         raise ConfigError("preflight failed (`pagoda doctor` shows every check):\n" + format_report(bad))

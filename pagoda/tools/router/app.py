@@ -169,7 +169,8 @@ class RouterState:
 
         The hot path sends through the transport, not through AsyncClient.send: a proxy must not keep a client
         cookie jar (one user's cookies would go out with another's requests) and needs no auth or redirect
-        handling, and that layer alone costs ~0.2 ms per request on a small CPU. One pool per backend, not one
+        handling, and that layer alone is a measurable share of a request on a small CPU
+        (benchmarks/profile/router_overhead.py). One pool per backend, not one
         for all (httpcore's pool, still used for https backends, does O(connections^2) work whenever a request
         starts or ends). The transport is upstream.FastHTTPTransport: httpcore's per-chunk cost was most of the
         router's CPU per relayed token.
