@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -19,7 +20,5 @@ _EXPORTS = {"LLM": "pagoda.engine.llm", "RequestOutput": "pagoda.outputs",
 def __getattr__(name: str) -> Any:
     # Lazy: `pagoda bench` / `pagoda plan` start without importing torch and the engine.
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

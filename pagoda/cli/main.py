@@ -16,15 +16,17 @@ A user mistake (bad flag value, missing model file...) prints one line and exits
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-from pagoda.tools.bench.cli import add_bench_args
-from pagoda.tools.doctor import add_doctor_args
-from pagoda.tools.plan import add_plan_args
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.cli.serve import add_serve_args, serve
-from pagoda.errors import PagodaError
+from pagoda.errors import InvalidRequest, PagodaError
+from pagoda.frontend.chat_template import load_chat_template, render_chat
+from pagoda.tools.bench.cli import add_bench_args, run_bench
+from pagoda.tools.doctor import add_doctor_args, run_doctor
+from pagoda.tools.plan import add_plan_args, run_plan
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -61,11 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     doctor = sub.add_parser("doctor", help="preflight checks of a model folder and this machine")
     add_doctor_args(doctor)
-    from pagoda.tools.batch.cli import add_batch_args  # argparse only: `pagoda` still starts fast
+    # lazy: the subcommand's own modules (cli/main.py is the one dispatch); these two are argparse only
+    from pagoda.tools.batch.cli import add_batch_args
 
     add_batch_args(sub.add_parser("batch", help="run an OpenAI Batch JSONL or images + a prompt against a server, "
                                                 "with retries, rate limit and resume"))
-    from pagoda.tools.router.cli import add_router_args  # argparse only
+    from pagoda.tools.router.cli import add_router_args  # lazy: the subcommand's own module (see above)
 
     add_router_args(sub.add_parser("router", help="OpenAI-compatible front for several servers: session affinity, "
                                                   "health checks, retries, usage per key"))
@@ -74,12 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_chat_template(ns: argparse.Namespace) -> None:
     """Render without loading weights, so separators can be checked before serving."""
-    import json
-
-    from pagoda.errors import InvalidRequest
-    from pagoda.frontend.chat_template import load_chat_template, render_chat
-    from pagoda.frontend.tokenizer import load_tokenizer
-    from pagoda.models.source import resolve_model_source
+    from pagoda.frontend.tokenizer import load_tokenizer  # lazy: torch (the subcommand's own modules)
+    from pagoda.models.source import resolve_model_source  # lazy: torch (the subcommand's own modules)
 
     try:
         with open(ns.messages) as f:
@@ -96,7 +95,7 @@ def _print_chat_template(ns: argparse.Namespace) -> None:
 
 
 def _run_offline(ns: argparse.Namespace) -> None:
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams  # lazy: torch, the engine (the subcommand's own modules)
 
     args = engine_args_from(ns)
     llm = LLM(**{k: v for k, v in vars(args).items()})
@@ -117,20 +116,15 @@ def _run_offline(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # lazy below: the subcommand's own modules (cli/main.py is the one dispatch)
     try:
         if ns.command == "serve":
             return serve(ns)
         if ns.command == "bench":
-            from pagoda.tools.bench.cli import run_bench
-
             return run_bench(ns)
         if ns.command == "plan":
-            from pagoda.tools.plan import run_plan
-
             return run_plan(ns)
         if ns.command == "doctor":
-            from pagoda.tools.doctor import run_doctor
-
             return run_doctor(ns)
         if ns.command == "batch":
             from pagoda.tools.batch.cli import run_batch

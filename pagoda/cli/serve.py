@@ -60,9 +60,8 @@ def serve(ns: argparse.Namespace) -> int:
 def prepare(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Every one-line startup error, before the model loads: the configs (built once, here), the flags this
     server refuses, doctor's fast checks, tokenizer and chat template. Returns (ApiSetup, MultiModalConfig)."""
-    # Function-local: the engine and server stack (torch, transformers, FastAPI) is only for `serve`;
     # `pagoda --help` and the other subcommands import this module too.
-    from pagoda.server.api_process import ApiSetup
+    from pagoda.server.api_process import ApiSetup  # lazy: torch, transformers, FastAPI (only `serve` needs them)
 
     engine_args = engine_args_from(ns)
     server = ServerConfig.from_args(ns)
@@ -90,8 +89,8 @@ class _Launch:
                 self.core.close()
 
     def _run(self) -> int:
-        from pagoda.engine.core_process import CoreProcess  # the engine/server stack: see `prepare`
-        from pagoda.server.api_process import run_api_server
+        from pagoda.engine.core_process import CoreProcess  # lazy: torch, the engine (see `prepare`)
+        from pagoda.server.api_process import run_api_server  # lazy: torch, FastAPI (see `prepare`)
 
         server, supervisor = self.server, self.supervisor
         supervisor.catch_signals()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
 from pagoda.errors import ConfigError
+from pagoda.models.quantization import refuse_quantized
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -157,8 +158,7 @@ class EngineConfig:
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
         """Resolve and validate every knob once. Reads the model's config (not its weights)."""
-        from pagoda.models.quantization import refuse_quantized  # heavy imports stay lazy
-        from pagoda.models.source import resolve_model_source
+        from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
         utilization = a.gpu_memory_utilization
@@ -227,7 +227,7 @@ def _check(ok: bool, param: str, message: str) -> None:
 
 
 def _resolve_device(device: str) -> str:
-    import torch
+    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,7 +253,7 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
         if device != "cuda":
             return "torch"
         try:
-            import triton  # noqa: F401
+            import triton  # lazy: optional (triton)  # noqa: F401
         except ImportError:
             return "torch"
         return "triton"
@@ -261,7 +261,7 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
         raise ConfigError("attention_backend='triton' needs a CUDA GPU; use --attention-backend torch on the CPU.",
                           "attention_backend")
     try:
-        import triton  # noqa: F401
+        import triton  # lazy: optional (triton)  # noqa: F401
     except ImportError:
         raise ConfigError("attention_backend='triton' needs the triton package (pip install triton).",
                           "attention_backend") from None
@@ -269,7 +269,7 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
 
 
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
-    import torch
+    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
 
     aliases = {"half": "float16", "float": "float32"}
     dtype = aliases.get(dtype, dtype)

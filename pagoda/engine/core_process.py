@@ -224,7 +224,7 @@ def run_engine_core(config: EngineConfig, input_address: str, control_address: s
     """Process entry point. Binds the input pipe (every API process pushes into it), reports Ready /
     StartupFailed / CoreDied on the launcher's control pipe, and pushes each API process's outputs to
     `client_addresses[AddRequest.client_index]` (CoreDied to them too)."""
-    from pagoda.engine.llm_engine import LLMEngine  # torch and the model code: only the core process loads them
+    from pagoda.engine.llm_engine import LLMEngine  # lazy: torch and the model code (only the core process loads them)
 
     # Ctrl-C reaches the whole process group, and SIGTERM may reach the whole group or cgroup (`timeout`,
     # systemd): the launcher stops the API processes first (they drain), then this one (Shutdown, or

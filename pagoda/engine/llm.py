@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
+from tqdm.auto import tqdm
+
 from pagoda.config import EngineArgs, EngineConfig, MultiModalConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import InvalidRequest
@@ -162,8 +164,6 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
             progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

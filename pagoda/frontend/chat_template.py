@@ -141,7 +141,7 @@ class TemplateReport:
 
 def template_family(hf_config: dict[str, Any]) -> str | None:
     """The chat format a model family is trained on, where Pagoda knows it."""
-    from pagoda.frontend.tokenizer import is_yuan
+    from pagoda.frontend.tokenizer import is_yuan  # lazy: torch (the tokenizer module loads it)
 
     if is_yuan(hf_config):
         return "Yuan2"
@@ -218,7 +218,7 @@ def _origin(override: str | None, template: str | None, folder: str | None) -> t
         return (f"--chat-template {override}" if os.path.isfile(override) else "--chat-template (inline text)"), None
     if template is None:
         return "none", None
-    from pagoda.frontend.yuan_tokenizer import YUAN_CHAT_TEMPLATE
+    from pagoda.frontend.yuan_tokenizer import YUAN_CHAT_TEMPLATE  # lazy: transformers
 
     if template == YUAN_CHAT_TEMPLATE:
         return "the built-in Yuan2 format", None

@@ -164,8 +164,8 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
         return own_decoder
     fast: _FastDecoder | None = None
     try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers import PreTrainedTokenizerFast  # lazy: transformers
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # lazy: transformers
 
         cls = type(tokenizer)
         backend: Any = getattr(tokenizer, "_tokenizer", None)

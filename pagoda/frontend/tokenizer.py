@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import huggingface_hub
+
 from pagoda.errors import ModelLoadError
+from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
 from pagoda.models.source import ModelSource
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -23,12 +27,10 @@ class TokenizerInfo:
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: bool = False) -> Any:
     if source.kind == "gguf" and tokenizer_path == source.location:
-        from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
-
         return load_gguf_tokenizer(source.location)
     if is_yuan(source.hf_config):
         return _load_yuan(tokenizer_path)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     if os.path.isdir(tokenizer_path) and not any(
             os.path.isfile(os.path.join(tokenizer_path, name)) for name in _TOKENIZER_FILES):
@@ -47,8 +49,6 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: 
 def _processor_chat_template(folder: str) -> str | None:
     """Multimodal checkpoints (Qwen2-VL) ship the template beside the processor, in
     chat_template.json ({"chat_template": ...}) or chat_template.jinja, not in tokenizer_config."""
-    import json
-
     path = os.path.join(folder, "chat_template.json")
     if os.path.isfile(path):
         try:
@@ -72,7 +72,7 @@ def is_yuan(hf_config: dict[str, Any]) -> bool:
 def _load_yuan(tokenizer_path: str) -> Any:
     """Yuan2's SentencePiece tokenizer built as the official code builds it, never the checkpoint's
     remote code (its tokenizer_config names a class that does not exist and the wrong BOS/EOS)."""
-    from pagoda.frontend.yuan_tokenizer import load_yuan_tokenizer
+    from pagoda.frontend.yuan_tokenizer import load_yuan_tokenizer  # lazy: transformers
 
     folder = tokenizer_path
     if not os.path.exists(folder):
@@ -87,9 +87,7 @@ def _load_yuan(tokenizer_path: str) -> Any:
 
 def _download_tokenizer(repo_id: str) -> str:
     try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id, allow_patterns=["tokenizer*", "*.model", "special_tokens_map.json",
+        return huggingface_hub.snapshot_download(repo_id, allow_patterns=["tokenizer*", "*.model", "special_tokens_map.json",
                                                           "chat_template*"])
     except Exception as exc:  # offline, unknown repo, auth: one message for the user
         raise ModelLoadError(f"Tokenizer {repo_id!r} is not a local folder and could not be fetched from the hub "
@@ -124,8 +122,8 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers import PreTrainedTokenizerFast  # lazy: transformers
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # lazy: transformers
 
         cls = type(tokenizer)
         backend: Any = getattr(tokenizer, "_tokenizer", None)

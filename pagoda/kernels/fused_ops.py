@@ -33,15 +33,14 @@ may not import layers.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagoda import envs
 from pagoda.kernels import pdl
 from pagoda.kernels.pdl import wait_for_inputs
-from pagoda import envs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_SIZE = 32768          # one program holds a whole row in registers; wider rows use PyTorch

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs
 from pagoda.kernels import dispatch, pdl
 from pagoda.kernels.pdl import wait_for_inputs
-from pagoda import envs
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)   # running-max start: finite, so exp2(m_old - m_new) is never NaN

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pagoda.kernels import dispatch
 from pagoda import envs
+from pagoda.kernels import dispatch
 
 
 @functools.cache

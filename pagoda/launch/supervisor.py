@@ -14,6 +14,7 @@ order in which children are stopped, and what a dead child means, is the caller'
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -53,8 +54,6 @@ class Child:
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     """Linux: `sig` to this process when its parent goes away (even by SIGKILL); exit now if it already has."""
     if sys.platform.startswith("linux"):
-        import ctypes  # only where prctl exists
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != parent:         # gone before the prctl
@@ -171,7 +170,8 @@ class Supervisor:
     def _mark_dead(self, child: Child) -> None:
         child.process.join(0)
         if self.metrics_dir is not None:
-            from prometheus_client import multiprocess  # only a supervisor that keeps metrics needs it
+            # lazy: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR must be set before import)
+            from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(child.pid, self.metrics_dir)   # its live gauges no longer count
 

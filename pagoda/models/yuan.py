@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.errors import ModelLoadError
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
@@ -31,7 +32,6 @@ from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
-from pagoda import envs
 
 # Decode steps up to this many rows overlap v_proj with the LF gate: it helps at batch 1, is neutral at
 # 64 and slows the batch-256 step, where one matmul already fills the GPU (benchmarks/h200.py: c=1 TPOT

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda import envs
+from pagoda.errors import ConfigError
 
 logger = logging.getLogger("pagoda.server.http")
 
@@ -98,8 +99,6 @@ class HttpLimits:
     @classmethod
     def from_args(cls, ns: Any) -> HttpLimits:
         """From `pagoda serve`'s flags; raises the descriptor limit (the default connection cap follows it)."""
-        from pagoda.errors import ConfigError
-
         fd_limit = raise_fd_limit()
         max_connections = ns.max_connections if ns.max_connections is not None else default_max_connections(fd_limit)
         limits = cls(max_request_bytes=ns.max_request_bytes, max_header_bytes=ns.max_header_bytes,
@@ -265,9 +264,9 @@ class _Refusal(Exception):
 
 def http_protocol(limits: HttpLimits) -> type:
     """uvicorn's httptools protocol class with `limits` applied (passed as `uvicorn.Config(http=...)`)."""
-    import httptools
-    from uvicorn.protocols.http.flow_control import FlowControl
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    import httptools  # lazy: optional (httptools); only serving needs it, pagoda.config imports this module
+    from uvicorn.protocols.http.flow_control import FlowControl  # lazy: uvicorn, only when serving
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # lazy: uvicorn + httptools, serving only
 
     max_header_bytes, max_header_count = limits.max_header_bytes, limits.max_header_count
     header_timeout, body_timeout, max_connections = limits.header_timeout, limits.body_timeout, limits.max_connections

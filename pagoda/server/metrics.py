@@ -159,6 +159,7 @@ class ServerMetrics:
         if self._render_registry is None:
             source: Any = self.registry
             if self.multiprocess:
+                # lazy: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR must be set before import)
                 from prometheus_client import multiprocess
 
                 source = multiprocess.MultiProcessCollector(None)     # every process's files, summed

@@ -19,6 +19,7 @@ from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
+from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tokenizer import fast_encoder
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -161,8 +162,6 @@ class OpenAIServing:
                                  "tool) message too, or set continue_final_message (and add_generation_prompt "
                                  "false) to continue the last one.", "messages")
         if req.chat_template and not self.ctx.trust_request_chat_template:
-            from pagoda.frontend.template_sandbox import refused_message
-
             raise InvalidRequest(refused_message(), "chat_template")
         text, token_ids, mm_inputs = await self.chat_prompt(
             req.messages, self.ctx.chat_template, req.add_generation_prompt, req.chat_template_kwargs,

@@ -31,8 +31,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pagoda import envs
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, _derived_max_model_len, text_field
 from pagoda.config.server import ServerConfig
+from pagoda.errors import ConfigError, PagodaError
+from pagoda.frontend.chat_template import inspect_chat_template
+from pagoda.models.quantization import checkpoint_quantization
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -162,8 +165,7 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
 
 
 def _check_config(state: _State) -> Check:
-    from pagoda.errors import PagodaError
-    from pagoda.models.source import ModelSource, resolve_model_source
+    from pagoda.models.source import ModelSource, resolve_model_source  # lazy: torch (`pagoda` starts without it)
 
     model = state.model
     if model is None or model.endswith(".gguf"):
@@ -198,9 +200,8 @@ def _check_config(state: _State) -> Check:
 
 
 def _check_gguf_config(state: _State) -> Check:
-    from pagoda.errors import PagodaError
-    from pagoda.models.gguf_checkpoint import default_gguf_path, read_gguf_config
-    from pagoda.models.source import ModelSource
+    from pagoda.models.gguf_checkpoint import default_gguf_path, read_gguf_config  # lazy: torch
+    from pagoda.models.source import ModelSource  # lazy: torch (`pagoda` starts without it)
 
     try:
         path = state.model if state.model is not None else default_gguf_path()
@@ -225,7 +226,7 @@ def _check_gguf_config(state: _State) -> Check:
 
 
 def _check_architecture(hf_config: dict[str, Any]) -> Check:
-    from pagoda.models.registry import supported_architectures
+    from pagoda.models.registry import supported_architectures  # lazy: torch (`pagoda` starts without it)
 
     archs = hf_config.get("architectures")
     supported = supported_architectures()
@@ -239,11 +240,8 @@ def _check_architecture(hf_config: dict[str, Any]) -> Check:
 
 
 def _check_config_fields(cfg: dict[str, Any]) -> Check:
-    from pagoda.config import text_field
-    from pagoda.errors import PagodaError
-
     if _is_yuan(cfg):
-        from pagoda.models.yuan import YuanShape
+        from pagoda.models.yuan import YuanShape  # lazy: torch (`pagoda` starts without it)
 
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                                "intermediate_size") if not _positive_int(cfg.get(k))]
@@ -282,8 +280,6 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
 def _check_quantization(state: _State, load_format: str) -> Check | None:
     """A quantized checkpoint (AWQ, GPTQ, FP8...) fails at startup: say so, rather than letting the
     tensor mismatch read as a damaged download. Nothing is reported for an unquantized one."""
-    from pagoda.models.quantization import checkpoint_quantization
-
     source = state.source
     found = checkpoint_quantization(source.location, source.kind, source.hf_config,
                                     read_tensor_names=load_format != "dummy")
@@ -293,9 +289,7 @@ def _check_quantization(state: _State, load_format: str) -> Check | None:
 
 
 def _check_vision_config(cfg: dict[str, Any]) -> Check:
-    from pagoda.config import text_field
-    from pagoda.errors import PagodaError
-    from pagoda.models.qwen2_vl_vision import vision_config_with_defaults
+    from pagoda.models.qwen2_vl_vision import vision_config_with_defaults  # lazy: torch (`pagoda` starts without it)
 
     if not isinstance(cfg.get("vision_config") or {}, dict):
         return Check("vision config", "FAIL", "config.json's vision_config is not an object", "re-download config.json")
@@ -309,10 +303,8 @@ def _check_vision_config(cfg: dict[str, Any]) -> Check:
 
 
 def _check_preprocessor(state: _State) -> Check:
-    from pagoda.config import text_field
-    from pagoda.errors import PagodaError
-    from pagoda.models.qwen2_vl_vision import vision_config_with_defaults
-    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig
+    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig  # lazy: PIL, numpy
+    from pagoda.models.qwen2_vl_vision import vision_config_with_defaults  # lazy: torch (`pagoda` starts without it)
 
     folder = state.folder
     path = os.path.join(folder, "preprocessor_config.json")
@@ -339,8 +331,6 @@ def _check_preprocessor(state: _State) -> Check:
 
 
 def _check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:
-    from pagoda.config import text_field
-
     heads = text_field(cfg, "num_attention_heads")
     kv = text_field(cfg, "num_key_value_heads", heads)
     problems = []
@@ -359,8 +349,7 @@ def _check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:
 
 def _check_shards(state: _State) -> list[Check]:
     """Shards vs the index both ways (safetensors, else .bin), then the list the loader will read."""
-    from pagoda.errors import PagodaError
-    from pagoda.models import source as src
+    from pagoda.models import source as src  # lazy: torch (`pagoda` starts without it)
 
     if state.weight_format == "gguf":
         path = state.weight_files[0]
@@ -608,12 +597,10 @@ def _check_bin_files(state: _State) -> list[Check]:
 def _check_weights_match_model(state: _State) -> Check:
     """Build the model on the meta device and feed it the headers' names and shapes through the real
     name mapping and weight loaders: config/weights mismatches show up without reading a tensor."""
-    import torch
+    import torch  # lazy: torch (`pagoda` starts without it)
 
-    from pagoda.config import _derived_max_model_len
-    from pagoda.errors import PagodaError
-    from pagoda.models.loader import WeightRouter
-    from pagoda.models.registry import get_model_class
+    from pagoda.models.loader import WeightRouter  # lazy: torch (`pagoda` starts without it)
+    from pagoda.models.registry import get_model_class  # lazy: torch (`pagoda` starts without it)
 
     cfg = state.hf_config
     try:
@@ -681,8 +668,7 @@ def _check_disk(state: _State) -> Check:
 
 
 def _check_tokenizer(state: _State, trust_remote_code: bool) -> Check:
-    from pagoda.errors import PagodaError
-    from pagoda.frontend.tokenizer import load_tokenizer
+    from pagoda.frontend.tokenizer import load_tokenizer  # lazy: torch (`pagoda` starts without it)
 
     path = state.tokenizer_path or state.source.location
     try:
@@ -698,8 +684,7 @@ def _check_tokenizer(state: _State, trust_remote_code: bool) -> Check:
 
 
 def _check_special_tokens(state: _State) -> Check:
-    from pagoda.config import text_field
-    from pagoda.frontend.tokenizer import tokenizer_info
+    from pagoda.frontend.tokenizer import tokenizer_info  # lazy: torch (`pagoda` starts without it)
 
     tok = state.tokenizer
     size = len(tok)
@@ -750,8 +735,6 @@ def _check_yuan_tokens(tok: Any) -> Check:
 def _check_chat_template(state: _State, override: str | None) -> Check:
     """Renders a short user/assistant conversation: FAIL when it cannot, warn when the prompt lacks
     the turns or is not the model family's format (Yuan2's <n>/<sep>, Qwen's <|im_start|> roles)."""
-    from pagoda.frontend.chat_template import inspect_chat_template
-
     path = state.tokenizer_path
     folder = path if path and os.path.isdir(path) else state.source.location
     report = inspect_chat_template(state.tokenizer, state.hf_config, override, folder)
@@ -774,7 +757,7 @@ def _check_chat_template(state: _State, override: str | None) -> Check:
 
 
 def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
-    import torch
+    import torch  # lazy: torch (`pagoda` starts without it)
 
     visible = envs.CUDA_VISIBLE_DEVICES.value
     if device == "cpu" or visible in ("", "-1"):
@@ -913,8 +896,6 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
 def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
     """The fast checks for `pagoda serve`'s configs; raises ConfigError listing every FAIL line."""
-    from pagoda.errors import ConfigError
-
     checks = run_checks(engine.model, port=server.port, tensor_parallel_size=server.tensor_parallel_size, fast=True,
                         tokenizer=engine.tokenizer, host=server.host, device=engine.device,
                         skip_tokenizer_init=engine.skip_tokenizer_init, chat_template=server.chat_template,
@@ -936,7 +917,7 @@ def _positive_int(value: Any) -> bool:
 
 
 def _is_yuan(cfg: dict[str, Any]) -> bool:
-    from pagoda.frontend.tokenizer import is_yuan
+    from pagoda.frontend.tokenizer import is_yuan  # lazy: torch (`pagoda` starts without it)
 
     return is_yuan(cfg)
 

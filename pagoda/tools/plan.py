@@ -15,8 +15,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, text_field
+from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, _derived_max_model_len, text_field
 from pagoda.errors import ConfigError
+from pagoda.models.quantization import checkpoint_quantization
 from pagoda.worker import memory
 
 GiB = memory.GiB
@@ -60,9 +61,9 @@ class Plan:
 
 
 def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
-    import torch
+    import torch  # lazy: torch (`pagoda plan` runs without it)
 
-    from pagoda.models.registry import get_model_class
+    from pagoda.models.registry import get_model_class  # lazy: torch (`pagoda plan` runs without it)
 
     architecture = (hf_config.get("architectures") or ["<missing>"])[0]
     with torch.device("meta"):
@@ -126,7 +127,7 @@ def image_tokens(hf_config: dict[str, Any], model_folder: str | None, width: int
     """Placeholder tokens of one image (Qwen2-VL), by the checkpoint's preprocessing rules."""
     if hf_config.get("vision_config") is None:
         return None
-    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, smart_resize
+    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, smart_resize  # lazy: PIL, numpy
 
     cfg = VisionPreprocessConfig.from_model_folder(model_folder)
     lo, hi = min_pixels or cfg.min_pixels, max_pixels or cfg.max_pixels
@@ -141,8 +142,6 @@ def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, dev
               enable_prefix_caching: bool = True, cpu_kv_cache_space_gib: float = 4.0, typical_len: int | None = None,
               image: tuple[int, int] | None = None, images_per_request: int = 1, min_pixels: int | None = None,
               max_pixels: int | None = None) -> Plan:
-    from pagoda.config import _derived_max_model_len
-
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
@@ -262,7 +261,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    from pagoda.models.source import resolve_model_source
+    from pagoda.models.source import resolve_model_source  # lazy: torch (`pagoda plan` runs without it)
 
     source = resolve_model_source(ns.model)
     if ns.gpu is not None and ns.gpu.lower() not in GPU_MEMORY_GIB:
@@ -284,7 +283,6 @@ def run_plan(ns: argparse.Namespace) -> int:
                      enable_prefix_caching=ns.enable_prefix_caching, cpu_kv_cache_space_gib=ns.cpu_kv_cache_space_gib,
                      typical_len=ns.typical_len, image=image, images_per_request=ns.images_per_request,
                      min_pixels=ns.min_pixels, max_pixels=ns.max_pixels)
-    from pagoda.models.quantization import checkpoint_quantization
 
     quantized = checkpoint_quantization(source.location, source.kind, source.hf_config)
     if quantized is not None:

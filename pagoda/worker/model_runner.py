@@ -19,23 +19,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
-from pagoda.outputs import SchedulerOutput, StepOutput, TokenLogprobs
+from pagoda.inputs import MultiModalInputs
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
+from pagoda.layers.triton_attention import TritonAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
-from pagoda.inputs import MultiModalInputs
+from pagoda.outputs import SchedulerOutput, StepOutput, TokenLogprobs
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.cuda_graphs import DecodeGraphs, DecodeInputs, StepGraphs, StepInputs
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.state_slots import StateSlotPool
-from pagoda import envs
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,6 @@ class ModelRunner:
     @staticmethod
     def _make_backend(name: str) -> AttentionBackend:
         if name == "triton":
-            from pagoda.layers.triton_attention import TritonAttentionBackend
-
             return TritonAttentionBackend()
         return TorchAttentionBackend()
 
@@ -202,7 +201,7 @@ class ModelRunner:
         self.decode_graphs.capture_all()
         if not envs.MIXED_STEP_GRAPHS.value:    # A/B switch: mixed steps eager
             return
-        from pagoda.kernels.paged_attention import prefill_block_m
+        from pagoda.kernels.paged_attention import prefill_block_m  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         self.step_graphs = StepGraphs(
             self.model, self.backend, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
@@ -483,7 +482,7 @@ class ModelRunner:
                             query_start_loc: np.ndarray, query_lens: list[int], seq_lens: list[int],
                             starts: list[int], late: tuple[torch.Tensor, torch.Tensor] | None) -> PendingStep:
         """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
-        from pagoda.kernels.paged_attention import prefill_tile_arrays
+        from pagoda.kernels.paged_attention import prefill_tile_arrays  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         graphs = self.step_graphs
         # Tiles for the multi-token rows; one-token rows go through the decode kernel.

@@ -20,8 +20,11 @@ from typing import Any
 
 from pagoda.config.multimodal import DEFAULT_LIMITS, MultiModalConfig, shown
 from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.frontend.chat_template import check_template_kwargs, render_chat
+from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image, preprocess_video
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
 
 MAX_IMAGE_PIXELS = 16384 * 28 * 28      # Qwen2-VL's largest image: 16384 placeholder tokens
@@ -51,8 +54,6 @@ def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None,
     parsed `mm` (`MultiModalConfig`: no strings to parse here). Settings this model rejects (preprocessor
     overrides against its preprocessor_config.json, the media folder) raise ConfigError before the engine starts.
     """
-    from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig
-
     architecture = (hf_config.get("architectures") or [""])[0]
     if architecture != "Qwen2VLForConditionalGeneration":
         return None
@@ -146,8 +147,6 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
     MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
     `chat_template` is trusted (the server's); `request_template`, a request's own template, is
     rendered in the bounded sandbox instead (`frontend/template_sandbox.py`)."""
-    from pagoda.frontend.chat_template import check_template_kwargs, render_chat
-
     dicts, refs = split_content(messages)
     if refs and mm is None:
         article = "an image" if refs[0].modality == "image" else "a video"
@@ -160,8 +159,6 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
         check_limits(refs, mm.limits)
     template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
     if request_template is not None:
-        from pagoda.frontend.template_sandbox import render_request_template
-
         variables = {**(getattr(tokenizer, "special_tokens_map", None) or {}), **template_kwargs}
         text = await render_request_template(request_template, dicts, variables, add_generation_prompt,
                                              continue_final_message)
@@ -195,8 +192,6 @@ def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tu
                      processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
     """Already-loaded media (PIL images, or lists of frames for videos) for a prompt whose ids hold one
     placeholder per item: the offline API's `multi_modal_data`."""
-    from pagoda.frontend.multimodal.image_processor import preprocess_image, preprocess_video
-
     config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
         else mm.preprocess
     check_limits([MediaRef(modality, (), f"multi_modal_data[{modality}]") for modality, _ in media], mm.limits)
@@ -208,8 +203,6 @@ def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tu
 async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef],
                        processor_kwargs: dict[str, Any] | None) -> tuple[list[int], MultiModalInputs]:
     """Fetch + decode every item (concurrently), preprocess them off the event loop, expand ids."""
-    from pagoda.frontend.multimodal.image_processor import preprocess_image, preprocess_video
-
     config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
         else mm.preprocess
     if config.max_pixels > MAX_IMAGE_PIXELS:

@@ -6,11 +6,17 @@ Only argparse is imported at module level, so `pagoda --help` stays cheap; the r
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
 import os
 import sys
+import time
 from typing import Any
 
 from pagoda import envs
+from pagoda.tools.batch import inputs, output
+from pagoda.tools.batch.inputs import InputError
 
 DEFAULT_CONCURRENCY = 16
 
@@ -130,8 +136,6 @@ def _sibling(path: str, suffix: str) -> str:
 
 
 def _sampling(ns: argparse.Namespace) -> dict[str, Any]:
-    import json
-
     params: dict[str, Any] = {}
     for key in ("max_tokens", "temperature", "top_p", "seed", "stop"):
         value = getattr(ns, key)
@@ -153,8 +157,7 @@ def _say(msg: str) -> None:
 
 
 def run_batch(ns: argparse.Namespace) -> int:
-    from pagoda.tools.batch.inputs import InputError
-    from pagoda.tools.batch.media import MediaError
+    from pagoda.tools.batch.media import MediaError  # lazy: httpx, PIL (every `pagoda` run imports this)
 
     try:
         return _run(ns)
@@ -170,7 +173,7 @@ def run_batch(ns: argparse.Namespace) -> int:
 
 
 def _model_from_server(root: str, headers: dict[str, str]) -> str:
-    from pagoda.tools.bench.client import first_model
+    from pagoda.tools.bench.client import first_model  # lazy: httpx (every `pagoda` run imports this)
 
     try:
         return first_model(root, headers)
@@ -179,7 +182,7 @@ def _model_from_server(root: str, headers: dict[str, str]) -> str:
 
 
 def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> tuple[list[Any], dict[str, Any]]:
-    from pagoda.tools.batch import inputs, scrape
+    from pagoda.tools.batch import scrape  # lazy: httpx (every `pagoda` run imports this)
 
     image_sources = bool(ns.images or ns.urls or ns.page)
     if ns.input and image_sources:
@@ -247,13 +250,8 @@ def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> 
 
 
 def _run(ns: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-    import time
-
-    from pagoda.tools.batch import output
-    from pagoda.tools.batch.sender import Runner, SendConfig
-    from pagoda.tools.bench.client import auth_headers
+    from pagoda.tools.batch.sender import Runner, SendConfig  # lazy: httpx (every `pagoda` run imports this)
+    from pagoda.tools.bench.client import auth_headers  # lazy: httpx (every `pagoda` run imports this)
 
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)

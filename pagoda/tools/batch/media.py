@@ -109,7 +109,7 @@ def read_file_bytes(path: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> byte
 
 def inspect(data: bytes, where: str = "image") -> tuple[str, int, int]:
     """(Pillow format, width, height) of encoded bytes, or MediaError("image_decode_error")."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # lazy: PIL, only for image items
 
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -132,7 +132,7 @@ def _scaled(width: int, height: int, max_pixels: int) -> tuple[int, int]:
 def prepare(data: bytes, max_pixels: int | None = None, where: str = "image") -> ImageData:
     """Check that `data` is an image; downscale it (keeping the aspect ratio) when it has more than
     `max_pixels` pixels; re-encode formats servers may not read (BMP, TIFF...) as PNG."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL, only for image items
 
     fmt, width, height = inspect(data, where)
     digest = hashlib.sha256(data).hexdigest()

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from pagoda.tools.batch import media, output
 from pagoda.tools.batch.inputs import BatchItem, ImageRef, set_image_url
-
 from pagoda.tools.batch.retry import (
-    DEFAULT_MAX_RETRIES, retry_delay, should_retry_status,
+    DEFAULT_MAX_RETRIES,
+    retry_delay,
+    should_retry_status,
 )
-
-
 
 # ---------------------------------------------------------------------------------------------- rate limit
 
@@ -206,8 +206,6 @@ class Runner:
             except (NotImplementedError, RuntimeError, ValueError):
                 pass        # no signal handlers here (not the main thread, or Windows): Ctrl-C stays default
         if self.cfg.progress:
-            from tqdm import tqdm
-
             tty = sys.stderr.isatty()
             self._redraw_s = 0.2 if tty else 2.0
             self._bar = tqdm(total=self.stats.total, unit="req", file=sys.stderr, dynamic_ncols=True,

@@ -6,10 +6,15 @@ Only argparse is imported at module level, so `pagoda --help` stays cheap; the r
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime
+import json
+import logging
 import sys
 from typing import Any
 
 from pagoda import envs
+from pagoda.tools.bench import report
 
 DEFAULT_LADDER = "1,8,32,64,128,256"
 DEFAULT_SLO_TTFT_P95_MS = 1000.0   # shared/specs/tools.md §1.6 design defaults
@@ -116,7 +121,7 @@ class BenchUsageError(Exception):
 
 
 def _plan_points(ns: argparse.Namespace) -> list[Any]:
-    from pagoda.tools.bench.runner import PointConfig
+    from pagoda.tools.bench.runner import PointConfig  # lazy: numpy, httpx (every `pagoda` run imports this)
 
     if ns.burstiness <= 0:
         raise BenchUsageError("--burstiness must be > 0")
@@ -142,9 +147,11 @@ def _plan_points(ns: argparse.Namespace) -> list[Any]:
 
 
 def _build_workload(ns: argparse.Namespace, model: str) -> Any:
-    import json
-
-    from pagoda.tools.bench.workload import Workload, load_jsonl, parse_image_sizes
+    from pagoda.tools.bench.workload import (  # lazy: numpy (every `pagoda` run imports this)
+        Workload,
+        load_jsonl,
+        parse_image_sizes,
+    )
 
     try:
         sizes = parse_image_sizes(ns.image)
@@ -199,11 +206,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    import asyncio
-    import datetime
-    import logging
-
-    from pagoda.tools.bench import report
+    # lazy: numpy, httpx (every `pagoda` run imports this)
     from pagoda.tools.bench.client import auth_headers, first_model, wait_ready
     from pagoda.tools.bench.metrics import SLO
     from pagoda.tools.bench.runner import Target, calibrate, run_point

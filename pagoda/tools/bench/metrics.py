@@ -173,6 +173,7 @@ PREFIXES = ("vllm:", "pagoda:")
 def parse_prometheus(text: str) -> dict[str, float] | None:
     """The engine metrics of a /metrics page as {our key: value}, or None if it has none of them.
     Sums over label sets (engines, models) for counts; takes the max for the KV cache fraction."""
+    # lazy: prometheus_client fixes its multiprocess mode (PROMETHEUS_MULTIPROC_DIR) when first imported
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list[float]] = {}

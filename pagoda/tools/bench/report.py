@@ -103,10 +103,10 @@ def write_csv(path: str, points: Sequence[dict[str, Any]]) -> None:
 def plot(path: str, points: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str | None:
     """Output throughput, p95 TTFT and p95 TPOT vs concurrency (log2 axis). Returns a message when skipped."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib, only for --plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib, only for --plot
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     pts = sorted((p for p in points if p.get("concurrency") and p.get("mode") != "open"),

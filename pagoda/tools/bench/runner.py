@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
+from tqdm import tqdm
 
 from pagoda.tools.bench.client import RequestResult, stream_request
 from pagoda.tools.bench.metrics import SLO, aggregate, parse_prometheus, server_metrics_summary
@@ -115,8 +118,6 @@ async def _run_requests(client: httpx.AsyncClient, target: Target, bodies: list[
 
     if not open_loop:
         return list(await asyncio.gather(*(one(b, None) for b in bodies)))
-    import numpy as np
-
     gaps = arrival_intervals(len(bodies), request_rate, burstiness, np.random.default_rng(seed))
     tasks = []
     due = time.perf_counter()
@@ -160,8 +161,6 @@ def _run_in_processes(target: Target, warm: list[dict], bodies: list[dict], cfg:
     """Split a point over several client processes (a cap of c becomes c/N per process, the request
     rate r becomes r/N each: the sum of N independent Poisson streams is Poisson at r). Returns the
     results, the span from the first process's start to the last one's end, and each one's CPU %."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")      # no fork from a process with a running event loop and threads
     barrier = ctx.Barrier(processes + 1)
     pipes, procs = [], []
@@ -190,8 +189,6 @@ async def run_point(target: Target, workload: Workload, cfg: PointConfig, slo: S
     """Warm up, then measure one point; returns the vLLM keys plus server_metrics (and per-request details).
     processes > 1 spreads the requests over that many client processes (a client that would
     otherwise be the bottleneck at high concurrency); the point needs concurrency >= processes."""
-    from tqdm import tqdm
-
     warm_bodies = [workload.body(s) for s in workload.next_specs(cfg.warmup)]
     bodies = [workload.body(s) for s in workload.next_specs(cfg.num_prompts)]  # images encoded before timing
     processes = max(1, min(processes, cfg.concurrency or processes, len(bodies)))

@@ -68,7 +68,7 @@ def parse_image_sizes(text: str | None) -> list[tuple[int, int]]:
 def random_png_data_uri(rng: np.random.Generator, width: int, height: int) -> str:
     """A unique random PNG as a data URI. Coarse random blocks (not per-pixel noise) keep it small to send and
     to encode, while every image still differs, so a server's image-embedding cache cannot hide the encoder."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL, only for --image workloads
 
     bw, bh = max(1, math.ceil(width / 16)), max(1, math.ceil(height / 16))
     blocks = rng.integers(0, 256, size=(bh, bw, 3), dtype=np.uint8)

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.tools.router.config import ConfigWatcher, RouterConfig, key_label, overrides_from
 from pagoda.tools.router.health import Backend, HealthChecker, auth_headers
-from pagoda.tools.router.metrics import RouterMetrics
+from pagoda.tools.router.metrics import GAUGE_PUBLISH_S, RouterMetrics
 from pagoda.tools.router.policy import Balancer
 from pagoda.tools.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
 from pagoda.tools.router.upstream import FastHTTPTransport
@@ -140,8 +140,6 @@ class RouterState:
             self._tasks.append(asyncio.ensure_future(self._publish_gauges()))
 
     async def _publish_gauges(self) -> None:
-        from pagoda.tools.router.metrics import GAUGE_PUBLISH_S
-
         while True:
             try:
                 self.metrics.publish()
@@ -280,6 +278,7 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
 
     @api.get("/metrics")
     async def metrics() -> Response:
+        # lazy: prometheus_client, imported only once the workers have set PROMETHEUS_MULTIPROC_DIR
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

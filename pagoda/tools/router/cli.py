@@ -9,7 +9,12 @@ cheap); the router itself imports no torch and no engine code, so it starts in a
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from importlib.util import find_spec
+
+from pagoda.errors import ConfigError
+from pagoda.tools.router.config import build_config, overrides_from, parse_file
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -72,11 +77,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_router(ns: argparse.Namespace) -> int:
-    import logging
-
-    from pagoda.errors import ConfigError
-    from pagoda.tools.router.app import make_server
-    from pagoda.tools.router.config import build_config, overrides_from, parse_file
+    from pagoda.tools.router.app import make_server  # lazy: FastAPI, uvicorn (every `pagoda` run imports this)
 
     logger = logging.getLogger("pagoda.tools.router")
     overrides = overrides_from(ns)
@@ -86,13 +87,11 @@ def run_router(ns: argparse.Namespace) -> int:
         print(f"pagoda router: error: {exc.message}", file=sys.stderr)
         return 2
     if config.workers > 1:
-        from pagoda.tools.router.workers import run_workers
+        from pagoda.tools.router.workers import run_workers  # lazy: FastAPI, uvicorn, prometheus_client
 
         return run_workers(ns, config)
 
     server = make_server(ns, config)
-    from importlib.util import find_spec
-
     # uvicorn's "auto" loop and HTTP parser are uvloop and httptools when installed (dependencies): they and the
     # httptools-based upstream client (router.upstream) cut the router's CPU per relayed event by about 4x.
     stack = ("uvloop" if find_spec("uvloop") else "asyncio") + " + " + ("httptools" if find_spec("httptools") else "h11")

@@ -27,6 +27,7 @@ File layout (TOML shown; the same keys work in YAML or JSON)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -36,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from pagoda.errors import ConfigError
 
@@ -135,12 +138,10 @@ def parse_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def parse_text(text: bytes, suffix: str, where: str = "router config") -> dict[str, Any]:
     try:
         if suffix == ".toml":
-            import tomllib
-
             data = tomllib.loads(text.decode())
         elif suffix in (".yaml", ".yml"):
             try:
-                import yaml
+                import yaml  # lazy: optional (PyYAML)
             except ImportError:
                 raise ConfigError(f"{where}: YAML needs PyYAML; use a .toml or .json file") from None
             data = yaml.safe_load(text) or {}
@@ -315,8 +316,6 @@ class ConfigWatcher:
         return True
 
     async def run(self) -> None:
-        import asyncio
-
         while True:
             await asyncio.sleep(self.interval)
             try:

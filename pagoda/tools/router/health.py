@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Any
 
+import httpx
+
 from pagoda.tools.router.config import BackendConfig, BreakerConfig, HealthConfig
 
 logger = logging.getLogger("pagoda.tools.router")
@@ -115,8 +117,6 @@ class Backend:
         """The parsed httpx.URL of url + path, cached (parsing costs more than the rest of a routing decision)."""
         url = self._urls.get(path)
         if url is None:
-            import httpx
-
             url = self._urls[path] = httpx.URL(self.url + path)
         return url
 

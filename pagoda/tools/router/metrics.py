@@ -144,6 +144,7 @@ class RouterMetrics:
 
     def aggregate(self) -> CollectorRegistry:
         """Multiprocess mode: a registry that reads every worker's files."""
+        # lazy: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR must be set before import)
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()

@@ -137,7 +137,7 @@ class Balancer:
         self._rr = itertools.count()
 
     def set_backends(self, backends: Sequence[Backend]) -> None:
-        from uhashring import HashRing
+        from uhashring import HashRing  # lazy: optional (uhashring), only the session policy's ring
 
         self._by_name = {b.name: b for b in backends}
         nodes = {b.name: {"instance": b.name, "vnodes": self.vnodes, "weight": b.cfg.weight} for b in backends}
