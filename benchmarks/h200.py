@@ -52,8 +52,19 @@ from h200_shapes import SHAPES, copy_bandwidth, kv_bytes_per_token, write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = [1, 8, 32, 64, 128, 256]
-ROW_KEYS = ["shape", "system", "workload", "concurrency", "output_throughput", "median_ttft_ms", "p95_ttft_ms",
-            "median_tpot_ms", "p95_tpot_ms", "decode_step_ms", "decode_floor_ms"]
+ROW_KEYS = [
+    "shape",
+    "system",
+    "workload",
+    "concurrency",
+    "output_throughput",
+    "median_ttft_ms",
+    "p95_ttft_ms",
+    "median_tpot_ms",
+    "p95_tpot_ms",
+    "decode_step_ms",
+    "decode_floor_ms",
+]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
 
@@ -98,8 +109,15 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def pagoda_offline(folder: str, shape: str, args: argparse.Namespace) -> list[dict]:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
-              max_num_seqs=args.offline_max_num_seqs, seed=0)
+    llm = LLM(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=1024,
+        max_num_seqs=args.offline_max_num_seqs,
+        seed=0,
+    )
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.offline_prompts, args.input_len, vocab, 0)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -111,10 +129,20 @@ def pagoda_offline(folder: str, shape: str, args: argparse.Namespace) -> list[di
     _sync()
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    rows = [row(shape, "pagoda", "offline", args.offline_max_num_seqs, output_throughput=produced / seconds,
-                total_token_throughput=(produced + args.input_len * len(prompts)) / seconds, seconds=seconds,
-                num_prompts=len(prompts), steps=llm.engine.scheduler.stats.num_steps,
-                preemptions=llm.engine.scheduler.stats.num_preemptions)]
+    rows = [
+        row(
+            shape,
+            "pagoda",
+            "offline",
+            args.offline_max_num_seqs,
+            output_throughput=produced / seconds,
+            total_token_throughput=(produced + args.input_len * len(prompts)) / seconds,
+            seconds=seconds,
+            num_prompts=len(prompts),
+            steps=llm.engine.scheduler.stats.num_steps,
+            preemptions=llm.engine.scheduler.stats.num_preemptions,
+        )
+    ]
 
     # Decode step at batch 256, mean context 168.
     engine = llm.engine
@@ -122,10 +150,11 @@ def pagoda_offline(folder: str, shape: str, args: argparse.Namespace) -> list[di
     dparams = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, context - 20, vocab, 1)):
         engine.add_request(f"d{i}", p, dparams)
-    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                              for r in engine.scheduler.running):
+    while engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
         engine.step()
-    for _ in range(19):          # to context 168 on average at the timed steps' middle
+    for _ in range(19):  # to context 168 on average at the timed steps' middle
         engine.step()
     times = []
     for _ in range(20):
@@ -141,9 +170,20 @@ def pagoda_offline(folder: str, shape: str, args: argparse.Namespace) -> list[di
     bandwidth = copy_bandwidth()
     times.sort()
     step = times[len(times) // 2]
-    rows.append(row(shape, "pagoda", "decode", batch, decode_step_ms=step, output_throughput=batch / step * 1e3,
-                    decode_floor_ms=floor_bytes / bandwidth * 1e3 if bandwidth else None, running=running,
-                    floor_bytes=floor_bytes, copy_bandwidth_tb_s=bandwidth / 1e12 if bandwidth else None))
+    rows.append(
+        row(
+            shape,
+            "pagoda",
+            "decode",
+            batch,
+            decode_step_ms=step,
+            output_throughput=batch / step * 1e3,
+            decode_floor_ms=floor_bytes / bandwidth * 1e3 if bandwidth else None,
+            running=running,
+            floor_bytes=floor_bytes,
+            copy_bandwidth_tb_s=bandwidth / 1e12 if bandwidth else None,
+        )
+    )
     return rows
 
 
@@ -153,7 +193,7 @@ def transformers_runs(folder: str, shape: str, args: argparse.Namespace) -> list
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    cls = getattr(transformers, config.architectures[0])      # the concrete class has _from_config
+    cls = getattr(transformers, config.architectures[0])  # the concrete class has _from_config
     torch.manual_seed(0)
     with torch.device(_device()):
         model = cls._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
@@ -165,26 +205,53 @@ def transformers_runs(folder: str, shape: str, args: argparse.Namespace) -> list
         _sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0, eos_token_id=None)
+            model.generate(
+                input_ids=batch,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         _sync()
         return time.perf_counter() - t0
 
     rows = []
-    generate(random_prompts(2, 16, vocab, 9), 4)                               # warm-up
+    generate(random_prompts(2, 16, vocab, 9), 4)  # warm-up
     offline = random_prompts(64, args.input_len, vocab, 0)
     seconds = generate(offline, args.output_len)
-    rows.append(row(shape, "transformers", "offline", 64, output_throughput=64 * args.output_len / seconds,
-                    seconds_per_batch=seconds, note="one static batch of 64; W1 = 8 such batches"))
+    rows.append(
+        row(
+            shape,
+            "transformers",
+            "offline",
+            64,
+            output_throughput=64 * args.output_len / seconds,
+            seconds_per_batch=seconds,
+            note="one static batch of 64; W1 = 8 such batches",
+        )
+    )
     for c in (1, 64):
         prompts = random_prompts(c, 40, vocab, 2)
         ttfts = sorted(generate(prompts, 1) for _ in range(3))
         ttft = ttfts[1]
         e2e = generate(prompts, 256)
         tpot = (e2e - ttft) / 255
-        rows.append(row(shape, "transformers", "serve", c, output_throughput=c * 256 / e2e,
-                        median_ttft_ms=ttft * 1e3, p95_ttft_ms=ttft * 1e3, median_tpot_ms=tpot * 1e3,
-                        p95_tpot_ms=tpot * 1e3, note="static batch" if c > 1 else "one request at a time"))
+        rows.append(
+            row(
+                shape,
+                "transformers",
+                "serve",
+                c,
+                output_throughput=c * 256 / e2e,
+                median_ttft_ms=ttft * 1e3,
+                p95_ttft_ms=ttft * 1e3,
+                median_tpot_ms=tpot * 1e3,
+                p95_tpot_ms=tpot * 1e3,
+                note="static batch" if c > 1 else "one request at a time",
+            )
+        )
     return rows
 
 
@@ -235,10 +302,34 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
     log_path = os.path.join(args.artifacts, f"server_{shape}.log")
     log = open(log_path, "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "pagoda", "serve", folder, "--load-format", "dummy", "--dtype", "bfloat16",
-         "--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", str(max(args.ladder)),
-         "--max-model-len", "2048", "--served-model-name", shape] + args.serve_extra,
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=_env())
+        [
+            sys.executable,
+            "-m",
+            "pagoda",
+            "serve",
+            folder,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--max-num-seqs",
+            str(max(args.ladder)),
+            "--max-model-len",
+            "2048",
+            "--served-model-name",
+            shape,
+        ]
+        + args.serve_extra,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=ROOT,
+        env=_env(),
+    )
     rows = []
     try:
         started = time.perf_counter()
@@ -249,12 +340,37 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
             runs.append(([max(args.ladder)], 2 * args.client_processes))
         for ladder, processes in runs:
             out = os.path.join(args.artifacts, f"bench_{shape}_p{processes}.json")
-            cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", shape,
-                   "--endpoint", "completions", "--concurrency", ",".join(map(str, ladder)), "--input-len", "40",
-                   "--output-len", str(args.serve_output_len), "--ignore-eos",
-                   "--prompts-per-concurrency", str(args.prompts_per_level), "--warmup", str(args.serve_warmup),
-                   "--client-processes", str(processes), "--ready-timeout", "600",
-                   "--no-progress", "--save-detailed", "--out", out]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagoda",
+                "bench",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                shape,
+                "--endpoint",
+                "completions",
+                "--concurrency",
+                ",".join(map(str, ladder)),
+                "--input-len",
+                "40",
+                "--output-len",
+                str(args.serve_output_len),
+                "--ignore-eos",
+                "--prompts-per-concurrency",
+                str(args.prompts_per_level),
+                "--warmup",
+                str(args.serve_warmup),
+                "--client-processes",
+                str(processes),
+                "--ready-timeout",
+                "600",
+                "--no-progress",
+                "--save-detailed",
+                "--out",
+                out,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env())
             with open(os.path.join(args.artifacts, f"bench_{shape}_p{processes}.txt"), "w") as f:
                 f.write(proc.stdout + proc.stderr)
@@ -262,14 +378,39 @@ def pagoda_serve(folder: str, shape: str, args: argparse.Namespace) -> list[dict
                 print(f"bench failed for {shape}:\n{proc.stderr[-2000:]}", flush=True)
                 break
             for p in json.load(open(out))["points"]:
-                rows.append(row(shape, "pagoda", "serve", p["concurrency"], **{
-                    k: p.get(k) for k in ("output_throughput", "median_ttft_ms", "p95_ttft_ms", "median_tpot_ms",
-                                          "p95_tpot_ms", "completed", "failed", "client_processes",
-                                          "client_cpu_percent", "total_input_tokens")},
-                    **{k: (p.get("server_metrics") or {}).get(k)
-                       for k in ("server_mean_ttft_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step",
-                                 "engine_cpu_ms_per_step")},
-                    api_server_count=_api_server_count(args.serve_extra)))
+                rows.append(
+                    row(
+                        shape,
+                        "pagoda",
+                        "serve",
+                        p["concurrency"],
+                        **{
+                            k: p.get(k)
+                            for k in (
+                                "output_throughput",
+                                "median_ttft_ms",
+                                "p95_ttft_ms",
+                                "median_tpot_ms",
+                                "p95_tpot_ms",
+                                "completed",
+                                "failed",
+                                "client_processes",
+                                "client_cpu_percent",
+                                "total_input_tokens",
+                            )
+                        },
+                        **{
+                            k: (p.get("server_metrics") or {}).get(k)
+                            for k in (
+                                "server_mean_ttft_ms",
+                                "engine_host_ms_per_step",
+                                "engine_wait_ms_per_step",
+                                "engine_cpu_ms_per_step",
+                            )
+                        },
+                        api_server_count=_api_server_count(args.serve_extra),
+                    )
+                )
     except RuntimeError as exc:
         print(f"serve {shape} failed: {exc}", flush=True)
     finally:
@@ -287,10 +428,26 @@ def _api_server_count(serve_extra: list[str]) -> int:
 
 # ---- driver -------------------------------------------------------------------------------------
 def run_child(kind: str, folder: str, shape: str, args: argparse.Namespace) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", kind, "--child-folder", folder, "--shapes", shape,
-           "--artifacts", args.artifacts, "--offline-prompts", str(args.offline_prompts),
-           "--offline-max-num-seqs", str(args.offline_max_num_seqs), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len)] + (["--tiny"] if args.tiny else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--child-folder",
+        folder,
+        "--shapes",
+        shape,
+        "--artifacts",
+        args.artifacts,
+        "--offline-prompts",
+        str(args.offline_prompts),
+        "--offline-max-num-seqs",
+        str(args.offline_max_num_seqs),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+    ] + (["--tiny"] if args.tiny else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     with open(os.path.join(args.artifacts, f"{kind}_{shape}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
@@ -322,16 +479,25 @@ def print_table(rows: list[dict]) -> None:
         c += f" (commit {r['variant']})" if r.get("variant") else ""
         c += f", {r['api_server_count']} API procs" if (r.get("api_server_count") or 1) > 1 else ""
         c += f" [{r['run']}]" if r.get("run") else ""
-        print(f"| {r['shape']} | {r['system']} | {r['workload']} | {c} | {f(r['output_throughput'], '{:,.0f}')} | "
-              f"{f(r['median_ttft_ms'])} / {f(r['p95_ttft_ms'])}"
-              + (f" (server mean {r['server_mean_ttft_ms']:.1f})" if r.get("server_mean_ttft_ms") else "")
-              + f" | {f(r['median_tpot_ms'], '{:.2f}')} / {f(r['p95_tpot_ms'], '{:.2f}')}"
-              # the engine core per step over the level: host work + waiting for the GPU (≈ 0: host-bound)
-              + (f" (core host {r['engine_host_ms_per_step']:.2f} + GPU wait {r['engine_wait_ms_per_step']:.2f}"
-                 + (f", core CPU {r['engine_cpu_ms_per_step']:.2f}" if r.get("engine_cpu_ms_per_step") is not None
-                    else "") + ")"
-                 if r.get("engine_host_ms_per_step") is not None else "")
-              + f" | {f(r['decode_step_ms'], '{:.2f}')} / {f(r['decode_floor_ms'], '{:.2f}')} |")
+        print(
+            f"| {r['shape']} | {r['system']} | {r['workload']} | {c} | {f(r['output_throughput'], '{:,.0f}')} | "
+            f"{f(r['median_ttft_ms'])} / {f(r['p95_ttft_ms'])}"
+            + (f" (server mean {r['server_mean_ttft_ms']:.1f})" if r.get("server_mean_ttft_ms") else "")
+            + f" | {f(r['median_tpot_ms'], '{:.2f}')} / {f(r['p95_tpot_ms'], '{:.2f}')}"
+            # the engine core per step over the level: host work + waiting for the GPU (≈ 0: host-bound)
+            + (
+                f" (core host {r['engine_host_ms_per_step']:.2f} + GPU wait {r['engine_wait_ms_per_step']:.2f}"
+                + (
+                    f", core CPU {r['engine_cpu_ms_per_step']:.2f}"
+                    if r.get("engine_cpu_ms_per_step") is not None
+                    else ""
+                )
+                + ")"
+                if r.get("engine_host_ms_per_step") is not None
+                else ""
+            )
+            + f" | {f(r['decode_step_ms'], '{:.2f}')} / {f(r['decode_floor_ms'], '{:.2f}')} |"
+        )
 
 
 def main() -> None:
@@ -342,12 +508,26 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "h200.json"))
     ap.add_argument("--merge", action="store_true", help="keep --out's rows of shapes not run now")
     ap.add_argument("--artifacts", default=None, help="logs and raw bench JSON (default: a temp folder)")
-    ap.add_argument("--tokenizer", default=os.path.join(ROOT, ".gpu", "smol-tokenizer"),
-                    help="tokenizer files copied into every served model but Yuan2's")
-    ap.add_argument("--yuan-tokenizer", default=next(
-        (p for p in (os.path.join(ROOT, "..", "shared", "fixtures", "yuan2-tokenizer"),
-                     os.path.join(ROOT, "shared", "fixtures", "yuan2-tokenizer")) if os.path.isdir(p)), None),
-        help="Yuan2's SentencePiece tokenizer folder (the served yuan2-2b shape needs it)")
+    ap.add_argument(
+        "--tokenizer",
+        default=os.path.join(ROOT, ".gpu", "smol-tokenizer"),
+        help="tokenizer files copied into every served model but Yuan2's",
+    )
+    ap.add_argument(
+        "--yuan-tokenizer",
+        default=next(
+            (
+                p
+                for p in (
+                    os.path.join(ROOT, "..", "shared", "fixtures", "yuan2-tokenizer"),
+                    os.path.join(ROOT, "shared", "fixtures", "yuan2-tokenizer"),
+                )
+                if os.path.isdir(p)
+            ),
+            None,
+        ),
+        help="Yuan2's SentencePiece tokenizer folder (the served yuan2-2b shape needs it)",
+    )
     ap.add_argument("--ladder", default=",".join(map(str, LADDER)))
     ap.add_argument("--prompts-per-level", type=int, default=4)
     ap.add_argument("--client-processes", type=int, default=8)
@@ -358,10 +538,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--serve-output-len", type=int, default=256)
     ap.add_argument("--serve-warmup", type=int, default=16, help="unmeasured requests before each level")
-    ap.add_argument("--serve-extra", default="--api-server-count 4",
-                    help="extra `pagoda serve` flags, one string (default: four API processes. With the text "
-                         "decoded in the API processes, Yuan2-2B at c=256 on the H200 reached 41.5k-43.6k tok/s "
-                         "with four or three of them against 34.1k-38.3k with two)")
+    ap.add_argument(
+        "--serve-extra",
+        default="--api-server-count 4",
+        help="extra `pagoda serve` flags, one string (default: four API processes. With the text "
+        "decoded in the API processes, Yuan2-2B at c=256 on the H200 reached 41.5k-43.6k tok/s "
+        "with four or three of them against 34.1k-38.3k with two)",
+    )
     ap.add_argument("--tiny", action="store_true", help="shrink every shape (a CPU smoke run of this script)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-folder", default=None, help=argparse.SUPPRESS)
@@ -406,8 +589,9 @@ def main() -> None:
     commit = os.environ.get("PAGODA_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+            ).stdout.strip()
         except OSError:
             commit = None
     result = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}

@@ -56,8 +56,9 @@ def parse_args() -> argparse.Namespace:
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     low = min(1000, vocab // 4)  # skip special/control tokens at the bottom of the vocabulary
-    return [[rng.randrange(low, vocab) for _ in range(rng.randint(max(1, input_len // 2), input_len))]
-            for _ in range(n)]
+    return [
+        [rng.randrange(low, vocab) for _ in range(rng.randint(max(1, input_len // 2), input_len))] for _ in range(n)
+    ]
 
 
 def build_hf_model(model: str | None, dtype: torch.dtype, device: str):
@@ -85,11 +86,19 @@ def hf_generate(hf, batch: list[list[int]], output_len: int, pad_id: int, device
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, p in enumerate(batch):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                      max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id,
-                      temperature=None, top_p=None, top_k=None)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = hf.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        pad_token_id=pad_id,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     return out[:, width:].tolist()
 
 
@@ -116,20 +125,32 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     mean_in = sum(map(len, prompts)) / len(prompts)
     load_start = os.getloadavg()[0]  # other busy processes skew CPU timings: report the load
-    print(f"device={device} dtype={dtype_name} threads={torch.get_num_threads()} load={load_start:.2f} "
-          f"prompts={len(prompts)} "
-          f"input_len~U[{args.input_len // 2},{args.input_len}] (mean {mean_in:.1f}) output_len={args.output_len}")
+    print(
+        f"device={device} dtype={dtype_name} threads={torch.get_num_threads()} load={load_start:.2f} "
+        f"prompts={len(prompts)} "
+        f"input_len~U[{args.input_len // 2},{args.input_len}] (mean {mean_in:.1f}) output_len={args.output_len}"
+    )
     rows, n, out_len = [], len(prompts), args.output_len
 
     # 1. Pagoda
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                       ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:8]}],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     outs, secs = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     pagoda_tokens = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(t) == out_len for t in pagoda_tokens), "Pagoda did not produce exactly output_len tokens"
-    rows.append({"system": "pagoda", "prompts": n, "output_tokens": n * out_len, "seconds": secs,
-                 "tok_per_s": n * out_len / secs})
+    rows.append(
+        {
+            "system": "pagoda",
+            "prompts": n,
+            "output_tokens": n * out_len,
+            "seconds": secs,
+            "tok_per_s": n * out_len / secs,
+        }
+    )
 
     # HF model from the same weights
     hf = build_hf_model(args.model, getattr(torch, dtype_name), device)
@@ -138,48 +159,78 @@ def main() -> None:
 
     # 2. HF one prompt at a time (subset, extrapolated)
     if not args.skip_hf_single:
-        subset = prompts[:max(1, min(args.hf_single_prompts, n))]
+        subset = prompts[: max(1, min(args.hf_single_prompts, n))]
         _, secs = timed(lambda: [hf_generate(hf, [p], out_len, pad_id, device) for p in subset])
-        rows.append({"system": f"hf-single (first {len(subset)}, extrapolated)", "prompts": len(subset),
-                     "output_tokens": len(subset) * out_len, "seconds": secs,
-                     "tok_per_s": len(subset) * out_len / secs, "extrapolated_seconds_all": secs * n / len(subset)})
+        rows.append(
+            {
+                "system": f"hf-single (first {len(subset)}, extrapolated)",
+                "prompts": len(subset),
+                "output_tokens": len(subset) * out_len,
+                "seconds": secs,
+                "tok_per_s": len(subset) * out_len / secs,
+                "extrapolated_seconds_all": secs * n / len(subset),
+            }
+        )
 
     # 3. HF padded static batches
     def run_static():
         res = []
         for i in range(0, n, args.batch_size):
-            res += hf_generate(hf, prompts[i:i + args.batch_size], out_len, pad_id, device)
+            res += hf_generate(hf, prompts[i : i + args.batch_size], out_len, pad_id, device)
         return res
+
     hf_tokens, secs = timed(run_static)
-    rows.append({"system": f"hf-static-batch (bs={args.batch_size})", "prompts": n, "output_tokens": n * out_len,
-                 "seconds": secs, "tok_per_s": n * out_len / secs})
+    rows.append(
+        {
+            "system": f"hf-static-batch (bs={args.batch_size})",
+            "prompts": n,
+            "output_tokens": n * out_len,
+            "seconds": secs,
+            "tok_per_s": n * out_len / secs,
+        }
+    )
 
     base = rows[-1]["tok_per_s"]
     for r in rows:
         r["vs_hf_static"] = r["tok_per_s"] / base
     print(f"\n{'system':<40}{'prompts':>8}{'out tok':>9}{'seconds':>10}{'tok/s':>10}{'vs HF static':>14}")
     for r in rows:
-        print(f"{r['system']:<40}{r['prompts']:>8}{r['output_tokens']:>9}{r['seconds']:>10.2f}"
-              f"{r['tok_per_s']:>10.1f}{r['vs_hf_static']:>13.2f}x")
+        print(
+            f"{r['system']:<40}{r['prompts']:>8}{r['output_tokens']:>9}{r['seconds']:>10.2f}"
+            f"{r['tok_per_s']:>10.1f}{r['vs_hf_static']:>13.2f}x"
+        )
     if not args.skip_hf_single:
-        print(f"(hf-single timed on {rows[1]['prompts']} prompts; all {n} would take "
-              f"~{rows[1]['extrapolated_seconds_all']:.0f}s at that rate)")
+        print(
+            f"(hf-single timed on {rows[1]['prompts']} prompts; all {n} would take "
+            f"~{rows[1]['extrapolated_seconds_all']:.0f}s at that rate)"
+        )
 
     load_end = os.getloadavg()[0]
-    print(f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "
-          f"(this run alone adds up to ~{torch.get_num_threads()}; more means other processes shared the "
-          f"{os.cpu_count()} CPUs and skewed the timings)")
+    print(
+        f"1-min load average: {load_start:.2f} at start, {load_end:.2f} at end "
+        f"(this run alone adds up to ~{torch.get_num_threads()}; more means other processes shared the "
+        f"{os.cpu_count()} CPUs and skewed the timings)"
+    )
     exact = sum(a == b for a, b in zip(pagoda_tokens, hf_tokens))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-              for a, b in zip(pagoda_tokens, hf_tokens)]
-    print(f"correctness: {exact}/{n} Pagoda outputs exactly match HF static-batch greedy tokens "
-          f"(mean matching prefix {sum(prefix) / n:.1f}/{out_len} tokens; padding may flip near-ties)")
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(pagoda_tokens, hf_tokens)
+    ]
+    print(
+        f"correctness: {exact}/{n} Pagoda outputs exactly match HF static-batch greedy tokens "
+        f"(mean matching prefix {sum(prefix) / n:.1f}/{out_len} tokens; padding may flip near-ties)"
+    )
 
     if args.json:
-        result = {"args": vars(args), "device": device, "dtype": dtype_name, "threads": torch.get_num_threads(),
-                  "loadavg_start_end": [load_start, load_end],
-                  "mean_input_len": mean_in, "results": rows,
-                  "correctness": {"exact_matches": exact, "num_prompts": n, "matching_prefix": prefix}}
+        result = {
+            "args": vars(args),
+            "device": device,
+            "dtype": dtype_name,
+            "threads": torch.get_num_threads(),
+            "loadavg_start_end": [load_start, load_end],
+            "mean_input_len": mean_in,
+            "results": rows,
+            "correctness": {"exact_matches": exact, "num_prompts": n, "matching_prefix": prefix},
+        }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.json}")

@@ -13,8 +13,12 @@ if TYPE_CHECKING:
     from pagoda.outputs import CompletionOutput, RequestOutput
     from pagoda.sampling_params import SamplingParams
 
-_EXPORTS = {"LLM": "pagoda.engine.llm", "RequestOutput": "pagoda.outputs",
-            "CompletionOutput": "pagoda.outputs", "SamplingParams": "pagoda.sampling_params"}
+_EXPORTS = {
+    "LLM": "pagoda.engine.llm",
+    "RequestOutput": "pagoda.outputs",
+    "CompletionOutput": "pagoda.outputs",
+    "SamplingParams": "pagoda.sampling_params",
+}
 
 
 def __getattr__(name: str) -> Any:

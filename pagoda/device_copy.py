@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 
-def to_device(data: np.ndarray | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
-              ) -> torch.Tensor:
+def to_device(
+    data: np.ndarray | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """`data` (a numpy array or a list of numbers) as a tensor on `device`, with no host-device sync."""
     if isinstance(data, np.ndarray):
         host = torch.from_numpy(np.ascontiguousarray(data))

@@ -16,9 +16,9 @@ from typing import Any
 @dataclass(frozen=True)
 class Env:
     name: str
-    kind: type              # bool | str | float
+    kind: type  # bool | str | float
     default: Any
-    doc: str                # what it is for; for a switch, what "0" turns off
+    doc: str  # what it is for; for a switch, what "0" turns off
 
     @property
     def value(self) -> Any:
@@ -34,31 +34,53 @@ class Env:
 
 
 # ---- fast paths (all on by default; "0" falls back to the general path, for A/B runs and debugging)
-FUSED_OPS = Env("PAGODA_FUSED_OPS", bool, True,
-                "the fused Triton norm/rotary/activation kernels (kernels/fused_ops.py); 0: the PyTorch ops")
+FUSED_OPS = Env(
+    "PAGODA_FUSED_OPS",
+    bool,
+    True,
+    "the fused Triton norm/rotary/activation kernels (kernels/fused_ops.py); 0: the PyTorch ops",
+)
 GEMV = Env("PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS")
-GREEDY_KERNEL = Env("PAGODA_GREEDY_KERNEL", bool, True,
-                    "the fused greedy argmax over the vocabulary (kernels/greedy.py); 0: torch.argmax")
+GREEDY_KERNEL = Env(
+    "PAGODA_GREEDY_KERNEL",
+    bool,
+    True,
+    "the fused greedy argmax over the vocabulary (kernels/greedy.py); 0: torch.argmax",
+)
 PDL = Env("PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)")
-MIXED_STEP_GRAPHS = Env("PAGODA_MIXED_STEP_GRAPHS", bool, True,
-                        "CUDA graphs for steps that mix prefill chunks and decode rows (worker/cuda_graphs.py); "
-                        "0: such steps run eagerly")
-LF_TERMS = Env("PAGODA_LF_TERMS", bool, True,
-               "Yuan2: the LF convolutions' previous-token terms computed a layer ahead on a side stream "
-               "(models/yuan.py); 0: computed in each layer")
+MIXED_STEP_GRAPHS = Env(
+    "PAGODA_MIXED_STEP_GRAPHS",
+    bool,
+    True,
+    "CUDA graphs for steps that mix prefill chunks and decode rows (worker/cuda_graphs.py); 0: such steps run eagerly",
+)
+LF_TERMS = Env(
+    "PAGODA_LF_TERMS",
+    bool,
+    True,
+    "Yuan2: the LF convolutions' previous-token terms computed a layer ahead on a side stream "
+    "(models/yuan.py); 0: computed in each layer",
+)
 
 # ---- settings
-API_KEY = Env("PAGODA_API_KEY", str, None,
-              "the API key `pagoda serve` requires (--api-key wins), and the one the clients send")
+API_KEY = Env(
+    "PAGODA_API_KEY", str, None, "the API key `pagoda serve` requires (--api-key wins), and the one the clients send"
+)
 CACHE_DIR = Env("PAGODA_CACHE_DIR", str, None, "where converted GGUF checkpoints are cached (~/.cache/pagoda)")
-OPENAI_API_KEY = Env("OPENAI_API_KEY", str, None,
-                     "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)")
-HTTP_TIMEOUT_KEEP_ALIVE = Env("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0,
-                              "vLLM's name for --timeout-keep-alive's default, in seconds")
+OPENAI_API_KEY = Env(
+    "OPENAI_API_KEY", str, None, "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)"
+)
+HTTP_TIMEOUT_KEEP_ALIVE = Env(
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0, "vLLM's name for --timeout-keep-alive's default, in seconds"
+)
 
 # ---- read, never set by Pagoda
-TRITON_INTERPRET = Env("TRITON_INTERPRET", bool, False,
-                       "Triton's CPU interpreter: the kernels run on the CPU (tests), so GPU-only paths stay off")
+TRITON_INTERPRET = Env(
+    "TRITON_INTERPRET",
+    bool,
+    False,
+    "Triton's CPU interpreter: the kernels run on the CPU (tests), so GPU-only paths stay off",
+)
 CUDA_VISIBLE_DEVICES = Env("CUDA_VISIBLE_DEVICES", str, None, "which GPUs this process sees (reported by doctor)")
 
 ALL: tuple[Env, ...] = tuple(v for v in globals().values() if isinstance(v, Env))

@@ -17,12 +17,12 @@ import numpy as np
 
 @dataclass
 class MultiModalItem:
-    modality: str                       # "image" | "video"
-    pixel_values: np.ndarray            # [num_patches, 3 * T * p * p] float32, encoder input
-    grid_thw: tuple[int, int, int]      # patch grid (t, h, w) before the 2x2 merge
-    offset: int                         # index of the item's first placeholder token in the prompt
-    length: int                         # number of placeholder tokens (= t * h * w / merge**2)
-    content_hash: bytes                 # pixels + grid + processor settings (16 bytes)
+    modality: str  # "image" | "video"
+    pixel_values: np.ndarray  # [num_patches, 3 * T * p * p] float32, encoder input
+    grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the 2x2 merge
+    offset: int  # index of the item's first placeholder token in the prompt
+    length: int  # number of placeholder tokens (= t * h * w / merge**2)
+    content_hash: bytes  # pixels + grid + processor settings (16 bytes)
 
     @property
     def end(self) -> int:
@@ -35,15 +35,18 @@ class MultiModalItem:
 @dataclass
 class MultiModalInputs:
     items: list[MultiModalItem]
-    mrope_positions: np.ndarray         # [3, prompt_len] int64: (t, h, w) position of every prompt token
-    mrope_delta: int                    # generated token i sits at i + delta on all three axes
-    counts: dict[str, int] = field(default_factory=dict)   # placeholder tokens per modality (for messages)
+    mrope_positions: np.ndarray  # [3, prompt_len] int64: (t, h, w) position of every prompt token
+    mrope_delta: int  # generated token i sits at i + delta on all three axes
+    counts: dict[str, int] = field(default_factory=dict)  # placeholder tokens per modality (for messages)
 
     def block_extra_key(self, start: int, end: int) -> bytes:
         """Extra bytes for the prefix-cache hash of the block holding tokens [start, end): the hash
         and relative offset of every item overlapping it."""
-        parts = [item.content_hash + (item.offset - start).to_bytes(8, "little", signed=True)
-                 for item in self.items if item.overlaps(start, end)]
+        parts = [
+            item.content_hash + (item.offset - start).to_bytes(8, "little", signed=True)
+            for item in self.items
+            if item.overlaps(start, end)
+        ]
         return b"".join(parts)
 
 

@@ -21,9 +21,9 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]            # the whole block table so far
-    num_computed_tokens: int        # > 0 when the prefix cache already holds the start of the prompt
-    mm_inputs: Any = None           # multimodal.inputs.MultiModalInputs: images/videos, M-RoPE positions
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # > 0 when the prefix cache already holds the start of the prompt
+    mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs: images/videos, M-RoPE positions
 
 
 @dataclass
@@ -31,9 +31,9 @@ class CachedRequestData:
     """A request the runner knows: only what changed since it last ran."""
 
     request_id: str
-    new_block_ids: list[int]        # blocks appended to its table since last step
-    resumed: bool                   # re-admitted after preemption: new_block_ids is the whole table
-    num_computed_tokens: int        # tokens already in the cache before this step
+    new_block_ids: list[int]  # blocks appended to its table since last step
+    resumed: bool  # re-admitted after preemption: new_block_ids is the whole table
+    num_computed_tokens: int  # tokens already in the cache before this step
 
 
 @dataclass
@@ -62,7 +62,7 @@ class TokenLogprobs:
     """Logprobs for one sampled token: its own, and the top-k alternatives (raw distribution)."""
 
     sampled_logprob: float
-    top: list[tuple[int, float]]    # (token id, logprob), best first; empty when logprobs=0
+    top: list[tuple[int, float]]  # (token id, logprob), best first; empty when logprobs=0
 
 
 @dataclass
@@ -84,12 +84,12 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    index: int                      # which of the n samples
+    index: int  # which of the n samples
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None       # "stop" | "length" | "abort" | "error" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     # The stop token id / stop string that matched; with finish_reason "error", the error message.
     stop_reason: int | str | None = None
 
@@ -104,7 +104,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds between arrival and first admission (set when finished)
 
 
@@ -114,10 +114,10 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    kv_cache_usage: float           # fraction of usable KV blocks in use, 0..1
-    num_preemptions: int            # totals since start
-    prefix_cache_queries: int       # tokens looked up in the prefix cache
-    prefix_cache_hits: int          # tokens found there
+    kv_cache_usage: float  # fraction of usable KV blocks in use, 0..1
+    num_preemptions: int  # totals since start
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
     num_steps: int
     # Where the core's time goes (totals, seconds): `busy_seconds` = its loop passes from the moment a
     # pass's messages are in to when its outputs are sent (so not the blocking wait while idle), set by

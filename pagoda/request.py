@@ -31,8 +31,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"       # EOS, stop token or stop string
-    FINISHED_LENGTH = "length"      # max_tokens or max_model_len
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
     # An exception in this request's own processing (sampling setup, stop checks, detokenization,
     # output building): the request ends, the engine and every other request carry on. Its
@@ -42,12 +42,16 @@ class RequestStatus(enum.Enum):
     # Set on each member below: plain attributes, since these are read for every request every
     # step (an enum property costs ~15x an attribute read).
     is_finished: bool
-    finish_reason: str | None     # "stop" | "length" | "abort" | "error", None while not finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error", None while not finished
 
 
 for _status in RequestStatus:
-    _status.is_finished = _status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                                      RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+    _status.is_finished = _status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
     _status.finish_reason = _status.value if _status.is_finished else None
 del _status
 
@@ -57,22 +61,22 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    max_tokens: int                                  # resolved: never None here
-    arrival_time: float = field(default_factory=time.monotonic)   # time.monotonic(), any process
-    first_scheduled_time: float | None = None        # when first admitted (queue time = this - arrival)
+    max_tokens: int  # resolved: never None here
+    arrival_time: float = field(default_factory=time.monotonic)  # time.monotonic(), any process
+    first_scheduled_time: float | None = None  # when first admitted (queue time = this - arrival)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens sampled by launched steps but not yet appended (async scheduling: at most 2, briefly).
     # The scheduler counts them as known tokens; num_computed_tokens advances when a step is scheduled.
     num_pending: int = 0
-    num_cached_tokens: int = -1                      # -1 until first admitted
-    block_ids: list[int] = field(default_factory=list)     # owned by BlockManager
+    num_cached_tokens: int = -1  # -1 until first admitted
+    block_ids: list[int] = field(default_factory=list)  # owned by BlockManager
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
-    num_registered_blocks: int = 0                   # leading blocks already offered to the prefix cache
-    stop_reason: int | str | None = None             # the stop token id or stop string that ended it
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
-    mm_inputs: Any = None                            # multimodal.inputs.MultiModalInputs for image/video prompts
+    mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs for image/video prompts
 
     @property
     def num_tokens(self) -> int:
@@ -92,5 +96,5 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

@@ -125,8 +125,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise _fail("stop", "must contain only non-empty strings", s)
             if len(s) > MAX_STOP_CHARS:
-                raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters long, got one of "
-                                     f"{len(s)}", param="stop")
+                raise InvalidRequest(
+                    f"stop strings must be at most {MAX_STOP_CHARS} characters long, got one of {len(s)}", param="stop"
+                )
         return list(items)
 
     @staticmethod
@@ -136,8 +137,9 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise _fail("stop_token_ids", "must be a list of integers >= 0", ids)
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
-                                 param="stop_token_ids")
+            raise InvalidRequest(
+                f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", param="stop_token_ids"
+            )
         for t in ids:
             if not _is_int(t) or t < 0:
                 raise _fail("stop_token_ids", "must contain only integers >= 0", t)

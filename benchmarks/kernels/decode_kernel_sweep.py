@@ -30,15 +30,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b")
     ap.add_argument("--cases", default=CASES, help="BATCHxCONTEXT,...")
-    ap.add_argument("--layouts", default="token",
-                    help="token: cache [blocks, block_size, Hkv, D] (Pagoda's); head: [blocks, Hkv, block_size, D] "
-                         "storage seen through a permuted view (the kernels take strides)")
+    ap.add_argument(
+        "--layouts",
+        default="token",
+        help="token: cache [blocks, block_size, Hkv, D] (Pagoda's); head: [blocks, Hkv, block_size, D] "
+        "storage seen through a permuted view (the kernels take strides)",
+    )
     ap.add_argument("--block-n", default="16,32,64,128")
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+
     def ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",")]
 
@@ -72,34 +76,48 @@ def main() -> None:
             graph_splits = pa.choose_num_splits(batch, kv_heads, 2048, pa.device_sm_count("cuda"))
             splits_options = sorted({1, graph_splits})
 
-            def run(cfg, splits, args=(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5)):
+            def run(cfg, splits, args=(q, k_cache, v_cache, tables, seq_lens, dim**-0.5)):
                 pa.decode_config = lambda head_dim, cfg=cfg: cfg
                 try:
-                    return 1e3 * triton.testing.do_bench(lambda: pa.paged_decode_attention(*args, splits),
-                                                         warmup=5, rep=30)
+                    return 1e3 * triton.testing.do_bench(
+                        lambda: pa.paged_decode_attention(*args, splits), warmup=5, rep=30
+                    )
                 finally:
                     pa.decode_config = default
 
             base = {s: run(default(dim), s) for s in splits_options}
-            case = {"shape": shape, "batch": batch, "context": context, "layout": layout, "floor_us": floor_us,
-                    "graph_splits": graph_splits, "default": {str(s): us for s, us in base.items()}, "configs": []}
+            case = {
+                "shape": shape,
+                "batch": batch,
+                "context": context,
+                "layout": layout,
+                "floor_us": floor_us,
+                "graph_splits": graph_splits,
+                "default": {str(s): us for s, us in base.items()},
+                "configs": [],
+            }
             for block_n, warps, stages, splits in itertools.product(
-                    ints(args.block_n), ints(args.warps), ints(args.stages), splits_options):
+                ints(args.block_n), ints(args.warps), ints(args.stages), splits_options
+            ):
                 cfg = pa.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     us = run(cfg, splits)
                 except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is just skipped
                     print(f"  skip {cfg} splits={splits}: {type(exc).__name__}", flush=True)
                     continue
-                case["configs"].append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                                        "splits": splits, "us": us})
+                case["configs"].append(
+                    {"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits, "us": us}
+                )
             best = min(case["configs"], key=lambda c: c["us"])
             case["best"] = best
             results.append(case)
-            print(f"{shape:12s} B={batch:4d} ctx={context:4d} {layout:5s}: default {base[graph_splits]:7.1f} us "
-                  f"(graph splits {graph_splits}) | best {best['us']:7.1f} us BLOCK_N={best['block_n']} "
-                  f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']} | "
-                  f"floor {floor_us:6.1f} us", flush=True)
+            print(
+                f"{shape:12s} B={batch:4d} ctx={context:4d} {layout:5s}: default {base[graph_splits]:7.1f} us "
+                f"(graph splits {graph_splits}) | best {best['us']:7.1f} us BLOCK_N={best['block_n']} "
+                f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']} | "
+                f"floor {floor_us:6.1f} us",
+                flush=True,
+            )
             del k_cache, v_cache
             torch.cuda.empty_cache()
     if args.out:

@@ -22,15 +22,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 # name → [(matmul, N, K, bias)] per decoder layer, then the lm_head.
 MATMULS = {
-    "yuan2-2b": [("lf_conv1", 1024, 4096, True), ("lf_conv2", 2048, 2048, True), ("qk", 4096, 2048, False),
-                 ("v", 2048, 2048, False), ("o", 2048, 2048, False), ("up_gate", 16384, 2048, False),
-                 ("down", 2048, 8192, False), ("lm_head", 135040, 2048, False)],
-    "qwen2-vl-2b": [("qkv", 2048, 1536, True), ("o", 1536, 1536, False), ("gate_up", 17920, 1536, False),
-                    ("down", 1536, 8960, False), ("lm_head", 151936, 1536, False)],
-    "llama-3-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
-                   ("down", 4096, 14336, False), ("lm_head", 128256, 4096, False)],
+    "yuan2-2b": [
+        ("lf_conv1", 1024, 4096, True),
+        ("lf_conv2", 2048, 2048, True),
+        ("qk", 4096, 2048, False),
+        ("v", 2048, 2048, False),
+        ("o", 2048, 2048, False),
+        ("up_gate", 16384, 2048, False),
+        ("down", 2048, 8192, False),
+        ("lm_head", 135040, 2048, False),
+    ],
+    "qwen2-vl-2b": [
+        ("qkv", 2048, 1536, True),
+        ("o", 1536, 1536, False),
+        ("gate_up", 17920, 1536, False),
+        ("down", 1536, 8960, False),
+        ("lm_head", 151936, 1536, False),
+    ],
+    "llama-3-8b": [
+        ("qkv", 6144, 4096, False),
+        ("o", 4096, 4096, False),
+        ("gate_up", 28672, 4096, False),
+        ("down", 4096, 14336, False),
+        ("lm_head", 128256, 4096, False),
+    ],
 }
-L2_DEFEAT_BYTES = 400 * 2**20      # the H200's L2 is 50 MB; cycle through at least this many bytes
+L2_DEFEAT_BYTES = 400 * 2**20  # the H200's L2 is 50 MB; cycle through at least this many bytes
 
 
 def graph_us(fn, calls: int, repeats: int = 5, replays: int = 20) -> float:
@@ -70,9 +87,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b,llama-3-8b")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--grid-rows", default="", help="row counts for which a config grid is also swept")
-    ap.add_argument("--l2-hot", action="store_true",
-                    help="also time the kernel re-reading one weight (L2-resident after the first call): what a "
-                         "matmul whose weight was prefetched into L2 would cost")
+    ap.add_argument(
+        "--l2-hot",
+        action="store_true",
+        help="also time the kernel re-reading one weight (L2-resident after the first call): what a "
+        "matmul whose weight was prefetched into L2 would cost",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -83,7 +103,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for name, n, k, has_bias in MATMULS[shape]:
             copies = max(2, -(-L2_DEFEAT_BYTES // (n * k * 2)))
-            weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(copies)]
+            weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
             bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
             mbytes = n * k * 2 / 1e6
             for m in rows_list:
@@ -100,30 +120,44 @@ def main() -> None:
 
                 ref = F.linear(x.float(), weights[0].float(), None if bias is None else bias.float())
                 err = (gemv(x, weights[0], bias).float() - ref).abs().max().item()
-                row = {"shape": shape, "matmul": name, "n": n, "k": k, "rows": m, "mbytes": mbytes,
-                       "cublas_us": graph_us(cublas, copies), "rule": vars(gemv_config(m, n, k)),
-                       "max_abs_err": err}
+                row = {
+                    "shape": shape,
+                    "matmul": name,
+                    "n": n,
+                    "k": k,
+                    "rows": m,
+                    "mbytes": mbytes,
+                    "cublas_us": graph_us(cublas, copies),
+                    "rule": vars(gemv_config(m, n, k)),
+                    "max_abs_err": err,
+                }
                 row["gemv_us"] = graph_us(lambda: kernel(None), copies)
                 if args.l2_hot:
+
                     def hot(x=x, out=out, w=weights[0], bias=bias, copies=copies):
                         for _ in range(copies):
                             gemv(x, w, bias, out=out)
 
                     row["gemv_l2_hot_us"] = graph_us(hot, copies)
                 if m in grid_rows:
-                    timed = [(graph_us(lambda c=c: kernel(c), copies), c) for c in grid
-                             if c.block_k < 2 * k]
+                    timed = [(graph_us(lambda c=c: kernel(c), copies), c) for c in grid if c.block_k < 2 * k]
                     best_us, best = min(timed, key=lambda t: t[0])
                     row["grid_best_us"], row["grid_best"] = best_us, vars(best)
                 results.append(row)
-                extra = (f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
-                         if "grid_best_us" in row else "")
+                extra = (
+                    f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
+                    if "grid_best_us" in row
+                    else ""
+                )
                 extra += f"  L2-hot gemv {row['gemv_l2_hot_us']:7.2f} us" if "gemv_l2_hot_us" in row else ""
-                print(f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
-                      f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
-                      f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
-                      f"{extra}", flush=True)
-            weights = None         # free this matmul's copies before the next one's
+                print(
+                    f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
+                    f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
+                    f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
+                    f"{extra}",
+                    flush=True,
+                )
+            weights = None  # free this matmul's copies before the next one's
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -31,10 +31,24 @@ import numpy as np
 import torch
 
 SHAPES = {
-    "2b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-               intermediate_size=8960, vocab_size=151936, vision=dict(depth=32, embed_dim=1280, num_heads=16)),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=151936, vision=dict(depth=2, embed_dim=32, num_heads=4)),
+    "2b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        vision=dict(depth=32, embed_dim=1280, num_heads=16),
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=151936,
+        vision=dict(depth=2, embed_dim=32, num_heads=4),
+    ),
 }
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 
@@ -43,14 +57,34 @@ def write_config(folder: str, shape: str) -> str:
     dims = dict(SHAPES[shape])
     vision = dims.pop("vision")
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]          # [16, 24, 24] for 128
-    config = dict(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl", **dims,
-                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu",
-                  tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
-                  image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-                  vision_end_token_id=VISION_END, rope_scaling={"type": "mrope", "mrope_section": section},
-                  vision_config=dict(vision, mlp_ratio=4, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
-                                     in_chans=3, hidden_size=dims["hidden_size"]))
+    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # [16, 24, 24] for 128
+    config = dict(
+        architectures=["Qwen2VLForConditionalGeneration"],
+        model_type="qwen2_vl",
+        **dims,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        bos_token_id=151643,
+        eos_token_id=151645,
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        rope_scaling={"type": "mrope", "mrope_section": section},
+        vision_config=dict(
+            vision,
+            mlp_ratio=4,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            in_chans=3,
+            hidden_size=dims["hidden_size"],
+        ),
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return folder
@@ -67,7 +101,7 @@ def make_requests(count: int, text_len: int, seed: int):
         visual = _random_image_visual(rng)
         spent += time.perf_counter() - start
         text = [text_rng.randrange(1000, 150000) for _ in range(text_len)]
-        requests.append((text[:text_len // 2] + [VISION_START, IMAGE_PAD, VISION_END] + text[text_len // 2:], visual))
+        requests.append((text[: text_len // 2] + [VISION_START, IMAGE_PAD, VISION_END] + text[text_len // 2 :], visual))
     return requests, spent / count
 
 
@@ -86,7 +120,7 @@ def _random_image_visual(rng: np.random.Generator):
         from PIL import Image
 
         from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image
-    except ImportError:             # no Pillow: the 1000x750 image's grid (1, 54, 72), random pixels
+    except ImportError:  # no Pillow: the 1000x750 image's grid (1, 54, 72), random pixels
         return _GridVisual(rng.standard_normal((54 * 72, 1176), dtype=np.float32), (1, 54, 72))
     image = Image.fromarray(rng.integers(0, 256, (750, 1000, 3), dtype=np.uint8))
     return preprocess_image(image, VisionPreprocessConfig())
@@ -98,9 +132,19 @@ def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict
     from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
     from pagoda.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.create(EngineArgs(model=folder, load_format="dummy", skip_tokenizer_init=True,
-                                                      dtype="bfloat16", max_model_len=4096, seed=0,
-                                                      gpu_memory_utilization=0.5)))
+    engine = LLMEngine(
+        EngineConfig.create(
+            EngineArgs(
+                model=folder,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                dtype="bfloat16",
+                max_model_len=4096,
+                seed=0,
+                gpu_memory_utilization=0.5,
+            )
+        )
+    )
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     placeholders = PlaceholderIds(IMAGE_PAD, VIDEO_PAD)
     prepared = [expand_prompt(ids, [("image", visual)], placeholders, "bench") for ids, visual in requests]
@@ -121,13 +165,19 @@ def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict
         sync()
         return time.perf_counter() - t0, latencies, produced
 
-    drive(prepared[:2], 2)                                           # warm-up (also compiles nothing)
+    drive(prepared[:2], 2)  # warm-up (also compiles nothing)
     seconds, latencies, produced = drive(prepared, concurrency)
     engine = None
     free_gpu()
-    return {"system": "pagoda", "concurrency": concurrency, "requests": len(prepared), "seconds": seconds,
-            "requests_per_s": len(prepared) / seconds, "output_tok_per_s": produced / seconds,
-            "mean_latency_s": float(np.mean(latencies))}
+    return {
+        "system": "pagoda",
+        "concurrency": concurrency,
+        "requests": len(prepared),
+        "seconds": seconds,
+        "requests_per_s": len(prepared) / seconds,
+        "output_tok_per_s": produced / seconds,
+        "mean_latency_s": float(np.mean(latencies)),
+    }
 
 
 def run_hf(folder: str, requests, concurrency: int, output_len: int, device: str) -> dict:
@@ -135,42 +185,61 @@ def run_hf(folder: str, requests, concurrency: int, output_len: int, device: str
 
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration._from_config(
-        config, dtype=torch.bfloat16, attn_implementation="sdpa").to(device).eval()
+    model = (
+        transformers.Qwen2VLForConditionalGeneration._from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+        .to(device)
+        .eval()
+    )
 
     def generate(batch) -> int:
         from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 
-        expanded = [expand_prompt(ids, [("image", v)], PlaceholderIds(IMAGE_PAD, VIDEO_PAD), "hf")[0]
-                    for ids, v in batch]
+        expanded = [
+            expand_prompt(ids, [("image", v)], PlaceholderIds(IMAGE_PAD, VIDEO_PAD), "hf")[0] for ids, v in batch
+        ]
         input_ids = torch.tensor(expanded, device=device)
         pixels = torch.from_numpy(np.concatenate([v.pixel_values for _, v in batch])).to(device, torch.bfloat16)
         grids = torch.tensor([v.grid_thw for _, v in batch], device=device)
-        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
-                      image_grid_thw=grids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                      pad_token_id=0)
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=pixels,
+            image_grid_thw=grids,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
         with torch.inference_mode():
-            try:            # transformers >= 5.2x needs the token types; older versions reject them
+            try:  # transformers >= 5.2x needs the token types; older versions reject them
                 out = model.generate(mm_token_type_ids=(input_ids == IMAGE_PAD).long(), **kwargs)
             except (TypeError, ValueError):
                 out = model.generate(**kwargs)
         return (out.shape[1] - input_ids.shape[1]) * len(batch)
 
-    generate(requests[:1])                                           # warm-up
+    generate(requests[:1])  # warm-up
     sync()
     t0 = time.perf_counter()
     produced, latencies = 0, []
     for i in range(0, len(requests), concurrency):
         start = time.perf_counter()
-        produced += generate(requests[i:i + concurrency])
+        produced += generate(requests[i : i + concurrency])
         sync()
-        latencies += [time.perf_counter() - start] * len(requests[i:i + concurrency])
+        latencies += [time.perf_counter() - start] * len(requests[i : i + concurrency])
     seconds = time.perf_counter() - t0
     model = None
     free_gpu()
-    return {"system": "transformers", "concurrency": concurrency, "requests": len(requests), "seconds": seconds,
-            "requests_per_s": len(requests) / seconds, "output_tok_per_s": produced / seconds,
-            "mean_latency_s": float(np.mean(latencies))}
+    return {
+        "system": "transformers",
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "seconds": seconds,
+        "requests_per_s": len(requests) / seconds,
+        "output_tok_per_s": produced / seconds,
+        "mean_latency_s": float(np.mean(latencies)),
+    }
 
 
 def sync() -> None:
@@ -203,18 +272,23 @@ def main() -> None:
         for c in args.concurrency:
             requests, preprocess_s = make_requests(4 if c == 1 else 2 * c, args.text_len, seed=c)
             if not args.skip_pagoda:
-                rows.append(run_pagoda(folder, requests, c, args.output_len)
-                            | {"preprocess_ms_per_image": preprocess_s * 1e3})
+                rows.append(
+                    run_pagoda(folder, requests, c, args.output_len) | {"preprocess_ms_per_image": preprocess_s * 1e3}
+                )
                 print(json.dumps(rows[-1]), flush=True)
             if not args.skip_hf:
                 rows.append(run_hf(folder, requests, c, args.output_len, device))
                 print(json.dumps(rows[-1]), flush=True)
-    table = ["| concurrency | system | image req/s | output tok/s | mean latency s | requests |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    table = [
+        "| concurrency | system | image req/s | output tok/s | mean latency s | requests |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        table.append(f"| {r['concurrency']} | {r['system']} | {r['requests_per_s']:.2f} | "
-                     f"{r['output_tok_per_s']:.1f} | "
-                     f"{r['mean_latency_s']:.2f} | {r['requests']} |")
+        table.append(
+            f"| {r['concurrency']} | {r['system']} | {r['requests_per_s']:.2f} | "
+            f"{r['output_tok_per_s']:.1f} | "
+            f"{r['mean_latency_s']:.2f} | {r['requests']} |"
+        )
     speedups = []
     for c in args.concurrency:
         ours = next((r for r in rows if r["system"] == "pagoda" and r["concurrency"] == c), None)
@@ -223,9 +297,11 @@ def main() -> None:
             speedups.append(f"C={c}: {ours['requests_per_s'] / theirs['requests_per_s']:.2f}x")
     pre = np.mean([r["preprocess_ms_per_image"] for r in rows if "preprocess_ms_per_image" in r] or [float("nan")])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    table.append(f"\nPagoda / transformers image req/s: {', '.join(speedups) or '-'} "
-                 f"(Qwen2-VL-{args.shape} shape, random weights, 1000x750 image + {args.text_len} text tokens in, "
-                 f"{args.output_len} out, {gpu}); preprocessing {pre:.1f} ms per image on the CPU, not in the timings.")
+    table.append(
+        f"\nPagoda / transformers image req/s: {', '.join(speedups) or '-'} "
+        f"(Qwen2-VL-{args.shape} shape, random weights, 1000x750 image + {args.text_len} text tokens in, "
+        f"{args.output_len} out, {gpu}); preprocessing {pre:.1f} ms per image on the CPU, not in the timings."
+    )
     text = "\n".join(table)
     print(text)
     if args.out:

@@ -28,22 +28,52 @@ import tempfile
 import time
 
 SHAPES = {
-    "2b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, intermediate_size=8192,
-               vocab_size=135040, max_position_embeddings=8192),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                 vocab_size=2048, max_position_embeddings=1024),
+    "2b": dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        intermediate_size=8192,
+        vocab_size=135040,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=2048,
+        max_position_embeddings=1024,
+    ),
 }
 
 
 def write_configs(folder: str, shape: str) -> dict[str, str]:
     dims = SHAPES[shape]
-    yuan = dict(architectures=["YuanForCausalLM"], model_type="yuan", hidden_act="silu", rms_norm_eps=1e-6,
-                tie_word_embeddings=True, torch_dtype="bfloat16", use_flash_attention=False,
-                reset_attention_mask=True, reset_position_ids=True, eos_token_id=77185 % dims["vocab_size"],
-                **dims)
-    llama = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-6,
-                 tie_word_embeddings=True, torch_dtype="bfloat16", num_key_value_heads=dims["num_attention_heads"],
-                 rope_theta=10000.0, eos_token_id=2, **dims)
+    yuan = dict(
+        architectures=["YuanForCausalLM"],
+        model_type="yuan",
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        use_flash_attention=False,
+        reset_attention_mask=True,
+        reset_position_ids=True,
+        eos_token_id=77185 % dims["vocab_size"],
+        **dims,
+    )
+    llama = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        num_key_value_heads=dims["num_attention_heads"],
+        rope_theta=10000.0,
+        eos_token_id=2,
+        **dims,
+    )
     paths = {}
     for name, cfg in (("llama", llama), ("yuan", yuan)):
         paths[name] = os.path.join(folder, name)
@@ -58,12 +88,19 @@ def run_one(model: str, args: argparse.Namespace) -> dict:
 
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=args.input_len + args.output_len + 16, seed=0)
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=args.input_len + args.output_len + 16,
+        seed=0,
+    )
     vocab = llm.config.model.hf_config["vocab_size"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(min(1000, vocab // 4), vocab) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(min(1000, vocab // 4), vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], warm, use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -77,13 +114,20 @@ def run_one(model: str, args: argparse.Namespace) -> dict:
     assert produced == args.num_prompts * args.output_len
     stats = llm.engine.scheduler.stats
     shares = gpu_time_shares(llm, prompts, args) if torch.cuda.is_available() else {}
-    return {"model": llm.config.model.architecture, "device": llm.config.device.device,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "seconds": seconds, "output_tokens": produced, "output_tok_per_s": produced / seconds,
-            "total_tok_per_s": (produced + args.num_prompts * args.input_len) / seconds,
-            "steps": stats.num_steps, "preemptions": stats.num_preemptions,
-            "kv_blocks": llm.engine.kv_layout.num_blocks - 1,
-            "state_bytes_per_seq": llm.engine.runner.kv_cache_spec().state_bytes_per_seq, **shares}
+    return {
+        "model": llm.config.model.architecture,
+        "device": llm.config.device.device,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "seconds": seconds,
+        "output_tokens": produced,
+        "output_tok_per_s": produced / seconds,
+        "total_tok_per_s": (produced + args.num_prompts * args.input_len) / seconds,
+        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions,
+        "kv_blocks": llm.engine.kv_layout.num_blocks - 1,
+        "state_bytes_per_seq": llm.engine.runner.kv_cache_spec().state_bytes_per_seq,
+        **shares,
+    }
 
 
 def gpu_time_shares(llm, prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -110,6 +154,7 @@ def gpu_time_shares(llm, prompts: list[list[int]], args: argparse.Namespace) -> 
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             events[kind][-1][1] = end
+
         handles.append(module.register_forward_pre_hook(before))
         handles.append(module.register_forward_hook(after))
 
@@ -125,8 +170,11 @@ def gpu_time_shares(llm, prompts: list[list[int]], args: argparse.Namespace) -> 
     for handle in handles:
         handle.remove()
     total = {kind: sum(s.elapsed_time(e) for s, e in pairs) for kind, pairs in events.items()}
-    return {"model_gpu_ms": total["model"], "lf_share_of_forward": total["lf"] / total["model"],
-            "attention_share_of_forward": total["attention"] / total["model"]}
+    return {
+        "model_gpu_ms": total["model"],
+        "lf_share_of_forward": total["lf"] / total["model"],
+        "attention_share_of_forward": total["attention"] / total["model"],
+    }
 
 
 def main() -> None:
@@ -137,7 +185,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="2b")
     ap.add_argument("--out", default=None, help="folder for yuan_lf_overhead.json / .md")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)       # internal: run one model folder
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one model folder
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args)))
@@ -148,34 +196,52 @@ def main() -> None:
         paths = write_configs(folder, args.shape)
         for _ in range(args.repeats):
             for name in ("llama", "yuan"):
-                cmd = [sys.executable, __file__, "--one", paths[name], "--num-prompts", str(args.num_prompts),
-                       "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    paths[name],
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if proc.returncode or line is None:
                     sys.exit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-                results[name].append(json.loads(line[len("RESULT "):]))
+                results[name].append(json.loads(line[len("RESULT ") :]))
                 print(f"{name}: {results[name][-1]['output_tok_per_s']:.1f} output tok/s", flush=True)
 
     # The median run of each model (GPU clocks and host noise move single runs by several percent).
-    best = {name: sorted(runs, key=lambda r: r["output_tok_per_s"])[(len(runs) - 1) // 2]
-            for name, runs in results.items()}
+    best = {
+        name: sorted(runs, key=lambda r: r["output_tok_per_s"])[(len(runs) - 1) // 2] for name, runs in results.items()
+    }
     overhead = 1 - best["yuan"]["output_tok_per_s"] / best["llama"]["output_tok_per_s"]
     summary = {"workload": vars(args) | {"one": None}, "runs": results, "median": best, "lf_overhead": overhead}
-    table = ["| model | output tok/s | total tok/s | seconds | steps | preemptions | LF share of forward "
-             "| attention share of forward |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = [
+        "| model | output tok/s | total tok/s | seconds | steps | preemptions | LF share of forward "
+        "| attention share of forward |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name in ("llama", "yuan"):
         r = best[name]
-        shares = [f"{r[k] * 100:.1f} %" if k in r else "-"
-                  for k in ("lf_share_of_forward", "attention_share_of_forward")]
-        table.append(f"| {r['model']} | {r['output_tok_per_s']:.1f} | {r['total_tok_per_s']:.1f} | "
-                     f"{r['seconds']:.2f} | {r['steps']} | {r['preemptions']} | {shares[0]} | {shares[1]} |")
+        shares = [
+            f"{r[k] * 100:.1f} %" if k in r else "-" for k in ("lf_share_of_forward", "attention_share_of_forward")
+        ]
+        table.append(
+            f"| {r['model']} | {r['output_tok_per_s']:.1f} | {r['total_tok_per_s']:.1f} | "
+            f"{r['seconds']:.2f} | {r['steps']} | {r['preemptions']} | {shares[0]} | {shares[1]} |"
+        )
     spread = {name: ", ".join(f"{r['output_tok_per_s']:.0f}" for r in runs) for name, runs in results.items()}
     table.append(f"\nAll runs, output tok/s, in order: Llama {spread['llama']}; Yuan {spread['yuan']}")
-    table.append(f"\nLF overhead (1 - Yuan/Llama median output tok/s): **{overhead * 100:.1f} %** "
-                 f"({args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-                 f"{best['yuan']['device']} {best['yuan']['gpu'] or ''})")
+    table.append(
+        f"\nLF overhead (1 - Yuan/Llama median output tok/s): **{overhead * 100:.1f} %** "
+        f"({args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+        f"{best['yuan']['device']} {best['yuan']['gpu'] or ''})"
+    )
     text = "\n".join(table)
     print(text)
     if args.out:

@@ -52,11 +52,43 @@ from api_overhead import (
     wait_healthy,
 )
 
-WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye",
-         "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem"]
-SEGMENTS = [("accept", "send", "asgi"), ("body", "asgi", "body"), ("validate", "body", "route"),
-            ("prepare+send", "route", "sent"), ("to core", "sent", "core_add"), ("core step", "core_add", "core_out"),
-            ("to API", "core_out", "api_out"), ("SSE write", "api_out", "write"), ("to client", "write", "first")]
+WORDS = [
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+]
+SEGMENTS = [
+    ("accept", "send", "asgi"),
+    ("body", "asgi", "body"),
+    ("validate", "body", "route"),
+    ("prepare+send", "route", "sent"),
+    ("to core", "sent", "core_add"),
+    ("core step", "core_add", "core_out"),
+    ("to API", "core_out", "api_out"),
+    ("SSE write", "api_out", "write"),
+    ("to client", "write", "first"),
+]
 
 
 # -- the fake core, recording when each request arrived and when its first output left ------------------------
@@ -77,13 +109,14 @@ class TimedEngine(FakeEngine):
             entry = self.times.get(out.request_id)
             if entry is not None and not entry[1]:
                 entry[1] = now
-        if not self.running:       # idle: hand the times over (all so far)
+        if not self.running:  # idle: hand the times over (all so far)
             Path(self.path).write_text(json.dumps(self.times))
         return outs
 
 
-def _timed_core(step_s: float, path: str, config: Any, input_address: str, control_address: str,
-                client_addresses: list[str]) -> None:
+def _timed_core(
+    step_s: float, path: str, config: Any, input_address: str, control_address: str, client_addresses: list[str]
+) -> None:
     fake_core(step_s, input_address, control_address, client_addresses, TimedEngine(step_s, path))
 
 
@@ -101,7 +134,7 @@ def instrument(app: Any, engine: Any) -> Any:
     from pagoda.server.serving import OpenAIServing
 
     times: dict[str, dict[str, float]] = {}
-    gc_time = [[0, 0.0] for _ in range(3)]      # per generation: collections, seconds
+    gc_time = [[0, 0.0] for _ in range(3)]  # per generation: collections, seconds
     gc_start = [0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -134,18 +167,19 @@ def instrument(app: Any, engine: Any) -> Any:
         times.setdefault(req.request_id, {})["route"] = arrival
         return await completion_stream(self, req, arrival)
 
-    OpenAIServing.completion_stream = timed_completion_stream   # type: ignore[method-assign]
+    OpenAIServing.completion_stream = timed_completion_stream  # type: ignore[method-assign]
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/bench-times":
             if PROFILER:
-                PROFILER[0].dump_stats(os.environ["API_BURST_CPROFILE"])    # (which stops it)
+                PROFILER[0].dump_stats(os.environ["API_BURST_CPROFILE"])  # (which stops it)
                 PROFILER[0].enable()
             body = json.dumps({**times, "_gc": gc_time}).encode()
             times.clear()
             gc_time[:] = [[0, 0.0] for _ in range(3)]
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
             await send({"type": "http.response.body", "body": body})
             return
         rid = dict(scope.get("headers") or ()).get(b"x-bench-id")
@@ -176,13 +210,14 @@ def serve(port: int, step_s: float, loop: str, tokenizer_path: str, core_times: 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if os.environ.get("API_BURST_CPROFILE"):      # written on GET /bench-times (uvicorn dies by its signal)
+    if os.environ.get("API_BURST_CPROFILE"):  # written on GET /bench-times (uvicorn dies by its signal)
         import cProfile
 
         PROFILER.append(cProfile.Profile())
         PROFILER[0].enable()
-    serve_fake_api(port, step_s, loop == "uvloop", tokenizer, functools.partial(_timed_core, step_s, core_times),
-                   instrument)
+    serve_fake_api(
+        port, step_s, loop == "uvloop", tokenizer, functools.partial(_timed_core, step_s, core_times), instrument
+    )
 
 
 # -- the client ---------------------------------------------------------------------------------------------
@@ -199,19 +234,37 @@ async def burst_rounds(host: str, port: int, n: int, rounds: int, ns: argparse.N
             requests = []
             for i in range(n):
                 rid = f"b{r}-{i}-{rng.getrandbits(32):08x}"
-                prompt: Any = (list(range(100, 100 + ns.input_len)) if ns.token_ids
-                               else " ".join(rng.choice(WORDS) for _ in range(ns.input_len)))
-                body = json.dumps({"model": "fake", "stream": True, "max_tokens": ns.output_len, "ignore_eos": True,
-                                   "prompt": prompt, "request_id": rid,
-                                   "stream_options": {"include_usage": True}}).encode()
-                requests.append((rid, (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-                                       f"application/json\r\nx-bench-id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n"
-                                       ).encode() + body))
+                prompt: Any = (
+                    list(range(100, 100 + ns.input_len))
+                    if ns.token_ids
+                    else " ".join(rng.choice(WORDS) for _ in range(ns.input_len))
+                )
+                body = json.dumps(
+                    {
+                        "model": "fake",
+                        "stream": True,
+                        "max_tokens": ns.output_len,
+                        "ignore_eos": True,
+                        "prompt": prompt,
+                        "request_id": rid,
+                        "stream_options": {"include_usage": True},
+                    }
+                ).encode()
+                requests.append(
+                    (
+                        rid,
+                        (
+                            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                            f"application/json\r\nx-bench-id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n"
+                        ).encode()
+                        + body,
+                    )
+                )
 
             async def one(k: int, requests: list[tuple[str, bytes]] = requests) -> dict[str, float]:
                 reader, writer = conns[k]
                 rid, request = requests[k]
-                times = {"id": rid, "send": time.monotonic()}     # type: ignore[dict-item]
+                times = {"id": rid, "send": time.monotonic()}  # type: ignore[dict-item]
                 writer.write(request)
                 head = await reader.readuntil(b"\r\n\r\n")
                 if not head.startswith(b"HTTP/1.1 200"):
@@ -260,16 +313,29 @@ def main() -> int:
     ns = p.parse_args()
     port = free_port()
     core_times = tempfile.mktemp(prefix="pagoda-burst-", suffix=".json")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "API_BURST_CPROFILE": os.path.abspath(ns.cprofile) if ns.cprofile else ""}
-    api = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(ns.step_ms / 1000),
-                            "uvloop" if ns.uvloop else "asyncio", "" if ns.token_ids else ns.tokenizer, core_times],
-                           env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "API_BURST_CPROFILE": os.path.abspath(ns.cprofile) if ns.cprofile else "",
+    }
+    api = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            str(port),
+            str(ns.step_ms / 1000),
+            "uvloop" if ns.uvloop else "asyncio",
+            "" if ns.token_ids else ns.tokenizer,
+            core_times,
+        ],
+        env=env,
+    )
     spy = None
     report: dict[str, Any] = {"config": vars(ns), "bursts": {}}
     try:
         wait_healthy(f"http://127.0.0.1:{port}", api)
-        asyncio.run(burst_rounds("127.0.0.1", port, 8, 1, ns))      # warm-up
+        asyncio.run(burst_rounds("127.0.0.1", port, 8, 1, ns))  # warm-up
         httpx.get(f"http://127.0.0.1:{port}/bench-times")
         if ns.cprofile:
             Path(ns.cprofile).unlink(missing_ok=True)
@@ -290,23 +356,38 @@ def main() -> int:
                     t["core_add"], t["core_out"] = core[c["id"]]
                 rows.append(t)
             ttft = [(r["first"] - r["send"]) * 1e3 for r in rows]
-            summary = {"requests": len(rows), "ttft_p50_ms": pct(ttft, 0.5), "ttft_p95_ms": pct(ttft, 0.95),
-                       "ttft_mean_ms": statistics.fmean(ttft),
-                       "api_cpu_ms_per_request": cpu / (n * (ns.rounds + 1)) * 1e3, "segments_ms": {},
-                       "gc_ms_per_round": {f"gen{g}": [count / (ns.rounds + 1), seconds / (ns.rounds + 1) * 1e3]
-                                           for g, (count, seconds) in enumerate(gc_seconds)}}
-            print(f"burst {n}: {len(rows)} requests, client TTFT P50 {summary['ttft_p50_ms']:.1f} ms, "
-                  f"P95 {summary['ttft_p95_ms']:.1f} ms, mean {summary['ttft_mean_ms']:.1f} ms; API CPU "
-                  f"{summary['api_cpu_ms_per_request']:.2f} ms per request", file=sys.stderr)
+            summary = {
+                "requests": len(rows),
+                "ttft_p50_ms": pct(ttft, 0.5),
+                "ttft_p95_ms": pct(ttft, 0.95),
+                "ttft_mean_ms": statistics.fmean(ttft),
+                "api_cpu_ms_per_request": cpu / (n * (ns.rounds + 1)) * 1e3,
+                "segments_ms": {},
+                "gc_ms_per_round": {
+                    f"gen{g}": [count / (ns.rounds + 1), seconds / (ns.rounds + 1) * 1e3]
+                    for g, (count, seconds) in enumerate(gc_seconds)
+                },
+            }
+            print(
+                f"burst {n}: {len(rows)} requests, client TTFT P50 {summary['ttft_p50_ms']:.1f} ms, "
+                f"P95 {summary['ttft_p95_ms']:.1f} ms, mean {summary['ttft_mean_ms']:.1f} ms; API CPU "
+                f"{summary['api_cpu_ms_per_request']:.2f} ms per request",
+                file=sys.stderr,
+            )
             for name, a, b in SEGMENTS:
                 values = [(r[b] - r[a]) * 1e3 for r in rows if a in r and b in r]
                 if values:
                     seg = {"mean": statistics.fmean(values), "p50": pct(values, 0.5), "p95": pct(values, 0.95)}
                     summary["segments_ms"][name] = seg
-                    print(f"  {name:14s} mean {seg['mean']:7.1f}  p50 {seg['p50']:7.1f}  p95 {seg['p95']:7.1f} ms",
-                          file=sys.stderr)
-            print("  GC per round (collections / ms): " + ", ".join(
-                f"{k} {c:.0f} / {ms:.1f}" for k, (c, ms) in summary["gc_ms_per_round"].items()), file=sys.stderr)
+                    print(
+                        f"  {name:14s} mean {seg['mean']:7.1f}  p50 {seg['p50']:7.1f}  p95 {seg['p95']:7.1f} ms",
+                        file=sys.stderr,
+                    )
+            print(
+                "  GC per round (collections / ms): "
+                + ", ".join(f"{k} {c:.0f} / {ms:.1f}" for k, (c, ms) in summary["gc_ms_per_round"].items()),
+                file=sys.stderr,
+            )
             report["bursts"][str(n)] = summary
         print(json.dumps({n: {k: v for k, v in s.items() if k != "segments_ms"} for n, s in report["bursts"].items()}))
         if ns.out:

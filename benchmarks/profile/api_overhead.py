@@ -46,16 +46,24 @@ class FakeEngine:
         from pagoda.outputs import EngineStats
 
         self.step_s = step_s
-        self.running: dict[str, list[Any]] = {}   # id → [params, prompt ids, prompt, samples emitted, n]
+        self.running: dict[str, list[Any]] = {}  # id → [params, prompt ids, prompt, samples emitted, n]
         self.steps = 0
         self._stats = EngineStats
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, prompt: str | None = None,
-                    delta: bool = True, arrival_time: float | None = None, mm_inputs: Any = None,
-                    detokenize: bool = True) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        prompt: str | None = None,
+        delta: bool = True,
+        arrival_time: float | None = None,
+        mm_inputs: Any = None,
+        detokenize: bool = True,
+    ) -> None:
         # detokenize=False (API-side text, several API processes) is not modelled: this API process is
         # the one-process layout, where the core sends the text.
         self.running[request_id] = [params, prompt_token_ids, prompt, 0]
@@ -67,8 +75,17 @@ class FakeEngine:
         for rid in request_ids:
             if (entry := self.running.pop(rid, None)) is not None:
                 params, ids, prompt, _ = entry
-                outs.append(RequestOutput(rid, prompt, ids, [CompletionOutput(i, "", [], None, None, "abort")
-                                                             for i in range(params.n)], True, 0, 0.0))
+                outs.append(
+                    RequestOutput(
+                        rid,
+                        prompt,
+                        ids,
+                        [CompletionOutput(i, "", [], None, None, "abort") for i in range(params.n)],
+                        True,
+                        0,
+                        0.0,
+                    )
+                )
         return outs
 
     def step(self) -> list[Any]:
@@ -84,9 +101,17 @@ class FakeEngine:
             entry[3] = emitted
             done = emitted >= params.max_tokens
             reason = "length" if done else None
-            outs.append(RequestOutput(rid, prompt, ids, [CompletionOutput(i, " tok", [1000 + emitted % 100], None,
-                                                                          None, reason) for i in range(params.n)],
-                                      done, 0, 0.001 if done else None))
+            outs.append(
+                RequestOutput(
+                    rid,
+                    prompt,
+                    ids,
+                    [CompletionOutput(i, " tok", [1000 + emitted % 100], None, None, reason) for i in range(params.n)],
+                    done,
+                    0,
+                    0.001 if done else None,
+                )
+            )
             if done:
                 del self.running[rid]
         return outs
@@ -95,8 +120,9 @@ class FakeEngine:
         return self._stats(len(self.running), 0, len(self.running) / 1000, 0, 0, 0, self.steps)
 
 
-def fake_core(step_s: float, input_address: str, control_address: str, client_addresses: list[str],
-              engine: Any = None) -> None:
+def fake_core(
+    step_s: float, input_address: str, control_address: str, client_addresses: list[str], engine: Any = None
+) -> None:
     """Like `core_process.run_engine_core`, with a FakeEngine (or `engine`, one like it)."""
     import signal
 
@@ -122,8 +148,14 @@ def fake_core(step_s: float, input_address: str, control_address: str, client_ad
         inbox.close(linger=0)
 
 
-def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer: Any = None,
-                   core_entry: Any = None, instrument: Any = None) -> None:
+def serve_fake_api(
+    port: int,
+    step_s: float,
+    use_uvloop: bool = False,
+    tokenizer: Any = None,
+    core_entry: Any = None,
+    instrument: Any = None,
+) -> None:
     """The API process: AsyncEngine (over the fake core), the app, uvicorn, on asyncio.run like `pagoda serve`
     (or on a uvloop loop, to see what that would change). `tokenizer` (for text prompts), `core_entry` (a
     picklable `run_engine_core` stand-in) and `instrument(app, engine) -> app` are for `api_burst.py`."""
@@ -143,21 +175,29 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
         entry = core_entry or functools.partial(_core_entry, step_s)
         core = CoreProcess(supervisor, None, 1, target=entry)  # type: ignore[arg-type]
         core.wait_ready()
-        engine = AsyncEngine(None, core.clients[0])   # type: ignore[arg-type]
+        engine = AsyncEngine(None, core.clients[0])  # type: ignore[arg-type]
         await engine.start()
         try:
-            ctx = ServingContext(engine=engine, tokenizer=tokenizer, served_model_names=["fake"], max_model_len=4096,
-                                 vocab_size=32000, architecture="Fake", chat_template=None,
-                                 metrics=ServerMetrics("fake"))
+            ctx = ServingContext(
+                engine=engine,
+                tokenizer=tokenizer,
+                served_model_names=["fake"],
+                max_model_len=4096,
+                vocab_size=32000,
+                architecture="Fake",
+                chat_template=None,
+                metrics=ServerMetrics("fake"),
+            )
             engine.add_listener(ctx.metrics.on_engine_outputs)
             app = build_app(OpenAIServing(ctx))
             if instrument is not None:
                 app = instrument(app, engine)
             from pagoda.serving_gc import prepare_gc_for_serving
 
-            prepare_gc_for_serving()                             # as `pagoda serve` does
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                   access_log=False, backlog=4096))
+            prepare_gc_for_serving()  # as `pagoda serve` does
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+            )
             await server.serve()
         finally:
             await engine.shutdown()
@@ -174,8 +214,9 @@ def serve_fake_api(port: int, step_s: float, use_uvloop: bool = False, tokenizer
         asyncio.run(main())
 
 
-def _core_entry(step_s: float, config: Any, input_address: str, control_address: str,
-                client_addresses: list[str]) -> None:
+def _core_entry(
+    step_s: float, config: Any, input_address: str, control_address: str, client_addresses: list[str]
+) -> None:
     fake_core(step_s, input_address, control_address, client_addresses)
 
 
@@ -219,12 +260,22 @@ async def drive(url: str, concurrency: int, prompts: int, ns: argparse.Namespace
     """(completion tokens per the usage chunks, data events, failures). A raw HTTP/1.1 keep-alive client
     (no parsing beyond counting events and finding the end), so that on a small box it takes less CPU
     than the server it measures."""
-    body = json.dumps({"model": "fake", "stream": True, "max_tokens": ns.output_len, "ignore_eos": True,
-                       "prompt": list(range(100, 100 + ns.input_len)), "n": ns.n,
-                       "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": "fake",
+            "stream": True,
+            "max_tokens": ns.output_len,
+            "ignore_eos": True,
+            "prompt": list(range(100, 100 + ns.input_len)),
+            "n": ns.n,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     host, port = url.rsplit("/", 1)[1].split(":")
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     tokens = events = failures = 0
     todo = iter(range(prompts))
 
@@ -239,7 +290,7 @@ async def drive(url: str, concurrency: int, prompts: int, ns: argparse.Namespace
                     failures += 1
                     return
                 tail = b""
-                while not tail.endswith(b"0\r\n\r\n"):      # the chunked body's last chunk
+                while not tail.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
                     chunk = await reader.read(65536)
                     if not chunk:
                         raise ConnectionError("closed mid-stream")
@@ -268,20 +319,32 @@ def main() -> int:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--step-ms", type=float, default=5.0, help="fake decode step time (default 5)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--uvloop", action="store_true",
-                   help="run the API process on uvloop (`pagoda serve` runs on asyncio's default loop)")
+    p.add_argument(
+        "--uvloop",
+        action="store_true",
+        help="run the API process on uvloop (`pagoda serve` runs on asyncio's default loop)",
+    )
     p.add_argument("--profile", metavar="SVG", help="also record the API process with py-spy into SVG")
     p.add_argument("--out", help="write the results as JSON here")
     ns = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    api = subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port), str(ns.step_ms / 1000),
-                            "uvloop" if ns.uvloop else "asyncio"], env=env)
+    api = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--serve-fake",
+            str(port),
+            str(ns.step_ms / 1000),
+            "uvloop" if ns.uvloop else "asyncio",
+        ],
+        env=env,
+    )
     spy = None
     try:
         wait_healthy(url, api)
-        asyncio.run(drive(url, min(ns.concurrency, 8), 16, ns))    # warm-up
+        asyncio.run(drive(url, min(ns.concurrency, 8), 16, ns))  # warm-up
         if ns.profile:
             spy = start_py_spy(ns.profile, api.pid)
         rows = []
@@ -291,17 +354,32 @@ def main() -> int:
             c1, wall = cpu_seconds(api.pid), time.monotonic() - t0
             user, system = c1[0] - c0[0], c1[1] - c0[1]
             cpu = user + system
-            rows.append({"tokens": tokens, "events": events, "failures": failures, "api_cpu_s": cpu,
-                         "api_user_s": user, "api_system_s": system, "wall_s": wall,
-                         "us_per_token": cpu / max(tokens, 1) * 1e6, "tokens_per_s": tokens / wall,
-                         "api_cores_busy": cpu / wall})
-            print(f"{tokens} tokens ({events} events) in {wall:.2f} s ({tokens / wall:.0f}/s), {failures} failed; "
-                  f"API CPU {cpu:.2f} s ({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): "
-                  f"{rows[-1]['us_per_token']:.1f} us/token",
-                  file=sys.stderr)
-        result = {"config": vars(ns), "runs": rows,
-                  "us_per_token_median": statistics.median(r["us_per_token"] for r in rows),
-                  "us_per_token_min": min(r["us_per_token"] for r in rows)}
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "events": events,
+                    "failures": failures,
+                    "api_cpu_s": cpu,
+                    "api_user_s": user,
+                    "api_system_s": system,
+                    "wall_s": wall,
+                    "us_per_token": cpu / max(tokens, 1) * 1e6,
+                    "tokens_per_s": tokens / wall,
+                    "api_cores_busy": cpu / wall,
+                }
+            )
+            print(
+                f"{tokens} tokens ({events} events) in {wall:.2f} s ({tokens / wall:.0f}/s), {failures} failed; "
+                f"API CPU {cpu:.2f} s ({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): "
+                f"{rows[-1]['us_per_token']:.1f} us/token",
+                file=sys.stderr,
+            )
+        result = {
+            "config": vars(ns),
+            "runs": rows,
+            "us_per_token_median": statistics.median(r["us_per_token"] for r in rows),
+            "us_per_token_min": min(r["us_per_token"] for r in rows),
+        }
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
         if ns.out:
             Path(ns.out).write_text(json.dumps(result, indent=2))

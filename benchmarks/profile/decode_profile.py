@@ -47,39 +47,61 @@ def kernel_bench(batches: list[int], context: int, bandwidth: float) -> list[dic
         num_blocks = b * blocks_per + 1
         k_cache = torch.randn(num_blocks, block, heads, dim, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
-        perm = torch.randperm(num_blocks - 1, device="cuda")[: b * blocks_per] + 1   # scattered blocks
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: b * blocks_per] + 1  # scattered blocks
         tables = perm.view(b, blocks_per).long()
         seq = [context + 1] * b
         slots = tables[:, context // block] * block + context % block
-        batch = AttentionBatch([1] * b, seq, torch.arange(b + 1, device="cuda"),
-                               torch.tensor(seq, device="cuda"), tables, slots, block)
+        batch = AttentionBatch(
+            [1] * b, seq, torch.arange(b + 1, device="cuda"), torch.tensor(seq, device="cuda"), tables, slots, block
+        )
         q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn_like(q)
         v = torch.randn_like(q)
         floor_ms = 2 * b * (context + 1) * heads * dim * 2 / bandwidth * 1e3
         for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
             meta = backend.prepare(batch)
+
             def step(backend=backend, meta=meta, q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache):
-                return backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+                return backend.forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
 
             ms = triton.testing.do_bench(step, warmup=10, rep=100)
-            rows.append({"backend": backend.name, "batch": b, "context": context, "ms": ms,
-                         "floor_ms": floor_ms, "x_floor": ms / floor_ms})
-            print(f"kernel {backend.name:6s} B={b:4d} ctx={context}: {ms * 1e3:8.1f} us  "
-                  f"(floor {floor_ms * 1e3:6.1f} us, x{ms / floor_ms:.2f})", flush=True)
+            rows.append(
+                {
+                    "backend": backend.name,
+                    "batch": b,
+                    "context": context,
+                    "ms": ms,
+                    "floor_ms": floor_ms,
+                    "x_floor": ms / floor_ms,
+                }
+            )
+            print(
+                f"kernel {backend.name:6s} B={b:4d} ctx={context}: {ms * 1e3:8.1f} us  "
+                f"(floor {floor_ms * 1e3:6.1f} us, x{ms / floor_ms:.2f})",
+                flush=True,
+            )
         k_cache = v_cache = None
         torch.cuda.empty_cache()
     return rows
 
 
-def engine_steps(model: str, backend: str, batches: list[int], context: int, steps: int, out: str | None,
-                 extra: dict) -> list[dict]:
+def engine_steps(
+    model: str, backend: str, batches: list[int], context: int, steps: int, out: str | None, extra: dict
+) -> list[dict]:
     import torch
 
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=context + 4 * steps + 64, attention_backend=backend, seed=0, **extra)
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=context + 4 * steps + 64,
+        attention_backend=backend,
+        seed=0,
+        **extra,
+    )
     engine = llm.engine
     runner = engine.runner
     events: list[tuple] = []
@@ -114,7 +136,8 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
         t0, prefill_steps = time.perf_counter(), 0
         with prefill:
             while engine.scheduler.num_waiting or any(
-                    r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
                 engine.step()
                 prefill_steps += 1
             sync()
@@ -141,12 +164,20 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
             engine.step()
         sync()
         pipelined = (time.perf_counter() - t0) * 1e3 / steps
-        row = {"backend": backend, "batch": b, "context": context, "step_ms_p50": walls[len(walls) // 2],
-               "forward_gpu_ms_p50": gpu[len(gpu) // 2], "running": engine.scheduler.num_running,
-               "step_ms_back_to_back": pipelined, "prefill_ms": prefill_ms, "prefill_steps": prefill_steps,
-               "launch_syncs": dict(syncs.most_common(8)) if syncs is not None else None}
+        row = {
+            "backend": backend,
+            "batch": b,
+            "context": context,
+            "step_ms_p50": walls[len(walls) // 2],
+            "forward_gpu_ms_p50": gpu[len(gpu) // 2],
+            "running": engine.scheduler.num_running,
+            "step_ms_back_to_back": pipelined,
+            "prefill_ms": prefill_ms,
+            "prefill_steps": prefill_steps,
+            "launch_syncs": dict(syncs.most_common(8)) if syncs is not None else None,
+        }
         if syncs is not None:
-            runner.__dict__.pop("launch", None)          # back to the unwrapped method
+            runner.__dict__.pop("launch", None)  # back to the unwrapped method
         if out and cuda:
             with _profiler(True) as prof:
                 for _ in range(3):
@@ -161,14 +192,20 @@ def engine_steps(model: str, backend: str, batches: list[int], context: int, ste
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        print(f"engine {backend:6s} B={b:4d}: prefill {prefill_ms:.1f} ms in {prefill_steps} steps, "
-              f"step {row['step_ms_p50']:.2f} ms, forward GPU "
-              f"{row['forward_gpu_ms_p50']:.2f} ms, back to back {pipelined:.2f} ms/step, "
-              f"syncs in launch: {row['launch_syncs']}", flush=True)
+        print(
+            f"engine {backend:6s} B={b:4d}: prefill {prefill_ms:.1f} ms in {prefill_steps} steps, "
+            f"step {row['step_ms_p50']:.2f} ms, forward GPU "
+            f"{row['forward_gpu_ms_p50']:.2f} ms, back to back {pipelined:.2f} ms/step, "
+            f"syncs in launch: {row['launch_syncs']}",
+            flush=True,
+        )
         if row.get("timeline"):
             t = row["timeline"]
-            print(f"  GPU timeline B={b}: span {t['span_us_per_step']:.0f} us/step, busy {t['busy_us_per_step']:.0f}, "
-                  f"idle {t['idle_us_per_step']:.0f}, {t['device_events_per_step']:.0f} device events/step", flush=True)
+            print(
+                f"  GPU timeline B={b}: span {t['span_us_per_step']:.0f} us/step, busy {t['busy_us_per_step']:.0f}, "
+                f"idle {t['idle_us_per_step']:.0f}, {t['device_events_per_step']:.0f} device events/step",
+                flush=True,
+            )
             for g in t["largest_gaps_us"]:
                 print(f"    gap {g[0]:6.1f} us  after {g[1]}  before {g[2]}", flush=True)
         results.append(row)
@@ -182,8 +219,11 @@ def timeline_gaps(trace_path: str, steps: int, top: int = 12) -> dict:
     kernels after it). Overlapping events (PDL, a side stream) count once."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gpu = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
     if not gpu:
         return {}
     busy, gaps, end, prev = 0.0, [], gpu[0][0], gpu[0][2]
@@ -195,9 +235,13 @@ def timeline_gaps(trace_path: str, steps: int, top: int = 12) -> dict:
             end, prev = stop, name
     span = end - gpu[0][0]
     gaps.sort(reverse=True)
-    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
-            "idle_us_per_step": (span - busy) / steps, "device_events_per_step": len(gpu) / steps,
-            "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
+    return {
+        "span_us_per_step": span / steps,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (span - busy) / steps,
+        "device_events_per_step": len(gpu) / steps,
+        "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]],
+    }
 
 
 def _profiler(enabled: bool):
@@ -251,8 +295,9 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     if args.one:
-        rows = engine_steps(args.one, args.backends, batches, args.context, args.steps, args.out,
-                            json.loads(args.extra))
+        rows = engine_steps(
+            args.one, args.backends, batches, args.context, args.steps, args.out, json.loads(args.extra)
+        )
         print("RESULT " + json.dumps(rows))
         return
     if args.out:
@@ -267,8 +312,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = write_config(folder, args.shape)
         for backend in args.backends.split(","):
-            cmd = [sys.executable, __file__, "--one", model, "--backends", backend, "--batches", args.batches,
-                   "--context", str(args.context), "--steps", str(args.steps), "--extra", args.extra]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                model,
+                "--backends",
+                backend,
+                "--batches",
+                args.batches,
+                "--context",
+                str(args.context),
+                "--steps",
+                str(args.steps),
+                "--extra",
+                args.extra,
+            ]
             if args.out:
                 cmd += ["--out", args.out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -277,7 +336,7 @@ def main() -> None:
             if proc.returncode or line is None:
                 print(f"{backend} failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
                 continue
-            summary["engine"] += json.loads(line[len("RESULT "):])
+            summary["engine"] += json.loads(line[len("RESULT ") :])
     if args.out:
         with open(os.path.join(args.out, f"decode_profile_{args.shape}.json"), "w") as f:
             json.dump(summary, f, indent=1)

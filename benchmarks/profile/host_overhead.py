@@ -60,10 +60,24 @@ from pagoda import LLM, SamplingParams  # noqa: E402
 from pagoda.engine.core_process import Outputs, wire_output  # noqa: E402
 
 VOCAB = 49152
-TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
-            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+TINY = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
 
 CONFIGS = {
     "greedy": (False, dict(temperature=0.0)),
@@ -99,7 +113,7 @@ class Timer:
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
-        self.keep: list = []            # tensors freed only after a step's timing
+        self.keep: list = []  # tensors freed only after a step's timing
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -108,6 +122,7 @@ class Timer:
                 return fn(*args, **kwargs)
             finally:
                 self.step[name] += self.clock() - t0
+
         return timed
 
 
@@ -121,7 +136,7 @@ def instrument(engine, timer: Timer) -> None:
     from pagoda.worker.model_runner import PendingStep
 
     runner.launch = timer.wrap("execute", runner.launch)
-    original = PendingStep.__dict__.get("_unwrapped_result", PendingStep.result)   # one wrap per config
+    original = PendingStep.__dict__.get("_unwrapped_result", PendingStep.result)  # one wrap per config
     PendingStep._unwrapped_result = original
     PendingStep.result = timer.wrap("execute", original)
     runner.model.forward = timer.wrap("forward", runner.model.forward)
@@ -134,6 +149,7 @@ def instrument(engine, timer: Timer) -> None:
         logits = compute_logits(*args, **kwargs)
         timer.keep.append(logits)
         return logits
+
     runner.model.compute_logits = timer.wrap("forward", keep_logits)
     runner.sampler.forward = timer.wrap("sampler", runner.sampler.forward)
     # The runner's persistent sampling rows (layers/sampler.py: SamplingState) are the sampling prep.
@@ -149,7 +165,7 @@ def use_decode_graph_path(runner) -> None:
     as prep is then exactly the host work a graph step has on the GPU machine."""
     from pagoda.layers.triton_attention import TritonAttentionBackend
 
-    runner.backend = TritonAttentionBackend()     # graphs need it; no kernel runs (replay is stubbed)
+    runner.backend = TritonAttentionBackend()  # graphs need it; no kernel runs (replay is stubbed)
     runner.enable_decode_graphs(capture=False)
     graphs = runner.decode_graphs
     gen = torch.Generator().manual_seed(0)
@@ -159,16 +175,25 @@ def use_decode_graph_path(runner) -> None:
     def replay(b, attn):
         calls[0] += 1
         return bank[calls[0] % len(bank)][:b]
-    graphs._attention = lambda b: None            # built once at capture on the GPU, not per step
+
+    graphs._attention = lambda b: None  # built once at capture on the GPU, not per step
     graphs._forward = replay
 
 
-def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool,
-               decode_graphs: bool = False) -> dict:
+def run_config(
+    folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool, decode_graphs: bool = False
+) -> dict:
     detok, knobs = CONFIGS[name]
-    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=not detok, max_model_len=2048,
-              max_num_seqs=batch, max_num_batched_tokens=max(2048, batch), cpu_kv_cache_space_gib=1.0,
-              seed=0)
+    llm = LLM(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=not detok,
+        max_model_len=2048,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch),
+        cpu_kv_cache_space_gib=1.0,
+        seed=0,
+    )
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
@@ -179,7 +204,7 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         engine.step()
     if decode_graphs:
         use_decode_graph_path(engine.runner)
-    for _ in range(3):                                       # warm up the decode path
+    for _ in range(3):  # warm up the decode path
         engine.step()
     timer = Timer()
     instrument(engine, timer)
@@ -190,11 +215,12 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
     prof = cProfile.Profile() if profile else None
     gc_start = [0.0]
 
-    def on_gc(phase: str, info: dict) -> None:          # time in the garbage collector, any generation
+    def on_gc(phase: str, info: dict) -> None:  # time in the garbage collector, any generation
         if phase == "start":
             gc_start[0] = timer.clock()
         else:
             timer.step["gc"] += timer.clock() - gc_start[0]
+
     gc.callbacks.append(on_gc)
     for _ in range(steps):
         timer.step = defaultdict(float)
@@ -213,8 +239,11 @@ def run_config(folder: str, name: str, batch: int, steps: int, prompt_len: int, 
         assert len(outs) == batch and engine.scheduler.num_running == batch
         s = dict(timer.step)
         s["prep"] = s.pop("execute") - s.get("forward", 0) - s.get("sampler", 0) - s.get("samp_prep", 0)
-        s["other"] = total - sum(s.get(k, 0) for k in ("schedule", "update", "process", "send")) - (
-            s["prep"] + s.get("forward", 0) + s.get("sampler", 0) + s.get("samp_prep", 0))
+        s["other"] = (
+            total
+            - sum(s.get(k, 0) for k in ("schedule", "update", "process", "send"))
+            - (s["prep"] + s.get("forward", 0) + s.get("sampler", 0) + s.get("samp_prep", 0))
+        )
         s["host"] = sum(s.get(k, 0) for k in HOST) + s["other"]
         s["step"] = total
         samples.append(s)
@@ -237,15 +266,26 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--configs", default="greedy,greedy+detok,sampled+detok,rep+detok")
     ap.add_argument("--profile", default=None, help="cProfile this config")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: on a shared CPU, waking a second OpenMP thread "
-                    "for tiny ops can cost milliseconds)")
-    ap.add_argument("--decode-graphs", action="store_true",
-                    help="decode steps through the CUDA-graph input path with the replay stubbed (host "
-                    "work of a graph step; forward = the stub)")
-    ap.add_argument("--clock", choices=["thread", "wall"], default="thread",
-                    help="thread: this thread's CPU time (steady on a shared machine; torch's intra-op "
-                    "threads in forward/sampler are not counted); wall: perf_counter")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: on a shared CPU, waking a second OpenMP thread "
+        "for tiny ops can cost milliseconds)",
+    )
+    ap.add_argument(
+        "--decode-graphs",
+        action="store_true",
+        help="decode steps through the CUDA-graph input path with the replay stubbed (host "
+        "work of a graph step; forward = the stub)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=["thread", "wall"],
+        default="thread",
+        help="thread: this thread's CPU time (steady on a shared machine; torch's intra-op "
+        "threads in forward/sampler are not counted); wall: perf_counter",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -258,13 +298,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         folder = model_folder(root)
         for name in names:
-            results[name] = run_config(folder, name, args.batch, args.steps, args.prompt_len, name == args.profile,
-                                       args.decode_graphs)
+            results[name] = run_config(
+                folder, name, args.batch, args.steps, args.prompt_len, name == args.profile, args.decode_graphs
+            )
     cols = ["schedule", "prep", "samp_prep", "update", "process", "send", "other", "host", "gc", "forward", "sampler"]
-    print(f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock"
-          f"{', decode-graph input path, replay stubbed' if args.decode_graphs else ''}) "
-          f"(host = schedule+prep+samp_prep+update+process+send+other; gc = garbage collection, already "
-          f"inside those; forward/sampler = device work on CPU)")
+    print(
+        f"\nbatch {args.batch}, {args.steps} decode steps, median µs per step ({args.clock} clock"
+        f"{', decode-graph input path, replay stubbed' if args.decode_graphs else ''}) "
+        f"(host = schedule+prep+samp_prep+update+process+send+other; gc = garbage collection, already "
+        f"inside those; forward/sampler = device work on CPU)"
+    )
     print(f"{'config':18s}" + "".join(f"{c:>10s}" for c in cols))
     for name, r in results.items():
         print(f"{name:18s}" + "".join(f"{r['median_us'][c]:10.0f}" for c in cols))

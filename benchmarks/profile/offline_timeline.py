@@ -42,14 +42,24 @@ def timeline(folder: str, args: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    llm = LLM(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16" if cuda else "float32",
-              max_model_len=args.input_len + args.output_len + 64, max_num_seqs=args.max_num_seqs, seed=0)
+    llm = LLM(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16" if cuda else "float32",
+        max_model_len=args.input_len + args.output_len + 64,
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+    )
     engine = llm.engine
     prompts = random_prompts(args.prompts, args.input_len, engine.vocab_size, 0)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:16]],
-                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:16]],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
 
-    scheduled: list[tuple[int, int, int]] = []       # (rows, tokens, prefill tokens) per schedule() call
+    scheduled: list[tuple[int, int, int]] = []  # (rows, tokens, prefill tokens) per schedule() call
     schedule = engine.scheduler.schedule
 
     def recording_schedule():
@@ -58,7 +68,7 @@ def timeline(folder: str, args: argparse.Namespace) -> dict:
         for n in out.num_scheduled_tokens.values():
             if n > 1:
                 prefill += n
-        for new in out.new_requests:                 # a one-token first chunk is still prefill
+        for new in out.new_requests:  # a one-token first chunk is still prefill
             if out.num_scheduled_tokens.get(new.request_id) == 1:
                 prefill += 1
         scheduled.append((len(out.num_scheduled_tokens), out.total_num_scheduled_tokens, prefill))
@@ -89,17 +99,22 @@ def timeline(folder: str, args: argparse.Namespace) -> dict:
         charged = list(zip(scheduled, walls))
     kinds: dict[str, dict] = {}
     for (rows, tokens, prefill), wall in charged:
-        k = kinds.setdefault(kind_of(rows, tokens, prefill), {"steps": 0, "seconds": 0.0, "tokens": 0,
-                                                              "prefill_tokens": 0, "rows": 0})
+        k = kinds.setdefault(
+            kind_of(rows, tokens, prefill), {"steps": 0, "seconds": 0.0, "tokens": 0, "prefill_tokens": 0, "rows": 0}
+        )
         k["steps"] += 1
         k["seconds"] += wall
         k["tokens"] += tokens
         k["prefill_tokens"] += prefill
         k["rows"] += rows
     produced = args.prompts * args.output_len
-    return {"seconds": seconds, "output_throughput": produced / seconds, "steps": len(walls), "kinds": kinds,
-            "per_step": [{"rows": r, "tokens": t, "prefill_tokens": p, "ms": w * 1e3}
-                         for (r, t, p), w in charged]}
+    return {
+        "seconds": seconds,
+        "output_throughput": produced / seconds,
+        "steps": len(walls),
+        "kinds": kinds,
+        "per_step": [{"rows": r, "tokens": t, "prefill_tokens": p, "ms": w * 1e3} for (r, t, p), w in charged],
+    }
 
 
 def main() -> None:
@@ -123,7 +138,7 @@ def main() -> None:
             with open(os.path.join(path, "config.json"), "w") as f:
                 json.dump(shape_config(shape, args.tiny), f, indent=1)
             results[shape] = timeline(path, args)
-            gc.collect()                        # the previous shape's engine, before the next one's
+            gc.collect()  # the previous shape's engine, before the next one's
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if args.out:
@@ -135,8 +150,10 @@ def main() -> None:
         for kind in ("prefill", "mixed", "decode"):
             k = r["kinds"].get(kind)
             if k:
-                print(f"| {shape} | {kind} | {k['steps']} | {k['seconds']:.3f} | {k['seconds'] / k['steps'] * 1e3:.2f} "
-                      f"| {k['tokens'] / k['steps']:.0f} | {k['rows'] / k['steps']:.0f} |")
+                print(
+                    f"| {shape} | {kind} | {k['steps']} | {k['seconds']:.3f} | {k['seconds'] / k['steps'] * 1e3:.2f} "
+                    f"| {k['tokens'] / k['steps']:.0f} | {k['rows'] / k['steps']:.0f} |"
+                )
         print(f"| {shape} | all | {r['steps']} | {r['seconds']:.3f} | | {r['output_throughput']:.0f} out tok/s | |")
 
 

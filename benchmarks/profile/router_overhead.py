@@ -92,9 +92,21 @@ def serve_fake(port: int, ttft_ms: float, tpot_ms: float) -> None:
         created, rid = int(time.time()), f"chatcmpl-{os.urandom(8).hex()}"
 
         def frame(choices: list, usage: Any = None) -> str:
-            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                          "model": "fake", "choices": choices, "usage": usage},
-                                         separators=(",", ":")) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": "fake",
+                        "choices": choices,
+                        "usage": usage,
+                    },
+                    separators=(",", ":"),
+                )
+                + "\n\n"
+            )
 
         async def events() -> Any:
             await asyncio.sleep(ttft_ms / 1000)
@@ -105,15 +117,22 @@ def serve_fake(port: int, ttft_ms: float, tpot_ms: float) -> None:
                 yield frame([{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}])
             yield frame([{"index": 0, "delta": {}, "finish_reason": "length"}])
             if (body.get("stream_options") or {}).get("include_usage"):
-                yield frame([], {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                 "total_tokens": prompt_tokens + n})
+                yield frame(
+                    [], {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+                )
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
-    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                            Route("/v1/chat/completions", chat, methods=["POST"])])
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
 
 
@@ -140,8 +159,14 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 async def drive_streams(url: str, concurrency: int, prompts: int, ns: argparse.Namespace) -> tuple[int, int]:
     """Stream `prompts` chat completions through `url`, `concurrency` at once; (events received, failures)."""
-    body = json.dumps({"model": "fake", "stream": True, "max_tokens": ns.output_len,
-                       "messages": [{"role": "user", "content": "word " * ns.input_len}]}).encode()
+    body = json.dumps(
+        {
+            "model": "fake",
+            "stream": True,
+            "max_tokens": ns.output_len,
+            "messages": [{"role": "user", "content": "word " * ns.input_len}],
+        }
+    ).encode()
     headers = {"content-type": "application/json"}
     if ns.api_key:
         headers["authorization"] = f"Bearer {ns.api_key}"
@@ -149,6 +174,7 @@ async def drive_streams(url: str, concurrency: int, prompts: int, ns: argparse.N
     todo = iter(range(prompts))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0), limits=limits, trust_env=False) as client:
+
         async def worker() -> None:
             nonlocal events, failures
             for _ in todo:
@@ -168,7 +194,7 @@ async def drive_streams(url: str, concurrency: int, prompts: int, ns: argparse.N
 
 
 def cpu_per_event(router: str, pid: int, ns: argparse.Namespace) -> dict[str, Any]:
-    asyncio.run(drive_streams(router, min(ns.concurrency, 8), min(ns.num_prompts, 16), ns))   # warm-up
+    asyncio.run(drive_streams(router, min(ns.concurrency, 8), min(ns.num_prompts, 16), ns))  # warm-up
     rows = []
     for _ in range(ns.rounds):
         c0, t0 = cpu_seconds(pid), time.monotonic()
@@ -176,27 +202,78 @@ def cpu_per_event(router: str, pid: int, ns: argparse.Namespace) -> dict[str, An
         c1, wall = cpu_seconds(pid), time.monotonic() - t0
         user, system = c1[0] - c0[0], c1[1] - c0[1]
         cpu = user + system
-        rows.append({"events": events, "failures": failures, "router_cpu_s": cpu, "router_user_s": user,
-                     "router_system_s": system, "wall_s": wall,
-                     "us_per_event": cpu / max(events, 1) * 1e6, "events_per_s": events / wall,
-                     "router_cores_busy": cpu / wall})
-        print(f"{events} events in {wall:.2f} s ({events / wall:.0f}/s), {failures} failed; router CPU {cpu:.2f} s "
-              f"({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): "
-              f"{rows[-1]['us_per_event']:.1f} us/event -> one core relays "
-              f"{1e6 / max(rows[-1]['us_per_event'], 1e-9):.0f} events/s", file=sys.stderr)
+        rows.append(
+            {
+                "events": events,
+                "failures": failures,
+                "router_cpu_s": cpu,
+                "router_user_s": user,
+                "router_system_s": system,
+                "wall_s": wall,
+                "us_per_event": cpu / max(events, 1) * 1e6,
+                "events_per_s": events / wall,
+                "router_cores_busy": cpu / wall,
+            }
+        )
+        print(
+            f"{events} events in {wall:.2f} s ({events / wall:.0f}/s), {failures} failed; router CPU {cpu:.2f} s "
+            f"({cpu / wall:.2f} cores, {system / max(cpu, 1e-9):.0%} kernel): "
+            f"{rows[-1]['us_per_event']:.1f} us/event -> one core relays "
+            f"{1e6 / max(rows[-1]['us_per_event'], 1e-9):.0f} events/s",
+            file=sys.stderr,
+        )
     best = min(r["us_per_event"] for r in rows)
-    return {"runs": rows, "us_per_event_min": best, "us_per_event_median": statistics.median(
-        r["us_per_event"] for r in rows), "events_per_core_s": 1e6 / best}
+    return {
+        "runs": rows,
+        "us_per_event_min": best,
+        "us_per_event_median": statistics.median(r["us_per_event"] for r in rows),
+        "events_per_core_s": 1e6 / best,
+    }
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
-def bench_cmd(url: str, concurrency: int, prompts: int, seed: int, out: Path, ns: argparse.Namespace,
-              processes: int = 1, rate: float | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--concurrency", str(concurrency),
-           "--num-prompts", str(prompts), "--warmup", str(min(concurrency, ns.warmup)),
-           "--input-len", str(ns.input_len), "--output-len", str(ns.output_len), "--ignore-eos",
-           "--no-calibrate", "--seed", str(seed), "--save-detailed", "--no-progress", "--out", str(out),
-           "--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off", "--client-processes", str(processes)]
+def bench_cmd(
+    url: str,
+    concurrency: int,
+    prompts: int,
+    seed: int,
+    out: Path,
+    ns: argparse.Namespace,
+    processes: int = 1,
+    rate: float | None = None,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagoda",
+        "bench",
+        "--base-url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--num-prompts",
+        str(prompts),
+        "--warmup",
+        str(min(concurrency, ns.warmup)),
+        "--input-len",
+        str(ns.input_len),
+        "--output-len",
+        str(ns.output_len),
+        "--ignore-eos",
+        "--no-calibrate",
+        "--seed",
+        str(seed),
+        "--save-detailed",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--slo-ttft-p95-ms",
+        "off",
+        "--slo-tpot-p95-ms",
+        "off",
+        "--client-processes",
+        str(processes),
+    ]
     if rate is not None:
         cmd += ["--request-rate", f"{rate:g}"]
     if ns.api_key:
@@ -208,8 +285,9 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag: str,
-             processes: int = 1) -> list[dict[str, Any]]:
+def run_side(
+    urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag: str, processes: int = 1
+) -> list[dict[str, Any]]:
     """One bench per URL, all at once (each over `processes` client processes); returns the successful
     per-request records."""
     procs = []
@@ -219,8 +297,18 @@ def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag:
         out = tmp / f"{tag}-{seed}-{i}.json"
         # Open loop: the same total arrival rate on both sides, split like the prompts.
         rate = ns.request_rate * n / ns.num_prompts if ns.request_rate else None
-        procs.append((subprocess.Popen(bench_cmd(url, c, n, seed * 100 + i, out, ns, processes, rate), cwd=REPO,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
+        procs.append(
+            (
+                subprocess.Popen(
+                    bench_cmd(url, c, n, seed * 100 + i, out, ns, processes, rate),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+                out,
+            )
+        )
     records = []
     for proc, out in procs:
         stdout, stderr = proc.communicate()
@@ -233,14 +321,22 @@ def run_side(urls: list[str], ns: argparse.Namespace, seed: int, tmp: Path, tag:
 
 def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     ttfts = [r["ttft"] for run in runs for r in run if r.get("ttft") is not None]
-    rates = [(r["completion_tokens"] - 1) / (r["e2el"] - r["ttft"]) for run in runs for r in run
-             if (r.get("completion_tokens") or 0) > 1 and r["e2el"] > r["ttft"]]
+    rates = [
+        (r["completion_tokens"] - 1) / (r["e2el"] - r["ttft"])
+        for run in runs
+        for r in run
+        if (r.get("completion_tokens") or 0) > 1 and r["e2el"] > r["ttft"]
+    ]
     throughputs = []
-    for run in runs:   # perf_counter is CLOCK_MONOTONIC: comparable across the parallel bench processes
+    for run in runs:  # perf_counter is CLOCK_MONOTONIC: comparable across the parallel bench processes
         wall = max(r["end"] for r in run) - min(r["start"] for r in run)
         throughputs.append(sum(r.get("completion_tokens") or 0 for r in run) / wall)
-    return {"requests": sum(len(run) for run in runs), "p50_ttft_ms": statistics.median(ttfts) * 1000,
-            "output_tok_s": statistics.mean(throughputs), "median_stream_tok_s": statistics.median(rates)}
+    return {
+        "requests": sum(len(run) for run in runs),
+        "p50_ttft_ms": statistics.median(ttfts) * 1000,
+        "output_tok_s": statistics.mean(throughputs),
+        "median_stream_tok_s": statistics.median(rates),
+    }
 
 
 def main() -> int:
@@ -254,27 +350,48 @@ def main() -> int:
     p.add_argument("--fake-tpot-ms", type=float, default=20.0)
     p.add_argument("--api-key", default=None, help="the backends' key (sent directly, and by the router)")
     p.add_argument("--policy", default="least-loaded")
-    p.add_argument("--concurrency", type=int, default=256,
-                   help="streams at once (closed loop); with --request-rate the cap on streams in flight")
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="open loop: Poisson arrivals at this many requests/s in all (e.g. 100 with the fake "
-                        "backends' defaults keeps ~256 streams open) instead of waves of --concurrency")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=256,
+        help="streams at once (closed loop); with --request-rate the cap on streams in flight",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="open loop: Poisson arrivals at this many requests/s in all (e.g. 100 with the fake "
+        "backends' defaults keeps ~256 streams open) instead of waves of --concurrency",
+    )
     p.add_argument("--num-prompts", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests per bench process (at most its c)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="around+through pairs, alternating order")
     p.add_argument("--out", default=None, help="write the summary JSON here")
-    p.add_argument("--cpu-per-event", action="store_true",
-                   help="measure the router's CPU per relayed stream event instead (in-process client; "
-                        "use a moderate --concurrency so the machine is not saturated)")
-    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for `pagoda router` (repeat; e.g. --router-arg=--max-attempts --router-arg=1)")
-    p.add_argument("--router-cpu", type=int, default=None,
-                   help="pin the router to this CPU (Linux), so client and backends do not share its core; with "
-                        "--router-workers N, to the N cores from this one")
-    p.add_argument("--router-workers", type=int, default=1,
-                   help="router processes (`pagoda router --workers N`, default 1)")
+    p.add_argument(
+        "--cpu-per-event",
+        action="store_true",
+        help="measure the router's CPU per relayed stream event instead (in-process client; "
+        "use a moderate --concurrency so the machine is not saturated)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `pagoda router` (repeat; e.g. --router-arg=--max-attempts --router-arg=1)",
+    )
+    p.add_argument(
+        "--router-cpu",
+        type=int,
+        default=None,
+        help="pin the router to this CPU (Linux), so client and backends do not share its core; with "
+        "--router-workers N, to the N cores from this one",
+    )
+    p.add_argument(
+        "--router-workers", type=int, default=1, help="router processes (`pagoda router --workers N`, default 1)"
+    )
     ns = p.parse_args()
 
     children: list[subprocess.Popen] = []
@@ -282,16 +399,30 @@ def main() -> int:
         backends = list(ns.backend)
         for _ in range(ns.fake_backends):
             port = free_port()
-            children.append(subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port),
-                                              str(ns.fake_ttft_ms), str(ns.fake_tpot_ms)]))
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--serve-fake", str(port), str(ns.fake_ttft_ms), str(ns.fake_tpot_ms)]
+                )
+            )
             backends.append(f"http://127.0.0.1:{port}")
         if not backends:
             p.error("give --backend URL (repeatable) or --fake-backends N")
         for url in backends:
             wait_ok(url + "/health", 120)
         port = free_port()
-        router_cmd = [sys.executable, "-m", "pagoda", "router", "--host", "127.0.0.1", "--port", str(port),
-                      "--policy", ns.policy, *[arg for u in backends for arg in ("--backend", u)]]
+        router_cmd = [
+            sys.executable,
+            "-m",
+            "pagoda",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            ns.policy,
+            *[arg for u in backends for arg in ("--backend", u)],
+        ]
         if ns.api_key:
             router_cmd += ["--backend-api-key", ns.api_key]
         if ns.router_workers > 1:
@@ -299,22 +430,33 @@ def main() -> int:
         router_cmd += ns.router_arg
         t0 = time.monotonic()
         cores = None if ns.router_cpu is None else set(range(ns.router_cpu, ns.router_cpu + ns.router_workers))
-        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))   # the workers inherit it
+        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))  # the workers inherit it
         router_proc = subprocess.Popen(router_cmd, cwd=REPO, preexec_fn=pin)  # noqa: PLW1509 - no threads yet
         children.append(router_proc)
         router = f"http://127.0.0.1:{port}"
         wait_ok(router + "/health", 30, lambda r: all(b["healthy"] for b in r.json()["backends"]))
         print(f"router ready in {time.monotonic() - t0:.2f} s (healthy backends: {len(backends)})", file=sys.stderr)
-        config = {"backends": backends, "fake": bool(ns.fake_backends), "policy": ns.policy,
-                  "concurrency": ns.concurrency, "request_rate": ns.request_rate, "num_prompts": ns.num_prompts,
-                  "input_len": ns.input_len, "output_len": ns.output_len, "rounds": ns.rounds,
-                  "router_args": ns.router_arg, "router_workers": ns.router_workers,
-                  "router_cpus": sorted(cores) if cores is not None else None}
+        config = {
+            "backends": backends,
+            "fake": bool(ns.fake_backends),
+            "policy": ns.policy,
+            "concurrency": ns.concurrency,
+            "request_rate": ns.request_rate,
+            "num_prompts": ns.num_prompts,
+            "input_len": ns.input_len,
+            "output_len": ns.output_len,
+            "rounds": ns.rounds,
+            "router_args": ns.router_arg,
+            "router_workers": ns.router_workers,
+            "router_cpus": sorted(cores) if cores is not None else None,
+        }
         if ns.cpu_per_event:
             result = {"config": config, **cpu_per_event(router, router_proc.pid, ns)}
-            print(f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
-                  f"median {result['us_per_event_median']:.1f} us; one core relays "
-                  f"~{result['events_per_core_s']:.0f} events/s")
+            print(
+                f"router CPU per relayed event: {result['us_per_event_min']:.1f} us (best of {ns.rounds}), "
+                f"median {result['us_per_event_median']:.1f} us; one core relays "
+                f"~{result['events_per_core_s']:.0f} events/s"
+            )
         else:
             result = compare_around_through(backends, router, config, ns)
         if ns.out:
@@ -330,15 +472,16 @@ def main() -> int:
                 child.kill()
 
 
-def compare_around_through(backends: list[str], router: str, config: dict[str, Any],
-                           ns: argparse.Namespace) -> dict[str, Any]:
+def compare_around_through(
+    backends: list[str], router: str, config: dict[str, Any], ns: argparse.Namespace
+) -> dict[str, Any]:
     """Alternating rounds straight at the backends and through the router; prints the comparison."""
     around: list[list[dict[str, Any]]] = []
     through: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):
             order = [("around", backends), ("through", [router])]
-            for tag, urls in (order if rnd % 2 == 0 else order[::-1]):
+            for tag, urls in order if rnd % 2 == 0 else order[::-1]:
                 seed = 1 + rnd * 2 + (tag == "through")
                 # the same number of client processes on both sides: the client must not be what differs
                 records = run_side(urls, ns, seed, Path(tmp), tag, 1 if tag == "around" else len(backends))
@@ -346,18 +489,24 @@ def compare_around_through(backends: list[str], router: str, config: dict[str, A
                 print(f"round {rnd + 1} {tag}: {len(records)} ok", file=sys.stderr)
     a, t = summarize(around), summarize(through)
     result = {
-        "config": config, "around": a, "through": t,
+        "config": config,
+        "around": a,
+        "through": t,
         "ttft_p50_added_ms": t["p50_ttft_ms"] - a["p50_ttft_ms"],
         "output_tok_s_ratio": t["output_tok_s"] / a["output_tok_s"],
         "stream_tok_s_ratio": t["median_stream_tok_s"] / a["median_stream_tok_s"],
     }
     print(f"{'':10}{'requests':>10}{'P50 TTFT ms':>14}{'out tok/s':>12}{'stream tok/s':>14}")
     for name, s in (("around", a), ("through", t)):
-        print(f"{name:10}{s['requests']:>10}{s['p50_ttft_ms']:>14.2f}{s['output_tok_s']:>12.1f}"
-              f"{s['median_stream_tok_s']:>14.2f}")
-    print(f"router adds {result['ttft_p50_added_ms']:+.2f} ms P50 TTFT (target <= 1 ms); output tok/s "
-          f"x{result['output_tok_s_ratio']:.3f}, per-stream tok/s x{result['stream_tok_s_ratio']:.3f} "
-          f"(target >= 0.95)")
+        print(
+            f"{name:10}{s['requests']:>10}{s['p50_ttft_ms']:>14.2f}{s['output_tok_s']:>12.1f}"
+            f"{s['median_stream_tok_s']:>14.2f}"
+        )
+    print(
+        f"router adds {result['ttft_p50_added_ms']:+.2f} ms P50 TTFT (target <= 1 ms); output tok/s "
+        f"x{result['output_tok_s_ratio']:.3f}, per-stream tok/s x{result['stream_tok_s_ratio']:.3f} "
+        f"(target >= 0.95)"
+    )
     return result
 
 

@@ -47,8 +47,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--health-interval", type=float, default=0.05)
     p.add_argument("--startup-timeout", type=float, default=180.0)
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra flag for the started server (repeat; use --server-arg=--flag)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra flag for the started server (repeat; use --server-arg=--flag)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args()
 
@@ -71,8 +75,19 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="pagoda-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "pagoda", "serve", "--served-model-name", args.model, "--host", "127.0.0.1",
-           "--port", str(port), *args.server_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagoda",
+        "serve",
+        "--served-model-name",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args.server_arg,
+    ]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     print(f"starting: {' '.join(cmd)}  (log: {log.name})", flush=True)
@@ -107,9 +122,15 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 async def one_stream(client: httpx.AsyncClient, args: argparse.Namespace, i: int) -> StreamResult:
-    body = {"model": args.model, "prompt": f"Story {i}: once upon a time, in a faraway land,",
-            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": args.model,
+        "prompt": f"Story {i}: once upon a time, in a faraway land,",
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = StreamResult(start=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -167,11 +188,17 @@ async def run(url: str, args: argparse.Namespace) -> dict:
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     tokens = sum(r.completion_tokens for r in ok)
     return {
-        "concurrency": args.concurrency, "max_tokens": args.max_tokens, "wall_s": wall,
-        "requests_ok": len(ok), "requests_failed": len(results) - len(ok),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "wall_s": wall,
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
-        "output_tokens": tokens, "output_tok_per_s": tokens / wall if wall > 0 else 0.0,
-        "health": summarize(health), "ttft": summarize(ttft), "itl": summarize(itl),
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / wall if wall > 0 else 0.0,
+        "health": summarize(health),
+        "ttft": summarize(ttft),
+        "itl": summarize(itl),
     }
 
 
@@ -186,19 +213,24 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def summarize(values: list[float]) -> dict:
-    return {"n": len(values), "p50": quantile(values, 0.5), "p99": quantile(values, 0.99),
-            "max": max(values) if values else float("nan")}
+    return {
+        "n": len(values),
+        "p50": quantile(values, 0.5),
+        "p99": quantile(values, 0.99),
+        "max": max(values) if values else float("nan"),
+    }
 
 
 def print_table(r: dict) -> None:
     ms = lambda v: f"{v * 1000:10.1f}"  # noqa: E731
     print()
-    print(f"{r['concurrency']} streaming clients x {r['max_tokens']} tokens: {r['requests_ok']} ok, "
-          f"{r['requests_failed']} failed, wall {r['wall_s']:.1f} s")
+    print(
+        f"{r['concurrency']} streaming clients x {r['max_tokens']} tokens: {r['requests_ok']} ok, "
+        f"{r['requests_failed']} failed, wall {r['wall_s']:.1f} s"
+    )
     print(f"{'metric':<28}{'p50 (ms)':>10}{'p99 (ms)':>11}{'max (ms)':>11}{'samples':>9}")
     print("-" * 69)
-    for label, key in [("/health latency", "health"), ("time to first token", "ttft"),
-                       ("inter-token latency", "itl")]:
+    for label, key in [("/health latency", "health"), ("time to first token", "ttft"), ("inter-token latency", "itl")]:
         s = r[key]
         print(f"{label:<28}{ms(s['p50'])}{ms(s['p99'])} {ms(s['max'])}{s['n']:>9}")
     print("-" * 69)

@@ -32,7 +32,7 @@ def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tupl
             continue
         meta = f.metadata
         flags = ["--" + f.name.replace("_", "-"), *meta.get("flags", ())]
-        kind = meta.get("cli_type") or _base_type(f.type)     # cli_type: a string the config parses
+        kind = meta.get("cli_type") or _base_type(f.type)  # cli_type: a string the config parses
         extra: dict[str, Any] = {"choices": meta["choices"]} if "choices" in meta else {}
         if kind is bool:
             action = "store_true" if meta.get("store_true") else argparse.BooleanOptionalAction
@@ -46,8 +46,11 @@ def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tupl
 
 def config_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
     """The dataclass `cls` from the flags `add_config_args` added (fields without a flag keep their default)."""
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-              if "help" in f.metadata and hasattr(ns, f.name)}
+    values = {
+        f.name: getattr(ns, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if "help" in f.metadata and hasattr(ns, f.name)
+    }
     return cls(**{**values, **overrides})
 
 

@@ -66,12 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     # lazy: the subcommand's own modules (cli/main.py is the one dispatch); these two are argparse only
     from pagoda.tools.batch.cli import add_batch_args
 
-    add_batch_args(sub.add_parser("batch", help="run an OpenAI Batch JSONL or images + a prompt against a server, "
-                                                "with retries, rate limit and resume"))
+    add_batch_args(
+        sub.add_parser(
+            "batch",
+            help="run an OpenAI Batch JSONL or images + a prompt against a server, with retries, rate limit and resume",
+        )
+    )
     from pagoda.tools.router.cli import add_router_args  # lazy: the subcommand's own module (see above)
 
-    add_router_args(sub.add_parser("router", help="OpenAI-compatible front for several servers: session affinity, "
-                                                  "health checks, retries, usage per key"))
+    add_router_args(
+        sub.add_parser(
+            "router",
+            help="OpenAI-compatible front for several servers: session affinity, health checks, retries, usage per key",
+        )
+    )
     return parser
 
 
@@ -86,7 +94,7 @@ def _print_chat_template(ns: argparse.Namespace) -> None:
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"--messages {ns.messages!r}: {exc}") from None
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise InvalidRequest("--messages must hold a JSON list of {\"role\": ..., \"content\": ...} objects.")
+        raise InvalidRequest('--messages must hold a JSON list of {"role": ..., "content": ...} objects.')
     source = resolve_model_source(ns.model)
     tokenizer = load_tokenizer(source, ns.tokenizer or source.location, ns.trust_remote_code)
     text = render_chat(tokenizer, messages, load_chat_template(ns.chat_template), not ns.no_generation_prompt)
@@ -99,10 +107,11 @@ def _run_offline(ns: argparse.Namespace) -> None:
 
     args = engine_args_from(ns)
     llm = LLM(**{k: v for k, v in vars(args).items()})
-    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                            max_tokens=ns.max_tokens)
+    params = SamplingParams(
+        n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens
+    )
     if ns.command == "chat":
-        messages = ([{"role": "system", "content": ns.system}] if ns.system else [])
+        messages = [{"role": "system", "content": ns.system}] if ns.system else []
         messages.append({"role": "user", "content": ns.message})
         outputs = llm.chat(messages, params, use_tqdm=False)
     else:

@@ -38,8 +38,9 @@ logger = logging.getLogger("pagoda")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model folder, hub id or .gguf (same as --model)")
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder, hub id or .gguf (same as --model)"
+    )
     add_engine_args(parser)
     add_config_args(parser, ServerConfig)
     add_config_args(parser, MultiModalConfig)
@@ -96,16 +97,21 @@ class _Launch:
         supervisor.catch_signals()
         self.core = core = CoreProcess(supervisor, self.setup.config, server.api_server_count)
         ready = core.wait_ready(stop=lambda: supervisor.stopping)
-        if ready is None:                       # SIGTERM/SIGINT while the model loaded
+        if ready is None:  # SIGTERM/SIGINT while the model loaded
             return 0
         sock = _listen_socket(server.host, server.port)
         try:
             for client in core.clients:
-                self.apis.append(supervisor.start(f"pagoda-api-{client.index}", run_api_server,
-                                                  (server, self.setup.config, self.multimodal, client, sock),
-                                                  index=client.index))
+                self.apis.append(
+                    supervisor.start(
+                        f"pagoda-api-{client.index}",
+                        run_api_server,
+                        (server, self.setup.config, self.multimodal, client, sock),
+                        index=client.index,
+                    )
+                )
         finally:
-            sock.close()         # each API process holds its own copy; closing them all frees the port
+            sock.close()  # each API process holds its own copy; closing them all frees the port
         self.setup.log_startup(ready)
         return self._watch()
 
@@ -128,8 +134,11 @@ class _Launch:
             return 1
         supervisor.stop([a for a in self.apis if a is not dead], grace=5.0)
         core.shutdown()
-        print(f"pagoda: error: API server {dead.index} exited unexpectedly (exit code {dead.exitcode}); "
-              "the server was stopped.", file=sys.stderr)
+        print(
+            f"pagoda: error: API server {dead.index} exited unexpectedly (exit code {dead.exitcode}); "
+            "the server was stopped.",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -138,5 +147,6 @@ def _listen_socket(host: str, port: int):  # type: ignore[no-untyped-def]
     try:
         return listen_socket(host, port)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
-                          f"(is another server using port {port}?)") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server using port {port}?)"
+        ) from None

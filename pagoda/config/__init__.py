@@ -24,7 +24,17 @@ from pagoda.config.engine import (
 from pagoda.config.multimodal import MultiModalConfig
 
 __all__ = [
-    "DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "CacheConfig",
-    "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "MultiModalConfig", "SchedulerConfig",
-    "_derived_max_model_len", "knob", "text_field",
+    "DEFAULT_CPU_KV_CACHE_GIB",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "CacheConfig",
+    "DeviceConfig",
+    "EngineArgs",
+    "EngineConfig",
+    "ModelConfig",
+    "MultiModalConfig",
+    "SchedulerConfig",
+    "_derived_max_model_len",
+    "knob",
+    "text_field",
 ]

@@ -45,49 +45,61 @@ class EngineArgs:
     `EngineConfig.create`. The defaults are written here only: the resolved sections below have none.
     """
 
-    model: str | None = knob(None,
-        'HF model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)')
+    model: str | None = knob(
+        None, "HF model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
     tokenizer: str | None = knob(None, "tokenizer folder or hub id (default: the model's)")
-    dtype: str = knob("auto", 'auto | float32 | float16 | bfloat16')
-    max_model_len: int | None = knob(None, 'context length cap (default: from the model config)')
-    max_num_seqs: int = knob(256, 'maximum requests per step')
-    max_num_batched_tokens: int | None = knob(None,
-        f'token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})')
-    block_size: int = knob(16, 'tokens per KV cache block')
-    enable_prefix_caching: bool = knob(True, 'reuse KV blocks across requests that share a prefix')
-    gpu_memory_utilization: float | None = knob(None,
-        f'fraction of GPU memory the engine may use (default {DEFAULT_GPU_MEMORY_UTILIZATION}; on the CPU '
-        '--cpu-kv-cache-space-gib sets the KV budget instead)')
-    num_gpu_blocks_override: int | None = knob(None, 'exact number of KV blocks (testing)')
-    swap_space: float = knob(4, 'accepted for vLLM compatibility (preemption recomputes)')
-    cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, 'KV cache budget in GiB when running on the CPU')
-    device: str = knob("auto", 'auto | cpu | cuda')
-    seed: int = knob(0, 'random seed for requests without their own seed')
-    trust_remote_code: bool = knob(False,
-        'accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder')
-    skip_tokenizer_init: bool = knob(False, 'do not load a tokenizer (token-id prompts only)')
-    load_format: str = knob("auto",
-        "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)")
-    attention_backend: str = knob("auto",
-        'auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)')
-    enforce_eager: bool = knob(False,
-        'never capture CUDA graphs: run every decode step eagerly (slower; for debugging)')
-    async_scheduling: bool | None = knob(None,
-        'schedule and launch the next step while the GPU runs the current one (default: on with CUDA, off on the '
-        'CPU; a request that stops on EOS costs one discarded token)')
-    quantization: str | None = knob(None,
-        "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted", flags=("-q",))
+    dtype: str = knob("auto", "auto | float32 | float16 | bfloat16")
+    max_model_len: int | None = knob(None, "context length cap (default: from the model config)")
+    max_num_seqs: int = knob(256, "maximum requests per step")
+    max_num_batched_tokens: int | None = knob(
+        None, f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    block_size: int = knob(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = knob(True, "reuse KV blocks across requests that share a prefix")
+    gpu_memory_utilization: float | None = knob(
+        None,
+        f"fraction of GPU memory the engine may use (default {DEFAULT_GPU_MEMORY_UTILIZATION}; on the CPU "
+        "--cpu-kv-cache-space-gib sets the KV budget instead)",
+    )
+    num_gpu_blocks_override: int | None = knob(None, "exact number of KV blocks (testing)")
+    swap_space: float = knob(4, "accepted for vLLM compatibility (preemption recomputes)")
+    cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, "KV cache budget in GiB when running on the CPU")
+    device: str = knob("auto", "auto | cpu | cuda")
+    seed: int = knob(0, "random seed for requests without their own seed")
+    trust_remote_code: bool = knob(
+        False, "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder"
+    )
+    skip_tokenizer_init: bool = knob(False, "do not load a tokenizer (token-id prompts only)")
+    load_format: str = knob(
+        "auto", "auto (the checkpoint's weights) | dummy (random weights of the right shapes, for benchmarks)"
+    )
+    attention_backend: str = knob(
+        "auto", "auto (triton on a CUDA GPU, torch on the CPU) | torch | triton (Triton kernels, CUDA only)"
+    )
+    enforce_eager: bool = knob(
+        False, "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)"
+    )
+    async_scheduling: bool | None = knob(
+        None,
+        "schedule and launch the next step while the GPU runs the current one (default: on with CUDA, off on the "
+        "CPU; a request that stops on EOS costs one discarded token)",
+    )
+    quantization: str | None = knob(
+        None, "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted", flags=("-q",)
+    )
 
 
 # The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`
 # (a field named like a knob is copied from it, the others are resolved there), so every default is written once.
 
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    model: str                      # HF folder, hub id, or path to a .gguf file (resolved, never None)
-    tokenizer: str                  # where the tokenizer comes from (defaults to `model`)
-    dtype: str                      # resolved torch dtype name: "float32" | "float16" | "bfloat16"
-    max_model_len: int              # resolved context cap (prompt + output tokens)
+    model: str  # HF folder, hub id, or path to a .gguf file (resolved, never None)
+    tokenizer: str  # where the tokenizer comes from (defaults to `model`)
+    dtype: str  # resolved torch dtype name: "float32" | "float16" | "bfloat16"
+    max_model_len: int  # resolved context cap (prompt + output tokens)
     hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)  # the model's config.json
     trust_remote_code: bool
     skip_tokenizer_init: bool
@@ -113,20 +125,20 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    block_size: int                         # tokens per KV block
+    block_size: int  # tokens per KV block
     enable_prefix_caching: bool
-    gpu_memory_utilization: float           # fraction of GPU memory for the whole engine
-    gpu_memory_utilization_given: bool      # set by the user (on the CPU, where it does nothing, that is logged)
-    num_gpu_blocks_override: int | None     # exact pool size (tests, debugging)
-    swap_space: float                       # GiB; accepted for vLLM compatibility, preemption recomputes
-    cpu_kv_cache_space_gib: float           # KV budget when running on the CPU
+    gpu_memory_utilization: float  # fraction of GPU memory for the whole engine
+    gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
+    num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
+    swap_space: float  # GiB; accepted for vLLM compatibility, preemption recomputes
+    cpu_kv_cache_space_gib: float  # KV budget when running on the CPU
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int                       # requests in one step
-    max_num_batched_tokens: int             # token budget of one step
-    max_model_len: int                      # copy of ModelConfig.max_model_len for the scheduler
+    max_num_seqs: int  # requests in one step
+    max_num_batched_tokens: int  # token budget of one step
+    max_model_len: int  # copy of ModelConfig.max_model_len for the scheduler
     # Step N+1 is scheduled and launched while step N runs on the GPU: each running request counts
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
     async_scheduling: bool
@@ -134,9 +146,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceConfig:
-    device: str                             # resolved: "cpu" or "cuda"
-    attention_backend: str                  # resolved: "torch" or "triton"
-    cuda_graphs: bool                       # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
+    device: str  # resolved: "cpu" or "cuda"
+    attention_backend: str  # resolved: "torch" or "triton"
+    cuda_graphs: bool  # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
 
 
 S = TypeVar("S", bound="DataclassInstance")
@@ -165,24 +177,42 @@ class EngineConfig:
         if utilization is None:
             utilization = DEFAULT_GPU_MEMORY_UTILIZATION
 
-        _check(a.quantization in (None, "none"), "quantization",
-               f"--quantization {a.quantization} is not supported yet: Pagoda runs unquantized weights only "
-               "(AWQ, GPTQ, FP8 and bitsandbytes will come with the quantization issue); omit --quantization "
-               "or pass none.")
+        _check(
+            a.quantization in (None, "none"),
+            "quantization",
+            f"--quantization {a.quantization} is not supported yet: Pagoda runs unquantized weights only "
+            "(AWQ, GPTQ, FP8 and bitsandbytes will come with the quantization issue); omit --quantization "
+            "or pass none.",
+        )
 
-        _check(a.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-               f"block_size must be a power of two in [1, 128], got {a.block_size}")
+        _check(
+            a.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            f"block_size must be a power of two in [1, 128], got {a.block_size}",
+        )
         _check(a.max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {a.max_num_seqs}")
-        _check(0 < utilization <= 1, "gpu_memory_utilization",
-               f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-        _check(a.num_gpu_blocks_override is None or a.num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
-               f"num_gpu_blocks_override must be >= 2, got {a.num_gpu_blocks_override}")
+        _check(
+            0 < utilization <= 1,
+            "gpu_memory_utilization",
+            f"gpu_memory_utilization must be in (0, 1], got {utilization}",
+        )
+        _check(
+            a.num_gpu_blocks_override is None or a.num_gpu_blocks_override >= 2,
+            "num_gpu_blocks_override",
+            f"num_gpu_blocks_override must be >= 2, got {a.num_gpu_blocks_override}",
+        )
         _check(a.dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {a.dtype!r}")
         _check(a.device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {a.device!r}")
-        _check(a.load_format in ("auto", "dummy"), "load_format",
-               f"load_format must be auto or dummy; got {a.load_format!r}")
-        _check(a.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-               f"attention_backend must be auto, torch or triton; got {a.attention_backend!r}")
+        _check(
+            a.load_format in ("auto", "dummy"),
+            "load_format",
+            f"load_format must be auto or dummy; got {a.load_format!r}",
+        )
+        _check(
+            a.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            f"attention_backend must be auto, torch or triton; got {a.attention_backend!r}",
+        )
 
         device = _resolve_device(a.device)
         source = resolve_model_source(a.model)
@@ -197,22 +227,41 @@ class EngineConfig:
         if max_model_len > derived_len:
             raise ConfigError(
                 f"max_model_len={max_model_len} is larger than the model's maximum context "
-                f"({derived_len} from config.json); lower --max-model-len.", "max_model_len")
+                f"({derived_len} from config.json); lower --max-model-len.",
+                "max_model_len",
+            )
         max_num_batched_tokens = a.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, a.max_num_seqs)
-        _check(max_num_batched_tokens >= 1, "max_num_batched_tokens",
-               f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        _check(
+            max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}",
+        )
 
         return cls(
-            model=_section(ModelConfig, a, model=source.location, tokenizer=a.tokenizer or source.location,
-                           dtype=dtype, max_model_len=max_model_len,
-                           hf_config=hf_config),
-            cache=_section(CacheConfig, a, gpu_memory_utilization=utilization,
-                           gpu_memory_utilization_given=a.gpu_memory_utilization is not None),
-            scheduler=_section(SchedulerConfig, a, max_num_batched_tokens=max_num_batched_tokens,
-                               max_model_len=max_model_len,
-                               async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling),
+            model=_section(
+                ModelConfig,
+                a,
+                model=source.location,
+                tokenizer=a.tokenizer or source.location,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                hf_config=hf_config,
+            ),
+            cache=_section(
+                CacheConfig,
+                a,
+                gpu_memory_utilization=utilization,
+                gpu_memory_utilization_given=a.gpu_memory_utilization is not None,
+            ),
+            scheduler=_section(
+                SchedulerConfig,
+                a,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
+            ),
             device=_device_config(device, a.attention_backend, a.enforce_eager),
         )
 
@@ -240,8 +289,11 @@ def _device_config(device: str, attention_backend: str, enforce_eager: bool) -> 
     backend = _resolve_attention_backend(attention_backend, device)
     # Graph capture needs a backend whose per-layer work has fixed shapes and no host syncs: the
     # Triton kernels (the PyTorch backend gathers a per-step number of blocks).
-    return DeviceConfig(device=device, attention_backend=backend,
-                        cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager)
+    return DeviceConfig(
+        device=device,
+        attention_backend=backend,
+        cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager,
+    )
 
 
 def _resolve_attention_backend(choice: str, device: str) -> str:
@@ -257,14 +309,17 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
         except ImportError:
             return "torch"
         return "triton"
-    if device != "cuda" and not envs.TRITON_INTERPRET.value:   # the interpreter runs on CPU (tests)
-        raise ConfigError("attention_backend='triton' needs a CUDA GPU; use --attention-backend torch on the CPU.",
-                          "attention_backend")
+    if device != "cuda" and not envs.TRITON_INTERPRET.value:  # the interpreter runs on CPU (tests)
+        raise ConfigError(
+            "attention_backend='triton' needs a CUDA GPU; use --attention-backend torch on the CPU.",
+            "attention_backend",
+        )
     try:
         import triton  # lazy: optional (triton)  # noqa: F401
     except ImportError:
-        raise ConfigError("attention_backend='triton' needs the triton package (pip install triton).",
-                          "attention_backend") from None
+        raise ConfigError(
+            "attention_backend='triton' needs the triton package (pip install triton).", "attention_backend"
+        ) from None
     return "triton"
 
 

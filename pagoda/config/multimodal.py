@@ -17,30 +17,38 @@ from typing import Any
 from pagoda.config.engine import knob
 from pagoda.errors import ConfigError
 
-DEFAULT_LIMITS: Mapping[str, int] = {"image": 16, "video": 2}   # items per prompt when not limited otherwise
+DEFAULT_LIMITS: Mapping[str, int] = {"image": 16, "video": 2}  # items per prompt when not limited otherwise
 
 
 @dataclass(frozen=True)
 class MultiModalConfig:
     limit_mm_per_prompt: dict[str, int] | None = knob(
-        None, 'most images/videos per prompt: JSON \'{"image": 4, "video": 1}\' or image=4,video=1 '
-              "(default image=16, video=2)", cli_type=str)
+        None,
+        'most images/videos per prompt: JSON \'{"image": 4, "video": 1}\' or image=4,video=1 '
+        "(default image=16, video=2)",
+        cli_type=str,
+    )
     mm_processor_kwargs: dict[str, Any] | None = knob(
-        None, 'image preprocessing defaults, JSON, e.g. \'{"max_pixels": 1003520}\' '
-              "(default: the model's preprocessor_config.json)", cli_type=str)
+        None,
+        "image preprocessing defaults, JSON, e.g. '{\"max_pixels\": 1003520}' "
+        "(default: the model's preprocessor_config.json)",
+        cli_type=str,
+    )
     allowed_local_media_path: str | None = knob(
-        None, "folder from which file:// image urls may be read (default: none)")
+        None, "folder from which file:// image urls may be read (default: none)"
+    )
     allow_private_media_urls: bool = knob(
-        False, "allow image urls that resolve to loopback/private/link-local addresses", store_true=True)
+        False, "allow image urls that resolve to loopback/private/link-local addresses", store_true=True
+    )
 
     def __post_init__(self) -> None:
         if self.limit_mm_per_prompt is not None:
-            object.__setattr__(self, "limit_mm_per_prompt",
-                               _checked_limits(self.limit_mm_per_prompt, shown(self.limit_mm_per_prompt)))
+            object.__setattr__(
+                self, "limit_mm_per_prompt", _checked_limits(self.limit_mm_per_prompt, shown(self.limit_mm_per_prompt))
+            )
         kwargs = self.mm_processor_kwargs
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise ConfigError(f"--mm-processor-kwargs {shown(kwargs)}: expected a JSON object",
-                              "mm_processor_kwargs")
+            raise ConfigError(f"--mm-processor-kwargs {shown(kwargs)}: expected a JSON object", "mm_processor_kwargs")
 
     @property
     def limits(self) -> dict[str, int]:
@@ -48,9 +56,13 @@ class MultiModalConfig:
         return {**DEFAULT_LIMITS, **(self.limit_mm_per_prompt or {})}
 
     @classmethod
-    def from_cli(cls, limit_mm_per_prompt: str | None = None, mm_processor_kwargs: str | None = None,
-                 allowed_local_media_path: str | None = None,
-                 allow_private_media_urls: bool = False) -> MultiModalConfig:
+    def from_cli(
+        cls,
+        limit_mm_per_prompt: str | None = None,
+        mm_processor_kwargs: str | None = None,
+        allowed_local_media_path: str | None = None,
+        allow_private_media_urls: bool = False,
+    ) -> MultiModalConfig:
         """The config from the flags' strings: `--limit-mm-per-prompt` as JSON or `image=4,video=1`,
         `--mm-processor-kwargs` as a JSON object. A bad value raises ConfigError naming the flag."""
         limits = None
@@ -63,18 +75,25 @@ class MultiModalConfig:
                 if not isinstance(kwargs, dict):
                     raise ValueError("expected a JSON object")
             except ValueError as exc:
-                raise ConfigError(f"--mm-processor-kwargs {mm_processor_kwargs!r}: {exc}",
-                                  "mm_processor_kwargs") from None
-        return cls(limit_mm_per_prompt=limits, mm_processor_kwargs=kwargs,
-                   allowed_local_media_path=allowed_local_media_path,
-                   allow_private_media_urls=bool(allow_private_media_urls))
+                raise ConfigError(
+                    f"--mm-processor-kwargs {mm_processor_kwargs!r}: {exc}", "mm_processor_kwargs"
+                ) from None
+        return cls(
+            limit_mm_per_prompt=limits,
+            mm_processor_kwargs=kwargs,
+            allowed_local_media_path=allowed_local_media_path,
+            allow_private_media_urls=bool(allow_private_media_urls),
+        )
 
     @classmethod
     def from_namespace(cls, ns: Any) -> MultiModalConfig:
         """`from_cli` with the flags `cli.args.add_config_args(parser, MultiModalConfig)` added to `ns`."""
-        return cls.from_cli(getattr(ns, "limit_mm_per_prompt", None), getattr(ns, "mm_processor_kwargs", None),
-                            getattr(ns, "allowed_local_media_path", None),
-                            getattr(ns, "allow_private_media_urls", False))
+        return cls.from_cli(
+            getattr(ns, "limit_mm_per_prompt", None),
+            getattr(ns, "mm_processor_kwargs", None),
+            getattr(ns, "allowed_local_media_path", None),
+            getattr(ns, "allow_private_media_urls", False),
+        )
 
 
 def shown(value: Any) -> str:
@@ -99,7 +118,7 @@ def _checked_limits(parsed: Any, shown_value: str) -> dict[str, int]:
     limits: dict[str, int] = {}
     try:
         if not isinstance(parsed, Mapping):
-            raise ValueError('expected a JSON object (\'{"image": 4}\') or image=4,video=1')
+            raise ValueError("expected a JSON object ('{\"image\": 4}') or image=4,video=1")
         for key, number in parsed.items():
             if key not in DEFAULT_LIMITS:
                 raise ValueError(f"unknown modality {key!r} (image, video)")

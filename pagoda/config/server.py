@@ -17,7 +17,7 @@ from pagoda.config.engine import knob
 from pagoda.errors import ConfigError
 
 # What one request or connection may cost an API process (enforced by pagoda/server/http_limits.py).
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024     # images travel base64-encoded inside the JSON body
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images travel base64-encoded inside the JSON body
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_HEADER_COUNT = 256
 DEFAULT_HEADER_TIMEOUT_S = 60.0
@@ -34,57 +34,79 @@ class ServerConfig:
 
     host: str = knob("0.0.0.0", None)
     port: int = knob(8000, None)
-    served_model_name: tuple[str, ...] | None = knob(
-        None, "names clients use in 'model' (default: the model path)")
+    served_model_name: tuple[str, ...] | None = knob(None, "names clients use in 'model' (default: the model path)")
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
     tensor_parallel_size: int = knob(1, None, flags=("-tp",))
     pipeline_parallel_size: int = knob(1, None, flags=("-pp",))
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")
     chat_template: str | None = knob(None, "Jinja chat template: a file or the template text")
     trust_request_chat_template: bool = knob(
-        False, "let a chat request carry its own chat_template (rendered in a time- and size-bounded sandbox); "
-               "without it such a request gets 400", store_true=True)
+        False,
+        "let a chat request carry its own chat_template (rendered in a time- and size-bounded sandbox); "
+        "without it such a request gets 400",
+        store_true=True,
+    )
     enable_log_requests: bool = knob(False, "log one line per request", store_true=True)
     disable_log_requests: bool = knob(False, "accepted for compatibility (default)", store_true=True)
     disable_log_stats: bool = knob(False, "accepted for compatibility", store_true=True)
     generation_config: str = knob(
-        "auto", "'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder "
-                "holding a generation_config.json")
+        "auto",
+        "'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder "
+        "holding a generation_config.json",
+    )
     max_waiting_requests: int | None = knob(
-        None, "answer 503 + Retry-After when this many requests are already waiting")
+        None, "answer 503 + Retry-After when this many requests are already waiting"
+    )
     max_request_bytes: int = knob(
-        DEFAULT_MAX_REQUEST_BYTES, "413 for a request body over this many bytes (default 32 MiB; images travel in it)")
+        DEFAULT_MAX_REQUEST_BYTES, "413 for a request body over this many bytes (default 32 MiB; images travel in it)"
+    )
     max_header_bytes: int = knob(
-        DEFAULT_MAX_HEADER_BYTES, "431 for a request line and headers over this many bytes (default 64 KiB)",
-        flags=("--h11-max-incomplete-event-size",))
-    max_header_count: int = knob(DEFAULT_MAX_HEADER_COUNT, "431 beyond this many headers (default 256)",
-                                 flags=("--h11-max-header-count",))
+        DEFAULT_MAX_HEADER_BYTES,
+        "431 for a request line and headers over this many bytes (default 64 KiB)",
+        flags=("--h11-max-incomplete-event-size",),
+    )
+    max_header_count: int = knob(
+        DEFAULT_MAX_HEADER_COUNT, "431 beyond this many headers (default 256)", flags=("--h11-max-header-count",)
+    )
     header_timeout: float = knob(
-        DEFAULT_HEADER_TIMEOUT_S, "408 and close when a request's headers take longer from its first byte, in s "
-                                  "(default 60)")
+        DEFAULT_HEADER_TIMEOUT_S,
+        "408 and close when a request's headers take longer from its first byte, in s (default 60)",
+    )
     body_timeout: float = knob(
-        DEFAULT_BODY_TIMEOUT_S, "408 and close when a request's body takes longer after its headers, in s "
-                                "(default 300)")
+        DEFAULT_BODY_TIMEOUT_S, "408 and close when a request's body takes longer after its headers, in s (default 300)"
+    )
     idle_connection_timeout: float = knob(
-        DEFAULT_IDLE_CONNECTION_TIMEOUT_S, "close a new connection that sends nothing for this many s (default 300)")
+        DEFAULT_IDLE_CONNECTION_TIMEOUT_S, "close a new connection that sends nothing for this many s (default 300)"
+    )
     # None: VLLM_HTTP_TIMEOUT_KEEP_ALIVE or 5, resolved when the config is built (`__post_init__`).
     timeout_keep_alive: float | None = knob(
-        None, "close an idle keep-alive connection after this many s (default 5, or VLLM_HTTP_TIMEOUT_KEEP_ALIVE)")
+        None, "close an idle keep-alive connection after this many s (default 5, or VLLM_HTTP_TIMEOUT_KEEP_ALIVE)"
+    )
     max_connections: int | None = knob(
-        None, "503 and close for new connections beyond this many per API process (default: the file-descriptor "
-              "limit, raised to its hard limit, less a tenth; at most 65536)")
+        None,
+        "503 and close for new connections beyond this many per API process (default: the file-descriptor "
+        "limit, raised to its hard limit, less a tenth; at most 65536)",
+    )
     shutdown_timeout: float = knob(
-        30.0, "seconds in-flight requests get to finish after SIGTERM; those still running then end with a 503 "
-              "error (streams: an error event, then [DONE])")
+        30.0,
+        "seconds in-flight requests get to finish after SIGTERM; those still running then end with a 503 "
+        "error (streams: an error event, then [DONE])",
+    )
     metrics_prefix: str = knob(
-        "both", "/metrics names: both vllm:NAME and pagoda:NAME, same values (default), or one of them",
-        choices=METRICS_PREFIX_CHOICES)
+        "both",
+        "/metrics names: both vllm:NAME and pagoda:NAME, same values (default), or one of them",
+        choices=METRICS_PREFIX_CHOICES,
+    )
     api_server_count: int = knob(
-        1, "API server processes (HTTP, tokenization, SSE) in front of the one engine core, all serving "
-           "--host:--port (default 1)", flags=("-asc",))
+        1,
+        "API server processes (HTTP, tokenization, SSE) in front of the one engine core, all serving "
+        "--host:--port (default 1)",
+        flags=("-asc",),
+    )
     uvicorn_log_level: str = knob("warning", None)
-    skip_preflight: bool = knob(False, "do not run `pagoda doctor`'s fast checks before loading the model",
-                                store_true=True)
+    skip_preflight: bool = knob(
+        False, "do not run `pagoda doctor`'s fast checks before loading the model", store_true=True
+    )
 
     def __post_init__(self) -> None:
         if self.timeout_keep_alive is None:

@@ -8,8 +8,8 @@ Detokenization happens here, not in the core, for every request without stop str
 hands this engine its tokenizer (`use_tokenizer`; `pagoda serve` does with several API processes): the
 core sends token ids, and each stream's own `IncrementalDetokenizer` turns them into the same text
 deltas the core's would have. That takes detokenization off the core's critical path
-(benchmarks/profile/host_overhead.py) and spreads it over the API processes. Requests with stop strings stay detokenized in the core, which
-must see the text to stop generating.
+(benchmarks/profile/host_overhead.py) and spreads it over the API processes. Requests with stop strings
+stay detokenized in the core, which must see the text to stop generating.
 
 There is one way to reach a core: each API process's `AsyncEngine` attaches, through its `CoreClient`, to
 a core that the launcher started (`core_process.CoreProcess`): it connects to the core's input pipe, binds
@@ -74,15 +74,15 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._listeners: list = []          # callables(Outputs) — metrics
+        self._listeners: list = []  # callables(Outputs) — metrics
         self._tokenizer: Any | None = None  # set: detokenize requests without stop strings here
-        self._sent = 0                      # AddRequests sent to the core
-        self._seen = 0                      # of them, those the core had taken at its last report
-        self._unseen_since = 0.0            # monotonic time of the first send since the core had seen all
-        self._last_report = 0.0             # monotonic time of the core's last report
+        self._sent = 0  # AddRequests sent to the core
+        self._seen = 0  # of them, those the core had taken at its last report
+        self._unseen_since = 0.0  # monotonic time of the first send since the core had seen all
+        self._last_report = 0.0  # monotonic time of the core's last report
         self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
         self._died = asyncio.Event()
-        self._closed: str | None = None     # why new requests are refused (`end_streams`)
+        self._closed: str | None = None  # why new requests are refused (`end_streams`)
 
     def use_tokenizer(self, tokenizer: Any | None) -> None:
         """Detokenize in this process, with this tokenizer (the same one the core loads), every request
@@ -146,19 +146,31 @@ class AsyncEngine:
         self._zmq.destroy(linger=0)
 
     # ---- requests -----------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                       delta: bool = True, request_id: str | None = None,
-                       mm_inputs: Any = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        delta: bool = True,
+        request_id: str | None = None,
+        mm_inputs: Any = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields outputs until the last one (`finished=True`). Cancelling the consumer (client gone)
         aborts the request in the engine and frees its KV blocks."""
         async for batch in self.generate_batches(prompt_token_ids, params, prompt, delta, request_id, mm_inputs):
             for output in batch:
                 yield output
 
-    async def generate_batches(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                               delta: bool = True, request_id: str | None = None,
-                               mm_inputs: Any = None,
-                               admission: Admission | None = None) -> AsyncIterator[list[RequestOutput]]:
+    async def generate_batches(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        delta: bool = True,
+        request_id: str | None = None,
+        mm_inputs: Any = None,
+        admission: Admission | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, but each wake-up yields every output that has arrived since the last one (in order;
         the last batch ends with the `finished` output): a consumer that fell behind by several engine
         steps catches up in one pass (and, streaming, in one write). `admission`: the room `admit` took
@@ -175,10 +187,14 @@ class AsyncEngine:
         stream = _Stream(prompt, prompt_token_ids)
         if self._tokenizer is not None and not params.stop:
             stream.detokenizers = [
-                IncrementalDetokenizer(self._tokenizer, prompt_token_ids,
-                                       skip_special_tokens=params.skip_special_tokens,
-                                       spaces_between_special_tokens=params.spaces_between_special_tokens)
-                for _ in range(params.n)]
+                IncrementalDetokenizer(
+                    self._tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                )
+                for _ in range(params.n)
+            ]
         self._streams[request_id] = stream
         finished = False
         loop = asyncio.get_running_loop()
@@ -190,8 +206,19 @@ class AsyncEngine:
             if self._sent == self._seen:
                 self._unseen_since = time.monotonic()
             self._sent += 1
-            await self._send(AddRequest(request_id, prompt_token_ids, params, prompt, delta, time.monotonic(),
-                                        mm_inputs, self._client_index, detokenize=stream.detokenizers is None))
+            await self._send(
+                AddRequest(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    prompt,
+                    delta,
+                    time.monotonic(),
+                    mm_inputs,
+                    self._client_index,
+                    detokenize=stream.detokenizers is None,
+                )
+            )
             while not finished:
                 if not stream.items:
                     stream.waiter = loop.create_future()
@@ -218,14 +245,14 @@ class AsyncEngine:
                 try:
                     await self._send(AbortRequests([request_id], self._client_index))
                 except EngineDead:
-                    pass                      # nothing left to abort
+                    pass  # nothing left to abort
 
     async def _send(self, message: Any) -> None:
         """Send to the core; at once while its pipe has room (the usual case), otherwise wait for room
         or for the core's death, whichever comes first (EngineDead)."""
         sending = self._outbox.send_pyobj(message)
         if not isinstance(sending, asyncio.Future):
-            await sending                     # a stand-in pipe's coroutine (tests)
+            await sending  # a stand-in pipe's coroutine (tests)
             return
         if not sending.done():
             died = asyncio.ensure_future(self._died.wait())
@@ -234,7 +261,7 @@ class AsyncEngine:
             finally:
                 died.cancel()
             if not sending.done():
-                sending.cancel()              # out of the socket's queue: there is no one to take it
+                sending.cancel()  # out of the socket's queue: there is no one to take it
                 raise EngineDead(f"The engine is not running: {self.dead_reason}")
         sending.result()
 
@@ -256,8 +283,11 @@ class AsyncEngine:
             for wire in message.outputs:
                 if (stream := streams.get(wire[0])) is not None:
                     # The common case (a step's delta, decoded by the core) without the checks' call.
-                    stream.push(_deliverable(wire, stream) if wire[1] or stream.detokenizers is not None
-                                else from_wire(wire, stream.prompt, stream.prompt_token_ids))
+                    stream.push(
+                        _deliverable(wire, stream)
+                        if wire[1] or stream.detokenizers is not None
+                        else from_wire(wire, stream.prompt, stream.prompt_token_ids)
+                    )
             for listener in self._listeners:
                 listener(message)
 
@@ -317,8 +347,10 @@ def _deliverable(wire: Any, stream: _Stream) -> RequestOutput | Exception:
             _add_text(output, stream.detokenizers)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         logger.exception("Request %s failed while turning its tokens into text", request_id)
-        return RequestFailed(f"Internal error while turning this request's tokens into text: {type(exc).__name__}. "
-                             f"The server log has the details (request {request_id}).")
+        return RequestFailed(
+            f"Internal error while turning this request's tokens into text: {type(exc).__name__}. "
+            f"The server log has the details (request {request_id})."
+        )
     return output
 
 
@@ -329,7 +361,7 @@ def _add_text(output: RequestOutput, detokenizers: list[IncrementalDetokenizer])
     for completion in output.outputs:
         detok = detokenizers[completion.index]
         for token in completion.token_ids:
-            detok.update_one(token)          # no stop strings here: never reports a stop
+            detok.update_one(token)  # no stop strings here: never reports a stop
         if completion.finish_reason is not None:
             detok.finish()
         completion.text = detok.get_delta()
@@ -353,4 +385,3 @@ class _Stream:
         self.items.append(item)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
-

@@ -86,7 +86,7 @@ class BlockManager:
         for block in hits:
             self._take(block)
         request.block_ids = hits
-        request.num_registered_blocks = len(hits)      # prefix hits are cached blocks already
+        request.num_registered_blocks = len(hits)  # prefix hits are cached blocks already
         num_hit = len(hits) * self.block_size
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
@@ -105,8 +105,7 @@ class BlockManager:
         """Register the request's computed full blocks in the prefix cache (after each step)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size,
-                       len(request.block_ids))
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(request.block_ids))
         self._extend_hashes(request, num_full * self.block_size)
         # Only blocks that became full since the last call: this runs for every request every step.
         for i in range(request.num_registered_blocks, num_full):
@@ -114,7 +113,7 @@ class BlockManager:
             if self.hash_of[block] is not None:
                 continue
             h = request.block_hashes[i]
-            if h in self._cached:      # same content already cached in another block: keep that one
+            if h in self._cached:  # same content already cached in another block: keep that one
                 continue
             self.hash_of[block] = h
             self._cached[h] = block
@@ -131,7 +130,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block, _ = self._free.popitem(last=False)     # least recently freed first
+            block, _ = self._free.popitem(last=False)  # least recently freed first
             self._evict(block)
             self.ref_count[block] = 1
             request.block_ids.append(block)

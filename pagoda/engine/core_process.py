@@ -54,8 +54,8 @@ class AddRequest:
     prompt: str | None
     delta: bool
     arrival_time: float
-    mm_inputs: Any = None          # multimodal.inputs.MultiModalInputs (pixels travel pickled)
-    client_index: int = 0          # which API process sent it (several API processes only)
+    mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs (pixels travel pickled)
+    client_index: int = 0  # which API process sent it (several API processes only)
     # False: the API process turns this request's tokens into text itself, so its outputs carry
     # token ids and empty text (the core still detokenizes any request with stop strings: it must
     # see the text to stop). Detokenizing every stream was a large share of the core's host work per
@@ -94,26 +94,41 @@ WireOutput = tuple
 
 
 def wire_output(out: RequestOutput) -> WireOutput:
-    return (out.request_id, out.finished,
-            [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
-             for c in out.outputs],
-            len(out.prompt_token_ids), out.num_cached_tokens, out.queue_time)
+    return (
+        out.request_id,
+        out.finished,
+        [
+            (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+            for c in out.outputs
+        ],
+        len(out.prompt_token_ids),
+        out.num_cached_tokens,
+        out.queue_time,
+    )
 
 
 def from_wire(wire: WireOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
     """The `RequestOutput` a wire tuple stands for, given the request's prompt (which the API side keeps)."""
     request_id, finished, completions, _, num_cached_tokens, queue_time = wire
-    return RequestOutput(request_id, prompt, prompt_token_ids,
-                         [CompletionOutput(index, text, token_ids, cumulative, logprobs, reason, stop)
-                          for index, text, token_ids, reason, stop, logprobs, cumulative in completions],
-                         finished, num_cached_tokens, queue_time)
+    return RequestOutput(
+        request_id,
+        prompt,
+        prompt_token_ids,
+        [
+            CompletionOutput(index, text, token_ids, cumulative, logprobs, reason, stop)
+            for index, text, token_ids, reason, stop, logprobs, cumulative in completions
+        ],
+        finished,
+        num_cached_tokens,
+        queue_time,
+    )
 
 
 @dataclass
 class Outputs:
-    outputs: list[WireOutput]      # `wire_output` of each RequestOutput of the step
+    outputs: list[WireOutput]  # `wire_output` of each RequestOutput of the step
     stats: EngineStats
-    rejected: dict[str, str] = field(default_factory=dict)   # request id → error message (validation in core)
+    rejected: dict[str, str] = field(default_factory=dict)  # request id → error message (validation in core)
     # AddRequests taken from this API process so far, counted into `stats`: the API side counts the
     # ones it sent beyond this as waiting (`--max-waiting-requests` holds against a burst sent while
     # the core was in a long step; `AsyncEngine.num_unreported`).
@@ -130,8 +145,8 @@ class CoreClient:
     """How API process `index` reaches the core: what `AsyncEngine` attaches through."""
 
     index: int
-    input_address: str        # the core's input pipe (bound by the core)
-    output_address: str       # this process's output pipe (bound by the API process, the core connects)
+    input_address: str  # the core's input pipe (bound by the core)
+    output_address: str  # this process's output pipe (bound by the API process, the core connects)
     core_pid: int
     ready: Ready
 
@@ -150,16 +165,21 @@ class CoreProcess:
         self.control = self.zmq.socket(zmq.PULL)
         self.control.bind(self.control_address)
         self.ready: Ready | None = None
-        self.died_message: str | None = None      # the traceback a failing core sent (CoreDied)
-        self.child = supervisor.start("pagoda-engine-core", target or run_engine_core,
-                                      (config, self.input_address, self.control_address, self.client_addresses),
-                                      death_signal=signal.SIGKILL)   # it ignores SIGTERM (see run_engine_core)
+        self.died_message: str | None = None  # the traceback a failing core sent (CoreDied)
+        self.child = supervisor.start(
+            "pagoda-engine-core",
+            target or run_engine_core,
+            (config, self.input_address, self.control_address, self.client_addresses),
+            death_signal=signal.SIGKILL,
+        )  # it ignores SIGTERM (see run_engine_core)
 
     @property
     def clients(self) -> list[CoreClient]:
         assert self.ready is not None, "wait_ready first"
-        return [CoreClient(i, self.input_address, address, self.child.pid, self.ready)
-                for i, address in enumerate(self.client_addresses)]
+        return [
+            CoreClient(i, self.input_address, address, self.child.pid, self.ready)
+            for i, address in enumerate(self.client_addresses)
+        ]
 
     def wait_ready(self, stop: Any = None) -> Ready | None:
         """Until the core has loaded the model (Ready); ConfigError with its one line if it could not.
@@ -219,8 +239,9 @@ class CoreProcess:
 
 
 # ---- the core process (spawned by the launcher) ----------------------------------------------------
-def run_engine_core(config: EngineConfig, input_address: str, control_address: str,
-                    client_addresses: list[str]) -> None:
+def run_engine_core(
+    config: EngineConfig, input_address: str, control_address: str, client_addresses: list[str]
+) -> None:
     """Process entry point. Binds the input pipe (every API process pushes into it), reports Ready /
     StartupFailed / CoreDied on the launcher's control pipe, and pushes each API process's outputs to
     `client_addresses[AddRequest.client_index]` (CoreDied to them too)."""
@@ -238,7 +259,7 @@ def run_engine_core(config: EngineConfig, input_address: str, control_address: s
     control = ctx.socket(zmq.PUSH)
     control.connect(control_address)
     clients = []
-    for address in client_addresses:     # connected before the API processes bind: messages queue
+    for address in client_addresses:  # connected before the API processes bind: messages queue
         clients.append(ctx.socket(zmq.PUSH))
         clients[-1].connect(address)
     try:
@@ -253,9 +274,10 @@ def run_engine_core(config: EngineConfig, input_address: str, control_address: s
         control.send_pyobj(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return
     layout = engine.kv_layout
-    prepare_gc_for_serving()         # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
-    control.send_pyobj(Ready(layout.num_blocks - 1, layout.block_size,
-                             layout.max_concurrency(config.model.max_model_len)))
+    prepare_gc_for_serving()  # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
+    control.send_pyobj(
+        Ready(layout.num_blocks - 1, layout.block_size, layout.max_concurrency(config.model.max_model_len))
+    )
     try:
         _loop(engine, inbox, clients)
     except Exception:
@@ -286,9 +308,16 @@ def _receive(engine, inbox) -> list | None:
 def _add(engine, message: AddRequest) -> str | None:
     """Queue the request; the refusal's message if the engine refuses it."""
     try:
-        engine.add_request(message.request_id, message.prompt_token_ids, message.params, prompt=message.prompt,
-                           delta=message.delta, arrival_time=message.arrival_time, mm_inputs=message.mm_inputs,
-                           detokenize=message.detokenize)
+        engine.add_request(
+            message.request_id,
+            message.prompt_token_ids,
+            message.params,
+            prompt=message.prompt,
+            delta=message.delta,
+            arrival_time=message.arrival_time,
+            mm_inputs=message.mm_inputs,
+            detokenize=message.detokenize,
+        )
     except PagodaError as exc:
         return exc.message
     except Exception as exc:  # noqa: BLE001 - a bug reached by this request must not end the core
@@ -302,11 +331,11 @@ def _loop(engine, inbox, clients: list) -> None:
     request (`clients[index]`), the stats to every process whenever they change (the first process also
     counts the engine's running totals into its metrics, so they must reach it every time they move).
     Nothing is sent while nothing changes."""
-    owners: dict[str, int] = {}            # live request id → index of the API process that sent it
+    owners: dict[str, int] = {}  # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
     busy = cpu = 0.0
-    received, reported = [0] * count, [0] * count     # AddRequests per API process: taken, last reported
+    received, reported = [0] * count, [0] * count  # AddRequests per API process: taken, last reported
     while (messages := _receive(engine, inbox)) is not None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
@@ -350,13 +379,19 @@ def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:
     # num_steps: the core's clock totals (busy, device wait) move with every step and process 0 counts them.
     if last is None:
         return True
-    return _changed(stats, last) or (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
-                                     stats.num_steps) != (last.num_preemptions, last.prefix_cache_queries,
-                                                          last.prefix_cache_hits, last.num_steps)
+    return _changed(stats, last) or (
+        stats.num_preemptions,
+        stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
+        stats.num_steps,
+    ) != (last.num_preemptions, last.prefix_cache_queries, last.prefix_cache_hits, last.num_steps)
 
 
 def _changed(stats: EngineStats, last: EngineStats | None) -> bool:
     if last is None:
         return True
     return (stats.num_running, stats.num_waiting, stats.kv_cache_usage) != (
-        last.num_running, last.num_waiting, last.kv_cache_usage)
+        last.num_running,
+        last.num_waiting,
+        last.kv_cache_usage,
+    )

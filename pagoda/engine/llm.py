@@ -48,8 +48,9 @@ def _knobs_by_config(owner: str, kwargs: dict[str, Any], *classes: type) -> list
         valid = sorted(name for group in names for name in group)
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise TypeError(f"{owner} got an unexpected keyword argument {unknown[0]!r}{hint}; valid keywords: "
-                        f"{', '.join(valid)}.")
+        raise TypeError(
+            f"{owner} got an unexpected keyword argument {unknown[0]!r}{hint}; valid keywords: {', '.join(valid)}."
+        )
     return [{key: value for key, value in kwargs.items() if key in group} for group in names]
 
 
@@ -61,25 +62,28 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         engine_kwargs, mm_kwargs = _knobs_by_config("LLM()", kwargs, EngineArgs, MultiModalConfig)
-        self.mm_config = MultiModalConfig(**mm_kwargs)        # cheap checks first, before the model is read
+        self.mm_config = MultiModalConfig(**mm_kwargs)  # cheap checks first, before the model is read
         self.config = EngineConfig.create(EngineArgs(model=model, **engine_kwargs))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         source = self.engine.source
         # Images/videos (vision-language models): the same settings and pipeline as the server's.
-        self._multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
-                                              self.mm_config)
+        self._multimodal = multimodal_serving(
+            source.hf_config, source.folder if source.kind == "hf" else None, self.mm_config
+        )
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         batch: list[PromptType]
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                  and isinstance(prompts[0], int)):
-            batch = [cast(PromptType, prompts)]     # one prompt: a string, a prompt dict or one list of token ids
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            batch = [cast(PromptType, prompts)]  # one prompt: a string, a prompt dict or one list of token ids
         else:
             batch = list(cast(Sequence[PromptType], prompts))
         params_list = self._params_list(sampling_params, len(batch))
@@ -91,10 +95,15 @@ class LLM:
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Chat with OpenAI-style messages; content parts may carry images/videos (image_url with data:,
         http(s) or file:// urls, or Qwen's {"type": "image", ...}) on a vision-language model."""
         if messages and isinstance(messages[0], dict):
@@ -106,9 +115,17 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             # The template already writes the special tokens (BOS etc.): they are not added twice.
-            text, token_ids, mm_inputs = _run_sync(render_chat_prompt(
-                self.engine.tokenizer, self._multimodal, list(conversation), chat_template, add_generation_prompt,
-                self.config.model.architecture, chat_template_kwargs))
+            text, token_ids, mm_inputs = _run_sync(
+                render_chat_prompt(
+                    self.engine.tokenizer,
+                    self._multimodal,
+                    list(conversation),
+                    chat_template,
+                    add_generation_prompt,
+                    self.config.model.architecture,
+                    chat_template_kwargs,
+                )
+            )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids, "_mm_inputs": mm_inputs})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -119,8 +136,9 @@ class LLM:
             return [params] * n
         params = list(params)
         if len(params) != n:
-            raise InvalidRequest(f"Got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt.",
-                                 "sampling_params")
+            raise InvalidRequest(
+                f"Got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt.", "sampling_params"
+            )
         return params
 
     def _parse_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
@@ -136,23 +154,28 @@ class LLM:
             else:
                 raise InvalidRequest("A prompt dict needs 'prompt' or 'prompt_token_ids'.", "prompts")
             if prompt.get("multi_modal_data"):
-                return text, *self._multimodal_prompt(token_ids, prompt["multi_modal_data"],
-                                                      prompt.get("mm_processor_kwargs"))
+                return text, *self._multimodal_prompt(
+                    token_ids, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs")
+                )
             return text, token_ids, prompt.get("_mm_inputs")
         raise InvalidRequest("A prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}.", "prompts")
 
-    def _multimodal_prompt(self, token_ids: list[int], data: dict[str, Any],
-                           processor_kwargs: dict[str, Any] | None) -> tuple[list[int], Any]:
+    def _multimodal_prompt(
+        self, token_ids: list[int], data: dict[str, Any], processor_kwargs: dict[str, Any] | None
+    ) -> tuple[list[int], Any]:
         """vLLM's {"prompt": text with one placeholder per item, "multi_modal_data": {"image": PIL image(s),
         "video": list of frames (or a list of such lists)}}."""
         if self._multimodal is None:
-            raise InvalidRequest(f"Model {self.config.model.model} ({self.config.model.architecture}) does not "
-                                 "accept images or video.", "multi_modal_data")
+            raise InvalidRequest(
+                f"Model {self.config.model.model} ({self.config.model.architecture}) does not accept images or video.",
+                "multi_modal_data",
+            )
         media: list[tuple[str, Any]] = []
         for modality, value in data.items():
             if modality not in ("image", "video"):
-                raise InvalidRequest(f"multi_modal_data key {modality!r} is not supported (image, video).",
-                                     "multi_modal_data")
+                raise InvalidRequest(
+                    f"multi_modal_data key {modality!r} is not supported (image, video).", "multi_modal_data"
+                )
             if modality == "image":
                 items = value if isinstance(value, (list, tuple)) else [value]
             else:

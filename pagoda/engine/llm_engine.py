@@ -49,12 +49,13 @@ class LLMEngine:
         self.runner.warm_up_attention()
         if config.device.cuda_graphs:
             self.runner.enable_decode_graphs()
-        self.block_manager = BlockManager(self.kv_layout.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.kv_layout.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None   # launched, not yet read
-        self._device_wait_s = 0.0           # total seconds `step()` waited for sampled tokens (EngineStats)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet read
+        self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
         self.vocab_size = self.runner.vocab_size
         self._log_startup()
 
@@ -70,52 +71,86 @@ class LLMEngine:
             peak = self.runner.profile_peak_memory(sched.max_num_batched_tokens)
             free, total = torch.cuda.mem_get_info()
             non_torch = (total - free) - torch.cuda.memory_reserved()
-            num_blocks = memory.gpu_num_blocks(total, cache.gpu_memory_utilization, peak, max(non_torch, 0),
-                                               spec, block_size)
+            num_blocks = memory.gpu_num_blocks(
+                total, cache.gpu_memory_utilization, peak, max(non_torch, 0), spec, block_size
+            )
             source = "gpu_memory_utilization"
         else:
-            num_blocks = memory.cpu_num_blocks(cache.cpu_kv_cache_space_gib, spec, block_size,
-                                               sched.max_num_seqs, sched.max_model_len)
+            num_blocks = memory.cpu_num_blocks(
+                cache.cpu_kv_cache_space_gib, spec, block_size, sched.max_num_seqs, sched.max_model_len
+            )
             source = "cpu_kv_cache_space"
         needed = memory.blocks_for_request(sched.max_model_len, block_size)
         if num_blocks < needed:
             raise ConfigError(
                 f"The KV cache holds {max(num_blocks - 1, 0) * block_size} tokens ({num_blocks} blocks from "
                 f"{source}) but one max_model_len={sched.max_model_len} request needs {needed} blocks; raise "
-                f"{source.replace('_', '-')} or lower --max-model-len.", source)
+                f"{source.replace('_', '-')} or lower --max-model-len.",
+                source,
+            )
         return memory.KVCacheLayout(num_blocks, block_size, memory.bytes_per_block(spec, block_size))
 
     def _log_startup(self) -> None:
         layout, cfg = self.kv_layout, self.config
-        logger.info("model=%s arch=%s dtype=%s device=%s", cfg.model.model, cfg.model.architecture,
-                    cfg.model.dtype, cfg.device.device)
-        logger.info("KV cache: %d blocks x %d tokens, %.1f KiB per block, %.2f GiB total",
-                    layout.num_blocks - 1, layout.block_size, layout.bytes_per_block / 1024,
-                    layout.total_bytes / memory.GiB)
-        logger.info("Maximum concurrency for %d-token requests: %.2fx", cfg.model.max_model_len,
-                    layout.max_concurrency(cfg.model.max_model_len))
+        logger.info(
+            "model=%s arch=%s dtype=%s device=%s",
+            cfg.model.model,
+            cfg.model.architecture,
+            cfg.model.dtype,
+            cfg.device.device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f KiB per block, %.2f GiB total",
+            layout.num_blocks - 1,
+            layout.block_size,
+            layout.bytes_per_block / 1024,
+            layout.total_bytes / memory.GiB,
+        )
+        logger.info(
+            "Maximum concurrency for %d-token requests: %.2fx",
+            cfg.model.max_model_len,
+            layout.max_concurrency(cfg.model.max_model_len),
+        )
         if cfg.device.device == "cpu" and cfg.cache.gpu_memory_utilization_given:
-            logger.warning("--gpu-memory-utilization %g does not apply on the CPU: --cpu-kv-cache-space-gib "
-                           "sets the CPU KV cache budget (%g GiB now)", cfg.cache.gpu_memory_utilization,
-                           cfg.cache.cpu_kv_cache_space_gib)
+            logger.warning(
+                "--gpu-memory-utilization %g does not apply on the CPU: --cpu-kv-cache-space-gib "
+                "sets the CPU KV cache budget (%g GiB now)",
+                cfg.cache.gpu_memory_utilization,
+                cfg.cache.cpu_kv_cache_space_gib,
+            )
         spec = self.runner.kv_cache_spec()
         if spec.state_bytes_per_seq:
-            logger.info("Per-sequence state (LF): %.1f KiB x %d slots = %.2f MiB, counted in the KV budget; "
-                        "prefix caching %s", spec.state_bytes_per_seq / 1024, cfg.scheduler.max_num_seqs,
-                        spec.state_pool_bytes(cfg.scheduler.max_num_seqs) / 2**20,
-                        f"stores a {spec.snapshot_bytes_per_block / 1024:.1f} KiB state snapshot per block"
-                        if spec.snapshot_bytes_per_block else "is off")
+            logger.info(
+                "Per-sequence state (LF): %.1f KiB x %d slots = %.2f MiB, counted in the KV budget; prefix caching %s",
+                spec.state_bytes_per_seq / 1024,
+                cfg.scheduler.max_num_seqs,
+                spec.state_pool_bytes(cfg.scheduler.max_num_seqs) / 2**20,
+                f"stores a {spec.snapshot_bytes_per_block / 1024:.1f} KiB state snapshot per block"
+                if spec.snapshot_bytes_per_block
+                else "is off",
+            )
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise InvalidRequest("Text prompts need a tokenizer, but skip_tokenizer_init=True; send "
-                                 "{'prompt_token_ids': [...]} instead.", "prompt")
+            raise InvalidRequest(
+                "Text prompts need a tokenizer, but skip_tokenizer_init=True; send "
+                "{'prompt_token_ids': [...]} instead.",
+                "prompt",
+            )
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, delta: bool = False, arrival_time: float | None = None,
-                    mm_inputs: Any = None, detokenize: bool = True) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        delta: bool = False,
+        arrival_time: float | None = None,
+        mm_inputs: Any = None,
+        detokenize: bool = True,
+    ) -> None:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
         mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any.
@@ -123,19 +158,27 @@ class LLMEngine:
         request has stop strings, which need the text here."""
         if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
-        max_tokens = validate_request(prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size,
-                                      self.tokenizer is not None)
+        max_tokens = validate_request(
+            prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size, self.tokenizer is not None
+        )
         if mm_inputs is not None and mm_inputs.items and not self.runner.accepts_multimodal:
-            raise InvalidRequest(f"Model {self.config.model.model} ({self.config.model.architecture}) does not "
-                                 "accept images or video.", "messages")
+            raise InvalidRequest(
+                f"Model {self.config.model.model} ({self.config.model.architecture}) does not accept images or video.",
+                "messages",
+            )
         children = []
         for index in range(params.n):
             child_params = params
             if params.n > 1:
                 # Each sample needs its own random stream; a seeded request stays reproducible.
                 child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            child = Request(child_request_id(request_id, index, params.n), list(prompt_token_ids),
-                            child_params, max_tokens, mm_inputs=mm_inputs)
+            child = Request(
+                child_request_id(request_id, index, params.n),
+                list(prompt_token_ids),
+                child_params,
+                max_tokens,
+                mm_inputs=mm_inputs,
+            )
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             children.append(child)
@@ -161,8 +204,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
-        return EngineStats(sched.num_running, sched.num_waiting, bm.usage, sched.stats.num_preemptions,
-                           bm.prefix_queries, bm.prefix_hits, sched.stats.num_steps, self._device_wait_s)
+        return EngineStats(
+            sched.num_running,
+            sched.num_waiting,
+            bm.usage,
+            sched.stats.num_preemptions,
+            bm.prefix_queries,
+            bm.prefix_hits,
+            sched.stats.num_steps,
+            self._device_wait_s,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -171,7 +222,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         launched = self.runner.launch(scheduler_output)
-        failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []   # not launched
+        failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
         if not self.config.scheduler.async_scheduling:
             return failed + self._process(scheduler_output, launched)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
@@ -192,7 +243,7 @@ class LLMEngine:
 
     def _process(self, scheduler_output: SchedulerOutput, launched: PendingStep) -> list[RequestOutput]:
         started = time.perf_counter()
-        step_output = launched.result()             # waits for the device (the step's sampled tokens)
+        step_output = launched.result()  # waits for the device (the step's sampled tokens)
         self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
         outputs = self.output_processor.process(updated, step_output.logprobs, self._finish)
@@ -200,8 +251,9 @@ class LLMEngine:
             outputs += self._fail_all(self.scheduler.take_failures())
         if self.output_processor.failures:
             for parent_id, request, exc in self.output_processor.take_failures():
-                outputs += self._fail(request.request_id, "processing its output (text, stop strings, logprobs)",
-                                      exc, parent_id, request)
+                outputs += self._fail(
+                    request.request_id, "processing its output (text, stop strings, logprobs)", exc, parent_id, request
+                )
         return outputs
 
     def _finish(self, request_id: str, status: RequestStatus, stop_reason: str) -> None:
@@ -211,16 +263,19 @@ class LLMEngine:
     def _fail_all(self, failures: list[tuple[str, str, Exception]]) -> list[RequestOutput]:
         return [out for request_id, stage, exc in failures for out in self._fail(request_id, stage, exc)]
 
-    def _fail(self, request_id: str, stage: str, exc: Exception, parent_id: str | None = None,
-              request: Request | None = None) -> list[RequestOutput]:
+    def _fail(
+        self, request_id: str, stage: str, exc: Exception, parent_id: str | None = None, request: Request | None = None
+    ) -> list[RequestOutput]:
         """End the user request that engine request `request_id` belongs to (all its samples) with
         finish_reason "error": its blocks are freed, its final output says why, it is logged once
         with its id. Nothing else changes: the engine and every other request carry on."""
         parent_id = parent_id or self.output_processor.parent_of(request_id) or request_id
-        logger.error("Request %s failed while %s; it ends with an error, the engine carries on.", parent_id, stage,
-                     exc_info=exc)
-        message = (f"Internal error while {stage}: {type(exc).__name__}. The server log has the details "
-                   f"(request {parent_id}).")
+        logger.error(
+            "Request %s failed while %s; it ends with an error, the engine carries on.", parent_id, stage, exc_info=exc
+        )
+        message = (
+            f"Internal error while {stage}: {type(exc).__name__}. The server log has the details (request {parent_id})."
+        )
         requests = {request.request_id: request} if request is not None else {}
         for child_id in [*self.output_processor.child_ids(parent_id), request_id]:
             if child_id in self.scheduler.requests:

@@ -31,11 +31,11 @@ class _Sample:
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
-    output: CompletionOutput | None = None       # set once finished
-    num_emitted_tokens: int = 0                  # delta mode: tokens already sent to the caller
+    output: CompletionOutput | None = None  # set once finished
+    num_emitted_tokens: int = 0  # delta mode: tokens already sent to the caller
     num_emitted_logprobs: int = 0
-    advanced: bool = False                       # got a token (or finished) in the call being processed
-    request: Request | None = None               # the engine request, while `advanced`
+    advanced: bool = False  # got a token (or finished) in the call being processed
+    request: Request | None = None  # the engine request, while `advanced`
 
 
 @dataclass(eq=False)
@@ -44,7 +44,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     num_samples: int
-    delta: bool                                  # emit what is new every step, not one final output
+    delta: bool  # emit what is new every step, not one final output
     samples: list[_Sample] = field(default_factory=list)
     num_cached_tokens: int = 0
     queue_time: float | None = None
@@ -60,10 +60,11 @@ class OutputProcessor:
         self._token_text = single_token_decoder(tokenizer) if tokenizer is not None else None
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
-        self.failures: list[tuple[str, Request, Exception]] = []     # see take_failures
+        self.failures: list[tuple[str, Request, Exception]] = []  # see take_failures
 
-    def add_request(self, parent_id: str, prompt: str | None, children: list[Request], delta: bool,
-                    detokenize: bool = True) -> None:
+    def add_request(
+        self, parent_id: str, prompt: str | None, children: list[Request], delta: bool, detokenize: bool = True
+    ) -> None:
         """detokenize=False: the caller decodes the token ids itself (outputs carry empty text); stop
         strings still need the text here, so a request with any is detokenized regardless."""
         parent = _Parent(parent_id, prompt, children[0].prompt_token_ids, len(children), delta)
@@ -72,10 +73,13 @@ class OutputProcessor:
             detok = None
             if self.tokenizer is not None and (detokenize or params.stop):
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, child.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    self.tokenizer,
+                    child.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop=cast(list[str], params.stop),          # a list after SamplingParams.__post_init__
-                    include_stop_str_in_output=params.include_stop_str_in_output)
+                    stop=cast(list[str], params.stop),  # a list after SamplingParams.__post_init__
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
             wants_logprobs = params.logprobs is not None
             sample = _Sample(parent, index, detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None)
             parent.samples.append(sample)
@@ -85,21 +89,25 @@ class OutputProcessor:
     def has_request(self, parent_id: str) -> bool:
         return parent_id in self._parents
 
-    def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
-                finish_fn: Callable[[str, RequestStatus, str], None]) -> list[RequestOutput]:
+    def process(
+        self,
+        updated: list[Request],
+        logprobs: dict[str, TokenLogprobs],
+        finish_fn: Callable[[str, RequestStatus, str], None],
+    ) -> list[RequestOutput]:
         """Handle the requests that got a token this step; returns outputs to hand to callers.
 
         O(requests updated): runs every step for every decoding request, so the common case
         (n = 1) is a straight line with no per-step dicts or searches."""
         samples = self._samples
-        outputs: list[Any] = []        # RequestOutputs, and a parent with n > 1 where its output goes
+        outputs: list[Any] = []  # RequestOutputs, and a parent with n > 1 where its output goes
         multi = False
         num_failures = len(self.failures)
         for request in updated:
             sample = samples.get(request.request_id)
             if sample is None:
                 continue
-            try:       # free unless it raises; inline, not a call per request (every step, every request)
+            try:  # free unless it raises; inline, not a call per request (every step, every request)
                 token = request.output_token_ids[-1]
                 if sample.logprobs is not None:
                     lp = logprobs.get(request.request_id)
@@ -109,7 +117,7 @@ class OutputProcessor:
                 if detok is not None:
                     stop = detok.update_one(token)
                     if stop is not None:
-                        if request.status.is_finished:     # e.g. hit max_tokens on the same token
+                        if request.status.is_finished:  # e.g. hit max_tokens on the same token
                             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                         else:
                             finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
@@ -158,9 +166,8 @@ class OutputProcessor:
         that into an error response). `requests`: the engine requests of its samples, where known
         (for their tokens). Its state here is dropped whatever it was."""
         parent = self._parents.pop(parent_id, None)
-        if parent is None:     # it raised while emitting its last output: still end it
-            return RequestOutput(parent_id, None, [], [CompletionOutput(0, "", [], None, None, "error", message)],
-                                 True)
+        if parent is None:  # it raised while emitting its last output: still end it
+            return RequestOutput(parent_id, None, [], [CompletionOutput(0, "", [], None, None, "error", message)], True)
         outputs = []
         for sample in parent.samples:
             self._samples.pop(child_request_id(parent_id, sample.index, parent.num_samples), None)
@@ -169,12 +176,23 @@ class OutputProcessor:
                 outputs.append(sample.output)
                 continue
             request = requests.get(child_request_id(parent_id, sample.index, parent.num_samples))
-            tokens = list(request.output_token_ids[sample.num_emitted_tokens if parent.delta else 0:]) \
-                if request is not None else []
-            outputs.append(CompletionOutput(sample.index, "", tokens, sample.cumulative_logprob, None, "error",
-                                            message))
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, True,
-                             parent.num_cached_tokens, parent.queue_time)
+            tokens = (
+                list(request.output_token_ids[sample.num_emitted_tokens if parent.delta else 0 :])
+                if request is not None
+                else []
+            )
+            outputs.append(
+                CompletionOutput(sample.index, "", tokens, sample.cumulative_logprob, None, "error", message)
+            )
+        return RequestOutput(
+            parent_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            True,
+            parent.num_cached_tokens,
+            parent.queue_time,
+        )
 
     def _fold(self, parent: _Parent) -> RequestOutput | None:
         """The output of a parent with n > 1 whose samples advanced in this call (flags cleared)."""
@@ -229,34 +247,57 @@ class OutputProcessor:
 
     def _completion(self, sample: _Sample, request: Request) -> CompletionOutput:
         text = sample.detokenizer.output_text if sample.detokenizer is not None else ""
-        return CompletionOutput(sample.index, text, list(request.output_token_ids), sample.cumulative_logprob,
-                                sample.logprobs, request.status.finish_reason, request.stop_reason)
+        return CompletionOutput(
+            sample.index,
+            text,
+            list(request.output_token_ids),
+            sample.cumulative_logprob,
+            sample.logprobs,
+            request.status.finish_reason,
+            request.stop_reason,
+        )
 
     def _final_output(self, parent: _Parent) -> RequestOutput | None:
         if not all(s.output is not None for s in parent.samples):
             return None
         del self._parents[parent.request_id]
         outputs = [s.output for s in parent.samples if s.output is not None]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, True,
-                             parent.num_cached_tokens, parent.queue_time)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            True,
+            parent.num_cached_tokens,
+            parent.queue_time,
+        )
 
     def _single_delta_output(self, parent: _Parent, sample: _Sample, request: Request) -> RequestOutput:
         """`_delta_output` of a parent with one sample, without the search over samples."""
-        new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
+        new_tokens = request.output_token_ids[sample.num_emitted_tokens :]
         sample.num_emitted_tokens = len(request.output_token_ids)
         new_logprobs = None
         if sample.logprobs is not None:
-            new_logprobs = sample.logprobs[sample.num_emitted_logprobs:]
+            new_logprobs = sample.logprobs[sample.num_emitted_logprobs :]
             sample.num_emitted_logprobs = len(sample.logprobs)
         text = sample.detokenizer.get_delta() if sample.detokenizer is not None else ""
         reason = request.status.finish_reason
         done = sample.output is not None
         if done:
             del self._parents[parent.request_id]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             [CompletionOutput(sample.index, text, new_tokens, sample.cumulative_logprob,
-                                               new_logprobs, reason, request.stop_reason)],
-                             done, parent.num_cached_tokens, parent.queue_time if done else None)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            [
+                CompletionOutput(
+                    sample.index, text, new_tokens, sample.cumulative_logprob, new_logprobs, reason, request.stop_reason
+                )
+            ],
+            done,
+            parent.num_cached_tokens,
+            parent.queue_time if done else None,
+        )
 
     def _delta_output(self, parent: _Parent) -> RequestOutput:
         """What is new for the samples flagged `advanced`, in sample order."""
@@ -265,18 +306,34 @@ class OutputProcessor:
             if not sample.advanced:
                 continue
             request = sample.request
-            assert request is not None          # set while `advanced`
-            new_tokens = request.output_token_ids[sample.num_emitted_tokens:]
+            assert request is not None  # set while `advanced`
+            new_tokens = request.output_token_ids[sample.num_emitted_tokens :]
             sample.num_emitted_tokens = request.num_output_tokens
             new_logprobs = None
             if sample.logprobs is not None:
-                new_logprobs = sample.logprobs[sample.num_emitted_logprobs:]
+                new_logprobs = sample.logprobs[sample.num_emitted_logprobs :]
                 sample.num_emitted_logprobs = len(sample.logprobs)
             text = sample.detokenizer.get_delta() if sample.detokenizer is not None else ""
-            outputs.append(CompletionOutput(sample.index, text, new_tokens, sample.cumulative_logprob, new_logprobs,
-                                            request.status.finish_reason, request.stop_reason))
+            outputs.append(
+                CompletionOutput(
+                    sample.index,
+                    text,
+                    new_tokens,
+                    sample.cumulative_logprob,
+                    new_logprobs,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                )
+            )
         done = all(s.output is not None for s in parent.samples)
         if done:
             del self._parents[parent.request_id]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, done,
-                             parent.num_cached_tokens, parent.queue_time if done else None)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            done,
+            parent.num_cached_tokens,
+            parent.queue_time if done else None,
+        )

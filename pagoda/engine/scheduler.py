@@ -27,8 +27,8 @@ from pagoda.request import Request, RequestStatus
 
 @dataclass
 class SchedulerStats:
-    num_preemptions: int = 0          # total requests preempted so far
-    num_chunked_prefills: int = 0     # prefill chunks that did not finish their prompt
+    num_preemptions: int = 0  # total requests preempted so far
+    num_chunked_prefills: int = 0  # prefill chunks that did not finish their prompt
     num_steps: int = 0
 
 
@@ -41,10 +41,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
-        self._runner_known: set[str] = set()       # requests the runner holds state for
+        self._runner_known: set[str] = set()  # requests the runner holds state for
         self._finished_for_runner: set[str] = set()
-        self._preempted_for_runner: set[str] = set()   # filled while building one step's output
-        self.failures: list[tuple[str, str, Exception]] = []   # see take_failures
+        self._preempted_for_runner: set[str] = set()  # filled while building one step's output
+        self.failures: list[tuple[str, str, Exception]] = []  # see take_failures
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -53,8 +53,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        return [self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-                for rid in request_ids if rid in self.requests]
+        return [self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids if rid in self.requests]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -89,9 +88,8 @@ class Scheduler:
             num_output = len(request.output_token_ids) + request.num_pending
             total = num_prompt + num_output
             num_new = total - computed
-            if num_new <= 0 or (request.num_pending and (num_output >= request.max_tokens
-                                                           or total >= max_model_len)):
-                index += 1          # its last token is still in flight: nothing more to compute
+            if num_new <= 0 or (request.num_pending and (num_output >= request.max_tokens or total >= max_model_len)):
+                index += 1  # its last token is still in flight: nothing more to compute
                 continue
             if num_new > budget:
                 num_new = budget
@@ -104,7 +102,7 @@ class Scheduler:
                     if victim is request:
                         break
                 if request.status is not RequestStatus.RUNNING:
-                    break                      # it preempted itself: nothing after it remains
+                    break  # it preempted itself: nothing after it remains
                 new_block_ids = request.block_ids[num_blocks_before:]
             else:
                 new_block_ids = []
@@ -114,12 +112,11 @@ class Scheduler:
             cached_requests.append(CachedRequestData(request.request_id, new_block_ids, False, computed))
             request.num_computed_tokens = computed + num_new
             if computed + num_new == total:
-                request.num_pending += 1           # this step samples its next token
+                request.num_pending += 1  # this step samples its next token
             budget -= num_new
             index += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
@@ -127,10 +124,10 @@ class Scheduler:
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
             if not self.block_manager.allocate(request, num_new):
-                self.block_manager.free(request)     # give back the prefix hits too
+                self.block_manager.free(request)  # give back the prefix hits too
                 request.num_computed_tokens = 0
                 break
-            if request.num_cached_tokens < 0:        # only once actually admitted, not on a failed try
+            if request.num_cached_tokens < 0:  # only once actually admitted, not on a failed try
                 request.num_cached_tokens = hits
                 request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
@@ -139,13 +136,21 @@ class Scheduler:
             self._note_chunk(request, num_new)
             num_scheduled[request.request_id] = num_new
             if request.request_id in self._runner_known:
-                cached_requests.append(CachedRequestData(
-                    request.request_id, list(request.block_ids), True, request.num_computed_tokens))
+                cached_requests.append(
+                    CachedRequestData(request.request_id, list(request.block_ids), True, request.num_computed_tokens)
+                )
             else:
                 self._runner_known.add(request.request_id)
-                new_requests.append(NewRequestData(
-                    request.request_id, request.prompt_token_ids, request.sampling_params,
-                    list(request.block_ids), request.num_computed_tokens, request.mm_inputs))
+                new_requests.append(
+                    NewRequestData(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        list(request.block_ids),
+                        request.num_computed_tokens,
+                        request.mm_inputs,
+                    )
+                )
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending += 1
@@ -182,15 +187,18 @@ class Scheduler:
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is None:                # finished or aborted while the step ran
+            if request is None:  # finished or aborted while the step ran
                 continue
             token = sampled.get(request_id)
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
             # A block is full once its tokens are computed and known (a pending token is not).
-            if caching and min(request.num_computed_tokens, request.num_tokens) // block_size \
-                    > request.num_registered_blocks and request.status is RequestStatus.RUNNING:
+            if (
+                caching
+                and min(request.num_computed_tokens, request.num_tokens) // block_size > request.num_registered_blocks
+                and request.status is RequestStatus.RUNNING
+            ):
                 block_manager.cache_full_blocks(request)
             if token is None:
                 continue
@@ -198,9 +206,12 @@ class Scheduler:
             updated.append(request)
             # Cheap screen: _check_stop can only end the request on one of these conditions.
             num_output = len(output)
-            if (token in eos or num_output >= request.max_tokens
-                    or num_output + len(request.prompt_token_ids) >= max_model_len
-                    or token in request.sampling_params.stop_token_ids):  # type: ignore[operator]  # a list
+            if (
+                token in eos
+                or num_output >= request.max_tokens
+                or num_output + len(request.prompt_token_ids) >= max_model_len
+                or token in request.sampling_params.stop_token_ids  # type: ignore[operator]  # a list once set
+            ):
                 try:
                     status = self._check_stop(request, token)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
@@ -222,7 +233,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in cast(list[int], params.stop_token_ids):     # a list after SamplingParams.__post_init__
+            if token in cast(list[int], params.stop_token_ids):  # a list after SamplingParams.__post_init__
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:

@@ -14,19 +14,25 @@ def check_prompt_tokens(token_ids: list[int], vocab_size: int, param: str = "pro
         raise InvalidRequest(f"The {param} is empty; send at least one token.", param)
     bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"Token id {token_ids[bad]} (position {bad}) is outside the model's vocabulary: ids "
-                             f"must be in [0, {vocab_size}).", param)
+        raise InvalidRequest(
+            f"Token id {token_ids[bad]} (position {bad}) is outside the model's vocabulary: ids "
+            f"must be in [0, {vocab_size}).",
+            param,
+        )
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                     has_tokenizer: bool) -> int:
+def validate_request(
+    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool
+) -> int:
     """Check a request against the model; returns the resolved max_tokens. Offline use clamps
     max_tokens to the room left in the context (the server checks the sum strictly first)."""
     check_prompt_tokens(prompt_token_ids, vocab_size)
     if len(prompt_token_ids) >= max_model_len:
         raise ContextLengthExceeded(
             f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model length of "
-            f"{max_model_len}; shorten it or raise max_model_len.", "prompt")
+            f"{max_model_len}; shorten it or raise max_model_len.",
+            "prompt",
+        )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
     room = max_model_len - len(prompt_token_ids)

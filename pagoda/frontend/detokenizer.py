@@ -72,11 +72,7 @@ def _skippable_special_ids(tokenizer: Any) -> frozenset[int]:
     candidates: set[int] = set(getattr(tokenizer, "all_special_ids", None) or ())
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     candidates.update(tid for tid, tok in added.items() if getattr(tok, "special", True))
-    skippable = frozenset(
-        tid
-        for tid in candidates
-        if tokenizer.decode([tid], skip_special_tokens=True) == ""
-    )
+    skippable = frozenset(tid for tid in candidates if tokenizer.decode([tid], skip_special_tokens=True) == "")
     try:
         _SKIPPABLE_CACHE[tokenizer] = skippable
     except TypeError:  # not weak-referenceable: recompute per request, still correct
@@ -138,12 +134,14 @@ class _FastDecoder:
 
 
 # tokenizer -> {skip_special_tokens: _FastDecoder or None (use tokenizer.decode)}.
-_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _FastDecoder | None]] = \
+_FAST_DECODE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], _FastDecoder | None]] = (
     weakref.WeakKeyDictionary()
+)
 
 
-def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
-                  spaces_between_special_tokens: bool = True) -> _FastDecoder | None:
+def _fast_decoder(
+    tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool = True
+) -> _FastDecoder | None:
     """A decoder equivalent to `tokenizer.decode(ids, skip_special_tokens=...)` that skips its
     Python layers, when that is provably the same function; None otherwise (custom tokenizers,
     overridden or patched decode methods, clean_up_tokenization_spaces, no fast tokenizer).
@@ -159,7 +157,8 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
     own = getattr(tokenizer, "fast_decode", None)
     if callable(own):
         own_decoder = _FastDecoder(
-            functools.partial(own, spaces_between_special_tokens=spaces_between_special_tokens), skip_special_tokens)
+            functools.partial(own, spaces_between_special_tokens=spaces_between_special_tokens), skip_special_tokens
+        )
         per_tokenizer[key] = own_decoder
         return own_decoder
     fast: _FastDecoder | None = None
@@ -169,17 +168,19 @@ def _fast_decoder(tokenizer: Any, skip_special_tokens: bool,
 
         cls = type(tokenizer)
         backend: Any = getattr(tokenizer, "_tokenizer", None)
-        if (isinstance(tokenizer, PreTrainedTokenizerFast)
-                and cls.decode is PreTrainedTokenizerBase.decode
-                and cls._decode is PreTrainedTokenizerFast._decode
-                and "decode" not in vars(tokenizer) and "_decode" not in vars(tokenizer)
-                and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-                and callable(getattr(backend, "decode", None))):
+        if (
+            isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode
+            and "decode" not in vars(tokenizer)
+            and "_decode" not in vars(tokenizer)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            and callable(getattr(backend, "decode", None))
+        ):
             fast = _FastDecoder(backend.decode, skip_special_tokens)
             # Belt and braces: the two must agree on a few ids (specials included) before use.
             probe = [[0], [1, 2, 3], list(getattr(tokenizer, "all_special_ids", None) or ())[:4] + [5]]
-            if any(fast.decode(ids) != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-                   for ids in probe):
+            if any(fast.decode(ids) != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in probe):
                 fast = None
     except Exception:  # anything unexpected: the general path is always right
         fast = None
@@ -203,6 +204,7 @@ def single_token_decoder(tokenizer: Any) -> Callable[[int], str]:
         if text is None:
             text = cache[token_id] = decode([token_id])
         return text
+
     return token_text
 
 
@@ -240,9 +242,7 @@ class IncrementalDetokenizer:
         fast = _fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._decode: Callable[[list[int]], str] = fast.decode if fast is not None else self._decode_general
         self._single_token_text: dict[int, str] | None = fast.single if fast is not None else None
-        self._skip_ids: frozenset[int] = (
-            _skippable_special_ids(tokenizer) if skip_special_tokens else frozenset()
-        )
+        self._skip_ids: frozenset[int] = _skippable_special_ids(tokenizer) if skip_special_tokens else frozenset()
         # Ids from here on have no piece: they add no text, like a skipped special token.
         self._num_pieces: int = piece_count(tokenizer) or (1 << 62)
 
@@ -301,7 +301,7 @@ class IncrementalDetokenizer:
             return None
         if self._stops:
             return self._append_text(delta)
-        self._pending.append(delta)        # _push, inlined: this runs for every token
+        self._pending.append(delta)  # _push, inlined: this runs for every token
         self._text_cache = None
         return None
 

@@ -43,13 +43,13 @@ from jinja2.visitor import NodeTransformer
 from pagoda.errors import InvalidRequest
 
 TIME_LIMIT_S = 2.0
-MAX_CHARS = 4 * 1024 * 1024            # ~1M tokens: more than any context window
+MAX_CHARS = 4 * 1024 * 1024  # ~1M tokens: more than any context window
 MAX_RANGE = 100_000
 MAX_INT_ARG = 1_000_000
 MAX_INT_BITS = 100_000
-MAX_TEMPLATE_CHARS = 64 * 1024          # the largest chat templates in use are ~20 KB; compiling 64 KiB takes ~1 s
-MAX_QUADRATIC_WORK = 50_000_000         # element copies of sum() over lists
-MAX_BUILT_CHARS = 16 * MAX_CHARS        # all strings a render builds, garbage included
+MAX_TEMPLATE_CHARS = 64 * 1024  # the largest chat templates in use are ~20 KB; compiling 64 KiB takes ~1 s
+MAX_QUADRATIC_WORK = 50_000_000  # element copies of sum() over lists
+MAX_BUILT_CHARS = 16 * MAX_CHARS  # all strings a render builds, garbage included
 WORKERS = 2
 
 _FLAG = "--trust-request-chat-template"
@@ -62,12 +62,16 @@ class TemplateBudgetExceeded(InvalidRequest):
     """A request's chat template needed more time or memory than its budget."""
 
     def __init__(self, what: str):
-        super().__init__(f"The request's chat_template was stopped: {what}. Simplify the template, or leave "
-                         "chat_template out of the request to use the model's.", "chat_template")
+        super().__init__(
+            f"The request's chat_template was stopped: {what}. Simplify the template, or leave "
+            "chat_template out of the request to use the model's.",
+            "chat_template",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # The budget of the render running in this thread
+
 
 class _Budget:
     __slots__ = ("deadline", "cancelled", "built")
@@ -176,7 +180,7 @@ _WIDTH = re.compile(r"\d+")
 def _format_bound(fmt: str, args: Any) -> int:
     """An upper bound of the length of `fmt` formatted (str.format, % or the format filter): every
     field may be as wide as the largest number in the format string or among the arguments."""
-    numbers = [int(d) if len(d) <= 12 else 10 ** 13 for d in _WIDTH.findall(fmt)]
+    numbers = [int(d) if len(d) <= 12 else 10**13 for d in _WIDTH.findall(fmt)]
     values = args.values() if isinstance(args, dict) else args if isinstance(args, (list, tuple)) else (args,)
     numbers += [abs(a) for a in values if type(a) is int]
     fields = fmt.count("{") + fmt.count("%")
@@ -198,6 +202,7 @@ def _replace_bound(text: str, old: Any, new: Any, count: Any = None) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Template globals and filters
+
 
 def _raise_exception(message: Any) -> None:
     raise jinja2.exceptions.TemplateError(str(message))
@@ -231,8 +236,9 @@ class _Namespace(Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} may not start with an underscore")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     width = indent if type(indent) is int else len(indent) if isinstance(indent, str) else 0
     if width:
         nodes_, depth = _shape(value)
@@ -282,25 +288,26 @@ _PASSED = (jinja2.Environment, Context, EvalContext)
 def _growth_check(name: str, value: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple]:
     """Before a filter runs whose output can be far larger than its input: its bound, checked.
     Returns (value, args) to call it with (a join's or sum's items made a list, to count them)."""
+
     def arg(i: int, key: str, default: Any = None) -> Any:
         return args[i] if len(args) > i else kwargs.get(key, default)
 
     bound = None
-    if name == "join":                  # join(value, d="", attribute=None)
+    if name == "join":  # join(value, d="", attribute=None)
         value = list(value)
         bound = _join_bound(arg(0, "d", ""), value)
-    elif name == "replace" and len(args) >= 2:      # replace(s, old, new, count=None)
+    elif name == "replace" and len(args) >= 2:  # replace(s, old, new, count=None)
         bound = _replace_bound(value, args[0], args[1], arg(2, "count"))
-    elif name == "indent":              # indent(s, width=4, first=False, blank=False)
+    elif name == "indent":  # indent(s, width=4, first=False, blank=False)
         width = arg(0, "width", 4)
         prefix = len(width) if isinstance(width, str) else width if type(width) is int else 0
         text = value if isinstance(value, str) else str(value)
         bound = len(text) + (text.count("\n") + 1) * max(prefix, 0)
-    elif name == "wordwrap":            # wordwrap(s, width=79, break_long_words=True, wrapstring=None, ...)
+    elif name == "wordwrap":  # wordwrap(s, width=79, break_long_words=True, wrapstring=None, ...)
         bound = _measure(value) * (1 + _measure(arg(2, "wrapstring") or "\n"))
-    elif name == "format":              # format(value, *args, **kwargs)
+    elif name == "format":  # format(value, *args, **kwargs)
         bound = _format_bound(str(value), kwargs or args)
-    elif name == "sum" and isinstance(arg(1, "start", 0), (list, tuple, str)):   # sum(iterable, attribute, start)
+    elif name == "sum" and isinstance(arg(1, "start", 0), (list, tuple, str)):  # sum(iterable, attribute, start)
         value = list(value)
         bound = _measure(value) + _measure(arg(1, "start"))
         if bound * len(value) > MAX_QUADRATIC_WORK:
@@ -311,14 +318,14 @@ def _growth_check(name: str, value: Any, args: tuple, kwargs: dict[str, Any]) ->
 
 
 def _bounded_filter(name: str, fn: Any) -> Any:
-    @functools.wraps(fn)         # keeps jinja's pass_context / pass_environment marks
+    @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         budget.tick()
-        lead = 1 if args and isinstance(args[0], _PASSED) else 0     # the environment or context jinja passes
+        lead = 1 if args and isinstance(args[0], _PASSED) else 0  # the environment or context jinja passes
         _check_args(args, kwargs, lead + 1 if name in _SIZED_FILTERS else None)
         if len(args) > lead:
-            value, rest = _growth_check(name, args[lead], args[lead + 1:], kwargs)
+            value, rest = _growth_check(name, args[lead], args[lead + 1 :], kwargs)
             args = (*args[:lead], value, *rest)
         return budget.charge(_check_size(fn(*args, **kwargs), f"the result of {name}"))
 
@@ -345,23 +352,26 @@ class _Guards(NodeTransformer):
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Filter:
         self.generic_visit(node)
-        return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), _CONCAT_GUARD, [], [], None, None,
-                            lineno=node.lineno)
+        return nodes.Filter(
+            nodes.List(node.nodes, lineno=node.lineno), _CONCAT_GUARD, [], [], None, None, lineno=node.lineno
+        )
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag],
-                         finalize=self._finalize)
+        super().__init__(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag], finalize=self._finalize
+        )
         self.filters["tojson"] = _tojson
         self.filters = {name: _bounded_filter(name, fn) for name, fn in self.filters.items()}
         self.filters[_ITER_GUARD] = _guard_iter
         self.filters[_CONCAT_GUARD] = _guard_concat
-        self.globals.pop("lipsum", None)       # lipsum(n) writes n paragraphs; no chat template needs it
-        self.globals.update(range=_bounded_range, raise_exception=_raise_exception, strftime_now=_strftime_now,
-                            namespace=_Namespace)
+        self.globals.pop("lipsum", None)  # lipsum(n) writes n paragraphs; no chat template needs it
+        self.globals.update(
+            range=_bounded_range, raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace
+        )
 
     @staticmethod
     def _finalize(value: Any) -> Any:
@@ -383,13 +393,17 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         # The integer arguments of str methods are widths and positions (center, zfill...): capped.
         owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
         _check_args(args, kwargs, 0 if isinstance(owner, (str, bytes)) else None)
-        if getattr(getattr(__obj, "__wrapped__", __obj), "__name__", "") == "join" and args \
-                and not isinstance(args[0], (list, tuple, str, dict)):
-            args = (list(args[0]), *args[1:])      # str.join(generator): count the items first
+        if (
+            getattr(getattr(__obj, "__wrapped__", __obj), "__name__", "") == "join"
+            and args
+            and not isinstance(args[0], (list, tuple, str, dict))
+        ):
+            args = (list(args[0]), *args[1:])  # str.join(generator): count the items first
         bound = _method_bound(__obj, args, kwargs)
         if bound is not None and bound > MAX_CHARS:
-            raise TemplateBudgetExceeded(f"{getattr(__obj, '__name__', 'a call')}() would produce more than "
-                                         f"{MAX_CHARS} characters")
+            raise TemplateBudgetExceeded(
+                f"{getattr(__obj, '__name__', 'a call')}() would produce more than {MAX_CHARS} characters"
+            )
         return budget.charge(_check_size(super().call(__context, __obj, *args, **kwargs), "a call's result"))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -398,12 +412,20 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         if operator == "*":
             _check_product(left, right)
         elif operator == "**":
-            if type(left) is int and type(right) is int and right > 0 and abs(left) > 1 \
-                    and left.bit_length() * right > MAX_INT_BITS:
+            if (
+                type(left) is int
+                and type(right) is int
+                and right > 0
+                and abs(left) > 1
+                and left.bit_length() * right > MAX_INT_BITS
+            ):
                 raise TemplateBudgetExceeded(f"{left} ** {right} is over {MAX_INT_BITS} bits")
         elif operator == "+":
-            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
-                    and _measure(left) + _measure(right) > MAX_CHARS:
+            if (
+                isinstance(left, (str, list, tuple))
+                and isinstance(right, (str, list, tuple))
+                and _measure(left) + _measure(right) > MAX_CHARS
+            ):
                 raise TemplateBudgetExceeded(f"a + would build a value of more than {MAX_CHARS} characters")
         elif operator == "%" and isinstance(left, str):
             if _format_bound(left, right) > MAX_CHARS:
@@ -424,7 +446,7 @@ def _check_product(left: Any, right: Any) -> None:
 
 def _method_bound(obj: Any, args: tuple, kwargs: dict[str, Any]) -> int | None:
     """For the str methods whose result can be far larger than the string: an upper bound of it."""
-    wrapped = getattr(obj, "__wrapped__", obj)       # the sandbox wraps str.format / format_map
+    wrapped = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format / format_map
     owner, name = getattr(wrapped, "__self__", None), getattr(wrapped, "__name__", "")
     if not isinstance(owner, str):
         return None
@@ -455,6 +477,7 @@ def _compile(source: str) -> jinja2.Template:
 # ---------------------------------------------------------------------------------------------
 # Rendering
 
+
 def _plain(value: Any) -> Any:
     """The template's view of the inputs: JSON-like types only (anything else becomes a short
     placeholder), so no object with methods of its own reaches the sandbox."""
@@ -482,8 +505,11 @@ def _messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any
         # Templates read a message's reasoning under either name.
         reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning") if k in message), None)
         if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": message.get("reasoning_content",
-                                                                                          reasoning)}
+            message = {
+                "thinking": reasoning,
+                **message,
+                "reasoning_content": message.get("reasoning_content", reasoning),
+            }
         out.append(message)
     return out
 
@@ -503,11 +529,17 @@ def _mark_final_message(messages: list[dict[str, Any]]) -> None:
     raise InvalidRequest("continue_final_message needs a final message with text to continue.", "messages")
 
 
-def _render_job(source: str, messages: list[dict[str, Any]], variables: dict[str, Any], add_generation_prompt: bool,
-                continue_final_message: bool, cancelled: threading.Event) -> str:
+def _render_job(
+    source: str,
+    messages: list[dict[str, Any]],
+    variables: dict[str, Any],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    cancelled: threading.Event,
+) -> str:
     _local.budget = budget = _Budget(time.monotonic() + TIME_LIMIT_S, cancelled)
     try:
-        budget.tick()          # a job that waited in the queue past its request's answer stops here
+        budget.tick()  # a job that waited in the queue past its request's answer stops here
         template = _compile(source)
         chat = _messages_for_template(_plain(messages))
         if continue_final_message:
@@ -525,20 +557,25 @@ def _render_job(source: str, messages: list[dict[str, Any]], variables: dict[str
     except InvalidRequest:
         raise
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise InvalidRequest(f"The request's chat_template has a syntax error (line {exc.lineno}): {exc.message}",
-                             "chat_template") from None
-    except Exception as exc:   # noqa: BLE001 - a template's errors (RecursionError, MemoryError...) are the request's
+        raise InvalidRequest(
+            f"The request's chat_template has a syntax error (line {exc.lineno}): {exc.message}", "chat_template"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a template's errors (RecursionError, MemoryError...) are the request's
         detail = str(exc)
         detail = detail if len(detail) <= 300 else detail[:300] + "..."
-        raise InvalidRequest(f"Could not render the request's chat_template: {type(exc).__name__}: {detail}",
-                             "chat_template") from None
+        raise InvalidRequest(
+            f"Could not render the request's chat_template: {type(exc).__name__}: {detail}", "chat_template"
+        ) from None
     finally:
         _local.budget = None
     if continue_final_message:
         cut = text.rfind(_CONTINUE_MARK)
         if cut < 0:
-            raise InvalidRequest("continue_final_message: the request's chat_template does not write the final "
-                                 "message's text as it is, so there is no place to continue it.", "messages")
+            raise InvalidRequest(
+                "continue_final_message: the request's chat_template does not write the final "
+                "message's text as it is, so there is no place to continue it.",
+                "messages",
+            )
         text = text[:cut]
     return text
 
@@ -556,29 +593,40 @@ def _pool() -> ThreadPoolExecutor:
         return _pool_instance
 
 
-async def render_request_template(source: str, messages: list[dict[str, Any]], variables: dict[str, Any],
-                                  add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+async def render_request_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    variables: dict[str, Any],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+) -> str:
     """The prompt a request's own chat template renders, off the event loop and within budget.
     `variables` are the template variables besides messages (special tokens, chat_template_kwargs)."""
     if not isinstance(source, str) or not source.strip():
         raise InvalidRequest("chat_template must be a non-empty string.", "chat_template")
     if len(source) > MAX_TEMPLATE_CHARS:
-        raise InvalidRequest(f"The request's chat_template has {len(source)} characters; at most "
-                             f"{MAX_TEMPLATE_CHARS} are accepted.", "chat_template")
+        raise InvalidRequest(
+            f"The request's chat_template has {len(source)} characters; at most {MAX_TEMPLATE_CHARS} are accepted.",
+            "chat_template",
+        )
     cancelled = threading.Event()
     loop = asyncio.get_running_loop()
-    job = loop.run_in_executor(_pool(), _render_job, source, messages, variables, add_generation_prompt,
-                               continue_final_message, cancelled)
+    job = loop.run_in_executor(
+        _pool(), _render_job, source, messages, variables, add_generation_prompt, continue_final_message, cancelled
+    )
     try:
         # The job stops itself TIME_LIMIT_S after it starts; this also bounds a wait in the queue.
         return await asyncio.wait_for(job, timeout=2 * TIME_LIMIT_S + 1)
     except asyncio.TimeoutError:
-        raise TemplateBudgetExceeded(f"it did not finish within {2 * TIME_LIMIT_S + 1:g} s (the server's "
-                                     "template workers are busy)") from None
+        raise TemplateBudgetExceeded(
+            f"it did not finish within {2 * TIME_LIMIT_S + 1:g} s (the server's template workers are busy)"
+        ) from None
     finally:
         cancelled.set()
 
 
 def refused_message() -> str:
-    return (f"This request carries a chat_template, but the server runs without {_FLAG}: only the server's "
-            "own template is used. Leave chat_template out, or start the server with the flag.")
+    return (
+        f"This request carries a chat_template, but the server runs without {_FLAG}: only the server's "
+        "own template is used. Leave chat_template out, or start the server with the flag."
+    )

@@ -21,7 +21,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 class TokenizerInfo:
     """Facts discovered at load time (never written back into a config)."""
 
-    eos_token_ids: frozenset[int]   # any of these ends a request (unless ignore_eos)
+    eos_token_ids: frozenset[int]  # any of these ends a request (unless ignore_eos)
     bos_token_id: int | None
 
 
@@ -33,10 +33,12 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: 
     from transformers import AutoTokenizer  # lazy: transformers
 
     if os.path.isdir(tokenizer_path) and not any(
-            os.path.isfile(os.path.join(tokenizer_path, name)) for name in _TOKENIZER_FILES):
+        os.path.isfile(os.path.join(tokenizer_path, name)) for name in _TOKENIZER_FILES
+    ):
         raise ModelLoadError(
             f"{tokenizer_path!r} has no tokenizer files; pass tokenizer=<folder> (--tokenizer), or "
-            "skip_tokenizer_init=True and send token-id prompts.")
+            "skip_tokenizer_init=True and send token-id prompts."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -82,23 +84,29 @@ def _load_yuan(tokenizer_path: str) -> Any:
     except (FileNotFoundError, OSError, RuntimeError) as exc:
         raise ModelLoadError(
             f"Yuan2 needs its SentencePiece tokenizer.model: {exc}. Pass --tokenizer <folder with "
-            "tokenizer.model>, or --skip-tokenizer-init and send token-id prompts.") from None
+            "tokenizer.model>, or --skip-tokenizer-init and send token-id prompts."
+        ) from None
 
 
 def _download_tokenizer(repo_id: str) -> str:
     try:
-        return huggingface_hub.snapshot_download(repo_id, allow_patterns=["tokenizer*", "*.model", "special_tokens_map.json",
-                                                          "chat_template*"])
+        return huggingface_hub.snapshot_download(
+            repo_id, allow_patterns=["tokenizer*", "*.model", "special_tokens_map.json", "chat_template*"]
+        )
     except Exception as exc:  # offline, unknown repo, auth: one message for the user
-        raise ModelLoadError(f"Tokenizer {repo_id!r} is not a local folder and could not be fetched from the hub "
-                             f"({type(exc).__name__}).") from None
+        raise ModelLoadError(
+            f"Tokenizer {repo_id!r} is not a local folder and could not be fetched from the hub ({type(exc).__name__})."
+        ) from None
 
 
 def tokenizer_info(tokenizer: Any | None, source: ModelSource) -> TokenizerInfo:
     """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
     eos: set[int] = set()
-    for value in (source.generation_config().get("eos_token_id"), source.hf_config.get("eos_token_id"),
-                  getattr(tokenizer, "eos_token_id", None)):
+    for value in (
+        source.generation_config().get("eos_token_id"),
+        source.hf_config.get("eos_token_id"),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if isinstance(value, int):
             eos.add(value)
         elif isinstance(value, list):
@@ -127,16 +135,22 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
 
         cls = type(tokenizer)
         backend: Any = getattr(tokenizer, "_tokenizer", None)
-        if not (isinstance(tokenizer, PreTrainedTokenizerFast)
-                and cls.encode is PreTrainedTokenizerBase.encode
-                and cls._encode_plus is PreTrainedTokenizerFast._encode_plus
-                and "encode" not in vars(tokenizer) and "_encode_plus" not in vars(tokenizer)
-                and callable(getattr(backend, "encode", None))):
+        if not (
+            isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.encode is PreTrainedTokenizerBase.encode
+            and cls._encode_plus is PreTrainedTokenizerFast._encode_plus
+            and "encode" not in vars(tokenizer)
+            and "_encode_plus" not in vars(tokenizer)
+            and callable(getattr(backend, "encode", None))
+        ):
             return general
 
         def encode(text: str, add_special_tokens: bool) -> list[int]:
-            if (backend.truncation is not None or backend.padding is not None
-                    or backend.encode_special_tokens != bool(tokenizer.split_special_tokens)):
+            if (
+                backend.truncation is not None
+                or backend.padding is not None
+                or backend.encode_special_tokens != bool(tokenizer.split_special_tokens)
+            ):
                 return general(text, add_special_tokens)
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
 

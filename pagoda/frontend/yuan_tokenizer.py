@@ -45,9 +45,21 @@ YUAN_CHAT_TEMPLATE = (
 # Registered as special with add_tokens(..., special_tokens=True), in the official order: the
 # ones not in the SentencePiece vocabulary (<mask> <predict> <FIM_*>) get ids 134953-134957.
 YUAN_EXTRA_SPECIAL_TOKENS = (
-    "<sep>", "<pad>", "<mask>", "<predict>", "<FIM_SUFFIX>", "<FIM_PREFIX>", "<FIM_MIDDLE>",
-    "<commit_before>", "<commit_msg>", "<commit_after>", "<jupyter_start>", "<jupyter_text>",
-    "<jupyter_code>", "<jupyter_output>", "<empty_output>",
+    "<sep>",
+    "<pad>",
+    "<mask>",
+    "<predict>",
+    "<FIM_SUFFIX>",
+    "<FIM_PREFIX>",
+    "<FIM_MIDDLE>",
+    "<commit_before>",
+    "<commit_msg>",
+    "<commit_after>",
+    "<jupyter_start>",
+    "<jupyter_text>",
+    "<jupyter_code>",
+    "<jupyter_output>",
+    "<empty_output>",
 )
 
 YUAN_EOD_TOKEN = "<eod>"
@@ -68,12 +80,14 @@ class YuanTokenizer(SentencePieceBackend):
 
     # -- no BOS / EOS is ever added ------------------------------------------------------------
 
-    def build_inputs_with_special_tokens(self, token_ids_0: list[int],
-                                         token_ids_1: list[int] | None = None) -> list[int]:
+    def build_inputs_with_special_tokens(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None
+    ) -> list[int]:
         return list(token_ids_0) + (list(token_ids_1) if token_ids_1 is not None else [])
 
-    def get_special_tokens_mask(self, token_ids_0: list[int], token_ids_1: list[int] | None = None,
-                                already_has_special_tokens: bool = False) -> list[int]:
+    def get_special_tokens_mask(
+        self, token_ids_0: list[int], token_ids_1: list[int] | None = None, already_has_special_tokens: bool = False
+    ) -> list[int]:
         if already_has_special_tokens:
             special = set(self.all_special_ids)
             return [1 if t in special else 0 for t in token_ids_0 + (token_ids_1 or [])]
@@ -95,13 +109,18 @@ class YuanTokenizer(SentencePieceBackend):
         cached = self.__dict__.get("_pagoda_decode_tables")
         if cached is None or cached[0] != key:
             base = self.sp_model.get_piece_size()
-            cached = (key, frozenset(self.all_special_ids), frozenset(self.all_special_tokens),
-                      frozenset(tok for tok, idx in self._added_tokens_encoder.items() if idx >= base))
+            cached = (
+                key,
+                frozenset(self.all_special_ids),
+                frozenset(self.all_special_tokens),
+                frozenset(tok for tok, idx in self._added_tokens_encoder.items() if idx >= base),
+            )
             self.__dict__["_pagoda_decode_tables"] = cached
         return cached[1], cached[2], cached[3]
 
-    def fast_decode(self, token_ids: list[int], skip_special_tokens: bool = False,
-                    spaces_between_special_tokens: bool = True) -> str:
+    def fast_decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True
+    ) -> str:
         """`decode(token_ids, ...)` without transformers' layers, for the detokenizer's short windows.
 
         A window of ordinary SentencePiece pieces (no special or added token: the common case) goes
@@ -116,8 +135,14 @@ class YuanTokenizer(SentencePieceBackend):
         for i in token_ids:
             piece = to_piece(i) if 0 <= i < base and i not in added else None
             if piece is None or piece in special_tokens:
-                return cast(str, self.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                             spaces_between_special_tokens=spaces_between_special_tokens))
+                return cast(
+                    str,
+                    self.decode(
+                        token_ids,
+                        skip_special_tokens=skip_special_tokens,
+                        spaces_between_special_tokens=spaces_between_special_tokens,
+                    ),
+                )
             if piece == YUAN_NEWLINE_TOKEN and self.newline_token_as_text:
                 piece = _NEWLINE_BYTE_PIECE
             pieces.append(piece)
@@ -138,8 +163,9 @@ class YuanTokenizer(SentencePieceBackend):
             return super().convert_ids_to_tokens(ids, skip_special_tokens)
         skip = self._decode_tables()[0] if skip_special_tokens else frozenset()
         added = self._added_tokens_decoder
-        return [added[i].content if i in added else self._convert_id_to_token(i)
-                for i in map(int, ids) if i not in skip]
+        return [
+            added[i].content if i in added else self._convert_id_to_token(i) for i in map(int, ids) if i not in skip
+        ]
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         if not tokens:
@@ -165,9 +191,14 @@ class YuanTokenizer(SentencePieceBackend):
         out.append(self.sp_model.decode(run))
         return "".join(out)
 
-    def _decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,
-                clean_up_tokenization_spaces: bool | None = None,
-                spaces_between_special_tokens: bool = True, **kwargs: Any) -> str:
+    def _decode(
+        self,
+        token_ids: int | list[int],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        spaces_between_special_tokens: bool = True,
+        **kwargs: Any,
+    ) -> str:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         tokens = self.convert_ids_to_tokens(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -225,7 +256,7 @@ def _folder_chat_template(folder: str | None) -> str | None:
                 value = json.load(f).get("chat_template")
         except (OSError, ValueError, AttributeError):
             return None
-        if isinstance(value, list):   # [{"name": ..., "template": ...}, ...]
+        if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
             named = {d.get("name"): d.get("template") for d in value if isinstance(d, dict)}
             value = named.get("default") or next(iter(named.values()), None)
         if isinstance(value, str) and value.strip():
@@ -233,8 +264,9 @@ def _folder_chat_template(folder: str | None) -> str | None:
     return None
 
 
-def load_yuan_tokenizer(folder_or_model_file: str | os.PathLike[str],
-                        newline_token_as_text: bool = False) -> YuanTokenizer:
+def load_yuan_tokenizer(
+    folder_or_model_file: str | os.PathLike[str], newline_token_as_text: bool = False
+) -> YuanTokenizer:
     """The Yuan2 tokenizer from a folder holding tokenizer.model, or from the file itself.
 
     Ignores the folder's BOS/EOS settings (the official code always overrides them): no BOS or

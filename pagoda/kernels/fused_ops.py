@@ -12,7 +12,7 @@ the activation dtype at the same points. The PyTorch references are the layers' 
 | `rotary` | `pagoda.layers.rotary.apply_rotary_reference(q, k, (cos, sin))` |
 | `rotary_store_kv` | `rotary`, then `paged_attention.store_kv` (the Triton backend's KV store) |
 | `silu_and_mul` | `pagoda.layers.activation.silu_and_mul_reference(x)` |
-| `lf_decode_input` / `lf_decode_output` | `input_layernorm` / `output_layernorm` plus `LocalizedFilter`'s PyTorch path (`index_select` + `cat` + `index_copy_`: pure copies) |
+| `lf_decode_input` / `lf_decode_output` | the layernorms plus `LocalizedFilter`'s PyTorch path (pure copies) |
 
 Where the results can differ from the reference (everything else is bit-identical):
 - RMSNorm's mean of squares is a different fp32 summation order than PyTorch's reduction, and
@@ -43,9 +43,9 @@ from pagoda.kernels import pdl
 from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_NORM_SIZE = 32768          # one program holds a whole row in registers; wider rows use PyTorch
-_ROPE_TILE = 1024             # elements of one RoPE program's [heads, R/2] tile (caps heads per program)
-_SILU_BLOCK = 1024            # columns per SiLU-and-mul program
+MAX_NORM_SIZE = 32768  # one program holds a whole row in registers; wider rows use PyTorch
+_ROPE_TILE = 1024  # elements of one RoPE program's [heads, R/2] tile (caps heads per program)
+_SILU_BLOCK = 1024  # columns per SiLU-and-mul program
 
 
 def _interpreting() -> bool:
@@ -70,6 +70,7 @@ def _round_to(x, ptr, EMULATE_BF16: tl.constexpr):
 # RMSNorm, optionally fused with the residual add
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr, EMULATE_BF16: tl.constexpr):
     """weight * round(x * rstd(x)), rounded to out_ptr's dtype: F.rms_norm in fp32 (mean of squares in
@@ -82,10 +83,23 @@ def _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS: tl.constexpr, out_ptr,
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
-                     stride_x, stride_r, stride_o, stride_s, eps,
-                     N_COLS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    summed_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    N_COLS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per row. With a residual: s = round(x + r) is stored and normed; else x is."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -94,20 +108,31 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = _round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr, EMULATE_BF16)   # rounded like `x + r`
+        x = _round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr, EMULATE_BF16)  # rounded like `x + r`
         tl.store(summed_ptr + row * stride_s + offs, x, mask=mask)
     # out has x's dtype (the launcher allocates it so), so rounding to out's dtype is rounding to x's.
-    tl.store(out_ptr + row * stride_o + offs, _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS, out_ptr,
-                                                            EMULATE_BF16), mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + offs,
+        _rms_weighted(x, weight_ptr, offs, mask, eps, N_COLS, out_ptr, EMULATE_BF16),
+        mask=mask,
+    )
 
 
 def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Cases the kernel covers; the layer uses PyTorch for the rest (mixed dtypes, huge rows)."""
-    return (x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 1
-            and weight.shape[0] == x.shape[-1] and 0 < x.shape[-1] <= MAX_NORM_SIZE
-            and weight.is_contiguous() and weight.device == x.device
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.device == x.device)))
+    return (
+        x.dtype in DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 1
+        and weight.shape[0] == x.shape[-1]
+        and 0 < x.shape[-1] <= MAX_NORM_SIZE
+        and weight.is_contiguous()
+        and weight.device == x.device
+        and (
+            residual is None
+            or (residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device)
+        )
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -116,8 +141,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert supports_rms_norm(x, weight, residual), "unsupported rms_norm arguments"
     n_cols = x.shape[-1]
     x2 = _rows(x)
@@ -131,9 +157,24 @@ def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return out, summed
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(n_rows,)](
-        x2, r2, weight, out2, s2, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
-        N_COLS=n_cols, HAS_RESIDUAL=residual is not None, BLOCK=block, EMULATE_BF16=_interpreting(),
-        num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False, **pdl.launch_args(x))
+        x2,
+        r2,
+        weight,
+        out2,
+        s2,
+        x2.stride(0),
+        r2.stride(0),
+        out2.stride(0),
+        s2.stride(0),
+        float(eps),
+        N_COLS=n_cols,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        EMULATE_BF16=_interpreting(),
+        num_warps=min(max(block // 512, 1), 16),
+        enable_fp_fusion=False,
+        **pdl.launch_args(x),
+    )
     return out, summed
 
 
@@ -142,8 +183,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch_rms_norm(x, weight, eps, None)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s), s) with s = x + residual rounded to x.dtype: s is the next residual stream."""
     out, summed = _launch_rms_norm(x, weight, eps, residual)
     assert summed is not None
@@ -154,11 +196,24 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 # RoPE (neox / rotate-half layout), q and k in one launch
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _rope_heads(src, dst, stride_src_h, stride_dst_h, head0, num_heads, cos, sin,
-                HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                EMULATE_BF16: tl.constexpr):
+def _rope_heads(
+    src,
+    dst,
+    stride_src_h,
+    stride_dst_h,
+    head0,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """Rotate heads [head0, head0 + BLOCK_H) of one token: src/dst point at the token's head 0."""
     offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -172,18 +227,35 @@ def _rope_heads(src, dst, stride_src_h, stride_dst_h, head0, num_heads, cos, sin
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(dst_rows + offs_d[None, :], _round_to(o1, dst, EMULATE_BF16), mask=mask)
     tl.store(dst_rows + HALF + offs_d[None, :], _round_to(o2, dst, EMULATE_BF16), mask=mask)
-    if HEAD_DIM > 2 * HALF:                        # partial rotary: the tail passes through
+    if HEAD_DIM > 2 * HALF:  # partial rotary: the tail passes through
         offs_p = 2 * HALF + tl.arange(0, BLOCK_PASS)
         mask_p = mask_h[:, None] & (offs_p[None, :] < HEAD_DIM)
         tail = tl.load(src_rows + offs_p[None, :], mask=mask_p, other=0.0)
-        tl.store(dst_rows + offs_p[None, :], tail, mask=mask_p)          # same dtype: a copy
+        tl.store(dst_rows + offs_p[None, :], tail, mask=mask_p)  # same dtype: a copy
 
 
 @triton.jit
-def _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, stride_ct,
-                  stride_st, NUM_Q_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr, HALF: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BLOCK_PASS: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _rope_program(
+    q_ptr,
+    q_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qot,
+    stride_qoh,
+    stride_ct,
+    stride_st,
+    NUM_Q_HEADS: tl.constexpr,
+    Q_BLOCKS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """What both RoPE kernels' program (t, b) does first: wait for its inputs, load token t's cos
     and sin [BLOCK_HALF] in fp32 (zero past HALF) and, for b < Q_BLOCKS, rotate its block of q
     heads. Returns (t, b, cos, sin) for the k programs (b >= Q_BLOCKS)."""
@@ -195,29 +267,94 @@ def _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stri
     cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if b < Q_BLOCKS:
-        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                    b * BLOCK_H, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
-                    EMULATE_BF16)
+        _rope_heads(
+            q_ptr + t * stride_qt,
+            q_out_ptr + t * stride_qot,
+            stride_qh,
+            stride_qoh,
+            b * BLOCK_H,
+            NUM_Q_HEADS,
+            cos,
+            sin,
+            HALF,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
     return t, b, cos, sin
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                 stride_ct, stride_st,
-                 NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
-                 HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                 EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_ct,
+    stride_st,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    Q_BLOCKS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Grid (T, Q_BLOCKS + K_BLOCKS): program (t, b) rotates a block of BLOCK_H heads of token t,
     of q for b < Q_BLOCKS, else of k."""
-    t, b, cos, sin = _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
-                                   stride_ct, stride_st, NUM_Q_HEADS, Q_BLOCKS, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
-                                   BLOCK_PASS, EMULATE_BF16, PDL)
+    t, b, cos, sin = _rope_program(
+        q_ptr,
+        q_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        stride_ct,
+        stride_st,
+        NUM_Q_HEADS,
+        Q_BLOCKS,
+        HALF,
+        HEAD_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
+        BLOCK_PASS,
+        EMULATE_BF16,
+        PDL,
+    )
     if b >= Q_BLOCKS:
-        _rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
-                    (b - Q_BLOCKS) * BLOCK_H, NUM_K_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
-                    BLOCK_PASS, EMULATE_BF16)
+        _rope_heads(
+            k_ptr + t * stride_kt,
+            k_out_ptr + t * stride_kot,
+            stride_kh,
+            stride_koh,
+            (b - Q_BLOCKS) * BLOCK_H,
+            NUM_K_HEADS,
+            cos,
+            sin,
+            HALF,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
 
 
 def _table_2d(table: torch.Tensor, t: int) -> torch.Tensor | None:
@@ -238,9 +375,16 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> tuple[t
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _ROPE_TILE // block_half))
     q_blocks = triton.cdiv(num_q_heads, block_h)
     grid = (t, q_blocks + triton.cdiv(num_k_heads, block_h))
-    return grid, dict(NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, Q_BLOCKS=q_blocks, HALF=half,
-                      HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                      BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)))
+    return grid, dict(
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        Q_BLOCKS=q_blocks,
+        HALF=half,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
+    )
 
 
 def supports_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -248,14 +392,22 @@ def supports_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         return False
     t, _, head_dim = q.shape
     half = cos.shape[-1]
-    return (q.dtype in DTYPES and k.dtype == q.dtype and q.stride(2) == 1 and k.stride(2) == 1
-            and cos.dtype in DTYPES and sin.dtype == cos.dtype and sin.shape == cos.shape
-            and 0 < 2 * half <= head_dim and q.device == k.device == cos.device == sin.device
-            and _table_2d(cos, t) is not None and _table_2d(sin, t) is not None)
+    return (
+        q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and q.stride(2) == 1
+        and k.stride(2) == 1
+        and cos.dtype in DTYPES
+        and sin.dtype == cos.dtype
+        and sin.shape == cos.shape
+        and 0 < 2 * half <= head_dim
+        and q.device == k.device == cos.device == sin.device
+        and _table_2d(cos, t) is not None
+        and _table_2d(sin, t) is not None
+    )
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] (strided views of a fused projection are fine: only the last dim
     must be contiguous), cos/sin [T, 1, R/2] → new contiguous rotated q, k. The first R dims of each
     head rotate as halves [x1 | x2] → [x1·cos − x2·sin | x2·cos + x1·sin]; dims R..D copy through."""
@@ -268,38 +420,117 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return q_out, k_out
     grid, shape = _rope_launch(q, k, cos)
     _rope_kernel[grid](
-        q, k, q_out, k_out, cos2, sin2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos2.stride(0), sin2.stride(0), **shape, EMULATE_BF16=_interpreting(),
-        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
+        q,
+        k,
+        q_out,
+        k_out,
+        cos2,
+        sin2,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos2.stride(0),
+        sin2.stride(0),
+        **shape,
+        EMULATE_BF16=_interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
+        **pdl.launch_args(q),
+    )
     return q_out, k_out
 
 
 @triton.jit
-def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch,
-                          stride_vcb, stride_vcs, stride_vch, stride_ct, stride_st,
-                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
-                          HALF: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                          BLOCK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _rope_store_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_ct,
+    stride_st,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    Q_BLOCKS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """`_rope_kernel`'s grid, but k programs write their rotated heads, and copy the same heads of v,
     straight into the paged cache at slot_mapping[t] (slot = block * CACHE_BLOCK + offset) instead
     of into a k tensor; a negative slot (a padding token) stores nothing. q programs as before."""
-    t, b, cos, sin = _rope_program(q_ptr, q_out_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh,
-                                   stride_ct, stride_st, NUM_Q_HEADS, Q_BLOCKS, HALF, HEAD_DIM, BLOCK_H, BLOCK_HALF,
-                                   BLOCK_PASS, EMULATE_BF16, PDL)
+    t, b, cos, sin = _rope_program(
+        q_ptr,
+        q_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        stride_ct,
+        stride_st,
+        NUM_Q_HEADS,
+        Q_BLOCKS,
+        HALF,
+        HEAD_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
+        BLOCK_PASS,
+        EMULATE_BF16,
+        PDL,
+    )
     if b >= Q_BLOCKS:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             block = slot // CACHE_BLOCK
             offset = slot % CACHE_BLOCK
             head0 = (b - Q_BLOCKS) * BLOCK_H
-            _rope_heads(k_ptr + t * stride_kt, k_cache_ptr + block * stride_kcb + offset * stride_kcs,
-                        stride_kh, stride_kch, head0, NUM_K_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_H,
-                        BLOCK_HALF, BLOCK_PASS, EMULATE_BF16)
+            _rope_heads(
+                k_ptr + t * stride_kt,
+                k_cache_ptr + block * stride_kcb + offset * stride_kcs,
+                stride_kh,
+                stride_kch,
+                head0,
+                NUM_K_HEADS,
+                cos,
+                sin,
+                HALF,
+                HEAD_DIM,
+                BLOCK_H,
+                BLOCK_HALF,
+                BLOCK_PASS,
+                EMULATE_BF16,
+            )
             offs_h = head0 + tl.arange(0, BLOCK_H)
             offs_d = tl.arange(0, BLOCK_D)
             mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HEAD_DIM)
@@ -308,17 +539,41 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_p
             tl.store(v_dst + offs_d[None, :], v, mask=mask)
 
 
-def supports_rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def supports_rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
     """`supports_rotary`, plus v shaped like k and caches [num_blocks, block_size, Hkv, D] of q's dtype
     with unit head_dim stride (any layout of the other dims)."""
-    return (supports_rotary(q, k, cos, sin) and v.shape == k.shape and v.dtype == k.dtype and v.stride(2) == 1
-            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:]
-            and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride(3) == 1 and v_cache.stride(3) == 1)
+    return (
+        supports_rotary(q, k, cos, sin)
+        and v.shape == k.shape
+        and v.dtype == k.dtype
+        and v.stride(2) == 1
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[2:] == k.shape[1:]
+        and k_cache.dtype == v_cache.dtype == q.dtype
+        and k_cache.stride(3) == 1
+        and v_cache.stride(3) == 1
+    )
 
 
-def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """`rotary` and the attention backend's `store_kv` in one launch: returns the rotated q (new,
     contiguous) and writes the rotated k and v [T, Hkv, D] into k_cache/v_cache at slot_mapping [T]
     (negative = skip). The stored values are bit-identical to `rotary` followed by `store_kv`."""
@@ -331,12 +586,39 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         return q_out
     grid, shape = _rope_launch(q, k, cos)
     _rope_store_kv_kernel[grid](
-        q, k, v, q_out, k_cache, v_cache, slot_mapping, cos2, sin2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos2.stride(0), sin2.stride(0), **shape,
-        CACHE_BLOCK=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(q.shape[2]), EMULATE_BF16=_interpreting(),
-        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q))
+        q,
+        k,
+        v,
+        q_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cos2,
+        sin2,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        cos2.stride(0),
+        sin2.stride(0),
+        **shape,
+        CACHE_BLOCK=k_cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(q.shape[2]),
+        EMULATE_BF16=_interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
+        **pdl.launch_args(q),
+    )
     return q_out
 
 
@@ -344,10 +626,19 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 # SiLU-and-mul
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
-                         BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    n_cols,
+    BLOCK: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Grid (T, cdiv(I, BLOCK)): out[t, i] = round(round(silu(x[t, i])) * x[t, I + i])."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -364,13 +655,13 @@ def silu_mul(gate, up, out_ptr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.cons
     the few-row GEMV's epilogue, `pagoda/kernels/gemv.py`, which must round exactly like this)."""
     gate = gate.to(tl.float32)
     if PRECISE_EXP:
-        e = libdevice.exp(-gate)           # expf, as PyTorch's CUDA silu (tl.exp would be ex2.approx)
+        e = libdevice.exp(-gate)  # expf, as PyTorch's CUDA silu (tl.exp would be ex2.approx)
     else:
         # The interpreter has no libdevice, and NumPy's float32 exp is a few ulps off; its float64
         # exp rounded to fp32 is (nearly always) the correctly rounded expf, as CUDA's and Sleef's are.
         e = tl.exp(-gate.to(tl.float64)).to(tl.float32)
-    silu = _round_to(tl.math.div_rn(gate, 1.0 + e), out_ptr, EMULATE_BF16)   # F.silu(gate), rounded
-    out = silu.to(tl.float32) * up.to(tl.float32)                             # * up, rounded again
+    silu = _round_to(tl.math.div_rn(gate, 1.0 + e), out_ptr, EMULATE_BF16)  # F.silu(gate), rounded
+    out = silu.to(tl.float32) * up.to(tl.float32)  # * up, rounded again
     return _round_to(out, out_ptr, EMULATE_BF16)
 
 
@@ -389,9 +680,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(n_cols), _SILU_BLOCK)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-        x2, out2, x2.stride(0), out2.stride(0), n_cols,
-        BLOCK=block, PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting(), num_warps=4, enable_fp_fusion=False,
-        **pdl.launch_args(x))
+        x2,
+        out2,
+        x2.stride(0),
+        out2.stride(0),
+        n_cols,
+        BLOCK=block,
+        PRECISE_EXP=not _interpreting(),
+        EMULATE_BF16=_interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
+        **pdl.launch_args(x),
+    )
     return out
 
 
@@ -399,13 +699,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # Yuan2's LF gate on one-token rows: the state shifts fused into the norms around its two GEMMs
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, state_ptr, slots_ptr,
-                         snap_ptr, snapshots_ptr, in1_ptr, in2_ptr,
-                         stride_h, stride_r, stride_s, stride_state, stride_snap, stride_in1, stride_in2, eps,
-                         H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         HAS_RESIDUAL: tl.constexpr, HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                         PDL: tl.constexpr):
+def _lf_decode_in_kernel(
+    h_ptr,
+    residual_ptr,
+    weight_ptr,
+    summed_ptr,
+    bias_ptr,
+    state_ptr,
+    slots_ptr,
+    snap_ptr,
+    snapshots_ptr,
+    in1_ptr,
+    in2_ptr,
+    stride_h,
+    stride_r,
+    stride_s,
+    stride_state,
+    stride_snap,
+    stride_in1,
+    stride_in2,
+    eps,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_SNAPSHOT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per row b (sequence in state slot s):
     x = input_layernorm(h [+ residual]) (the sum stored to summed), then
     in1[b] = [state[s, :H] | x], in2[b] = [state[s, H:] | conv1 bias], state[s, :H] = x
@@ -429,9 +753,10 @@ def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, 
     tl.store(in1_ptr + row * stride_in1 + offs, x_prev, mask=mask)
     tl.store(in1_ptr + row * stride_in1 + H + offs, x, mask=mask)
     tl.store(in2_ptr + row * stride_in2 + offs_half, o1_prev, mask=mask_half)
-    tl.store(in2_ptr + row * stride_in2 + HALF + offs_half, tl.load(bias_ptr + offs_half, mask=mask_half),
-             mask=mask_half)
-    tl.debug_barrier()                 # every lane has read the old state before any lane overwrites it
+    tl.store(
+        in2_ptr + row * stride_in2 + HALF + offs_half, tl.load(bias_ptr + offs_half, mask=mask_half), mask=mask_half
+    )
+    tl.debug_barrier()  # every lane has read the old state before any lane overwrites it
     tl.store(saved + offs, x, mask=mask)
     if HAS_SNAPSHOT:
         snap = tl.load(snap_ptr + row).to(tl.int64)
@@ -439,10 +764,31 @@ def _lf_decode_in_kernel(h_ptr, residual_ptr, weight_ptr, summed_ptr, bias_ptr, 
 
 
 @triton.jit
-def _lf_decode_out_kernel(o2_ptr, x_ptr, weight_ptr, out_ptr, o1_ptr, state_ptr, slots_ptr, snap_ptr, snapshots_ptr,
-                          stride_o2, stride_x, stride_out, stride_o1, stride_state, stride_snap, eps,
-                          H: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          HAS_SNAPSHOT: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _lf_decode_out_kernel(
+    o2_ptr,
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    o1_ptr,
+    state_ptr,
+    slots_ptr,
+    snap_ptr,
+    snapshots_ptr,
+    stride_o2,
+    stride_x,
+    stride_out,
+    stride_o1,
+    stride_state,
+    stride_snap,
+    eps,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_SNAPSHOT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per row b: out[b] = output_layernorm(o2[b] + x[b]); state[s, H:] = o1[b]
     (and the snapshot's)."""
     wait_for_inputs(PDL)
@@ -452,8 +798,11 @@ def _lf_decode_out_kernel(o2_ptr, x_ptr, weight_ptr, out_ptr, o1_ptr, state_ptr,
     o2 = tl.load(o2_ptr + row * stride_o2 + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     summed = _round_to(o2.to(tl.float32) + x.to(tl.float32), o2_ptr, EMULATE_BF16)
-    tl.store(out_ptr + row * stride_out + offs, _rms_weighted(summed, weight_ptr, offs, mask, eps, H, out_ptr,
-                                                              EMULATE_BF16), mask=mask)
+    tl.store(
+        out_ptr + row * stride_out + offs,
+        _rms_weighted(summed, weight_ptr, offs, mask, eps, H, out_ptr, EMULATE_BF16),
+        mask=mask,
+    )
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
     o1 = tl.load(o1_ptr + row * stride_o1 + offs_half, mask=mask_half, other=0.0)
@@ -467,24 +816,42 @@ def _lf_decode_out_kernel(o2_ptr, x_ptr, weight_ptr, out_ptr, o1_ptr, state_ptr,
 def supports_lf_decode(h: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor) -> bool:
     """h [B, H] one token per row; state [S, 1.5·H] = [x_prev | o1_prev] per slot."""
     hidden = h.shape[-1] if h.dim() == 2 else 0
-    return (h.dim() == 2 and h.dtype in DTYPES and h.stride(1) == 1 and hidden % 2 == 0
-            and 0 < hidden <= MAX_NORM_SIZE and norm_weight.dtype == h.dtype and norm_weight.shape == (hidden,)
-            and state.dim() == 2 and state.dtype == h.dtype and state.stride(1) == 1
-            and state.shape[1] == hidden + hidden // 2 and state.device == h.device == norm_weight.device)
+    return (
+        h.dim() == 2
+        and h.dtype in DTYPES
+        and h.stride(1) == 1
+        and hidden % 2 == 0
+        and 0 < hidden <= MAX_NORM_SIZE
+        and norm_weight.dtype == h.dtype
+        and norm_weight.shape == (hidden,)
+        and state.dim() == 2
+        and state.dtype == h.dtype
+        and state.stride(1) == 1
+        and state.shape[1] == hidden + hidden // 2
+        and state.device == h.device == norm_weight.device
+    )
 
 
-def _snapshot_args(snapshot_index: torch.Tensor | None, snapshots: torch.Tensor | None, state: torch.Tensor,
-                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _snapshot_args(
+    snapshot_index: torch.Tensor | None, snapshots: torch.Tensor | None, state: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     if snapshot_index is None:
-        return slots, state, 0                  # placeholders, never read (HAS_SNAPSHOT false)
+        return slots, state, 0  # placeholders, never read (HAS_SNAPSHOT false)
     assert snapshots is not None and snapshots.stride(1) == 1 and snapshots.shape[1] == state.shape[1]
     return snapshot_index, snapshots, snapshots.stride(0)
 
 
-def lf_decode_input(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    conv1_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                    snapshot_index: torch.Tensor | None = None, snapshots: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lf_decode_input(
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv1_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    snapshot_index: torch.Tensor | None = None,
+    snapshots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decoder layer's input norm and the LF gate's input shifts in one launch, for one-token rows.
 
     h [B, H] (+ residual [B, H]: the norm sees round(h + residual), which is returned as the new
@@ -508,18 +875,50 @@ def lf_decode_input(h: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         block = triton.next_power_of_2(hidden)
         r = residual if residual is not None else h
         _lf_decode_in_kernel[(rows,)](
-            h, r, norm_weight, summed, conv1_bias, state, slots, snap_index, snaps, in1, in2,
-            h.stride(0), r.stride(0), summed.stride(0), state.stride(0), stride_snap, in1.stride(0), in2.stride(0),
-            float(eps), H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
-            HAS_RESIDUAL=residual is not None, HAS_SNAPSHOT=snapshot_index is not None,
-            EMULATE_BF16=_interpreting(), num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
-            **pdl.launch_args(h))
+            h,
+            r,
+            norm_weight,
+            summed,
+            conv1_bias,
+            state,
+            slots,
+            snap_index,
+            snaps,
+            in1,
+            in2,
+            h.stride(0),
+            r.stride(0),
+            summed.stride(0),
+            state.stride(0),
+            stride_snap,
+            in1.stride(0),
+            in2.stride(0),
+            float(eps),
+            H=hidden,
+            HALF=half,
+            BLOCK=block,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            HAS_RESIDUAL=residual is not None,
+            HAS_SNAPSHOT=snapshot_index is not None,
+            EMULATE_BF16=_interpreting(),
+            num_warps=min(max(block // 512, 1), 16),
+            enable_fp_fusion=False,
+            **pdl.launch_args(h),
+        )
     return in1, in2, summed
 
 
-def lf_decode_output(o2: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, o1: torch.Tensor,
-                     state: torch.Tensor, slots: torch.Tensor, snapshot_index: torch.Tensor | None = None,
-                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
+def lf_decode_output(
+    o2: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    o1: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    snapshot_index: torch.Tensor | None = None,
+    snapshots: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The LF gate's output norm, output_layernorm(o2 + x) [B, H], with the state update
     state[slots, H:] = o1 [B, H/2] (and snapshots[snapshot_index, H:]) in the same launch.
     x and o1 may be strided row views (unit stride along features)."""
@@ -532,9 +931,30 @@ def lf_decode_output(o2: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tenso
         snap_index, snaps, stride_snap = _snapshot_args(snapshot_index, snapshots, state, slots)
         block = triton.next_power_of_2(hidden)
         _lf_decode_out_kernel[(rows,)](
-            o2, x, norm_weight, out, o1, state, slots, snap_index, snaps,
-            o2.stride(0), x.stride(0), out.stride(0), o1.stride(0), state.stride(0), stride_snap, float(eps),
-            H=hidden, HALF=half, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half),
-            HAS_SNAPSHOT=snapshot_index is not None, EMULATE_BF16=_interpreting(),
-            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False, **pdl.launch_args(o2))
+            o2,
+            x,
+            norm_weight,
+            out,
+            o1,
+            state,
+            slots,
+            snap_index,
+            snaps,
+            o2.stride(0),
+            x.stride(0),
+            out.stride(0),
+            o1.stride(0),
+            state.stride(0),
+            stride_snap,
+            float(eps),
+            H=hidden,
+            HALF=half,
+            BLOCK=block,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            HAS_SNAPSHOT=snapshot_index is not None,
+            EMULATE_BF16=_interpreting(),
+            num_warps=min(max(block // 512, 1), 16),
+            enable_fp_fusion=False,
+            **pdl.launch_args(o2),
+        )
     return out

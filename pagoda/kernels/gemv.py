@@ -37,8 +37,8 @@ from pagoda.kernels import pdl
 from pagoda.kernels.fused_ops import _interpreting, _round_to, silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # fp32: exact models on a GPU, and CPU tests
-MAX_ROWS = 1            # rows above this go to cuBLAS (benchmarks/kernels/gemv_sweep.py: where it stops winning)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32: exact models on a GPU, and CPU tests
+MAX_ROWS = 1  # rows above this go to cuBLAS (benchmarks/kernels/gemv_sweep.py: where it stops winning)
 MAX_BLOCK_K = 4096
 
 
@@ -54,8 +54,9 @@ def _weight_tile(w_rows, k, mask_n, K, EVEN: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at columns k; EVEN: no mask needed (K and N divide)."""
     if EVEN:
         return tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-    return tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
+    return tl.load(
+        w_rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0, eviction_policy="evict_first"
+    )
 
 
 @triton.jit
@@ -66,10 +67,27 @@ def _x_vector(x_ptr, k, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, EMULATE_BF16: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program p: columns [p·BLOCK_N, (p+1)·BLOCK_N) of rows 0..M-1 (ROWS ≥ M, a power of two).
     EVEN_K / EVEN_N: K % BLOCK_K == 0 / N % BLOCK_N == 0, so no mask on that axis.
     ACCUMULATE: y += x·Wᵀ (y's old value read first)."""
@@ -77,7 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BLOCK_N, 1]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
     if ROWS == 1:
         # One row: [BLOCK_N, BLOCK_K] tiles times a [BLOCK_K] vector. Kept 2-D: the 3-D form below
         # with a unit leading axis gets a load layout that streams slower on the H200 (gemv_sweep).
@@ -92,13 +110,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             w = _weight_tile(w_rows, k, mask_n, K, EVEN_K and EVEN_N)
             x = _x_vector(x_ptr, k, K, EVEN_K)
             acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        acc = acc1[None, :]                                                    # [1, BLOCK_N]
+        acc = acc1[None, :]  # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
     else:
         wait_for_inputs(PDL)
         offs_m = tl.arange(0, ROWS)
         mask_m = offs_m < M
-        x_rows = x_ptr + offs_m[:, None] * stride_xm                           # [ROWS, 1]
+        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [ROWS, 1]
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
@@ -116,10 +134,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 @triton.jit
-def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                              EVEN_N: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                              PDL: tl.constexpr):
+def _gemv_silu_and_mul_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One row, W [2N, K] = [activated | linear]: y[n] = silu(x·W[n]) * (x·W[N + n]), each product
     rounded to the dtype first, so y equals `silu_and_mul(gemv(x, W))` bit for bit while the [2N]
     intermediate never goes to memory and the SiLU kernel's launch is saved. Program p owns columns
@@ -130,7 +159,7 @@ def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
     mask_n = offs_n < N
     a_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     b_rows = w_ptr + (offs_n[:, None] + N).to(tl.int64) * stride_wn
-    wa = _weight_tile(a_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)          # before the wait, as in gemv
+    wa = _weight_tile(a_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)  # before the wait, as in gemv
     wb = _weight_tile(b_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
     wait_for_inputs(PDL)
     x = _x_vector(x_ptr, offs_k, K, EVEN_K).to(tl.float32)
@@ -170,9 +199,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None)
     return weight.shape[1] == k and weight.stride(1) == 1 and (x.is_cuda or _interpreting())
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, accumulate: bool = False,
-         config: GemvConfig | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for few rows: x [..., K], weight [N, K], bias [N] → [..., N].
 
     out: a [M, N] tensor to write (unit column stride; any row stride), of x's dtype or float32 (then
@@ -196,12 +230,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"bias must be a contiguous [{n}] vector of {x.dtype} or float32")
     config = config or gemv_config(m, n, k)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, weight, bias if bias is not None else out, out, m, n, k,
-        x2.stride(0), weight.stride(0), out.stride(0),
-        ROWS=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=k % config.block_k == 0,
-        EVEN_N=n % config.block_n == 0, EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
-        num_warps=config.num_warps, **pdl.launch_args(x))
+        x2,
+        weight,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        ROWS=triton.next_power_of_2(m),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None,
+        ACCUMULATE=accumulate,
+        EVEN_K=k % config.block_k == 0,
+        EVEN_N=n % config.block_n == 0,
+        EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+        **pdl.launch_args(x),
+    )
     return out.reshape(*x.shape[:-1], n) if x.dim() != 2 else out
 
 
@@ -218,10 +267,21 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig 
     n = weight.shape[0] // 2
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     config = config or gemv_config(1, 2 * n, k)
-    block_n = max(1, config.block_n // 2)        # two rows per column: the same weight bytes per program
+    block_n = max(1, config.block_n // 2)  # two rows per column: the same weight bytes per program
     _gemv_silu_and_mul_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, out, n, k, weight.stride(0),
-        BLOCK_N=block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, EVEN_N=n % block_n == 0,
-        PRECISE_EXP=not _interpreting(), EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
-        num_warps=config.num_warps, **pdl.launch_args(x))
+        x2,
+        weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0,
+        EVEN_N=n % block_n == 0,
+        PRECISE_EXP=not _interpreting(),
+        EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+        **pdl.launch_args(x),
+    )
     return out.reshape(*x.shape[:-1], n)

@@ -25,8 +25,8 @@ import triton.language as tl
 from pagoda.kernels.fused_ops import _interpreting
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 8           # larger batches keep torch.argmax: its one-block-per-row reduce is then well fed
-_EMPTY = -(2**63)      # a slot no program has written yet (the kernels spell it -9223372036854775807 - 1)
+MAX_ROWS = 8  # larger batches keep torch.argmax: its one-block-per-row reduce is then well fed
+_EMPTY = -(2**63)  # a slot no program has written yet (the kernels spell it -9223372036854775807 - 1)
 
 
 @triton.jit
@@ -36,10 +36,10 @@ def _argmax_keys_kernel(logits_ptr, keys_ptr, V, stride_row, CHUNK: tl.constexpr
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
-    x = x + 0.0                                        # -0.0 → +0.0: equal values tie on the index
+    x = x + 0.0  # -0.0 → +0.0: equal values tie on the index
     bits = x.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)       # sorts as the float does (arithmetic shift)
-    ordered = tl.where(x != x, 0x7FFFFFFF, ordered)    # NaN: above every number, as torch.argmax
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sorts as the float does (arithmetic shift)
+    ordered = tl.where(x != x, 0x7FFFFFFF, ordered)  # NaN: above every number, as torch.argmax
     key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)
     key = tl.where(mask, key, -9223372036854775807 - 1)
     tl.atomic_max(keys_ptr + row, tl.max(key, axis=0))
@@ -63,19 +63,28 @@ class GreedyArgmax:
 
     @staticmethod
     def supports(logits: torch.Tensor) -> bool:
-        return (logits.dim() == 2 and 0 < logits.shape[0] <= MAX_ROWS and logits.dtype in DTYPES
-                and logits.shape[1] > 0 and logits.stride(1) == 1 and (logits.is_cuda or _interpreting()))
+        return (
+            logits.dim() == 2
+            and 0 < logits.shape[0] <= MAX_ROWS
+            and logits.dtype in DTYPES
+            and logits.shape[1] > 0
+            and logits.stride(1) == 1
+            and (logits.is_cuda or _interpreting())
+        )
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         rows, vocab = logits.shape
         if not self.supports(logits):
-            raise ValueError(f"greedy argmax takes 1..{MAX_ROWS} rows of a float logits matrix with unit "
-                             f"column stride, got {tuple(logits.shape)} {logits.dtype}")
+            raise ValueError(
+                f"greedy argmax takes 1..{MAX_ROWS} rows of a float logits matrix with unit "
+                f"column stride, got {tuple(logits.shape)} {logits.dtype}"
+            )
         if self._keys is None or self._keys.device != logits.device:
             self._keys = torch.full((MAX_ROWS,), _EMPTY, dtype=torch.int64, device=logits.device)
         chunk = 64 if _interpreting() else 4096
-        _argmax_keys_kernel[(rows, triton.cdiv(vocab, chunk))](logits, self._keys, vocab, logits.stride(0),
-                                                               CHUNK=chunk, num_warps=1 if _interpreting() else 8)
+        _argmax_keys_kernel[(rows, triton.cdiv(vocab, chunk))](
+            logits, self._keys, vocab, logits.stride(0), CHUNK=chunk, num_warps=1 if _interpreting() else 8
+        )
         ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
         _keys_to_ids_kernel[(1,)](self._keys, ids, rows, BLOCK=MAX_ROWS, num_warps=1)
         return ids

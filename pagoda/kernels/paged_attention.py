@@ -34,7 +34,7 @@ from pagoda.kernels import dispatch, pdl
 from pagoda.kernels.pdl import wait_for_inputs
 
 _LOG2E = 1.4426950408889634
-_NEG_BIG = tl.constexpr(-1.0e30)   # running-max start: finite, so exp2(m_old - m_new) is never NaN
+_NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so exp2(m_old - m_new) is never NaN
 
 # Split-K rule (decode): aim for ~2 programs per SM, but never give a split fewer than this many keys
 # (below that the partial write + merge cost more than the parallelism buys) nor more splits than this.
@@ -71,12 +71,31 @@ def _mma(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 # store_kv
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per token: copy its [Hkv, D] K and V rows into cache slot slot_mapping[t].
     A negative slot (a padding token) writes nothing."""
     wait_for_inputs(PDL)
@@ -84,7 +103,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)   # [BLOCK_H, BLOCK_D]
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)  # [BLOCK_H, BLOCK_D]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
@@ -95,8 +114,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_dst, v, mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """k/v [T, Hkv, D] → k_cache/v_cache [num_blocks, block_size, Hkv, D] at slot_mapping [T]
     (slot = block * block_size + offset; negative = skip)."""
     t, num_kv_heads, head_dim = k.shape
@@ -107,22 +127,37 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if t == 0:
         return
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        **pdl.launch_args(k))
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl.launch_args(k),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared inner step: one tile of keys for a block of query rows
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _load_kv_rows(ptr, row_off, offs_d, mask_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASK_KEYS: tl.constexpr):
+def _load_kv_rows(ptr, row_off, offs_d, mask_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr):
     """Rows ptr + row_off[n] (+ d) → [BLOCK_N, BLOCK_D]; masked only where a key or a padded head-dim
     lane may be invalid, so the common (full tile, power-of-two D) case is an unmasked load."""
     ptrs = ptr + row_off[:, None] + offs_d[None, :]
@@ -135,11 +170,34 @@ def _load_kv_rows(ptr, row_off, offs_d, mask_n, HEAD_DIM: tl.constexpr, BLOCK_D:
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, n0, key_end,
-                 q_pos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    kv_head,
+    n0,
+    key_end,
+    q_pos,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Fold keys [n0, n0 + BLOCK_N) into the online softmax of the query rows q [M, BLOCK_D].
 
     m_i [M] running max (log2 domain), l_i [M] running sum, acc [M, BLOCK_D] unnormalised output,
@@ -147,7 +205,7 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
     block_size (a tile may span several cache blocks, or part of one).
     MASK_KEYS: keys >= key_end may be in this tile (masked loads, -inf scores).
     CAUSAL: row r sees only keys <= q_pos[r] (implies MASK_KEYS; q_pos is unused otherwise)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)                                   # [BLOCK_N] key positions
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < key_end
     if MASK_KEYS:
@@ -155,16 +213,16 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
     else:
         block = tl.load(table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
     within = offs_n % BLOCK_SIZE
-    k_off = block * stride_kcb + within * stride_kcs + kv_head * stride_kch           # [BLOCK_N] int64
+    k_off = block * stride_kcb + within * stride_kcs + kv_head * stride_kch  # [BLOCK_N] int64
     k = _load_kv_rows(k_cache_ptr, k_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
-    s = _mma(q, tl.trans(k), IEEE, UPCAST) * qk_scale                                  # [M, BLOCK_N] log2 domain
+    s = _mma(q, tl.trans(k), IEEE, UPCAST) * qk_scale  # [M, BLOCK_N] log2 domain
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
     elif MASK_KEYS:
         s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                                    # [M, BLOCK_N]
+    p = tl.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = block * stride_vcb + within * stride_vcs + kv_head * stride_vch
     v = _load_kv_rows(v_cache_ptr, v_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
@@ -176,15 +234,48 @@ def _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row
 # Decode: one query token per row; all query heads of a KV head in one program
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qidx_ptr, out_ptr,
-                   part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr, qk_scale,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                   stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, num_splits,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, HAS_QIDX: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    qidx_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    counter_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_QIDX: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row, kv_head, split): the GROUP query heads sharing kv_head attend to this split's
     share of the row's keys, so each K/V tile is read once for the whole group.
 
@@ -211,8 +302,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g                                                  # [BLOCK_G]
-    mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)                 # [BLOCK_G, BLOCK_D]
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G]
+    mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_G, BLOCK_D]
     q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
 
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
@@ -223,16 +314,44 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = tables_ptr + row.to(tl.int64) * stride_table
     for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row, kv_head, n0,
-                                     end, 0, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, False, IEEE, UPCAST)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            kv_head,
+            n0,
+            end,
+            0,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            False,
+            IEEE,
+            UPCAST,
+        )
 
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]          # seq_len 0 (a padding row) → zeros
-        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_q)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row) → zeros
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_q,
+        )
     else:
-        part = (row * NUM_HEADS + heads).to(tl.int64) * num_splits + split        # [BLOCK_G] into [rows, Hq, S]
+        part = (row * NUM_HEADS + heads).to(tl.int64) * num_splits + split  # [BLOCK_G] into [rows, Hq, S]
         tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_q)
@@ -244,15 +363,38 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, qi
         finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if finished == num_splits - 1:
             tl.debug_barrier()
-            tl.store(counter, 0)                      # ready for the next launch (which waits for this one)
-            _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr + token * stride_ot, stride_oh,
-                          (row * NUM_HEADS + kv_head * GROUP).to(tl.int64) * num_splits, kv_head * GROUP,
-                          num_splits, GROUP, HEAD_DIM, BLOCK_S, BLOCK_D)
+            tl.store(counter, 0)  # ready for the next launch (which waits for this one)
+            _merge_splits(
+                part_acc_ptr,
+                part_m_ptr,
+                part_l_ptr,
+                out_ptr + token * stride_ot,
+                stride_oh,
+                (row * NUM_HEADS + kv_head * GROUP).to(tl.int64) * num_splits,
+                kv_head * GROUP,
+                num_splits,
+                GROUP,
+                HEAD_DIM,
+                BLOCK_S,
+                BLOCK_D,
+            )
 
 
 @triton.jit
-def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_row_ptr, stride_oh, base, head0, num_splits,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_splits(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_row_ptr,
+    stride_oh,
+    base,
+    head0,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Heads head0 .. head0 + GROUP - 1 of one row: out = Σ w_s acc_s / Σ w_s l_s over the splits, with
     w_s = 2^(m_s - max_s m_s); head g's partials start at base + g * num_splits. Empty splits carry
     m = -1e30, l = 0, acc = 0 and get weight 0 (a row with no keys at all gets zeros). Loads bypass
@@ -262,16 +404,18 @@ def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_row_ptr, stride_oh, 
     mask_s = offs_s < num_splits
     mask = mask_s[:, None] & (offs_d[None, :] < HEAD_DIM)
     for g in tl.static_range(GROUP):
-        part = base + g * num_splits + offs_s                                                  # [BLOCK_S]
+        part = base + g * num_splits + offs_s  # [BLOCK_S]
         m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0, cache_modifier=".cg")
+        l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0, cache_modifier=".cg")
         w = tl.exp2(m - tl.max(m, 0))
-        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                      cache_modifier=".cg")
-        denom = tl.sum(w * l, 0)
-        out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)                  # [BLOCK_D]
-        tl.store(out_row_ptr + (head0 + g) * stride_oh + offs_d, out.to(out_row_ptr.dtype.element_ty),
-                 mask=offs_d < HEAD_DIM)
+        acc = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg"
+        )
+        denom = tl.sum(w * l_s, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+        tl.store(
+            out_row_ptr + (head0 + g) * stride_oh + offs_d, out.to(out_row_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM
+        )
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -297,11 +441,20 @@ def decode_config(head_dim: int) -> DecodeConfig:
     return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = 1, *, query_index: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, num_sms: int | None = None,
-                           split_counters: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = 1,
+    *,
+    query_index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_sms: int | None = None,
+    split_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Single-token attention per row through the paged cache.
 
     q [B, Hq, D] (or [T, Hq, D] with query_index [B]: row b's query is token query_index[b], and its
@@ -344,22 +497,56 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_l = torch.empty_like(part_m)
         if split_counters is None:
             split_counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=q.device)
-        assert split_counters.dtype == torch.int32 and split_counters.is_contiguous() \
-            and split_counters.numel() >= rows * num_kv_heads, "split_counters must be int32, >= B * Hkv elements"
+        assert (
+            split_counters.dtype == torch.int32
+            and split_counters.is_contiguous()
+            and split_counters.numel() >= rows * num_kv_heads
+        ), "split_counters must be int32, >= B * Hkv elements"
     else:
-        part_acc = part_m = part_l = split_counters = out           # unused
-    qidx = query_index if query_index is not None else seq_lens   # unused placeholder when None
+        part_acc = part_m = part_l = split_counters = out  # unused
+    qidx = query_index if query_index is not None else seq_lens  # unused placeholder when None
     _decode_kernel[(rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, qidx, out, part_acc, part_m, part_l, split_counters,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        qidx,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        split_counters,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_splits,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
-        SPLIT=num_splits > 1, HAS_QIDX=query_index is not None, IEEE=ieee, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_args(q))
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_splits,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
+        SPLIT=num_splits > 1,
+        HAS_QIDX=query_index is not None,
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl.launch_args(q),
+    )
     return out
 
 
@@ -375,7 +562,7 @@ class SplitCounters:
     def get(self, rows: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
         need = rows * num_kv_heads
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:          # "cuda" is the current device
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device
             device = torch.device("cuda", torch.cuda.current_device())
         current = self._buffers[-1] if self._buffers else None
         if current is None or current.numel() < need or current.device != device:
@@ -388,14 +575,39 @@ class SplitCounters:
 # Prefill: variable-length causal chunks, keys from the paged cache
 # ---------------------------------------------------------------------------------------------
 
+
 @triton.jit(do_not_specialize=["stride_table"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
-                    tile_req_ptr, tile_m0_ptr, out_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    tile_req_ptr,
+    tile_m0_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Program (tile, head): queries [m0, m0 + BLOCK_M) of request `req` for one query head.
 
     Query j of a request with q_len new tokens and seq_len keys sits at position
@@ -412,31 +624,84 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, seq_le
     seq_len = tl.load(seq_lens_ptr + req)
     ctx = seq_len - q_len
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)                                               # [BLOCK_M] query index in request
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in request
     offs_d = tl.arange(0, BLOCK_D)
-    mask_q = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)                 # [BLOCK_M, BLOCK_D]
+    mask_q = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
     tokens = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
-    q_pos = ctx + offs_m                                                              # [BLOCK_M] positions
+    q_pos = ctx + offs_m  # [BLOCK_M] positions
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = tables_ptr + req.to(tl.int64) * stride_table
-    full_end = (ctx + m0) // BLOCK_N * BLOCK_N               # keys < full_end: seen by all rows, all < seq_len
-    key_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)        # one past the last valid row's position
+    full_end = (ctx + m0) // BLOCK_N * BLOCK_N  # keys < full_end: seen by all rows, all < seq_len
+    key_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # one past the last valid row's position
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row, kv_head, n0,
-                                     key_end, q_pos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, False, IEEE, UPCAST)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            kv_head,
+            n0,
+            key_end,
+            q_pos,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            False,
+            IEEE,
+            UPCAST,
+        )
     for n0 in range(full_end, key_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, qk_scale, k_cache_ptr, v_cache_ptr, table_row, kv_head, n0,
-                                     key_end, q_pos, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, True, IEEE, UPCAST)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row,
+            kv_head,
+            n0,
+            key_end,
+            q_pos,
+            stride_kcb,
+            stride_kcs,
+            stride_kch,
+            stride_vcb,
+            stride_vcs,
+            stride_vch,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            True,
+            IEEE,
+            UPCAST,
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_q)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_q,
+    )
 
 
 @dataclass(frozen=True)
@@ -445,8 +710,8 @@ class PrefillTiles:
     req[i] (an index into query_start_loc / seq_lens / block_tables). Built on the host from the
     query lengths the scheduler already knows, so launching needs no device reads."""
 
-    req: torch.Tensor      # [num_tiles] int32
-    m0: torch.Tensor       # [num_tiles] int32
+    req: torch.Tensor  # [num_tiles] int32
+    m0: torch.Tensor  # [num_tiles] int32
     block_m: int
 
     @property
@@ -459,8 +724,9 @@ def prefill_block_m() -> int:
     return 16 if _interpreting() else 64
 
 
-def build_prefill_tiles(query_lens: Sequence[int], rows: Sequence[int], device: torch.device | str,
-                        block_m: int | None = None) -> PrefillTiles:
+def build_prefill_tiles(
+    query_lens: Sequence[int], rows: Sequence[int], device: torch.device | str, block_m: int | None = None
+) -> PrefillTiles:
     """Tiles for requests `rows` (indices into query_lens), each cut into ceil(q_len / block_m) tiles."""
     block_m = block_m or prefill_block_m()
     req, m0 = prefill_tile_arrays(query_lens, rows, block_m)
@@ -470,9 +736,9 @@ def build_prefill_tiles(query_lens: Sequence[int], rows: Sequence[int], device: 
 def prefill_tile_arrays(query_lens: Sequence[int], rows: Sequence[int], block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """Host arrays (req, m0) int32 of `build_prefill_tiles`."""
     lens = np.asarray([query_lens[r] for r in rows], dtype=np.int64)
-    counts = -(-lens // block_m)                                               # tiles per request
+    counts = -(-lens // block_m)  # tiles per request
     req = np.repeat(np.asarray(rows, dtype=np.int32), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)                      # index of each tile's first sibling
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # index of each tile's first sibling
     m0 = ((np.arange(int(counts.sum())) - first) * block_m).astype(np.int32)
     return req, m0
 
@@ -484,10 +750,18 @@ def prefill_config(head_dim: int) -> tuple[int, int, int]:
     return 64, (4 if head_dim <= 64 else 8), (3 if head_dim <= 64 else 2)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, *, tiles: PrefillTiles | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    tiles: PrefillTiles | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of packed chunks q [T, Hq, D] (request b's queries are
     q[query_start_loc[b]:query_start_loc[b+1]], at positions seq_len - q_len + j) over keys
     0..position read from the paged cache (store the chunk's K/V first). → out [T, Hq, D].
@@ -513,13 +787,38 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n, num_warps, num_stages = prefill_config(head_dim)
     ieee, upcast = _dot_flags(q.dtype)
     _prefill_kernel[(tiles.num_tiles, num_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, tiles.req, tiles.m0, out, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IEEE=ieee, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        tiles.req,
+        tiles.m0,
+        out,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        IEEE=ieee,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out
 
 
@@ -527,8 +826,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # Start-up compilation
 # ---------------------------------------------------------------------------------------------
 
-def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device | str) -> None:
+
+def compile_variants(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> None:
     """Launch each kernel once in every variant a step can need for this attention shape, on a tiny
     scratch cache, so Triton compiles them at start-up rather than inside a step (a compile stalls
     every running request for ~0.5 s). The variants are the launch constexprs that differ between
@@ -542,8 +843,9 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
             _launch_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
 
 
-def _launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device | str) -> None:
+def _launch_variants(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> None:
     blocks = 3
     k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
@@ -553,21 +855,33 @@ def _launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
     store_kv(kv, kv, k_cache, v_cache, torch.tensor([block_size, block_size + 1], device=device))
     seq_len = torch.tensor([2], dtype=torch.int32, device=device)
     for splits, index in itertools.product((1, 2), (None, torch.tensor([1], dtype=torch.int32, device=device))):
-        paged_decode_attention(q if index is not None else q[:1], k_cache, v_cache, tables, seq_len, 1.0, splits,
-                               query_index=index)
-    paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, 2], dtype=torch.int32, device=device),
-                            seq_len, 1.0, tiles=build_prefill_tiles([2], [0], device))
+        paged_decode_attention(
+            q if index is not None else q[:1], k_cache, v_cache, tables, seq_len, 1.0, splits, query_index=index
+        )
+    paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor([0, 2], dtype=torch.int32, device=device),
+        seq_len,
+        1.0,
+        tiles=build_prefill_tiles([2], [0], device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+
+def _check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [num_blocks, block_size, Hkv, D]"
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim), f"cache heads/dim {tuple(k_cache.shape[2:])} != " \
-                                                          f"{(num_kv_heads, head_dim)}"
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim), (
+        f"cache heads/dim {tuple(k_cache.shape[2:])} != {(num_kv_heads, head_dim)}"
+    )
     assert k_cache.dtype == v_cache.dtype == dtype, f"cache dtype {k_cache.dtype} != {dtype}"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head_dim must be contiguous"
     assert head_dim >= 1 and k_cache.shape[1] >= 1
@@ -586,4 +900,3 @@ def device_sm_count(device: torch.device | str) -> int:
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNTS[index]
-

@@ -36,7 +36,7 @@ _PR_SET_PDEATHSIG = 1
 class Child:
     name: str
     index: int
-    process: Any                       # multiprocessing's Process (spawn context)
+    process: Any  # multiprocessing's Process (spawn context)
 
     @property
     def pid(self) -> int:
@@ -56,14 +56,15 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent:         # gone before the prctl
+    if os.getppid() != parent:  # gone before the prctl
         os._exit(1)
 
 
-def _child_main(parent: int, death_signal: int, new_session: bool, target: Callable[..., Any],
-                args: tuple[Any, ...]) -> None:
+def _child_main(
+    parent: int, death_signal: int, new_session: bool, target: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
     if new_session:
-        os.setsid()                    # signals come from the supervisor only (not a terminal's Ctrl-C)
+        os.setsid()  # signals come from the supervisor only (not a terminal's Ctrl-C)
     die_with_parent(parent, death_signal)
     result = target(*args)
     if isinstance(result, int) and result:
@@ -78,17 +79,26 @@ class Supervisor:
     def __init__(self, metrics: bool = True, metrics_prefix: str = "pagoda-metrics-"):
         self.mp = multiprocessing.get_context("spawn")
         self.children: list[Child] = []
-        self.signals: list[int] = []            # the stop signals received, in order
+        self.signals: list[int] = []  # the stop signals received, in order
         self.metrics_dir = tempfile.mkdtemp(prefix=metrics_prefix) if metrics else None
         self._old_handlers: dict[int, Any] = {}
 
     # ---- children -----------------------------------------------------------------------------
-    def start(self, name: str, target: Callable[..., Any], args: tuple[Any, ...] = (), *, index: int = 0,
-              death_signal: int = signal.SIGTERM, new_session: bool = False) -> Child:
+    def start(
+        self,
+        name: str,
+        target: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        *,
+        index: int = 0,
+        death_signal: int = signal.SIGTERM,
+        new_session: bool = False,
+    ) -> Child:
         """Start `target(*args)` in a spawned child (`target` and `args` must pickle). It gets `death_signal`
         when this process dies; `new_session`: its own session, so a terminal's signals reach only us."""
-        process = self.mp.Process(target=_child_main, name=name, daemon=True,
-                                  args=(os.getpid(), int(death_signal), new_session, target, args))
+        process = self.mp.Process(
+            target=_child_main, name=name, daemon=True, args=(os.getpid(), int(death_signal), new_session, target, args)
+        )
         with self._child_environment():
             process.start()
         child = Child(name, index, process)
@@ -114,6 +124,7 @@ class Supervisor:
     # ---- signals ------------------------------------------------------------------------------
     def catch_signals(self) -> None:
         """From now on SIGTERM/SIGINT only record a stop request (`stopping`); `close` restores the handlers."""
+
         def on_signal(signum: int, _frame: Any) -> None:
             self.signals.append(signum)
 
@@ -125,8 +136,12 @@ class Supervisor:
         return bool(self.signals)
 
     # ---- watching -----------------------------------------------------------------------------
-    def wait(self, children: Iterable[Child] | None = None, poll: Callable[[float], None] | None = None,
-             interval: float = 0.2) -> Child | None:
+    def wait(
+        self,
+        children: Iterable[Child] | None = None,
+        poll: Callable[[float], None] | None = None,
+        interval: float = 0.2,
+    ) -> Child | None:
         """Until a stop signal arrives (None) or one of `children` (default: all) exits (that child).
         `poll(timeout)`: the caller's own wait between checks (a pipe to read), instead of a sleep."""
         watched = list(self.children if children is None else children)
@@ -141,8 +156,9 @@ class Supervisor:
                 time.sleep(interval)
         return None
 
-    def stop(self, children: Iterable[Child], grace: float, sig: int = signal.SIGTERM,
-             again: int | None = None) -> None:
+    def stop(
+        self, children: Iterable[Child], grace: float, sig: int = signal.SIGTERM, again: int | None = None
+    ) -> None:
         """Send `sig` to each live child, wait up to `grace` s for all of them, then SIGKILL what is left.
         `again`: the signal passed on when a further stop signal arrives meanwhile (say SIGINT: stop at once)."""
         children = list(children)
@@ -173,7 +189,7 @@ class Supervisor:
             # lazy: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR must be set before import)
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(child.pid, self.metrics_dir)   # its live gauges no longer count
+            multiprocess.mark_process_dead(child.pid, self.metrics_dir)  # its live gauges no longer count
 
     def close(self) -> None:
         """Whatever is still running (an error during startup, a second signal): kill it; remove the metrics

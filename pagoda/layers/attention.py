@@ -26,12 +26,12 @@ from pagoda.layers.sequence_state import SequenceStateBatch
 
 @dataclass
 class AttentionBatch:
-    query_lens: list[int]          # [B] new tokens per request this step
-    seq_lens: list[int]            # [B] context length after this step (cached + new)
+    query_lens: list[int]  # [B] new tokens per request this step
+    seq_lens: list[int]  # [B] context length after this step (cached + new)
     query_start_loc: torch.Tensor  # [B + 1] int64, offsets of each request in the flat token axis
     seq_lens_tensor: torch.Tensor  # [B] int64, same as seq_lens, on device
-    block_tables: torch.Tensor     # [B, max_blocks] int64, padded with the null block 0
-    slot_mapping: torch.Tensor     # [T] int64, cache slot for each new token's K/V
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block 0
+    slot_mapping: torch.Tensor  # [T] int64, cache slot for each new token's K/V
     block_size: int
 
     @property
@@ -48,8 +48,9 @@ class AttentionBackend(ABC):
     # and saves the zeroing: two launches per layer in almost every serving step.
     needs_zeroed_blocks: bool = True
 
-    def warm_up(self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype,
-                device: torch.device) -> None:
+    def warm_up(  # noqa: B027  (an optional hook: a backend with nothing to compile keeps this no-op)
+        self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Called once at start-up with every (num_heads, num_kv_heads, head_dim) the model's
         attention layers use: a backend that compiles kernels on first use compiles them here."""
 
@@ -58,13 +59,29 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers (computed once, not per layer)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
         """Store k/v [T, Hkv, D] into the cache, then attend q [T, Hq, D] → [T, Hq, D]."""
 
-    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       metadata: Any, scale: float) -> torch.Tensor:
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
         """`forward` of q and k rotated by cos_sin (`apply_rotary`). Backends that fold the rotation
         into their KV store (one launch fewer per layer) override this."""
         q, k = apply_rotary(q, k, cos_sin)
@@ -81,7 +98,7 @@ class StepAttention:
     backend: AttentionBackend
     metadata: Any
     state: SequenceStateBatch | None = None
-    mrope_positions: torch.Tensor | None = None        # [3, T] (t, h, w) positions; None = 1-D positions
+    mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) positions; None = 1-D positions
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # flat token index [K], embeddings [K, H]
 
 
@@ -93,15 +110,21 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: StepAttention,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn: StepAttention,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq * D] (or [T, Hq, D]), k/v [T, Hkv * D] (or [T, Hkv, D]) → [T, Hq * D]. With rope
         (the step's cos/sin) q and k are rotated first: by the backend, inside its KV store where it can."""
         t = q.shape[0]

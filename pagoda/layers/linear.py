@@ -46,8 +46,9 @@ class Linear(nn.Module):
 class MergedLinear(Linear):
     """Outputs of several projections concatenated: [out_0 | out_1 | ...]; shard ids index them."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 shard_names: tuple[str, ...] | None = None):
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, shard_names: tuple[str, ...] | None = None
+    ):
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
         self.shard_names = shard_names or tuple(str(i) for i in range(len(output_sizes)))

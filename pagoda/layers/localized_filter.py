@@ -41,7 +41,7 @@ class TwoTapConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if loaded.dim() == 4:      # Conv2d weight [out, in, 2, 1] → [out, 2, in] → [out, 2·in]
+        if loaded.dim() == 4:  # Conv2d weight [out, in, 2, 1] → [out, 2, in] → [out, 2·in]
             if loaded.shape[2:] != (2, 1):
                 raise ValueError(f"expected a (2, 1) convolution kernel, got {tuple(loaded.shape)}")
             loaded = loaded[..., 0].permute(0, 2, 1).reshape(loaded.shape[0], -1)
@@ -64,8 +64,8 @@ class LocalizedFilter(nn.Module):
         self.conv1 = TwoTapConv(hidden_size, hidden_size // 2)
         self.conv2 = TwoTapConv(hidden_size // 2, hidden_size)
         self.output_layernorm = RMSNorm(hidden_size, eps)
-        self.state = torch.empty(0)        # [num_slots, 1.5·H], bound by the model runner
-        self.snapshots = torch.empty(0)    # [num_blocks, 1.5·H] or empty (no prefix caching)
+        self.state = torch.empty(0)  # [num_slots, 1.5·H], bound by the model runner
+        self.snapshots = torch.empty(0)  # [num_blocks, 1.5·H] or empty (no prefix caching)
 
     @property
     def state_width(self) -> int:
@@ -74,41 +74,56 @@ class LocalizedFilter(nn.Module):
     def bind_state(self, state: torch.Tensor, snapshots: torch.Tensor) -> None:
         self.state, self.snapshots = state, snapshots
 
-    def forward(self, x: torch.Tensor, batch: SequenceStateBatch,
-                decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-                previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: SequenceStateBatch,
+        decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """decode_inputs: what `fused_decode_input` prepared for this decode step (then x is its view);
         previous_terms: `previous_token_terms` of this step's state, computed before the step's
         token overwrote it (used with decode_inputs only)."""
         if decode_inputs is not None:
             return self._one_token_rows(x, batch, *decode_inputs, previous_terms)
         h = self.hidden_size
-        saved = self.state.index_select(0, batch.slots)              # [B, 1.5H]
+        saved = self.state.index_select(0, batch.slots)  # [B, 1.5H]
         x_prev, o1_prev = saved[:, :h], saved[:, h:]
-        o1 = self.conv1(_previous(x, x_prev, batch), x)              # [T, H/2]
-        o2 = self.conv2(_previous(o1, o1_prev, batch), o1)           # [T, H]
-        y, _ = self.output_layernorm(o2, x)                          # norm(o2 + x), one launch on CUDA
+        o1 = self.conv1(_previous(x, x_prev, batch), x)  # [T, H/2]
+        o2 = self.conv2(_previous(o1, o1_prev, batch), o1)  # [T, H]
+        y, _ = self.output_layernorm(o2, x)  # norm(o2 + x), one launch on CUDA
 
         _save_state(self.state, batch.slots, x, o1, batch.last_token, batch.one_token_per_row)
         if batch.snapshot_tokens is not None and self.snapshots.numel():
-            _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens,
-                        batch.snapshot_every_row)
+            _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens, batch.snapshot_every_row)
         return y
 
-    def fused_decode_input(self, h: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm,
-                           batch: SequenceStateBatch | None
-                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+    def fused_decode_input(
+        self, h: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm, batch: SequenceStateBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
         """On a CUDA decode step (every row one token): the decoder layer's input norm fused with this
         gate's state shifts (`fused_ops.lf_decode_input`). Returns (x, residual stream, decode_inputs
         for `forward`), or None where the unfused path runs (CPU, prefill and mixed steps)."""
         ops = dispatch.fused_ops_for(h) if batch is not None and batch.one_token_per_row else None
-        if ops is None or not ops.supports_lf_decode(h, input_norm.weight, self.state) \
-                or self.conv1.bias.dtype != h.dtype:
+        if (
+            ops is None
+            or not ops.supports_lf_decode(h, input_norm.weight, self.state)
+            or self.conv1.bias.dtype != h.dtype
+        ):
             return None
         snap_index, snapshots = self._in_kernel_snapshots(batch)
-        in1, in2, residual = ops.lf_decode_input(h, residual, input_norm.weight, input_norm.eps, self.conv1.bias,
-                                                 self.state, batch.slots, snap_index, snapshots)
-        return in1[:, self.hidden_size:], residual, (in1, in2)
+        in1, in2, residual = ops.lf_decode_input(
+            h,
+            residual,
+            input_norm.weight,
+            input_norm.eps,
+            self.conv1.bias,
+            self.state,
+            batch.slots,
+            snap_index,
+            snapshots,
+        )
+        return in1[:, self.hidden_size :], residual, (in1, in2)
 
     def supports_previous_token_terms(self, h: torch.Tensor, batch: SequenceStateBatch | None) -> bool:
         """Whether a decode step can take `previous_token_terms`: one row, the fused decode path and
@@ -117,10 +132,14 @@ class LocalizedFilter(nn.Module):
             return False
         kernels, ops = dispatch.gemv_for(h), dispatch.fused_ops_for(h)
         half = self.hidden_size // 2
-        return (kernels is not None and ops is not None and self.state.dtype == h.dtype
-                and self.conv1.bias.dtype == self.conv2.bias.dtype == self.conv1.weight.dtype == h.dtype
-                and kernels.supports(h, self.conv1.weight[:, :self.hidden_size])
-                and kernels.supports(h[:, :half], self.conv2.weight[:, :half]))
+        return (
+            kernels is not None
+            and ops is not None
+            and self.state.dtype == h.dtype
+            and self.conv1.bias.dtype == self.conv2.bias.dtype == self.conv1.weight.dtype == h.dtype
+            and kernels.supports(h, self.conv1.weight[:, : self.hidden_size])
+            and kernels.supports(h[:, :half], self.conv2.weight[:, :half])
+        )
 
     def previous_token_terms(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The convolutions' previous-token taps with their biases, in float32, for a one-row decode
@@ -134,12 +153,12 @@ class LocalizedFilter(nn.Module):
         latency-bound weight streams; the previous-token halves depend only on the state, so
         `YuanModel.forward` computes them a layer ahead on a side stream, off that chain."""
         h = self.hidden_size
-        saved = self.state.index_select(0, slots)                              # [1, 1.5H]
+        saved = self.state.index_select(0, slots)  # [1, 1.5H]
         kernels = dispatch.gemv_for(saved)
         t1 = torch.empty(saved.shape[0], h // 2, dtype=torch.float32, device=saved.device)
         t2 = torch.empty(saved.shape[0], h, dtype=torch.float32, device=saved.device)
         kernels.gemv(saved[:, :h], self.conv1.weight[:, :h], self.conv1.bias, out=t1)
-        kernels.gemv(saved[:, h:], self.conv2.weight[:, :h // 2], self.conv2.bias, out=t2)
+        kernels.gemv(saved[:, h:], self.conv2.weight[:, : h // 2], self.conv2.bias, out=t2)
         return t1, t2
 
     def _in_kernel_snapshots(self, batch: SequenceStateBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -149,9 +168,14 @@ class LocalizedFilter(nn.Module):
             return batch.snapshot_blocks, self.snapshots
         return None, None
 
-    def _one_token_rows(self, x: torch.Tensor, batch: SequenceStateBatch, in1: torch.Tensor,
-                        in2: torch.Tensor, previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> torch.Tensor:
+    def _one_token_rows(
+        self,
+        x: torch.Tensor,
+        batch: SequenceStateBatch,
+        in1: torch.Tensor,
+        in2: torch.Tensor,
+        previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """A decode step on CUDA, from `fused_decode_input`'s buffers: in1 = [x_prev | x] and
         in2 = [o1_prev | conv1 bias]. conv1 accumulates into in2's right half in place (so in2 is
         conv2's [o1_prev | o1] input with no copy), and the output norm's launch also saves o1 in
@@ -162,19 +186,28 @@ class LocalizedFilter(nn.Module):
         kernels = dispatch.gemv_for(in1)
         if previous_terms is not None:
             t1, t2 = previous_terms
-            o1 = kernels.gemv(x, self.conv1.weight[:, h:], t1.view(-1))                # [1, H/2]
-            o2 = kernels.gemv(o1, self.conv2.weight[:, h // 2:], t2.view(-1))          # [1, H]
+            o1 = kernels.gemv(x, self.conv1.weight[:, h:], t1.view(-1))  # [1, H/2]
+            o2 = kernels.gemv(o1, self.conv2.weight[:, h // 2 :], t2.view(-1))  # [1, H]
         else:
-            o1 = in2[:, h // 2:]
+            o1 = in2[:, h // 2 :]
             if kernels is not None and kernels.supports(in1, self.conv1.weight):
-                kernels.gemv(in1, self.conv1.weight, out=o1, accumulate=True)          # [B, H/2] + bias
+                kernels.gemv(in1, self.conv1.weight, out=o1, accumulate=True)  # [B, H/2] + bias
             else:
                 o1.addmm_(in1, self.conv1.weight.t())
-            o2 = linear(in2, self.conv2.weight, self.conv2.bias)                       # [B, H]
+            o2 = linear(in2, self.conv2.weight, self.conv2.bias)  # [B, H]
         snap_index, snapshots = self._in_kernel_snapshots(batch)
         ops = dispatch.fused_ops_for(x)
-        y = ops.lf_decode_output(o2, x, self.output_layernorm.weight, self.output_layernorm.eps, o1, self.state,
-                                 batch.slots, snap_index, snapshots)
+        y = ops.lf_decode_output(
+            o2,
+            x,
+            self.output_layernorm.weight,
+            self.output_layernorm.eps,
+            o1,
+            self.state,
+            batch.slots,
+            snap_index,
+            snapshots,
+        )
         if snapshots is None and batch.snapshot_tokens is not None and self.snapshots.numel():
             _save_state(self.snapshots, batch.snapshot_blocks, x, o1, batch.snapshot_tokens, False)
         return y
@@ -191,8 +224,9 @@ def _previous(values: torch.Tensor, carried: torch.Tensor, batch: SequenceStateB
     return shifted
 
 
-def _save_state(target: torch.Tensor, index: torch.Tensor, x: torch.Tensor, o1: torch.Tensor,
-                tokens: torch.Tensor, every_row: bool) -> None:
+def _save_state(
+    target: torch.Tensor, index: torch.Tensor, x: torch.Tensor, o1: torch.Tensor, tokens: torch.Tensor, every_row: bool
+) -> None:
     """target[index[i]] = [x | o1] of token tokens[i]. every_row: tokens are 0..T-1 in order (a
     one-token-per-row step), so x and o1 go in as they are: two launches per step instead of four,
     which a decode step pays in every layer."""
@@ -203,13 +237,19 @@ def _save_state(target: torch.Tensor, index: torch.Tensor, x: torch.Tensor, o1: 
     target[:, h:].index_copy_(0, index, o1)
 
 
-def reference_localized_filter(conv1_weight: torch.Tensor, conv1_bias: torch.Tensor, conv2_weight: torch.Tensor,
-                               conv2_bias: torch.Tensor, norm_weight: torch.Tensor, x: torch.Tensor,
-                               eps: float = 1e-6) -> torch.Tensor:
+def reference_localized_filter(
+    conv1_weight: torch.Tensor,
+    conv1_bias: torch.Tensor,
+    conv2_weight: torch.Tensor,
+    conv2_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    x: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """One whole sequence x [T, H] through the LF gate the way the reference code does it: two
     Conv2d over a zero-padded time axis, keeping the first T outputs (for tests)."""
     t, h = x.shape
-    inputs = x.t().reshape(1, h, t, 1)                                   # [batch, channels, time, 1]
+    inputs = x.t().reshape(1, h, t, 1)  # [batch, channels, time, 1]
     out1 = F.conv2d(inputs, conv1_weight, conv1_bias, padding=(1, 0))[:, :, :t]
     out2 = F.conv2d(out1, conv2_weight, conv2_bias, padding=(1, 0))[:, :, :t]
     summed = out2.reshape(h, t).t() + x

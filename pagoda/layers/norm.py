@@ -15,8 +15,9 @@ from torch import nn
 from pagoda.kernels import dispatch
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight * rms_norm(x); with a residual, (weight * rms_norm(s), s) for s = x + residual, the
     sum rounded to the activation dtype first (it is the next residual stream)."""
     if residual is not None:
@@ -35,8 +36,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] → normed; with `residual`, (normed(x + residual), x + residual)."""
         ops = dispatch.fused_ops_for(x)
         if ops is not None and ops.supports_rms_norm(x, self.weight, residual):

@@ -2,8 +2,9 @@
 
 Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
 needs no padding. The cos/sin table is built lazily on the device of the first call; a model looks
-up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`: on CUDA tensors one Triton launch for q
-and k, `pagoda/kernels/fused_ops.py`; elsewhere `apply_rotary_reference`, the kernel's reference).
+up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`: on CUDA tensors one
+Triton launch for q and k, `pagoda/kernels/fused_ops.py`; elsewhere `apply_rotary_reference`, the
+kernel's reference).
 
 Two variants some checkpoints need: partial rotary (only the first `rotary_dim` dims of each head
 rotate, the rest pass through: Yuan2-M32 rotates 128 of 256), and `table_precision="bfloat16"`,
@@ -34,7 +35,7 @@ def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # Built on the CPU explicitly: models are constructed under a meta-device context.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -57,8 +58,14 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 table_precision: str = "float64"):
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        table_precision: str = "float64",
+    ):
         super().__init__()
         if table_precision not in ("float64", "bfloat16"):
             raise ConfigError(f"rope table precision must be float64 or bfloat16, got {table_precision!r}")
@@ -66,7 +73,7 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.table_precision = table_precision
         self._inv_freq = _inv_freq(rotary_dim, theta, scaling)
-        self._cos_sin: torch.Tensor | None = None   # [max_positions, rotary_dim] cos | sin halves
+        self._cos_sin: torch.Tensor | None = None  # [max_positions, rotary_dim] cos | sin halves
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -77,7 +84,7 @@ class RotaryEmbedding(nn.Module):
                 freqs = torch.einsum("i,j->ij", t, inv_freq)
             else:
                 t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
-                freqs = torch.outer(t, self._inv_freq)                 # [P, R/2]
+                freqs = torch.outer(t, self._inv_freq)  # [P, R/2]
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(device)
         return self._cos_sin
 
@@ -87,25 +94,27 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def multimodal_cos_sin(rotary: RotaryEmbedding, positions: torch.Tensor,
-                       sections: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def multimodal_cos_sin(
+    rotary: RotaryEmbedding, positions: torch.Tensor, sections: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE (Qwen2-VL): positions [3, T] (temporal, height, width); the first sections[0] frequency
     pairs rotate with the temporal position, the next sections[1] with the height, the rest with the
     width. Returns cos, sin [T, 1, R/2] like `cos_sin`; equal to it when all three rows agree."""
-    table = rotary._table(positions.device)                 # [P, R]: cos | sin halves
+    table = rotary._table(positions.device)  # [P, R]: cos | sin halves
     half = table.shape[-1] // 2
-    rows = table[positions]                                 # [3, T, R]
+    rows = table[positions]  # [3, T, R]
     cos_parts, sin_parts, lo = [], [], 0
     for axis, width in enumerate(sections):
-        cos_parts.append(rows[axis, :, lo:lo + width])
-        sin_parts.append(rows[axis, :, half + lo:half + lo + width])
+        cos_parts.append(rows[axis, :, lo : lo + width])
+        sin_parts.append(rows[axis, :, half + lo : half + lo + width])
         lo += width
     assert lo == half, f"mrope_section {sections} must sum to {half}"
     return torch.cat(cos_parts, -1).unsqueeze(1), torch.cat(sin_parts, -1).unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor,
-                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] rotated by the step's cos/sin [T, 1, R/2]. With R < D only the
     first R dims of each head rotate (partial rotary); the rest pass through unchanged.
     Returns new tensors; q and k may be strided views (e.g. splits of a fused qkv output)."""
@@ -116,8 +125,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor,
     return apply_rotary_reference(q, k, cos_sin)
 
 
-def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor,
-                           cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rotary` in PyTorch: fp32 math (x1·cos − x2·sin, x2·cos + x1·sin), rounded once to x.dtype."""
     cos, sin = cos_sin
     rotary_dim = 2 * cos.shape[-1]

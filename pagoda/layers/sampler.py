@@ -81,6 +81,7 @@ class SamplingBatch:
         b = len(params)
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == b
         assert suppress_token_ids is None or len(suppress_token_ids) == b
+
         # Each knob is read as a column (map + attrgetter: the loop runs in C) and becomes a tensor
         # only when some row is not neutral (list.count compares in C too).
         def column(name: str, neutral: float, dtype: torch.dtype = torch.float32) -> Tensor | None:
@@ -88,7 +89,7 @@ class SamplingBatch:
             return None if values.count(neutral) == b else to_device(values, device, dtype)
 
         temperatures = list(map(attrgetter("temperature"), params))
-        if b and min(temperatures) < GREEDY_TEMPERATURE_EPS:           # SamplingParams.is_greedy rows
+        if b and min(temperatures) < GREEDY_TEMPERATURE_EPS:  # SamplingParams.is_greedy rows
             temperatures = [0.0 if t < GREEDY_TEMPERATURE_EPS else t for t in temperatures]
         logprobs = list(map(attrgetter("logprobs"), params))
         wanted = [n for n in logprobs if n is not None] if logprobs.count(None) != b else []
@@ -111,8 +112,9 @@ class SamplingBatch:
         if batch.presence_penalty is not None or batch.frequency_penalty is not None:
             batch.output_token_counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
             rows, toks = _flat_index(output_token_ids, device)
-            batch.output_token_counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.int32),
-                                                 accumulate=True)
+            batch.output_token_counts.index_put_(
+                (rows, toks), torch.ones_like(toks, dtype=torch.int32), accumulate=True
+            )
 
         if batch.repetition_penalty is not None:
             seen = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
@@ -137,8 +139,16 @@ _NEUTRAL = np.array([np.nan, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, -1.0])
 
 
 def _knob_row(p: SamplingParams) -> tuple[float, ...]:
-    return (0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-            p.repetition_penalty, p.top_k, -1 if p.logprobs is None else p.logprobs)
+    return (
+        0.0 if p.is_greedy else p.temperature,
+        p.top_p,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        p.top_k,
+        -1 if p.logprobs is None else p.logprobs,
+    )
 
 
 def _active_knobs(knobs: np.ndarray) -> np.ndarray:
@@ -148,8 +158,9 @@ def _active_knobs(knobs: np.ndarray) -> np.ndarray:
     return active
 
 
-def _batch_from_knobs(knobs: np.ndarray, generators: list[torch.Generator | None],
-                      device: torch.device | str) -> SamplingBatch:
+def _batch_from_knobs(
+    knobs: np.ndarray, generators: list[torch.Generator | None], device: torch.device | str
+) -> SamplingBatch:
     """A SamplingBatch without histories or masks from a [_NUM_KNOBS, B] knob table: one host→device
     copy for all the float knobs that some row uses (temperature always)."""
     active = (knobs != _NEUTRAL[:, None]).any(axis=1)
@@ -206,8 +217,7 @@ class SamplingState:
     `min_tokens` suppression needs only the number of outputs, counted on the host.
     """
 
-    def __init__(self, capacity: int, vocab_size: int, device: torch.device | str,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(self, capacity: int, vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int] = ()):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
@@ -215,7 +225,7 @@ class SamplingState:
         self._knobs = np.zeros((_NUM_KNOBS, 0))
         self._num_output = np.zeros(0, dtype=np.int64)
         self._min_tokens = np.zeros(0, dtype=np.int64)
-        self._suppress: list[list[int]] = []             # per row: eos + stop ids (min_tokens rows)
+        self._suppress: list[list[int]] = []  # per row: eos + stop ids (min_tokens rows)
         self._generators: list[torch.Generator | None] = []
         self._num_seeded = 0
         self._num_min_tokens = 0
@@ -224,11 +234,11 @@ class SamplingState:
         self._num_live_active = np.zeros(_NUM_KNOBS, dtype=np.int64)
         self._row: dict[str, int] = {}
         self._free: list[int] = []
-        self._seen: Tensor | None = None                 # [capacity, V] bool
-        self._counts: Tensor | None = None               # [capacity, V] int32
-        self._last_rows: Tensor | None = None            # the rows of the last batch(), on the device
+        self._seen: Tensor | None = None  # [capacity, V] bool
+        self._counts: Tensor | None = None  # [capacity, V] int32
+        self._last_rows: Tensor | None = None  # the rows of the last batch(), on the device
         self._last_rows_np: np.ndarray | None = None
-        self._zeros: Tensor | None = None                # float32 zeros on the device: all-greedy temperatures
+        self._zeros: Tensor | None = None  # float32 zeros on the device: all-greedy temperatures
         self._grow(max(1, capacity))
 
     def __len__(self) -> int:
@@ -244,15 +254,21 @@ class SamplingState:
         self._min_tokens = np.concatenate([self._min_tokens, np.zeros(extra, dtype=np.int64)])
         self._suppress += [[] for _ in range(extra)]
         self._generators += [None] * extra
-        self._free += range(capacity - 1, self.capacity - 1, -1)     # lowest row first
+        self._free += range(capacity - 1, self.capacity - 1, -1)  # lowest row first
         if self._seen is not None:
             self._seen = torch.cat([self._seen, self._seen.new_zeros(extra, self.vocab_size)])
         if self._counts is not None:
             self._counts = torch.cat([self._counts, self._counts.new_zeros(extra, self.vocab_size)])
         self.capacity = capacity
 
-    def add(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
-            output_token_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+    ) -> None:
         """Start a request's row. `generator`: its seeded RNG on this device (None = the global RNG).
         Raising leaves the state as it was (no row taken, no count moved): the runner then fails
         this one request and carries on."""
@@ -311,20 +327,38 @@ class SamplingState:
         """The SamplingBatch of these requests (one row each, in this order) for this step."""
         row_of = self._row
         rows_np = np.fromiter((row_of[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
-        generators = ([self._generators[r] for r in rows_np.tolist()] if self._num_seeded
-                      else [None] * len(rows_np))
+        generators = [self._generators[r] for r in rows_np.tolist()] if self._num_seeded else [None] * len(rows_np)
         if self._num_live_active[_TOP_P:].any():
             batch = _batch_from_knobs(self._knobs[:, rows_np], generators, self.device)
         else:
             # Common case: only temperatures differ between live rows (greedy and/or plain sampling).
             temperature = self._knobs[_TEMPERATURE, rows_np]
             all_greedy = not self._num_live_active[_TEMPERATURE] or not temperature.any()
-            batch = SamplingBatch(self._greedy_temperatures(len(rows_np)) if all_greedy
-                                  else to_device(temperature.astype(np.float32), self.device), None, None,
-                                  None, None, None, None, None, None, None, generators, None, all_greedy)
+            batch = SamplingBatch(
+                self._greedy_temperatures(len(rows_np))
+                if all_greedy
+                else to_device(temperature.astype(np.float32), self.device),
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                generators,
+                None,
+                all_greedy,
+            )
         rows = None
-        if batch.repetition_penalty is not None or batch.presence_penalty is not None \
-                or batch.frequency_penalty is not None or self._seen is not None or self._counts is not None:
+        if (
+            batch.repetition_penalty is not None
+            or batch.presence_penalty is not None
+            or batch.frequency_penalty is not None
+            or self._seen is not None
+            or self._counts is not None
+        ):
             rows = to_device(rows_np, self.device)
         if batch.repetition_penalty is not None:
             assert self._seen is not None
@@ -351,8 +385,11 @@ class SamplingState:
         if self._seen is not None:
             self._seen[self._last_rows, sampled_token_ids] = True
         if self._counts is not None:
-            self._counts.index_put_((self._last_rows, sampled_token_ids),
-                                    torch.ones_like(sampled_token_ids, dtype=torch.int32), accumulate=True)
+            self._counts.index_put_(
+                (self._last_rows, sampled_token_ids),
+                torch.ones_like(sampled_token_ids, dtype=torch.int32),
+                accumulate=True,
+            )
         self._last_rows = self._last_rows_np = None
 
 
@@ -390,8 +427,12 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _no_penalties(batch: SamplingBatch) -> bool:
-    return (batch.repetition_penalty is None and batch.frequency_penalty is None
-            and batch.presence_penalty is None and batch.suppress_mask is None)
+    return (
+        batch.repetition_penalty is None
+        and batch.frequency_penalty is None
+        and batch.presence_penalty is None
+        and batch.suppress_mask is None
+    )
 
 
 def apply_filters(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -454,7 +495,7 @@ class Sampler(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._greedy = None          # `kernels.greedy.GreedyArgmax`, made on the first CUDA call
+        self._greedy = None  # `kernels.greedy.GreedyArgmax`, made on the first CUDA call
 
     def _argmax(self, logits: Tensor) -> Tensor:
         """torch.argmax(logits, dim=-1); few CUDA rows through the Triton kernel (`kernels/greedy.py`)."""

@@ -24,10 +24,10 @@ import torch
 
 @dataclass
 class SequenceStateBatch:
-    slots: torch.Tensor                 # [B] int64: state slot of each request row
-    first_token: torch.Tensor           # [B] int64: flat index of each row's first token this step
-    last_token: torch.Tensor            # [B] int64: flat index of each row's last token this step
-    one_token_per_row: bool             # pure decode step: every row is exactly one token
+    slots: torch.Tensor  # [B] int64: state slot of each request row
+    first_token: torch.Tensor  # [B] int64: flat index of each row's first token this step
+    last_token: torch.Tensor  # [B] int64: flat index of each row's last token this step
+    one_token_per_row: bool  # pure decode step: every row is exactly one token
     snapshot_tokens: torch.Tensor | None = None  # [S] flat indices of tokens that complete a KV block
     snapshot_blocks: torch.Tensor | None = None  # [S] the block each of those tokens completes
     # snapshot_tokens is every token 0..T-1 in order (captured decode steps, where the tokens that
@@ -35,8 +35,16 @@ class SequenceStateBatch:
     snapshot_every_row: bool = False
 
     @classmethod
-    def build(cls, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-              block_size: int, with_snapshots: bool, device: torch.device) -> SequenceStateBatch:
+    def build(
+        cls,
+        slots: list[int],
+        query_start_loc: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        with_snapshots: bool,
+        device: torch.device,
+    ) -> SequenceStateBatch:
         """Indices for one step, computed on the host from the runner's numpy inputs (no device sync)."""
         one_each = int(query_start_loc[-1]) == len(slots)
         snap_tokens = snap_blocks = None
@@ -46,5 +54,11 @@ class SequenceStateBatch:
                 snap_tokens = torch.from_numpy(ends).to(device)
                 snap_blocks = torch.from_numpy(slot_mapping[ends] // block_size).to(device)
         starts = torch.from_numpy(np.asarray(query_start_loc, dtype=np.int64)).to(device)
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), starts[:-1], starts[1:] - 1,
-                   one_each, snap_tokens, snap_blocks)
+        return cls(
+            torch.tensor(slots, dtype=torch.long, device=device),
+            starts[:-1],
+            starts[1:] - 1,
+            one_each,
+            snap_tokens,
+            snap_blocks,
+        )

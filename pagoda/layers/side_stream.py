@@ -14,7 +14,8 @@ that memory by the side stream is ordered after those uses (no `record_stream` n
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

@@ -23,18 +23,18 @@ from pagoda.layers.attention import AttentionBackend, AttentionBatch
 
 @dataclass
 class _PrefillRow:
-    start: int                     # first token of this request in the flat axis
-    end: int                       # one past its last token
-    blocks: torch.Tensor           # [nblk] block ids holding positions [0, nblk * block_size)
-    mask: torch.Tensor | None      # [q_len, nblk * block_size] bool (True = attend); None = plain causal
+    start: int  # first token of this request in the flat axis
+    end: int  # one past its last token
+    blocks: torch.Tensor  # [nblk] block ids holding positions [0, nblk * block_size)
+    mask: torch.Tensor | None  # [q_len, nblk * block_size] bool (True = attend); None = plain causal
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor               # [T]
+    slot_mapping: torch.Tensor  # [T]
     decode_token_index: torch.Tensor | None  # [Bd] flat index of each decode row's query token
-    decode_blocks: torch.Tensor | None       # [Bd * nblk] block ids, row-major (null-padded)
-    decode_mask: torch.Tensor | None         # [Bd, 1, 1, nblk * block_size] bool key-padding mask
+    decode_blocks: torch.Tensor | None  # [Bd * nblk] block ids, row-major (null-padded)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nblk * block_size] bool key-padding mask
     prefill_rows: list[_PrefillRow]
 
 
@@ -51,11 +51,11 @@ class TorchAttentionBackend(AttentionBackend):
         decode_index = decode_blocks = decode_mask = None
         if decode:
             rows = torch.tensor(decode, device=device)
-            lens = batch.seq_lens_tensor[rows]                                    # [Bd]
+            lens = batch.seq_lens_tensor[rows]  # [Bd]
             num_blocks = -(-max(batch.seq_lens[i] for i in decode) // bs)
-            decode_blocks = batch.block_tables[rows, :num_blocks].reshape(-1)     # [Bd * nblk]
+            decode_blocks = batch.block_tables[rows, :num_blocks].reshape(-1)  # [Bd * nblk]
             pos = torch.arange(num_blocks * bs, device=device)
-            decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]        # [Bd, 1, 1, nblk * bs]
+            decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * bs]
             decode_index = batch.query_start_loc[rows]
 
         prefill_rows = []
@@ -70,10 +70,18 @@ class TorchAttentionBackend(AttentionBackend):
             prefill_rows.append(_PrefillRow(starts[i], starts[i + 1], batch.block_tables[i, :num_blocks], mask))
         return TorchAttentionMetadata(batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)     # [num_blocks * block_size, Hkv, D]
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hkv, D]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         flat_k[metadata.slot_mapping] = k
         flat_v[metadata.slot_mapping] = v
@@ -82,25 +90,27 @@ class TorchAttentionBackend(AttentionBackend):
 
         if metadata.decode_blocks is not None:
             num_rows = metadata.decode_token_index.shape[0]
-            qd = q[metadata.decode_token_index].unsqueeze(2)                  # [Bd, Hq, 1, D]
-            kd = _gather(k_cache, metadata.decode_blocks, num_rows)           # [Bd, Hkv, nblk*bs, D]
+            qd = q[metadata.decode_token_index].unsqueeze(2)  # [Bd, Hq, 1, D]
+            kd = _gather(k_cache, metadata.decode_blocks, num_rows)  # [Bd, Hkv, nblk*bs, D]
             vd = _gather(v_cache, metadata.decode_blocks, num_rows)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=metadata.decode_mask,
-                                                scale=scale, enable_gqa=gqa)  # [Bd, Hq, 1, D]
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=gqa
+            )  # [Bd, Hq, 1, D]
             out[metadata.decode_token_index] = od.squeeze(2)
 
         for row in metadata.prefill_rows:
-            qp = q[row.start:row.end].transpose(0, 1)                         # [Hq, n, D]
-            kp = _gather(k_cache, row.blocks, 1)[0]                           # [Hkv, L, D]
+            qp = q[row.start : row.end].transpose(0, 1)  # [Hq, n, D]
+            kp = _gather(k_cache, row.blocks, 1)[0]  # [Hkv, L, D]
             vp = _gather(v_cache, row.blocks, 1)[0]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, is_causal=row.mask is None,
-                                                scale=scale, enable_gqa=gqa)
-            out[row.start:row.end] = op.transpose(0, 1)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[row.start : row.end] = op.transpose(0, 1)
         return out
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int) -> torch.Tensor:
     """cache [num_blocks, bs, Hkv, D], blocks [rows * nblk] → [rows, Hkv, nblk * bs, D] (a strided view
     of one contiguous gathered copy)."""
-    gathered = torch.index_select(cache, 0, blocks)                       # [rows * nblk, bs, Hkv, D]
+    gathered = torch.index_select(cache, 0, blocks)  # [rows * nblk, bs, Hkv, D]
     return gathered.view(num_rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

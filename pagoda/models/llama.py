@@ -28,14 +28,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
-                                     shard_names=("q", "k", "v"))
+        self.qkv_proj = MergedLinear(
+            hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, shard_names=("q", "k", "v")
+        )
         self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)) and not qkv_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, attn, rope=rope))     # RoPE inside (fused with the KV store)
+        return self.o_proj(self.attn(q, k, v, attn, rope=rope))  # RoPE inside (fused with the KV store)
 
 
 class LlamaMLP(nn.Module):
@@ -58,8 +59,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        attn: StepAttention,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (the residual stream);
         the first layer gets the embeddings and no residual. Returns (MLP output, residual stream):
         each residual add happens inside the next norm (`RMSNorm(x, residual)`, one fused kernel on
@@ -80,8 +86,7 @@ class LlamaModel(nn.Module):
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta, scaling = rope_parameters(cfg)
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, theta, scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
@@ -98,8 +103,11 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
 
     def __init__(self, cfg: dict[str, Any], max_positions: int):

@@ -26,8 +26,9 @@ from pagoda.models.source import ModelSource, format_bytes
 logger = logging.getLogger(__name__)
 
 
-def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str,
-               load_format: str = "auto") -> nn.Module:
+def load_model(
+    source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str, load_format: str = "auto"
+) -> nn.Module:
     started = time.perf_counter()
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
     model_class = get_model_class(architecture)
@@ -37,17 +38,26 @@ def load_model(source: ModelSource, max_model_len: int, dtype: torch.dtype, devi
     model.tie_weights()
     if load_format == "dummy":
         init_dummy_weights(model)
-        logger.info("Random (--load-format dummy) weights: %s in %.1f s", format_bytes(_param_bytes(model)),
-                    time.perf_counter() - started)
+        logger.info(
+            "Random (--load-format dummy) weights: %s in %.1f s",
+            format_bytes(_param_bytes(model)),
+            time.perf_counter() - started,
+        )
     else:
         load_weights(model, source)
         if device == "cuda":
-            torch.cuda.synchronize()        # the copies are queued: the time must include them
+            torch.cuda.synchronize()  # the copies are queued: the time must include them
         files = source.weight_files()
         on_disk = sum(os.path.getsize(p) for p in files)
-        logger.info("Loaded weights: %s in %.1f s (%d file(s), %s on disk; %s on %s)",
-                    format_bytes(_param_bytes(model)), time.perf_counter() - started, len(files),
-                    format_bytes(on_disk), str(dtype).removeprefix("torch."), device)
+        logger.info(
+            "Loaded weights: %s in %.1f s (%d file(s), %s on disk; %s on %s)",
+            format_bytes(_param_bytes(model)),
+            time.perf_counter() - started,
+            len(files),
+            format_bytes(on_disk),
+            str(dtype).removeprefix("torch."),
+            device,
+        )
     return model.eval()
 
 
@@ -71,7 +81,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 class WeightTarget:
     """Where one checkpoint tensor goes: a parameter (or its shard of a fused one) and the loader."""
 
-    key: str                                # "param" or "param:shard", for the completeness check
+    key: str  # "param" or "param:shard", for the completeness check
     param: nn.Parameter
     loader: Callable[..., None]
     shard: str | None
@@ -99,8 +109,12 @@ class WeightRouter:
         if param is None:
             raise KeyError(name)
         owner = self.modules[target.rpartition(".")[0]]
-        return WeightTarget(f"{target}:{shard}" if shard is not None else target, param,
-                            getattr(owner, "weight_loader", default_weight_loader), shard)
+        return WeightTarget(
+            f"{target}:{shard}" if shard is not None else target,
+            param,
+            getattr(owner, "weight_loader", default_weight_loader),
+            shard,
+        )
 
     def check_complete(self) -> None:
         _check_complete(self.model, self.params, self.mapping, self.loaded)
@@ -116,8 +130,10 @@ def load_weights(model: nn.Module, source: ModelSource) -> None:
             quantized = tensor_quantization([name])
             if quantized is not None:
                 raise ModelLoadError(quantized.message(source.location), "model") from None
-            raise ModelLoadError(f"Checkpoint tensor {exc.args[0]!r} has no matching parameter in "
-                                 f"{type(model).__name__}; is config.json's architecture right?") from None
+            raise ModelLoadError(
+                f"Checkpoint tensor {exc.args[0]!r} has no matching parameter in "
+                f"{type(model).__name__}; is config.json's architecture right?"
+            ) from None
         if target is None:
             continue
         try:
@@ -135,8 +151,9 @@ def _map_name(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str 
     return name, None
 
 
-def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], mapping: dict[str, tuple[str, str]],
-                    loaded: set[str]) -> None:
+def _check_complete(
+    model: nn.Module, params: dict[str, nn.Parameter], mapping: dict[str, tuple[str, str]], loaded: set[str]
+) -> None:
     shards_of: dict[str, list[str]] = {}
     for fused, shard in mapping.values():
         shards_of.setdefault(fused, []).append(shard)
@@ -145,5 +162,7 @@ def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], mapping: 
         expected = [f"{name}:{s}" for s in shards_of[fused]] if fused in shards_of else [name]
         missing = [e for e in expected if e not in loaded]
         if missing:
-            raise ModelLoadError(f"The checkpoint has no weight for {missing[0]!r}; the model folder is "
-                                 "incomplete or its config.json does not match its weights.")
+            raise ModelLoadError(
+                f"The checkpoint has no weight for {missing[0]!r}; the model folder is "
+                "incomplete or its config.json does not match its weights."
+            )

@@ -23,10 +23,19 @@ from pagoda.errors import ModelLoadError
 
 # The last component of a tensor name → the quantization scheme that writes it.
 _TENSOR_LEAVES = {
-    "qweight": "awq/gptq", "qzeros": "awq/gptq", "scales": "awq/gptq", "g_idx": "gptq",
-    "weight_scale": "fp8", "weight_scale_inv": "fp8", "input_scale": "fp8",
-    "weight_packed": "compressed-tensors", "weight_zero_point": "compressed-tensors",
-    "SCB": "bitsandbytes", "weight_format": "bitsandbytes", "absmax": "bitsandbytes", "quant_map": "bitsandbytes",
+    "qweight": "awq/gptq",
+    "qzeros": "awq/gptq",
+    "scales": "awq/gptq",
+    "g_idx": "gptq",
+    "weight_scale": "fp8",
+    "weight_scale_inv": "fp8",
+    "input_scale": "fp8",
+    "weight_packed": "compressed-tensors",
+    "weight_zero_point": "compressed-tensors",
+    "SCB": "bitsandbytes",
+    "weight_format": "bitsandbytes",
+    "absmax": "bitsandbytes",
+    "quant_map": "bitsandbytes",
 }
 # The most specific name wins when a checkpoint has tensors of several kinds (GPTQ also has qweight).
 _PRECEDENCE = ("gptq", "compressed-tensors", "bitsandbytes", "fp8", "awq/gptq")
@@ -36,10 +45,11 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Quantization:
-    method: str                 # "awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors", ...
-    evidence: str               # where it was seen, for the message
-    advice: ClassVar[str] = ("Pagoda runs unquantized float16/bfloat16/float32 weights: use the unquantized "
-                             "checkpoint of this model")
+    method: str  # "awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors", ...
+    evidence: str  # where it was seen, for the message
+    advice: ClassVar[str] = (
+        "Pagoda runs unquantized float16/bfloat16/float32 weights: use the unquantized checkpoint of this model"
+    )
 
     def problem(self, where: str) -> str:
         return f"{where}: quantized checkpoints ({self.method}) are not supported yet ({self.evidence})"
@@ -90,8 +100,9 @@ def tensor_quantization(names: Iterable[str]) -> Quantization | None:
     return None
 
 
-def checkpoint_quantization(location: str, kind: str, hf_config: dict[str, Any],
-                            read_tensor_names: bool = True) -> Quantization | None:
+def checkpoint_quantization(
+    location: str, kind: str, hf_config: dict[str, Any], read_tensor_names: bool = True
+) -> Quantization | None:
     """Config first, then (for HF folders) the tensor names of the index or the safetensors headers.
 
     Reads metadata only: an index file, or the JSON header of each safetensors file. A file that cannot

@@ -63,8 +63,9 @@ class Qwen2VLTextModel(nn.Module):
         # M-RoPE is plain RoPE (theta from the config, no scaling) applied per axis band.
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, rope_theta(cfg), None)
         layer_cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters")}
-        self.layers = nn.ModuleList(LlamaDecoderLayer(layer_cfg, qkv_bias=True)
-                                    for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(layer_cfg, qkv_bias=True) for _ in range(cfg["num_hidden_layers"])
+        )
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
@@ -76,7 +77,7 @@ class Qwen2VLTextModel(nn.Module):
             rope = multimodal_cos_sin(self.rotary_emb, step.mrope_positions, self.sections)
         else:
             rope = self.rotary_emb.cos_sin(positions)
-        residual = None       # the layers hand the residual stream on; each add is fused into a norm
+        residual = None  # the layers hand the residual stream on; each add is fused into a norm
         for layer in self.layers:
             x, residual = layer(rope, x, step, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
@@ -89,8 +90,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     uses_mrope = True
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
 
     def __init__(self, cfg: dict[str, Any], max_positions: int):
@@ -114,9 +118,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def map_weight_name(self, name: str) -> str:
         """transformers 4.5x re-saves nest the decoder and the vision tower under `model.`."""
         if name.startswith("model.language_model."):
-            return "model." + name[len("model.language_model."):]
+            return "model." + name[len("model.language_model.") :]
         if name.startswith("model.visual."):
-            return name[len("model."):]
+            return name[len("model.") :]
         return name
 
     def skip_weight(self, name: str) -> bool:

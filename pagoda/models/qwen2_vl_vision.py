@@ -29,12 +29,19 @@ Grid = tuple[int, int, int]
 # Defaults of the official checkpoints (spec §2.2): most config.json files only carry hidden_size,
 # in_chans and spatial_patch_size, and the HF class default for hidden_size (3584) is wrong for 2B/72B.
 _VISION_DEFAULTS: dict[str, Any] = {
-    "depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "patch_size": 14,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "hidden_act": "quick_gelu",
+    "depth": 32,
+    "embed_dim": 1280,
+    "num_heads": 16,
+    "mlp_ratio": 4,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "hidden_act": "quick_gelu",
 }
 # Older spellings some checkpoints use -> our canonical key.
 _ALIASES = {"spatial_patch_size": "patch_size", "in_chans": "in_channels"}
-_LAYER_NORM_EPS = 1e-6      # hard-coded in the reference implementation
+_LAYER_NORM_EPS = 1e-6  # hard-coded in the reference implementation
 _ROPE_THETA = 10000.0
 
 
@@ -65,7 +72,8 @@ def vision_config_with_defaults(vision_cfg: dict[str, Any], text_hidden: int) ->
         raise ModelLoadError(
             f"vision_config.hidden_size ({cfg['hidden_size']}) must equal the language model's hidden_size "
             f"({text_hidden}): the vision merger's output rows replace token embeddings. "
-            "Fix config.json (or drop vision_config.hidden_size to use the text hidden size).")
+            "Fix config.json (or drop vision_config.hidden_size to use the text hidden size)."
+        )
     _validate(cfg)
     return cfg
 
@@ -75,15 +83,19 @@ def _validate(cfg: dict[str, Any]) -> None:
     if cfg["embed_dim"] % cfg["num_heads"]:
         raise ModelLoadError(f"vision embed_dim {cfg['embed_dim']} is not divisible by num_heads {cfg['num_heads']}.")
     if (cfg["embed_dim"] // cfg["num_heads"]) % 4:
-        raise ModelLoadError("vision head dim must be divisible by 4 (2-D rotary splits it into row/col halves); "
-                             f"got {cfg['embed_dim'] // cfg['num_heads']}.")
+        raise ModelLoadError(
+            "vision head dim must be divisible by 4 (2-D rotary splits it into row/col halves); "
+            f"got {cfg['embed_dim'] // cfg['num_heads']}."
+        )
     if cfg["hidden_act"] not in _ACTIVATIONS:
-        raise ModelLoadError(f"vision hidden_act {cfg['hidden_act']!r} is not supported "
-                             f"(supported: {', '.join(sorted(_ACTIVATIONS))}).")
+        raise ModelLoadError(
+            f"vision hidden_act {cfg['hidden_act']!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})."
+        )
 
 
-def split_by_item(features: torch.Tensor, grid_thw: Sequence[Grid] | torch.Tensor,
-                  merge_size: int = 2) -> list[torch.Tensor]:
+def split_by_item(
+    features: torch.Tensor, grid_thw: Sequence[Grid] | torch.Tensor, merge_size: int = 2
+) -> list[torch.Tensor]:
     """Per-item row blocks of the merged output: each item owns t·h·w/merge² consecutive rows."""
     sizes = [t * h * w // (merge_size * merge_size) for t, h, w in _as_grids(grid_thw)]
     return list(features.split(sizes, dim=0))
@@ -104,8 +116,9 @@ class PatchEmbedLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         flat = loaded.reshape(loaded.shape[0], -1) if loaded.dim() > 2 else loaded
         if flat.shape != param.shape:
-            raise ValueError(f"shape mismatch: patch embedding {tuple(param.shape)} vs checkpoint "
-                             f"{tuple(loaded.shape)}")
+            raise ValueError(
+                f"shape mismatch: patch embedding {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+            )
         param.data.copy_(flat)
 
 
@@ -139,8 +152,9 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, 3 * dim, bias=True)
         self.proj = Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, torch.Tensor]]
+    ) -> torch.Tensor:
         p = x.shape[0]
         # [P, 3·D] -> three [P, heads, d_h], heads contiguous inside each third
         q, k, v = self.qkv(x).view(p, 3, self.num_heads, self.head_dim).unbind(dim=1)
@@ -150,15 +164,16 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(p, -1))
 
 
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+def _segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, torch.Tensor]]
+) -> torch.Tensor:
     """Non-causal attention inside each segment; one SDPA call per distinct segment length.
 
     `segments` pairs a length L with a [n, L] index tensor of the patch rows of n segments of that
     length, so same-size images and the frame pairs of a video batch into one call.
     """
     if len(segments) == 1 and segments[0][1].numel() == q.shape[0]:
-        return _batched_sdpa(q, k, v, segments[0][1].shape[0], segments[0][0])   # rows are already in order
+        return _batched_sdpa(q, k, v, segments[0][1].shape[0], segments[0][0])  # rows are already in order
     out = torch.empty_like(q)
     for _, rows in segments:
         idx = rows.reshape(-1)
@@ -196,8 +211,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = VisionMLP(dim, mlp_hidden, act)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, torch.Tensor]]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -210,8 +226,9 @@ class PatchMerger(nn.Module):
         self.window_dim = dim * merge_size * merge_size
         self.ln_q = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
         # nn.Sequential so checkpoint keys `mlp.0.*` / `mlp.2.*` map; index 1 is the (exact) GELU.
-        self.mlp = nn.Sequential(Linear(self.window_dim, self.window_dim, bias=True), nn.GELU(),
-                                 Linear(self.window_dim, out_dim, bias=True))
+        self.mlp = nn.Sequential(
+            Linear(self.window_dim, self.window_dim, bias=True), nn.GELU(), Linear(self.window_dim, out_dim, bias=True)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [P, D] -> [P/m², m²·D] -> [P/m², H]
@@ -228,8 +245,9 @@ class Qwen2VisionTransformer(nn.Module):
         self.head_dim = dim // cfg["num_heads"]
         self.patch_embed = PatchEmbed(cfg["in_channels"] * temporal * patch * patch, dim)
         mlp_hidden = int(dim * cfg["mlp_ratio"])
-        self.blocks = nn.ModuleList(VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"])
-                                    for _ in range(cfg["depth"]))
+        self.blocks = nn.ModuleList(
+            VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"]) for _ in range(cfg["depth"])
+        )
         self.merger = PatchMerger(dim, cfg["hidden_size"], self.merge_size)
         # (h, w, device) -> float32 (cos, sin) [h·w, 1, d_h]; a plain dict, not buffers, so that
         # meta-device construction and `.to(dtype)` leave it alone.
@@ -239,23 +257,25 @@ class Qwen2VisionTransformer(nn.Module):
         """[P, C·T·p·p] patches of all items -> [P/merge², hidden] merged rows, items in order."""
         grids = _as_grids(grid_thw)
         self._check_input(pixel_values, grids)
-        x = self.patch_embed(pixel_values)                       # [P, D]
-        rope = self._rope_for(grids, x.device)                   # 2 × [P, 1, d_h] float32
+        x = self.patch_embed(pixel_values)  # [P, D]
+        rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h] float32
         segments = _segments(grids, x.device)
         for block in self.blocks:
             x = block(x, rope, segments)
-        return self.merger(x)                                    # [P/m², H]
+        return self.merger(x)  # [P/m², H]
 
     def _check_input(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         m = self.merge_size
         for t, h, w in grids:
             if t < 1 or h % m or w % m or h < m or w < m:
-                raise ValueError(f"grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive multiples "
-                                 f"of spatial_merge_size {m}")
+                raise ValueError(
+                    f"grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive multiples of spatial_merge_size {m}"
+                )
         expected = sum(t * h * w for t, h, w in grids)
         if pixel_values.dim() != 2 or pixel_values.shape[0] != expected:
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the grids "
-                             f"({expected} patch rows expected)")
+            raise ValueError(
+                f"pixel_values {tuple(pixel_values.shape)} do not match the grids ({expected} patch rows expected)"
+            )
 
     def _rope_for(self, grids: list[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of every patch row; one frame's table is repeated t times for a video."""
@@ -271,23 +291,23 @@ class Qwen2VisionTransformer(nn.Module):
         return self._rope_cache[key]
 
 
-def _grid_cos_sin(h: int, w: int, merge: int, head_dim: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid_cos_sin(h: int, w: int, merge: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin [h·w, 1, d_h] of the 2-D rotary for one frame, rows in merge-window order.
 
     A RoPE of dimension d_h/2 per axis: angles [row·f, col·f] (d_h/2 values), duplicated to d_h so
     rotate-half pairs dim i with i + d_h/2.
     """
-    rows, cols = _window_order_positions(h, w, merge, device)              # [h·w] each
+    rows, cols = _window_order_positions(h, w, merge, device)  # [h·w] each
     half = head_dim // 2
     inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half))
     angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [h·w, d_h/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None, :]                # [h·w, 1, d_h]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [h·w, 1, d_h]
     return angles.cos(), angles.sin()
 
 
 def _window_order_positions(h: int, w: int, merge: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) of each patch, enumerated window by window like the processor's patch rows."""
+
     def reorder(grid: torch.Tensor) -> torch.Tensor:
         # [h, w] -> [h/m, m, w/m, m] -> [h/m, w/m, m, m] -> flat
         return grid.reshape(h // merge, merge, w // merge, merge).permute(0, 2, 1, 3).reshape(-1)
@@ -309,5 +329,7 @@ def _segments(grids: list[Grid], device: torch.device) -> list[tuple[int, torch.
         for _ in range(t):
             starts_by_len.setdefault(h * w, []).append(offset)
             offset += h * w
-    return [(length, torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device))
-            for length, starts in starts_by_len.items()]
+    return [
+        (length, torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device))
+        for length, starts in starts_by_len.items()
+    ]

@@ -25,6 +25,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
         raise ModelLoadError(
             f"Model architecture {architecture!r} is not supported. Supported architectures: "
-            f"{', '.join(supported_architectures())}.")
+            f"{', '.join(supported_architectures())}."
+        )
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)

@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelSource:
-    location: str                       # folder or .gguf path
-    kind: str                           # "hf" or "gguf"
+    location: str  # folder or .gguf path
+    kind: str  # "hf" or "gguf"
     hf_config: dict[str, Any] = field(repr=False)
 
     @property
@@ -60,8 +60,13 @@ class ModelSource:
         the progress an operator watches while a checkpoint of tens of GiB loads."""
         paths = self.weight_files()
         for number, path in enumerate(paths, 1):
-            logger.info("loading shard %d/%d (%s, %s)...", number, len(paths), os.path.basename(path),
-                        format_bytes(os.path.getsize(path)))
+            logger.info(
+                "loading shard %d/%d (%s, %s)...",
+                number,
+                len(paths),
+                os.path.basename(path),
+                format_bytes(os.path.getsize(path)),
+            )
             if self.kind == "gguf":
                 yield from iter_gguf_tensors(path, self.hf_config)
             elif path.endswith(".safetensors"):
@@ -103,15 +108,19 @@ def _download(model_id: str) -> str:
         raise ModelLoadError(f"Model folder {model_id!r} does not exist.")
     try:
         folder = huggingface_hub.snapshot_download(
-            model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
+            model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+        )
         if not has_safetensors(folder):
             # Only now fetch the pickles: repos shipping both formats download one, not both.
-            folder = huggingface_hub.snapshot_download(model_id, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"])
+            folder = huggingface_hub.snapshot_download(
+                model_id, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"]
+            )
         return folder
     except Exception as exc:  # offline, unknown repo, auth... all mean the same to the user
         raise ModelLoadError(
             f"{model_id!r} is not a local folder and could not be fetched from the hub "
-            f"({type(exc).__name__}); pass the path of a downloaded model folder.") from None
+            f"({type(exc).__name__}); pass the path of a downloaded model folder."
+        ) from None
 
 
 def format_bytes(n: float) -> str:
@@ -129,8 +138,10 @@ def has_safetensors(folder: str) -> bool:
 
 
 def _no_weights_error(folder: str) -> ModelLoadError:
-    return ModelLoadError(f"No *.safetensors or pytorch_model*.bin weights found in {folder}; "
-                          "Pagoda loads safetensors or PyTorch .bin checkpoints.")
+    return ModelLoadError(
+        f"No *.safetensors or pytorch_model*.bin weights found in {folder}; "
+        "Pagoda loads safetensors or PyTorch .bin checkpoints."
+    )
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -157,12 +168,14 @@ def _shard_paths(folder: str) -> list[str]:
             if name not in present:
                 raise ModelLoadError(
                     f"Shard {name} is listed in model.safetensors.index.json but missing from {folder}; "
-                    "re-download the model.")
+                    "re-download the model."
+                )
         for name in present:
             if name not in listed and _SHARD_PATTERN.match(name):
                 raise ModelLoadError(
                     f"Shard {name} in {folder} is not listed in model.safetensors.index.json; remove it "
-                    "or fix the index.")
+                    "or fix the index."
+                )
         return [os.path.join(folder, n) for n in listed]
     if "model.safetensors" in present:
         return [os.path.join(folder, "model.safetensors")]
@@ -210,11 +223,11 @@ def _listed_bin_shards(folder: str, present: list[str]) -> list[str]:
     for name in listed:
         if name not in present:
             raise ModelLoadError(
-                f"Shard {name} is listed in {_BIN_INDEX} but missing from {folder}; re-download the model.")
+                f"Shard {name} is listed in {_BIN_INDEX} but missing from {folder}; re-download the model."
+            )
     for name in present:
         if name not in listed and _BIN_SHARD_PATTERN.match(name):
-            raise ModelLoadError(
-                f"Shard {name} in {folder} is not listed in {_BIN_INDEX}; remove it or fix the index.")
+            raise ModelLoadError(f"Shard {name} in {folder} is not listed in {_BIN_INDEX}; remove it or fix the index.")
     return listed
 
 
@@ -231,7 +244,8 @@ def _load_bin_shard(path: str) -> dict[str, torch.Tensor]:
     except (RuntimeError, OSError, EOFError) as exc:
         raise ModelLoadError(f"Could not read {path} ({type(exc).__name__}: {exc}); re-download the model.") from None
     if not isinstance(state, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise _not_plain_tensors(path)
     return state
 
@@ -240,4 +254,5 @@ def _not_plain_tensors(path: str) -> ModelLoadError:
     return ModelLoadError(
         f"{path} is not a plain tensor checkpoint (it holds objects other than named tensors), and Pagoda "
         "never runs code from a checkpoint; convert it to safetensors (e.g. load it where you trust it and "
-        "save with `save_pretrained(folder, safe_serialization=True)`).")
+        "save with `save_pretrained(folder, safe_serialization=True)`)."
+    )

@@ -43,7 +43,7 @@ SIDE_STREAM_MAX_ROWS = 32
 # keeps its whole convolutions: its terms could only start with the step, and its chain waited for them.
 LF_TERMS_AHEAD = envs.LF_TERMS.value
 LF_TERMS_LANE = 1
-YUAN_ROPE_THETA = 10000.0      # never in the config: 10000 for every released model
+YUAN_ROPE_THETA = 10000.0  # never in the config: 10000 for every released model
 
 
 class YuanShape:
@@ -58,11 +58,14 @@ class YuanShape:
         self.use_moe = bool(cfg.get("use_moe")) or int(moe.get("moe_num_experts") or 0) > 0
         problems = []
         if cfg.get("use_shareqk"):
-            problems.append("use_shareqk=true (a shared-QK attention variant no released Yuan2 model uses; "
-                            "set it to false)")
+            problems.append(
+                "use_shareqk=true (a shared-QK attention variant no released Yuan2 model uses; set it to false)"
+            )
         if self.hidden % self.num_heads or self.projection % self.num_heads:
-            problems.append(f"hidden_size {self.hidden} / attention_projection_size {self.projection} "
-                            f"must divide by num_attention_heads {self.num_heads}")
+            problems.append(
+                f"hidden_size {self.hidden} / attention_projection_size {self.projection} "
+                f"must divide by num_attention_heads {self.num_heads}"
+            )
         if self.hidden % 2:
             problems.append(f"hidden_size {self.hidden} must be even (the LF gate halves it)")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -72,8 +75,10 @@ class YuanShape:
         self.head_dim = self.projection // self.num_heads
         self.rotary_dim = self.hidden // self.num_heads
         if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
-            problems.append(f"rotary dims per head ({self.rotary_dim} = hidden/heads) must be even and at most "
-                            f"the head dim {self.head_dim}")
+            problems.append(
+                f"rotary dims per head ({self.rotary_dim} = hidden/heads) must be even and at most "
+                f"the head dim {self.head_dim}"
+            )
         if self.use_moe:
             self.num_experts = int(moe.get("moe_num_experts") or 0)
             self.top_k = int(moe.get("moe_top_k") or 0)
@@ -102,8 +107,10 @@ class YuanQKProjection(MergedLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         d, projection = self.head_dim, self.num_heads * self.head_dim
         if loaded.shape != (projection, param.shape[1]):
-            raise ValueError(f"shape mismatch for {shard_id}_proj: expected {(projection, param.shape[1])}, "
-                             f"got {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shape mismatch for {shard_id}_proj: expected {(projection, param.shape[1])}, "
+                f"got {tuple(loaded.shape)}"
+            )
         # Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key.
         fused_rows = torch.arange(projection) + (0 if shard_id == "q" else projection)
         head, within = fused_rows // (2 * d), fused_rows % (2 * d)
@@ -122,9 +129,14 @@ class YuanAttention(nn.Module):
         self.o_proj = Linear(shape.projection, shape.hidden)
         self.attn = Attention(shape.num_heads, shape.num_heads, shape.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, step: StepAttention,
-                lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-                lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        step: StepAttention,
+        lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         t = x.shape[0]
         # Values come from x, before the filter: on small decode steps (lf_inputs: the fused CUDA path)
         # v_proj runs on a side stream while conv1 → conv2 → norm → qk run (`side_stream`: there each
@@ -132,7 +144,7 @@ class YuanAttention(nn.Module):
         v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= SIDE_STREAM_MAX_ROWS)
         y = self.lf_gate(x, step.state, lf_inputs, lf_terms)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
-        return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))   # RoPE inside, as in Llama
+        return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))  # RoPE inside, as in Llama
 
 
 class YuanMLP(nn.Module):
@@ -158,9 +170,9 @@ class YuanAttentionRouter(nn.Module):
         self.value = Linear(hidden, num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (proj(x).float() for proj in (self.query, self.key, self.value))     # [T, E] each
-        weights = torch.softmax(q.unsqueeze(-1) * k.unsqueeze(-2), dim=-1)              # [T, E, E]
-        return (weights @ v.unsqueeze(-1)).squeeze(-1)                                   # [T, E]
+        q, k, v = (proj(x).float() for proj in (self.query, self.key, self.value))  # [T, E] each
+        weights = torch.softmax(q.unsqueeze(-1) * k.unsqueeze(-2), dim=-1)  # [T, E, E]
+        return (weights @ v.unsqueeze(-1)).squeeze(-1)  # [T, E]
 
 
 class YuanExpert(nn.Module):
@@ -173,7 +185,7 @@ class YuanExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w1(x)
         if self.gated:
-            a, b = h.chunk(2, dim=-1)                        # [activated | linear]
+            a, b = h.chunk(2, dim=-1)  # [activated | linear]
             return self.w2(F.silu(a) * b)
         return self.w2(F.silu(h))
 
@@ -188,12 +200,13 @@ class YuanMoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk = shape.top_k, shape.norm_topk
         self.gate = YuanAttentionRouter(hidden, shape.num_experts)
-        self.experts = nn.ModuleList(YuanExpert(hidden, shape.ffn_hidden, shape.gated)
-                                     for _ in range(shape.num_experts))
+        self.experts = nn.ModuleList(
+            YuanExpert(hidden, shape.ffn_hidden, shape.gated) for _ in range(shape.num_experts)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x), dim=-1)                       # [T, E] float32
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)           # [T, k]
+        probs = torch.softmax(self.gate(x), dim=-1)  # [T, E] float32
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -210,14 +223,20 @@ class YuanDecoderLayer(nn.Module):
         super().__init__()
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.self_attn = YuanAttention(cfg, shape)
-        self.mlp: nn.Module = (YuanMoE(shape.hidden, shape) if shape.use_moe
-                               else YuanMLP(shape.hidden, int(cfg["intermediate_size"])))
+        self.mlp: nn.Module = (
+            YuanMoE(shape.hidden, shape) if shape.use_moe else YuanMLP(shape.hidden, int(cfg["intermediate_size"]))
+        )
         self.input_layernorm = RMSNorm(shape.hidden, eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden, eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, step: StepAttention,
-                residual: torch.Tensor | None = None, lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        step: StepAttention,
+        residual: torch.Tensor | None = None,
+        lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `LlamaDecoderLayer.forward`: h is the previous layer's MLP output, not yet added to
         `residual`; returns (MLP output, residual stream) and each residual add is fused into the
         next norm. The LF gate still sees input_layernorm's output (inside self_attn), as before; on
@@ -238,8 +257,9 @@ class YuanModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], shape: YuanShape, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], shape.hidden)
-        self.rotary_emb = RotaryEmbedding(shape.rotary_dim, max_positions, YUAN_ROPE_THETA, None,
-                                          shape.rope_table_precision)
+        self.rotary_emb = RotaryEmbedding(
+            shape.rotary_dim, max_positions, YUAN_ROPE_THETA, None, shape.rope_table_precision
+        )
         self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(shape.hidden, float(cfg.get("rms_norm_eps", 1e-6)))
 
@@ -270,8 +290,10 @@ class YuanForCausalLM(nn.Module):
     """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; needs `step.state` (LF slots)."""
 
     packed_modules_mapping = {
-        "q_proj": ("qk_proj", "q"), "k_proj": ("qk_proj", "k"),
-        "up_proj": ("up_gate_proj", "up"), "gate_proj": ("up_gate_proj", "gate"),
+        "q_proj": ("qk_proj", "q"),
+        "k_proj": ("qk_proj", "k"),
+        "up_proj": ("up_gate_proj", "up"),
+        "gate_proj": ("up_gate_proj", "gate"),
     }
 
     def __init__(self, cfg: dict[str, Any], max_positions: int):

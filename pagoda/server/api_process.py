@@ -51,15 +51,22 @@ class ApiSetup:
     """Everything an API process needs besides the engine. `check`: the launcher's validation (chat template
     render check, log lines); `preflight`: called once the HTTP limits are known good (doctor's fast checks)."""
 
-    def __init__(self, server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, check: bool = True,
-                 preflight: Any = None):
+    def __init__(
+        self,
+        server: ServerConfig,
+        config: EngineConfig,
+        multimodal: MultiModalConfig,
+        check: bool = True,
+        preflight: Any = None,
+    ):
         self.server, self.config = server, config
-        self.http_limits = http_limits.HttpLimits.from_args(server)     # also raises the file-descriptor limit
+        self.http_limits = http_limits.HttpLimits.from_args(server)  # also raises the file-descriptor limit
         if preflight is not None:
-            preflight()          # shards, headers, tokenizer, port: fail in seconds, before the weights load
+            preflight()  # shards, headers, tokenizer, port: fail in seconds, before the weights load
         source = resolve_model_source(config.model.model)
-        self.multimodal = multimodal_serving(source.hf_config, source.folder if source.kind == "hf" else None,
-                                             multimodal)
+        self.multimodal = multimodal_serving(
+            source.hf_config, source.folder if source.kind == "hf" else None, multimodal
+        )
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
@@ -72,31 +79,55 @@ class ApiSetup:
     def app(self, engine: AsyncEngine, metrics: ServerMetrics) -> Any:
         config, server = self.config, self.server
         ctx = ServingContext(
-            engine=engine, tokenizer=self.tokenizer, served_model_names=self.names,
-            max_model_len=config.model.max_model_len, vocab_size=config.model.vocab_size,
-            architecture=config.model.architecture, chat_template=self.chat_template, metrics=metrics,
-            generation_defaults=self.generation_defaults, max_waiting_requests=server.max_waiting_requests,
-            api_server_count=server.api_server_count, log_requests=server.enable_log_requests,
-            multimodal=self.multimodal, trust_request_chat_template=server.trust_request_chat_template)
+            engine=engine,
+            tokenizer=self.tokenizer,
+            served_model_names=self.names,
+            max_model_len=config.model.max_model_len,
+            vocab_size=config.model.vocab_size,
+            architecture=config.model.architecture,
+            chat_template=self.chat_template,
+            metrics=metrics,
+            generation_defaults=self.generation_defaults,
+            max_waiting_requests=server.max_waiting_requests,
+            api_server_count=server.api_server_count,
+            log_requests=server.enable_log_requests,
+            multimodal=self.multimodal,
+            trust_request_chat_template=server.trust_request_chat_template,
+        )
         engine.add_listener(ctx.metrics.on_engine_outputs)
         # Token ids → text where there is CPU to spare. With several API processes, here: off the engine
         # core, spread over them (benchmarks/profile/api_burst.py). With one, that process already carries all
         # of HTTP and is the bottleneck, so the core keeps it.
         engine.use_tokenizer(self.tokenizer if server.api_server_count > 1 else None)
-        return build_app(OpenAIServing(ctx), api_key=server.api_key_or_env,
-                         max_request_bytes=self.http_limits.max_request_bytes)
+        return build_app(
+            OpenAIServing(ctx), api_key=server.api_key_or_env, max_request_bytes=self.http_limits.max_request_bytes
+        )
 
     def metrics(self, index: int) -> ServerMetrics:
         """Multiprocess metrics (the supervisor's PROMETHEUS_MULTIPROC_DIR); process 0 counts the engine's totals."""
-        return ServerMetrics(self.names[0], prefixes=METRICS_PREFIXES[self.server.metrics_prefix], multiprocess=True,
-                             count_engine_totals=index == 0)
+        return ServerMetrics(
+            self.names[0],
+            prefixes=METRICS_PREFIXES[self.server.metrics_prefix],
+            multiprocess=True,
+            count_engine_totals=index == 0,
+        )
 
     def log_startup(self, ready: Ready) -> None:
         config, server = self.config, self.server
-        logger.info("model=%s served as %s dtype=%s device=%s", config.model.model, ", ".join(self.names),
-                    config.model.dtype, config.device.device)
-        logger.info("KV cache: %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
-                    ready.num_blocks, ready.block_size, config.model.max_model_len, ready.max_concurrency)
+        logger.info(
+            "model=%s served as %s dtype=%s device=%s",
+            config.model.model,
+            ", ".join(self.names),
+            config.model.dtype,
+            config.device.device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
+            ready.num_blocks,
+            ready.block_size,
+            config.model.max_model_len,
+            ready.max_concurrency,
+        )
         extra = f" ({server.api_server_count} API server processes)" if server.api_server_count > 1 else ""
         logger.info("Serving on http://%s:%d (OpenAI API under /v1)%s", server.host, server.port, extra)
 
@@ -131,33 +162,43 @@ class ApiServer(uvicorn.Server):
         if self.engine is None:
             return
         if self.engine.num_pending:
-            logger.warning("--shutdown-timeout (%g s) reached: ending %d open requests", self.deadline_s,
-                           self.engine.num_pending)
-        self.engine.end_streams(f"The server is shutting down: --shutdown-timeout ({self.deadline_s:g} s) ran out "
-                                "before this request finished; retry it.")
+            logger.warning(
+                "--shutdown-timeout (%g s) reached: ending %d open requests", self.deadline_s, self.engine.num_pending
+            )
+        self.engine.end_streams(
+            f"The server is shutting down: --shutdown-timeout ({self.deadline_s:g} s) ran out "
+            "before this request finished; retry it."
+        )
 
 
-def run_api_server(server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient,
-                   sock: socket.socket) -> None:
+def run_api_server(
+    server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient, sock: socket.socket
+) -> None:
     """Process entry point (started by the launcher's Supervisor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     asyncio.run(serve_api(server, config, multimodal, client, sock))
 
 
-async def serve_api(server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient,
-                    sock: socket.socket) -> None:
+async def serve_api(
+    server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient, sock: socket.socket
+) -> None:
     setup = ApiSetup(server, config, multimodal, check=False)
     engine = AsyncEngine(config, client)
     await engine.start()
     try:
         app = setup.app(engine, setup.metrics(client.index))
         prepare_gc_for_serving()
-        uv = ApiServer(uvicorn.Config(
-            app, log_level=server.uvicorn_log_level, access_log=False,
-            # uvicorn annotates it int but waits on a float timeout (asyncio.wait_for)
-            timeout_graceful_shutdown=server.shutdown_timeout + STREAM_END_GRACE_S,  # type: ignore[arg-type]
-            **setup.http_limits.uvicorn_args()))
+        uv = ApiServer(
+            uvicorn.Config(
+                app,
+                log_level=server.uvicorn_log_level,
+                access_log=False,
+                # uvicorn annotates it int but waits on a float timeout (asyncio.wait_for)
+                timeout_graceful_shutdown=server.shutdown_timeout + STREAM_END_GRACE_S,  # type: ignore[arg-type]
+                **setup.http_limits.uvicorn_args(),
+            )
+        )
         uv.engine, uv.deadline_s = engine, server.shutdown_timeout
         await uv.serve(sockets=[sock])
     finally:
@@ -168,19 +209,29 @@ def check_chat_template(tokenizer: Any, source: Any, override: str | None, token
     """Log which chat template serves chats; stop here (seconds, not at the first chat request) when
     it cannot render a plain conversation; warn when its prompt is not the model family's format.
     A model without a template still serves completions: that is only logged."""
-    folder = tokenizer_path if os.path.isdir(tokenizer_path) else source.location   # a .gguf: its metadata
+    folder = tokenizer_path if os.path.isdir(tokenizer_path) else source.location  # a .gguf: its metadata
     report = inspect_chat_template(tokenizer, source.hf_config, override, folder)
     if report.error:
-        raise ConfigError(f"the chat template ({report.origin}) does not render a user/assistant conversation: "
-                          f"{report.error} → {report.fix}", "chat_template")
+        raise ConfigError(
+            f"the chat template ({report.origin}) does not render a user/assistant conversation: "
+            f"{report.error} → {report.fix}",
+            "chat_template",
+        )
     if report.template is None:
-        logger.info("Chat template: none (the tokenizer has none): /v1/chat/completions answers 400, completions "
-                    "work; pass --chat-template to serve chats")
+        logger.info(
+            "Chat template: none (the tokenizer has none): /v1/chat/completions answers 400, completions "
+            "work; pass --chat-template to serve chats"
+        )
         return
     logger.info("Chat template: %s", report.origin)
     if report.mismatch:
-        logger.warning("Chat template (%s) does not produce %s: a probe conversation renders as %r → %s",
-                       report.origin, report.mismatch, report.rendered, report.fix)
+        logger.warning(
+            "Chat template (%s) does not produce %s: a probe conversation renders as %r → %s",
+            report.origin,
+            report.mismatch,
+            report.rendered,
+            report.fix,
+        )
 
 
 def generation_defaults(choice: str, source: Any, to_defaults: Any, log: bool = True) -> dict:
@@ -192,11 +243,14 @@ def generation_defaults(choice: str, source: Any, to_defaults: Any, log: bool = 
     else:
         path = os.path.join(choice, "generation_config.json")
         if not os.path.isfile(path):
-            raise ConfigError(f"--generation-config {choice!r}: no generation_config.json there; use auto, vllm "
-                              "or a folder that has one.")
+            raise ConfigError(
+                f"--generation-config {choice!r}: no generation_config.json there; use auto, vllm "
+                "or a folder that has one."
+            )
         with open(path) as f:
             defaults = to_defaults(json.load(f))
     if defaults and log:
-        logger.info("Sampling defaults from the generation_config (override with --generation-config vllm): %s",
-                    defaults)
+        logger.info(
+            "Sampling defaults from the generation_config (override with --generation-config vllm): %s", defaults
+        )
     return defaults

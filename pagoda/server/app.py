@@ -35,14 +35,19 @@ class _ErrorJSON(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(status: int, message: str, error_type: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, error_type: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     return _ErrorJSON(body, status_code=status, headers=headers)
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any = None,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(
+    serving: OpenAIServing,
+    api_key: str | None = None,
+    lifespan: Any = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     app = FastAPI(title="Pagoda OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
     app.include_router(router)
@@ -76,7 +81,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, lifespan: Any 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if max_request_bytes is not None:
-        app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)     # outermost: before anything reads
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)  # outermost: before anything reads
 
     return app
 
@@ -85,11 +90,11 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema less the 422 it documents for every route that takes a body: this server answers
     schema errors with 400, in OpenAI's error shape, as the routes document."""
     if app.openapi_schema is None:
-        schema = FastAPI.openapi(app)          # builds and caches app.openapi_schema
+        schema = FastAPI.openapi(app)  # builds and caches app.openapi_schema
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):      # only the 422s referred to these
+        for name in ("HTTPValidationError", "ValidationError"):  # only the 422s referred to these
             schema.get("components", {}).get("schemas", {}).pop(name, None)
     return cast(dict[str, Any], app.openapi_schema)
 

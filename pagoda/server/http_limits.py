@@ -33,17 +33,17 @@ from pagoda.errors import ConfigError
 
 logger = logging.getLogger("pagoda.server.http")
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024     # images travel base64-encoded inside the JSON body
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024              # request line + headers; nginx allows 32 KiB, Node 16 KiB
-DEFAULT_MAX_HEADER_COUNT = 256                    # vLLM's --h11-max-header-count default
-DEFAULT_HEADER_TIMEOUT_S = 60.0                   # nginx's client_header_timeout, Node's headersTimeout
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images travel base64-encoded inside the JSON body
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx allows 32 KiB, Node 16 KiB
+DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
+DEFAULT_HEADER_TIMEOUT_S = 60.0  # nginx's client_header_timeout, Node's headersTimeout
 DEFAULT_BODY_TIMEOUT_S = 300.0
 # Long: an unused connection costs one descriptor, and clients that open connections ahead of use
 # (pools, pinned connections) must not lose them; the connection cap covers a flood of them.
 DEFAULT_IDLE_CONNECTION_TIMEOUT_S = 300.0
-DEFAULT_KEEP_ALIVE_S = 5.0                        # uvicorn's and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 MAX_DEFAULT_CONNECTIONS = 65536
-LISTEN_BACKLOG = 2048                             # uvicorn's default, which the serve paths keep
+LISTEN_BACKLOG = 2048  # uvicorn's default, which the serve paths keep
 NOTICE_INTERVAL_S = 10.0
 
 
@@ -61,7 +61,7 @@ def raise_fd_limit() -> int:
     target = hard
     if hard == resource.RLIM_INFINITY:
         try:
-            with open("/proc/sys/fs/nr_open") as f:       # Linux refuses a soft limit above this
+            with open("/proc/sys/fs/nr_open") as f:  # Linux refuses a soft limit above this
                 target = int(f.read())
         except (OSError, ValueError):
             target = 1 << 20
@@ -101,23 +101,36 @@ class HttpLimits:
         """From `pagoda serve`'s flags; raises the descriptor limit (the default connection cap follows it)."""
         fd_limit = raise_fd_limit()
         max_connections = ns.max_connections if ns.max_connections is not None else default_max_connections(fd_limit)
-        limits = cls(max_request_bytes=ns.max_request_bytes, max_header_bytes=ns.max_header_bytes,
-                     max_header_count=ns.max_header_count, header_timeout=ns.header_timeout,
-                     body_timeout=ns.body_timeout, idle_connection_timeout=ns.idle_connection_timeout,
-                     keep_alive_timeout=ns.timeout_keep_alive, max_connections=max_connections)
-        for flag, value in (("--max-request-bytes", limits.max_request_bytes),
-                            ("--max-header-bytes", limits.max_header_bytes),
-                            ("--max-header-count", limits.max_header_count),
-                            ("--header-timeout", limits.header_timeout), ("--body-timeout", limits.body_timeout),
-                            ("--idle-connection-timeout", limits.idle_connection_timeout),
-                            ("--timeout-keep-alive", limits.keep_alive_timeout),
-                            ("--max-connections", limits.max_connections)):
+        limits = cls(
+            max_request_bytes=ns.max_request_bytes,
+            max_header_bytes=ns.max_header_bytes,
+            max_header_count=ns.max_header_count,
+            header_timeout=ns.header_timeout,
+            body_timeout=ns.body_timeout,
+            idle_connection_timeout=ns.idle_connection_timeout,
+            keep_alive_timeout=ns.timeout_keep_alive,
+            max_connections=max_connections,
+        )
+        for flag, value in (
+            ("--max-request-bytes", limits.max_request_bytes),
+            ("--max-header-bytes", limits.max_header_bytes),
+            ("--max-header-count", limits.max_header_count),
+            ("--header-timeout", limits.header_timeout),
+            ("--body-timeout", limits.body_timeout),
+            ("--idle-connection-timeout", limits.idle_connection_timeout),
+            ("--timeout-keep-alive", limits.keep_alive_timeout),
+            ("--max-connections", limits.max_connections),
+        ):
             if not value > 0:
                 raise ConfigError(f"{flag} must be positive (got {value}).")
         if max_connections >= fd_limit:
-            logger.warning("--max-connections %d is not below the file-descriptor limit (%d): connections beyond "
-                           "about %d will fail to be accepted instead of getting a 503; raise `ulimit -n`.",
-                           max_connections, fd_limit, fd_limit)
+            logger.warning(
+                "--max-connections %d is not below the file-descriptor limit (%d): connections beyond "
+                "about %d will fail to be accepted instead of getting a 503; raise `ulimit -n`.",
+                max_connections,
+                fd_limit,
+                fd_limit,
+            )
         return limits
 
     def uvicorn_args(self) -> dict[str, Any]:
@@ -155,9 +168,13 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if context.get("message") == "socket.accept() out of system resource":
             exc = context.get("exception")
-            notices.warn("accept", f"Cannot accept new connections: {exc} (descriptor limit "
-                                   f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); lower --max-connections "
-                                   "or raise `ulimit -n`", logging.ERROR)
+            notices.warn(
+                "accept",
+                f"Cannot accept new connections: {exc} (descriptor limit "
+                f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); lower --max-connections "
+                "or raise `ulimit -n`",
+                logging.ERROR,
+            )
             return
         if previous is not None:
             previous(loop, context)
@@ -172,18 +189,29 @@ def error_body(status: int, message: str, error_type: str, param: str | None = N
     return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
 
 
-_REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large",
-            503: b"Service Unavailable"}
-_ERROR_TYPES = {408: "RequestTimeoutError", 413: "RequestTooLargeError", 431: "RequestHeaderFieldsTooLargeError",
-                503: "ServiceUnavailableError"}
+_REASONS = {
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+_ERROR_TYPES = {
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
+    503: "ServiceUnavailableError",
+}
 
 
 def raw_error_response(status: int, message: str, retry_after: int | None = None) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, for the protocol to write itself."""
     body = error_body(status, message, _ERROR_TYPES[status])
     extra = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%s\r\n"
-            % (status, _REASONS[status], len(body), extra) + body)
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n%s\r\n"
+        % (status, _REASONS[status], len(body), extra)
+        + body
+    )
 
 
 # ---- the request body ------------------------------------------------------------------------------------
@@ -208,8 +236,11 @@ class BodyLimitMiddleware:
                 except ValueError:
                     break
                 if declared > self.limit:
-                    await self._too_large(send, f"The request body is {declared} bytes; this server accepts at most "
-                                                f"{self.limit} bytes (--max-request-bytes).")
+                    await self._too_large(
+                        send,
+                        f"The request body is {declared} bytes; this server accepts at most "
+                        f"{self.limit} bytes (--max-request-bytes).",
+                    )
                     return
                 break
             if name == b"transfer-encoding" and b"chunked" in value.lower():
@@ -222,13 +253,15 @@ class BodyLimitMiddleware:
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return                                  # the client left while sending the body
+                return  # the client left while sending the body
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
                 parts.clear()
-                await self._too_large(send, f"The request body exceeds {self.limit} bytes, the most this server "
-                                            "accepts (--max-request-bytes).")
+                await self._too_large(
+                    send,
+                    f"The request body exceeds {self.limit} bytes, the most this server accepts (--max-request-bytes).",
+                )
                 return
             parts.append(chunk)
             more = message.get("more_body", False)
@@ -247,9 +280,17 @@ class BodyLimitMiddleware:
         notices.warn("body", f"Refused a request body over --max-request-bytes {self.limit} (413)")
         payload = error_body(413, message, _ERROR_TYPES[413])
         # Connection: close makes the server stop reading the rest of the body.
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(payload)),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
 
@@ -276,20 +317,26 @@ def http_protocol(limits: HttpLimits) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._refused = False
-            self._in_message = False      # between the first byte of a request and its end
-            self._in_head = True          # before a request's headers are complete (or between requests)
-            self._head_bytes = 0          # received while _in_head: bounds an unfinished request line/header
-            self._timer: asyncio.TimerHandle | None = None        # the header or body deadline
-            self._idle_timer: asyncio.TimerHandle | None = None   # until the connection's first byte
+            self._in_message = False  # between the first byte of a request and its end
+            self._in_head = True  # before a request's headers are complete (or between requests)
+            self._head_bytes = 0  # received while _in_head: bounds an unfinished request line/header
+            self._timer: asyncio.TimerHandle | None = None  # the header or body deadline
+            self._idle_timer: asyncio.TimerHandle | None = None  # until the connection's first byte
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections:
                 self.transport, self.flow, self._refused = transport, FlowControl(transport), True
-                notices.warn("connections", f"Refused new connections: {len(self.connections)} open, "
-                                            f"--max-connections {max_connections} (503)")
-                transport.write(raw_error_response(
-                    503, f"The server has too many open connections ({max_connections}); retry later.",
-                    retry_after=1))
+                notices.warn(
+                    "connections",
+                    f"Refused new connections: {len(self.connections)} open, --max-connections {max_connections} (503)",
+                )
+                transport.write(
+                    raw_error_response(
+                        503,
+                        f"The server has too many open connections ({max_connections}); retry later.",
+                        retry_after=1,
+                    )
+                )
                 transport.close()
                 return
             super().connection_made(transport)
@@ -335,14 +382,16 @@ def http_protocol(limits: HttpLimits) -> type:
                 if self._in_head and self._head_bytes > max_header_bytes:
                     self._refuse_header_bytes(self._head_bytes)
                 elif self._timer is None:
-                    self._timer = self.loop.call_later(header_timeout if self._in_head else body_timeout,
-                                                       self._read_timeout)
+                    self._timer = self.loop.call_later(
+                        header_timeout if self._in_head else body_timeout, self._read_timeout
+                    )
             elif self._head_bytes > max_header_bytes:
                 self._refuse_header_bytes(self._head_bytes)
             elif self.timeout_keep_alive_task is None and self.cycle is not None and self.cycle.response_complete:
                 # Bytes that began no request (blank lines) cancelled the keep-alive timer: arm it again.
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                    self.timeout_keep_alive_handler)
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
         def _invalid_request(self) -> None:
             self.logger.warning("Invalid HTTP request received.")
@@ -350,7 +399,7 @@ def http_protocol(limits: HttpLimits) -> type:
 
         def on_message_begin(self) -> None:
             self._in_message = True
-            if self._idle_timer is not None:      # the first request begins (blank lines do not count)
+            if self._idle_timer is not None:  # the first request begins (blank lines do not count)
                 self._idle_timer.cancel()
                 self._idle_timer = None
             super().on_message_begin()
@@ -360,9 +409,13 @@ def http_protocol(limits: HttpLimits) -> type:
                 self._timer.cancel()
                 self._timer = None
             if len(self.headers) > max_header_count:
-                raise _Refusal(431, f"The request has {len(self.headers)} header fields; this server accepts at most "
-                                    f"{max_header_count} (--max-header-count).", "header-count",
-                               f"Refused requests over --max-header-count {max_header_count} (431)")
+                raise _Refusal(
+                    431,
+                    f"The request has {len(self.headers)} header fields; this server accepts at most "
+                    f"{max_header_count} (--max-header-count).",
+                    "header-count",
+                    f"Refused requests over --max-header-count {max_header_count} (431)",
+                )
             if self._head_bytes > max_header_bytes:
                 # What was counted includes whatever followed the headers in the same read: measure them.
                 size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
@@ -379,9 +432,13 @@ def http_protocol(limits: HttpLimits) -> type:
             super().on_message_complete()
 
         def _header_bytes_refusal(self, size: int) -> None:
-            raise _Refusal(431, f"The request line and headers exceed {max_header_bytes} bytes ({size} received), "
-                                "the most this server accepts (--max-header-bytes).", "header-bytes",
-                           f"Refused requests over --max-header-bytes {max_header_bytes} (431)")
+            raise _Refusal(
+                431,
+                f"The request line and headers exceed {max_header_bytes} bytes ({size} received), "
+                "the most this server accepts (--max-header-bytes).",
+                "header-bytes",
+                f"Refused requests over --max-header-bytes {max_header_bytes} (431)",
+            )
 
         def _refuse_header_bytes(self, size: int) -> None:
             try:
@@ -395,16 +452,20 @@ def http_protocol(limits: HttpLimits) -> type:
                 return
             if self._in_head:
                 if self.cycle is not None and not self.cycle.response_complete:
-                    return      # a pipelined request's head during a response: the keep-alive timer follows it
-                self._refuse(408, f"The request headers did not arrive within {header_timeout:g} s "
-                                  "(--header-timeout).", "header-timeout",
-                             f"Closed connections whose request headers took over --header-timeout "
-                             f"{header_timeout:g} s (408)")
+                    return  # a pipelined request's head during a response: the keep-alive timer follows it
+                self._refuse(
+                    408,
+                    f"The request headers did not arrive within {header_timeout:g} s (--header-timeout).",
+                    "header-timeout",
+                    f"Closed connections whose request headers took over --header-timeout {header_timeout:g} s (408)",
+                )
             else:
-                self._refuse(408, f"The request body did not arrive within {body_timeout:g} s of its headers "
-                                  "(--body-timeout).", "body-timeout",
-                             f"Closed connections whose request body took over --body-timeout "
-                             f"{body_timeout:g} s (408)")
+                self._refuse(
+                    408,
+                    f"The request body did not arrive within {body_timeout:g} s of its headers (--body-timeout).",
+                    "body-timeout",
+                    f"Closed connections whose request body took over --body-timeout {body_timeout:g} s (408)",
+                )
 
         def _refuse(self, status: int, message: str, key: str, notice: str) -> None:
             self._refused = True

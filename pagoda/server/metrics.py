@@ -27,15 +27,54 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pagoda.engine.core_process import Outputs
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0)
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 # --metrics-prefix → the prefixes /metrics shows, in order.
 METRICS_PREFIXES = {"both": ("pagoda", "vllm"), "pagoda": ("pagoda",), "vllm": ("vllm",)}
-_OWN = "pagoda:"           # the prefix the metrics are recorded under
+_OWN = "pagoda:"  # the prefix the metrics are recorded under
 
 
 class _Prefixed:
@@ -46,7 +85,7 @@ class _Prefixed:
         self.source, self.prefixes = source, prefixes
 
     def describe(self) -> list:
-        return []               # nothing to check for clashes: this is the render registry's only collector
+        return []  # nothing to check for clashes: this is the render registry's only collector
 
     def collect(self):
         families = list(self.source.collect())
@@ -69,13 +108,25 @@ def _renamed(family, prefix: str):
 
 
 def _engine_totals(stats) -> tuple[float, ...]:
-    return (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_steps,
-            stats.busy_seconds, stats.device_wait_seconds, stats.cpu_seconds)
+    return (
+        stats.num_preemptions,
+        stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
+        stats.num_steps,
+        stats.busy_seconds,
+        stats.device_wait_seconds,
+        stats.cpu_seconds,
+    )
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, multiprocess: bool = False, count_engine_totals: bool = True,
-                 prefixes: tuple[str, ...] = METRICS_PREFIXES["both"]):
+    def __init__(
+        self,
+        model_name: str,
+        multiprocess: bool = False,
+        count_engine_totals: bool = True,
+        prefixes: tuple[str, ...] = METRICS_PREFIXES["both"],
+    ):
         self.registry = CollectorRegistry()
         self.multiprocess = multiprocess
         self.prefixes = prefixes
@@ -105,22 +156,34 @@ class ServerMetrics:
         # Pagoda's own (no vLLM name): where the engine core's time goes, to tell a host-bound core
         # from a GPU-bound one under load (`pagoda bench` reports them per point, per step).
         self.engine_steps = counter("engine_steps", "Engine steps run").labels(m)
-        self.engine_busy = counter("engine_core_busy_seconds",
-                                   "Engine core time in its loop (not idle-waiting for requests)").labels(m)
-        self.engine_wait = counter("engine_core_device_wait_seconds",
-                                   "Part of the busy time spent waiting for a step's sampled tokens").labels(m)
-        self.engine_cpu = counter("engine_core_cpu_seconds",
-                                  "CPU time of the engine core's loop thread over its busy time").labels(m)
+        self.engine_busy = counter(
+            "engine_core_busy_seconds", "Engine core time in its loop (not idle-waiting for requests)"
+        ).labels(m)
+        self.engine_wait = counter(
+            "engine_core_device_wait_seconds", "Part of the busy time spent waiting for a step's sampled tokens"
+        ).labels(m)
+        self.engine_cpu = counter(
+            "engine_core_cpu_seconds", "CPU time of the engine core's loop thread over its busy time"
+        ).labels(m)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS).labels(m)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             _TTFT_BUCKETS).labels(m)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled",
-                                    _TTFT_BUCKETS).labels(m)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish", _TTFT_BUCKETS).labels(
+            m
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting before first scheduled", _TTFT_BUCKETS
+        ).labels(m)
         self.model_name = m
         # Counters fed from the core's running totals, in `_engine_totals` order.
-        self._total_counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.engine_steps,
-                                self.engine_busy, self.engine_wait, self.engine_cpu)
+        self._total_counters = (
+            self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.engine_steps,
+            self.engine_busy,
+            self.engine_wait,
+            self.engine_cpu,
+        )
         self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0, 0.0)
 
     def on_engine_outputs(self, message: Outputs) -> None:
@@ -129,7 +192,7 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         generated = 0
-        for _, finished, completions, num_prompt_tokens, _, queue_time in message.outputs:   # wire tuples
+        for _, finished, completions, num_prompt_tokens, _, queue_time in message.outputs:  # wire tuples
             for completion in completions:
                 generated += len(completion[2])
             if finished:
@@ -162,7 +225,7 @@ class ServerMetrics:
                 # lazy: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR must be set before import)
                 from prometheus_client import multiprocess
 
-                source = multiprocess.MultiProcessCollector(None)     # every process's files, summed
+                source = multiprocess.MultiProcessCollector(None)  # every process's files, summed
             self._render_registry = CollectorRegistry()
             self._render_registry.register(_Prefixed(source, self.prefixes))
         return generate_latest(self._render_registry)

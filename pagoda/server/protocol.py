@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from json.encoder import encode_basestring as _json_str
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,14 +28,15 @@ from pydantic_core import PydanticCustomError
 
 from pagoda.sampling_params import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
-MAX_MESSAGES = 2048          # OpenAI's cap on `messages`
-MAX_CONTENT_PARTS = 4096     # content parts in all of a request's messages
-MAX_PROMPTS = 2048           # prompts in one completion request (strings or token-id lists), times n
+MAX_MESSAGES = 2048  # OpenAI's cap on `messages`
+MAX_CONTENT_PARTS = 4096  # content parts in all of a request's messages
+MAX_PROMPTS = 2048  # prompts in one completion request (strings or token-id lists), times n
 
 
 def _too_many(what: str, limit: int, got: int) -> PydanticCustomError:
-    return PydanticCustomError("too_many", "at most {limit} {what} are allowed, got {got}",
-                               {"limit": limit, "what": what, "got": got})
+    return PydanticCustomError(
+        "too_many", "at most {limit} {what} are allowed, got {got}", {"limit": limit, "what": what, "got": got}
+    )
 
 
 class _Request(BaseModel):
@@ -78,8 +79,11 @@ class _SamplingFields(_Request):
             raise _too_many("stop strings", MAX_STOP_STRINGS, len(items))
         longest = max((len(s) for s in items if isinstance(s, str)), default=0)
         if longest > MAX_STOP_CHARS:
-            raise PydanticCustomError("too_many", "stop strings must be at most {limit} characters long, got one of "
-                                      "{got}", {"limit": MAX_STOP_CHARS, "got": longest})
+            raise PydanticCustomError(
+                "too_many",
+                "stop strings must be at most {limit} characters long, got one of {got}",
+                {"limit": MAX_STOP_CHARS, "got": longest},
+            )
         return stop
 
     @field_validator("stop_token_ids", mode="before")
@@ -110,7 +114,7 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: ChatRole
-    content: Union[str, list[Union[TextPart, OtherPart]], None] = Field(default=None, validate_default=True)
+    content: str | list[TextPart | OtherPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
 
     @field_validator("content")
@@ -146,14 +150,14 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None   # per-request min_pixels / max_pixels (vision models)
+    mm_processor_kwargs: dict[str, Any] | None = None  # per-request min_pixels / max_pixels (vision models)
 
 
 _TOKEN_IDS = TypeAdapter(list[int])
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -337,8 +341,10 @@ class CompletionChunkTemplate:
     """`CompletionResponse` chunks of one stream (exclude_none: unset reasons are left out)."""
 
     def __init__(self, chunk_id: str, created: int, model: str):
-        self.head = (f'data: {{"id":{_json_str(chunk_id)},"object":"text_completion","created":{int(created)},'
-                     f'"model":{_json_str(model)},"choices":[')
+        self.head = (
+            f'data: {{"id":{_json_str(chunk_id)},"object":"text_completion","created":{int(created)},'
+            f'"model":{_json_str(model)},"choices":['
+        )
 
     def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str | None:
         body = f'{{"index":{index},"text":{_json_str(text)}'
@@ -360,17 +366,20 @@ class ChatChunkTemplate:
     """`ChatCompletionChunk`s of one stream (every field present, unset ones as null)."""
 
     def __init__(self, chunk_id: str, created: int, model: str):
-        self.head = (f'data: {{"id":{_json_str(chunk_id)},"object":"chat.completion.chunk","created":{int(created)},'
-                     f'"model":{_json_str(model)},"choices":[')
+        self.head = (
+            f'data: {{"id":{_json_str(chunk_id)},"object":"chat.completion.chunk","created":{int(created)},'
+            f'"model":{_json_str(model)},"choices":['
+        )
 
-    def choice(self, index: int, content: str, finish_reason: str | None,
-               stop_reason: int | str | None) -> str | None:
+    def choice(self, index: int, content: str, finish_reason: str | None, stop_reason: int | str | None) -> str | None:
         stop = _stop_json(stop_reason)
         if stop is None:
             return None
         reason = "null" if finish_reason is None else _json_str(finish_reason)
-        return (f'{{"index":{index},"delta":{{"role":null,"content":{_json_str(content)}}},"logprobs":null,'
-                f'"finish_reason":{reason},"stop_reason":{stop}}}')
+        return (
+            f'{{"index":{index},"delta":{{"role":null,"content":{_json_str(content)}}},"logprobs":null,'
+            f'"finish_reason":{reason},"stop_reason":{stop}}}'
+        )
 
     def event(self, choices: list[str]) -> str:
         return self.head + ",".join(choices) + '],"usage":null}\n\n'

@@ -58,11 +58,15 @@ async def completions(body: p.CompletionRequest, request: Request):
 @router.get("/v1/models", responses=_errors(401, 503))
 async def models(request: Request) -> p.ModelList:
     ctx = _serving(request).ctx
-    if ctx.engine.is_dead:      # as /health: a load balancer listing models must not route here
+    if ctx.engine.is_dead:  # as /health: a load balancer listing models must not route here
         raise EngineDead(f"The engine is not running: {ctx.engine.dead_reason}")
     created = p.now()
-    return p.ModelList(data=[p.ModelCard(id=name, created=created, root=ctx.served_model_names[0],
-                                         max_model_len=ctx.max_model_len) for name in ctx.served_model_names])
+    return p.ModelList(
+        data=[
+            p.ModelCard(id=name, created=created, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
+            for name in ctx.served_model_names
+        ]
+    )
 
 
 @router.get("/health", responses=_errors(503))
@@ -107,6 +111,6 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
 async def detokenize(body: p.DetokenizeRequest, request: Request) -> JSONResponse:
     serving = _serving(request)
     serving.check_model(body.model)
-    if body.tokens:             # no ids decode to "" (as vLLM); only a prompt must have some
+    if body.tokens:  # no ids decode to "" (as vLLM); only a prompt must have some
         serving.check_tokens(body.tokens, "tokens")
     return JSONResponse({"prompt": serving.decode(body.tokens)})

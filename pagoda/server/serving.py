@@ -29,8 +29,14 @@ from pagoda.server.sse import SSE_DONE, sse_data
 
 logger = logging.getLogger("pagoda.server")
 
-_GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass
@@ -45,10 +51,10 @@ class ServingContext:
     metrics: ServerMetrics
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int | None = None
-    api_server_count: int = 1                     # API processes sharing the engine (--api-server-count)
+    api_server_count: int = 1  # API processes sharing the engine (--api-server-count)
     log_requests: bool = False
-    multimodal: MultiModalServing | None = None   # set for vision-language models
-    trust_request_chat_template: bool = False     # --trust-request-chat-template
+    multimodal: MultiModalServing | None = None  # set for vision-language models
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
 
     @property
     def model_name(self) -> str:
@@ -57,8 +63,11 @@ class ServingContext:
 
 def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields a model's generation_config.json sets (used when a request leaves them unset)."""
-    return {ours: generation_config[theirs] for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
-            if generation_config.get(theirs) is not None}
+    return {
+        ours: generation_config[theirs]
+        for theirs, ours in _GENERATION_CONFIG_FIELDS.items()
+        if generation_config.get(theirs) is not None
+    }
 
 
 class OpenAIServing:
@@ -69,8 +78,10 @@ class OpenAIServing:
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.ctx.served_model_names:
-            raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: "
-                                f"{', '.join(self.ctx.served_model_names)}.", "model")
+            raise ModelNotFound(
+                f"The model `{_clip(name)}` does not exist. Served models: {', '.join(self.ctx.served_model_names)}.",
+                "model",
+            )
 
     def check_capacity(self, count: int = 1) -> Admission | None:
         """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
@@ -98,17 +109,19 @@ class OpenAIServing:
         check_unicode(text, "prompt")
         return self._encode(text, add_special_tokens)
 
-    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
-                            media_tokens: int = 0) -> int:
+    def _resolve_max_tokens(
+        self, requested: int | None, prompt_len: int, prompt_param: str = "prompt", media_tokens: int = 0
+    ) -> int:
         ctx = self.ctx
         if prompt_len >= ctx.max_model_len:
-            parts = (f" ({prompt_len - media_tokens} text + {media_tokens} image/video tokens)" if media_tokens
-                     else "")
+            parts = f" ({prompt_len - media_tokens} text + {media_tokens} image/video tokens)" if media_tokens else ""
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
                 f"{prompt_len} tokens{parts}, which leaves no room for the completion. Please reduce the length "
-                f"of the {prompt_param}" + (" or the image sizes (mm_processor_kwargs max_pixels)." if media_tokens
-                                            else "."), prompt_param)
+                f"of the {prompt_param}"
+                + (" or the image sizes (mm_processor_kwargs max_pixels)." if media_tokens else "."),
+                prompt_param,
+            )
         if requested is None:
             requested = ctx.generation_defaults.get("max_tokens")
             if requested is None or prompt_len + requested > ctx.max_model_len:
@@ -119,7 +132,9 @@ class OpenAIServing:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). "
-                "Please reduce the length of the messages or completion.", "max_tokens")
+                "Please reduce the length of the messages or completion.",
+                "max_tokens",
+            )
         return requested
 
     def check_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
@@ -135,50 +150,81 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
         return SamplingParams(
-            n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
-            frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
 
     # ---- chat ---------------------------------------------------------------------------------
     async def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, Any]:
         """(rendered text, prompt ids with image/video placeholders expanded, params, mm inputs or None)."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
-                                 "top_logprobs")
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.", "top_logprobs"
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
         if req.add_generation_prompt and req.continue_final_message:
-            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true.",
-                                 "continue_final_message")
+            raise InvalidRequest(
+                "add_generation_prompt and continue_final_message cannot both be true.", "continue_final_message"
+            )
         if not req.continue_final_message and all(m.role == "assistant" for m in req.messages):
             # Nothing to answer. With continue_final_message it is a prefill: the model continues that text.
-            raise InvalidRequest("The messages are all assistant messages; send a user (or system, developer, "
-                                 "tool) message too, or set continue_final_message (and add_generation_prompt "
-                                 "false) to continue the last one.", "messages")
+            raise InvalidRequest(
+                "The messages are all assistant messages; send a user (or system, developer, "
+                "tool) message too, or set continue_final_message (and add_generation_prompt "
+                "false) to continue the last one.",
+                "messages",
+            )
         if req.chat_template and not self.ctx.trust_request_chat_template:
             raise InvalidRequest(refused_message(), "chat_template")
         text, token_ids, mm_inputs = await self.chat_prompt(
-            req.messages, self.ctx.chat_template, req.add_generation_prompt, req.chat_template_kwargs,
-            req.mm_processor_kwargs, continue_final_message=req.continue_final_message,
-            request_template=req.chat_template or None)
+            req.messages,
+            self.ctx.chat_template,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            req.mm_processor_kwargs,
+            continue_final_message=req.continue_final_message,
+            request_template=req.chat_template or None,
+        )
         self.check_tokens(token_ids, "messages")
         media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
         max_tokens = self._resolve_max_tokens(
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, len(token_ids),
-            "messages", media_tokens)
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            len(token_ids),
+            "messages",
+            media_tokens,
+        )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return text, token_ids, self._sampling_params(req, max_tokens, logprobs), mm_inputs
 
-    async def chat_prompt(self, messages: list[p.ChatMessage], chat_template: str | None, add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None = None,
-                          processor_kwargs: dict[str, Any] | None = None, *, continue_final_message: bool = False,
-                          request_template: str | None = None) -> tuple[str, list[int], Any]:
+    async def chat_prompt(
+        self,
+        messages: list[p.ChatMessage],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        request_template: str | None = None,
+    ) -> tuple[str, list[int], Any]:
         """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders.
         `request_template` (a request's own, allowed by --trust-request-chat-template) replaces
         `chat_template` and is rendered in the bounded sandbox, off the event loop."""
@@ -186,13 +232,24 @@ class OpenAIServing:
             raise InvalidRequest("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.", "messages")
         dicts = [self._message_dict(m) for m in messages]
         # All of it may end up in the rendered prompt, which the tokenizer must be able to take.
-        for value, param in ((dicts, "messages"), (request_template, "chat_template"),
-                             (template_kwargs, "chat_template_kwargs")):
+        for value, param in (
+            (dicts, "messages"),
+            (request_template, "chat_template"),
+            (template_kwargs, "chat_template_kwargs"),
+        ):
             check_unicode(value, param)
         return await render_chat_prompt(
-            self.ctx.tokenizer, self.ctx.multimodal, dicts, chat_template,
-            add_generation_prompt, f"{self.ctx.model_name} ({self.ctx.architecture})", template_kwargs,
-            processor_kwargs, continue_final_message=continue_final_message, request_template=request_template)
+            self.ctx.tokenizer,
+            self.ctx.multimodal,
+            dicts,
+            chat_template,
+            add_generation_prompt,
+            f"{self.ctx.model_name} ({self.ctx.architecture})",
+            template_kwargs,
+            processor_kwargs,
+            continue_final_message=continue_final_message,
+            request_template=request_template,
+        )
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
         data = message.model_dump(exclude_none=True)
@@ -215,21 +272,39 @@ class OpenAIServing:
                         logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
                     if c.finish_reason is not None:
                         finals[c.index] = c
-        choices = [p.ChatChoice(index=i, message=p.ResponseMessage(content="".join(texts[i])),
-                                logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
-                                finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i]))
-                   for i in range(params.n)]
-        return p.ChatCompletionResponse(id=p.make_id("chatcmpl"), created=p.now(), model=self.ctx.model_name,
-                                        choices=choices, usage=_usage(len(ids), sum(token_counts)))
+        choices = [
+            p.ChatChoice(
+                index=i,
+                message=p.ResponseMessage(content="".join(texts[i])),
+                logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
+                finish_reason=_reason(finals[i]),
+                stop_reason=_stop(finals[i]),
+            )
+            for i in range(params.n)
+        ]
+        return p.ChatCompletionResponse(
+            id=p.make_id("chatcmpl"),
+            created=p.now(),
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=_usage(len(ids), sum(token_counts)),
+        )
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         text, ids, params, mm_inputs = await self.prepare_chat(req)
         admission = self.check_capacity()
         return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission)
 
-    async def _chat_stream(self, req: p.ChatCompletionRequest, text: str, ids: list[int], params: SamplingParams,
-                           arrival: float, mm_inputs: Any = None,
-                           admission: Admission | None = None) -> AsyncIterator[str | bytes]:
+    async def _chat_stream(
+        self,
+        req: p.ChatCompletionRequest,
+        text: str,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        mm_inputs: Any = None,
+        admission: Admission | None = None,
+    ) -> AsyncIterator[str | bytes]:
         chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
@@ -239,27 +314,35 @@ class OpenAIServing:
             chunk = p.ChatCompletionChunk(id=chunk_id, created=created, model=name, choices=choices, usage=usage)
             return sse_data(chunk.model_dump_json(exclude_unset=False))
 
-        yield frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
-                     for i in range(params.n)])
+        yield frame(
+            [p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")) for i in range(params.n)]
+        )
         async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
-            events = []       # one chunk per output, as they came; all of a batch go out in one write
+            events = []  # one chunk per output, as they came; all of a batch go out in one write
             for out in batch:
                 choices = []
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None:
                         continue
-                    choice = (template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None
-                              else None)
+                    choice = template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None else None
                     if choice is None:
-                        lp = (p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
-                              if c.logprobs is not None else None)
-                        choice = p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(content=c.text), logprobs=lp,
-                                                    finish_reason=_reason(c), stop_reason=_stop(c)).model_dump_json()
+                        lp = (
+                            p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
+                            if c.logprobs is not None
+                            else None
+                        )
+                        choice = p.ChatStreamChoice(
+                            index=c.index,
+                            delta=p.DeltaMessage(content=c.text),
+                            logprobs=lp,
+                            finish_reason=_reason(c),
+                            stop_reason=_stop(c),
+                        ).model_dump_json()
                     choices.append(choice)
                 if choices:
                     events.append(template.event(choices))
-            if batch[-1].finished:       # the last write: the usage chunk and the end marker go with it
+            if batch[-1].finished:  # the last write: the usage chunk and the end marker go with it
                 if include_usage:
                     events.append(frame([], _usage(len(ids), completion_tokens)))
                 events.append(SSE_DONE)
@@ -271,10 +354,17 @@ class OpenAIServing:
         for token, entry in zip(token_ids, entries):
             chosen = entry[token]
             top = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank or 0)
-            result.append(p.ChatTokenLogprob(
-                token=chosen.decoded_token or "", logprob=chosen.logprob, bytes=_bytes(chosen.decoded_token),
-                top_logprobs=[p.TopLogprob(token=e.decoded_token or "", logprob=e.logprob,
-                                           bytes=_bytes(e.decoded_token)) for e in top]))
+            result.append(
+                p.ChatTokenLogprob(
+                    token=chosen.decoded_token or "",
+                    logprob=chosen.logprob,
+                    bytes=_bytes(chosen.decoded_token),
+                    top_logprobs=[
+                        p.TopLogprob(token=e.decoded_token or "", logprob=e.logprob, bytes=_bytes(e.decoded_token))
+                        for e in top
+                    ],
+                )
+            )
         return result
 
     # ---- completions --------------------------------------------------------------------------
@@ -287,8 +377,10 @@ class OpenAIServing:
         prompt = req.prompt
         count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         if count * req.n > p.MAX_PROMPTS:
-            raise InvalidRequest(f"n times the number of prompts must be at most {p.MAX_PROMPTS}, got n={req.n} "
-                                 f"for {count} prompts.", "n")
+            raise InvalidRequest(
+                f"n times the number of prompts must be at most {p.MAX_PROMPTS}, got n={req.n} for {count} prompts.",
+                "n",
+            )
         if isinstance(prompt, str):
             items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, True))]
         elif prompt and all(isinstance(x, str) for x in prompt):
@@ -298,11 +390,14 @@ class OpenAIServing:
         elif prompt and all(isinstance(x, list) for x in prompt):
             items = [(None, list(x)) for x in cast("list[list[int]]", prompt)]
         else:
-            raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
-                                 "token-id lists, and not empty.", "prompt")
+            raise InvalidRequest(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists, and not empty.",
+                "prompt",
+            )
         prepared = []
         for text, ids in items:
-            max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))   # first: O(1) for an overlong prompt
+            max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))  # first: O(1) for an overlong prompt
             self.check_tokens(ids)
             prepared.append((text, ids, self._sampling_params(req, max_tokens, req.logprobs)))
         return prepared
@@ -327,18 +422,31 @@ class OpenAIServing:
         for i in range(n * len(prepared)):
             prefix = (prepared[i // n][0] or self.decode(prepared[i // n][1])) if req.echo else ""
             lp = self._completion_logprobs(logprobs[i], len(prefix)) if req.logprobs is not None else None
-            choices.append(p.CompletionChoice(index=i, text=prefix + "".join(texts[i]), logprobs=lp,
-                                              finish_reason=_reason(finals[i]), stop_reason=_stop(finals[i])))
-        return p.CompletionResponse(id=p.make_id("cmpl"), created=p.now(), model=self.ctx.model_name,
-                                    choices=choices, usage=_usage(prompt_tokens, sum(counts)))
+            choices.append(
+                p.CompletionChoice(
+                    index=i,
+                    text=prefix + "".join(texts[i]),
+                    logprobs=lp,
+                    finish_reason=_reason(finals[i]),
+                    stop_reason=_stop(finals[i]),
+                )
+            )
+        return p.CompletionResponse(
+            id=p.make_id("cmpl"),
+            created=p.now(),
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=_usage(prompt_tokens, sum(counts)),
+        )
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         prepared = self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         return self._completion_stream(req, prepared, arrival, admission)
 
-    async def _completion_stream(self, req: p.CompletionRequest, prepared: list, arrival: float,
-                                 admission: Admission | None = None) -> AsyncIterator[str | bytes]:
+    async def _completion_stream(
+        self, req: p.CompletionRequest, prepared: list, arrival: float, admission: Admission | None = None
+    ) -> AsyncIterator[str | bytes]:
         chunk_id, created, name, n = p.make_id("cmpl"), p.now(), self.ctx.model_name, req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
@@ -347,7 +455,7 @@ class OpenAIServing:
         template = p.CompletionChunkTemplate(chunk_id, created, name)
         unfinished = len(prepared)
         async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
-            events = []       # one chunk per output, as they came; all of a batch go out in one write
+            events = []  # one chunk per output, as they came; all of a batch go out in one write
             for out in batch:
                 unfinished -= out.finished
                 choices = []
@@ -364,26 +472,34 @@ class OpenAIServing:
                     if choice is None:
                         lp = None
                         if c.logprobs is not None:
-                            lp = self._completion_logprobs([(c.token_ids, c.logprobs)],
-                                                           offsets[i] + len(text) - len(c.text))
-                        choice = p.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_reason(c),
-                                                    stop_reason=_stop(c)).model_dump_json(exclude_none=True)
+                            lp = self._completion_logprobs(
+                                [(c.token_ids, c.logprobs)], offsets[i] + len(text) - len(c.text)
+                            )
+                        choice = p.CompletionChoice(
+                            index=i, text=text, logprobs=lp, finish_reason=_reason(c), stop_reason=_stop(c)
+                        ).model_dump_json(exclude_none=True)
                     offsets[i] += len(text)
                     choices.append(choice)
                 if choices:
                     events.append(template.event(choices))
-            if not unfinished:           # the last write: the usage chunk and the end marker go with it
+            if not unfinished:  # the last write: the usage chunk and the end marker go with it
                 if include_usage:
                     prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-                    chunk = p.CompletionResponse(id=chunk_id, created=created, model=name, choices=[],
-                                                 usage=_usage(prompt_tokens, completion_tokens))
+                    chunk = p.CompletionResponse(
+                        id=chunk_id,
+                        created=created,
+                        model=name,
+                        choices=[],
+                        usage=_usage(prompt_tokens, completion_tokens),
+                    )
                     events.append(sse_data(chunk.model_dump_json(exclude_none=True)))
                 events.append(SSE_DONE)
             if events:
                 yield "".join(events).encode()
 
-    def _completion_logprobs(self, parts: list[tuple[list[int], list[dict[int, Logprob]]]],
-                             offset: int = 0) -> p.CompletionLogprobs:
+    def _completion_logprobs(
+        self, parts: list[tuple[list[int], list[dict[int, Logprob]]]], offset: int = 0
+    ) -> p.CompletionLogprobs:
         """OpenAI's legacy logprobs; text_offset counts characters from `offset` (where this text starts)."""
         result = p.CompletionLogprobs()
         for token_ids, entries in parts:
@@ -391,8 +507,9 @@ class OpenAIServing:
                 chosen = entry[token]
                 result.tokens.append(chosen.decoded_token or "")
                 result.token_logprobs.append(chosen.logprob)
-                result.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()
-                                            if e.rank is not None})
+                result.top_logprobs.append(
+                    {(e.decoded_token or ""): e.logprob for e in entry.values() if e.rank is not None}
+                )
                 result.text_offset.append(offset)
                 offset += len(chosen.decoded_token or "")
         return result
@@ -401,8 +518,9 @@ class OpenAIServing:
         return decode_ids(self.ctx.tokenizer, ids) if self.ctx.tokenizer is not None else ""
 
     # ---- engine streams and metrics -----------------------------------------------------------
-    async def _merged(self, prepared: list, arrival: float, request_id: str | None,
-                      admission: Admission | None = None) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+    async def _merged(
+        self, prepared: list, arrival: float, request_id: str | None, admission: Admission | None = None
+    ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
         """Run several prompts at once; yield (prompt index, batch of its outputs) as they come."""
         if len(prepared) == 1:
             text, ids, params = prepared[0]
@@ -434,9 +552,16 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def _generate(self, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
-                        request_id: str | None, mm_inputs: Any = None,
-                        admission: Admission | None = None) -> AsyncIterator[list[RequestOutput]]:
+    async def _generate(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        arrival: float,
+        request_id: str | None,
+        mm_inputs: Any = None,
+        admission: Admission | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
         """The engine's outputs for one prompt, in batches (all that arrived since the last wake-up);
         feeds TTFT / inter-token latency (per output with tokens) and the finish-reason counters."""
         metrics = self.ctx.metrics
@@ -447,8 +572,9 @@ class OpenAIServing:
         try:
             # Passed only when there is one: without a limit, any engine with `generate_batches` will do.
             extra = {"admission": admission} if admission is not None else {}
-            async for batch in self.ctx.engine.generate_batches(ids, params, prompt, delta=True, request_id=request_id,
-                                                                mm_inputs=mm_inputs, **extra):
+            async for batch in self.ctx.engine.generate_batches(
+                ids, params, prompt, delta=True, request_id=request_id, mm_inputs=mm_inputs, **extra
+            ):
                 now = time.monotonic()
                 for out in batch:
                     has_tokens = False
@@ -478,8 +604,11 @@ def check_unicode(value: Any, param: str) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
                 code = ord(value[exc.start])
-                raise InvalidRequest(f"{param} is not valid Unicode: a lone surrogate (\\u{code:04x}) at character "
-                                     f"{exc.start}; send text as UTF-8.", param) from None
+                raise InvalidRequest(
+                    f"{param} is not valid Unicode: a lone surrogate (\\u{code:04x}) at character "
+                    f"{exc.start}; send text as UTF-8.",
+                    param,
+                ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             check_unicode(key, param)
@@ -513,5 +642,6 @@ def _bytes(text: str | None) -> list[int] | None:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> p.UsageInfo:
-    return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                       total_tokens=prompt_tokens + completion_tokens)
+    return p.UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )

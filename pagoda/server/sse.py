@@ -24,7 +24,7 @@ def sse_data(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-SSE_DONE = sse_data("[DONE]")     # a stream's end marker (`sse_response` adds it unless the stream did)
+SSE_DONE = sse_data("[DONE]")  # a stream's end marker (`sse_response` adds it unless the stream did)
 SSE_DONE_BYTES = SSE_DONE.encode()
 
 

@@ -41,16 +41,47 @@ Status = Literal["ok", "warn", "FAIL"]
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _NUMBERED = re.compile(r"^(?P<prefix>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
-_MAX_HEADER_BYTES = 100 * 1024 * 1024        # the safetensors library's own limit
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 # Bytes per element of each safetensors dtype; sub-byte and exotic dtypes are not size-checked.
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-                "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
+}
 # Files a tokenizer folder may hold (all of them must be readable when present).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "chat_template.json",
-                    "chat_template.jinja")
-_OTHER_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", _SAFETENSORS_INDEX,
-                "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+_OTHER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    _SAFETENSORS_INDEX,
+    "pytorch_model.bin.index.json",
+)
 _YUAN_SPECIAL_IDS = {"<eod>": 77185, "<sep>": 77187}
 _DISK_FACTOR = 1.5
 _SHM_MIN_BYTES = 1 << 30
@@ -71,12 +102,12 @@ class _State:
 
     model: str | None
     tokenizer_path: str | None
-    source: Any = None                       # ModelSource once config.json / the GGUF header parsed
-    weight_format: str | None = None         # "safetensors" | "bin" | "gguf"
-    weight_files: list[str] = field(default_factory=list)    # what the loader reads, in order
+    source: Any = None  # ModelSource once config.json / the GGUF header parsed
+    weight_format: str | None = None  # "safetensors" | "bin" | "gguf"
+    weight_files: list[str] = field(default_factory=list)  # what the loader reads, in order
     unreadable: set[str] = field(default_factory=set)
-    headers: dict[str, dict[str, Any]] = field(default_factory=dict)    # safetensors file -> header
-    shards_ok: bool = False                  # the shard set is complete and consistent with its index
+    headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors file -> header
+    shards_ok: bool = False  # the shard set is complete and consistent with its index
     headers_complete: bool = False
     tokenizer: Any = None
 
@@ -93,10 +124,20 @@ class _State:
         return sum(os.path.getsize(p) for p in self.weight_files if os.path.isfile(p))
 
 
-def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_size: int = 1, fast: bool = False,
-               tokenizer: str | None = None, host: str = "0.0.0.0", device: str = "auto",
-               skip_tokenizer_init: bool = False, chat_template: str | None = None,
-               trust_remote_code: bool = False, load_format: str = "auto") -> list[Check]:
+def run_checks(
+    model: str | None,
+    *,
+    port: int | None = None,
+    tensor_parallel_size: int = 1,
+    fast: bool = False,
+    tokenizer: str | None = None,
+    host: str = "0.0.0.0",
+    device: str = "auto",
+    skip_tokenizer_init: bool = False,
+    chat_template: str | None = None,
+    trust_remote_code: bool = False,
+    load_format: str = "auto",
+) -> list[Check]:
     """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights.
 
     `model` is an HF folder, hub id or .gguf file (None: the embedded default model), as for serve.
@@ -108,8 +149,14 @@ def run_checks(model: str | None, *, port: int | None = None, tensor_parallel_si
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - the report must always be complete
-            out.append(Check(name, "FAIL", f"unexpected error: {type(exc).__name__}: {exc}",
-                             "report this as a Pagoda bug, with the model folder's file listing"))
+            out.append(
+                Check(
+                    name,
+                    "FAIL",
+                    f"unexpected error: {type(exc).__name__}: {exc}",
+                    "report this as a Pagoda bug, with the model folder's file listing",
+                )
+            )
             return
         if isinstance(result, Check):
             out.append(result)
@@ -173,8 +220,12 @@ def _check_config(state: _State) -> Check:
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.lexists(path):
-            return Check("config", "FAIL", f"{model} has no config.json",
-                         "pass an HF model folder (with config.json) or a .gguf file; re-download the model")
+            return Check(
+                "config",
+                "FAIL",
+                f"{model} has no config.json",
+                "pass an HF model folder (with config.json) or a .gguf file; re-download the model",
+            )
         problem = _unreadable_reason(path)
         if problem:
             return Check("config", "FAIL", f"config.json {problem}", _read_fix(path))
@@ -182,18 +233,30 @@ def _check_config(state: _State) -> Check:
             with open(path, encoding="utf-8") as f:
                 hf_config = json.load(f)
         except ValueError as exc:
-            return Check("config", "FAIL", f"config.json is not valid JSON ({exc})",
-                         "re-download config.json or fix the syntax error")
+            return Check(
+                "config",
+                "FAIL",
+                f"config.json is not valid JSON ({exc})",
+                "re-download config.json or fix the syntax error",
+            )
         if not isinstance(hf_config, dict):
-            return Check("config", "FAIL", f"config.json holds a {type(hf_config).__name__}, not a JSON object",
-                         "re-download config.json")
+            return Check(
+                "config",
+                "FAIL",
+                f"config.json holds a {type(hf_config).__name__}, not a JSON object",
+                "re-download config.json",
+            )
         state.source = ModelSource(location=model, kind="hf", hf_config=hf_config)
         return Check("config", "ok", f"{path} parses", None)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or os.path.exists(model):
-        return Check("config", "FAIL", f"model folder {model!r} does not exist",
-                     "pass the path of a downloaded model folder, a hub id, or a .gguf file")
+        return Check(
+            "config",
+            "FAIL",
+            f"model folder {model!r} does not exist",
+            "pass the path of a downloaded model folder, a hub id, or a .gguf file",
+        )
     try:
-        state.source = resolve_model_source(model)      # a hub id: the local cache first, then the hub
+        state.source = resolve_model_source(model)  # a hub id: the local cache first, then the hub
     except (PagodaError, OSError, ValueError) as exc:
         return Check("config", "FAIL", str(exc), "download the model and pass its folder")
     return Check("config", "ok", f"{model} → {state.source.location}", None)
@@ -217,8 +280,12 @@ def _check_gguf_config(state: _State) -> Check:
     except PagodaError as exc:
         return Check("config", "FAIL", f"{path}: {exc.message}", "re-convert or re-download the GGUF file")
     except Exception as exc:  # noqa: BLE001 - the GGUF reader raises plain errors on damaged files
-        return Check("config", "FAIL", f"{path}: the GGUF reader cannot parse it ({type(exc).__name__}: {exc})",
-                     "re-download the GGUF file (it is damaged or truncated)")
+        return Check(
+            "config",
+            "FAIL",
+            f"{path}: the GGUF reader cannot parse it ({type(exc).__name__}: {exc})",
+            "re-download the GGUF file (it is damaged or truncated)",
+        )
     state.source = ModelSource(location=path, kind="gguf", hf_config=hf_config)
     state.weight_format, state.weight_files = "gguf", [path]
     label = "embedded default model " if state.model is None else ""
@@ -231,11 +298,19 @@ def _check_architecture(hf_config: dict[str, Any]) -> Check:
     archs = hf_config.get("architectures")
     supported = supported_architectures()
     if not archs or not isinstance(archs, list):
-        return Check("architecture", "FAIL", "config.json has no \"architectures\" list",
-                     f"add \"architectures\": [\"...\"] naming one of {', '.join(supported)}")
+        return Check(
+            "architecture",
+            "FAIL",
+            'config.json has no "architectures" list',
+            f'add "architectures": ["..."] naming one of {", ".join(supported)}',
+        )
     if archs[0] not in supported:
-        return Check("architecture", "FAIL", f"{archs[0]} is not supported",
-                     f"Pagoda serves {', '.join(supported)}; pick a model of one of these architectures")
+        return Check(
+            "architecture",
+            "FAIL",
+            f"{archs[0]} is not supported",
+            f"Pagoda serves {', '.join(supported)}; pick a model of one of these architectures",
+        )
     return Check("architecture", "ok", f"{archs[0]} is supported", None)
 
 
@@ -243,24 +318,40 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
     if _is_yuan(cfg):
         from pagoda.models.yuan import YuanShape  # lazy: torch (`pagoda` starts without it)
 
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
-                               "intermediate_size") if not _positive_int(cfg.get(k))]
+        missing = [
+            k
+            for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+            if not _positive_int(cfg.get(k))
+        ]
         if missing:
-            return Check("config fields", "FAIL", f"config.json lacks positive integers for {', '.join(missing)}",
-                         "re-download config.json")
+            return Check(
+                "config fields",
+                "FAIL",
+                f"config.json lacks positive integers for {', '.join(missing)}",
+                "re-download config.json",
+            )
         try:
             shape = YuanShape(cfg)
         except PagodaError as exc:
             return Check("config fields", "FAIL", exc.message, "fix config.json (see shared/specs/yuan2.md §1)")
         kind = f"MoE {shape.num_experts} experts top-{shape.top_k}" if shape.use_moe else "dense"
-        return Check("config fields", "ok", f"Yuan2 {kind}: hidden {shape.hidden}, {shape.num_heads} heads, "
-                     f"{cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}", None)
+        return Check(
+            "config fields",
+            "ok",
+            f"Yuan2 {kind}: hidden {shape.hidden}, {shape.num_heads} heads, "
+            f"{cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}",
+            None,
+        )
     keys = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
     values = {k: text_field(cfg, k) for k in keys}
     missing = [k for k, v in values.items() if not _positive_int(v)]
     if missing:
-        return Check("config fields", "FAIL", f"config.json lacks positive integers for {', '.join(missing)}",
-                     "re-download config.json (a text model's config names all of them)")
+        return Check(
+            "config fields",
+            "FAIL",
+            f"config.json lacks positive integers for {', '.join(missing)}",
+            "re-download config.json (a text model's config names all of them)",
+        )
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
     kv_heads = text_field(cfg, "num_key_value_heads", heads)
     head_dim = text_field(cfg, "head_dim")
@@ -273,16 +364,22 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
         problems.append(f"head_dim {head_dim!r} must be a positive integer")
     if problems:
         return Check("config fields", "FAIL", "; ".join(problems), "fix config.json or re-download it")
-    return Check("config fields", "ok", f"hidden {hidden}, {heads} heads ({kv_heads} KV), "
-                 f"{values['num_hidden_layers']} layers, vocab {values['vocab_size']}", None)
+    return Check(
+        "config fields",
+        "ok",
+        f"hidden {hidden}, {heads} heads ({kv_heads} KV), "
+        f"{values['num_hidden_layers']} layers, vocab {values['vocab_size']}",
+        None,
+    )
 
 
 def _check_quantization(state: _State, load_format: str) -> Check | None:
     """A quantized checkpoint (AWQ, GPTQ, FP8...) fails at startup: say so, rather than letting the
     tensor mismatch read as a damaged download. Nothing is reported for an unquantized one."""
     source = state.source
-    found = checkpoint_quantization(source.location, source.kind, source.hf_config,
-                                    read_tensor_names=load_format != "dummy")
+    found = checkpoint_quantization(
+        source.location, source.kind, source.hf_config, read_tensor_names=load_format != "dummy"
+    )
     if found is None:
         return None
     return Check("quantization", "FAIL", found.problem(source.location), found.advice)
@@ -297,9 +394,14 @@ def _check_vision_config(cfg: dict[str, Any]) -> Check:
         vision = vision_config_with_defaults(dict(cfg.get("vision_config") or {}), int(text_field(cfg, "hidden_size")))
     except PagodaError as exc:
         return Check("vision config", "FAIL", exc.message, "fix vision_config in config.json or re-download it")
-    return Check("vision config", "ok", f"depth {vision['depth']}, embed {vision['embed_dim']}, "
-                 f"{vision['num_heads']} heads, patch {vision['patch_size']}, merge {vision['spatial_merge_size']}, "
-                 f"output {vision['hidden_size']}", None)
+    return Check(
+        "vision config",
+        "ok",
+        f"depth {vision['depth']}, embed {vision['embed_dim']}, "
+        f"{vision['num_heads']} heads, patch {vision['patch_size']}, merge {vision['spatial_merge_size']}, "
+        f"output {vision['hidden_size']}",
+        None,
+    )
 
 
 def _check_preprocessor(state: _State) -> Check:
@@ -314,20 +416,34 @@ def _check_preprocessor(state: _State) -> Check:
         return Check("preprocessor config", "FAIL", exc.message, "fix preprocessor_config.json or re-download it")
     where = "preprocessor_config.json" if os.path.isfile(path) else "no preprocessor_config.json: official defaults"
     try:
-        vision = vision_config_with_defaults(dict(state.hf_config.get("vision_config") or {}),
-                                             int(text_field(state.hf_config, "hidden_size")))
+        vision = vision_config_with_defaults(
+            dict(state.hf_config.get("vision_config") or {}), int(text_field(state.hf_config, "hidden_size"))
+        )
     except (PagodaError, TypeError, ValueError):
-        vision = None     # reported by the vision config check
+        vision = None  # reported by the vision config check
     if vision is not None:
-        clashes = [f"{key} {getattr(pre, key)} vs vision_config {vision[vkey]}"
-                   for key, vkey in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
-                                     ("temporal_patch_size", "temporal_patch_size"))
-                   if int(getattr(pre, key)) != int(vision[vkey])]
+        clashes = [
+            f"{key} {getattr(pre, key)} vs vision_config {vision[vkey]}"
+            for key, vkey in (
+                ("patch_size", "patch_size"),
+                ("merge_size", "spatial_merge_size"),
+                ("temporal_patch_size", "temporal_patch_size"),
+            )
+            if int(getattr(pre, key)) != int(vision[vkey])
+        ]
         if clashes:
-            return Check("preprocessor config", "FAIL", f"{where} disagrees with config.json: {'; '.join(clashes)}",
-                         "the two files come from different checkpoints; re-download the model")
-    return Check("preprocessor config", "ok", f"{where} (pixels {pre.min_pixels}..{pre.max_pixels}, "
-                 f"patch {pre.patch_size}, merge {pre.merge_size})", None)
+            return Check(
+                "preprocessor config",
+                "FAIL",
+                f"{where} disagrees with config.json: {'; '.join(clashes)}",
+                "the two files come from different checkpoints; re-download the model",
+            )
+    return Check(
+        "preprocessor config",
+        "ok",
+        f"{where} (pixels {pre.min_pixels}..{pre.max_pixels}, patch {pre.patch_size}, merge {pre.merge_size})",
+        None,
+    )
 
 
 def _check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:
@@ -342,8 +458,12 @@ def _check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:
     if _is_qwen2_vl(cfg) and (vision_heads or 16) % tp:
         problems.append(f"vision num_heads {vision_heads or 16} is not divisible by {tp}")
     if problems:
-        return Check("tensor parallel", "FAIL", "; ".join(problems),
-                     "pick a --tensor-parallel-size that divides the attention head counts")
+        return Check(
+            "tensor parallel",
+            "FAIL",
+            "; ".join(problems),
+            "pick a --tensor-parallel-size that divides the attention head counts",
+        )
     return Check("tensor parallel", "ok", f"{heads} heads / {kv} KV heads split over {tp} GPUs", None)
 
 
@@ -363,8 +483,14 @@ def _check_shards(state: _State) -> list[Check]:
         fmt, index, ext, pattern = "bin", src._BIN_INDEX, ".bin", src._BIN_SHARD_PATTERN
         list_paths = src._bin_shard_paths
     else:
-        return [Check("shards", "FAIL", src._no_weights_error(folder).message,
-                      "download the weights (*.safetensors) into the folder")]
+        return [
+            Check(
+                "shards",
+                "FAIL",
+                src._no_weights_error(folder).message,
+                "download the weights (*.safetensors) into the folder",
+            )
+        ]
     state.weight_format = fmt
     present = [n for n in names if n.endswith(ext)]
     out: list[Check] = []
@@ -374,21 +500,47 @@ def _check_shards(state: _State) -> list[Check]:
                 weight_map = json.load(f)["weight_map"]
             listed = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return [Check("shards", "FAIL", f"{index} is unreadable or malformed ({type(exc).__name__}: {exc})",
-                          f"re-download {index}")]
+            return [
+                Check(
+                    "shards",
+                    "FAIL",
+                    f"{index} is unreadable or malformed ({type(exc).__name__}: {exc})",
+                    f"re-download {index}",
+                )
+            ]
         missing = [n for n in listed if n not in present]
         extra = [n for n in present if n not in listed]
         numbered_extra = [n for n in extra if pattern.match(n)]
         if missing:
-            out.append(Check("shards", "FAIL", f"{len(missing)} shard(s) listed in {index} are missing: "
-                             f"{', '.join(missing)}", "re-download the model (the download is incomplete)"))
+            out.append(
+                Check(
+                    "shards",
+                    "FAIL",
+                    f"{len(missing)} shard(s) listed in {index} are missing: {', '.join(missing)}",
+                    "re-download the model (the download is incomplete)",
+                )
+            )
         if numbered_extra:
-            out.append(Check("shards", "FAIL", f"shard(s) not listed in {index}: {', '.join(numbered_extra)}",
-                             "remove them, or re-download the index (they may be a different checkpoint's)"))
-        other = [n for n in extra if n not in numbered_extra and (fmt == "safetensors" or n.startswith("pytorch_model"))]
+            out.append(
+                Check(
+                    "shards",
+                    "FAIL",
+                    f"shard(s) not listed in {index}: {', '.join(numbered_extra)}",
+                    "remove them, or re-download the index (they may be a different checkpoint's)",
+                )
+            )
+        other = [
+            n for n in extra if n not in numbered_extra and (fmt == "safetensors" or n.startswith("pytorch_model"))
+        ]
         if other:
-            out.append(Check("shards", "warn", f"{', '.join(other)} not listed in {index}: the loader ignores "
-                             "them", "remove them if they are leftovers (e.g. another precision's copy)"))
+            out.append(
+                Check(
+                    "shards",
+                    "warn",
+                    f"{', '.join(other)} not listed in {index}: the loader ignores them",
+                    "remove them if they are leftovers (e.g. another precision's copy)",
+                )
+            )
         if any(c.status == "FAIL" for c in out):
             # Still check the headers and permissions of the listed shards that are there.
             state.weight_files = [os.path.join(folder, n) for n in listed if n in present]
@@ -397,18 +549,33 @@ def _check_shards(state: _State) -> list[Check]:
         gaps = _numbering_gaps(present)
         if gaps:
             state.weight_files = [os.path.join(folder, n) for n in present]
-            return [Check("shards", "FAIL", f"no {index}, and numbered shards are missing: {', '.join(gaps)}",
-                          "re-download the model (the download is incomplete)")]
+            return [
+                Check(
+                    "shards",
+                    "FAIL",
+                    f"no {index}, and numbered shards are missing: {', '.join(gaps)}",
+                    "re-download the model (the download is incomplete)",
+                )
+            ]
     try:
-        state.weight_files = list_paths(folder)     # the loader's own choice, so the two never disagree
+        state.weight_files = list_paths(folder)  # the loader's own choice, so the two never disagree
     except PagodaError as exc:
         return out + [Check("shards", "FAIL", exc.message, "re-download the model")]
     state.shards_ok = True
     how = f"all listed in {index}" if index in names else "no index"
-    ignored = " (pytorch_model*.bin beside them are ignored)" if fmt == "safetensors" and any(
-        n.endswith(".bin") and n.startswith("pytorch_model") for n in names) else ""
-    out.append(Check("shards", "ok", f"{len(state.weight_files)} {fmt} file(s), {how}, "
-                     f"{_size(state.weights_bytes)}{ignored}", None))
+    ignored = (
+        " (pytorch_model*.bin beside them are ignored)"
+        if fmt == "safetensors" and any(n.endswith(".bin") and n.startswith("pytorch_model") for n in names)
+        else ""
+    )
+    out.append(
+        Check(
+            "shards",
+            "ok",
+            f"{len(state.weight_files)} {fmt} file(s), {how}, {_size(state.weights_bytes)}{ignored}",
+            None,
+        )
+    )
     return out
 
 
@@ -442,8 +609,12 @@ def _check_permissions(state: _State, skip_tokenizer_init: bool) -> Check:
             state.unreadable.add(path)
             bad.append(f"{os.path.basename(path)} {reason}")
     if bad:
-        return Check("permissions", "FAIL", "; ".join(bad),
-                     "make them readable plain files (e.g. `chmod a+r`), or re-download the ones that are not files")
+        return Check(
+            "permissions",
+            "FAIL",
+            "; ".join(bad),
+            "make them readable plain files (e.g. `chmod a+r`), or re-download the ones that are not files",
+        )
     return Check("permissions", "ok", f"{len(paths)} model/tokenizer files are readable", None)
 
 
@@ -469,7 +640,7 @@ def _check_safetensors(state: _State) -> list[Check]:
     out, dtypes, checked = [], set(), 0
     for path in state.weight_files:
         if path in state.unreadable or not os.path.isfile(path):
-            continue            # already reported by the shards or permissions check
+            continue  # already reported by the shards or permissions check
         header, problem = _read_safetensors_header(path)
         if problem:
             out.append(Check("safetensors", "FAIL", f"{os.path.basename(path)} {problem}", "re-download it"))
@@ -479,8 +650,14 @@ def _check_safetensors(state: _State) -> list[Check]:
         checked += 1
     state.headers_complete = state.shards_ok and not out and checked == len(state.weight_files)
     if not out:
-        out.append(Check("safetensors", "ok", f"{checked} file(s): headers parse and sizes match "
-                         f"({', '.join(sorted(dtypes)) or 'no tensors'})", None))
+        out.append(
+            Check(
+                "safetensors",
+                "ok",
+                f"{checked} file(s): headers parse and sizes match ({', '.join(sorted(dtypes)) or 'no tensors'})",
+                None,
+            )
+        )
     return out
 
 
@@ -517,8 +694,9 @@ def _read_safetensors_header(path: str) -> tuple[dict[str, Any], str | None]:
         for d in shape:
             numel *= d
         if dtype in _DTYPE_BYTES and end - begin != numel * _DTYPE_BYTES[dtype]:
-            return {}, (f"tensor {name!r} spans {end - begin} bytes but {dtype}{shape} needs "
-                        f"{numel * _DTYPE_BYTES[dtype]}")
+            return {}, (
+                f"tensor {name!r} spans {end - begin} bytes but {dtype}{shape} needs {numel * _DTYPE_BYTES[dtype]}"
+            )
         spans.append((begin, end, name))
     position = 0
     for begin, end, name in sorted(spans):
@@ -559,8 +737,12 @@ def _check_index_consistency(state: _State) -> Check | None:
     if isinstance(total, int) and total != tensor_bytes:
         problems.append(f"metadata.total_size {total} != {tensor_bytes} bytes of tensors in the headers")
     if problems:
-        return Check("index", "warn", f"{_SAFETENSORS_INDEX} looks stale: {'; '.join(problems)}",
-                     "re-download the index with its shards (the loader reads the shards' own headers)")
+        return Check(
+            "index",
+            "warn",
+            f"{_SAFETENSORS_INDEX} looks stale: {'; '.join(problems)}",
+            "re-download the index with its shards (the loader reads the shards' own headers)",
+        )
     size_note = ", total_size matches the headers" if isinstance(total, int) else ""
     return Check("index", "ok", f"{len(weight_map)} tensors, each in the shard the index names{size_note}", None)
 
@@ -575,7 +757,7 @@ def _check_bin_files(state: _State) -> list[Check]:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"PK\x03\x04":
-            legacy += 1         # a legacy (pre-1.6) pickle: nothing to check without unpickling it
+            legacy += 1  # a legacy (pre-1.6) pickle: nothing to check without unpickling it
             if size == 0:
                 out.append(Check("pytorch bin", "FAIL", f"{os.path.basename(path)} is empty", "re-download it"))
             continue
@@ -583,8 +765,11 @@ def _check_bin_files(state: _State) -> list[Check]:
             with zipfile.ZipFile(path) as z:
                 end = max((i.header_offset + i.compress_size for i in z.infolist()), default=0)
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            out.append(Check("pytorch bin", "FAIL", f"{os.path.basename(path)} is truncated or corrupt ({exc})",
-                             "re-download it"))
+            out.append(
+                Check(
+                    "pytorch bin", "FAIL", f"{os.path.basename(path)} is truncated or corrupt ({exc})", "re-download it"
+                )
+            )
             continue
         if end > size:
             out.append(Check("pytorch bin", "FAIL", f"{os.path.basename(path)} is truncated", "re-download it"))
@@ -609,11 +794,19 @@ def _check_weights_match_model(state: _State) -> Check:
             model = model_class(cfg, _derived_max_model_len(cfg))
         model.tie_weights()
     except PagodaError as exc:
-        return Check("checkpoint vs model", "FAIL", f"the model cannot be built from config.json: {exc.message}",
-                     "fix config.json")
+        return Check(
+            "checkpoint vs model",
+            "FAIL",
+            f"the model cannot be built from config.json: {exc.message}",
+            "fix config.json",
+        )
     except (KeyError, TypeError, ValueError) as exc:
-        return Check("checkpoint vs model", "FAIL", f"the model cannot be built from config.json "
-                     f"({type(exc).__name__}: {exc})", "fix config.json or re-download it")
+        return Check(
+            "checkpoint vs model",
+            "FAIL",
+            f"the model cannot be built from config.json ({type(exc).__name__}: {exc})",
+            "fix config.json or re-download it",
+        )
     router = WeightRouter(model)
     params = router.params
     problems: list[str] = []
@@ -635,7 +828,7 @@ def _check_weights_match_model(state: _State) -> Check:
             except ValueError as exc:
                 problems.append(f"{raw_name!r}: {exc}")
             except (NotImplementedError, RuntimeError):
-                pass            # this loader cannot run on meta tensors: loading will check the shape
+                pass  # this loader cannot run on meta tensors: loading will check the shape
             router.loaded.add(target.key)
             count += 1
     if not problems:
@@ -645,10 +838,18 @@ def _check_weights_match_model(state: _State) -> Check:
             problems.append(exc.message)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return Check("checkpoint vs model", "FAIL", problems[0] + more,
-                     "config.json does not match these weights: re-download the model, or fix its config.json")
-    return Check("checkpoint vs model", "ok", f"{count} checkpoint tensors map onto all {len(params)} "
-                 f"parameters of {model_class.__name__}, shapes match", None)
+        return Check(
+            "checkpoint vs model",
+            "FAIL",
+            problems[0] + more,
+            "config.json does not match these weights: re-download the model, or fix its config.json",
+        )
+    return Check(
+        "checkpoint vs model",
+        "ok",
+        f"{count} checkpoint tensors map onto all {len(params)} parameters of {model_class.__name__}, shapes match",
+        None,
+    )
 
 
 def _check_disk(state: _State) -> Check:
@@ -657,9 +858,12 @@ def _check_disk(state: _State) -> Check:
     free = shutil.disk_usage(folder).free
     need = int(_DISK_FACTOR * weights)
     if free < need:
-        return Check("disk", "warn", f"{_size(free)} free on the model's filesystem, less than {_DISK_FACTOR}× "
-                     f"the weights ({_size(weights)})",
-                     "free space there: compile caches, logs and re-downloads need room next to the model")
+        return Check(
+            "disk",
+            "warn",
+            f"{_size(free)} free on the model's filesystem, less than {_DISK_FACTOR}× the weights ({_size(weights)})",
+            "free space there: compile caches, logs and re-downloads need room next to the model",
+        )
     return Check("disk", "ok", f"{_size(free)} free (weights {_size(weights)})", None)
 
 
@@ -674,11 +878,19 @@ def _check_tokenizer(state: _State, trust_remote_code: bool) -> Check:
     try:
         tokenizer = load_tokenizer(state.source, path, trust_remote_code)
     except PagodaError as exc:
-        return Check("tokenizer", "FAIL", exc.message,
-                     "pass --tokenizer <folder with tokenizer files>, or --skip-tokenizer-init and send token ids")
+        return Check(
+            "tokenizer",
+            "FAIL",
+            exc.message,
+            "pass --tokenizer <folder with tokenizer files>, or --skip-tokenizer-init and send token ids",
+        )
     except Exception as exc:  # noqa: BLE001 - tokenizer libraries raise anything on a damaged file
-        return Check("tokenizer", "FAIL", f"the tokenizer in {path!r} does not load ({type(exc).__name__}: {exc})",
-                     "re-download the tokenizer files, or pass --tokenizer <folder>")
+        return Check(
+            "tokenizer",
+            "FAIL",
+            f"the tokenizer in {path!r} does not load ({type(exc).__name__}: {exc})",
+            "re-download the tokenizer files, or pass --tokenizer <folder>",
+        )
     state.tokenizer = tokenizer
     return Check("tokenizer", "ok", f"{type(tokenizer).__name__} with {len(tokenizer)} tokens from {path}", None)
 
@@ -699,27 +911,43 @@ def _check_special_tokens(state: _State) -> Check:
             problems.append(f"{role} {token!r} is not in the vocabulary")
     info = tokenizer_info(tok, state.source)
     if problems:
-        return Check("special tokens", "FAIL", "; ".join(problems),
-                     "the tokenizer files are inconsistent: re-download them, or pass --tokenizer <folder>")
+        return Check(
+            "special tokens",
+            "FAIL",
+            "; ".join(problems),
+            "the tokenizer files are inconsistent: re-download them, or pass --tokenizer <folder>",
+        )
     if not info.eos_token_ids:
-        return Check("special tokens", "warn", "no EOS token id in generation_config.json, config.json or the "
-                     "tokenizer: generation stops only at max_tokens or stop strings",
-                     "set eos_token_id in generation_config.json")
+        return Check(
+            "special tokens",
+            "warn",
+            "no EOS token id in generation_config.json, config.json or the "
+            "tokenizer: generation stops only at max_tokens or stop strings",
+            "set eos_token_id in generation_config.json",
+        )
     vocab = text_field(state.hf_config, "vocab_size")
     if _positive_int(vocab):
         beyond = sorted(i for i in info.eos_token_ids if i >= vocab)
         if beyond:
             problems.append(f"EOS id(s) {beyond} are outside vocab_size {vocab}: the model can never emit them")
         if size > vocab:
-            problems.append(f"the tokenizer has {size} tokens but vocab_size is {vocab}: prompts with ids >= "
-                            f"{vocab} will be rejected")
+            problems.append(
+                f"the tokenizer has {size} tokens but vocab_size is {vocab}: prompts with ids >= "
+                f"{vocab} will be rejected"
+            )
         elif size < vocab:
-            problems.append(f"the tokenizer has {size} tokens, fewer than vocab_size {vocab}: ids {size}..{vocab - 1} "
-                            "have no text and decode to nothing (the model can still sample them; prompts may "
-                            "contain them)")
+            problems.append(
+                f"the tokenizer has {size} tokens, fewer than vocab_size {vocab}: ids {size}..{vocab - 1} "
+                "have no text and decode to nothing (the model can still sample them; prompts may "
+                "contain them)"
+            )
     if problems:
-        return Check("special tokens", "warn", "; ".join(problems),
-                     "check that the tokenizer (--tokenizer) and generation_config.json belong to this model")
+        return Check(
+            "special tokens",
+            "warn",
+            "; ".join(problems),
+            "check that the tokenizer (--tokenizer) and generation_config.json belong to this model",
+        )
     return Check("special tokens", "ok", f"EOS id(s) {sorted(info.eos_token_ids)}, BOS {info.bos_token_id}", None)
 
 
@@ -727,8 +955,12 @@ def _check_yuan_tokens(tok: Any) -> Check:
     got = {token: tok.convert_tokens_to_ids(token) for token in _YUAN_SPECIAL_IDS}
     wrong = [f"{t} → {got[t]} (expected {want})" for t, want in _YUAN_SPECIAL_IDS.items() if got[t] != want]
     if wrong:
-        return Check("yuan tokens", "FAIL", "; ".join(wrong),
-                     "use the Yuan2 tokenizer.model (pass --tokenizer <folder with Yuan2's tokenizer.model>)")
+        return Check(
+            "yuan tokens",
+            "FAIL",
+            "; ".join(wrong),
+            "use the Yuan2 tokenizer.model (pass --tokenizer <folder with Yuan2's tokenizer.model>)",
+        )
     return Check("yuan tokens", "ok", ", ".join(f"{t} = {i}" for t, i in got.items()), None)
 
 
@@ -739,15 +971,26 @@ def _check_chat_template(state: _State, override: str | None) -> Check:
     folder = path if path and os.path.isdir(path) else state.source.location
     report = inspect_chat_template(state.tokenizer, state.hf_config, override, folder)
     if report.error:
-        detail = report.error if report.template is None else (f"{report.origin} does not render a user/assistant "
-                                                               f"conversation: {report.error}")
+        detail = (
+            report.error
+            if report.template is None
+            else (f"{report.origin} does not render a user/assistant conversation: {report.error}")
+        )
         return Check("chat template", "FAIL", detail, report.fix)
     if report.template is None:
-        return Check("chat template", "warn", "the tokenizer has no chat template: /v1/chat/completions will "
-                     "fail (completions work)", "pass --chat-template <file or template text>")
+        return Check(
+            "chat template",
+            "warn",
+            "the tokenizer has no chat template: /v1/chat/completions will fail (completions work)",
+            "pass --chat-template <file or template text>",
+        )
     if report.mismatch:
-        return Check("chat template", "warn", f"{report.origin} does not produce {report.mismatch}: a probe "
-                     f"conversation renders as {report.rendered!r}", report.fix)
+        return Check(
+            "chat template",
+            "warn",
+            f"{report.origin} does not produce {report.mismatch}: a probe conversation renders as {report.rendered!r}",
+            report.fix,
+        )
     family = f", {report.family} format" if report.family else ""
     return Check("chat template", "ok", f"{report.origin} renders ({len(report.rendered or '')} chars){family}", None)
 
@@ -766,37 +1009,53 @@ def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         detail = f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
-        fix = ("check `nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch is a CUDA build; "
-               "or run on CPU with --device cpu")
+        fix = "check `nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch is a CUDA build; or run on CPU with --device cpu"
         if device == "cuda":
             return [Check("cuda", "FAIL", detail + ", but --device cuda was asked for", fix)]
         return [Check("cuda", "warn", detail + ": Pagoda will run on the CPU", fix)]
     count = torch.cuda.device_count()
-    out = [Check("cuda", "ok", f"torch {torch.__version__}, CUDA {torch.version.cuda}, {count} GPU(s) visible",
-                 None)]
+    out = [Check("cuda", "ok", f"torch {torch.__version__}, CUDA {torch.version.cuda}, {count} GPU(s) visible", None)]
     if tp > count:
-        out.append(Check("gpus", "FAIL", f"--tensor-parallel-size {tp} needs {tp} GPUs, {count} visible",
-                         "lower --tensor-parallel-size or expose more GPUs (CUDA_VISIBLE_DEVICES)"))
+        out.append(
+            Check(
+                "gpus",
+                "FAIL",
+                f"--tensor-parallel-size {tp} needs {tp} GPUs, {count} visible",
+                "lower --tensor-parallel-size or expose more GPUs (CUDA_VISIBLE_DEVICES)",
+            )
+        )
     per_gpu = state.weights_bytes / max(tp, 1)
     for i in range(count):
         name = torch.cuda.get_device_name(i)
         free, total = torch.cuda.mem_get_info(i)
         detail = f"{name}: {_size(free)} free of {_size(total)}"
         if i < tp and free < per_gpu:
-            out.append(Check(f"gpu {i}", "warn", f"{detail}, less than this GPU's share of the weights "
-                             f"({_size(per_gpu)})", "free the GPU, raise --tensor-parallel-size, or use --dtype "
-                             "bfloat16 if the checkpoint is float32"))
+            out.append(
+                Check(
+                    f"gpu {i}",
+                    "warn",
+                    f"{detail}, less than this GPU's share of the weights ({_size(per_gpu)})",
+                    "free the GPU, raise --tensor-parallel-size, or use --dtype bfloat16 if the checkpoint is float32",
+                )
+            )
         elif free < 0.9 * total:
-            out.append(Check(f"gpu {i}", "warn", f"{detail}: other processes hold {_size(total - free)}",
-                             "stop them or lower --gpu-memory-utilization"))
+            out.append(
+                Check(
+                    f"gpu {i}",
+                    "warn",
+                    f"{detail}: other processes hold {_size(total - free)}",
+                    "stop them or lower --gpu-memory-utilization",
+                )
+            )
         else:
             out.append(Check(f"gpu {i}", "ok", detail, None))
     dtype = str(state.hf_config.get("torch_dtype") or state.hf_config.get("dtype") or "").replace("torch.", "")
     if torch.cuda.is_bf16_supported():
         out.append(Check("bf16", "ok", "bfloat16 is supported", None))
     elif dtype == "bfloat16" or not dtype:
-        out.append(Check("bf16", "warn", "this GPU does not support bfloat16, the checkpoint's dtype",
-                         "pass --dtype float16"))
+        out.append(
+            Check("bf16", "warn", "this GPU does not support bfloat16, the checkpoint's dtype", "pass --dtype float16")
+        )
     else:
         out.append(Check("bf16", "ok", f"bfloat16 unsupported, checkpoint dtype is {dtype}", None))
     return out
@@ -819,25 +1078,41 @@ def _check_port(host: str, port: int) -> Check:
             sock.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return Check("port", "FAIL", f"another process listens on port {port}",
-                             f"pick --port (another port), or stop the process on {port} (`ss -ltnp 'sport = :{port}'`)")
+                return Check(
+                    "port",
+                    "FAIL",
+                    f"another process listens on port {port}",
+                    f"pick --port (another port), or stop the process on {port} (`ss -ltnp 'sport = :{port}'`)",
+                )
             if exc.errno in (errno.EACCES, errno.EPERM):
                 return Check("port", "FAIL", f"no permission to bind port {port}", "pick --port above 1023")
-            return Check("port", "FAIL", f"cannot bind {host}:{port} ({exc.strerror or exc})",
-                         "pick --port and --host that this machine can bind")
+            return Check(
+                "port",
+                "FAIL",
+                f"cannot bind {host}:{port} ({exc.strerror or exc})",
+                "pick --port and --host that this machine can bind",
+            )
     return Check("port", "ok", f"{host}:{port} is free", None)
 
 
 def _check_shm() -> Check:
     path = "/dev/shm"
     if not os.path.isdir(path):
-        return Check("/dev/shm", "warn", "/dev/shm does not exist; NCCL needs shared memory for tensor parallelism",
-                     "run the container with --ipc=host or --shm-size=16g")
+        return Check(
+            "/dev/shm",
+            "warn",
+            "/dev/shm does not exist; NCCL needs shared memory for tensor parallelism",
+            "run the container with --ipc=host or --shm-size=16g",
+        )
     st = os.statvfs(path)
     total = st.f_frsize * st.f_blocks
     if total < _SHM_MIN_BYTES:
-        return Check("/dev/shm", "warn", f"/dev/shm is {_size(total)}, below 1 GiB: NCCL may crash with "
-                     "tensor parallelism", "run the container with --ipc=host or --shm-size=16g")
+        return Check(
+            "/dev/shm",
+            "warn",
+            f"/dev/shm is {_size(total)}, below 1 GiB: NCCL may crash with tensor parallelism",
+            "run the container with --ipc=host or --shm-size=16g",
+        )
     return Check("/dev/shm", "ok", f"{_size(total)} ({_size(st.f_frsize * st.f_bavail)} free)", None)
 
 
@@ -854,7 +1129,7 @@ def format_report(checks: list[Check]) -> str:
         line = f"{_TAGS[c.status]} {c.name}: {c.detail}"
         if c.fix and c.status != "ok":
             line += f" → {c.fix}"
-        lines.append(" ".join(line.split()))       # one line per check, even for multi-line errors
+        lines.append(" ".join(line.split()))  # one line per check, even for multi-line errors
     return "\n".join(lines)
 
 
@@ -863,8 +1138,13 @@ def failed(checks: list[Check]) -> list[Check]:
 
 
 def add_doctor_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF model folder, hub id or .gguf file (default: the embedded model)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model folder, hub id or .gguf file (default: the embedded model)",
+    )
     parser.add_argument("--model", default=None, help="same as MODEL")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     parser.add_argument("--port", type=int, default=None, help="check that the server port is free")
@@ -881,10 +1161,18 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
 def run_doctor(ns: argparse.Namespace) -> int:
     """Print the report; 1 when any check FAILs, else 0."""
     model = getattr(ns, "model_tag", None) or getattr(ns, "model", None)
-    checks = run_checks(model, port=ns.port, tensor_parallel_size=ns.tensor_parallel_size, fast=ns.fast,
-                        tokenizer=ns.tokenizer, host=ns.host, device=ns.device,
-                        skip_tokenizer_init=ns.skip_tokenizer_init, chat_template=ns.chat_template,
-                        trust_remote_code=ns.trust_remote_code)
+    checks = run_checks(
+        model,
+        port=ns.port,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        fast=ns.fast,
+        tokenizer=ns.tokenizer,
+        host=ns.host,
+        device=ns.device,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
+        chat_template=ns.chat_template,
+        trust_remote_code=ns.trust_remote_code,
+    )
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "FAIL")}
     if ns.json:
         print(json.dumps({"model": model, "checks": [asdict(c) for c in checks], "counts": counts}, indent=2))
@@ -896,10 +1184,19 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
 def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
     """The fast checks for `pagoda serve`'s configs; raises ConfigError listing every FAIL line."""
-    checks = run_checks(engine.model, port=server.port, tensor_parallel_size=server.tensor_parallel_size, fast=True,
-                        tokenizer=engine.tokenizer, host=server.host, device=engine.device,
-                        skip_tokenizer_init=engine.skip_tokenizer_init, chat_template=server.chat_template,
-                        trust_remote_code=engine.trust_remote_code, load_format=engine.load_format)
+    checks = run_checks(
+        engine.model,
+        port=server.port,
+        tensor_parallel_size=server.tensor_parallel_size,
+        fast=True,
+        tokenizer=engine.tokenizer,
+        host=server.host,
+        device=engine.device,
+        skip_tokenizer_init=engine.skip_tokenizer_init,
+        chat_template=server.chat_template,
+        trust_remote_code=engine.trust_remote_code,
+        load_format=engine.load_format,
+    )
     bad = failed(checks)
     if bad:
         raise ConfigError("preflight failed (`pagoda doctor` shows every check):\n" + format_report(bad))

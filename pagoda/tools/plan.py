@@ -22,9 +22,19 @@ from pagoda.worker import memory
 
 GiB = memory.GiB
 # Memory torch reports as total on each GPU (GiB), for --gpu presets.
-GPU_MEMORY_GIB = {"h200": 139.8, "h100": 79.2, "h100-80g": 79.2, "a100-80g": 79.2, "a100-40g": 39.4,
-                  "l40s": 44.4, "a10g": 22.0, "l4": 22.0, "4090": 23.6, "3090": 23.6}
-CUDA_CONTEXT_BYTES = GiB // 2          # memory held outside PyTorch's allocator (context, cuBLAS workspaces)
+GPU_MEMORY_GIB = {
+    "h200": 139.8,
+    "h100": 79.2,
+    "h100-80g": 79.2,
+    "a100-80g": 79.2,
+    "a100-40g": 39.4,
+    "l40s": 44.4,
+    "a10g": 22.0,
+    "l4": 22.0,
+    "4090": 23.6,
+    "3090": 23.6,
+}
+CUDA_CONTEXT_BYTES = GiB // 2  # memory held outside PyTorch's allocator (context, cuBLAS workspaces)
 TP_CANDIDATES = (1, 2, 4, 8)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -42,20 +52,20 @@ class Plan:
     max_num_batched_tokens: int
     weights_bytes_total: int
     weights_bytes_per_gpu: int
-    kv_bytes_per_token: int                  # whole model (all layers, all KV heads)
+    kv_bytes_per_token: int  # whole model (all layers, all KV heads)
     kv_bytes_per_token_per_gpu: int
-    state_bytes_per_sequence: int            # Yuan2 LF state (all layers), 0 for other models
+    state_bytes_per_sequence: int  # Yuan2 LF state (all layers), 0 for other models
     activation_bytes_estimate: int
-    kv_blocks: int                           # usable blocks per GPU (the null block excluded)
+    kv_blocks: int  # usable blocks per GPU (the null block excluded)
     kv_tokens: int
-    max_concurrency: float                   # requests of max_model_len tokens that fit at once
+    max_concurrency: float  # requests of max_model_len tokens that fit at once
     typical_len: int
     concurrency_at_typical_len: float
     recommended_max_num_seqs: int
     fits_one_max_len_request: bool
     valid_tensor_parallel_sizes: list[int]
     invalid_tensor_parallel_sizes: dict[str, str]
-    image_tokens: int | None = None          # placeholder tokens per image (Qwen2-VL), at --image
+    image_tokens: int | None = None  # placeholder tokens per image (Qwen2-VL), at --image
     image_tokens_per_request: int | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -76,7 +86,7 @@ def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
     total = replicated = 0
     seen = set()
     for name, param in model.named_parameters():
-        if id(param) in seen:             # tied embeddings count once
+        if id(param) in seen:  # tied embeddings count once
             continue
         seen.add(id(param))
         size = param.numel() * dtype_bytes
@@ -92,7 +102,7 @@ def _tp_validity(hf_config: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
     intermediate = text_field(hf_config, "intermediate_size")
     vision_heads = (hf_config.get("vision_config") or {}).get("num_heads")
     if hf_config.get("vision_config") is not None and vision_heads is None:
-        vision_heads = 16                 # Qwen2-VL's vision default
+        vision_heads = 16  # Qwen2-VL's vision default
     valid, invalid = [], {}
     for tp in TP_CANDIDATES:
         reasons = []
@@ -111,8 +121,9 @@ def _tp_validity(hf_config: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
     return valid, invalid
 
 
-def activation_bytes_estimate(hf_config: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int,
-                              dtype_bytes: int) -> int:
+def activation_bytes_estimate(
+    hf_config: dict[str, Any], max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int
+) -> int:
     """One worst-case step: a few [T, hidden] buffers, the fused MLP input [T, 2I], and float32 logits
     (twice: sampler copies) for the sampled rows."""
     hidden = int(text_field(hf_config, "hidden_size"))
@@ -122,8 +133,14 @@ def activation_bytes_estimate(hf_config: dict[str, Any], max_num_batched_tokens:
     return max_num_batched_tokens * per_token + 2 * min(max_num_seqs, max_num_batched_tokens) * vocab * 4
 
 
-def image_tokens(hf_config: dict[str, Any], model_folder: str | None, width: int, height: int,
-                 min_pixels: int | None, max_pixels: int | None) -> int | None:
+def image_tokens(
+    hf_config: dict[str, Any],
+    model_folder: str | None,
+    width: int,
+    height: int,
+    min_pixels: int | None,
+    max_pixels: int | None,
+) -> int | None:
     """Placeholder tokens of one image (Qwen2-VL), by the checkpoint's preprocessing rules."""
     if hf_config.get("vision_config") is None:
         return None
@@ -135,21 +152,36 @@ def image_tokens(hf_config: dict[str, Any], model_folder: str | None, width: int
     return (h // (cfg.patch_size * cfg.merge_size)) * (w // (cfg.patch_size * cfg.merge_size))
 
 
-def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, device: str = "cuda",
-              memory_bytes_per_gpu: int | None = None, gpu_memory_utilization: float = 0.9,
-              tensor_parallel_size: int = 1, max_model_len: int | None = None, dtype: str = "bfloat16",
-              block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-              enable_prefix_caching: bool = True, cpu_kv_cache_space_gib: float = 4.0, typical_len: int | None = None,
-              image: tuple[int, int] | None = None, images_per_request: int = 1, min_pixels: int | None = None,
-              max_pixels: int | None = None) -> Plan:
+def make_plan(
+    hf_config: dict[str, Any],
+    *,
+    model_folder: str | None = None,
+    device: str = "cuda",
+    memory_bytes_per_gpu: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = True,
+    cpu_kv_cache_space_gib: float = 4.0,
+    typical_len: int | None = None,
+    image: tuple[int, int] | None = None,
+    images_per_request: int = 1,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> Plan:
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
     derived = _derived_max_model_len(hf_config)
     max_model_len = max_model_len or derived
     if max_model_len > derived:
-        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's maximum context ({derived}).",
-                          "max_model_len")
+        raise ConfigError(
+            f"max_model_len={max_model_len} is larger than the model's maximum context ({derived}).", "max_model_len"
+        )
     tp = tensor_parallel_size
     max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
     model = _meta_model(hf_config, max_model_len)
@@ -161,8 +193,14 @@ def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, dev
         notes.append(f"tensor_parallel_size={tp} is not valid for this model: {invalid.get(str(tp), 'unknown')}")
     # Per GPU, KV heads split tp ways (or are replicated when there are fewer KV heads than GPUs).
     kv_heads_per_gpu = max(1, spec.num_kv_heads // tp)
-    gpu_spec = memory.KVCacheSpec(spec.num_layers, kv_heads_per_gpu, spec.head_dim, dtype_bytes,
-                                  spec.state_bytes_per_seq, spec.snapshot_bytes_per_block)
+    gpu_spec = memory.KVCacheSpec(
+        spec.num_layers,
+        kv_heads_per_gpu,
+        spec.head_dim,
+        dtype_bytes,
+        spec.state_bytes_per_seq,
+        spec.snapshot_bytes_per_block,
+    )
     activations = activation_bytes_estimate(hf_config, max_num_batched_tokens, max_num_seqs, dtype_bytes)
     if device == "cpu":
         memory_bytes_per_gpu = memory_bytes_per_gpu or int(cpu_kv_cache_space_gib * GiB)
@@ -171,8 +209,9 @@ def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, dev
         if memory_bytes_per_gpu is None:
             raise ConfigError("Give --gpu NAME or --gpu-memory-gib X (or --device cpu).", "gpu")
         peak = weights_gpu + activations + gpu_spec.state_pool_bytes(max_num_seqs)
-        num_blocks = memory.gpu_num_blocks(memory_bytes_per_gpu, gpu_memory_utilization, peak, CUDA_CONTEXT_BYTES,
-                                           gpu_spec, block_size)
+        num_blocks = memory.gpu_num_blocks(
+            memory_bytes_per_gpu, gpu_memory_utilization, peak, CUDA_CONTEXT_BYTES, gpu_spec, block_size
+        )
     usable = max(num_blocks - 1, 0)
     layout = memory.KVCacheLayout(max(num_blocks, 1), block_size, memory.bytes_per_block(gpu_spec, block_size))
     typical_len = min(typical_len or min(max_model_len, 2048), max_model_len)
@@ -181,26 +220,54 @@ def make_plan(hf_config: dict[str, Any], *, model_folder: str | None = None, dev
     recommended = min(1024, target // 8 * 8 if target >= 8 else max(target, 1))
     fits = num_blocks >= memory.blocks_for_request(max_model_len, block_size)
     if not fits:
-        notes.append(f"one {max_model_len}-token request does not fit: lower --max-model-len, raise "
-                     "--gpu-memory-utilization or use more GPUs")
+        notes.append(
+            f"one {max_model_len}-token request does not fit: lower --max-model-len, raise "
+            "--gpu-memory-utilization or use more GPUs"
+        )
     per_image = per_request = None
     if image is not None:
         per_image = image_tokens(hf_config, model_folder, image[0], image[1], min_pixels, max_pixels)
         if per_image is None:
             notes.append("this model takes no images; --image ignored")
         else:
-            per_request = (per_image + 2) * images_per_request    # + <|vision_start|> <|vision_end|>
+            per_request = (per_image + 2) * images_per_request  # + <|vision_start|> <|vision_end|>
             if per_request >= max_model_len:
-                notes.append(f"{images_per_request} image(s) of {image[0]}x{image[1]} take {per_request} tokens, "
-                             f"more than max_model_len {max_model_len}: lower max_pixels")
+                notes.append(
+                    f"{images_per_request} image(s) of {image[0]}x{image[1]} take {per_request} tokens, "
+                    f"more than max_model_len {max_model_len}: lower max_pixels"
+                )
     architecture = (hf_config.get("architectures") or ["<missing>"])[0]
     if tp > 1:
         notes.append("Pagoda serves tensor_parallel_size=1 today; the TP numbers are for planning.")
-    return Plan(architecture, dtype, tp, device, int(memory_bytes_per_gpu), gpu_memory_utilization, max_model_len,
-                block_size, max_num_batched_tokens, weights_total, weights_gpu, spec.bytes_per_token(),
-                gpu_spec.bytes_per_token(), spec.state_bytes_per_seq, activations, usable, usable * block_size,
-                layout.max_concurrency(max_model_len) if usable else 0.0, typical_len, at_typical if usable else 0.0,
-                recommended if usable else 0, fits, valid, invalid, per_image, per_request, notes)
+    return Plan(
+        architecture,
+        dtype,
+        tp,
+        device,
+        int(memory_bytes_per_gpu),
+        gpu_memory_utilization,
+        max_model_len,
+        block_size,
+        max_num_batched_tokens,
+        weights_total,
+        weights_gpu,
+        spec.bytes_per_token(),
+        gpu_spec.bytes_per_token(),
+        spec.state_bytes_per_seq,
+        activations,
+        usable,
+        usable * block_size,
+        layout.max_concurrency(max_model_len) if usable else 0.0,
+        typical_len,
+        at_typical if usable else 0.0,
+        recommended if usable else 0,
+        fits,
+        valid,
+        invalid,
+        per_image,
+        per_request,
+        notes,
+    )
 
 
 def _size(n: float) -> str:
@@ -211,8 +278,11 @@ def _size(n: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    where = (f"CPU, KV budget {_size(plan.memory_bytes_per_gpu)}" if plan.device == "cpu" else
-             f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}")
+    where = (
+        f"CPU, KV budget {_size(plan.memory_bytes_per_gpu)}"
+        if plan.device == "cpu"
+        else f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}"
+    )
     lines = [
         f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {where}",
         f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU",
@@ -221,7 +291,8 @@ def format_plan(plan: Plan) -> str:
     if plan.state_bytes_per_sequence:
         lines.append(f"LF state per sequence: {_size(plan.state_bytes_per_sequence)} (+ the same per cached block)")
     lines += [
-        f"activations (estimate, one {plan.max_num_batched_tokens}-token step): {_size(plan.activation_bytes_estimate)}",
+        f"activations (estimate, one {plan.max_num_batched_tokens}-token step): "
+        f"{_size(plan.activation_bytes_estimate)}",
         f"KV blocks: {plan.kv_blocks} x {plan.block_size} tokens = {plan.kv_tokens} tokens per GPU",
         f"max concurrency: {plan.max_concurrency:.1f} at {plan.max_model_len} tokens, "
         f"{plan.concurrency_at_typical_len:.1f} at {plan.typical_len} tokens",
@@ -232,8 +303,10 @@ def format_plan(plan: Plan) -> str:
     ]
     lines += [f"  tp={tp} invalid: {why}" for tp, why in plan.invalid_tensor_parallel_sizes.items()]
     if plan.image_tokens is not None:
-        lines.append(f"image: {plan.image_tokens} tokens each, {plan.image_tokens_per_request} per request with "
-                     "the vision markers")
+        lines.append(
+            f"image: {plan.image_tokens} tokens each, {plan.image_tokens_per_request} per request with "
+            "the vision markers"
+        )
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -265,8 +338,9 @@ def run_plan(ns: argparse.Namespace) -> int:
 
     source = resolve_model_source(ns.model)
     if ns.gpu is not None and ns.gpu.lower() not in GPU_MEMORY_GIB:
-        raise ConfigError(f"Unknown --gpu {ns.gpu!r}; known: {', '.join(sorted(GPU_MEMORY_GIB))}, or pass "
-                          "--gpu-memory-gib.", "gpu")
+        raise ConfigError(
+            f"Unknown --gpu {ns.gpu!r}; known: {', '.join(sorted(GPU_MEMORY_GIB))}, or pass --gpu-memory-gib.", "gpu"
+        )
     gib = GPU_MEMORY_GIB[ns.gpu.lower()] if ns.gpu else ns.gpu_memory_gib
     image = None
     if ns.image:
@@ -275,19 +349,32 @@ def run_plan(ns: argparse.Namespace) -> int:
         except ValueError:
             raise ConfigError(f"--image must look like 1000x750, got {ns.image!r}", "image") from None
         image = (width, height)
-    plan = make_plan(source.hf_config, model_folder=source.folder if source.kind == "hf" else None,
-                     device=ns.device, memory_bytes_per_gpu=int(gib * GiB) if gib else None,
-                     gpu_memory_utilization=ns.gpu_memory_utilization, tensor_parallel_size=ns.tp,
-                     max_model_len=ns.max_model_len, dtype=ns.dtype, block_size=ns.block_size,
-                     max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                     enable_prefix_caching=ns.enable_prefix_caching, cpu_kv_cache_space_gib=ns.cpu_kv_cache_space_gib,
-                     typical_len=ns.typical_len, image=image, images_per_request=ns.images_per_request,
-                     min_pixels=ns.min_pixels, max_pixels=ns.max_pixels)
+    plan = make_plan(
+        source.hf_config,
+        model_folder=source.folder if source.kind == "hf" else None,
+        device=ns.device,
+        memory_bytes_per_gpu=int(gib * GiB) if gib else None,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        tensor_parallel_size=ns.tp,
+        max_model_len=ns.max_model_len,
+        dtype=ns.dtype,
+        block_size=ns.block_size,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        cpu_kv_cache_space_gib=ns.cpu_kv_cache_space_gib,
+        typical_len=ns.typical_len,
+        image=image,
+        images_per_request=ns.images_per_request,
+        min_pixels=ns.min_pixels,
+        max_pixels=ns.max_pixels,
+    )
 
     quantized = checkpoint_quantization(source.location, source.kind, source.hf_config)
     if quantized is not None:
-        plan.notes.append(f"{quantized.problem(source.location)}: `pagoda serve` refuses it; the sizes above "
-                          f"are those of the unquantized {ns.dtype} model")
+        plan.notes.append(
+            f"{quantized.problem(source.location)}: `pagoda serve` refuses it; the sizes above "
+            f"are those of the unquantized {ns.dtype} model"
+        )
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
     return 0 if plan.fits_one_max_len_request else 1
-

@@ -44,7 +44,7 @@ from pagoda.layers.sequence_state import SequenceStateBatch
 logger = logging.getLogger(__name__)
 
 _IDS, _POS, _SLOT, _SEQ_LEN, _STATE, _SNAPSHOT, _MROPE = 0, 1, 2, 3, 4, 5, 6
-_PADDING = {_IDS: 0, _POS: 0, _SLOT: -1, _SEQ_LEN: 0, _SNAPSHOT: 0}   # _STATE: the scratch slot
+_PADDING = {_IDS: 0, _POS: 0, _SLOT: -1, _SEQ_LEN: 0, _SNAPSHOT: 0}  # _STATE: the scratch slot
 
 
 def default_buckets(max_rows: int) -> list[int]:
@@ -72,7 +72,7 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
     try:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(buckets):
-                with dispatch.pdl_for_rows(b):         # compiled in the warm-up runs, baked in the graph
+                with dispatch.pdl_for_rows(b):  # compiled in the warm-up runs, baked in the graph
                     attn = attention(b)
                     for _ in range(2):
                         forward(b, attn)
@@ -88,8 +88,14 @@ def _capture_buckets(buckets: list[int], device: torch.device, attention, forwar
             gc.enable()
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    logger.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(graphs), what, buckets[0], buckets[-1],
-                time.perf_counter() - start)
+    logger.info(
+        "captured %d %s CUDA graphs (%d..%d) in %.1f s",
+        len(graphs),
+        what,
+        buckets[0],
+        buckets[-1],
+        time.perf_counter() - start,
+    )
     return graphs
 
 
@@ -109,11 +115,11 @@ def _launch(graphs: DecodeGraphs | StepGraphs, bucket: int, rows: int) -> torch.
 class DecodeInputs:
     """One pure decode step, host side: B rows, one token each."""
 
-    token_ids: np.ndarray        # [B] int64
-    positions: np.ndarray        # [B] int64 (the token's position = tokens already cached)
-    slots: np.ndarray            # [B] int64 cache slot of the new K/V
+    token_ids: np.ndarray  # [B] int64
+    positions: np.ndarray  # [B] int64 (the token's position = tokens already cached)
+    slots: np.ndarray  # [B] int64 cache slot of the new K/V
     block_tables: list[list[int]]  # [B] block ids per row
-    state_slots: np.ndarray | None = None     # [B] (stateful models)
+    state_slots: np.ndarray | None = None  # [B] (stateful models)
     mrope_positions: np.ndarray | None = None  # [3, B] (M-RoPE models)
     # (row index, token id) device tensors for rows whose token the host has not seen yet
     # (async scheduling: the previous step's sample); written over token_ids' placeholders.
@@ -121,9 +127,21 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, backend, max_rows: int, max_blocks_per_seq: int, block_size: int,
-                 max_seq_len: int, device: torch.device, scratch_slot: int | None, with_snapshots: bool,
-                 uses_mrope: bool, buckets: list[int] | None = None, capture: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        backend,
+        max_rows: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_seq_len: int,
+        device: torch.device,
+        scratch_slot: int | None,
+        with_snapshots: bool,
+        uses_mrope: bool,
+        buckets: list[int] | None = None,
+        capture: bool = True,
+    ):
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -140,13 +158,13 @@ class DecodeGraphs:
         self._tables_at = 9 * n
         size = self._tables_at + n * max_blocks_per_seq
         self.host_all = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
-        self.host_ints = self.host_all[:self._tables_at].view(9, n)
-        self.host_tables = self.host_all[self._tables_at:].view(n, max_blocks_per_seq)
+        self.host_ints = self.host_all[: self._tables_at].view(9, n)
+        self.host_tables = self.host_all[self._tables_at :].view(n, max_blocks_per_seq)
         self._ints_np = self.host_ints.numpy()
         self._tables_np = self.host_tables.numpy()
         self.dev_all = torch.zeros(size, dtype=torch.int64, device=device)
-        self.ints = self.dev_all[:self._tables_at].view(9, n)
-        self.tables = self.dev_all[self._tables_at:].view(n, max_blocks_per_seq)
+        self.ints = self.dev_all[: self._tables_at].view(9, n)
+        self.tables = self.dev_all[self._tables_at :].view(n, max_blocks_per_seq)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self._pad(0)
         self.ints.copy_(self.host_ints)
@@ -162,11 +180,16 @@ class DecodeGraphs:
         state = None
         if self.scratch_slot is not None:
             rows = self.rows[:b]
-            state = SequenceStateBatch(ints[_STATE, :b], rows, rows, True,
-                                       rows if self.with_snapshots else None,
-                                       ints[_SNAPSHOT, :b] if self.with_snapshots else None,
-                                       snapshot_every_row=True)
-        mrope = ints[_MROPE:_MROPE + 3, :b] if self.uses_mrope else None
+            state = SequenceStateBatch(
+                ints[_STATE, :b],
+                rows,
+                rows,
+                True,
+                rows if self.with_snapshots else None,
+                ints[_SNAPSHOT, :b] if self.with_snapshots else None,
+                snapshot_every_row=True,
+            )
+        mrope = ints[_MROPE : _MROPE + 3, :b] if self.uses_mrope else None
         return StepAttention(self.backend, meta, state, mrope_positions=mrope)
 
     def _forward(self, b: int, attn: StepAttention) -> torch.Tensor:
@@ -179,15 +202,16 @@ class DecodeGraphs:
         for row, value in _PADDING.items():
             host[row, start:] = value
         host[_STATE, start:] = self.scratch_slot if self.scratch_slot is not None else 0
-        host[_MROPE:_MROPE + 3, start:] = 0
+        host[_MROPE : _MROPE + 3, start:] = 0
 
     # ---- capture ----------------------------------------------------------------------------
     def capture_all(self) -> None:
         """Capture every bucket, largest first (smaller graphs reuse its memory pool). Every row is
         padding while capturing, so the warm-up runs write no live KV, state or snapshot."""
         if self.capture:
-            self.graphs = _capture_buckets(self.buckets, self.device, self._attention, self._forward,
-                                           "decode (batch sizes)")
+            self.graphs = _capture_buckets(
+                self.buckets, self.device, self._attention, self._forward, "decode (batch sizes)"
+            )
 
     # ---- one step ---------------------------------------------------------------------------
     def bucket(self, rows: int) -> int | None:
@@ -216,11 +240,12 @@ class DecodeGraphs:
                 ends = inputs.positions % self.block_size == self.block_size - 1
                 host[_SNAPSHOT, :rows] = np.where(ends, inputs.slots // self.block_size, 0)
         if self.uses_mrope:
-            host[_MROPE:_MROPE + 3, :rows] = (inputs.mrope_positions if inputs.mrope_positions is not None
-                                              else inputs.positions)
+            host[_MROPE : _MROPE + 3, :rows] = (
+                inputs.mrope_positions if inputs.mrope_positions is not None else inputs.positions
+            )
         self._pad(rows)
         for row, blocks in enumerate(inputs.block_tables):
-            self._tables_np[row, :len(blocks)] = blocks
+            self._tables_np[row, : len(blocks)] = blocks
         end = self._tables_at + rows * self.tables.shape[1]
         self.dev_all[:end].copy_(self.host_all[:end], non_blocking=True)
         if inputs.late_tokens is not None:
@@ -230,12 +255,13 @@ class DecodeGraphs:
 
 # ---- mixed steps (prefill chunks + decodes) -------------------------------------------------------
 
+
 def default_token_buckets(max_tokens: int) -> list[int]:
     """Token-count buckets for mixed steps: fine steps where serving lives (a few new prompts among
     decodes), coarser above; capped at 2048 — larger steps are prefill-heavy and their GPU time
     hides the host's launch time anyway."""
     sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
-    top = next((b for b in sizes if b > max_tokens), sizes[-1])     # every step up to max_tokens fits
+    top = next((b for b in sizes if b > max_tokens), sizes[-1])  # every step up to max_tokens fits
     return [b for b in sizes if b <= top]
 
 
@@ -243,19 +269,19 @@ def default_token_buckets(max_tokens: int) -> list[int]:
 class StepInputs:
     """One step of B rows and T tokens, host side (what the runner's eager path builds anyway)."""
 
-    token_ids: np.ndarray          # [T]
-    positions: np.ndarray          # [T]
-    slots: np.ndarray              # [T]
-    query_start_loc: np.ndarray    # [B + 1]
-    seq_lens: np.ndarray           # [B]
-    block_tables: np.ndarray       # [B, max_blocks] null-padded (the eager path's table)
-    tile_req: np.ndarray           # [tiles] prefill-kernel tiles over all B rows
-    tile_m0: np.ndarray            # [tiles]
-    state_slots: np.ndarray | None = None      # [B]
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B + 1]
+    seq_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max_blocks] null-padded (the eager path's table)
+    tile_req: np.ndarray  # [tiles] prefill-kernel tiles over all B rows
+    tile_m0: np.ndarray  # [tiles]
+    state_slots: np.ndarray | None = None  # [B]
     snapshot_tokens: np.ndarray | None = None  # [S] tokens that complete a KV block
     snapshot_blocks: np.ndarray | None = None  # [S]
     mrope_positions: np.ndarray | None = None  # [3, T]
-    late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None   # as in DecodeInputs (flat token index)
+    late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # as in DecodeInputs (flat token index)
 
 
 class StepGraphs:
@@ -266,17 +292,30 @@ class StepGraphs:
     PAGODA_MIXED_STEP_GRAPHS=0 against on).
     Attention is split as in the eager path: one-token rows through the decode kernel (every row is
     a decode row of the launch; the others have context 0 and write zeros to the spare token), the
-    multi-token rows through the prefill kernel's tile list. Static shapes: T_b tokens (a step of T < T_b tokens; at least one token is
-    spare, so padding rows can point at it), R = max_num_seqs + 1 rows (the last row is always
-    padding: zero queries, zero keys, the scratch state slot), T_b/block_m + R tiles (the unused
+    multi-token rows through the prefill kernel's tile list. Static shapes: T_b tokens (a step of T < T_b
+    tokens; at least one token is spare, so padding rows can point at it), R = max_num_seqs + 1 rows (the last
+    row is always padding: zero queries, zero keys, the scratch state slot), T_b/block_m + R tiles (the unused
     ones point at the padding row) and T_b/block_size + R snapshot entries (unused: the spare token
     into the null block). Logits come out for each row's last token; the runner keeps the rows
     that sample."""
 
-    def __init__(self, model: nn.Module, backend, max_seqs: int, max_tokens: int, max_blocks_per_seq: int,
-                 block_size: int, block_m: int, device: torch.device, scratch_slot: int | None,
-                 with_snapshots: bool, uses_mrope: bool, buckets: list[int] | None = None, capture: bool = True,
-                 max_seq_len: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        backend,
+        max_seqs: int,
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        block_m: int,
+        device: torch.device,
+        scratch_slot: int | None,
+        with_snapshots: bool,
+        uses_mrope: bool,
+        buckets: list[int] | None = None,
+        capture: bool = True,
+        max_seq_len: int = 0,
+    ):
         self.model, self.backend, self.device = model, backend, device
         self.max_seq_len = max_seq_len
         self.block_size, self.block_m = block_size, block_m
@@ -287,8 +326,14 @@ class StepGraphs:
         self.max_tiles = -(-t // block_m) + r
         self.max_snapshots = t // block_size + r
         pin = device.type == "cuda"
-        shapes = {"tok": (6, t), "row": (6, r), "qsl": (r + 1,), "tiles": (2, self.max_tiles),
-                  "snap": (2, self.max_snapshots), "tables": (r, max_blocks_per_seq)}
+        shapes = {
+            "tok": (6, t),
+            "row": (6, r),
+            "qsl": (r + 1,),
+            "tiles": (2, self.max_tiles),
+            "snap": (2, self.max_snapshots),
+            "tables": (r, max_blocks_per_seq),
+        }
         self.host = {k: torch.zeros(v, dtype=torch.int64, pin_memory=pin) for k, v in shapes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
         self.dev = {k: torch.zeros(v, dtype=torch.int64, device=device) for k, v in shapes.items()}
@@ -306,15 +351,29 @@ class StepGraphs:
     def _attention(self, b: int) -> StepAttention:
         d = self.dev
         tiles = -(-b // self.block_m) + self.rows
-        meta = self.backend.tiled_metadata(d["tok"][2, :b], d["tables"], d["qsl"], d["row"][0],
-                                           d["tiles"][0, :tiles], d["tiles"][1, :tiles], self.block_m,
-                                           d["row"][4], d["row"][5], self.max_seq_len)
+        meta = self.backend.tiled_metadata(
+            d["tok"][2, :b],
+            d["tables"],
+            d["qsl"],
+            d["row"][0],
+            d["tiles"][0, :tiles],
+            d["tiles"][1, :tiles],
+            self.block_m,
+            d["row"][4],
+            d["row"][5],
+            self.max_seq_len,
+        )
         state = None
         if self.scratch_slot is not None:
             snaps = b // self.block_size + self.rows
-            state = SequenceStateBatch(d["row"][1], d["row"][2], d["row"][3], False,
-                                       d["snap"][0, :snaps] if self.with_snapshots else None,
-                                       d["snap"][1, :snaps] if self.with_snapshots else None)
+            state = SequenceStateBatch(
+                d["row"][1],
+                d["row"][2],
+                d["row"][3],
+                False,
+                d["snap"][0, :snaps] if self.with_snapshots else None,
+                d["snap"][1, :snaps] if self.with_snapshots else None,
+            )
         mrope = d["tok"][3:6, :b] if self.uses_mrope else None
         return StepAttention(self.backend, meta, state, mrope_positions=mrope)
 
@@ -327,13 +386,13 @@ class StepGraphs:
         """Tokens [tokens, bucket) and rows [rows, R) become padding; `tokens` is the spare token."""
         n = self.np
         n["tok"][:, tokens:bucket] = 0
-        n["tok"][2, tokens:bucket] = -1                        # store no K/V
-        n["row"][0, rows:] = 0                                 # no keys
+        n["tok"][2, tokens:bucket] = -1  # store no K/V
+        n["row"][0, rows:] = 0  # no keys
         n["row"][1, rows:] = self.scratch_slot if self.scratch_slot is not None else 0
-        n["row"][2:4, rows:] = tokens                          # first/last token: the spare one
-        n["row"][4, rows:] = tokens                            # decode query: the spare token
-        n["row"][5, rows:] = 0                                 # decode context: none
-        n["qsl"][rows:] = tokens                               # no queries
+        n["row"][2:4, rows:] = tokens  # first/last token: the spare one
+        n["row"][4, rows:] = tokens  # decode query: the spare token
+        n["row"][5, rows:] = 0  # decode context: none
+        n["qsl"][rows:] = tokens  # no queries
 
     def capture_all(self) -> None:
         if not self.capture:
@@ -344,8 +403,7 @@ class StepGraphs:
         snaps[0], snaps[1] = 0, 0
         for k in self.dev:
             self.dev[k].copy_(self.host[k])
-        self.graphs = _capture_buckets(self.buckets, self.device, self._attention, self._forward,
-                                       "mixed-step (tokens)")
+        self.graphs = _capture_buckets(self.buckets, self.device, self._attention, self._forward, "mixed-step (tokens)")
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
@@ -365,7 +423,7 @@ class StepGraphs:
             n["row"][1, :rows] = inputs.state_slots
         n["row"][2, :rows] = inputs.query_start_loc[:-1]
         n["row"][3, :rows] = inputs.query_start_loc[1:] - 1
-        n["qsl"][:rows + 1] = inputs.query_start_loc
+        n["qsl"][: rows + 1] = inputs.query_start_loc
         one = np.diff(inputs.query_start_loc) == 1
         n["row"][4, :rows] = np.where(one, inputs.query_start_loc[1:] - 1, t)
         n["row"][5, :rows] = np.where(one, inputs.seq_lens, 0)
@@ -382,7 +440,7 @@ class StepGraphs:
                 n["snap"][1, :s] = inputs.snapshot_blocks
             n["snap"][0, s:] = t
             n["snap"][1, s:] = 0
-        n["tables"][:rows, :inputs.block_tables.shape[1]] = inputs.block_tables
+        n["tables"][:rows, : inputs.block_tables.shape[1]] = inputs.block_tables
         for k in ("tok", "row", "qsl", "tiles", "snap"):
             self.dev[k].copy_(self.host[k], non_blocking=True)
         self.dev["tables"][:rows].copy_(self.host["tables"][:rows], non_blocking=True)

@@ -24,8 +24,8 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
-    state_bytes_per_seq: int = 0           # per-sequence recurrent state, all layers (0: none)
-    snapshot_bytes_per_block: int = 0      # state snapshot stored with each block (prefix caching)
+    state_bytes_per_seq: int = 0  # per-sequence recurrent state, all layers (0: none)
+    snapshot_bytes_per_block: int = 0  # state snapshot stored with each block (prefix caching)
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
@@ -36,7 +36,7 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    num_blocks: int            # including the null block 0
+    num_blocks: int  # including the null block 0
     block_size: int
     bytes_per_block: int
 
@@ -60,8 +60,14 @@ def kv_cache_spec(model: Any, dtype_bytes: int, enable_prefix_caching: bool) -> 
     layers = model.attention_layers()
     stateful = getattr(model, "sequence_state_layers", list)()
     state = sum(layer.state_width for layer in stateful) * dtype_bytes
-    return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, dtype_bytes,
-                       state_bytes_per_seq=state, snapshot_bytes_per_block=state if enable_prefix_caching else 0)
+    return KVCacheSpec(
+        len(layers),
+        layers[0].num_kv_heads,
+        layers[0].head_dim,
+        dtype_bytes,
+        state_bytes_per_seq=state,
+        snapshot_bytes_per_block=state if enable_prefix_caching else 0,
+    )
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int) -> int:
@@ -78,8 +84,7 @@ def blocks_for_request(request_len: int, block_size: int) -> int:
     return -(-request_len // block_size) + 1
 
 
-def cpu_num_blocks(budget_gib: float, spec: KVCacheSpec, block_size: int, max_num_seqs: int,
-                   max_model_len: int) -> int:
+def cpu_num_blocks(budget_gib: float, spec: KVCacheSpec, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """CPU pool: the budget (less the state slots), but no more than max_num_seqs full-length
     requests could ever use."""
     useful = max_num_seqs * -(-max_model_len // block_size) + 1
@@ -87,8 +92,14 @@ def cpu_num_blocks(budget_gib: float, spec: KVCacheSpec, block_size: int, max_nu
     return min(num_blocks_for_budget(budget, spec, block_size), useful)
 
 
-def gpu_num_blocks(total_bytes: int, utilization: float, peak_torch_bytes: int, non_torch_bytes: int,
-                   spec: KVCacheSpec, block_size: int) -> int:
+def gpu_num_blocks(
+    total_bytes: int,
+    utilization: float,
+    peak_torch_bytes: int,
+    non_torch_bytes: int,
+    spec: KVCacheSpec,
+    block_size: int,
+) -> int:
     """GPU pool: what is left of utilization * total after the profiled peak of a worst-case step
     (weights + activations + state slots, all allocated while profiling) and memory held outside
     PyTorch (CUDA context, NCCL...)."""

@@ -45,17 +45,17 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass
 class RunnerRequestState:
-    token_ids: list[int]               # prompt + outputs sampled so far
+    token_ids: list[int]  # prompt + outputs sampled so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
     generator: torch.Generator | None  # per-request RNG when the request has a seed
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    state_slot: int | None = None      # per-sequence state slot while running (stateful models)
-    mm_inputs: MultiModalInputs | None = None   # images/videos and M-RoPE positions (multimodal models)
-    num_pending: int = 0               # tokens sampled by launched steps, not yet in token_ids
-    pending_row: int = -1              # the newest one's row in the last launched step's samples
+    state_slot: int | None = None  # per-sequence state slot while running (stateful models)
+    mm_inputs: MultiModalInputs | None = None  # images/videos and M-RoPE positions (multimodal models)
+    num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
+    pending_row: int = -1  # the newest one's row in the last launched step's samples
 
 
 class PendingStep:
@@ -63,8 +63,9 @@ class PendingStep:
     after sampling, an event after them. `result()` waits for that event only — not for a later
     step queued behind it — then appends the tokens to the request states, once."""
 
-    def __init__(self, request_ids: list[str], states: list[RunnerRequestState], out=None,
-                 done: StepOutput | None = None):
+    def __init__(
+        self, request_ids: list[str], states: list[RunnerRequestState], out=None, done: StepOutput | None = None
+    ):
         self.request_ids, self.states = request_ids, states
         self._output = done
         self._event = None
@@ -112,39 +113,45 @@ _NO_TOKENS = StepOutput({})
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, eos_token_ids: set[int],
-                 backend: AttentionBackend | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        eos_token_ids: set[int],
+        backend: AttentionBackend | None = None,
+    ):
         self.config = config
         self.device = torch.device(config.device.device)
         self.dtype = _DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.model = load_model(source, config.model.max_model_len, self.dtype, config.device.device,
-                                config.model.load_format)
+        self.model = load_model(
+            source, config.model.max_model_len, self.dtype, config.device.device, config.model.load_format
+        )
         self.vocab_size = config.model.vocab_size
         self.backend = backend or self._make_backend(config.device.attention_backend)
         self.sampler = Sampler()
         # Per-request sampling rows kept across steps: a step's batch is a gather, and the penalties'
         # token history lives on the device (updated with each step's samples, no host round trip).
-        self.sampling = SamplingState(config.scheduler.max_num_seqs, self.vocab_size, self.device,
-                                      self.eos_token_ids)
+        self.sampling = SamplingState(config.scheduler.max_num_seqs, self.vocab_size, self.device, self.eos_token_ids)
         self.states: dict[str, RunnerRequestState] = {}
         # (request id, stage, exception) of new requests whose per-request setup raised: left out of
         # the step; the engine ends them with an error (`take_failures`).
         self.failures: list[tuple[str, str, Exception]] = []
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         stateful = getattr(self.model, "sequence_state_layers", list)()
-        self.state_pool = (StateSlotPool(stateful, config.scheduler.max_num_seqs, self.dtype, self.device)
-                           if stateful else None)
+        self.state_pool = (
+            StateSlotPool(stateful, config.scheduler.max_num_seqs, self.dtype, self.device) if stateful else None
+        )
         # Snapshots per block make prefix-cache hits exact for stateful models.
         self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching
         self.accepts_multimodal = hasattr(self.model, "encode")
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.encoder_cache = EncoderCache(max(32768, 4 * config.scheduler.max_num_batched_tokens))
-        self.decode_graphs: DecodeGraphs | None = None   # set by `enable_decode_graphs`
-        self.step_graphs: StepGraphs | None = None       # mixed steps, likewise
-        self._last_sampled: torch.Tensor | None = None   # its token ids, on the device
-        self._arange: torch.Tensor | None = None         # 0, 1, 2, ... on the device (`_late_tokens`)
+        self.decode_graphs: DecodeGraphs | None = None  # set by `enable_decode_graphs`
+        self.step_graphs: StepGraphs | None = None  # mixed steps, likewise
+        self._last_sampled: torch.Tensor | None = None  # its token ids, on the device
+        self._arange: torch.Tensor | None = None  # 0, 1, 2, ... on the device (`_late_tokens`)
 
     @staticmethod
     def _make_backend(name: str) -> AttentionBackend:
@@ -154,8 +161,9 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
-        return kv_cache_spec(self.model, torch.tensor([], dtype=self.dtype).element_size(),
-                             self.config.cache.enable_prefix_caching)
+        return kv_cache_spec(
+            self.model, torch.tensor([], dtype=self.dtype).element_size(), self.config.cache.enable_prefix_caching
+        )
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
         """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
@@ -181,8 +189,9 @@ class ModelRunner:
         shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in self.model.attention_layers()}
         self.backend.warm_up(shapes, self.block_size, self.dtype, self.device)
 
-    def enable_decode_graphs(self, capture: bool = True, buckets: list[int] | None = None,
-                             token_buckets: list[int] | None = None) -> None:
+    def enable_decode_graphs(
+        self, capture: bool = True, buckets: list[int] | None = None, token_buckets: list[int] | None = None
+    ) -> None:
         """Run pure decode steps of up to max_num_seqs rows, and mixed steps of up to 2047 tokens,
         from static buffers, replaying CUDA graphs captured now (capture=False: the same buffers, run
         eagerly — for tests on the CPU). Call after `initialize_kv_cache` with the real cache: graphs
@@ -194,20 +203,40 @@ class ModelRunner:
             return
         cfg = self.config
         self.decode_graphs = DecodeGraphs(
-            self.model, self.backend, cfg.scheduler.max_num_seqs, -(-cfg.model.max_model_len // self.block_size),
-            self.block_size, cfg.model.max_model_len, self.device,
-            self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
-            self.uses_mrope, buckets, capture)
+            self.model,
+            self.backend,
+            cfg.scheduler.max_num_seqs,
+            -(-cfg.model.max_model_len // self.block_size),
+            self.block_size,
+            cfg.model.max_model_len,
+            self.device,
+            self.state_pool.scratch_slot if self.state_pool is not None else None,
+            self.state_snapshots,
+            self.uses_mrope,
+            buckets,
+            capture,
+        )
         self.decode_graphs.capture_all()
-        if not envs.MIXED_STEP_GRAPHS.value:    # A/B switch: mixed steps eager
+        if not envs.MIXED_STEP_GRAPHS.value:  # A/B switch: mixed steps eager
             return
         from pagoda.kernels.paged_attention import prefill_block_m  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         self.step_graphs = StepGraphs(
-            self.model, self.backend, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-            -(-cfg.model.max_model_len // self.block_size), self.block_size, prefill_block_m(), self.device,
-            self.state_pool.scratch_slot if self.state_pool is not None else None, self.state_snapshots,
-            self.uses_mrope, token_buckets, capture, cfg.model.max_model_len)
+            self.model,
+            self.backend,
+            cfg.scheduler.max_num_seqs,
+            cfg.scheduler.max_num_batched_tokens,
+            -(-cfg.model.max_model_len // self.block_size),
+            self.block_size,
+            prefill_block_m(),
+            self.device,
+            self.state_pool.scratch_slot if self.state_pool is not None else None,
+            self.state_snapshots,
+            self.uses_mrope,
+            token_buckets,
+            capture,
+            cfg.model.max_model_len,
+        )
         self.step_graphs.capture_all()
 
     @torch.inference_mode()
@@ -223,14 +252,21 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         # Positions wrap at max_model_len: the step budget may exceed the model's context (RoPE table).
         pos = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
-        batch = AttentionBatch([num_tokens], [num_tokens], torch.tensor([0, num_tokens], device=self.device),
-                               torch.tensor([num_tokens], device=self.device), block_table,
-                               torch.arange(num_tokens, device=self.device) + self.block_size, self.block_size)
+        batch = AttentionBatch(
+            [num_tokens],
+            [num_tokens],
+            torch.tensor([0, num_tokens], device=self.device),
+            torch.tensor([num_tokens], device=self.device),
+            block_table,
+            torch.arange(num_tokens, device=self.device) + self.block_size,
+            self.block_size,
+        )
         state = None
         if self.state_pool is not None:
-            state = self._state_batch([0], np.array([0, num_tokens]), pos.cpu().numpy(),
-                                      batch.slot_mapping.cpu().numpy())
-        with dispatch.pdl_for_rows(num_tokens):     # as an eager step of this size runs (and so compiles) them
+            state = self._state_batch(
+                [0], np.array([0, num_tokens]), pos.cpu().numpy(), batch.slot_mapping.cpu().numpy()
+            )
+        with dispatch.pdl_for_rows(num_tokens):  # as an eager step of this size runs (and so compiles) them
             hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch), state))
             self.model.compute_logits(hidden[-1:])
             if self.accepts_multimodal:
@@ -260,7 +296,7 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        fresh: list[int] = []      # blocks handed out for new content this step (not prefix-cache hits)
+        fresh: list[int] = []  # blocks handed out for new content this step (not prefix-cache hits)
         for request_id in so.finished_request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
@@ -270,7 +306,7 @@ class ModelRunner:
             if request_id in self.states:
                 self._release_slot(self.states[request_id])
         for new in so.new_requests:
-            fresh += new.block_ids[new.num_computed_tokens // self.block_size:]
+            fresh += new.block_ids[new.num_computed_tokens // self.block_size :]
             params = new.sampling_params
             try:
                 generator = None
@@ -281,15 +317,21 @@ class ModelRunner:
                 self.failures.append((new.request_id, "setting up its sampling", exc))
                 continue
             self.states[new.request_id] = state = RunnerRequestState(
-                list(new.prompt_token_ids), len(new.prompt_token_ids), params, list(new.block_ids),
-                generator, new.num_computed_tokens, mm_inputs=new.mm_inputs)
+                list(new.prompt_token_ids),
+                len(new.prompt_token_ids),
+                params,
+                list(new.block_ids),
+                generator,
+                new.num_computed_tokens,
+                mm_inputs=new.mm_inputs,
+            )
             self._acquire_slot(state)
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.resumed:
                 state.block_ids = list(cached.new_block_ids)
-                fresh += cached.new_block_ids[cached.num_computed_tokens // self.block_size:]
+                fresh += cached.new_block_ids[cached.num_computed_tokens // self.block_size :]
                 self._acquire_slot(state)
             else:
                 state.block_ids.extend(cached.new_block_ids)
@@ -311,10 +353,12 @@ class ModelRunner:
             self.state_pool.release(state.state_slot)
             state.state_slot = None
 
-    def _state_batch(self, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray,
-                     slot_mapping: np.ndarray) -> SequenceStateBatch:
-        return SequenceStateBatch.build(slots, query_start_loc, positions, slot_mapping, self.block_size,
-                                        self.state_snapshots, self.device)
+    def _state_batch(
+        self, slots: list[int], query_start_loc: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray
+    ) -> SequenceStateBatch:
+        return SequenceStateBatch.build(
+            slots, query_start_loc, positions, slot_mapping, self.block_size, self.state_snapshots, self.device
+        )
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """A block's unwritten tail is read (then masked) by block-granular attention; zero it on
@@ -343,14 +387,17 @@ class ModelRunner:
     def _launch(self, so: SchedulerOutput) -> PendingStep:
         self._update_states(so)
         scheduled = so.num_scheduled_tokens
-        if self.failures:              # requests whose setup failed are left out of the batch
+        if self.failures:  # requests whose setup failed are left out of the batch
             scheduled = {rid: n for rid, n in scheduled.items() if rid in self.states}
         if not scheduled:
             return PendingStep([], [], done=_NO_TOKENS)
         request_ids = list(scheduled)
         states = [self.states[rid] for rid in request_ids]
-        if (self.decode_graphs is not None and sum(scheduled.values()) == len(states)
-                and len(states) <= self.decode_graphs.max_rows):
+        if (
+            self.decode_graphs is not None
+            and sum(scheduled.values()) == len(states)
+            and len(states) <= self.decode_graphs.max_rows
+        ):
             return self._execute_decode_graph(request_ids, states)
         query_lens = [scheduled[rid] for rid in request_ids]
         starts = [s.num_computed_tokens for s in states]
@@ -359,32 +406,53 @@ class ModelRunner:
         # A row ending past its known tokens ends on its pending token: a placeholder here, the
         # real id gathered on the device (`_late_tokens`).
         late_rows = [i for i, (s, e) in enumerate(zip(states, seq_lens)) if e > len(s.token_ids)]
-        token_ids = np.concatenate([np.asarray(s.token_ids[a:e] + [0] * (e - max(a, len(s.token_ids))),
-                                               dtype=np.int64) if e > len(s.token_ids)
-                                    else np.asarray(s.token_ids[a:e], dtype=np.int64)
-                                    for s, a, e in zip(states, starts, seq_lens)])
+        token_ids = np.concatenate(
+            [
+                np.asarray(s.token_ids[a:e] + [0] * (e - max(a, len(s.token_ids))), dtype=np.int64)
+                if e > len(s.token_ids)
+                else np.asarray(s.token_ids[a:e], dtype=np.int64)
+                for s, a, e in zip(states, starts, seq_lens)
+            ]
+        )
         positions = np.concatenate([np.arange(a, e, dtype=np.int64) for a, e in zip(starts, seq_lens)])
         max_blocks = max(len(s.block_ids) for s in states)
-        tables = np.zeros((len(states), max_blocks), dtype=np.int64)   # padded with the null block
+        tables = np.zeros((len(states), max_blocks), dtype=np.int64)  # padded with the null block
         for row, s in enumerate(states):
-            tables[row, :len(s.block_ids)] = s.block_ids
+            tables[row, : len(s.block_ids)] = s.block_ids
         row_of_token = np.repeat(np.arange(len(states)), query_lens)
         slots = tables[row_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
 
         late = self._late_tokens(states, late_rows, query_start_loc[1:][late_rows] - 1 if late_rows else None)
-        if self.step_graphs is not None and self.step_graphs.bucket(len(token_ids)) is not None \
-                and not self._needs_encoder(states, starts, seq_lens):
-            return self._execute_step_graph(request_ids, states, token_ids, positions, slots, tables,
-                                            query_start_loc, query_lens, seq_lens, starts, late)
+        if (
+            self.step_graphs is not None
+            and self.step_graphs.bucket(len(token_ids)) is not None
+            and not self._needs_encoder(states, starts, seq_lens)
+        ):
+            return self._execute_step_graph(
+                request_ids,
+                states,
+                token_ids,
+                positions,
+                slots,
+                tables,
+                query_start_loc,
+                query_lens,
+                seq_lens,
+                starts,
+                late,
+            )
         dev = self.device
         batch = AttentionBatch(
-            query_lens=query_lens, seq_lens=seq_lens,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
             query_start_loc=torch.from_numpy(query_start_loc).to(dev),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
-            block_size=self.block_size)
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_size=self.block_size,
+        )
         positions_t = torch.from_numpy(positions).to(dev)
         state = None
         if self.state_pool is not None:
@@ -408,8 +476,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token])
         return self._sample([request_ids[i] for i in sample_rows], [states[i] for i in sample_rows], logits)
 
-    def _late_tokens(self, states: list[RunnerRequestState], rows: list[int] | np.ndarray,
-                     flat_index: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _late_tokens(
+        self, states: list[RunnerRequestState], rows: list[int] | np.ndarray, flat_index: np.ndarray | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat token index, token id) on the device for rows whose input is the last launched
         step's sample, not yet on the host; None when every input token is known."""
         if not len(rows):
@@ -426,8 +495,11 @@ class ModelRunner:
         flat_np = np.asarray(flat_index, dtype=np.int64)
         n = len(src_np)
         ascending = np.arange(n)
-        values = (self._last_sampled[:n] if np.array_equal(src_np, ascending)
-                  else self._last_sampled.index_select(0, to_device(src_np, self.device)))
+        values = (
+            self._last_sampled[:n]
+            if np.array_equal(src_np, ascending)
+            else self._last_sampled.index_select(0, to_device(src_np, self.device))
+        )
         index = self._device_arange(n) if np.array_equal(flat_np, ascending) else to_device(flat_np, self.device)
         return index, values
 
@@ -441,15 +513,23 @@ class ModelRunner:
         """A step where every row has exactly one token: static buffers + a captured graph."""
         positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         known = np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
-        token_ids = np.fromiter((s.token_ids[p] if p < k else 0 for s, p, k in zip(states, positions.tolist(),
-                                                                                known.tolist())),
-                                np.int64, len(states))
+        token_ids = np.fromiter(
+            (s.token_ids[p] if p < k else 0 for s, p, k in zip(states, positions.tolist(), known.tolist())),
+            np.int64,
+            len(states),
+        )
         late_rows = np.flatnonzero(positions >= known)
         bs = self.block_size
-        block_of = np.fromiter((s.block_ids[p // bs] for s, p in zip(states, positions.tolist())), np.int64,
-                               len(states))
-        inputs = DecodeInputs(token_ids, positions, block_of * bs + positions % bs, [s.block_ids for s in states],
-                              late_tokens=self._late_tokens(states, late_rows, late_rows))
+        block_of = np.fromiter(
+            (s.block_ids[p // bs] for s, p in zip(states, positions.tolist())), np.int64, len(states)
+        )
+        inputs = DecodeInputs(
+            token_ids,
+            positions,
+            block_of * bs + positions % bs,
+            [s.block_ids for s in states],
+            late_tokens=self._late_tokens(states, late_rows, late_rows),
+        )
         if self.state_pool is not None:
             inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
         if self.uses_mrope and any(s.mm_inputs is not None for s in states):
@@ -459,8 +539,9 @@ class ModelRunner:
         # A one-token row samples unless it is a 1-token prefill chunk short of its prompt's end.
         return self._sample_rows_of(request_ids, states, (positions + 1).tolist(), logits)
 
-    def _sample_rows_of(self, request_ids: list[str], states: list[RunnerRequestState], seq_lens: list[int],
-                        logits: torch.Tensor) -> PendingStep:
+    def _sample_rows_of(
+        self, request_ids: list[str], states: list[RunnerRequestState], seq_lens: list[int], logits: torch.Tensor
+    ) -> PendingStep:
         """After a graph step with logits [B, V] for every row's last token: advance each row to its
         new length and sample the rows that reached the end of their known tokens."""
         sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + s.num_pending]
@@ -474,21 +555,42 @@ class ModelRunner:
 
     @staticmethod
     def _needs_encoder(states: list[RunnerRequestState], starts: list[int], ends: list[int]) -> bool:
-        return any(s.mm_inputs is not None and any(item.overlaps(a, e) for item in s.mm_inputs.items)
-                   for s, a, e in zip(states, starts, ends))
+        return any(
+            s.mm_inputs is not None and any(item.overlaps(a, e) for item in s.mm_inputs.items)
+            for s, a, e in zip(states, starts, ends)
+        )
 
-    def _execute_step_graph(self, request_ids: list[str], states: list[RunnerRequestState], token_ids: np.ndarray,
-                            positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-                            query_start_loc: np.ndarray, query_lens: list[int], seq_lens: list[int],
-                            starts: list[int], late: tuple[torch.Tensor, torch.Tensor] | None) -> PendingStep:
+    def _execute_step_graph(
+        self,
+        request_ids: list[str],
+        states: list[RunnerRequestState],
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        tables: np.ndarray,
+        query_start_loc: np.ndarray,
+        query_lens: list[int],
+        seq_lens: list[int],
+        starts: list[int],
+        late: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> PendingStep:
         """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
         from pagoda.kernels.paged_attention import prefill_tile_arrays  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         graphs = self.step_graphs
         # Tiles for the multi-token rows; one-token rows go through the decode kernel.
         req, m0 = prefill_tile_arrays(query_lens, [i for i, n in enumerate(query_lens) if n > 1], graphs.block_m)
-        inputs = StepInputs(token_ids, positions, slots, query_start_loc, np.asarray(seq_lens, dtype=np.int64),
-                            tables, req, m0, late_tokens=late)
+        inputs = StepInputs(
+            token_ids,
+            positions,
+            slots,
+            query_start_loc,
+            np.asarray(seq_lens, dtype=np.int64),
+            tables,
+            req,
+            m0,
+            late_tokens=late,
+        )
         if self.state_pool is not None:
             inputs.state_slots = np.fromiter((s.state_slot for s in states), np.int64, len(states))
             if self.state_snapshots:
@@ -513,16 +615,22 @@ class ModelRunner:
                 parts.append(np.broadcast_to(np.arange(max(a, known), e) + delta, (3, e - max(a, known))))
         return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
-    def _multimodal_embeds(self, states: list[RunnerRequestState], starts: list[int], ends: list[int],
-                           query_start_loc: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _multimodal_embeds(
+        self, states: list[RunnerRequestState], starts: list[int], ends: list[int], query_start_loc: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Encoder rows for the placeholder tokens in this step, and their flat token indices.
 
         Every item overlapping a row's scheduled range [start, end) needs its whole encoder output
         (the vision tower is never run on part of an item): taken from the encoder cache, or
         computed now for all missing items in one batched call. A chunk boundary may cut an item;
         each chunk takes its slice of the rows."""
-        needed = [(row, item) for row, (s, a, e) in enumerate(zip(states, starts, ends)) if s.mm_inputs is not None
-                  for item in s.mm_inputs.items if item.overlaps(a, e)]
+        needed = [
+            (row, item)
+            for row, (s, a, e) in enumerate(zip(states, starts, ends))
+            if s.mm_inputs is not None
+            for item in s.mm_inputs.items
+            if item.overlaps(a, e)
+        ]
         if not needed:
             return None
         outputs: dict[bytes, torch.Tensor] = {}
@@ -546,7 +654,7 @@ class ModelRunner:
             lo, hi = max(starts[row], item.offset), min(ends[row], item.end)
             first = int(query_start_loc[row]) + lo - starts[row]
             index.append(np.arange(first, first + hi - lo))
-            embeds.append(outputs[item.content_hash][lo - item.offset:hi - item.offset])
+            embeds.append(outputs[item.content_hash][lo - item.offset : hi - item.offset])
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(embeds)
 
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:

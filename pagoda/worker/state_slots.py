@@ -34,7 +34,7 @@ class StateSlotPool:
         self.scratch_slot = num_slots
         self.state = torch.zeros(len(layers), num_slots + 1, self.width, dtype=dtype, device=device)
         self.snapshots = torch.empty(len(layers), 0, self.width, dtype=dtype, device=device)
-        self._free = list(range(num_slots - 1, -1, -1))     # pop() hands out slot 0 first
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._bind()
 
     @property
@@ -47,8 +47,9 @@ class StateSlotPool:
 
     def allocate_snapshots(self, num_blocks: int) -> None:
         # Uninitialised: a snapshot is only read for a block whose last token wrote it first.
-        self.snapshots = torch.empty(len(self.layers), num_blocks, self.width,
-                                     dtype=self.state.dtype, device=self.state.device)
+        self.snapshots = torch.empty(
+            len(self.layers), num_blocks, self.width, dtype=self.state.dtype, device=self.state.device
+        )
         self._bind()
 
     def drop_snapshots(self) -> None:

@@ -27,14 +27,14 @@ from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
 
-MAX_IMAGE_PIXELS = 16384 * 28 * 28      # Qwen2-VL's largest image: 16384 placeholder tokens
+MAX_IMAGE_PIXELS = 16384 * 28 * 28  # Qwen2-VL's largest image: 16384 placeholder tokens
 
 
 @dataclass(frozen=True)
 class MediaRef:
-    modality: str                       # "image" | "video"
-    urls: tuple[str, ...]               # one image url, or the frame urls of a video
-    where: str                          # "messages[i].content[j]", for error messages
+    modality: str  # "image" | "video"
+    urls: tuple[str, ...]  # one image url, or the frame urls of a video
+    where: str  # "messages[i].content[j]", for error messages
 
 
 @dataclass
@@ -43,13 +43,14 @@ class MultiModalServing:
 
     placeholders: PlaceholderIds
     merge_size: int
-    preprocess: Any                                     # multimodal.image_processor.VisionPreprocessConfig
+    preprocess: Any  # multimodal.image_processor.VisionPreprocessConfig
     policy: MediaPolicy
-    limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMITS))   # most items per prompt
+    limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMITS))  # most items per prompt
 
 
-def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None,
-                       mm: MultiModalConfig) -> MultiModalServing | None:
+def multimodal_serving(
+    hf_config: dict[str, Any], model_folder: str | None, mm: MultiModalConfig
+) -> MultiModalServing | None:
     """The server's image/video settings for a vision-language model (None for text-only models), from the
     parsed `mm` (`MultiModalConfig`: no strings to parse here). Settings this model rejects (preprocessor
     overrides against its preprocessor_config.json, the media folder) raise ConfigError before the engine starts.
@@ -62,10 +63,12 @@ def multimodal_serving(hf_config: dict[str, Any], model_folder: str | None,
     vision = hf_config.get("vision_config") or {}
     try:
         preprocess = VisionPreprocessConfig.from_model_folder(model_folder).with_overrides(
-            mm.mm_processor_kwargs, "mm_processor_kwargs")
+            mm.mm_processor_kwargs, "mm_processor_kwargs"
+        )
     except InvalidRequest as exc:
-        raise ConfigError(f"--mm-processor-kwargs {shown(mm.mm_processor_kwargs)}: {exc}",
-                          "mm_processor_kwargs") from None
+        raise ConfigError(
+            f"--mm-processor-kwargs {shown(mm.mm_processor_kwargs)}: {exc}", "mm_processor_kwargs"
+        ) from None
     path = mm.allowed_local_media_path
     if path is not None and not os.path.isdir(path):
         raise ConfigError(f"--allowed-local-media-path {path!r} is not a folder.", "allowed_local_media_path")
@@ -93,8 +96,11 @@ def _url_of(value: Any, where: str) -> str:
 def _frames_of(value: Any, where: str) -> tuple[str, ...]:
     frames = value.get("url", value.get("frames")) if isinstance(value, dict) else value
     if isinstance(frames, str):
-        raise InvalidRequest(f"{where}: video files are not decoded here; send the video as a list of frame "
-                             "image urls ({\"type\": \"video\", \"video\": [url, ...]}).", "messages")
+        raise InvalidRequest(
+            f"{where}: video files are not decoded here; send the video as a list of frame "
+            'image urls ({"type": "video", "video": [url, ...]}).',
+            "messages",
+        )
     if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
         raise InvalidRequest(f"{where}: a video must be a non-empty list of frame image urls.", "messages")
     return tuple(frames)
@@ -123,8 +129,10 @@ def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
                 refs.append(MediaRef("video", _frames_of(part.get(kind), where), where))
                 parts.append({"type": "video"})
             else:
-                raise InvalidRequest(f"{where}: content part type {kind!r} is not supported (text, image_url, "
-                                     "image, video, video_url).", "messages")
+                raise InvalidRequest(
+                    f"{where}: content part type {kind!r} is not supported (text, image_url, image, video, video_url).",
+                    "messages",
+                )
         rendered.append({**message, "content": parts})
     return rendered, refs
 
@@ -133,16 +141,26 @@ def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
     for modality in ("image", "video"):
         count = sum(1 for r in refs if r.modality == modality)
         if count > limits.get(modality, 0):
-            raise InvalidRequest(f"At most {limits.get(modality, 0)} {modality}(s) may be provided in one prompt, "
-                                 f"got {count} (server flag --limit-mm-per-prompt).", "messages")
+            raise InvalidRequest(
+                f"At most {limits.get(modality, 0)} {modality}(s) may be provided in one prompt, "
+                f"got {count} (server flag --limit-mm-per-prompt).",
+                "messages",
+            )
 
 
-async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messages: list[dict[str, Any]],
-                             chat_template: str | None, add_generation_prompt: bool, model_label: str,
-                             template_kwargs: dict[str, Any] | None = None,
-                             processor_kwargs: dict[str, Any] | None = None, *,
-                             continue_final_message: bool = False,
-                             request_template: str | None = None) -> tuple[str, list[int], Any]:
+async def render_chat_prompt(
+    tokenizer: Any,
+    mm: MultiModalServing | None,
+    messages: list[dict[str, Any]],
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    model_label: str,
+    template_kwargs: dict[str, Any] | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
+    *,
+    continue_final_message: bool = False,
+    request_template: str | None = None,
+) -> tuple[str, list[int], Any]:
     """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
     MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
     `chat_template` is trusted (the server's); `request_template`, a request's own template, is
@@ -150,21 +168,28 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
     dicts, refs = split_content(messages)
     if refs and mm is None:
         article = "an image" if refs[0].modality == "image" else "a video"
-        raise InvalidRequest(f"Model {model_label} does not accept images or video ({refs[0].where} is {article} "
-                             "part).", "messages")
-    if mm is None:      # text-only templates expect string content
-        dicts = [{**d, "content": "".join(part["text"] for part in d["content"])}
-                 if isinstance(d.get("content"), list) else d for d in dicts]
+        raise InvalidRequest(
+            f"Model {model_label} does not accept images or video ({refs[0].where} is {article} part).", "messages"
+        )
+    if mm is None:  # text-only templates expect string content
+        dicts = [
+            {**d, "content": "".join(part["text"] for part in d["content"])}
+            if isinstance(d.get("content"), list)
+            else d
+            for d in dicts
+        ]
     elif refs:
         check_limits(refs, mm.limits)
     template_kwargs = check_template_kwargs(template_kwargs, tokenizer)
     if request_template is not None:
         variables = {**(getattr(tokenizer, "special_tokens_map", None) or {}), **template_kwargs}
-        text = await render_request_template(request_template, dicts, variables, add_generation_prompt,
-                                             continue_final_message)
+        text = await render_request_template(
+            request_template, dicts, variables, add_generation_prompt, continue_final_message
+        )
     else:
-        text = render_chat(tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs,
-                           continue_final_message)
+        text = render_chat(
+            tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs, continue_final_message
+        )
     try:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     except Exception:
@@ -172,7 +197,7 @@ async def render_chat_prompt(tokenizer: Any, mm: MultiModalServing | None, messa
         raise
     mm_inputs = None
     if refs:
-        assert mm is not None           # media for a text-only model were refused above
+        assert mm is not None  # media for a text-only model were refused above
         token_ids, mm_inputs = await build_inputs(mm, token_ids, refs, processor_kwargs)
     return text, token_ids, mm_inputs
 
@@ -183,34 +208,54 @@ def _check_encodable(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"The prompt is not valid Unicode text: {text[exc.start:exc.end]!r} at character "
-                             f"{exc.start} (a lone UTF-16 surrogate) comes from the messages or "
-                             "chat_template_kwargs.", "messages") from None
+        raise InvalidRequest(
+            f"The prompt is not valid Unicode text: {text[exc.start : exc.end]!r} at character "
+            f"{exc.start} (a lone UTF-16 surrogate) comes from the messages or "
+            "chat_template_kwargs.",
+            "messages",
+        ) from None
 
 
-def preprocess_items(mm: MultiModalServing, token_ids: list[int], media: list[tuple[str, Any]],
-                     processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], MultiModalInputs]:
+def preprocess_items(
+    mm: MultiModalServing,
+    token_ids: list[int],
+    media: list[tuple[str, Any]],
+    processor_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], MultiModalInputs]:
     """Already-loaded media (PIL images, or lists of frames for videos) for a prompt whose ids hold one
     placeholder per item: the offline API's `multi_modal_data`."""
-    config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
-        else mm.preprocess
+    config = (
+        mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs else mm.preprocess
+    )
     check_limits([MediaRef(modality, (), f"multi_modal_data[{modality}]") for modality, _ in media], mm.limits)
-    visuals = [(modality, preprocess_image(item, config) if modality == "image" else preprocess_video(item, config))
-               for modality, item in media]
+    visuals = [
+        (modality, preprocess_image(item, config) if modality == "image" else preprocess_video(item, config))
+        for modality, item in media
+    ]
     return expand_prompt(token_ids, visuals, mm.placeholders, str(config.cache_key()), mm.merge_size)
 
 
-async def build_inputs(mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef],
-                       processor_kwargs: dict[str, Any] | None) -> tuple[list[int], MultiModalInputs]:
+async def build_inputs(
+    mm: MultiModalServing, token_ids: list[int], refs: list[MediaRef], processor_kwargs: dict[str, Any] | None
+) -> tuple[list[int], MultiModalInputs]:
     """Fetch + decode every item (concurrently), preprocess them off the event loop, expand ids."""
-    config = mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs \
-        else mm.preprocess
+    config = (
+        mm.preprocess.with_overrides(processor_kwargs, "mm_processor_kwargs") if processor_kwargs else mm.preprocess
+    )
     if config.max_pixels > MAX_IMAGE_PIXELS:
-        raise InvalidRequest(f"mm_processor_kwargs max_pixels {config.max_pixels} is over the model's limit "
-                             f"{MAX_IMAGE_PIXELS} (16384 tokens per image).", "mm_processor_kwargs")
-    loaded: list[Any] = await asyncio.gather(*(
-        load_image(r.urls[0], mm.policy, r.where) if r.modality == "image"
-        else load_video_frames(list(r.urls), mm.policy, r.where) for r in refs))
+        raise InvalidRequest(
+            f"mm_processor_kwargs max_pixels {config.max_pixels} is over the model's limit "
+            f"{MAX_IMAGE_PIXELS} (16384 tokens per image).",
+            "mm_processor_kwargs",
+        )
+    loaded: list[Any] = await asyncio.gather(
+        *(
+            load_image(r.urls[0], mm.policy, r.where)
+            if r.modality == "image"
+            else load_video_frames(list(r.urls), mm.policy, r.where)
+            for r in refs
+        )
+    )
 
     def preprocess() -> list[tuple[str, Any]]:
         out = []

@@ -35,8 +35,8 @@ _OVERRIDABLE = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixel
 class VisionPreprocessConfig:
     """Preprocessing settings. Defaults are the official Qwen2-VL checkpoint values (§4.3)."""
 
-    min_pixels: int = 3136                    # 4 * 28 * 28
-    max_pixels: int = 12845056                # 16384 * 28 * 28
+    min_pixels: int = 3136  # 4 * 28 * 28
+    max_pixels: int = 12845056  # 16384 * 28 * 28
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
@@ -80,8 +80,7 @@ class VisionPreprocessConfig:
         updates: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key not in _OVERRIDABLE:
-                raise InvalidRequest(
-                    f"{param}: unknown key {key!r}; supported keys: {', '.join(_OVERRIDABLE)}.", param)
+                raise InvalidRequest(f"{param}: unknown key {key!r}; supported keys: {', '.join(_OVERRIDABLE)}.", param)
             if not _is_positive_int(value):
                 raise InvalidRequest(f"{param}.{key} must be a positive integer, got {value!r}.", param)
             updates[key] = value
@@ -90,7 +89,8 @@ class VisionPreprocessConfig:
             if getattr(cfg, lo) > getattr(cfg, hi):
                 bad = lo if lo in updates else hi
                 raise InvalidRequest(
-                    f"{param}.{bad}: {lo} ({getattr(cfg, lo)}) must not exceed {hi} ({getattr(cfg, hi)}).", param)
+                    f"{param}.{bad}: {lo} ({getattr(cfg, lo)}) must not exceed {hi} ({getattr(cfg, hi)}).", param
+                )
         return cfg
 
     def cache_key(self) -> str:
@@ -132,14 +132,18 @@ def _settings_from_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _three_floats(value: Any, key: str, path: str) -> tuple[float, float, float]:
-    if (not isinstance(value, (list, tuple)) or len(value) != 3
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 3
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         raise ConfigError(f"{path}: {key} must be a list of 3 numbers, got {value!r}")
     return (float(value[0]), float(value[1]), float(value[2]))
 
 
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
-                 max_pixels: int = 12845056) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 3136, max_pixels: int = 12845056
+) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, ~aspect-preserving, pixel count in range.
 
     Follows transformers' arithmetic to the float operation (spec §4.1 step 2): `round` is
@@ -151,7 +155,8 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 31
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise InvalidRequest(
-            f"Image aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}.", "messages")
+            f"Image aspect ratio {ratio:.1f} ({width}x{height}) exceeds {MAX_ASPECT_RATIO}.", "messages"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -169,15 +174,15 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 31
 class ProcessedVisual:
     """Encoder input for one image or video."""
 
-    pixel_values: np.ndarray            # float32 [num_patches, 3 * T * p * p], num_patches = t*h*w
-    grid_thw: tuple[int, int, int]      # patch grid (t, h, w) before the merge
+    pixel_values: np.ndarray  # float32 [num_patches, 3 * T * p * p], num_patches = t*h*w
+    grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the merge
     merge_size: int = 2
 
     @property
     def num_tokens(self) -> int:
         """LLM placeholder tokens: one per merge window (merge_size**2 patches) per temporal patch."""
         t, h, w = self.grid_thw
-        return t * h * w // self.merge_size ** 2
+        return t * h * w // self.merge_size**2
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -201,18 +206,18 @@ def _normalize_lut(cfg: VisionPreprocessConfig) -> np.ndarray:
     Same operations and dtypes as transformers (x * (1/255) in float64, cast to float32, then
     (x - mean) / std in float32), so a lookup gives identical bits.
     """
-    levels = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)       # [256]
-    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]                       # [3, 1]
-    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]                         # [3, 1]
-    return (levels[None, :] - mean) / std                                              # [3, 256]
+    levels = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # [256]
+    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]  # [3, 1]
+    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]  # [3, 1]
+    return (levels[None, :] - mean) / std  # [3, 256]
 
 
 def _resize_normalize(image: Image.Image, size_hw: tuple[int, int], lut: np.ndarray) -> np.ndarray:
     """RGB-convert, bicubic-resize on uint8 and normalise one frame -> float32 [H, W, 3]."""
     rgb = to_rgb(image)
     resized = rgb.resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
-    u8 = np.asarray(resized, dtype=np.uint8)                                           # [H, W, 3]
-    return lut[np.arange(3), u8]                                                       # [H, W, 3]
+    u8 = np.asarray(resized, dtype=np.uint8)  # [H, W, 3]
+    return lut[np.arange(3), u8]  # [H, W, 3]
 
 
 def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -226,7 +231,7 @@ def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig) -> tuple[np.ndarr
     gt, gh, gw = n // tp, height // p, width // p
     x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, channels)
     # axes: 0 t, 1 tau, 2 window-row, 3 row-in-window, 4 y, 5 window-col, 6 col-in-window, 7 x, 8 c
-    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)      # [t, wr, wc, mr, mc, c, tau, y, x]
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)  # [t, wr, wc, mr, mc, c, tau, y, x]
     patches = np.ascontiguousarray(x).reshape(gt * gh * gw, channels * tp * p * p)
     return patches, (gt, gh, gw)
 
@@ -235,9 +240,9 @@ def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> Process
     """One still image -> encoder input; the image is treated as a T-frame clip of itself."""
     height, width = image.height, image.width
     size_hw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    frame = _resize_normalize(image, size_hw, _normalize_lut(cfg))                    # [H, W, 3]
+    frame = _resize_normalize(image, size_hw, _normalize_lut(cfg))  # [H, W, 3]
     # Broadcast, not copy: _patchify's single copy materialises the T duplicates.
-    frames = np.broadcast_to(frame[None], (cfg.temporal_patch_size, *frame.shape))    # [T, H, W, 3]
+    frames = np.broadcast_to(frame[None], (cfg.temporal_patch_size, *frame.shape))  # [T, H, W, 3]
     pixel_values, grid = _patchify(frames, cfg)
     return ProcessedVisual(pixel_values, grid, cfg.merge_size)
 
@@ -257,7 +262,7 @@ def preprocess_video(frames: list[Image.Image], cfg: VisionPreprocessConfig) -> 
     tp = cfg.temporal_patch_size
     n = len(frames)
     padded = n + (-n) % tp
-    out = np.empty((padded, size_hw[0], size_hw[1], 3), dtype=np.float32)           # [n', H, W, 3]
+    out = np.empty((padded, size_hw[0], size_hw[1], 3), dtype=np.float32)  # [n', H, W, 3]
     for i, frame in enumerate(frames):
         out[i] = _resize_normalize(frame, size_hw, lut)
     out[n:] = out[n - 1]

@@ -45,11 +45,11 @@ _OPEN_LOCK = threading.Lock()
 class MediaPolicy:
     """Operator settings that bound what a request may make the server load."""
 
-    allowed_local_media_path: str | None = None   # file:// allowed only below this directory
-    allow_private_urls: bool = False              # allow loopback/private/link-local hosts
-    fetch_timeout_s: float = 10.0                 # whole fetch, all redirect hops included
-    max_bytes: int = 20 * 2**20                   # encoded image size
-    max_image_pixels: int = 64 * 2**20            # decoded width*height (decompression bomb guard)
+    allowed_local_media_path: str | None = None  # file:// allowed only below this directory
+    allow_private_urls: bool = False  # allow loopback/private/link-local hosts
+    fetch_timeout_s: float = 10.0  # whole fetch, all redirect hops included
+    max_bytes: int = 20 * 2**20  # encoded image size
+    max_image_pixels: int = 64 * 2**20  # decoded width*height (decompression bomb guard)
 
 
 def _fail(where: str, message: str) -> InvalidRequest:
@@ -80,8 +80,7 @@ async def load_video_frames(urls: list[str], policy: MediaPolicy, where: str) ->
     """A video given as a list of frame images, loaded concurrently, in order."""
     if not isinstance(urls, list) or not urls:
         raise _fail(where, "a video given as frames needs a non-empty list of image URLs.")
-    return list(await asyncio.gather(
-        *(load_image(u, policy, f"{where}[frame {i}]") for i, u in enumerate(urls))))
+    return list(await asyncio.gather(*(load_image(u, policy, f"{where}[frame {i}]") for i, u in enumerate(urls))))
 
 
 async def _load_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
@@ -90,7 +89,7 @@ async def _load_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
         raise _fail(where, "the image URL must be a non-empty string.")
     url = url.strip()
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":   # base64 of a 20 MB image takes tens of ms: keep it off the event loop
+    if scheme == "data":  # base64 of a 20 MB image takes tens of ms: keep it off the event loop
         return await asyncio.to_thread(_decode_data_uri, url, policy, where)
     if scheme in ("http", "https"):
         return await _fetch_http(url, policy, where)
@@ -117,7 +116,7 @@ def _decode_data_uri(url: str, policy: MediaPolicy, where: str) -> bytes:
     if "base64" not in params[1:]:
         raise _fail(where, "only base64 data URIs are supported (data:image/...;base64,...).")
     text = _B64_STRIP.sub("", payload)
-    if len(text) * 3 // 4 > policy.max_bytes + 3:   # refuse before allocating the decoded copy
+    if len(text) * 3 // 4 > policy.max_bytes + 3:  # refuse before allocating the decoded copy
         raise _fail(where, f"image data is over the limit of {policy.max_bytes} bytes.")
     return _b64decode(text, where)
 
@@ -147,11 +146,18 @@ def is_private_address(address: str) -> bool:
     Anything not globally routable counts: loopback, RFC 1918, link-local (cloud metadata at
     169.254.169.254), multicast, reserved, unspecified, CGNAT, and IPv4-mapped forms of those.
     """
-    ip = ipaddress.ip_address(address.split("%", 1)[0])   # drop an IPv6 zone id
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return (ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_multicast or ip.is_reserved
-            or ip.is_unspecified or not ip.is_global)
+    return (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or not ip.is_global
+    )
 
 
 async def _resolve_addresses(host: str, port: int) -> list[str]:
@@ -182,15 +188,21 @@ async def check_public_host(url: httpx.URL, policy: MediaPolicy, where: str) -> 
         raise _fail(where, f"cannot resolve host {host!r}.")
     for address in addresses:
         if is_private_address(address):
-            raise _fail(where, f"host {host!r} resolves to the non-public address {address}; fetching from "
-                               "private networks is refused (start the server with --allow-private-media-urls "
-                               "to allow it).")
+            raise _fail(
+                where,
+                f"host {host!r} resolves to the non-public address {address}; fetching from "
+                "private networks is refused (start the server with --allow-private-media-urls "
+                "to allow it).",
+            )
 
 
 def _http_client(policy: MediaPolicy) -> httpx.AsyncClient:
     """The client for media fetches (a function so tests can swap the transport)."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(policy.fetch_timeout_s), follow_redirects=False,
-                             headers={"Accept": "image/*", "Accept-Encoding": "identity"})
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(policy.fetch_timeout_s),
+        follow_redirects=False,
+        headers={"Accept": "image/*", "Accept-Encoding": "identity"},
+    )
 
 
 async def _fetch_http(url: str, policy: MediaPolicy, where: str) -> bytes:
@@ -242,8 +254,11 @@ async def _read_capped(response: httpx.Response, policy: MediaPolicy, where: str
 def _read_local_file(url: str, policy: MediaPolicy, where: str) -> bytes:
     """A file:// URL, only when its real path (symlinks resolved) lies under the allowed root."""
     if policy.allowed_local_media_path is None:
-        raise _fail(where, "file:// URLs are disabled; start the server with --allowed-local-media-path DIR "
-                           "to serve local files under DIR.")
+        raise _fail(
+            where,
+            "file:// URLs are disabled; start the server with --allowed-local-media-path DIR "
+            "to serve local files under DIR.",
+        )
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise _fail(where, f"file:// URL with a remote host {parsed.netloc!r} is not supported.")
@@ -270,10 +285,12 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str) -> Image.Image:
     image = _open_checked(data, policy, where)
     width, height = image.size
     if width * height > policy.max_image_pixels:
-        raise _fail(where, f"image is {width}x{height} = {width * height} pixels, over the limit of "
-                           f"{policy.max_image_pixels} pixels.")
+        raise _fail(
+            where,
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {policy.max_image_pixels} pixels.",
+        )
     try:
-        image.load()   # decode now, so a truncated or corrupt file fails here, not in the engine
+        image.load()  # decode now, so a truncated or corrupt file fails here, not in the engine
     except Image.DecompressionBombError as e:
         raise _bomb(where, policy, e) from e
     except Exception as e:

@@ -17,18 +17,18 @@ from pagoda.inputs import MultiModalItem
 def mrope_positions(prompt_len: int, items: list[MultiModalItem], merge_size: int = 2) -> tuple[np.ndarray, int]:
     """[3, prompt_len] int64 positions and the rope delta; items sorted by offset, non-overlapping."""
     positions = np.empty((3, prompt_len), dtype=np.int64)
-    cursor = 0          # next token index to place
+    cursor = 0  # next token index to place
     next_pos = 0
     for item in sorted(items, key=lambda i: i.offset):
         text = item.offset - cursor
-        positions[:, cursor:item.offset] = np.arange(next_pos, next_pos + text)
+        positions[:, cursor : item.offset] = np.arange(next_pos, next_pos + text)
         next_pos += text
         t, h, w = item.grid_thw[0], item.grid_thw[1] // merge_size, item.grid_thw[2] // merge_size
         assert t * h * w == item.length, f"item of grid {item.grid_thw} needs {t * h * w} tokens, has {item.length}"
         a, b, c = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-        positions[0, item.offset:item.end] = next_pos + a.reshape(-1)
-        positions[1, item.offset:item.end] = next_pos + b.reshape(-1)
-        positions[2, item.offset:item.end] = next_pos + c.reshape(-1)
+        positions[0, item.offset : item.end] = next_pos + a.reshape(-1)
+        positions[1, item.offset : item.end] = next_pos + b.reshape(-1)
+        positions[2, item.offset : item.end] = next_pos + c.reshape(-1)
         next_pos += max(t, h, w)
         cursor = item.end
     positions[:, cursor:] = np.arange(next_pos, next_pos + prompt_len - cursor)

@@ -30,12 +30,17 @@ class Visual(Protocol):
 
 @dataclass(frozen=True)
 class PlaceholderIds:
-    image: int                          # <|image_pad|>
-    video: int                          # <|video_pad|>
+    image: int  # <|image_pad|>
+    video: int  # <|video_pad|>
 
 
-def expand_prompt(token_ids: list[int], visuals: Sequence[tuple[str, Visual]], placeholders: PlaceholderIds,
-                  settings: str, merge_size: int = 2) -> tuple[list[int], MultiModalInputs]:
+def expand_prompt(
+    token_ids: list[int],
+    visuals: Sequence[tuple[str, Visual]],
+    placeholders: PlaceholderIds,
+    settings: str,
+    merge_size: int = 2,
+) -> tuple[list[int], MultiModalInputs]:
     """visuals: (modality, preprocessed item) in the order the items appear in the messages."""
     by_modality: dict[str, list[Visual]] = {"image": [], "video": []}
     for modality, visual in visuals:
@@ -47,7 +52,8 @@ def expand_prompt(token_ids: list[int], visuals: Sequence[tuple[str, Visual]], p
             raise InvalidRequest(
                 f"The prompt has {found} {modality} placeholder token(s) for {len(by_modality[modality])} "
                 f"{modality}(s); message text must not contain the model's {modality} placeholder token.",
-                "messages")
+                "messages",
+            )
     expanded: list[int] = []
     items: list[MultiModalItem] = []
     taken = {"image": 0, "video": 0}
@@ -60,8 +66,16 @@ def expand_prompt(token_ids: list[int], visuals: Sequence[tuple[str, Visual]], p
         taken[kind] += 1
         n = visual.num_tokens
         t, h, w = visual.grid_thw
-        items.append(MultiModalItem(kind, visual.pixel_values, (t, h, w), len(expanded), n,
-                                    content_hash(kind, visual.pixel_values, (t, h, w), settings)))
+        items.append(
+            MultiModalItem(
+                kind,
+                visual.pixel_values,
+                (t, h, w),
+                len(expanded),
+                n,
+                content_hash(kind, visual.pixel_values, (t, h, w), settings),
+            )
+        )
         expanded.extend([token] * n)
     positions, delta = mrope_positions(len(expanded), items, merge_size)
     counts = {m: sum(i.length for i in items if i.modality == m) for m in ("image", "video")}

@@ -54,32 +54,63 @@ def _positive_float(text: str) -> float:
 def add_batch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is accepted)")
-    g.add_argument("--model", default=None,
-                   help="model name: set on every request (JSONL bodies included); default: the body's own "
-                        "model, else the first id of GET /v1/models")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model name: set on every request (JSONL bodies included); default: the body's own "
+        "model, else the first id of GET /v1/models",
+    )
     g.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY or $PAGODA_API_KEY)")
 
     g = p.add_argument_group("inputs (an OpenAI Batch JSONL file, or images; image sources can be combined)")
-    g.add_argument("--input", default=None, metavar="BATCH.jsonl",
-                   help="OpenAI Batch input: one {custom_id, method, url, body} object per line")
-    g.add_argument("--images", action="append", default=[], metavar="DIR|GLOB",
-                   help="a folder of images (recursive) or a glob such as 'photos/**/*.jpg'; repeatable")
-    g.add_argument("--glob", default=None, metavar="PATTERN",
-                   help="with a folder: only files whose relative path or name matches (default: image extensions)")
+    g.add_argument(
+        "--input",
+        default=None,
+        metavar="BATCH.jsonl",
+        help="OpenAI Batch input: one {custom_id, method, url, body} object per line",
+    )
+    g.add_argument(
+        "--images",
+        action="append",
+        default=[],
+        metavar="DIR|GLOB",
+        help="a folder of images (recursive) or a glob such as 'photos/**/*.jpg'; repeatable",
+    )
+    g.add_argument(
+        "--glob",
+        default=None,
+        metavar="PATTERN",
+        help="with a folder: only files whose relative path or name matches (default: image extensions)",
+    )
     g.add_argument("--no-recursive", action="store_true", help="with a folder: do not descend into subfolders")
-    g.add_argument("--urls", action="append", default=[], metavar="FILE",
-                   help="a file of image URLs, one per line (# comments); repeatable")
-    g.add_argument("--page", action="append", default=[], metavar="URL",
-                   help="a web page whose images are scraped (img src/srcset/data-src, picture, og:image); "
-                        "repeatable")
-    g.add_argument("--min-image-side", type=_positive_int, default=32,
-                   help="scraping: skip images narrower or shorter than this many pixels (default 32)")
+    g.add_argument(
+        "--urls",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a file of image URLs, one per line (# comments); repeatable",
+    )
+    g.add_argument(
+        "--page",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a web page whose images are scraped (img src/srcset/data-src, picture, og:image); repeatable",
+    )
+    g.add_argument(
+        "--min-image-side",
+        type=_positive_int,
+        default=32,
+        help="scraping: skip images narrower or shorter than this many pixels (default 32)",
+    )
     g.add_argument("--max-images", type=_positive_int, default=None, help="scraping: at most this many per page")
 
     g = p.add_argument_group("image requests: prompt and sampling (ignored with --input)")
-    g.add_argument("--prompt", default=None,
-                   help="prompt template; placeholders {filename} {stem} {path} {url} {page} "
-                        "(default: 'Describe this image.')")
+    g.add_argument(
+        "--prompt",
+        default=None,
+        help="prompt template; placeholders {filename} {stem} {path} {url} {page} (default: 'Describe this image.')",
+    )
     g.add_argument("--prompt-file", default=None, help="read the prompt template from a file")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--max-tokens", type=_positive_int, default=None)
@@ -88,40 +119,83 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string; repeatable")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every generated request body")
-    g.add_argument("--send-urls", action="store_true",
-                   help="pass image URLs through to the server instead of fetching and inlining them as base64")
-    g.add_argument("--max-pixels", type=_positive_int, default=None,
-                   help="downscale (aspect kept) images with more pixels than this before sending")
-    g.add_argument("--fetch-timeout", type=_positive_float, default=30.0,
-                   help="seconds per image/page download (default 30)")
-    g.add_argument("--max-image-bytes", type=_positive_int, default=20 * 1024 * 1024,
-                   help="size cap per image download or file (default 20 MiB)")
+    g.add_argument(
+        "--send-urls",
+        action="store_true",
+        help="pass image URLs through to the server instead of fetching and inlining them as base64",
+    )
+    g.add_argument(
+        "--max-pixels",
+        type=_positive_int,
+        default=None,
+        help="downscale (aspect kept) images with more pixels than this before sending",
+    )
+    g.add_argument(
+        "--fetch-timeout", type=_positive_float, default=30.0, help="seconds per image/page download (default 30)"
+    )
+    g.add_argument(
+        "--max-image-bytes",
+        type=_positive_int,
+        default=20 * 1024 * 1024,
+        help="size cap per image download or file (default 20 MiB)",
+    )
 
     g = p.add_argument_group("sending")
-    g.add_argument("--concurrency", type=_positive_int, default=DEFAULT_CONCURRENCY,
-                   help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    g.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=DEFAULT_CONCURRENCY,
+        help=f"requests in flight (default {DEFAULT_CONCURRENCY})",
+    )
     rate = g.add_mutually_exclusive_group()
     rate.add_argument("--rps", type=_positive_float, default=None, help="at most this many requests per second")
     rate.add_argument("--rpm", type=_positive_float, default=None, help="at most this many requests per minute")
-    g.add_argument("--burst", type=_positive_float, default=1.0,
-                   help="token-bucket capacity: requests that may go at once after idling (default 1)")
-    g.add_argument("--timeout", type=_positive_float, default=600.0,
-                   help="seconds per attempt for the whole response (default 600)")
-    g.add_argument("--max-retries", type=_non_negative_int, default=5,
-                   help="retries after the first attempt for 408/409/429/5xx, timeouts and connection errors "
-                        "(default 5)")
+    g.add_argument(
+        "--burst",
+        type=_positive_float,
+        default=1.0,
+        help="token-bucket capacity: requests that may go at once after idling (default 1)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds per attempt for the whole response (default 600)",
+    )
+    g.add_argument(
+        "--max-retries",
+        type=_non_negative_int,
+        default=5,
+        help="retries after the first attempt for 408/409/429/5xx, timeouts and connection errors (default 5)",
+    )
 
     g = p.add_argument_group("output")
-    g.add_argument("--output", required=True, metavar="RESULTS.jsonl",
-                   help="successes, OpenAI Batch output lines; appended to; rerunning resumes from it")
-    g.add_argument("--errors", default=None, metavar="ERRORS.jsonl",
-                   help="failures with status, body and attempts (default: OUTPUT with .errors.jsonl)")
-    g.add_argument("--summary", default=None, metavar="SUMMARY.json",
-                   help="run summary (default: OUTPUT with .summary.json)")
-    g.add_argument("--ordered-json", default=None, metavar="FILE.json",
-                   help="also write one JSON array in input order (the success row, else the error row, else null)")
-    g.add_argument("--no-retry-failed", action="store_true",
-                   help="on a rerun, skip requests that already have a row in the errors file")
+    g.add_argument(
+        "--output",
+        required=True,
+        metavar="RESULTS.jsonl",
+        help="successes, OpenAI Batch output lines; appended to; rerunning resumes from it",
+    )
+    g.add_argument(
+        "--errors",
+        default=None,
+        metavar="ERRORS.jsonl",
+        help="failures with status, body and attempts (default: OUTPUT with .errors.jsonl)",
+    )
+    g.add_argument(
+        "--summary", default=None, metavar="SUMMARY.json", help="run summary (default: OUTPUT with .summary.json)"
+    )
+    g.add_argument(
+        "--ordered-json",
+        default=None,
+        metavar="FILE.json",
+        help="also write one JSON array in input order (the success row, else the error row, else null)",
+    )
+    g.add_argument(
+        "--no-retry-failed",
+        action="store_true",
+        help="on a rerun, skip requests that already have a row in the errors file",
+    )
     g.add_argument("--dry-run", action="store_true", help="list what would be sent (custom_id, source) and exit")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -191,11 +265,22 @@ def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> 
         raise BatchUsageError("give --input BATCH.jsonl, or images with --images, --urls or --page")
     info: dict[str, Any] = {}
     if ns.input:
-        ignored = [flag for flag, value in (("--prompt", ns.prompt), ("--prompt-file", ns.prompt_file),
-                                            ("--system", ns.system), ("--max-tokens", ns.max_tokens),
-                                            ("--temperature", ns.temperature), ("--top-p", ns.top_p),
-                                            ("--seed", ns.seed), ("--stop", ns.stop), ("--extra-body", ns.extra_body),
-                                            ("--max-pixels", ns.max_pixels)) if value is not None]
+        ignored = [
+            flag
+            for flag, value in (
+                ("--prompt", ns.prompt),
+                ("--prompt-file", ns.prompt_file),
+                ("--system", ns.system),
+                ("--max-tokens", ns.max_tokens),
+                ("--temperature", ns.temperature),
+                ("--top-p", ns.top_p),
+                ("--seed", ns.seed),
+                ("--stop", ns.stop),
+                ("--extra-body", ns.extra_body),
+                ("--max-pixels", ns.max_pixels),
+            )
+            if value is not None
+        ]
         if ignored:
             _say(f"{', '.join(ignored)} ignored with --input (the request bodies are sent as written)")
         items = inputs.load_batch_jsonl(ns.input, ns.model)
@@ -228,13 +313,25 @@ def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> 
         refs += [inputs.ImageRef("url", url) for url in inputs.read_url_list(path)]
     pages = []
     for page in ns.page:
-        result = scrape.scrape_page(page, timeout=ns.fetch_timeout, max_bytes=ns.max_image_bytes,
-                                    min_side=ns.min_image_side, max_images=ns.max_images)
+        result = scrape.scrape_page(
+            page,
+            timeout=ns.fetch_timeout,
+            max_bytes=ns.max_image_bytes,
+            min_side=ns.min_image_side,
+            max_images=ns.max_images,
+        )
         _say(f"{page}: {len(result.images)} image(s) found, {len(result.skipped)} skipped")
-        pages.append({"page": page, "images": [i.url for i in result.images],
-                      "skipped": [{"url": u, "reason": r} for u, r in result.skipped]})
-        refs += [inputs.ImageRef("page", img.url, page=result.page_url, data=img.data, sha256=img.sha256)
-                 for img in result.images]
+        pages.append(
+            {
+                "page": page,
+                "images": [i.url for i in result.images],
+                "skipped": [{"url": u, "reason": r} for u, r in result.skipped],
+            }
+        )
+        refs += [
+            inputs.ImageRef("page", img.url, page=result.page_url, data=img.data, sha256=img.sha256)
+            for img in result.images
+        ]
     if not refs:
         raise BatchUsageError("no images found in the given sources")
     model = ns.model or _model_from_server(root, headers)
@@ -293,16 +390,31 @@ def _run(ns: argparse.Namespace) -> int:
     if failed_before and not ns.no_retry_failed:
         attempts_before = output.compact_errors(err_path, set(ids))
     if done or failed_before:
-        _say(f"resuming: {len(done)} of {len(items)} already done"
-             + (f", {len(failed_before)} earlier failure(s) " + ("skipped" if ns.no_retry_failed else "retried")
-                if failed_before else "")
-             + f"; {len(pending)} to send")
+        _say(
+            f"resuming: {len(done)} of {len(items)} already done"
+            + (
+                f", {len(failed_before)} earlier failure(s) " + ("skipped" if ns.no_retry_failed else "retried")
+                if failed_before
+                else ""
+            )
+            + f"; {len(pending)} to send"
+        )
 
     rate = ns.rps if ns.rps is not None else (ns.rpm / 60.0 if ns.rpm is not None else None)
-    cfg = SendConfig(root=root, headers=headers, concurrency=ns.concurrency, timeout=ns.timeout,
-                     max_retries=ns.max_retries, rate=rate, burst=ns.burst, send_urls=ns.send_urls,
-                     max_pixels=ns.max_pixels, fetch_timeout=ns.fetch_timeout, max_image_bytes=ns.max_image_bytes,
-                     progress=not ns.no_progress)
+    cfg = SendConfig(
+        root=root,
+        headers=headers,
+        concurrency=ns.concurrency,
+        timeout=ns.timeout,
+        max_retries=ns.max_retries,
+        rate=rate,
+        burst=ns.burst,
+        send_urls=ns.send_urls,
+        max_pixels=ns.max_pixels,
+        fetch_timeout=ns.fetch_timeout,
+        max_image_bytes=ns.max_image_bytes,
+        progress=not ns.no_progress,
+    )
     out_w, err_w = output.JsonlWriter(out_path), output.JsonlWriter(err_path)
     t0 = time.monotonic()
     runner = Runner(cfg, pending, out_w, err_w, attempts_before)
@@ -316,27 +428,48 @@ def _run(ns: argparse.Namespace) -> int:
     not_run = len(pending) - stats.ok - stats.failed
     skipped_failed = len(failed_before) if ns.no_retry_failed else 0
     summary: dict[str, Any] = {
-        "output": out_path, "errors": err_path,
-        "config": {"base_url": root, "model": ns.model, **info, "concurrency": ns.concurrency,
-                   "rate_per_s": rate, "burst": ns.burst, "timeout_s": ns.timeout, "max_retries": ns.max_retries,
-                   "send_urls": ns.send_urls, "max_pixels": ns.max_pixels, "retry_failed": not ns.no_retry_failed},
-        "inputs": len(items), "already_done": len(done), "skipped_failed": skipped_failed,
-        "to_send": len(pending), "succeeded": stats.ok, "failed": stats.failed, "not_run": not_run,
+        "output": out_path,
+        "errors": err_path,
+        "config": {
+            "base_url": root,
+            "model": ns.model,
+            **info,
+            "concurrency": ns.concurrency,
+            "rate_per_s": rate,
+            "burst": ns.burst,
+            "timeout_s": ns.timeout,
+            "max_retries": ns.max_retries,
+            "send_urls": ns.send_urls,
+            "max_pixels": ns.max_pixels,
+            "retry_failed": not ns.no_retry_failed,
+        },
+        "inputs": len(items),
+        "already_done": len(done),
+        "skipped_failed": skipped_failed,
+        "to_send": len(pending),
+        "succeeded": stats.ok,
+        "failed": stats.failed,
+        "not_run": not_run,
         "retries": stats.retries,
         "status_counts": {str(k): v for k, v in sorted(stats.statuses.items(), key=lambda kv: str(kv[0]))},
         "error_codes": dict(stats.error_codes),
-        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
         "duration_s": round(duration, 3),
         "requests_per_s": round((stats.ok + stats.failed) / duration, 3) if duration > 0 else None,
         "output_tokens_per_s": round(stats.completion_tokens / duration, 3) if duration > 0 else None,
-        "total_succeeded": len(done) + stats.ok, "total_failed": stats.failed + skipped_failed,
-        "complete": not_run == 0, "interrupted": stats.interrupted,
+        "total_succeeded": len(done) + stats.ok,
+        "total_failed": stats.failed + skipped_failed,
+        "complete": not_run == 0,
+        "interrupted": stats.interrupted,
     }
     output.write_json(summary_path, summary)
     if ns.ordered_json:
         output.write_json(ns.ordered_json, output.ordered_rows(ids, out_path, err_path))
-    _say(f"{stats.ok} succeeded, {stats.failed} failed, {stats.retries} retries, {not_run} not run "
-         f"({len(done)} done before) in {duration:.1f} s; {stats.completion_tokens} output tokens")
+    _say(
+        f"{stats.ok} succeeded, {stats.failed} failed, {stats.retries} retries, {not_run} not run "
+        f"({len(done)} done before) in {duration:.1f} s; {stats.completion_tokens} output tokens"
+    )
     if stats.error_codes:
         _say("errors: " + ", ".join(f"{k} x{v}" for k, v in stats.error_codes.most_common(5)) + f" (see {err_path})")
     _say(f"wrote {out_path}, {err_path}, {summary_path}" + (f", {ns.ordered_json}" if ns.ordered_json else ""))

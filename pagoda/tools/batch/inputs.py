@@ -30,10 +30,10 @@ class InputError(Exception):
 
 @dataclass
 class ImageRef:
-    kind: str                      # file | url | page
-    location: str                  # absolute file path, or the image URL
-    page: str | None = None        # the page an image was scraped from
-    data: bytes | None = None      # bytes already fetched (page scraping fetches to de-duplicate)
+    kind: str  # file | url | page
+    location: str  # absolute file path, or the image URL
+    page: str | None = None  # the page an image was scraped from
+    data: bytes | None = None  # bytes already fetched (page scraping fetches to de-duplicate)
     sha256: str | None = None
 
     @property
@@ -44,15 +44,16 @@ class ImageRef:
 @dataclass
 class BatchItem:
     custom_id: str
-    url: str                       # endpoint path, e.g. /v1/chat/completions
+    url: str  # endpoint path, e.g. /v1/chat/completions
     body: dict[str, Any]
-    source: str                    # input.jsonl:LINE, a file path or an image URL (x_meta.source)
-    index: int = 0                 # position in the input, for the ordered output
+    source: str  # input.jsonl:LINE, a file path or an image URL (x_meta.source)
+    index: int = 0  # position in the input, for the ordered output
     image: ImageRef | None = None  # generated image requests: filled into the body at send time
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------- JSONL
+
 
 def load_batch_jsonl(path: str, model: str | None = None) -> list[BatchItem]:
     """Read an OpenAI Batch input file. `model`, when given, replaces every body's model. `stream` is
@@ -101,6 +102,7 @@ def load_batch_jsonl(path: str, model: str | None = None) -> list[BatchItem]:
 
 
 # ---------------------------------------------------------------------------------------------- sources
+
 
 def list_images(spec: str, pattern: str | None = None, recursive: bool = True) -> list[str]:
     """Image files of a folder (recursive unless told otherwise; `pattern` is a glob on the path relative to
@@ -167,6 +169,7 @@ def read_url_list(path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- requests
 
+
 def check_template(template: str) -> None:
     try:
         names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
@@ -174,41 +177,73 @@ def check_template(template: str) -> None:
         raise InputError(f"--prompt: bad template ({exc}); write literal braces as {{{{ and }}}}") from None
     for name in names:
         if name.split(".")[0].split("[")[0] not in PROMPT_FIELDS:
-            raise InputError(f"--prompt: unknown placeholder {{{name}}}; known: "
-                             + ", ".join("{" + f + "}" for f in PROMPT_FIELDS))
+            raise InputError(
+                f"--prompt: unknown placeholder {{{name}}}; known: " + ", ".join("{" + f + "}" for f in PROMPT_FIELDS)
+            )
 
 
 def prompt_fields(ref: ImageRef) -> dict[str, str]:
     if ref.kind == "file":
         name = os.path.basename(ref.location)
-        return {"filename": name, "stem": os.path.splitext(name)[0], "path": ref.location,
-                "url": "file://" + ref.location, "page": ""}
+        return {
+            "filename": name,
+            "stem": os.path.splitext(name)[0],
+            "path": ref.location,
+            "url": "file://" + ref.location,
+            "page": "",
+        }
     path = unquote(urlsplit(ref.location).path)
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    return {"filename": name, "stem": os.path.splitext(name)[0], "path": path, "url": ref.location,
-            "page": ref.page or ""}
+    return {
+        "filename": name,
+        "stem": os.path.splitext(name)[0],
+        "path": path,
+        "url": ref.location,
+        "page": ref.page or "",
+    }
 
 
 def render_prompt(template: str, ref: ImageRef) -> str:
     return template.format_map(prompt_fields(ref))
 
 
-def make_custom_id(identity: str, prompt: str, system: str | None, model: str | None,
-                   params: dict[str, Any], max_pixels: int | None = None) -> str:
+def make_custom_id(
+    identity: str,
+    prompt: str,
+    system: str | None,
+    model: str | None,
+    params: dict[str, Any],
+    max_pixels: int | None = None,
+) -> str:
     """`req-` + 20 hex digits of a SHA-256 over a canonical JSON of everything that defines the request."""
-    key = json.dumps({"source": identity, "prompt": prompt, "system": system, "model": model,
-                      "params": params, "max_pixels": max_pixels}, sort_keys=True, ensure_ascii=False,
-                     separators=(",", ":"))
+    key = json.dumps(
+        {
+            "source": identity,
+            "prompt": prompt,
+            "system": system,
+            "model": model,
+            "params": params,
+            "max_pixels": max_pixels,
+        },
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
     return "req-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:20]
 
 
-def image_chat_body(model: str | None, prompt: str, system: str | None, params: dict[str, Any],
-                    image_url: str | None = None) -> dict[str, Any]:
+def image_chat_body(
+    model: str | None, prompt: str, system: str | None, params: dict[str, Any], image_url: str | None = None
+) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
-                                                 {"type": "text", "text": prompt}]})
+    messages.append(
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": prompt}],
+        }
+    )
     body: dict[str, Any] = {"model": model, "messages": messages}
     body.update(params)
     return body
@@ -226,8 +261,14 @@ def set_image_url(body: dict[str, Any], url: str) -> dict[str, Any]:
     return {**body, "messages": messages}
 
 
-def build_image_items(refs: list[ImageRef], model: str | None, template: str, system: str | None,
-                      params: dict[str, Any], max_pixels: int | None = None) -> list[BatchItem]:
+def build_image_items(
+    refs: list[ImageRef],
+    model: str | None,
+    template: str,
+    system: str | None,
+    params: dict[str, Any],
+    max_pixels: int | None = None,
+) -> list[BatchItem]:
     """One chat request per image; the same request twice (same id) is kept once."""
     check_template(template)
     items: list[BatchItem] = []
@@ -238,6 +279,14 @@ def build_image_items(refs: list[ImageRef], model: str | None, template: str, sy
         if cid in seen:
             continue
         seen.add(cid)
-        items.append(BatchItem(cid, CHAT_PATH, image_chat_body(model, prompt, system, params),
-                               ref.location, index=len(items), image=ref))
+        items.append(
+            BatchItem(
+                cid,
+                CHAT_PATH,
+                image_chat_body(model, prompt, system, params),
+                ref.location,
+                index=len(items),
+                image=ref,
+            )
+        )
     return items

@@ -40,11 +40,11 @@ class MediaError(Exception):
 
 @dataclass
 class ImageData:
-    data: bytes            # what is sent (original bytes, or the downscaled re-encoding)
+    data: bytes  # what is sent (original bytes, or the downscaled re-encoding)
     mime: str
-    width: int             # of what is sent
+    width: int  # of what is sent
     height: int
-    sha256: str            # of the original bytes
+    sha256: str  # of the original bytes
     original_size: tuple[int, int] = (0, 0)
     original_bytes: int = 0
 
@@ -56,21 +56,32 @@ class ImageData:
 class Fetched:
     data: bytes
     content_type: str
-    url: str               # after redirects
+    url: str  # after redirects
 
 
-def fetch(url: str, timeout: float = DEFAULT_FETCH_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-          accept: str = "image/*,*/*;q=0.5") -> Fetched:
+def fetch(
+    url: str,
+    timeout: float = DEFAULT_FETCH_TIMEOUT_S,
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    accept: str = "image/*,*/*;q=0.5",
+) -> Fetched:
     """GET `url` with a timeout and a size cap (redirects followed, at most 5). Raises MediaError."""
     headers = {"User-Agent": USER_AGENT, "Accept": accept}
     deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True, max_redirects=MAX_REDIRECTS,
-                          headers=headers) as client, client.stream("GET", url) as response:
+        with (
+            httpx.Client(
+                timeout=httpx.Timeout(timeout), follow_redirects=True, max_redirects=MAX_REDIRECTS, headers=headers
+            ) as client,
+            client.stream("GET", url) as response,
+        ):
             if response.status_code != 200:
-                err = MediaError("fetch_http_error", f"GET {url}: HTTP {response.status_code}",
-                                 retryable=response.status_code in RETRY_STATUSES or response.status_code >= 500,
-                                 status=response.status_code)
+                err = MediaError(
+                    "fetch_http_error",
+                    f"GET {url}: HTTP {response.status_code}",
+                    retryable=response.status_code in RETRY_STATUSES or response.status_code >= 500,
+                    status=response.status_code,
+                )
                 err.headers = {k.lower(): v for k, v in response.headers.items()}
                 raise err
             declared = response.headers.get("content-length")
@@ -88,8 +99,9 @@ def fetch(url: str, timeout: float = DEFAULT_FETCH_TIMEOUT_S, max_bytes: int = D
     except (httpx.TooManyRedirects, httpx.UnsupportedProtocol) as exc:
         raise MediaError("fetch_error", f"GET {url}: {exc}") from None
     except httpx.TimeoutException:
-        raise MediaError("fetch_timeout", f"GET {url}: no complete response within {timeout:g} s",
-                         retryable=True) from None
+        raise MediaError(
+            "fetch_timeout", f"GET {url}: no complete response within {timeout:g} s", retryable=True
+        ) from None
     except httpx.TransportError as exc:
         raise MediaError("fetch_connection_error", f"GET {url}: {type(exc).__name__}: {exc}", retryable=True) from None
     except httpx.InvalidURL as exc:

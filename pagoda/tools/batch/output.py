@@ -31,25 +31,40 @@ def response_block(status: int | None, request_id: str | None, body: Any) -> dic
     return {"status_code": status, "request_id": request_id, "body": body}
 
 
-def success_row(custom_id: str, status: int, request_id: str | None, body: Any,
-                meta: dict[str, Any]) -> dict[str, Any]:
-    return {"id": new_row_id(), "custom_id": custom_id, "response": response_block(status, request_id, body),
-            "error": None, "x_meta": meta}
+def success_row(custom_id: str, status: int, request_id: str | None, body: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": new_row_id(),
+        "custom_id": custom_id,
+        "response": response_block(status, request_id, body),
+        "error": None,
+        "x_meta": meta,
+    }
 
 
-def error_row(custom_id: str, status: int | None, request_id: str | None, body: Any, code: str, message: str,
-              meta: dict[str, Any]) -> dict[str, Any]:
-    return {"id": new_row_id(), "custom_id": custom_id, "response": response_block(status, request_id, body),
-            "error": {"code": code, "message": message}, "x_meta": meta}
+def error_row(
+    custom_id: str, status: int | None, request_id: str | None, body: Any, code: str, message: str, meta: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": new_row_id(),
+        "custom_id": custom_id,
+        "response": response_block(status, request_id, body),
+        "error": {"code": code, "message": message},
+        "x_meta": meta,
+    }
 
 
 def is_success(row: dict[str, Any]) -> bool:
     response = row.get("response")
-    return (row.get("error") is None and isinstance(response, dict)
-            and isinstance(response.get("status_code"), int) and 200 <= response["status_code"] < 300)
+    return (
+        row.get("error") is None
+        and isinstance(response, dict)
+        and isinstance(response.get("status_code"), int)
+        and 200 <= response["status_code"] < 300
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reading
+
 
 def iter_rows(path: str, problems: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file. A line that does not parse is skipped (and described in `problems`):
@@ -67,8 +82,10 @@ def iter_rows(path: str, problems: list[str] | None = None) -> Iterator[dict[str
         except ValueError:
             if problems is not None:
                 last = lineno == len(lines) or (lineno == len(lines) - 1 and not lines[-1])
-                problems.append(f"{path}:{lineno}: " + ("truncated last line ignored" if last and
-                                                         not data.endswith(b"\n") else "not JSON, ignored"))
+                problems.append(
+                    f"{path}:{lineno}: "
+                    + ("truncated last line ignored" if last and not data.endswith(b"\n") else "not JSON, ignored")
+                )
             continue
         if isinstance(row, dict) and isinstance(row.get("custom_id"), str):
             yield row
@@ -103,7 +120,7 @@ def repair_tail(path: str) -> str | None:
             nl = tail.rfind(b"\n")
             if nl >= 0:
                 start = pos + nl + 1
-                tail = tail[nl + 1:]
+                tail = tail[nl + 1 :]
                 break
         else:
             start = 0
@@ -146,6 +163,7 @@ def compact_errors(path: str, drop_ids: set[str]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- writing
+
 
 class JsonlWriter:
     """Append-only JSONL: one `write` call per row, flushed at once (a kill loses at most the row being

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Mapping
 
-RETRY_STATUSES = frozenset({408, 409, 429})          # plus every status >= 500
+RETRY_STATUSES = frozenset({408, 409, 429})  # plus every status >= 500
 NEVER_RETRY_STATUSES = frozenset({400, 401, 403, 404, 413, 422})
 INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
@@ -69,12 +69,16 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
 
 
 def backoff_delay(retries_done: int, rng: random.Random | None = None) -> float:
-    base = min(INITIAL_RETRY_DELAY_S * 2.0 ** retries_done, MAX_RETRY_DELAY_S)
+    base = min(INITIAL_RETRY_DELAY_S * 2.0**retries_done, MAX_RETRY_DELAY_S)
     return base * (1.0 - 0.25 * (rng or random).random())
 
 
-def retry_delay(retries_done: int, headers: Mapping[str, str] | None = None, rng: random.Random | None = None,
-                now: float | None = None) -> tuple[float, bool]:
+def retry_delay(
+    retries_done: int,
+    headers: Mapping[str, str] | None = None,
+    rng: random.Random | None = None,
+    now: float | None = None,
+) -> tuple[float, bool]:
     """(seconds to wait, whether the server's Retry-After decided it)."""
     after = parse_retry_after(headers or {}, now)
     if after is not None and 0 < after <= MAX_RETRY_AFTER_S:

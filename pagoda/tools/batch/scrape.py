@@ -25,22 +25,40 @@ from pagoda.tools.batch.inputs import normalize_url
 DEFAULT_MIN_SIDE = 32
 MAX_PAGE_BYTES = 10 * 1024 * 1024
 
-LAZY_SRC_ATTRS = ("data-src", "data-original", "data-lazy-src", "data-lazy", "data-url", "data-hi-res-src",
-                  "data-full-src")
+LAZY_SRC_ATTRS = (
+    "data-src",
+    "data-original",
+    "data-lazy-src",
+    "data-lazy",
+    "data-url",
+    "data-hi-res-src",
+    "data-full-src",
+)
 LAZY_SRCSET_ATTRS = ("data-srcset", "data-lazy-srcset")
 META_IMAGE_KEYS = ("og:image", "og:image:url", "og:image:secure_url", "twitter:image", "twitter:image:src")
 
 # The file stem of a tracking pixel / spacer: /pixel.gif, /t/1x1.png, /img/spacer.gif, /beacon
-_TRACKING_STEM = re.compile(r"^(pixel\d*|spacer|blank|beacon|tracking|tracker|track|1x1|transparent|clear|"
-                            r"trans|dot|empty)$", re.IGNORECASE)
-_TRACKING_HOSTS = ("google-analytics.com", "doubleclick.net", "googletagmanager.com", "scorecardresearch.com",
-                   "quantserve.com", "bat.bing.com", "analytics.twitter.com", "ct.pinterest.com")
+_TRACKING_STEM = re.compile(
+    r"^(pixel\d*|spacer|blank|beacon|tracking|tracker|track|1x1|transparent|clear|"
+    r"trans|dot|empty)$",
+    re.IGNORECASE,
+)
+_TRACKING_HOSTS = (
+    "google-analytics.com",
+    "doubleclick.net",
+    "googletagmanager.com",
+    "scorecardresearch.com",
+    "quantserve.com",
+    "bat.bing.com",
+    "analytics.twitter.com",
+    "ct.pinterest.com",
+)
 
 
 @dataclass
 class Candidate:
-    url: str                  # absolute, normalised
-    kind: str                 # img | srcset | lazy | picture | meta | link
+    url: str  # absolute, normalised
+    kind: str  # img | srcset | lazy | picture | meta | link
     declared: tuple[int | None, int | None] = (None, None)
 
 
@@ -63,6 +81,7 @@ class ScrapeResult:
 
 
 # ---------------------------------------------------------------------------------------------- srcset
+
 
 def parse_srcset(value: str) -> list[tuple[str, float | None, float | None]]:
     """`"a.jpg 480w, b.jpg 2x, c.jpg"` -> [(url, width descriptor, density descriptor)], in order.
@@ -122,6 +141,7 @@ def largest_candidate(candidates: list[tuple[str, float | None, float | None]]) 
 
 # ---------------------------------------------------------------------------------------------- URLs
 
+
 def skip_reason(url: str) -> str | None:
     """Why an absolute image URL is not worth fetching, or None."""
     parts = urlsplit(url)
@@ -148,6 +168,7 @@ def _dimension(value: str | None) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- parser
+
 
 class _Collector(HTMLParser):
     def __init__(self) -> None:
@@ -227,8 +248,9 @@ class _Collector(HTMLParser):
             self.raw.append((url, "picture", declared))
 
 
-def extract_image_urls(html: str, page_url: str, min_side: int = DEFAULT_MIN_SIDE,
-                       skipped: list[tuple[str, str]] | None = None) -> list[Candidate]:
+def extract_image_urls(
+    html: str, page_url: str, min_side: int = DEFAULT_MIN_SIDE, skipped: list[tuple[str, str]] | None = None
+) -> list[Candidate]:
     """Candidate image URLs of a page, in document order, resolved, normalised, filtered and de-duplicated
     by URL. Reasons for dropped URLs are appended to `skipped` when given."""
     parser = _Collector()
@@ -265,13 +287,19 @@ def _charset(content_type: str) -> str:
     return m.group(1) if m else "utf-8"
 
 
-def scrape_page(page_url: str, timeout: float = media.DEFAULT_FETCH_TIMEOUT_S,
-                max_bytes: int = media.DEFAULT_MAX_IMAGE_BYTES, min_side: int = DEFAULT_MIN_SIDE,
-                max_images: int | None = None, workers: int = 8,
-                fetch: Callable[..., media.Fetched] = media.fetch) -> ScrapeResult:
+def scrape_page(
+    page_url: str,
+    timeout: float = media.DEFAULT_FETCH_TIMEOUT_S,
+    max_bytes: int = media.DEFAULT_MAX_IMAGE_BYTES,
+    min_side: int = DEFAULT_MIN_SIDE,
+    max_images: int | None = None,
+    workers: int = 8,
+    fetch: Callable[..., media.Fetched] = media.fetch,
+) -> ScrapeResult:
     """Fetch `page_url` and its images. Raises MediaError when the page itself cannot be fetched."""
-    page = fetch(page_url, timeout=timeout, max_bytes=MAX_PAGE_BYTES,
-                 accept="text/html,application/xhtml+xml;q=0.9,*/*;q=0.5")
+    page = fetch(
+        page_url, timeout=timeout, max_bytes=MAX_PAGE_BYTES, accept="text/html,application/xhtml+xml;q=0.9,*/*;q=0.5"
+    )
     ctype = page.content_type.lower()
     if ctype and "html" not in ctype and "xml" not in ctype and not ctype.startswith("text/"):
         raise media.MediaError("page_not_html", f"{page_url}: content-type {page.content_type!r} is not HTML")

@@ -29,6 +29,7 @@ from pagoda.tools.batch.retry import (
 
 # ---------------------------------------------------------------------------------------------- rate limit
 
+
 class TokenBucket:
     """A token bucket shared by every worker: `rate` tokens/s, at most `capacity` stored, one token per HTTP
     attempt. `reserve` takes a token now and returns how long to wait for it; the balance may go negative
@@ -77,14 +78,15 @@ class TokenBucket:
 
 # ---------------------------------------------------------------------------------------------- the pool
 
+
 @dataclass
 class SendConfig:
-    root: str                                   # server root, no trailing /v1
+    root: str  # server root, no trailing /v1
     headers: dict[str, str] = field(default_factory=dict)
     concurrency: int = 16
-    timeout: float = 600.0                      # s per HTTP attempt, whole response
+    timeout: float = 600.0  # s per HTTP attempt, whole response
     max_retries: int = DEFAULT_MAX_RETRIES
-    rate: float | None = None                   # requests (attempts) per second
+    rate: float | None = None  # requests (attempts) per second
     burst: float = 1.0
     send_urls: bool = False
     max_pixels: int | None = None
@@ -99,13 +101,13 @@ class Stats:
     total: int = 0
     ok: int = 0
     failed: int = 0
-    abandoned: int = 0          # started but stopped by an interrupt before a result: no row, redone next run
-    retrying: int = 0           # now waiting for a retry
-    retries: int = 0            # retry attempts made (HTTP and image fetch)
+    abandoned: int = 0  # started but stopped by an interrupt before a result: no row, redone next run
+    retrying: int = 0  # now waiting for a retry
+    retries: int = 0  # retry attempts made (HTTP and image fetch)
     in_flight: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    statuses: Counter = field(default_factory=Counter)   # final HTTP status of every written row
+    statuses: Counter = field(default_factory=Counter)  # final HTTP status of every written row
     error_codes: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
     interrupted: bool = False
@@ -122,7 +124,7 @@ class Outcome:
     headers: dict[str, str] = field(default_factory=dict)
     body: Any = None
     request_id: str | None = None
-    code: str | None = None          # set on failure
+    code: str | None = None  # set on failure
     message: str | None = None
     retryable: bool = False
     latency_s: float = 0.0
@@ -160,8 +162,15 @@ class Runner:
     failure row to `err` per finished item. First SIGINT/SIGTERM: stop taking items, let in-flight attempts
     finish (no further retries), return. Second SIGINT: cancel what is in flight and return at once."""
 
-    def __init__(self, cfg: SendConfig, items: list[BatchItem], out: output.JsonlWriter, err: output.JsonlWriter,
-                 attempts_before: dict[str, int] | None = None, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cfg: SendConfig,
+        items: list[BatchItem],
+        out: output.JsonlWriter,
+        err: output.JsonlWriter,
+        attempts_before: dict[str, int] | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
         self.cfg = cfg
         self.queue: deque[BatchItem] = deque(items)
         self.out = out
@@ -187,8 +196,10 @@ class Runner:
             assert self._stop_event is not None
             self._stop_event.set()
             name = signal.Signals(signum).name
-            self._log(f"\npagoda batch: {name}: finishing {self.stats.in_flight} in-flight request(s), "
-                      "then flushing; Ctrl-C again to abort them")
+            self._log(
+                f"\npagoda batch: {name}: finishing {self.stats.in_flight} in-flight request(s), "
+                "then flushing; Ctrl-C again to abort them"
+            )
         else:
             self.stats.forced = True
             self._log("\npagoda batch: aborting in-flight requests")
@@ -204,21 +215,32 @@ class Runner:
                 loop.add_signal_handler(sig, self._on_signal, sig)
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):
-                pass        # no signal handlers here (not the main thread, or Windows): Ctrl-C stays default
+                pass  # no signal handlers here (not the main thread, or Windows): Ctrl-C stays default
         if self.cfg.progress:
             tty = sys.stderr.isatty()
             self._redraw_s = 0.2 if tty else 2.0
-            self._bar = tqdm(total=self.stats.total, unit="req", file=sys.stderr, dynamic_ncols=True,
-                             desc="batch", smoothing=0.1, mininterval=self._redraw_s)
+            self._bar = tqdm(
+                total=self.stats.total,
+                unit="req",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                desc="batch",
+                smoothing=0.1,
+                mininterval=self._redraw_s,
+            )
             self._refresh(force=True)
-        limits = httpx.Limits(max_connections=self.cfg.concurrency + 4,
-                              max_keepalive_connections=self.cfg.concurrency + 4)
+        limits = httpx.Limits(
+            max_connections=self.cfg.concurrency + 4, max_keepalive_connections=self.cfg.concurrency + 4
+        )
         timeout = httpx.Timeout(self.cfg.timeout, connect=min(self.cfg.timeout, 10.0))
         try:
-            async with httpx.AsyncClient(base_url=self.cfg.root, headers=self.cfg.headers, timeout=timeout,
-                                         limits=limits) as client:
-                self._tasks = [asyncio.create_task(self._worker(client))
-                               for _ in range(max(1, min(self.cfg.concurrency, len(self.queue) or 1)))]
+            async with httpx.AsyncClient(
+                base_url=self.cfg.root, headers=self.cfg.headers, timeout=timeout, limits=limits
+            ) as client:
+                self._tasks = [
+                    asyncio.create_task(self._worker(client))
+                    for _ in range(max(1, min(self.cfg.concurrency, len(self.queue) or 1)))
+                ]
                 await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             for sig in installed:
@@ -233,8 +255,9 @@ class Runner:
         if self._bar is None:
             return
         s = self.stats
-        self._bar.set_postfix_str(f"ok={s.ok} failed={s.failed} retrying={s.retrying} "
-                                  f"tok/s={s.tokens_per_s():.1f}", refresh=False)
+        self._bar.set_postfix_str(
+            f"ok={s.ok} failed={s.failed} retrying={s.retrying} tok/s={s.tokens_per_s():.1f}", refresh=False
+        )
         now = time.monotonic()
         if force or now - self._drawn >= self._redraw_s:
             self._drawn = now
@@ -267,11 +290,22 @@ class Runner:
 
     # ---- one item
 
-    def _meta(self, item: BatchItem, attempts: int, started_wall: float, t0: float,
-              history: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-        meta: dict[str, Any] = {"attempts": attempts, "latency_s": round(time.perf_counter() - t0, 4),
-                                "source": item.source,
-                                "started_at": round(started_wall, 3), "finished_at": round(time.time(), 3)}
+    def _meta(
+        self,
+        item: BatchItem,
+        attempts: int,
+        started_wall: float,
+        t0: float,
+        history: list[dict[str, Any]],
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "attempts": attempts,
+            "latency_s": round(time.perf_counter() - t0, 4),
+            "source": item.source,
+            "started_at": round(started_wall, 3),
+            "finished_at": round(time.time(), 3),
+        }
         if self.attempts_before.get(item.custom_id):
             meta["attempts_before"] = self.attempts_before[item.custom_id]
         if history:
@@ -290,8 +324,9 @@ class Runner:
         self._done()
 
     def _finish_error(self, item: BatchItem, o: Outcome, meta: dict[str, Any]) -> None:
-        self.err.write(output.error_row(item.custom_id, o.status, o.request_id, o.body, o.code or "error",
-                                        o.message or "", meta))
+        self.err.write(
+            output.error_row(item.custom_id, o.status, o.request_id, o.body, o.code or "error", o.message or "", meta)
+        )
         self.stats.failed += 1
         self.stats.statuses[o.status if o.status is not None else "none"] += 1
         self.stats.error_codes[o.code or "error"] += 1
@@ -326,8 +361,7 @@ class Runner:
                 if resolved.code == "interrupted":
                     self.stats.abandoned += 1
                     return
-                self._finish_error(item, resolved, self._meta(item, 0, started_wall, t0, history,
-                                                              {"stage": "image"}))
+                self._finish_error(item, resolved, self._meta(item, 0, started_wall, t0, history, {"stage": "image"}))
                 return
             url, extra = resolved
             body = set_image_url(body, url)
@@ -339,16 +373,22 @@ class Runner:
             if o.ok:
                 self._finish_ok(item, o, self._meta(item, attempts, started_wall, t0, history, extra))
                 return
-            entry: dict[str, Any] = {"attempt": attempts, "status": o.status, "code": o.code,
-                                     "latency_s": round(o.latency_s, 4)}
+            entry: dict[str, Any] = {
+                "attempt": attempts,
+                "status": o.status,
+                "code": o.code,
+                "latency_s": round(o.latency_s, 4),
+            }
             history.append(entry)
             if not o.retryable or attempts > self.cfg.max_retries:
                 meta = self._meta(item, attempts, started_wall, t0, history, extra)
                 meta["retryable"] = o.retryable
                 if o.headers:
-                    meta["headers"] = {k: v for k, v in o.headers.items()
-                                       if k in ("retry-after", "retry-after-ms", "x-should-retry", "x-request-id",
-                                                "content-type")}
+                    meta["headers"] = {
+                        k: v
+                        for k, v in o.headers.items()
+                        if k in ("retry-after", "retry-after-ms", "x-should-retry", "x-request-id", "content-type")
+                    }
                 self._finish_error(item, o, meta)
                 return
             if self.stopping:
@@ -387,7 +427,8 @@ class Runner:
         except ValueError:
             o.body = _truncate(response.text)
         o.request_id = o.headers.get("x-request-id") or (
-            o.body.get("id") if isinstance(o.body, dict) and isinstance(o.body.get("id"), str) else None)
+            o.body.get("id") if isinstance(o.body, dict) and isinstance(o.body.get("id"), str) else None
+        )
         if 200 <= o.status < 300:
             if not isinstance(o.body, dict):
                 o.code, o.message = "invalid_response", f"HTTP {o.status} with a body that is not a JSON object"
@@ -418,8 +459,11 @@ class Runner:
                     return Outcome(code="interrupted")
                 self.stats.retries += 1
                 continue
-            facts: dict[str, Any] = {"image_sha256": img.sha256, "image_size": list(img.original_size),
-                                     "image_bytes": img.original_bytes}
+            facts: dict[str, Any] = {
+                "image_sha256": img.sha256,
+                "image_size": list(img.original_size),
+                "image_bytes": img.original_bytes,
+            }
             if (img.width, img.height) != img.original_size:
                 facts["sent_size"] = [img.width, img.height]
             if ref.kind != "file":

@@ -17,7 +17,7 @@ from pagoda import envs
 from pagoda.tools.bench import report
 
 DEFAULT_LADDER = "1,8,32,64,128,256"
-DEFAULT_SLO_TTFT_P95_MS = 1000.0   # shared/specs/tools.md §1.6 design defaults
+DEFAULT_SLO_TTFT_P95_MS = 1000.0  # shared/specs/tools.md §1.6 design defaults
 DEFAULT_SLO_TPOT_P95_MS = 200.0
 
 
@@ -59,60 +59,117 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is accepted)")
     g.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     g.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY or $PAGODA_API_KEY)")
-    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                   help="/v1/chat/completions or /v1/completions (default chat)")
+    g.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions or /v1/completions (default chat)",
+    )
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in s, whole request (default 600)")
-    g.add_argument("--ready-timeout", type=float, default=60.0,
-                   help="wait up to this many s for /health or /v1/models before starting (default 60)")
+    g.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=60.0,
+        help="wait up to this many s for /health or /v1/models before starting (default 60)",
+    )
 
     g = p.add_argument_group("load")
-    g.add_argument("--concurrency", type=_ladder, default=None,
-                   help=f"closed-loop ladder, comma list (default {DEFAULT_LADDER}); with --request-rate: one "
-                        "value, the cap on requests in flight")
-    g.add_argument("--request-rate", type=_rate, default=None,
-                   help="open loop: mean requests/s with gamma arrivals (inf = all at once)")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
-    g.add_argument("--num-prompts", type=_positive, default=None,
-                   help="measured requests per point (default max(8*c, 16); open loop without a cap: 100)")
+    g.add_argument(
+        "--concurrency",
+        type=_ladder,
+        default=None,
+        help=f"closed-loop ladder, comma list (default {DEFAULT_LADDER}); with --request-rate: one "
+        "value, the cap on requests in flight",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=None,
+        help="open loop: mean requests/s with gamma arrivals (inf = all at once)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular",
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=_positive,
+        default=None,
+        help="measured requests per point (default max(8*c, 16); open loop without a cap: 100)",
+    )
     g.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each point (default c)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--client-processes", type=_positive, default=1,
-                   help="spread each point's requests over N client processes, so the client is not the "
-                        "bottleneck at high concurrency (default 1; never more than the concurrency)")
-    g.add_argument("--prompts-per-concurrency", type=_positive, default=None,
-                   help="measured requests per point = this x c (at least 8), instead of --num-prompts")
+    g.add_argument(
+        "--client-processes",
+        type=_positive,
+        default=1,
+        help="spread each point's requests over N client processes, so the client is not the "
+        "bottleneck at high concurrency (default 1; never more than the concurrency)",
+    )
+    g.add_argument(
+        "--prompts-per-concurrency",
+        type=_positive,
+        default=None,
+        help="measured requests per point = this x c (at least 8), instead of --num-prompts",
+    )
 
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "jsonl"), default="random")
-    g.add_argument("--dataset-path", default=None,
-                   help="jsonl: one object per line with \"prompt\" or \"messages\", optional \"max_tokens\"")
-    g.add_argument("--input-len", type=_positive, default=1024,
-                   help="random dataset: target usage.prompt_tokens per request, chat template included "
-                        "(calibrated with two probe requests; default 1024)")
+    g.add_argument(
+        "--dataset-path",
+        default=None,
+        help='jsonl: one object per line with "prompt" or "messages", optional "max_tokens"',
+    )
+    g.add_argument(
+        "--input-len",
+        type=_positive,
+        default=1024,
+        help="random dataset: target usage.prompt_tokens per request, chat template included "
+        "(calibrated with two probe requests; default 1024)",
+    )
     g.add_argument("--output-len", type=_positive, default=128, help="max_tokens per request (default 128)")
     g.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM extra field)')
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent (default 0)")
-    g.add_argument("--image", default=None, metavar="WxH[,WxH...]",
-                   help="attach random PNG images of these sizes (base64 data URIs) to chat requests")
+    g.add_argument(
+        "--image",
+        default=None,
+        metavar="WxH[,WxH...]",
+        help="attach random PNG images of these sizes (base64 data URIs) to chat requests",
+    )
     g.add_argument("--images-per-request", type=_positive, default=1)
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    g.add_argument("--no-calibrate", action="store_true",
-                   help="random dataset: assume one token per word instead of probing the server")
+    g.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="random dataset: assume one token per word instead of probing the server",
+    )
 
     g = p.add_argument_group("SLO")
-    g.add_argument("--slo-ttft-p95-ms", type=_optional_ms, default=DEFAULT_SLO_TTFT_P95_MS,
-                   help=f"p95 TTFT limit per point (default {DEFAULT_SLO_TTFT_P95_MS:g}; 'off' to drop)")
-    g.add_argument("--slo-tpot-p95-ms", type=_optional_ms, default=DEFAULT_SLO_TPOT_P95_MS,
-                   help=f"p95 TPOT limit per point (default {DEFAULT_SLO_TPOT_P95_MS:g}; 'off' to drop)")
+    g.add_argument(
+        "--slo-ttft-p95-ms",
+        type=_optional_ms,
+        default=DEFAULT_SLO_TTFT_P95_MS,
+        help=f"p95 TTFT limit per point (default {DEFAULT_SLO_TTFT_P95_MS:g}; 'off' to drop)",
+    )
+    g.add_argument(
+        "--slo-tpot-p95-ms",
+        type=_optional_ms,
+        default=DEFAULT_SLO_TPOT_P95_MS,
+        help=f"p95 TPOT limit per point (default {DEFAULT_SLO_TPOT_P95_MS:g}; 'off' to drop)",
+    )
     g.add_argument("--slo-max-error-rate", type=float, default=0.01, help="error-rate limit (default 0.01)")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="write the sweep result JSON here")
     g.add_argument("--csv", default=None, help="write one CSV row per point here")
     g.add_argument("--plot", default=None, help="write a PNG of throughput and p95 TTFT/TPOT vs concurrency")
-    g.add_argument("--save-detailed", action="store_true",
-                   help="keep per-request timings (ttft, e2el, itl, tokens, error) under points[].requests")
+    g.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="keep per-request timings (ttft, e2el, itl, tokens, error) under points[].requests",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -175,10 +232,20 @@ def _build_workload(ns: argparse.Namespace, model: str) -> Any:
             raise BenchUsageError(f"--extra-body is not JSON: {exc}") from None
         if not isinstance(extra, dict):
             raise BenchUsageError("--extra-body must be a JSON object")
-    return Workload(endpoint=ns.endpoint, model=model, input_len=ns.input_len, output_len=ns.output_len,
-                    seed=ns.seed, dataset=ns.dataset, dataset_specs=specs, image_sizes=sizes,
-                    images_per_request=ns.images_per_request, ignore_eos=ns.ignore_eos,
-                    temperature=ns.temperature, extra_body=extra)
+    return Workload(
+        endpoint=ns.endpoint,
+        model=model,
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+        seed=ns.seed,
+        dataset=ns.dataset,
+        dataset_specs=specs,
+        image_sizes=sizes,
+        images_per_request=ns.images_per_request,
+        ignore_eos=ns.ignore_eos,
+        temperature=ns.temperature,
+        extra_body=extra,
+    )
 
 
 def _where(p: dict[str, Any]) -> str:
@@ -193,8 +260,10 @@ def _point_line(p: dict[str, Any]) -> str:
         return "n/a" if v is None else f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms"
 
     where = _where(p)
-    return (f"{where}: {p['completed']} ok, {p['failed']} failed, {p['output_throughput']:.1f} out tok/s, "
-            f"p95 TTFT {ms('p95_ttft_ms')}, p95 TPOT {ms('p95_tpot_ms')}, SLO {'pass' if p['slo_pass'] else 'FAIL'}")
+    return (
+        f"{where}: {p['completed']} ok, {p['failed']} failed, {p['output_throughput']:.1f} out tok/s, "
+        f"p95 TTFT {ms('p95_ttft_ms')}, p95 TPOT {ms('p95_tpot_ms')}, SLO {'pass' if p['slo_pass'] else 'FAIL'}"
+    )
 
 
 def run_bench(ns: argparse.Namespace) -> int:
@@ -240,28 +309,44 @@ def _run(ns: argparse.Namespace) -> int:
         else:
             calibration = asyncio.run(calibrate(target, workload))
             if not calibration["calibrated"]:
-                print(f"pagoda bench: prompt calibration failed ({calibration['reason'][:200]}); "
-                      f"assuming one token per word", file=sys.stderr)
+                print(
+                    f"pagoda bench: prompt calibration failed ({calibration['reason'][:200]}); "
+                    f"assuming one token per word",
+                    file=sys.stderr,
+                )
             elif calibration.get("note"):
                 print(f"pagoda bench: {calibration['note']}", file=sys.stderr)
 
     config = {
-        "base_url": root, "model": model, "endpoint": ns.endpoint, "dataset": ns.dataset,
-        "dataset_path": ns.dataset_path, "input_len": ns.input_len, "output_len": ns.output_len,
-        "ignore_eos": ns.ignore_eos, "temperature": ns.temperature, "image_sizes": ns.image,
+        "base_url": root,
+        "model": model,
+        "endpoint": ns.endpoint,
+        "dataset": ns.dataset,
+        "dataset_path": ns.dataset_path,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "ignore_eos": ns.ignore_eos,
+        "temperature": ns.temperature,
+        "image_sizes": ns.image,
         "images_per_request": ns.images_per_request if ns.image else 0,
-        "concurrency": [p.concurrency for p in plan], "request_rate": ns.request_rate,
-        "burstiness": ns.burstiness, "num_prompts": [p.num_prompts for p in plan],
-        "warmup": [p.warmup for p in plan], "seed": ns.seed, "timeout": ns.timeout,
+        "concurrency": [p.concurrency for p in plan],
+        "request_rate": ns.request_rate,
+        "burstiness": ns.burstiness,
+        "num_prompts": [p.num_prompts for p in plan],
+        "warmup": [p.warmup for p in plan],
+        "seed": ns.seed,
+        "timeout": ns.timeout,
         "extra_body": workload.extra_body or None,
-        "slo": {"ttft_p95_ms": slo.ttft_p95_ms, "tpot_p95_ms": slo.tpot_p95_ms,
-                "max_error_rate": slo.max_error_rate},
+        "slo": {"ttft_p95_ms": slo.ttft_p95_ms, "tpot_p95_ms": slo.tpot_p95_ms, "max_error_rate": slo.max_error_rate},
         "calibration": calibration,
-        "timing": ("closed loop: a request's clock starts when it gets a concurrency slot, so TTFT/E2EL include "
-                   "server-side queueing but not client-side waiting; open loop with a cap reports the client "
-                   "wait as *_client_queue_ms"),
-        "knee_rule": (f"first c where the next rung adds < {KNEE_MIN_GAIN * 100:.0f}% output throughput per "
-                      "doubling of c"),
+        "timing": (
+            "closed loop: a request's clock starts when it gets a concurrency slot, so TTFT/E2EL include "
+            "server-side queueing but not client-side waiting; open loop with a cap reports the client "
+            "wait as *_client_queue_ms"
+        ),
+        "knee_rule": (
+            f"first c where the next rung adds < {KNEE_MIN_GAIN * 100:.0f}% output throughput per doubling of c"
+        ),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -269,8 +354,11 @@ def _run(ns: argparse.Namespace) -> int:
     interrupted = False
     try:
         for i, cfg in enumerate(plan):
-            point = asyncio.run(run_point(target, workload, cfg, slo, ns.seed + i, not ns.no_progress,
-                                          ns.save_detailed, ns.client_processes))
+            point = asyncio.run(
+                run_point(
+                    target, workload, cfg, slo, ns.seed + i, not ns.no_progress, ns.save_detailed, ns.client_processes
+                )
+            )
             points.append(point)
             print(_point_line(point), file=sys.stderr, flush=True)
     except KeyboardInterrupt:

@@ -23,15 +23,15 @@ MAX_ERROR_BODY = 2000
 class RequestResult:
     success: bool = False
     status: int | None = None
-    error: str | None = None           # status + body / exception, truncated
-    start: float = 0.0                 # perf_counter at send (after any client-side wait)
-    scheduled: float | None = None     # perf_counter the schedule wanted it sent (open loop), for queue time
-    end: float = 0.0                   # perf_counter at the last byte
-    ttft: float | None = None          # s, first content chunk
-    e2el: float | None = None          # s, send -> last byte
+    error: str | None = None  # status + body / exception, truncated
+    start: float = 0.0  # perf_counter at send (after any client-side wait)
+    scheduled: float | None = None  # perf_counter the schedule wanted it sent (open loop), for queue time
+    end: float = 0.0  # perf_counter at the last byte
+    ttft: float | None = None  # s, first content chunk
+    e2el: float | None = None  # s, send -> last byte
     itl: list[float] = field(default_factory=list)  # s, gaps between consecutive content chunks
-    chunks: int = 0                    # content chunks
-    prompt_tokens: int | None = None   # usage.prompt_tokens
+    chunks: int = 0  # content chunks
+    prompt_tokens: int | None = None  # usage.prompt_tokens
     completion_tokens: int | None = None  # usage.completion_tokens, or the content-chunk count without usage
     usage_reported: bool = False
     output_chars: int = 0
@@ -49,7 +49,7 @@ def _content_of(event: dict[str, Any], chat: bool) -> str:
     first = choices[0] or {}
     if chat:
         delta = first.get("delta") or {}
-        return (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or "")
+        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
     return first.get("text") or ""
 
 
@@ -57,8 +57,15 @@ def _short(text: str) -> str:
     return text if len(text) <= MAX_ERROR_BODY else text[:MAX_ERROR_BODY] + "...[truncated]"
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                         chat: bool, scheduled: float | None = None, timeout: float | None = None) -> RequestResult:
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    chat: bool,
+    scheduled: float | None = None,
+    timeout: float | None = None,
+) -> RequestResult:
     """POST `body` (stream=True) and time it; never raises for HTTP or stream problems. `timeout` bounds the
     whole request (the client's own httpx timeouts bound each connect/read)."""
     r = RequestResult(scheduled=scheduled)
@@ -71,8 +78,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     except (httpx.HTTPError, OSError) as exc:
         cause = exc.__cause__ or exc.__context__
         detail = str(exc) or (f"{type(cause).__name__}: {cause}" if cause is not None else "")
-        where = (f" after {r.chunks} content chunks" if r.status == 200 else
-                 " before a response" if r.status is None else "")
+        where = (
+            f" after {r.chunks} content chunks" if r.status == 200 else " before a response" if r.status is None else ""
+        )
         r.error = _short(f"{type(exc).__name__}{where}" + (f": {detail}" if detail else ""))
     r.end = time.perf_counter()
     if r.error is not None:
@@ -89,8 +97,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     return r
 
 
-async def _consume(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                   chat: bool, r: RequestResult) -> bool:
+async def _consume(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], chat: bool, r: RequestResult
+) -> bool:
     """Read the SSE stream into `r`; True when `data: [DONE]` arrived. Sets r.error on a bad response."""
     done = False
     last = r.start

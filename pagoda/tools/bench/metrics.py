@@ -87,8 +87,9 @@ class SLO:
         return self.tpot_p95_ms is None or tpot is None or tpot <= self.tpot_p95_ms
 
 
-def aggregate(results: Sequence[Any], duration: float, slo: SLO | None = None,
-              percentiles: Iterable[float] = PERCENTILES) -> dict[str, Any]:
+def aggregate(
+    results: Sequence[Any], duration: float, slo: SLO | None = None, percentiles: Iterable[float] = PERCENTILES
+) -> dict[str, Any]:
     """The vLLM result keys for one point from `RequestResult`-like objects (attributes success, ttft, e2el,
     itl, prompt_tokens, completion_tokens, start, end, status, error, usage_reported, scheduled)."""
     percentiles = tuple(percentiles)
@@ -165,8 +166,10 @@ COUNTERS = {
     "engine_cpu_seconds": ("engine_core_cpu_seconds_total",),
 }
 # mean key -> (sum counter, count counter), in milliseconds
-MEANS_MS = {"server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
-            "server_mean_queue_ms": ("queue_seconds_sum", "queue_seconds_count")}
+MEANS_MS = {
+    "server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
+    "server_mean_queue_ms": ("queue_seconds_sum", "queue_seconds_count"),
+}
 PREFIXES = ("vllm:", "pagoda:")
 
 
@@ -187,7 +190,7 @@ def parse_prometheus(text: str) -> dict[str, float] | None:
         for sample in family.samples:
             for prefix in PREFIXES:
                 if sample.name.startswith(prefix):
-                    per_prefix[prefix].setdefault(sample.name[len(prefix):], []).append(float(sample.value))
+                    per_prefix[prefix].setdefault(sample.name[len(prefix) :], []).append(float(sample.value))
     # pagoda: first, when present: it says the server is Pagoda (whose pages carry both).
     prefix_seen = next((prefix.rstrip(":") for prefix in reversed(PREFIXES) if per_prefix[prefix]), None)
     by_name = per_prefix[f"{prefix_seen}:"] if prefix_seen else {}
@@ -207,8 +210,11 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
     """Peaks/means of the gauges over the samples taken during a point, and counter deltas before -> after."""
     if before is None and after is None and not samples:
         return {"available": False}
-    out: dict[str, Any] = {"available": True, "prefix": (after or before or samples[0]).get("_prefix"),
-                           "samples": len(samples)}
+    out: dict[str, Any] = {
+        "available": True,
+        "prefix": (after or before or samples[0]).get("_prefix"),
+        "samples": len(samples),
+    }
     for key in GAUGES:
         series = [s[key] for s in samples if key in s]
         out[f"{key}_peak"] = max(series) if series else None
@@ -223,8 +229,9 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
         out[key] = 1e3 * out[f"{total}_delta"] / n if n else None
     # Per engine step over the point: host work (busy minus device wait) and the wait itself. A wait
     # near zero under load says the engine core's host work, not the GPU, sets the step rate.
-    steps, busy, wait = (out[f"{k}_delta"] for k in ("engine_steps", "engine_busy_seconds",
-                                                     "engine_device_wait_seconds"))
+    steps, busy, wait = (
+        out[f"{k}_delta"] for k in ("engine_steps", "engine_busy_seconds", "engine_device_wait_seconds")
+    )
     ok = steps and busy is not None and wait is not None
     out["engine_host_ms_per_step"] = 1e3 * (busy - wait) / steps if ok else None
     out["engine_wait_ms_per_step"] = 1e3 * wait / steps if ok else None

@@ -33,10 +33,20 @@ COLUMNS = [  # (header, key in the point or server_metrics, format)
     ("core CPU ms/step", "sm:engine_cpu_ms_per_step", "{:.2f}"),
     ("SLO", "slo_pass", "{}"),
 ]
-CSV_SERVER_KEYS = ("running_peak", "running_mean", "waiting_peak", "waiting_mean", "kv_cache_usage_peak",
-                   "preemptions_delta", "generation_tokens_delta",
-                   "server_mean_ttft_ms", "server_mean_queue_ms", "engine_host_ms_per_step", "engine_wait_ms_per_step",
-                   "engine_cpu_ms_per_step")
+CSV_SERVER_KEYS = (
+    "running_peak",
+    "running_mean",
+    "waiting_peak",
+    "waiting_mean",
+    "kv_cache_usage_peak",
+    "preemptions_delta",
+    "generation_tokens_delta",
+    "server_mean_ttft_ms",
+    "server_mean_queue_ms",
+    "engine_host_ms_per_step",
+    "engine_wait_ms_per_step",
+    "engine_cpu_ms_per_step",
+)
 
 
 def _value(point: dict[str, Any], key: str) -> Any:
@@ -109,14 +119,18 @@ def plot(path: str, points: Sequence[dict[str, Any]], summary: dict[str, Any]) -
         import matplotlib.pyplot as plt  # lazy: matplotlib, only for --plot
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
-    pts = sorted((p for p in points if p.get("concurrency") and p.get("mode") != "open"),
-                 key=lambda p: p["concurrency"])
+    pts = sorted(
+        (p for p in points if p.get("concurrency") and p.get("mode") != "open"), key=lambda p: p["concurrency"]
+    )
     if not pts:
         return "the plot needs closed-loop --concurrency points"
     cs = [p["concurrency"] for p in pts]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    series = [("output_throughput", "output throughput (tok/s)"), ("p95_ttft_ms", "p95 TTFT (ms)"),
-              ("p95_tpot_ms", "p95 TPOT (ms)")]
+    series = [
+        ("output_throughput", "output throughput (tok/s)"),
+        ("p95_ttft_ms", "p95 TTFT (ms)"),
+        ("p95_tpot_ms", "p95 TPOT (ms)"),
+    ]
     for ax, (key, label) in zip(axes, series):
         ys = [p.get(key) if p.get(key) is not None else float("nan") for p in pts]
         ax.plot(cs, ys, marker="o")
@@ -132,8 +146,9 @@ def plot(path: str, points: Sequence[dict[str, Any]], summary: dict[str, Any]) -
         if summary.get("knee_concurrency"):
             ax.axvline(summary["knee_concurrency"], color="gray", linestyle="--", label="knee")
         if summary.get("recommended_max_num_seqs"):
-            ax.axvline(summary["recommended_max_num_seqs"], color="green", linestyle=":",
-                       label="recommended max-num-seqs")
+            ax.axvline(
+                summary["recommended_max_num_seqs"], color="green", linestyle=":", label="recommended max-num-seqs"
+            )
     slo = summary.get("config", {}).get("slo", {})
     if slo.get("ttft_p95_ms") is not None:
         axes[1].axhline(slo["ttft_p95_ms"], color="red", alpha=0.4, label="SLO")
@@ -141,8 +156,7 @@ def plot(path: str, points: Sequence[dict[str, Any]], summary: dict[str, Any]) -
         axes[2].axhline(slo["tpot_p95_ms"], color="red", alpha=0.4, label="SLO")
     if axes[1].get_legend_handles_labels()[0]:
         axes[1].legend(fontsize=8)
-    fig.suptitle(f"pagoda bench: {summary.get('config', {}).get('model', '')} "
-                 f"(red x = fails SLO)", fontsize=10)
+    fig.suptitle(f"pagoda bench: {summary.get('config', {}).get('model', '')} (red x = fails SLO)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -30,20 +30,20 @@ SAMPLE_INTERVAL_S = 0.5
 
 @dataclass
 class PointConfig:
-    concurrency: int | None       # cap on requests in flight (None: unbounded, open loop only)
+    concurrency: int | None  # cap on requests in flight (None: unbounded, open loop only)
     num_prompts: int
     warmup: int
     request_rate: float = math.inf  # inf: closed loop / all at t = 0
     burstiness: float = 1.0
-    open_loop: bool = False         # --request-rate given (even inf): reported as mode "open"
+    open_loop: bool = False  # --request-rate given (even inf): reported as mode "open"
 
 
 @dataclass
 class Target:
-    root: str            # server root, e.g. http://127.0.0.1:8000 (no /v1)
+    root: str  # server root, e.g. http://127.0.0.1:8000 (no /v1)
     headers: dict[str, str]
     timeout: float
-    endpoint: str        # "chat" | "completions"
+    endpoint: str  # "chat" | "completions"
 
     @property
     def url(self) -> str:
@@ -100,8 +100,16 @@ class MetricsSampler:
         return server_metrics_summary(self.before, after, self.samples)
 
 
-async def _run_requests(client: httpx.AsyncClient, target: Target, bodies: list[dict], cap: int | None,
-                        request_rate: float, burstiness: float, seed: int, progress: Any) -> list[RequestResult]:
+async def _run_requests(
+    client: httpx.AsyncClient,
+    target: Target,
+    bodies: list[dict],
+    cap: int | None,
+    request_rate: float,
+    burstiness: float,
+    seed: int,
+    progress: Any,
+) -> list[RequestResult]:
     chat = target.endpoint == "chat"
     sem = asyncio.Semaphore(cap) if cap else None
     open_loop = not math.isinf(request_rate)
@@ -137,8 +145,17 @@ def _client_share(total: int | None, processes: int, index: int) -> int | None:
     return total // processes + (1 if index < total % processes else 0)
 
 
-def _client_process(target: Target, warm: list[dict], bodies: list[dict], cap: int | None, request_rate: float,
-                    burstiness: float, seed: int, start_at: Any, conn: Any) -> None:
+def _client_process(
+    target: Target,
+    warm: list[dict],
+    bodies: list[dict],
+    cap: int | None,
+    request_rate: float,
+    burstiness: float,
+    seed: int,
+    start_at: Any,
+    conn: Any,
+) -> None:
     """One client process of a multi-process point: its own event loop and connection pool, released by
     `start_at` (a barrier) together with the others; sends back (results, cpu seconds, t0, t1)."""
 
@@ -156,12 +173,13 @@ def _client_process(target: Target, warm: list[dict], bodies: list[dict], cap: i
     conn.close()
 
 
-def _run_in_processes(target: Target, warm: list[dict], bodies: list[dict], cfg: PointConfig, seed: int,
-                      processes: int) -> tuple[list[RequestResult], float, float, list[float]]:
+def _run_in_processes(
+    target: Target, warm: list[dict], bodies: list[dict], cfg: PointConfig, seed: int, processes: int
+) -> tuple[list[RequestResult], float, float, list[float]]:
     """Split a point over several client processes (a cap of c becomes c/N per process, the request
     rate r becomes r/N each: the sum of N independent Poisson streams is Poisson at r). Returns the
     results, the span from the first process's start to the last one's end, and each one's CPU %."""
-    ctx = mp.get_context("spawn")      # no fork from a process with a running event loop and threads
+    ctx = mp.get_context("spawn")  # no fork from a process with a running event loop and threads
     barrier = ctx.Barrier(processes + 1)
     pipes, procs = [], []
     for i in range(processes):
@@ -169,9 +187,11 @@ def _run_in_processes(target: Target, warm: list[dict], bodies: list[dict], cfg:
         cap = _client_share(cfg.concurrency, processes, i)
         rate = cfg.request_rate / processes
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_process, daemon=True,
-                           args=(target, warm[i::processes], mine, cap, rate, cfg.burstiness, seed + i, barrier,
-                                 child))
+        proc = ctx.Process(
+            target=_client_process,
+            daemon=True,
+            args=(target, warm[i::processes], mine, cap, rate, cfg.burstiness, seed + i, barrier, child),
+        )
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -184,8 +204,16 @@ def _run_in_processes(target: Target, warm: list[dict], bodies: list[dict], cfg:
     return results, t1 - t0, [100.0 * o[1] / max(o[3] - o[2], 1e-9) for o in outs]
 
 
-async def run_point(target: Target, workload: Workload, cfg: PointConfig, slo: SLO, seed: int,
-                    show_progress: bool = True, keep_details: bool = False, processes: int = 1) -> dict[str, Any]:
+async def run_point(
+    target: Target,
+    workload: Workload,
+    cfg: PointConfig,
+    slo: SLO,
+    seed: int,
+    show_progress: bool = True,
+    keep_details: bool = False,
+    processes: int = 1,
+) -> dict[str, Any]:
     """Warm up, then measure one point; returns the vLLM keys plus server_metrics (and per-request details).
     processes > 1 spreads the requests over that many client processes (a client that would
     otherwise be the bottleneck at high concurrency); the point needs concurrency >= processes."""
@@ -194,38 +222,59 @@ async def run_point(target: Target, workload: Workload, cfg: PointConfig, slo: S
     processes = max(1, min(processes, cfg.concurrency or processes, len(bodies)))
     limit = cfg.concurrency or None
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    label = (f"c={cfg.concurrency}" if not cfg.open_loop
-             else f"rate={cfg.request_rate:g}/s" + (f" c<={cfg.concurrency}" if cfg.concurrency else ""))
+    label = (
+        f"c={cfg.concurrency}"
+        if not cfg.open_loop
+        else f"rate={cfg.request_rate:g}/s" + (f" c<={cfg.concurrency}" if cfg.concurrency else "")
+    )
     if processes > 1:
         sampler = MetricsSampler(target)
         await sampler.start()
         results, duration, cpus = await asyncio.get_running_loop().run_in_executor(
-            None, _run_in_processes, target, warm_bodies, bodies, cfg, seed, processes)
+            None, _run_in_processes, target, warm_bodies, bodies, cfg, seed, processes
+        )
         server = await sampler.stop()
         cpu_percent = max(cpus)
     else:
         async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout), limits=limits) as client:
             if warm_bodies:
-                await _run_requests(client, target, warm_bodies, cfg.concurrency or len(warm_bodies), math.inf,
-                                    1.0, seed, None)
+                await _run_requests(
+                    client, target, warm_bodies, cfg.concurrency or len(warm_bodies), math.inf, 1.0, seed, None
+                )
             sampler = MetricsSampler(target)
             await sampler.start()
-            progress = tqdm(total=len(bodies), desc=label, unit="req", file=sys.stderr,
-                            disable=not show_progress, leave=True, dynamic_ncols=True)
+            progress = tqdm(
+                total=len(bodies),
+                desc=label,
+                unit="req",
+                file=sys.stderr,
+                disable=not show_progress,
+                leave=True,
+                dynamic_ncols=True,
+            )
             cpu0, t0 = time.process_time(), time.perf_counter()
             try:
-                results = await _run_requests(client, target, bodies, cfg.concurrency, cfg.request_rate,
-                                              cfg.burstiness, seed, progress)
+                results = await _run_requests(
+                    client, target, bodies, cfg.concurrency, cfg.request_rate, cfg.burstiness, seed, progress
+                )
             finally:
                 progress.close()
             duration = time.perf_counter() - t0
             cpu_percent = 100.0 * (time.process_time() - cpu0) / max(duration, 1e-9)
             server = await sampler.stop()
     point = aggregate(results, duration, slo)
-    point = {"mode": "open" if cfg.open_loop else "closed", "concurrency": cfg.concurrency,
-             "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,  # as vLLM writes it
-             "burstiness": cfg.burstiness, "num_prompts": cfg.num_prompts, "warmup": cfg.warmup, **point,
-             "client_processes": processes, "client_cpu_percent": cpu_percent, "server_metrics": server}
+    point = {
+        "mode": "open" if cfg.open_loop else "closed",
+        "concurrency": cfg.concurrency,
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,  # as vLLM writes it
+        "burstiness": cfg.burstiness,
+        "num_prompts": cfg.num_prompts,
+        "warmup": cfg.warmup,
+        **point,
+        "client_processes": processes,
+        "client_cpu_percent": cpu_percent,
+        "server_metrics": server,
+    }
     point["slo_pass"] = slo.point_ok(point)
     if keep_details:
         point["requests"] = [r.detail() for r in results]
@@ -245,20 +294,32 @@ async def calibrate(target: Target, workload: Workload) -> dict[str, Any]:
             body.pop("ignore_eos", None)
             r = await stream_request(client, target.url, body, target.headers, chat)
             if r.status != 200 or not r.usage_reported or r.prompt_tokens is None:
-                return {"calibrated": False, "words_per_prompt": workload.words_per_prompt,
-                        "reason": r.error or "the server reported no usage.prompt_tokens"}
+                return {
+                    "calibrated": False,
+                    "words_per_prompt": workload.words_per_prompt,
+                    "reason": r.error or "the server reported no usage.prompt_tokens",
+                }
             measured.append(r.prompt_tokens)
     per_word = (measured[1] - measured[0]) / (w2 - w1)
     if per_word <= 0:
-        return {"calibrated": False, "words_per_prompt": workload.words_per_prompt,
-                "reason": f"prompt tokens did not grow with words ({measured})"}
+        return {
+            "calibrated": False,
+            "words_per_prompt": workload.words_per_prompt,
+            "reason": f"prompt tokens did not grow with words ({measured})",
+        }
     overhead = measured[0] - per_word * w1
     words = max(1, round((workload.input_len - overhead) / per_word))
     workload.words_per_prompt = words
-    info = {"calibrated": True, "tokens_per_word": per_word, "overhead_tokens": overhead,
-            "words_per_prompt": words, "expected_prompt_tokens": overhead + per_word * words}
+    info = {
+        "calibrated": True,
+        "tokens_per_word": per_word,
+        "overhead_tokens": overhead,
+        "words_per_prompt": words,
+        "expected_prompt_tokens": overhead + per_word * words,
+    }
     if workload.input_len < overhead + per_word:
-        info["note"] = (f"--input-len {workload.input_len} is below the fixed prompt overhead "
-                        f"(~{overhead:.0f} tokens of template/BOS); prompts use 1 word")
+        info["note"] = (
+            f"--input-len {workload.input_len} is below the fixed prompt overhead "
+            f"(~{overhead:.0f} tokens of template/BOS); prompts use 1 word"
+        )
     return info
-

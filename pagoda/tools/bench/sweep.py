@@ -32,8 +32,9 @@ def gain_per_doubling(c0: float, t0: float, c1: float, t1: float) -> float | Non
     return (t1 / t0) ** (1.0 / math.log2(c1 / c0)) - 1.0
 
 
-def find_knee(concurrencies: Sequence[int], throughputs: Sequence[float],
-              min_gain: float = KNEE_MIN_GAIN) -> int | None:
+def find_knee(
+    concurrencies: Sequence[int], throughputs: Sequence[float], min_gain: float = KNEE_MIN_GAIN
+) -> int | None:
     """The first c whose next rung adds < `min_gain` throughput per doubling; None if it never flattens."""
     pts = sorted(zip(concurrencies, throughputs))
     for (c0, t0), (c1, t1) in pairwise(pts):
@@ -70,22 +71,33 @@ def _fmt(v: float | None, unit: str = "") -> str:
 
 def analyze(points: Sequence[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     """knee_concurrency, max_concurrency_meeting_slo, recommended_max_num_seqs and the evidence lines."""
-    ladder = sorted((p for p in points if p.get("concurrency") and p.get("mode") != "open"),
-                    key=lambda p: p["concurrency"])
+    ladder = sorted(
+        (p for p in points if p.get("concurrency") and p.get("mode") != "open"), key=lambda p: p["concurrency"]
+    )
     evidence: list[str] = []
     for p in points:
         cpu = p.get("client_cpu_percent")
         if cpu is not None and cpu >= CLIENT_CPU_BUSY:
-            evidence.append(f"client CPU {cpu:.0f}% of one core at {_where(p)}: the load generator itself may be the "
-                            f"bottleneck there (its latencies include client delay)")
+            evidence.append(
+                f"client CPU {cpu:.0f}% of one core at {_where(p)}: the load generator itself may be the "
+                f"bottleneck there (its latencies include client delay)"
+            )
     if not ladder:
         for p in points:
-            evidence.append(f"open-loop point (rate {p.get('request_rate')}/s, cap {p.get('concurrency')}): SLO "
-                            f"{'pass' if p.get('slo_pass') else 'FAIL'}")
-        evidence.append("knee, largest passing concurrency and the max-num-seqs recommendation need a closed-loop "
-                        "--concurrency ladder")
-        return {"knee_concurrency": None, "max_concurrency_meeting_slo": None, "recommended_max_num_seqs": None,
-                "evidence": evidence}
+            evidence.append(
+                f"open-loop point (rate {p.get('request_rate')}/s, cap {p.get('concurrency')}): SLO "
+                f"{'pass' if p.get('slo_pass') else 'FAIL'}"
+            )
+        evidence.append(
+            "knee, largest passing concurrency and the max-num-seqs recommendation need a closed-loop "
+            "--concurrency ladder"
+        )
+        return {
+            "knee_concurrency": None,
+            "max_concurrency_meeting_slo": None,
+            "recommended_max_num_seqs": None,
+            "evidence": evidence,
+        }
     cs = [p["concurrency"] for p in ladder]
     ts = [p["output_throughput"] for p in ladder]
     knee = find_knee(cs, ts) if len(ladder) >= 2 else None
@@ -94,21 +106,27 @@ def analyze(points: Sequence[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     for a, b in pairwise(ladder):
         gain = gain_per_doubling(a["concurrency"], a["output_throughput"], b["concurrency"], b["output_throughput"])
         if a["concurrency"] == knee and gain is not None:
-            evidence.append(f"knee at c={knee}: output throughput {a['output_throughput']:.1f} -> "
-                            f"{b['output_throughput']:.1f} tok/s from c={a['concurrency']} to c={b['concurrency']} "
-                            f"is {gain * 100:+.1f}% per doubling (< {KNEE_MIN_GAIN * 100:.0f}%)")
+            evidence.append(
+                f"knee at c={knee}: output throughput {a['output_throughput']:.1f} -> "
+                f"{b['output_throughput']:.1f} tok/s from c={a['concurrency']} to c={b['concurrency']} "
+                f"is {gain * 100:+.1f}% per doubling (< {KNEE_MIN_GAIN * 100:.0f}%)"
+            )
     if len(ladder) >= 2 and knee is None:
         a, b = ladder[-2], ladder[-1]
         gain = gain_per_doubling(a["concurrency"], a["output_throughput"], b["concurrency"], b["output_throughput"])
-        evidence.append(f"no knee: throughput still grows {_fmt(None if gain is None else gain * 100, '%')} per "
-                        f"doubling at c={b['concurrency']}; extend the ladder to find the plateau")
+        evidence.append(
+            f"no knee: throughput still grows {_fmt(None if gain is None else gain * 100, '%')} per "
+            f"doubling at c={b['concurrency']}; extend the ladder to find the plateau"
+        )
     elif len(ladder) < 2:
         evidence.append("knee needs at least two concurrency points")
 
     # SLO.
-    limits = [f"p95 TTFT <= {slo.ttft_p95_ms:g} ms" if slo.ttft_p95_ms is not None else None,
-              f"p95 TPOT <= {slo.tpot_p95_ms:g} ms" if slo.tpot_p95_ms is not None else None,
-              f"error rate <= {slo.max_error_rate * 100:g}%"]
+    limits = [
+        f"p95 TTFT <= {slo.ttft_p95_ms:g} ms" if slo.ttft_p95_ms is not None else None,
+        f"p95 TPOT <= {slo.tpot_p95_ms:g} ms" if slo.tpot_p95_ms is not None else None,
+        f"error rate <= {slo.max_error_rate * 100:g}%",
+    ]
     slo_text = ", ".join(x for x in limits if x)
     best = max_passing(ladder)
     failing = [p for p in ladder if not p.get("slo_pass")]
@@ -138,27 +156,40 @@ def analyze(points: Sequence[dict[str, Any]], slo: SLO) -> dict[str, Any]:
         waiting, running = sm.get("waiting_peak") or 0, sm.get("running_peak")
         kv, pre = sm.get("kv_cache_usage_peak"), sm.get("preemptions_delta") or 0
         if pre > 0:
-            evidence.append(f"c={p['concurrency']}: {pre:.0f} preemptions, KV cache peak {_fmt((kv or 0) * 100, '%')}"
-                            f": the KV cache, not max-num-seqs, limits the batch here")
+            evidence.append(
+                f"c={p['concurrency']}: {pre:.0f} preemptions, KV cache peak {_fmt((kv or 0) * 100, '%')}"
+                f": the KV cache, not max-num-seqs, limits the batch here"
+            )
         elif waiting > 0:
             tpot_now, tpot_prev = p.get("median_tpot_ms"), (prev or {}).get("median_tpot_ms")
             flat = bool(tpot_now is not None and tpot_prev and abs(tpot_now / tpot_prev - 1) < TPOT_FLAT)
-            msg = (f"c={p['concurrency']}: up to {waiting:.0f} requests waiting while at most {_fmt(running, '')} ran "
-                   f"(KV cache peak {_fmt(None if kv is None else kv * 100, '%')})")
+            msg = (
+                f"c={p['concurrency']}: up to {waiting:.0f} requests waiting while at most {_fmt(running, '')} ran "
+                f"(KV cache peak {_fmt(None if kv is None else kv * 100, '%')})"
+            )
             if kv is not None and kv >= 0.9:
                 msg += ": the KV cache is nearly full, so the batch is KV-bound"
             else:
                 msg += f": the server's batch cap binds (max-num-seqs ~{_fmt(running, '')})"
                 if flat:
-                    msg += (f"; median TPOT flat ({tpot_prev:.1f} -> {tpot_now:.1f} ms), so the hardware is not "
-                            f"saturated and the extra requests only queue")
+                    msg += (
+                        f"; median TPOT flat ({tpot_prev:.1f} -> {tpot_now:.1f} ms), so the hardware is not "
+                        f"saturated and the extra requests only queue"
+                    )
             evidence.append(msg)
         prev = p
 
     rec = recommend(knee, best)
     if rec is not None:
-        basis = (f"min(knee {knee}, largest passing c {best})" if knee is not None
-                 else f"largest passing c {best} (no knee observed)")
+        basis = (
+            f"min(knee {knee}, largest passing c {best})"
+            if knee is not None
+            else f"largest passing c {best} (no knee observed)"
+        )
         evidence.append(f"recommended --max-num-seqs {rec} = {basis}, rounded up to a multiple of 8")
-    return {"knee_concurrency": knee, "max_concurrency_meeting_slo": best, "recommended_max_num_seqs": rec,
-            "evidence": evidence}
+    return {
+        "knee_concurrency": knee,
+        "max_concurrency_meeting_slo": best,
+        "recommended_max_num_seqs": rec,
+        "evidence": evidence,
+    }

@@ -95,7 +95,7 @@ def load_jsonl(path: str) -> list[RequestSpec]:
             if isinstance(obj, dict) and isinstance(obj.get("body"), dict):
                 obj = obj["body"]
             if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
-                raise ValueError(f"{path}:{lineno}: expected an object with \"prompt\" or \"messages\"")
+                raise ValueError(f'{path}:{lineno}: expected an object with "prompt" or "messages"')
             max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens"))
             if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
                 raise ValueError(f"{path}:{lineno}: max_tokens must be a positive integer")
@@ -165,20 +165,26 @@ class Workload:
     def body(self, spec: RequestSpec, max_tokens: int | None = None) -> dict[str, Any]:
         """The JSON body of one streamed request, usage requested in the last chunk."""
         tokens = max_tokens if max_tokens is not None else (spec.max_tokens or self.output_len)
-        body: dict[str, Any] = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
-                                "max_tokens": tokens}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": tokens,
+        }
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extra sampling field; pagoda accepts it too
         if self.endpoint == "chat":
-            messages = ([dict(m) for m in spec.messages] if spec.messages is not None
-                        else [{"role": "user", "content": spec.prompt or ""}])
+            messages = (
+                [dict(m) for m in spec.messages]
+                if spec.messages is not None
+                else [{"role": "user", "content": spec.prompt or ""}]
+            )
             if spec.images:
                 last = messages[-1]
                 content = last.get("content")
-                parts = (list(content) if isinstance(content, list)
-                         else [{"type": "text", "text": content or ""}])
+                parts = list(content) if isinstance(content, list) else [{"type": "text", "text": content or ""}]
                 parts += [{"type": "image_url", "image_url": {"url": uri}} for uri in spec.images]
                 messages[-1] = {**last, "content": parts}
             body["messages"] = messages
@@ -188,8 +194,9 @@ class Workload:
         return body
 
 
-def arrival_intervals(n: int, request_rate: float, burstiness: float = 1.0,
-                      rng: np.random.Generator | None = None) -> np.ndarray:
+def arrival_intervals(
+    n: int, request_rate: float, burstiness: float = 1.0, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """Gaps (s) before each of `n` requests. Gamma-distributed with shape `burstiness` and mean 1/rate:
     burstiness 1 is a Poisson process, < 1 burstier, > 1 more regular. rate inf: everything at t = 0."""
     if n <= 0:

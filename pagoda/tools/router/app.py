@@ -70,8 +70,13 @@ class RouterState:
     in-flight counts and the usage ledger are that worker's own; metrics and /usage aggregate through the
     multiprocess directory (`multiprocess_dir`, router.metrics)."""
 
-    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
-                 multiprocess_dir: str | None = None, worker_index: int = 0):
+    def __init__(
+        self,
+        config: RouterConfig,
+        transport: httpx.AsyncBaseTransport | None = None,
+        multiprocess_dir: str | None = None,
+        worker_index: int = 0,
+    ):
         self.config = config
         self.backends: list[Backend] = []
         self.usage = UsageLedger()
@@ -105,8 +110,11 @@ class RouterState:
         balancer.set_backends(backends)
         if not initial:
             if (config.host, config.port) != (self.config.host, self.config.port):
-                logger.warning("router config: host/port changes need a restart; still on %s:%d",
-                               self.config.host, self.config.port)
+                logger.warning(
+                    "router config: host/port changes need a restart; still on %s:%d",
+                    self.config.host,
+                    self.config.port,
+                )
             if config.workers != self.config.workers:
                 logger.warning("router config: a workers change needs a restart; still %d", self.config.workers)
                 config = dataclasses.replace(config, workers=self.config.workers)
@@ -126,11 +134,11 @@ class RouterState:
         cfg = self.config
         # Idle upstream connections are dropped after 4 s, before the backend's own keep-alive timeout (uvicorn's
         # default is 5 s) can close one under a request we are sending.
-        self._limits = httpx.Limits(max_connections=cfg.max_connections,
-                                    max_keepalive_connections=cfg.max_connections, keepalive_expiry=4.0)
+        self._limits = httpx.Limits(
+            max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections, keepalive_expiry=4.0
+        )
         self.client = httpx.AsyncClient(timeout=self.timeout, transport=self._transport, trust_env=False)
-        self.probe_client = httpx.AsyncClient(timeout=cfg.health.timeout, transport=self._transport,
-                                              trust_env=False)
+        self.probe_client = httpx.AsyncClient(timeout=cfg.health.timeout, transport=self._transport, trust_env=False)
         self.health = HealthChecker(self, self.probe_client)
         if probes:
             self._tasks.append(asyncio.ensure_future(self.health.run()))
@@ -226,8 +234,9 @@ class RouterASGI:
             found = self.state.auth(scope)
             if found is None:
                 self.state.metrics.child(self.state.metrics.rejected, "unauthorized").inc()
-                await send_error(send, 401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                                 "AuthenticationError")
+                await send_error(
+                    send, 401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.", "AuthenticationError"
+                )
                 return
             label = found
         if path in PROXY_PATHS and scope["method"] == "POST":
@@ -246,8 +255,9 @@ class RouterASGI:
 
 
 def _error(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(error_body(status, message, error_type), status_code=status, media_type="application/json",
-                    headers=headers)
+    return Response(
+        error_body(status, message, error_type), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> RouterASGI:
@@ -270,9 +280,12 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
     async def health() -> Response:
         backends = [b.describe() for b in state.backends]
         ok = any(b.healthy for b in state.backends)
-        answer: dict[str, Any] = {"status": "ok" if ok else "unavailable", "policy": state.config.policy,
-                                  "backends": backends}
-        if state.multiprocess:   # --workers N: this is the view of the worker that answered
+        answer: dict[str, Any] = {
+            "status": "ok" if ok else "unavailable",
+            "policy": state.config.policy,
+            "backends": backends,
+        }
+        if state.multiprocess:  # --workers N: this is the view of the worker that answered
             answer["worker"] = {"index": state.worker_index, "pid": os.getpid(), "reloads": state.reloads}
         return JSONResponse(answer, status_code=200 if ok else 503)
 
@@ -294,8 +307,11 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
 
         async def fetch(backend: Backend) -> tuple[Backend, list[dict[str, Any]] | None]:
             try:
-                r = await state.client.get(backend.url + "/v1/models", timeout=max(cfg.health.timeout, 5.0),
-                                           headers=auth_headers(backend, cfg.backend_api_key))
+                r = await state.client.get(
+                    backend.url + "/v1/models",
+                    timeout=max(cfg.health.timeout, 5.0),
+                    headers=auth_headers(backend, cfg.backend_api_key),
+                )
                 if r.status_code != 200:
                     return backend, None
                 cards = [c for c in r.json().get("data", []) if isinstance(c, dict) and "id" in c]
@@ -315,14 +331,14 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
                 merged.setdefault(str(card["id"]), card)
         if not answered:
             return _error(503, "No backend answered /v1/models.", "ServiceUnavailableError")
-        return JSONResponse({"object": "list", "data": list(merged.values())},
-                            headers={"x-pagoda-backend": ",".join(answered)})
+        return JSONResponse(
+            {"object": "list", "data": list(merged.values())}, headers={"x-pagoda-backend": ",".join(answered)}
+        )
 
     return RouterASGI(state, api)
 
 
-def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | None = None,
-                worker_index: int = 0) -> Any:
+def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | None = None, worker_index: int = 0) -> Any:
     """The uvicorn server of one router process (the only one, or worker `worker_index` of --workers N)."""
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -332,6 +348,16 @@ def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | Non
     app = build_app(state, watcher)
     # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
     # 15 s), so a client never reuses a connection the router is closing at that moment.
-    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=ns.uvicorn_log_level,
-                                         access_log=False, timeout_graceful_shutdown=ns.shutdown_timeout,
-                                         backlog=4096, proxy_headers=False, timeout_keep_alive=75))
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=ns.uvicorn_log_level,
+            access_log=False,
+            timeout_graceful_shutdown=ns.shutdown_timeout,
+            backlog=4096,
+            proxy_headers=False,
+            timeout_keep_alive=75,
+        )
+    )

@@ -49,49 +49,49 @@ POLICIES = ("session", "least-loaded", "round-robin", "prefix")
 
 @dataclass(frozen=True)
 class BackendConfig:
-    url: str                      # scheme://host:port, no trailing slash or /v1
-    name: str                     # label in X-Pagoda-Backend, metrics, /health
-    api_key: str | None = None    # sent to this backend (overrides RouterConfig.backend_api_key)
-    weight: int = 1               # points on the hash ring relative to the others
+    url: str  # scheme://host:port, no trailing slash or /v1
+    name: str  # label in X-Pagoda-Backend, metrics, /health
+    api_key: str | None = None  # sent to this backend (overrides RouterConfig.backend_api_key)
+    weight: int = 1  # points on the hash ring relative to the others
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    interval: float = 2.0         # seconds between active probes of each backend
-    timeout: float = 2.0          # probe timeout
-    fail_threshold: int = 2       # consecutive failed probes that eject a backend
-    pass_threshold: int = 2       # consecutive passed probes that readmit it
+    interval: float = 2.0  # seconds between active probes of each backend
+    timeout: float = 2.0  # probe timeout
+    fail_threshold: int = 2  # consecutive failed probes that eject a backend
+    pass_threshold: int = 2  # consecutive passed probes that readmit it
     path: str = "/health"
 
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    failures: int = 3             # consecutive request failures (connect error, 502/503/504) that open it
-    open_seconds: float = 10.0    # how long it stays open before one trial request (half-open)
+    failures: int = 3  # consecutive request failures (connect error, 502/503/504) that open it
+    open_seconds: float = 10.0  # how long it stays open before one trial request (half-open)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     backends: tuple[BackendConfig, ...]
     policy: str = "session"
-    session_header: str = "x-session-id"     # lower case
-    load_factor: float = 1.25                # bounded load: owner may hold <= ceil(f * mean); 0 = off
-    load_floor: int = 4                      # ... and never spills below this many requests in flight
-    vnodes: int = 160                        # ring points per backend (times weight)
-    prefix_chars: int = 1024                 # "prefix" policy: characters of the rendered opening hashed
-    api_keys: tuple[tuple[str, str], ...] = ()   # (label, key); empty = no authentication
+    session_header: str = "x-session-id"  # lower case
+    load_factor: float = 1.25  # bounded load: owner may hold <= ceil(f * mean); 0 = off
+    load_floor: int = 4  # ... and never spills below this many requests in flight
+    vnodes: int = 160  # ring points per backend (times weight)
+    prefix_chars: int = 1024  # "prefix" policy: characters of the rendered opening hashed
+    api_keys: tuple[tuple[str, str], ...] = ()  # (label, key); empty = no authentication
     backend_api_key: str | None = None
-    max_attempts: int = 3                    # backends tried per request before the first byte
+    max_attempts: int = 3  # backends tried per request before the first byte
     connect_timeout: float = 5.0
-    read_timeout: float | None = None        # idle timeout between upstream reads; None = none
+    read_timeout: float | None = None  # idle timeout between upstream reads; None = none
     max_request_bytes: int = 32 * 1024 * 1024
-    long_request_chars: int = 0              # requests with more message text go through the long queue; 0 = off
+    long_request_chars: int = 0  # requests with more message text go through the long queue; 0 = off
     long_request_concurrency: int = 4
-    inject_usage: bool = True                # ask streams for usage (and hide it if the client did not)
-    max_connections: int = 2048              # upstream connection pool (all backends)
+    inject_usage: bool = True  # ask streams for usage (and hide it if the client did not)
+    max_connections: int = 2048  # upstream connection pool (all backends)
     host: str = "0.0.0.0"
     port: int = 8080
-    workers: int = 1                         # router processes sharing the listening socket (read at startup)
+    workers: int = 1  # router processes sharing the listening socket (read at startup)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
@@ -116,13 +116,33 @@ def normalize_url(url: str) -> str:
 
 
 # File keys -> flat names. Sections flatten to "section.key" except [limits], whose keys are top-level.
-_TOP = {"host", "port", "workers", "policy", "session_header", "load_factor", "load_floor", "vnodes", "prefix_chars",
-        "backend_api_key",
-        "max_attempts", "connect_timeout", "read_timeout", "inject_usage", "max_connections", "max_request_bytes",
-        "long_request_chars", "long_request_concurrency", "backends", "api_keys"}
-_SECTIONS = {"health": {f.name for f in dataclasses.fields(HealthConfig)},
-             "breaker": {f.name for f in dataclasses.fields(BreakerConfig)},
-             "limits": {"max_request_bytes", "long_request_chars", "long_request_concurrency"}}
+_TOP = {
+    "host",
+    "port",
+    "workers",
+    "policy",
+    "session_header",
+    "load_factor",
+    "load_floor",
+    "vnodes",
+    "prefix_chars",
+    "backend_api_key",
+    "max_attempts",
+    "connect_timeout",
+    "read_timeout",
+    "inject_usage",
+    "max_connections",
+    "max_request_bytes",
+    "long_request_chars",
+    "long_request_concurrency",
+    "backends",
+    "api_keys",
+}
+_SECTIONS = {
+    "health": {f.name for f in dataclasses.fields(HealthConfig)},
+    "breaker": {f.name for f in dataclasses.fields(BreakerConfig)},
+    "limits": {"max_request_bytes", "long_request_chars", "long_request_concurrency"},
+}
 
 
 def parse_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -188,8 +208,9 @@ def _backends(items: Any) -> list[BackendConfig]:
         weight = item.get("weight", 1)
         if not isinstance(weight, int) or weight < 1:
             raise ConfigError(f"backend {url}: weight must be an integer >= 1")
-        out.append(BackendConfig(url=url, name=str(item.get("name") or url), api_key=item.get("api_key"),
-                                 weight=weight))
+        out.append(
+            BackendConfig(url=url, name=str(item.get("name") or url), api_key=item.get("api_key"), weight=weight)
+        )
     return out
 
 
@@ -233,12 +254,16 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
     try:
         hc = HealthConfig(**{k: _num(k, v) if k != "path" else str(v) for k, v in health.items()})
         bc = BreakerConfig(**{k: _num(k, v) for k, v in breaker.items()})
-        cfg = RouterConfig(backends=tuple(backends), api_keys=tuple(api_keys), health=hc, breaker=bc,
-                           **{k: v for k, v in values.items()})
+        cfg = RouterConfig(
+            backends=tuple(backends),
+            api_keys=tuple(api_keys),
+            health=hc,
+            breaker=bc,
+            **{k: v for k, v in values.items()},
+        )
     except TypeError as exc:
         raise ConfigError(f"router config: {exc}") from None
-    cfg = dataclasses.replace(cfg, session_header=cfg.session_header.lower(),
-                              read_timeout=cfg.read_timeout or None)
+    cfg = dataclasses.replace(cfg, session_header=cfg.session_header.lower(), read_timeout=cfg.read_timeout or None)
     _validate(cfg)
     return cfg
 
@@ -267,8 +292,10 @@ def _validate(cfg: RouterConfig) -> None:
     check(cfg.long_request_concurrency >= 1, "long_request_concurrency must be >= 1")
     check(cfg.max_connections >= 1, "max_connections must be >= 1")
     check(0 <= cfg.port <= 65535, "port must be in 0..65535")
-    check(isinstance(cfg.workers, int) and not isinstance(cfg.workers, bool) and 1 <= cfg.workers <= 256,
-          "workers must be an integer in 1..256")
+    check(
+        isinstance(cfg.workers, int) and not isinstance(cfg.workers, bool) and 1 <= cfg.workers <= 256,
+        "workers must be an integer in 1..256",
+    )
     check(bool(cfg.session_header), "session_header must not be empty")
     h, b = cfg.health, cfg.breaker
     check(h.interval > 0 and h.timeout > 0, "health interval and timeout must be > 0")
@@ -283,8 +310,13 @@ class ConfigWatcher:
     `check()` does one poll (the unit tests call it directly); `run()` polls forever.
     """
 
-    def __init__(self, path: str | os.PathLike[str], overrides: dict[str, Any],
-                 on_change: Callable[[RouterConfig], None], interval: float = 1.0):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        overrides: dict[str, Any],
+        on_change: Callable[[RouterConfig], None],
+        interval: float = 1.0,
+    ):
         self.path = Path(path)
         self.overrides = overrides
         self.on_change = on_change
@@ -327,15 +359,30 @@ class ConfigWatcher:
 def overrides_from(ns: argparse.Namespace) -> dict[str, Any]:
     """Flag values as config keys (None = not given, the file or the default applies)."""
     return {
-        "host": ns.host, "port": ns.port, "workers": ns.workers, "backends": ns.backend, "policy": ns.policy,
-        "session_header": ns.session_header, "load_factor": ns.load_factor, "load_floor": ns.load_floor,
+        "host": ns.host,
+        "port": ns.port,
+        "workers": ns.workers,
+        "backends": ns.backend,
+        "policy": ns.policy,
+        "session_header": ns.session_header,
+        "load_factor": ns.load_factor,
+        "load_floor": ns.load_floor,
         "vnodes": ns.vnodes,
-        "prefix_chars": ns.prefix_chars, "max_attempts": ns.max_attempts, "api_keys": ns.api_key,
-        "backend_api_key": ns.backend_api_key, "max_request_bytes": ns.max_request_bytes,
-        "long_request_chars": ns.long_request_chars, "long_request_concurrency": ns.long_request_concurrency,
-        "inject_usage": ns.inject_usage, "connect_timeout": ns.connect_timeout, "read_timeout": ns.read_timeout,
+        "prefix_chars": ns.prefix_chars,
+        "max_attempts": ns.max_attempts,
+        "api_keys": ns.api_key,
+        "backend_api_key": ns.backend_api_key,
+        "max_request_bytes": ns.max_request_bytes,
+        "long_request_chars": ns.long_request_chars,
+        "long_request_concurrency": ns.long_request_concurrency,
+        "inject_usage": ns.inject_usage,
+        "connect_timeout": ns.connect_timeout,
+        "read_timeout": ns.read_timeout,
         "max_connections": ns.max_connections,
-        "health.interval": ns.health_interval, "health.timeout": ns.health_timeout,
-        "health.fail_threshold": ns.health_fail_threshold, "health.pass_threshold": ns.health_pass_threshold,
-        "breaker.failures": ns.breaker_failures, "breaker.open_seconds": ns.breaker_open_seconds,
+        "health.interval": ns.health_interval,
+        "health.timeout": ns.health_timeout,
+        "health.fail_threshold": ns.health_fail_threshold,
+        "health.pass_threshold": ns.health_pass_threshold,
+        "breaker.failures": ns.breaker_failures,
+        "breaker.open_seconds": ns.breaker_open_seconds,
     }

@@ -75,8 +75,12 @@ class CircuitBreaker:
             self._state = OPEN
             self.opened_at = now
             self.opens += 1
-            logger.warning("backend %s: circuit breaker open for %.1f s after %d consecutive failures",
-                           self.name, self.cfg.open_seconds, self.consecutive_failures)
+            logger.warning(
+                "backend %s: circuit breaker open for %.1f s after %d consecutive failures",
+                self.name,
+                self.cfg.open_seconds,
+                self.consecutive_failures,
+            )
 
     def release(self) -> None:
         """A trial that ended without a verdict (the client went away): let another one through."""
@@ -97,11 +101,11 @@ class Backend:
         self._urls: dict[str, Any] = {}
         self.set_config(cfg, breaker)
         self.inflight = 0
-        self.healthy = True          # optimistic until the first probe says otherwise
+        self.healthy = True  # optimistic until the first probe says otherwise
         self.probe_fails = 0
         self.probe_passes = 0
         self.last_probe_error: str | None = None
-        self.models: list[str] | None = None   # ids from /v1/models; None = not known yet
+        self.models: list[str] | None = None  # ids from /v1/models; None = not known yet
         self.breaker = CircuitBreaker(breaker, cfg.name)
 
     def set_config(self, cfg: BackendConfig, breaker: BreakerConfig) -> None:
@@ -127,8 +131,15 @@ class Backend:
         return self.models is None or model in self.models
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "healthy": self.healthy, "circuit": self.breaker.state(),
-                "inflight": self.inflight, "models": self.models, "last_probe_error": self.last_probe_error}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state(),
+            "inflight": self.inflight,
+            "models": self.models,
+            "last_probe_error": self.last_probe_error,
+        }
 
 
 def auth_headers(backend: Backend, default_key: str | None) -> dict[str, str]:
@@ -140,13 +151,14 @@ class HealthChecker:
     """Probes every backend of `state` concurrently every `interval` seconds."""
 
     def __init__(self, state: Any, client: Any):
-        self.state = state      # RouterState: .backends (list), .config
-        self.client = client    # httpx.AsyncClient used for probes only
+        self.state = state  # RouterState: .backends (list), .config
+        self.client = client  # httpx.AsyncClient used for probes only
 
     async def probe(self, backend: Backend, cfg: HealthConfig, key: str | None) -> bool:
         try:
-            response = await self.client.get(backend.url + cfg.path, timeout=cfg.timeout,
-                                             headers=auth_headers(backend, key))
+            response = await self.client.get(
+                backend.url + cfg.path, timeout=cfg.timeout, headers=auth_headers(backend, key)
+            )
             ok = response.status_code == 200
             error = None if ok else f"HTTP {response.status_code}"
         except Exception as exc:  # noqa: BLE001 - any failure to answer is a failed probe
@@ -164,21 +176,24 @@ class HealthChecker:
             if not backend.healthy and backend.probe_passes >= cfg.pass_threshold:
                 backend.healthy = True
                 backend.breaker.reset()
-                backend.models = None   # re-learn what it serves after a restart
-                logger.warning("backend %s readmitted after %d passed health probes", backend.name,
-                               backend.probe_passes)
+                backend.models = None  # re-learn what it serves after a restart
+                logger.warning(
+                    "backend %s readmitted after %d passed health probes", backend.name, backend.probe_passes
+                )
         else:
             backend.probe_fails += 1
             backend.probe_passes = 0
             if backend.healthy and backend.probe_fails >= cfg.fail_threshold:
                 backend.healthy = False
-                logger.warning("backend %s ejected after %d failed health probes (%s)", backend.name,
-                               backend.probe_fails, error)
+                logger.warning(
+                    "backend %s ejected after %d failed health probes (%s)", backend.name, backend.probe_fails, error
+                )
 
     async def refresh_models(self, backend: Backend, key: str | None, timeout: float) -> list[str] | None:
         try:
-            response = await self.client.get(backend.url + "/v1/models", timeout=timeout,
-                                             headers=auth_headers(backend, key))
+            response = await self.client.get(
+                backend.url + "/v1/models", timeout=timeout, headers=auth_headers(backend, key)
+            )
             if response.status_code == 200:
                 backend.models = [str(m["id"]) for m in response.json().get("data", []) if "id" in m]
         except Exception as exc:  # noqa: BLE001 - model ids are an optimisation; routing works without them

@@ -36,8 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagoda.tools.router.health import STATE_VALUE
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-            160.0)
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 P = "pagoda_router:"
 
 
@@ -48,8 +47,9 @@ class _StateCollector:
     def collect(self) -> Any:
         up = GaugeMetricFamily(P + "backend_up", "1 when active health probes pass", labels=["backend"])
         inflight = GaugeMetricFamily(P + "backend_inflight", "Requests in flight to the backend", labels=["backend"])
-        circuit = GaugeMetricFamily(P + "circuit_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
-                                    labels=["backend"])
+        circuit = GaugeMetricFamily(
+            P + "circuit_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", labels=["backend"]
+        )
         for b in list(self.state.backends):
             up.add_metric([b.name], 1.0 if b.healthy else 0.0)
             inflight.add_metric([b.name], float(b.inflight))
@@ -70,27 +70,41 @@ class RouterMetrics:
     def __init__(self, state: Any, multiprocess_dir: str | None = None, worker_index: int = 0):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(P + "requests", "Requests answered", ["backend", "endpoint", "code"], registry=r)
-        self.errors = Counter(P + "backend_errors", "Backend failures seen by the router", ["backend", "kind"],
-                              registry=r)
-        self.retries = Counter(P + "retries", "Requests moved to another backend after a failure before the "
-                               "first byte", ["backend"], registry=r)
-        self.affinity = Counter(P + "affinity", "Routing decisions: hit = the key's ring owner served it",
-                                ["backend", "result"], registry=r)
+        self.errors = Counter(
+            P + "backend_errors", "Backend failures seen by the router", ["backend", "kind"], registry=r
+        )
+        self.retries = Counter(
+            P + "retries",
+            "Requests moved to another backend after a failure before the first byte",
+            ["backend"],
+            registry=r,
+        )
+        self.affinity = Counter(
+            P + "affinity", "Routing decisions: hit = the key's ring owner served it", ["backend", "result"], registry=r
+        )
         self.key_source = Counter(P + "session_key", "Where the routing key came from", ["source"], registry=r)
-        self.latency = Histogram(P + "request_latency_seconds", "Router arrival to last byte", ["backend"],
-                                 buckets=_BUCKETS, registry=r)
-        self.ttfb = Histogram(P + "time_to_first_byte_seconds", "Router arrival to first upstream body byte",
-                              ["backend"], buckets=_BUCKETS, registry=r)
-        self.disconnects = Counter(P + "client_disconnects", "Clients that went away before the end",
-                                   ["backend"], registry=r)
-        self.rejected = Counter(P + "rejected", "Requests the router answered itself with an error", ["reason"],
-                                registry=r)
+        self.latency = Histogram(
+            P + "request_latency_seconds", "Router arrival to last byte", ["backend"], buckets=_BUCKETS, registry=r
+        )
+        self.ttfb = Histogram(
+            P + "time_to_first_byte_seconds",
+            "Router arrival to first upstream body byte",
+            ["backend"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.disconnects = Counter(
+            P + "client_disconnects", "Clients that went away before the end", ["backend"], registry=r
+        )
+        self.rejected = Counter(
+            P + "rejected", "Requests the router answered itself with an error", ["reason"], registry=r
+        )
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens per API key", ["key"], registry=r)
-        self.completion_tokens = Counter(P + "completion_tokens", "Completion tokens per API key", ["key"],
-                                         registry=r)
+        self.completion_tokens = Counter(P + "completion_tokens", "Completion tokens per API key", ["key"], registry=r)
         self.key_requests = Counter(P + "key_requests", "Requests per API key", ["key"], registry=r)
-        self.key_no_usage = Counter(P + "key_requests_without_usage", "Requests per API key whose answer "
-                                    "carried no usage", ["key"], registry=r)
+        self.key_no_usage = Counter(
+            P + "key_requests_without_usage", "Requests per API key whose answer carried no usage", ["key"], registry=r
+        )
         self._children: dict[tuple, Any] = {}
         self.multiprocess_dir = multiprocess_dir
         self.worker_index = worker_index
@@ -100,16 +114,39 @@ class RouterMetrics:
         # Multiprocess mode (--workers N): the gauges are real Gauge objects whose values live in the shared
         # directory, refreshed from this worker's state by publish(); the values each mode combines are per worker.
         self.state = state
-        self.g_up = Gauge(P + "backend_up", "1 when active health probes pass (in every worker)", ["backend"],
-                          multiprocess_mode="livemin", registry=r)
-        self.g_inflight = Gauge(P + "backend_inflight", "Requests in flight to the backend (all workers)",
-                                ["backend"], multiprocess_mode="livesum", registry=r)
-        self.g_circuit = Gauge(P + "circuit_state", "Circuit breaker: 0 closed, 1 half-open, 2 open (the most "
-                               "open of the workers' breakers)", ["backend"], multiprocess_mode="livemax", registry=r)
-        self.g_waiting = Gauge(P + "long_queue_waiting", "Long requests waiting for a slot (all workers)",
-                               multiprocess_mode="livesum", registry=r)
-        self.g_running = Gauge(P + "long_queue_running", "Long requests holding a slot (all workers)",
-                               multiprocess_mode="livesum", registry=r)
+        self.g_up = Gauge(
+            P + "backend_up",
+            "1 when active health probes pass (in every worker)",
+            ["backend"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
+        self.g_inflight = Gauge(
+            P + "backend_inflight",
+            "Requests in flight to the backend (all workers)",
+            ["backend"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.g_circuit = Gauge(
+            P + "circuit_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open (the most open of the workers' breakers)",
+            ["backend"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.g_waiting = Gauge(
+            P + "long_queue_waiting",
+            "Long requests waiting for a slot (all workers)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.g_running = Gauge(
+            P + "long_queue_running",
+            "Long requests holding a slot (all workers)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.reloads = Counter(P + "config_reloads", "Config file reloads applied (counted by worker 0)", registry=r)
         self._reloads_seen = 0
         self._published: set[str] = set()
@@ -131,7 +168,7 @@ class RouterMetrics:
             self.child(self.g_up, b.name).set(1.0 if b.healthy else 0.0)
             self.child(self.g_inflight, b.name).set(float(b.inflight))
             self.child(self.g_circuit, b.name).set(float(STATE_VALUE[b.breaker.state()]))
-        for name in self._published - names:   # removed by a config reload: its file entries cannot be deleted
+        for name in self._published - names:  # removed by a config reload: its file entries cannot be deleted
             self.child(self.g_up, name).set(0.0)
             self.child(self.g_inflight, name).set(0.0)
             self.child(self.g_circuit, name).set(0.0)
@@ -153,17 +190,28 @@ class RouterMetrics:
 
     def usage_totals(self) -> dict[str, dict[str, int]]:
         """Multiprocess mode: the /usage rows summed over all workers, from the per-key counters."""
-        fields = {P + "key_requests_total": "requests", P + "key_requests_without_usage_total": "requests_without_usage",
-                  P + "prompt_tokens_total": "prompt_tokens", P + "completion_tokens_total": "completion_tokens"}
+        fields = {
+            P + "key_requests_total": "requests",
+            P + "key_requests_without_usage_total": "requests_without_usage",
+            P + "prompt_tokens_total": "prompt_tokens",
+            P + "completion_tokens_total": "completion_tokens",
+        }
         rows: dict[str, dict[str, int]] = {}
         for family in self.aggregate().collect():
             for sample in family.samples:
                 field = fields.get(sample.name)
                 if field is None:
                     continue
-                row = rows.setdefault(sample.labels["key"], {"requests": 0, "requests_without_usage": 0,
-                                                              "prompt_tokens": 0, "completion_tokens": 0,
-                                                              "total_tokens": 0})
+                row = rows.setdefault(
+                    sample.labels["key"],
+                    {
+                        "requests": 0,
+                        "requests_without_usage": 0,
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "total_tokens": 0,
+                    },
+                )
                 row[field] += int(sample.value)
         for row in rows.values():
             row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]

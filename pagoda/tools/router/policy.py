@@ -77,7 +77,7 @@ def opening(body: dict[str, Any]) -> str | None:
         return "".join(parts) or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
-        prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt   # batch of prompts or token ids
+        prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt  # batch of prompts or token ids
     if isinstance(prompt, list):
         return " ".join(str(t) for t in prompt) or None
     if isinstance(prompt, str) and prompt:
@@ -121,9 +121,9 @@ def prefix_key(body: dict[str, Any], prefix_chars: int) -> tuple[str | None, str
 
 @dataclass
 class Plan:
-    order: list[Backend]     # the chosen backend first, then the retry order
-    owner: str | None        # the ring owner of the key (None without a key or a ring policy)
-    affinity: str            # "hit": chosen == owner; "miss": moved (owner unavailable or over the bound); "none"
+    order: list[Backend]  # the chosen backend first, then the retry order
+    owner: str | None  # the ring owner of the key (None without a key or a ring policy)
+    affinity: str  # "hit": chosen == owner; "miss": moved (owner unavailable or over the bound); "none"
 
 
 class Balancer:
@@ -178,12 +178,12 @@ class Balancer:
         names = self.ring_order(key)
         owner = names[0] if names else None
         order = [self._by_name[n] for n in names if n in allowed]
-        order += [b for b in pool if b.name not in self._by_name]   # not on the ring (should not happen)
+        order += [b for b in pool if b.name not in self._by_name]  # not on the ring (should not happen)
         chosen = order[0]
         if self.load_factor and len(pool) > 1:
             total = sum(b.inflight for b in pool)
             bound = max(math.ceil(self.load_factor * (total + 1) / len(pool)), self.load_floor)
             if chosen.inflight + 1 > bound:
-                chosen = min(order, key=lambda b: b.inflight)   # ring order breaks ties
+                chosen = min(order, key=lambda b: b.inflight)  # ring order breaks ties
                 order = [chosen] + [b for b in order if b is not chosen]
         return Plan(order, owner, "hit" if chosen.name == owner else "miss")

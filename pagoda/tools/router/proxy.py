@@ -39,23 +39,54 @@ PROXY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 RETRY_STATUSES = frozenset({502, 503, 504})
 # Hop-by-hop and per-connection headers: never forwarded either way. accept-encoding is replaced by
 # identity so that usage can be read from the bytes; authorization is set per backend.
-_UP_SKIP = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                      b"trailer", b"upgrade", b"proxy-authorization", b"proxy-connection", b"accept-encoding",
-                      b"authorization", b"expect"})
-_DOWN_SKIP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-                        b"proxy-authenticate", b"proxy-connection", b"date", b"server"})
-_MAX_JSON_CAPTURE = 16 * 1024 * 1024   # non-streamed bodies kept (on the side) for their usage
+_UP_SKIP = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"accept-encoding",
+        b"authorization",
+        b"expect",
+    }
+)
+_DOWN_SKIP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-connection",
+        b"date",
+        b"server",
+    }
+)
+_MAX_JSON_CAPTURE = 16 * 1024 * 1024  # non-streamed bodies kept (on the side) for their usage
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
 
 
-async def send_error(send: Any, status: int, message: str, error_type: str,
-                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(
+    send: Any, status: int, message: str, error_type: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = error_body(status, message, error_type)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-pagoda-backend", b"router"), *(extra_headers or [])]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-pagoda-backend", b"router"),
+        *(extra_headers or []),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -72,9 +103,9 @@ def _with_usage_option(raw: bytes, body: dict[str, Any], absent: bool) -> bytes:
     the opening brace (the client's bytes otherwise unchanged, and no re-encoding of a large body)."""
     if absent:
         start = len(raw) - len(raw.lstrip())
-        if raw[start:start + 1] == b"{":
-            rest = raw[start + 1:].lstrip()
-            return raw[:start + 1] + (_USAGE_OPTION if rest[:1] != b"}" else _USAGE_OPTION[:-1]) + raw[start + 1:]
+        if raw[start : start + 1] == b"{":
+            rest = raw[start + 1 :].lstrip()
+            return raw[: start + 1] + (_USAGE_OPTION if rest[:1] != b"}" else _USAGE_OPTION[:-1]) + raw[start + 1 :]
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -93,7 +124,7 @@ class _Reject(Exception):
 
 class ProxyHandler:
     def __init__(self, state: Any):
-        self.state = state   # app.RouterState
+        self.state = state  # app.RouterState
 
     async def __call__(self, scope: Any, receive: Any, send: Any, label: str) -> None:
         state = self.state
@@ -101,12 +132,13 @@ class ProxyHandler:
         try:
             raw = await self._read_body(scope, receive, state.config.max_request_bytes)
             if raw is None:
-                return   # the client left while sending the body
+                return  # the client left while sending the body
             try:
                 body = _loads(raw)
             except ValueError as exc:
-                raise _Reject(400, "bad_request", f"The request body is not valid JSON: {exc}",
-                              "BadRequestError") from None
+                raise _Reject(
+                    400, "bad_request", f"The request body is not valid JSON: {exc}", "BadRequestError"
+                ) from None
             if not isinstance(body, dict):
                 raise _Reject(400, "bad_request", "The request body must be a JSON object.", "BadRequestError")
         except _Reject as rej:
@@ -136,8 +168,13 @@ class ProxyHandler:
                 except ValueError:
                     declared = 0
                 if declared > limit:
-                    raise _Reject(413, "too_large", f"The request body is {declared} bytes; this router accepts "
-                                  f"at most {limit} (--max-request-bytes).", "RequestTooLargeError")
+                    raise _Reject(
+                        413,
+                        "too_large",
+                        f"The request body is {declared} bytes; this router accepts "
+                        f"at most {limit} (--max-request-bytes).",
+                        "RequestTooLargeError",
+                    )
         parts, size, more = [], 0, True
         while more:
             message = await receive()
@@ -146,8 +183,12 @@ class ProxyHandler:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _Reject(413, "too_large", f"The request body exceeds {limit} bytes (--max-request-bytes).",
-                              "RequestTooLargeError")
+                raise _Reject(
+                    413,
+                    "too_large",
+                    f"The request body exceeds {limit} bytes (--max-request-bytes).",
+                    "RequestTooLargeError",
+                )
             parts.append(chunk)
             more = message.get("more_body", False)
         return b"".join(parts) if len(parts) != 1 else parts[0]
@@ -162,8 +203,9 @@ class ProxyHandler:
                     task.cancel()
                 return
 
-    async def _serve(self, scope: Any, send: Any, label: str, raw: bytes, body: dict[str, Any], flags: _Flags,
-                     t0: float) -> None:
+    async def _serve(
+        self, scope: Any, send: Any, label: str, raw: bytes, body: dict[str, Any], flags: _Flags, t0: float
+    ) -> None:
         state = self.state
         cfg = state.config
         metrics = state.metrics
@@ -208,8 +250,18 @@ class ProxyHandler:
             return [b for b in backends if b.serves(model)]
         return backends
 
-    async def _forward(self, scope: Any, send: Any, label: str, raw: bytes, body: dict[str, Any], key: str | None,
-                       drop_usage: bool, flags: _Flags, t0: float) -> None:
+    async def _forward(
+        self,
+        scope: Any,
+        send: Any,
+        label: str,
+        raw: bytes,
+        body: dict[str, Any],
+        key: str | None,
+        drop_usage: bool,
+        flags: _Flags,
+        t0: float,
+    ) -> None:
         state = self.state
         cfg = state.config
         metrics = state.metrics
@@ -231,7 +283,7 @@ class ProxyHandler:
         backend = None
         failures: list[str] = []
         last_failed: tuple[Any, httpx.Response, bytes] | None = None
-        attempts = plan.order[:cfg.max_attempts]
+        attempts = plan.order[: cfg.max_attempts]
         for i, candidate in enumerate(attempts):
             if i:
                 metrics.child(metrics.retries, attempts[i - 1].name).inc()
@@ -245,8 +297,13 @@ class ProxyHandler:
             trial = candidate.breaker.begin_attempt()
             handed_over = False
             try:
-                request = httpx.Request("POST", candidate.endpoint_url(path), content=raw, headers=headers,
-                                        extensions=state.timeout_extension)
+                request = httpx.Request(
+                    "POST",
+                    candidate.endpoint_url(path),
+                    content=raw,
+                    headers=headers,
+                    extensions=state.timeout_extension,
+                )
                 try:
                     upstream = await state.upstream_for(candidate).handle_async_request(request)
                 except httpx.TransportError as exc:
@@ -285,7 +342,7 @@ class ProxyHandler:
                         candidate.breaker.release()
 
         if response is None or backend is None:
-            if last_failed is not None:   # every attempt answered 502/503/504: pass the last answer through
+            if last_failed is not None:  # every attempt answered 502/503/504: pass the last answer through
                 failed_backend, upstream, content = last_failed
                 headers = self._down_headers(upstream, failed_backend, False, False)
                 metrics.child(metrics.requests, failed_backend.name, endpoint, str(upstream.status_code)).inc()
@@ -295,13 +352,18 @@ class ProxyHandler:
                 return
             metrics.child(metrics.requests, "none", endpoint, "502").inc()
             flags.done = True
-            await send_error(send, 502, f"No backend could take the request ({len(failures)} tried): "
-                             + "; ".join(failures), "BadGatewayError")
+            await send_error(
+                send,
+                502,
+                f"No backend could take the request ({len(failures)} tried): " + "; ".join(failures),
+                "BadGatewayError",
+            )
             return
         await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0)
 
-    def _down_headers(self, upstream: httpx.Response, backend: Any, is_sse: bool, drop_usage: bool
-                      ) -> list[tuple[bytes, bytes]]:
+    def _down_headers(
+        self, upstream: httpx.Response, backend: Any, is_sse: bool, drop_usage: bool
+    ) -> list[tuple[bytes, bytes]]:
         headers = []
         for name, value in upstream.headers.raw:
             name = name.lower()
@@ -317,8 +379,18 @@ class ProxyHandler:
                 headers.append((b"cache-control", b"no-cache"))
         return headers
 
-    async def _relay(self, send: Any, upstream: httpx.Response, backend: Any, plan: Any, endpoint: str,
-                     label: str, drop_usage: bool, flags: _Flags, t0: float) -> None:
+    async def _relay(
+        self,
+        send: Any,
+        upstream: httpx.Response,
+        backend: Any,
+        plan: Any,
+        endpoint: str,
+        label: str,
+        drop_usage: bool,
+        flags: _Flags,
+        t0: float,
+    ) -> None:
         state = self.state
         metrics = state.metrics
         status = upstream.status_code
@@ -328,8 +400,13 @@ class ProxyHandler:
         captured_size = 0
         completed = False
         try:
-            await send({"type": "http.response.start", "status": status,
-                        "headers": self._down_headers(upstream, backend, is_sse, drop_usage)})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": self._down_headers(upstream, backend, is_sse, drop_usage),
+                }
+            )
             first = True
             tail = b""
             try:
@@ -370,8 +447,11 @@ class ProxyHandler:
             backend.inflight -= 1
             metrics.child(metrics.requests, backend.name, endpoint, str(status)).inc()
             metrics.child(metrics.latency, backend.name).observe(time.perf_counter() - t0)
-            metrics.child(metrics.affinity, backend.name,
-                          "none" if plan.owner is None else "hit" if backend.name == plan.owner else "miss").inc()
+            metrics.child(
+                metrics.affinity,
+                backend.name,
+                "none" if plan.owner is None else "hit" if backend.name == plan.owner else "miss",
+            ).inc()
             if completed and upstream.status_code == 200:
                 usage = tap.usage if tap is not None else (usage_of_json(b"".join(captured)) if captured else None)
                 state.record_usage(label, tokens_of(usage))

@@ -33,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency; without it the router uses httpx's transport
     httptools = None
 
-_HIGH_WATER = 256 * 1024   # body bytes buffered per response before the socket is paused
+_HIGH_WATER = 256 * 1024  # body bytes buffered per response before the socket is paused
 
 
 class _Connection(asyncio.Protocol):
@@ -45,7 +45,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.active = False           # a request is on it
+        self.active = False  # a request is on it
         self._write_paused = False
         self._drain: asyncio.Future | None = None
         self._reset_exchange()
@@ -53,15 +53,15 @@ class _Connection(asyncio.Protocol):
     def _reset_exchange(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_done = False        # status line and headers parsed
-        self.done = False             # response complete
+        self.head_done = False  # status line and headers parsed
+        self.done = False  # response complete
         self.keep_alive = False
         self.error: Exception | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.read_paused = False
         self.waiter: asyncio.Future | None = None
-        self.until_close = False      # body delimited by the connection closing (no length, not chunked)
+        self.until_close = False  # body delimited by the connection closing (no length, not chunked)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -86,7 +86,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def eof_received(self) -> bool:
-        return False   # close our side too; connection_lost follows
+        return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -118,7 +118,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:   # an interim response (e.g. 100 Continue): wait for the real one
+        if 100 <= status < 200:  # an interim response (e.g. 100 Continue): wait for the real one
             self.headers = []
             return
         self.status = status
@@ -142,7 +142,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if not self.head_done:   # the end of an interim response
+        if not self.head_done:  # the end of an interim response
             return
         self.done = True
         self.keep_alive = self.parser.should_keep_alive()
@@ -204,7 +204,7 @@ class _Pool:
         self.max_connections = max_connections
         self.expiry = keepalive_expiry
         self.idle: collections.deque[_Connection] = collections.deque()
-        self.count = 0                # open connections, idle ones included
+        self.count = 0  # open connections, idle ones included
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
 
     async def acquire(self, timeouts: dict[str, Any]) -> _Connection:
@@ -228,11 +228,12 @@ class _Pool:
             waiter = loop.create_future()
             self.waiters.append(waiter)
             try:
-                await _wait(waiter, timeouts.get("pool"), httpx.PoolTimeout,
-                            "Timed out waiting for a connection to the backend")
+                await _wait(
+                    waiter, timeouts.get("pool"), httpx.PoolTimeout, "Timed out waiting for a connection to the backend"
+                )
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
-                    self._wake_one()   # woken for a free slot but leaving: pass the turn on
+                    self._wake_one()  # woken for a free slot but leaving: pass the turn on
                 raise
             finally:
                 if waiter in self.waiters:
@@ -268,8 +269,14 @@ class _Pool:
     def release(self, conn: _Connection) -> None:
         """The exchange on `conn` is over: keep the connection for the next request, or close it."""
         conn.active = False
-        reusable = (conn.done and conn.keep_alive and conn.error is None and not conn.closed and not conn.chunks
-                    and not conn.read_paused)
+        reusable = (
+            conn.done
+            and conn.keep_alive
+            and conn.error is None
+            and not conn.closed
+            and not conn.chunks
+            and not conn.read_paused
+        )
         if reusable:
             conn.parser = httptools.HttpResponseParser(conn)
             conn._reset_exchange()
@@ -368,8 +375,12 @@ class FastHTTPTransport(httpx.AsyncBaseTransport):
             conn.close()
             pool.release(conn)
             raise
-        return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, pool, read_timeout),
-                              extensions={"http_version": b"HTTP/1.1"})
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, pool, read_timeout),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
 
     async def aclose(self) -> None:
         for pool in self._pools.values():

@@ -19,7 +19,7 @@ from typing import Any
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _NO_USAGE = b'"usage":null'
-_MAX_PENDING = 1 << 20   # an "event" longer than this is not SSE: stop inspecting, pass it through
+_MAX_PENDING = 1 << 20  # an "event" longer than this is not SSE: stop inspecting, pass it through
 
 
 def _loads(data: bytes) -> Any:
@@ -77,11 +77,11 @@ class SSEUsageTap:
             return chunk
         data = self._pending + chunk if self._pending else chunk
         pos = 0
-        kept: list[bytes] | None = None   # only built once an event is dropped
+        kept: list[bytes] | None = None  # only built once an event is dropped
         for m in _EVENT_END.finditer(data):
             start, end = pos, m.end()
             pos = end
-            if self._examine(data[start:m.start()]):
+            if self._examine(data[start : m.start()]):
                 if kept is not None:
                     kept.append(data[start:end])
             else:
@@ -89,7 +89,7 @@ class SSEUsageTap:
                     kept = [data[:start]]
                 self.dropped += 1
         rest = data[pos:]
-        if len(rest) > _MAX_PENDING:   # not SSE after all: pass everything through from here on
+        if len(rest) > _MAX_PENDING:  # not SSE after all: pass everything through from here on
             self._inspecting = False
             self._pending = b""
             if not self.drop:
@@ -117,7 +117,7 @@ class SSEUsageTap:
         i = event.find(b'"usage"')
         if i < 0:
             return True
-        after = event[i + 7:i + 16].lstrip(b" \t:")
+        after = event[i + 7 : i + 16].lstrip(b" \t:")
         if after.startswith(b"null"):
             return True
         lines = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
@@ -142,8 +142,16 @@ class UsageLedger:
 
     def add(self, label: str, prompt_tokens: int, completion_tokens: int, counted: bool) -> None:
         with self._lock:
-            row = self._rows.setdefault(label, {"requests": 0, "requests_without_usage": 0, "prompt_tokens": 0,
-                                                "completion_tokens": 0, "total_tokens": 0})
+            row = self._rows.setdefault(
+                label,
+                {
+                    "requests": 0,
+                    "requests_without_usage": 0,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "total_tokens": 0,
+                },
+            )
             row["requests"] += 1
             if not counted:
                 row["requests_without_usage"] += 1

@@ -46,34 +46,52 @@ def run_workers(ns: argparse.Namespace, config: Any) -> int:
     try:
         sock = listen_socket(config.host, config.port)
     except OSError as exc:
-        print(f"pagoda router: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(
+            f"pagoda router: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return 1
     supervisor = Supervisor(metrics_prefix="pagoda-router-metrics-")
     supervisor.catch_signals()
-    args = argparse.Namespace(**{k: v for k, v in vars(ns).items()
-                                 if isinstance(v, (str, int, float, bool, list, type(None)))})
+    args = argparse.Namespace(
+        **{k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    )
     try:
         workers = []
         for index in range(n):
             if supervisor.stopping:
                 break
-            workers.append(supervisor.start(f"pagoda-router-{index}", worker_main,
-                                            (args, sock, index, supervisor.metrics_dir), index=index,
-                                            new_session=True))
-        logger.info("pagoda router on http://%s:%d: %d workers (pids %s), %d backends (%s), policy %s%s",
-                    config.host, config.port, n, " ".join(str(w.pid) for w in workers), len(config.backends),
-                    ", ".join(b.name for b in config.backends), config.policy,
-                    f", config {ns.config} (reloaded on change)" if ns.config else "")
+            workers.append(
+                supervisor.start(
+                    f"pagoda-router-{index}",
+                    worker_main,
+                    (args, sock, index, supervisor.metrics_dir),
+                    index=index,
+                    new_session=True,
+                )
+            )
+        logger.info(
+            "pagoda router on http://%s:%d: %d workers (pids %s), %d backends (%s), policy %s%s",
+            config.host,
+            config.port,
+            n,
+            " ".join(str(w.pid) for w in workers),
+            len(config.backends),
+            ", ".join(b.name for b in config.backends),
+            config.policy,
+            f", config {ns.config} (reloaded on change)" if ns.config else "",
+        )
         status = 0
         dead = supervisor.wait(workers)
         if dead is not None:
             code = dead.exitcode or 0
             what = f"signal {-code}" if code < 0 else f"status {code}"
-            print(f"pagoda router: error: worker {dead.index} (pid {dead.pid}) exited with {what}; stopping the "
-                  "router", file=sys.stderr)
+            print(
+                f"pagoda router: error: worker {dead.index} (pid {dead.pid}) exited with {what}; stopping the router",
+                file=sys.stderr,
+            )
             status = 1
-        supervisor.stop(workers, grace=ns.shutdown_timeout + 10, again=signal.SIGINT)   # a 2nd signal: stop at once
+        supervisor.stop(workers, grace=ns.shutdown_timeout + 10, again=signal.SIGINT)  # a 2nd signal: stop at once
         # Failed while stopping (uvicorn re-raises the SIGTERM it caught: exit code -15 is normal).
         if any((w.exitcode or 0) > 0 for w in workers if w is not dead):
             status = 1
@@ -85,16 +103,15 @@ def run_workers(ns: argparse.Namespace, config: Any) -> int:
 
 def worker_main(ns: argparse.Namespace, sock: socket.socket, index: int, metrics_dir: str) -> int:
     """One worker (started by the Supervisor, the listening socket inherited)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[w{index}]: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[w{index}]: %(message)s", stream=sys.stderr)
     try:
         config = build_config(parse_file(ns.config) if ns.config else None, overrides_from(ns))
-    except ConfigError as exc:   # the file changed between the parent's read and ours
+    except ConfigError as exc:  # the file changed between the parent's read and ours
         print(f"pagoda router: error: worker {index}: {exc.message}", file=sys.stderr)
         return 2
     server = make_server(ns, config, multiprocess_dir=metrics_dir, worker_index=index)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:   # a SIGINT sent to the worker itself: uvicorn stopped, then re-raised it
+    except KeyboardInterrupt:  # a SIGINT sent to the worker itself: uvicorn stopped, then re-raised it
         pass
     return 0 if server.started else 1
