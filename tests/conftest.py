@@ -1,37 +1,195 @@
-"""Shared fixtures: tiny random-weight HF checkpoints of the real architectures, built in code."""
+"""Shared fixtures (tiny random-weight HF checkpoints of the real architectures, built in code; the golden
+fixtures in tests/fixtures), the test tiers, and how the tests are spread over pytest-xdist workers.
+
+Tiers (markers registered in pyproject.toml), one per test, from its folder unless the test or its
+module carries a tier marker of its own:
+
+| marker | folder | what |
+| --- | --- | --- |
+| fast | tests/unit | pure-CPU units: no subprocess, no model beyond a tiny one built in memory (`make test-fast`) |
+| interp | tests/kernels | the Triton kernels: natively on a GPU, under Triton's interpreter on a CPU |
+| golden | tests/engine, tests/models | whole engines against goldens, reference models and the default model |
+| e2e | tests/e2e | real `pagoda serve` / `pagoda router` servers and other subprocesses |
+
+A fast test that starts a process fails, naming the folder it belongs in. `make test` runs every tier,
+spread over workers with `--dist loadgroup` (pyproject's addopts): the tests of one e2e module share a
+worker (and so its module-scoped server); the session's shared server starts once per worker that needs
+it, and the one test that kills its engine runs after everything else.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-# The workplace's golden fixtures: `../shared` beside the checkout (developers and CI alike), or a
-# `shared/` inside it. Tests that need them fail (never skip) when they are missing.
-_REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = next((p for p in (_REPO.parent / "shared" / "fixtures", _REPO / "shared" / "fixtures")
-                        if p.is_dir()), _REPO.parent / "shared" / "fixtures")
+# The golden fixtures, inside the repository (tests/fixtures, README.md in each folder says where it
+# comes from): tiny Yuan2 checkpoints with the official code's goldens, and the Yuan2 tokenizer.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SHARED_FIXTURES = FIXTURES  # the old name (the fixtures used to live in ../shared)
 
-# Two cores on CI: keep torch from oversubscribing them when pytest runs other work too.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Two cores on CI: split them between the xdist workers (PYTEST_XDIST_WORKER_COUNT is set in each), here and in
+# the servers and other processes the tests start (OMP_NUM_THREADS, which they inherit). Threads beyond that
+# only spin: a `pagoda serve` generating with two OpenMP threads beside another worker burned twice the CPU for
+# the same tokens in the same time. The same count in both places also keeps offline references and servers
+# on one summation order.
+def pytest_configure(config: pytest.Config) -> None:
+    # In xdist's controller numprocesses is the worker count (resolved from `auto` by now); workers inherit
+    # the variable it sets. One set by the user wins everywhere.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", 0) or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // workers))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+TIERS = ("fast", "interp", "golden", "e2e")
+FOLDER_TIERS = {"unit": "fast", "kernels": "interp", "engine": "golden", "models": "golden", "e2e": "e2e"}
+MAX_AUTO_WORKERS = 4  # `-n auto` (addopts): one worker per core, at most this many
+# Work units that take minutes, queued first so that no worker is left with one of them at the end (the
+# order only decides which worker takes what; a stale entry costs balance, never a result).
+LONG_FIRST = (
+    "tests/e2e/",
+    "tests/kernels/test_decode_graphs.py",
+    "tests/kernels/test_fused_ops.py",
+    "tests/models/test_gguf_checkpoint.py",
+    "tests/kernels/test_paged_attention.py",
+)
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_WORKERS))
+
+
+def _tier(item: pytest.Item) -> str:
+    own = [name for name in TIERS if item.get_closest_marker(name) is not None]
+    if own:
+        if len(own) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: more than one tier marker {own}")
+        return own[0]
+    try:
+        folder = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]
+    except ValueError:
+        folder = ""
+    if folder not in FOLDER_TIERS:
+        raise pytest.UsageError(
+            f"{item.nodeid}: no tier; put it under tests/{{{','.join(FOLDER_TIERS)}}} or mark it with one of {TIERS}"
+        )
+    return FOLDER_TIERS[folder]
+
+
+def _xdist_group(item: pytest.Item, tier: str) -> str | None:
+    """The tests that must share a worker: an e2e module's (its servers are module-scoped, and its tests
+    may count on one another's traffic), the users of an expensive session fixture, and the tests of a
+    module that builds something module-scoped (built once, not once per worker)."""
+    if item.get_closest_marker("kills_engine") is not None:
+        return "kills_engine"
+    module = Path(str(item.path)).resolve().relative_to(_TESTS).as_posix()
+    if tier == "e2e":
+        return module
+    if "default_llm" in item.fixturenames:
+        return "default_llm"
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+        return module
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order: dict[str, int] = {}
+    for index, item in enumerate(items):
+        tier = _tier(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+        group = _xdist_group(item, tier)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        order.setdefault(group or item.nodeid, index)
+
+    def rank(index_item: tuple[int, pytest.Item]) -> tuple[int, int, int]:
+        index, item = index_item
+        marker = item.get_closest_marker("xdist_group")
+        group = marker.args[0] if marker else item.nodeid
+        if group == "kills_engine":
+            return (2, 0, index)  # after everything: it breaks the shared server of its worker
+        long = any(item.nodeid.startswith(prefix) for prefix in LONG_FIRST)
+        return (0 if long else 1, order[group], index)
+
+    # Stable, identical on every worker: each group's tests stay together and in their order, long units first.
+    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier's promise: a test there that starts a process fails, naming where it belongs."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process: a fast (tests/unit) test may not; move it to tests/e2e"
+        )
+
+    import multiprocessing.process
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+
 
 TINY_CONFIGS = {
     # GQA (4 query heads over 2 KV heads), tied embeddings, llama3 rope scaling.
     "llama": dict(
-        architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 128}, rope_theta=50000.0),
+        architectures=["LlamaForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        rope_theta=50000.0,
+    ),
     # Multi-query attention (one KV head), q/k/v biases, untied LM head.
     "qwen2": dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.3, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2),
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.3,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -66,7 +224,7 @@ def default_llm():
     return LLM(max_model_len=2048, cpu_kv_cache_space_gib=0.25, seed=0)
 
 
-YUAN_VOCAB = 135040          # Yuan2's embedding rows; its tokenizer has 134,958 pieces
+YUAN_VOCAB = 135040  # Yuan2's embedding rows; its tokenizer has 134,958 pieces
 
 
 def build_wide_yuan(folder: Path, padding_head: bool = False) -> str:
@@ -81,12 +239,12 @@ def build_wide_yuan(folder: Path, padding_head: bool = False) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    tiny = SHARED_FIXTURES / "yuan2-tiny"
+    tiny = FIXTURES / "yuan2-tiny"
     weights = load_file(str(tiny / "model.safetensors"))
     generator = torch.Generator().manual_seed(0)
     embed = weights["model.embed_tokens.weight"]
     wide = torch.randn(YUAN_VOCAB, embed.shape[1], generator=generator) * 0.02
-    wide[:embed.shape[0]] = embed
+    wide[: embed.shape[0]] = embed
     weights["model.embed_tokens.weight"] = wide
     head = wide.clone()
     if padding_head:
@@ -96,12 +254,21 @@ def build_wide_yuan(folder: Path, padding_head: bool = False) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / "model.safetensors"))
     config = json.loads((tiny / "config.json").read_text())
-    config.update(vocab_size=YUAN_VOCAB, eod_token=77185, sep_token=77187, eod_token_id=77185, eos_token_id=77185,
-                  bos_token_id=77185, pad_token_id=77185, sep_token_id=77185, mask_token_id=77185,
-                  tie_word_embeddings=not padding_head)
+    config.update(
+        vocab_size=YUAN_VOCAB,
+        eod_token=77185,
+        sep_token=77187,
+        eod_token_id=77185,
+        eos_token_id=77185,
+        bos_token_id=77185,
+        pad_token_id=77185,
+        sep_token_id=77185,
+        mask_token_id=77185,
+        tie_word_embeddings=not padding_head,
+    )
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(SHARED_FIXTURES / "yuan2-tokenizer" / name, folder / name)
+        shutil.copy(FIXTURES / "yuan2-tokenizer" / name, folder / name)
     return str(folder)
 
 

@@ -1,8 +1,10 @@
 """End-to-end fixtures: the real `python -m pagoda serve` in a subprocess, spoken to over HTTP.
 
-One server (`server`) is shared by the whole session; a test that must end a server (SIGTERM) starts
-its own with `launch_server`. The one test that kills the shared server's engine process is marked
-`kills_engine` and always runs last. Each start costs ~20 s on a 2-core CPU, so keep it to these.
+One server (`server`) is shared by every test of a worker (tests/conftest.py keeps each module's tests on
+one worker); a test that must end a server (SIGTERM) starts its own with `launch_server`. The one test
+that kills the shared server's engine process is marked `kills_engine` and runs after all others. Each
+start costs ~20-40 s of CPU (three processes import torch, the default model is dequantized), so keep to
+these, and give a new test a server that already runs with the flags it needs.
 """
 
 from __future__ import annotations
@@ -18,14 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # e2e_helpers / e2e_server, what
 
 from e2e_helpers import API_KEY  # noqa: E402
 from e2e_server import BASE_FLAGS, STARTUP_TIMEOUT_S, ServerProcess, free_port, running_server  # noqa: E402,F401
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kills_engine: kills the shared server's engine; runs after all other tests")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("kills_engine") is not None)  # stable: others keep order
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"
 
 def sse_payloads(response: httpx.Response) -> list[str]:
     """The `data:` payloads of a streamed response, in order (including the final "[DONE]")."""
-    return [line[len("data:"):].strip() for line in response.iter_lines() if line.startswith("data:")]
+    return [line[len("data:") :].strip() for line in response.iter_lines() if line.startswith("data:")]
 
 
 def sse_json(payloads: list[str]) -> list[dict[str, Any]]:

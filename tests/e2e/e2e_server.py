@@ -17,9 +17,24 @@ import httpx
 from e2e_helpers import API_KEY, MODEL  # noqa: F401
 
 STARTUP_TIMEOUT_S = 120.0
-BASE_FLAGS = ["--served-model-name", MODEL, "--max-model-len", "2048", "--cpu-kv-cache-space-gib", "0.25",
-              "--host", "127.0.0.1", "--api-key", API_KEY, "--max-waiting-requests", "64",
-              "--disable-log-requests", "--enable-chunked-prefill", "--swap-space", "4"]  # vLLM-era flags too
+BASE_FLAGS = [
+    "--served-model-name",
+    MODEL,
+    "--max-model-len",
+    "2048",
+    "--cpu-kv-cache-space-gib",
+    "0.25",
+    "--host",
+    "127.0.0.1",
+    "--api-key",
+    API_KEY,
+    "--max-waiting-requests",
+    "64",
+    "--disable-log-requests",
+    "--enable-chunked-prefill",
+    "--swap-space",
+    "4",
+]  # vLLM-era flags too
 
 
 def free_port() -> int:
@@ -37,8 +52,13 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "pagoda", "serve", *BASE_FLAGS, "--port", str(self.port), *extra_flags]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -50,8 +70,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode} during startup:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"pagoda serve exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -62,17 +83,32 @@ class ServerProcess:
         raise RuntimeError(f"pagoda serve not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def engine_pid(self) -> int:
-        """The engine core: the server's child process that is not multiprocessing's resource tracker."""
+        """The engine core: the server's child process that is neither multiprocessing's resource tracker nor an
+        API process (those listen on the port)."""
         try:
             import psutil
 
-            children = [(c.pid, " ".join(c.cmdline())) for c in psutil.Process(self.proc.pid).children()]
+            children = [
+                (c.pid, " ".join(c.cmdline()))
+                for c in psutil.Process(self.proc.pid).children()
+                if c.pid not in self.api_pids()
+            ]
         except ImportError:
             out = subprocess.run(["pgrep", "-a", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
             children = [(int(line.split(" ", 1)[0]), line) for line in out.splitlines() if line.strip()]
         engines = [pid for pid, cmd in children if "resource_tracker" not in cmd]
         assert len(engines) == 1, f"expected one engine child of {self.proc.pid}, found {children}"
         return engines[0]
+
+    def api_pids(self) -> list[int]:
+        """The API processes: the server's children listening on its port."""
+        import psutil
+
+        return sorted(
+            c.pid
+            for c in psutil.Process(self.proc.pid).children()
+            if any(k.status == psutil.CONN_LISTEN and k.laddr.port == self.port for k in c.net_connections("tcp"))
+        )
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:

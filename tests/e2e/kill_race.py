@@ -24,8 +24,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/js
 @dataclass
 class Answer:
     stream: bool
-    status: int | None           # None: no answer (the connection failed)
-    seconds: float               # from sending the request to the end of the response
+    status: int | None  # None: no answer (the connection failed)
+    seconds: float  # from sending the request to the end of the response
     body: str
     retry_after: str | None
 
@@ -33,14 +33,21 @@ class Answer:
 def _request(k: int) -> tuple[str, dict, bool]:
     stream = k % 2 == 1
     if k % 4 < 2:
-        return "/v1/completions", {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 20,
-                                   "stream": stream}, stream
-    return "/v1/chat/completions", {"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 20,
-                                    "stream": stream}, stream
+        return (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 20, "stream": stream},
+            stream,
+        )
+    return (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 20, "stream": stream},
+        stream,
+    )
 
 
-def fire_after_kill(url: str, kill: Callable[[], None], waves: int = 12, per_wave: int = 2,
-                    gap_s: float = 0.04) -> list[Answer]:
+def fire_after_kill(
+    url: str, kill: Callable[[], None], waves: int = 12, per_wave: int = 2, gap_s: float = 0.04
+) -> list[Answer]:
     """Connect first (so nothing waits on a TCP handshake), kill, then send `waves` waves of requests
     `gap_s` apart (0-440 ms after the kill by default): completions and chat, streamed and not."""
     parts = urlsplit(url)
@@ -57,8 +64,9 @@ def fire_after_kill(url: str, kill: Callable[[], None], waves: int = 12, per_wav
             conns[k].request("POST", path, body=json.dumps(body), headers=HEADERS)
             response = conns[k].getresponse()
             text = response.read().decode(errors="replace")
-            answers[k] = Answer(stream, response.status, time.monotonic() - started, text,
-                                response.getheader("Retry-After"))
+            answers[k] = Answer(
+                stream, response.status, time.monotonic() - started, text, response.getheader("Retry-After")
+            )
         except (OSError, http.client.HTTPException) as exc:
             answers[k] = Answer(stream, None, time.monotonic() - started, repr(exc), None)
         finally:

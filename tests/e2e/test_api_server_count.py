@@ -34,17 +34,18 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/js
 
 # ---- helpers --------------------------------------------------------------------------------------
 def children(server: ServerProcess) -> list[psutil.Process]:
-    return [c for c in psutil.Process(server.proc.pid).children()
-            if "resource_tracker" not in " ".join(c.cmdline())]
+    return [c for c in psutil.Process(server.proc.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
 
 
 def api_processes(server: ServerProcess, count: int = 2, timeout: float = 90.0) -> list[psutil.Process]:
     """The children listening on the server's port (the engine core is the one that does not)."""
     deadline = time.monotonic() + timeout
     while True:
-        listening = [c for c in children(server)
-                     if any(k.status == psutil.CONN_LISTEN and k.laddr.port == server.port
-                            for k in c.net_connections("tcp"))]
+        listening = [
+            c
+            for c in children(server)
+            if any(k.status == psutil.CONN_LISTEN and k.laddr.port == server.port for k in c.net_connections("tcp"))
+        ]
         if len(listening) == count or time.monotonic() > deadline:
             assert len(listening) == count, f"{len(listening)} API processes listening: {server.log_tail()}"
             return sorted(listening, key=lambda p: p.pid)
@@ -133,25 +134,36 @@ def completion(conn: Pinned, body: dict) -> dict:
         status, data = conn.json("POST", "/v1/completions", body)
         assert status == 200, data
         choice = data["choices"][0]
-        return {"text": choice["text"], "finish_reason": choice["finish_reason"], "usage": data["usage"],
-                "ids": {data["id"]}}
+        return {
+            "text": choice["text"],
+            "finish_reason": choice["finish_reason"],
+            "usage": data["usage"],
+            "ids": {data["id"]},
+        }
     response = conn.request("POST", "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert response.status == 200
     payloads = [line[5:].strip() for line in response.read().decode().splitlines() if line.startswith("data:")]
     assert payloads[-1] == "[DONE]"
     events = [json.loads(p) for p in payloads[:-1]]
     assert not any("error" in e for e in events), events
-    return {"text": "".join(c["text"] for e in events for c in e["choices"]),
-            "finish_reason": next(c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")),
-            "usage": events[-1]["usage"], "ids": {e["id"] for e in events}}
+    return {
+        "text": "".join(c["text"] for e in events for c in e["choices"]),
+        "finish_reason": next(c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")),
+        "usage": events[-1]["usage"],
+        "ids": {e["id"] for e in events},
+    }
 
 
 def wait_idle(server: ServerProcess, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         samples = scrape_every_process(server)
-        if all(metric(s, "pagoda:num_requests_running") == 0 and metric(s, "pagoda:num_requests_waiting") == 0
-               and metric(s, "pagoda:kv_cache_usage_perc") == 0 for s in samples.values()):
+        if all(
+            metric(s, "pagoda:num_requests_running") == 0
+            and metric(s, "pagoda:num_requests_waiting") == 0
+            and metric(s, "pagoda:kv_cache_usage_perc") == 0
+            for s in samples.values()
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(f"engine not idle: {samples}")
@@ -164,9 +176,14 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
 # ---- the server -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def asc(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("asc-tmpdir")    # the server's TMPDIR: its temp folders must vanish at exit
-    proc = ServerProcess(tmp_path_factory.mktemp("asc") / "serve.log", ["--api-server-count", "2"],
-                         env={"TMPDIR": str(tmp)})
+    tmp = tmp_path_factory.mktemp("asc-tmpdir")  # the server's TMPDIR: its temp folders must vanish at exit
+    # Pinned connections wait their turn (pin() collects them one by one; a test uses one, then the other):
+    # on a busy 2-core machine that outlasts the 5 s default keep-alive, and the server would close them.
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("asc") / "serve.log",
+        ["--api-server-count", "2", "--timeout-keep-alive", "120"],
+        env={"TMPDIR": str(tmp)},
+    )
     proc.tmpdir = tmp  # type: ignore[attr-defined]
     try:
         proc.wait_healthy()
@@ -197,13 +214,25 @@ def test_process_layout_and_every_process_answers(asc: ServerProcess) -> None:
     assert any(name.startswith("pagoda-metrics-") for name in temp), temp
 
 
-def test_concurrent_requests_on_both_processes_match_single_process_outputs(asc: ServerProcess,
-                                                                           http: httpx.Client) -> None:
+def test_concurrent_requests_on_both_processes_match_single_process_outputs(
+    asc: ServerProcess, http: httpx.Client
+) -> None:
     """24 greedy requests, streamed and not, 4 connections on each API process at once: every response
     is the text the single-process server gives for that prompt (outputs never cross requests)."""
-    prompts = ["The capital of France is", "Roses are red,", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):",
-               "The largest planet is", "My favourite food is", "In 1969, astronauts", "Water boils at",
-               "The opposite of hot is", "Dear Sir or Madam,", "A haiku about autumn:"]
+    prompts = [
+        "The capital of France is",
+        "Roses are red,",
+        "1, 2, 3, 4,",
+        "Once upon a time",
+        "def fibonacci(n):",
+        "The largest planet is",
+        "My favourite food is",
+        "In 1969, astronauts",
+        "Water boils at",
+        "The opposite of hot is",
+        "Dear Sir or Madam,",
+        "A haiku about autumn:",
+    ]
     bodies = [{"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0} for p in prompts]
     expected = []
     for body in bodies:
@@ -214,7 +243,7 @@ def test_concurrent_requests_on_both_processes_match_single_process_outputs(asc:
     pinned = pin(asc, per_process=4)
     connections = [c for conns in pinned.values() for c in conns]
     jobs: list[list[tuple[int, dict]]] = [[] for _ in connections]
-    for k in range(24):                       # each prompt twice: once streamed, once not, on different processes
+    for k in range(24):  # each prompt twice: once streamed, once not, on different processes
         i = k % 12
         jobs[k % len(connections)].append((i, {**bodies[i], "stream": k >= 12}))
 
@@ -256,24 +285,39 @@ def test_text_decoded_in_the_api_processes_matches_the_cores(asc: ServerProcess)
 def test_metrics_are_the_true_totals_whichever_process_answers(asc: ServerProcess) -> None:
     wait_idle(asc)
     before = scrape_every_process(asc)
-    counters = ["pagoda:prompt_tokens_total", "pagoda:generation_tokens_total", "pagoda:prefix_cache_queries_total",
-                "pagoda:time_to_first_token_seconds_count", "pagoda:e2e_request_latency_seconds_count"]
+    counters = [
+        "pagoda:prompt_tokens_total",
+        "pagoda:generation_tokens_total",
+        "pagoda:prefix_cache_queries_total",
+        "pagoda:time_to_first_token_seconds_count",
+        "pagoda:e2e_request_latency_seconds_count",
+    ]
     for name in counters:
         assert len({metric(s, name) for s in before.values()}) == 1, (name, before)
 
     nonce = uuid.uuid4().hex[:8]
-    shared = f"{nonce} shared prefix for the metrics test. " * 6          # several full 16-token blocks
+    shared = f"{nonce} shared prefix for the metrics test. " * 6  # several full 16-token blocks
     pinned = pin(asc)
     (a,), (b,) = pinned.values()
     try:
-        first = completion(a, {"model": MODEL, "prompt": shared, "max_tokens": 4, "ignore_eos": True,
-                               "temperature": 0})
-        again = completion(b, {"model": MODEL, "prompt": shared, "max_tokens": 4, "ignore_eos": True,
-                               "temperature": 0, "stream": True})
-        others = [completion(conn, {"model": MODEL, "prompt": f"{uuid.uuid4().hex[:8]} Count with me {k}:",
-                                    "max_tokens": 6 + k, "ignore_eos": k % 2 == 0, "temperature": 0,
-                                    "stream": k % 2 == 1})
-                  for k, conn in enumerate([a, b, a, b])]
+        first = completion(a, {"model": MODEL, "prompt": shared, "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+        again = completion(
+            b, {"model": MODEL, "prompt": shared, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "stream": True}
+        )
+        others = [
+            completion(
+                conn,
+                {
+                    "model": MODEL,
+                    "prompt": f"{uuid.uuid4().hex[:8]} Count with me {k}:",
+                    "max_tokens": 6 + k,
+                    "ignore_eos": k % 2 == 0,
+                    "temperature": 0,
+                    "stream": k % 2 == 1,
+                },
+            )
+            for k, conn in enumerate([a, b, a, b])
+        ]
     finally:
         a.close()
         b.close()
@@ -285,16 +329,20 @@ def test_metrics_are_the_true_totals_whichever_process_answers(asc: ServerProces
     cached = (first["usage"]["prompt_tokens"] - 1) // 16 * 16
     assert cached >= 32
 
-    for scrape_round in range(3):             # fresh connections each round, one per process
+    for scrape_round in range(3):  # fresh connections each round, one per process
         for pid, after in scrape_every_process(asc).items():
             where = f"process {pid}, round {scrape_round}"
             assert delta(before[pid], after, "pagoda:prompt_tokens_total") == prompt_tokens, where
             assert delta(before[pid], after, "pagoda:generation_tokens_total") == generated, where
             for reason in ("length", "stop", "abort"):
-                assert delta(before[pid], after, "pagoda:request_success_total", finished_reason=reason) == \
-                    reasons.count(reason), (where, reason)
-            for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                              "request_queue_time_seconds"):
+                assert delta(
+                    before[pid], after, "pagoda:request_success_total", finished_reason=reason
+                ) == reasons.count(reason), (where, reason)
+            for histogram in (
+                "time_to_first_token_seconds",
+                "e2e_request_latency_seconds",
+                "request_queue_time_seconds",
+            ):
                 assert delta(before[pid], after, f"pagoda:{histogram}_count") == len(results), (where, histogram)
             assert delta(before[pid], after, "pagoda:inter_token_latency_seconds_count") == generated - len(results)
             # Engine totals: counted once, not once per API process.
@@ -315,8 +363,13 @@ def test_client_disconnect_aborts_in_the_core(asc: ServerProcess, side: int) -> 
     before = scrape_every_process(asc)
     pinned = pin(asc)
     streamer, watcher = [conns[0] for conns in pinned.values()][side], [conns[0] for conns in pinned.values()][1 - side]
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
     response = streamer.request("POST", "/v1/completions", body)
     assert response.status == 200
     events = 0
@@ -341,8 +394,15 @@ def test_a_duplicate_request_id_is_refused_on_either_process_and_the_owner_keeps
     request_id = f"dup-{uuid.uuid4().hex[:8]}"
     pinned = pin(asc, per_process=2)
     (owner, same), (other, _) = pinned.values()
-    body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 60, "ignore_eos": True, "stream": True,
-            "request_id": request_id, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Count to a hundred:",
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "stream": True,
+        "request_id": request_id,
+        "stream_options": {"include_usage": True},
+    }
     try:
         response = owner.request("POST", "/v1/completions", body)
         assert response.status == 200
@@ -368,14 +428,14 @@ def test_a_duplicate_request_id_is_refused_on_either_process_and_the_owner_keeps
 
 def test_sigterm_stops_every_process_and_leaves_nothing_behind(asc: ServerProcess) -> None:
     family = [psutil.Process(asc.proc.pid), *psutil.Process(asc.proc.pid).children(recursive=True)]
-    assert len(family) >= 4                  # launcher, core, 2 API processes (+ resource tracker)
+    assert len(family) >= 4  # launcher, core, 2 API processes (+ resource tracker)
     asc.proc.send_signal(signal.SIGTERM)
     assert asc.proc.wait(60) == 0, asc.log_tail()
     _, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, f"left running: {alive}"
     left = [p.name for p in asc.tmpdir.iterdir() if p.name.startswith(("pagoda-", "pymp-"))]  # type: ignore[attr-defined]
     assert not left, left
-    with socket.socket() as s:               # nothing listens on the port any more (TIME_WAIT entries may stay)
+    with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT entries may stay)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", asc.port))
     assert "Traceback" not in asc.log_tail(20000)
@@ -391,16 +451,18 @@ def test_engine_core_death_fails_every_process_and_stops_the_server(tmp_path: Pa
         pinned = pin(server)
         streams = []
         for (conn,) in pinned.values():
-            response = conn.request("POST", "/v1/completions", {"model": MODEL, "prompt": "A long story:",
-                                                                "max_tokens": 1000, "ignore_eos": True,
-                                                                "stream": True})
+            response = conn.request(
+                "POST",
+                "/v1/completions",
+                {"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True},
+            )
             assert response.status == 200
             line = response.readline()
             while not line.startswith(b"data:"):
                 line = response.readline()
             streams.append(response)
-        raced = fire_after_kill(server.url, core.kill)   # requests sent 0-440 ms after the kill
-        for response in streams:              # every process ends its stream with an error event
+        raced = fire_after_kill(server.url, core.kill)  # requests sent 0-440 ms after the kill
+        for response in streams:  # every process ends its stream with an error event
             rest = response.read().decode()
             assert '"error"' in rest and "engine stopped" in rest.lower(), rest[-500:]
             assert rest.rstrip().endswith("data: [DONE]")
@@ -418,15 +480,20 @@ def test_engine_core_death_fails_every_process_and_stops_the_server(tmp_path: Pa
 
 def test_startup_failures_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "pagoda", "serve", "--model", tiny_llama, "--skip-tokenizer-init",
-                               *flags], check=False, capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "TMPDIR": str(tmp_path)})
+        return subprocess.run(
+            [sys.executable, "-m", "pagoda", "serve", "--model", tiny_llama, "--skip-tokenizer-init", *flags],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
 
     for bad in ("0", "-2"):
         result = run("--api-server-count", bad, "--port", "0")
         assert result.returncode == 2 and "--api-server-count must be at least 1" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
-    with socket.socket() as taken:            # the port check after the model loaded (preflight skipped)
+    with socket.socket() as taken:  # the port check after the model loaded (preflight skipped)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
@@ -435,4 +502,3 @@ def test_startup_failures_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("pagoda: error:")] != []
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("pagoda-", "pymp-"))]
-

@@ -46,13 +46,13 @@ def png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
 
 GALLERY = {  # path -> (content type, bytes)
     "/gallery/img/a.png": ("image/png", png(64, 48, (250, 0, 0))),
-    "/gallery/img/a-copy.png": ("image/png", png(64, 48, (250, 0, 0))),      # same bytes as a.png
+    "/gallery/img/a-copy.png": ("image/png", png(64, 48, (250, 0, 0))),  # same bytes as a.png
     "/static/b.png": ("image/png", png(80, 80, (0, 250, 0))),
     "/gallery/img/small.png": ("image/png", png(40, 30, (0, 0, 250))),
     "/gallery/img/big.png": ("image/png", png(200, 150, (250, 250, 0))),
     "/gallery/img/lazy.png": ("image/png", png(50, 60, (0, 250, 250))),
     "/og/cover.png": ("image/png", png(120, 63, (250, 0, 250))),
-    "/gallery/img/speck.png": ("image/png", png(1, 1, (0, 0, 0))),             # 1x1, innocent name
+    "/gallery/img/speck.png": ("image/png", png(1, 1, (0, 0, 0))),  # 1x1, innocent name
     "/t/pixel.gif": ("image/gif", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;"),
     "/gallery/img/logo.svg": ("image/svg+xml", b"<svg xmlns='http://www.w3.org/2000/svg'/>"),
 }
@@ -66,8 +66,13 @@ GALLERY_HTML = """<!doctype html><html><head>
 <img src="img/speck.png"><img src="/t/pixel.gif" width="1" height="1"><img src="img/logo.svg">
 <img src="img/missing.png">
 </body></html>"""
-EXPECTED_PAGE_IMAGES = ["/og/cover.png", "/gallery/img/a.png", "/static/b.png", "/gallery/img/big.png",
-                        "/gallery/img/lazy.png"]
+EXPECTED_PAGE_IMAGES = [
+    "/og/cover.png",
+    "/gallery/img/a.png",
+    "/static/b.png",
+    "/gallery/img/big.png",
+    "/gallery/img/lazy.png",
+]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -77,8 +82,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
-    def _send(self, status: int, data: bytes, ctype: str = "application/json",
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, data: bytes, ctype: str = "application/json", headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -120,9 +126,19 @@ class _Handler(BaseHTTPRequestHandler):
         with fault.lock:
             fault.attempts[key] += 1
             n = fault.attempts[key]
-            fault.log.append({"key": key, "n": n, "t": time.monotonic(), "phase": fault.phase, "image": image,
-                              "text": text, "model": body.get("model"), "auth": self.headers.get("Authorization"),
-                              "body": body})
+            fault.log.append(
+                {
+                    "key": key,
+                    "n": n,
+                    "t": time.monotonic(),
+                    "phase": fault.phase,
+                    "image": image,
+                    "text": text,
+                    "model": body.get("model"),
+                    "auth": self.headers.get("Authorization"),
+                    "body": body,
+                }
+            )
             delay = fault.delay
         if delay:
             time.sleep(delay)
@@ -137,15 +153,25 @@ class _Handler(BaseHTTPRequestHandler):
             action = (200, {})
         status, headers = action
         if status == 200:
-            payload = {"id": f"chatcmpl-{key}-{n}", "object": "chat.completion", "created": int(time.time()),
-                       "model": body.get("model"),
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": f"seen {key}"},
-                                    "finish_reason": "stop"}],
-                       "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+            payload = {
+                "id": f"chatcmpl-{key}-{n}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": f"seen {key}"}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
+            }
             headers = {**headers, "x-request-id": f"fault-{key}-{n}"}
         else:
-            payload = {"error": {"message": f"injected {status} for {key} (attempt {n})",
-                                 "type": "injected_error", "code": f"injected_{status}"}}
+            payload = {
+                "error": {
+                    "message": f"injected {status} for {key} (attempt {n})",
+                    "type": "injected_error",
+                    "code": f"injected_{status}",
+                }
+            }
         try:
             self._send(status, json.dumps(payload).encode(), headers=headers)
         except OSError:
@@ -230,6 +256,7 @@ def fault(fault_server: FaultServer) -> FaultServer:
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+
 def batch_cmd(base_url: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "pagoda", "batch", "--base-url", base_url, "--no-progress", *args]
 
@@ -245,8 +272,12 @@ def rows(path: Path) -> list[dict[str, Any]]:
 
 
 def batch_line(cid: str, text: str, **body: Any) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "fault-model", "messages": [{"role": "user", "content": text}], **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "fault-model", "messages": [{"role": "user", "content": text}], **body},
+    }
 
 
 def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -260,16 +291,33 @@ def sha(data: bytes) -> str:
 
 # ---------------------------------------------------------------------------------------------- live server
 
+
 def test_text_jsonl_against_live_server_then_resume(base_url: str, tmp_path: Path) -> None:
     questions = ["What is 2+2?", "Name a colour.", "Say hello."]
-    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 4, "temperature": 0}}
-             for i, q in enumerate(questions)]
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 4, "temperature": 0},
+        }
+        for i, q in enumerate(questions)
+    ]
     lines[0]["body"]["model"] = MODEL  # the others get the server's first model id
     src = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    args = ["--api-key", API_KEY, "--input", str(src), "--output", str(out), "--concurrency", "2",
-            "--ordered-json", str(tmp_path / "ordered.json")]
+    args = [
+        "--api-key",
+        API_KEY,
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--concurrency",
+        "2",
+        "--ordered-json",
+        str(tmp_path / "ordered.json"),
+    ]
     proc = batch(base_url, *args)
     assert proc.returncode == 0, proc.stderr
     got = rows(out)
@@ -296,8 +344,19 @@ def test_text_jsonl_against_live_server_then_resume(base_url: str, tmp_path: Pat
     assert json.loads((tmp_path / "out.summary.json").read_text())["to_send"] == 0
 
     # A wrong key: 401 is never retried, recorded with its body.
-    bad = batch(base_url, "--api-key", "wrong", "--model", MODEL, "--input", str(src),
-                "--output", str(tmp_path / "bad.jsonl"), "--max-retries", "3")
+    bad = batch(
+        base_url,
+        "--api-key",
+        "wrong",
+        "--model",
+        MODEL,
+        "--input",
+        str(src),
+        "--output",
+        str(tmp_path / "bad.jsonl"),
+        "--max-retries",
+        "3",
+    )
     assert bad.returncode == 1, bad.stderr
     errors = rows(tmp_path / "bad.errors.jsonl")
     assert len(errors) == 3 and rows(tmp_path / "bad.jsonl") == []
@@ -314,8 +373,22 @@ def test_images_on_a_text_only_model_fail_with_400_once(base_url: str, tmp_path:
     (folder / "nested" / "two.png").write_bytes(b)
     (folder / "readme.txt").write_text("not an image")
     out = tmp_path / "res.jsonl"
-    args = ["--api-key", API_KEY, "--model", MODEL, "--images", str(folder), "--prompt", "Describe {filename}",
-            "--max-tokens", "4", "--output", str(out), "--max-retries", "2"]
+    args = [
+        "--api-key",
+        API_KEY,
+        "--model",
+        MODEL,
+        "--images",
+        str(folder),
+        "--prompt",
+        "Describe {filename}",
+        "--max-tokens",
+        "4",
+        "--output",
+        str(out),
+        "--max-retries",
+        "2",
+    ]
     proc = batch(base_url, *args)
     assert proc.returncode == 1, proc.stderr
     errors = rows(tmp_path / "res.errors.jsonl")
@@ -361,8 +434,21 @@ def test_retry_rules(fault: FaultServer, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [batch_line(k, f"id={k} do={d}") for k, (d, _, _) in RETRY_CASES.items()])
     out = tmp_path / "out.jsonl"
     t0 = time.monotonic()
-    proc = batch(fault.url, "--api-key", "k1", "--input", str(src), "--output", str(out), "--concurrency", "6",
-                 "--max-retries", "3", "--timeout", "1")
+    proc = batch(
+        fault.url,
+        "--api-key",
+        "k1",
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--concurrency",
+        "6",
+        "--max-retries",
+        "3",
+        "--timeout",
+        "1",
+    )
     assert proc.returncode == 1, proc.stderr
     assert time.monotonic() - t0 < 20
     ok = {r["custom_id"]: r for r in rows(out)}
@@ -408,8 +494,7 @@ def test_kill_9_mid_run_then_resume(fault: FaultServer, tmp_path: Path) -> None:
     directives.update({"k03": "e400", "k17": "e422", "k05": "r503:1", "k30": "e404"})
     src = write_jsonl(tmp_path / "in.jsonl", [batch_line(k, f"id={k} do={directives[k]}") for k in keys])
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
-    cmd = batch_cmd(fault.url, "--input", str(src), "--output", str(out), "--concurrency", "3",
-                    "--max-retries", "2")
+    cmd = batch_cmd(fault.url, "--input", str(src), "--output", str(out), "--concurrency", "3", "--max-retries", "2")
     fault.delay = 0.12
     with open(tmp_path / "run1.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -456,8 +541,12 @@ def test_sigint_drains_in_flight_and_flushes(fault: FaultServer, tmp_path: Path)
     src = write_jsonl(tmp_path / "in.jsonl", [batch_line(k, f"id={k}") for k in keys])
     out = tmp_path / "out.jsonl"
     fault.delay = 0.6
-    proc = subprocess.Popen(batch_cmd(fault.url, "--input", str(src), "--output", str(out), "--concurrency", "3"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        batch_cmd(fault.url, "--input", str(src), "--output", str(out), "--concurrency", "3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and len(fault.log) < 4:
         time.sleep(0.02)
@@ -477,9 +566,25 @@ def test_scraped_page_images(fault: FaultServer, tmp_path: Path) -> None:
     page = f"{fault.url}/gallery/index.html"
     out = tmp_path / "page.jsonl"
     t0 = time.monotonic()
-    proc = batch(fault.url, "--page", page, "--model", "vl", "--prompt", "id={url} Describe {filename}",
-                 "--system", "Be brief.", "--max-tokens", "16", "--output", str(out), "--rps", "10",
-                 "--concurrency", "4")
+    proc = batch(
+        fault.url,
+        "--page",
+        page,
+        "--model",
+        "vl",
+        "--prompt",
+        "id={url} Describe {filename}",
+        "--system",
+        "Be brief.",
+        "--max-tokens",
+        "16",
+        "--output",
+        str(out),
+        "--rps",
+        "10",
+        "--concurrency",
+        "4",
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     assert "5 image(s) found" in proc.stderr
@@ -508,29 +613,57 @@ def test_scraped_page_images(fault: FaultServer, tmp_path: Path) -> None:
     # --send-urls passes the URLs through; --max-pixels downscales what is inlined.
     fault.reset()
     urls_out = tmp_path / "urls.jsonl"
-    proc = batch(fault.url, "--page", page, "--model", "vl", "--prompt", "id=u:{url}", "--send-urls",
-                 "--output", str(urls_out))
+    proc = batch(
+        fault.url, "--page", page, "--model", "vl", "--prompt", "id=u:{url}", "--send-urls", "--output", str(urls_out)
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(e["image"] for e in fault.log) == sorted(expected)
     fault.reset()
     small_out = tmp_path / "small.jsonl"
-    proc = batch(fault.url, "--page", page, "--model", "vl", "--prompt", "id=s:{url}", "--max-pixels", "2500",
-                 "--output", str(small_out))
+    proc = batch(
+        fault.url,
+        "--page",
+        page,
+        "--model",
+        "vl",
+        "--prompt",
+        "id=s:{url}",
+        "--max-pixels",
+        "2500",
+        "--output",
+        str(small_out),
+    )
     assert proc.returncode == 0, proc.stderr
     for e in fault.log:
         im = Image.open(io.BytesIO(base64.b64decode(e["image"].split(",", 1)[1])))
         assert im.width * im.height <= 2500
     big = next(r for r in rows(small_out) if r["x_meta"]["image_url"].endswith("/big.png"))
-    assert big["x_meta"]["image_size"] == [200, 150] and big["x_meta"]["sent_size"][0] * big["x_meta"]["sent_size"][1] <= 2500
+    assert (
+        big["x_meta"]["image_size"] == [200, 150]
+        and big["x_meta"]["sent_size"][0] * big["x_meta"]["sent_size"][1] <= 2500
+    )
 
 
 def test_url_list_and_usage_errors(fault: FaultServer, tmp_path: Path) -> None:
     urls = tmp_path / "urls.txt"
-    urls.write_text(f"# two images and a missing one\n{fault.url}/static/b.png\n{fault.url}/og/cover.png\n"
-                    f"{fault.url}/static/b.png\n{fault.url}/nope.png\n")
+    urls.write_text(
+        f"# two images and a missing one\n{fault.url}/static/b.png\n{fault.url}/og/cover.png\n"
+        f"{fault.url}/static/b.png\n{fault.url}/nope.png\n"
+    )
     out = tmp_path / "u.jsonl"
-    proc = batch(fault.url, "--urls", str(urls), "--model", "vl", "--prompt", "id={filename}", "--output", str(out),
-                 "--max-retries", "1")
+    proc = batch(
+        fault.url,
+        "--urls",
+        str(urls),
+        "--model",
+        "vl",
+        "--prompt",
+        "id={filename}",
+        "--output",
+        str(out),
+        "--max-retries",
+        "1",
+    )
     assert proc.returncode == 1, proc.stderr
     assert len(rows(out)) == 2  # the repeated URL is sent once
     assert sorted(e["key"] for e in fault.log) == ["b.png", "cover.png"]
@@ -543,6 +676,15 @@ def test_url_list_and_usage_errors(fault: FaultServer, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "dup.jsonl:3: duplicate custom_id 'a' (first on line 1)" in proc.stderr
     proc = batch(fault.url, "--output", str(tmp_path / "d.jsonl"))
     assert proc.returncode == 2 and "give --input" in proc.stderr
-    proc = batch(fault.url, "--images", str(tmp_path), "--prompt", "{nope}", "--model", "m",
-                 "--output", str(tmp_path / "d.jsonl"))
+    proc = batch(
+        fault.url,
+        "--images",
+        str(tmp_path),
+        "--prompt",
+        "{nope}",
+        "--model",
+        "m",
+        "--output",
+        str(tmp_path / "d.jsonl"),
+    )
     assert proc.returncode == 2 and "unknown placeholder {nope}" in proc.stderr

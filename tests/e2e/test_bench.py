@@ -20,31 +20,65 @@ sys.path.insert(0, str(Path(__file__).parent))
 from e2e_helpers import API_KEY, MODEL
 
 TINY = ["--num-prompts", "3", "--input-len", "16", "--output-len", "4", "--ignore-eos", "--no-progress"]
-LATENCY_KEYS = [f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99")]
-THROUGHPUT_KEYS = ["request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-                   "completed", "failed", "max_concurrent_requests", "duration", "errors"]
+LATENCY_KEYS = [
+    f"{stat}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99")
+]
+THROUGHPUT_KEYS = [
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "completed",
+    "failed",
+    "max_concurrent_requests",
+    "duration",
+    "errors",
+]
 
 
 def bench(base_url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagoda", "bench", "--base-url", base_url, "--api-key", API_KEY,
-                           *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pagoda", "bench", "--base-url", base_url, "--api-key", API_KEY, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
 def ladder(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One closed-loop ladder run, shared by the checks below."""
     out = tmp_path_factory.mktemp("bench")
-    proc = bench(base_url, "--concurrency", "1,2", *TINY, "--save-detailed", "--out", str(out / "r.json"),
-                 "--csv", str(out / "r.csv"), "--plot", str(out / "sweep.png"))
+    proc = bench(
+        base_url,
+        "--concurrency",
+        "1,2",
+        *TINY,
+        "--save-detailed",
+        "--out",
+        str(out / "r.json"),
+        "--csv",
+        str(out / "r.csv"),
+        "--plot",
+        str(out / "sweep.png"),
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return {"proc": proc, "result": json.loads((out / "r.json").read_text()), "dir": out}
 
 
 def test_ladder_result_keys(ladder: dict) -> None:
     result = ladder["result"]
-    assert {"config", "points", "knee_concurrency", "max_concurrency_meeting_slo", "recommended_max_num_seqs",
-            "evidence"} <= set(result)
+    assert {
+        "config",
+        "points",
+        "knee_concurrency",
+        "max_concurrency_meeting_slo",
+        "recommended_max_num_seqs",
+        "evidence",
+    } <= set(result)
     assert result["config"]["model"] == MODEL  # the first id of GET /v1/models
     assert "api_key" not in json.dumps(result["config"])
     assert [p["concurrency"] for p in result["points"]] == [1, 2]
@@ -107,8 +141,23 @@ def test_wrong_model_counts_failures(base_url: str, tmp_path: Path) -> None:
 
 
 def test_open_loop_completions(base_url: str, tmp_path: Path) -> None:
-    proc = bench(base_url, "--endpoint", "completions", "--request-rate", "20", "--burstiness", "0.5",
-                 "--concurrency", "2", "--warmup", "0", "--no-calibrate", *TINY, "--out", str(tmp_path / "r.json"))
+    proc = bench(
+        base_url,
+        "--endpoint",
+        "completions",
+        "--request-rate",
+        "20",
+        "--burstiness",
+        "0.5",
+        "--concurrency",
+        "2",
+        "--warmup",
+        "0",
+        "--no-calibrate",
+        *TINY,
+        "--out",
+        str(tmp_path / "r.json"),
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     result = json.loads((tmp_path / "r.json").read_text())
     (point,) = result["points"]
@@ -122,8 +171,21 @@ def test_open_loop_completions(base_url: str, tmp_path: Path) -> None:
 def test_several_client_processes(base_url: str, tmp_path: Path) -> None:
     """Two client processes share a point: every request is counted once, the cap is split (1 + 1),
     and the timings are those of the requests (not of process start-up)."""
-    proc = bench(base_url, "--concurrency", "2", "--client-processes", "2", "--prompts-per-concurrency", "2",
-                 "--warmup", "2", *TINY[2:], "--save-detailed", "--out", str(tmp_path / "r.json"))
+    proc = bench(
+        base_url,
+        "--concurrency",
+        "2",
+        "--client-processes",
+        "2",
+        "--prompts-per-concurrency",
+        "2",
+        "--warmup",
+        "2",
+        *TINY[2:],
+        "--save-detailed",
+        "--out",
+        str(tmp_path / "r.json"),
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     (point,) = json.loads((tmp_path / "r.json").read_text())["points"]
     assert point["client_processes"] == 2 and point["num_prompts"] == 8

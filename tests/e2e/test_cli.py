@@ -14,13 +14,16 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pagoda", *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported yet"),
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 is not supported"),
-    (["--block-size", "3"], "block_size must be a power of two"),
-    (["--model", "/no/such/model/folder"], "does not exist"),
-    (["--dtype", "float8"], "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported yet"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 is not supported"),
+        (["--block-size", "3"], "block_size must be a power of two"),
+        (["--model", "/no/such/model/folder"], "does not exist"),
+        (["--dtype", "float8"], "dtype must be one of"),
+    ],
+)
 def test_serve_refuses_bad_flags_in_one_line(flags, expected):
     result = _run("serve", *flags, "--port", "0")
     assert result.returncode == 2
@@ -43,8 +46,14 @@ def test_chat_template_prints_the_exact_prompt(tmp_path):
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert result.stdout.splitlines()[0] == repr(expected)
 
-    custom = _run("chat-template", "--messages", str(path), "--no-generation-prompt",
-                  "--chat-template", "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    custom = _run(
+        "chat-template",
+        "--messages",
+        str(path),
+        "--no-generation-prompt",
+        "--chat-template",
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+    )
     assert custom.stdout.splitlines()[0] == repr("<system>Be brief.<user>Hi 你好")
 
 
@@ -55,7 +64,7 @@ def test_serve_preflight_fails_fast_on_a_broken_folder_and_a_taken_port(tiny_lla
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)
     weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-100])              # truncated download
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated download
     result = _run("serve", "--model", str(broken), "--port", "0")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "preflight failed" in result.stderr and "model.safetensors" in result.stderr

@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, assert_openai_error
-from kill_race import assert_answered_503, fire_after_kill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kill_race import assert_answered_503, fire_after_kill
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,9 +30,14 @@ def completion_body(**overrides) -> dict:
 
 
 # ---- unknown model ---------------------------------------------------------------------------
-@pytest.mark.parametrize("path,body", [(CHAT, chat_body(model="gpt-4o")),
-                                       (COMPLETIONS, completion_body(model="gpt-4o")),
-                                       (CHAT, chat_body(model="gpt-4o", stream=True))])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (CHAT, chat_body(model="gpt-4o")),
+        (COMPLETIONS, completion_body(model="gpt-4o")),
+        (CHAT, chat_body(model="gpt-4o", stream=True)),
+    ],
+)
 def test_unknown_model_is_404_listing_served_names(http: httpx.Client, path: str, body: dict) -> None:
     error = assert_openai_error(http.post(path, json=body), 404, contains="gpt-4o")
     assert MODEL in error["message"]
@@ -73,8 +78,9 @@ BAD_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("path,overrides,param", BAD_PARAMS,
-                         ids=[f"{p.rsplit('/', 1)[1]}-{'-'.join(o)}" for p, o, _ in BAD_PARAMS])
+@pytest.mark.parametrize(
+    "path,overrides,param", BAD_PARAMS, ids=[f"{p.rsplit('/', 1)[1]}-{'-'.join(o)}" for p, o, _ in BAD_PARAMS]
+)
 def test_invalid_parameters_are_400(http: httpx.Client, path: str, overrides: dict, param: str) -> None:
     body = (chat_body if path == CHAT else completion_body)(**overrides)
     error = assert_openai_error(http.post(path, json=body), 400)
@@ -90,9 +96,19 @@ def test_invalid_parameters_on_a_stream_are_400_before_streaming(http: httpx.Cli
 
 # ---- malformed bodies ------------------------------------------------------------------------
 MALFORMED_CHAT = [
-    {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is in this image?"},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
+    {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this image?"},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                ],
+            }
+        ],
+    },
     {"model": MODEL, "max_tokens": 2, "messages": []},
     {"model": MODEL, "max_tokens": 2},
     {"model": MODEL, "max_tokens": 2, "messages": "What is the capital of France?"},
@@ -137,8 +153,19 @@ def test_malformed_completion_bodies_are_400(http: httpx.Client, body: dict) -> 
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/tokenize"])
-@pytest.mark.parametrize("raw", [b'{"model": "smol", "messages": [', b"not json at all", b"", b"\xff\xfe\x00",
-                                 b"[1, 2, 3]", b'"just a string"', b"null", b"42"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "smol", "messages": [',
+        b"not json at all",
+        b"",
+        b"\xff\xfe\x00",
+        b"[1, 2, 3]",
+        b'"just a string"',
+        b"null",
+        b"42",
+    ],
+)
 def test_invalid_json_is_400(http: httpx.Client, path: str, raw: bytes) -> None:
     response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert_openai_error(response, 400)
@@ -163,8 +190,10 @@ def test_prompt_plus_max_tokens_over_context_is_400_with_numbers(http: httpx.Cli
 
 def test_prompt_alone_over_context_is_400(http: httpx.Client) -> None:
     long_text = "hello " * 2100
-    for path, body in [(COMPLETIONS, {"model": MODEL, "prompt": [1000] * 2100}),
-                       (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": long_text}]})]:
+    for path, body in [
+        (COMPLETIONS, {"model": MODEL, "prompt": [1000] * 2100}),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": long_text}]}),
+    ]:
         error = assert_openai_error(http.post(path, json=body), 400)
         assert "2048" in error["message"], error
         assert "-" not in error["message"].split("2048", 1)[1], f"negative token count in: {error['message']}"
@@ -172,8 +201,9 @@ def test_prompt_alone_over_context_is_400(http: httpx.Client) -> None:
 
 def test_duplicate_request_id_is_400_and_leaves_the_first_request_alone(http: httpx.Client) -> None:
     """A client-chosen request_id that is already in flight must not hijack or abort that request."""
-    body = completion_body(prompt="Count to twenty:", max_tokens=20, ignore_eos=True, stream=True,
-                           request_id="dup-request-id")
+    body = completion_body(
+        prompt="Count to twenty:", max_tokens=20, ignore_eos=True, stream=True, request_id="dup-request-id"
+    )
     with http.stream("POST", COMPLETIONS, json=body) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
@@ -187,13 +217,21 @@ def test_duplicate_request_id_is_400_and_leaves_the_first_request_alone(http: ht
 
 
 # ---- authentication --------------------------------------------------------------------------
-PROTECTED = [("GET", "/v1/models", None), ("POST", CHAT, chat_body()), ("POST", COMPLETIONS, completion_body()),
-             ("POST", "/tokenize", {"model": MODEL, "prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]})]
+PROTECTED = [
+    ("GET", "/v1/models", None),
+    ("POST", CHAT, chat_body()),
+    ("POST", COMPLETIONS, completion_body()),
+    ("POST", "/tokenize", {"model": MODEL, "prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+]
 
 
 @pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
-@pytest.mark.parametrize("auth", [None, "Bearer wrong-key", f"Basic {API_KEY}", "Bearer", API_KEY],
-                         ids=["missing", "wrong", "basic", "empty", "no-scheme"])
+@pytest.mark.parametrize(
+    "auth",
+    [None, "Bearer wrong-key", f"Basic {API_KEY}", "Bearer", API_KEY],
+    ids=["missing", "wrong", "basic", "empty", "no-scheme"],
+)
 def test_protected_routes_need_the_key(anon: httpx.Client, method: str, path: str, body, auth) -> None:
     headers = {"Authorization": auth} if auth is not None else {}
     response = anon.request(method, path, json=body, headers=headers)
@@ -218,8 +256,11 @@ def test_probe_routes_are_open(anon: httpx.Client, path: str) -> None:
 
 # ---- fuzzing ---------------------------------------------------------------------------------
 json_scalars = st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | st.text(max_size=12)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
 small_ints = st.integers(-3, 4)
 # Right types and values a client may legitimately send (the engine must handle every mix of them).
 VALID_FIELDS = {
@@ -249,7 +290,8 @@ VALID_FIELDS = {
     "request_id": st.uuids().map(str),
 }
 # Right types, values in and out of range.
-TYPED_FIELDS = {**VALID_FIELDS,
+TYPED_FIELDS = {
+    **VALID_FIELDS,
     "model": st.sampled_from([MODEL, "other", ""]),
     "n": st.integers(-1, 3),
     "temperature": st.floats(-2, 3) | st.sampled_from([float("inf"), float("nan"), 0.0]),
@@ -268,21 +310,40 @@ TYPED_FIELDS = {**VALID_FIELDS,
 # Wrong types too.
 ANY_FIELDS = {name: values | json_values for name, values in TYPED_FIELDS.items()}
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)})
-OTHER_PART = st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "text"]) | json_values},
-                                   optional={"text": json_values, "image_url": json_values})
+OTHER_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["image_url", "input_audio", "text"]) | json_values},
+    optional={"text": json_values, "image_url": json_values},
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | json_values},
-    optional={"content": st.text(max_size=30) | st.lists(TEXT_PART | OTHER_PART, max_size=3) | json_values,
-              "name": st.text(max_size=5) | json_values})
+    optional={
+        "content": st.text(max_size=30) | st.lists(TEXT_PART | OTHER_PART, max_size=3) | json_values,
+        "name": st.text(max_size=5) | json_values,
+    },
+)
 MESSAGES = st.lists(MESSAGE, min_size=1, max_size=3) | json_values
-VALID_MESSAGES = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant"]),
-     "content": st.text(max_size=30) | st.lists(TEXT_PART, min_size=1, max_size=2)}), min_size=1, max_size=3)
-VALID_PROMPTS = (st.text(min_size=1, max_size=30) | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=2)
-                 | st.lists(st.integers(0, 49151), min_size=1, max_size=8))
-PROMPTS = (st.text(max_size=30) | st.lists(st.text(max_size=10), max_size=3) | st.lists(st.integers(-10, 60000),
-                                                                                        max_size=8)
-           | st.lists(st.lists(st.integers(-1, 60000), max_size=4), max_size=3) | json_values)
+VALID_MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant"]),
+            "content": st.text(max_size=30) | st.lists(TEXT_PART, min_size=1, max_size=2),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
+VALID_PROMPTS = (
+    st.text(min_size=1, max_size=30)
+    | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=2)
+    | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+)
+PROMPTS = (
+    st.text(max_size=30)
+    | st.lists(st.text(max_size=10), max_size=3)
+    | st.lists(st.integers(-10, 60000), max_size=8)
+    | st.lists(st.lists(st.integers(-1, 60000), max_size=4), max_size=3)
+    | json_values
+)
 
 
 def _not_a_length(value) -> bool:
@@ -305,15 +366,21 @@ def _not_a_length(value) -> bool:
 def fuzz_bodies(main_field: str, main_values: st.SearchStrategy) -> st.SearchStrategy:
     """Random bodies, from plausible (right field names and types, values in and out of range) to
     junk; max_tokens is always small (or junk that is not a length) so the valid ones finish quickly."""
+
     def shaped(main: st.SearchStrategy, max_tokens: st.SearchStrategy, fields: dict) -> st.SearchStrategy:
-        return st.fixed_dictionaries({main_field: main, "max_tokens": max_tokens},
-                                     optional={**fields, "junk": json_values})
+        return st.fixed_dictionaries(
+            {main_field: main, "max_tokens": max_tokens}, optional={**fields, "junk": json_values}
+        )
 
     valid_main = {"messages": VALID_MESSAGES, "prompt": VALID_PROMPTS}[main_field]
-    kinds = [shaped(valid_main, st.integers(1, 3), VALID_FIELDS)] * 4 + [
-        shaped(main_values, small_ints, TYPED_FIELDS)] * 3 + [
-        shaped(main_values, small_ints | json_values.filter(_not_a_length), ANY_FIELDS),
-        st.dictionaries(st.text(max_size=8), json_values, max_size=5) | json_values]
+    kinds = (
+        [shaped(valid_main, st.integers(1, 3), VALID_FIELDS)] * 4
+        + [shaped(main_values, small_ints, TYPED_FIELDS)] * 3
+        + [
+            shaped(main_values, small_ints | json_values.filter(_not_a_length), ANY_FIELDS),
+            st.dictionaries(st.text(max_size=8), json_values, max_size=5) | json_values,
+        ]
+    )
     return st.sampled_from(kinds).flatmap(lambda kind: kind)
 
 
@@ -341,9 +408,13 @@ def _too_big(body) -> bool:
     return (isinstance(n, int) and n > 3) or (isinstance(prompt, list) and len(prompt) > 3)
 
 
-FUZZ = settings(max_examples=60, deadline=None, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @FUZZ
@@ -364,24 +435,36 @@ def test_fuzz_completions_never_5xx(http: httpx.Client, body) -> None:
 @pytest.mark.kills_engine
 def test_dead_engine_gives_503_with_retry_after(server, http: httpx.Client, anon: httpx.Client) -> None:
     engine_pid = server.engine_pid()
-    # Requests sent 0-440 ms after the kill race the death: each still gets its 503 within a second.
-    assert_answered_503(fire_after_kill(server.url, lambda: os.kill(engine_pid, signal.SIGKILL)))
-    deadline = time.monotonic() + 15
-    while anon.get("/health").status_code == 200:
-        assert time.monotonic() < deadline, "/health still 200 after the engine process was killed"
-        time.sleep(0.2)
-    health = anon.get("/health")
-    assert_openai_error(health, 503)
-    assert "Retry-After" in health.headers
+    launcher = server.proc.pid
+    # The launcher is paused first, so the API process must notice the death on its own (its pidfd watch of
+    # the core) and keep answering 503 for as long as we look; resumed, the launcher stops it and exits 1.
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        # Requests sent 0-440 ms after the kill race the death: each still gets its 503 within a second.
+        assert_answered_503(fire_after_kill(server.url, lambda: os.kill(engine_pid, signal.SIGKILL)))
+        deadline = time.monotonic() + 15
+        while anon.get("/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 after the engine process was killed"
+            time.sleep(0.2)
+        health = anon.get("/health")
+        assert_openai_error(health, 503)
+        assert "Retry-After" in health.headers
 
-    for path, body in [(CHAT, chat_body()), (COMPLETIONS, completion_body()), (CHAT, chat_body(stream=True)),
-                       (COMPLETIONS, completion_body(stream=True))]:
-        response = http.post(path, json=body)
-        error = assert_openai_error(response, 503)
-        assert error["type"] == "ServiceUnavailableError"
-        assert int(response.headers["Retry-After"]) > 0
-    # Client mistakes are still reported as such, and the probes still answer.
-    assert_openai_error(http.post(CHAT, json=chat_body(model="nope")), 404)
-    assert anon.get("/metrics").status_code == 200
-    assert anon.get("/version").status_code == 200
-    assert server.proc.poll() is None, "the API process must stay up to report the failure"
+        for path, body in [
+            (CHAT, chat_body()),
+            (COMPLETIONS, completion_body()),
+            (CHAT, chat_body(stream=True)),
+            (COMPLETIONS, completion_body(stream=True)),
+        ]:
+            response = http.post(path, json=body)
+            error = assert_openai_error(response, 503)
+            assert error["type"] == "ServiceUnavailableError"
+            assert int(response.headers["Retry-After"]) > 0
+        # Client mistakes are still reported as such, and the probes still answer.
+        assert_openai_error(http.post(CHAT, json=chat_body(model="nope")), 404)
+        assert anon.get("/metrics").status_code == 200
+        assert anon.get("/version").status_code == 200
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    # A dead core ends the server: 503 first, then a non-zero exit (a supervisor restarts it).
+    assert server.proc.wait(timeout=30) != 0

@@ -27,8 +27,11 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.1) -> bool:
 
 def engine_is_idle(http: httpx.Client) -> bool:
     samples = scrape(http)
-    return (metric(samples, "pagoda:num_requests_running") == 0 and metric(samples, "pagoda:num_requests_waiting") == 0
-            and metric(samples, "pagoda:kv_cache_usage_perc") == 0)
+    return (
+        metric(samples, "pagoda:num_requests_running") == 0
+        and metric(samples, "pagoda:num_requests_waiting") == 0
+        and metric(samples, "pagoda:kv_cache_usage_perc") == 0
+    )
 
 
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
@@ -42,12 +45,24 @@ def quantile(values: list[float], q: float) -> float:
 
 def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
     names = set(name for name, _ in scrape(anon))
-    for family in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                   "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                   "prefix_cache_hits_total", "time_to_first_token_seconds_count",
-                   "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
-                   "request_queue_time_seconds_count", "engine_steps_total", "engine_core_busy_seconds_total",
-                   "engine_core_device_wait_seconds_total", "engine_core_cpu_seconds_total"]:
+    for family in [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "engine_steps_total",
+        "engine_core_busy_seconds_total",
+        "engine_core_device_wait_seconds_total",
+        "engine_core_cpu_seconds_total",
+    ]:
         assert f"pagoda:{family}" in names, family
 
 
@@ -56,11 +71,14 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
     tokenized = http.post("/tokenize", json={"model": MODEL, "prompt": "Counting tokens: one two three"})
     prompt_ids = tokenized.json()["tokens"]
     before = scrape(http)
-    length = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt_ids, "max_tokens": 5,
-                                                "ignore_eos": True, "temperature": 0}).json()
+    length = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt_ids, "max_tokens": 5, "ignore_eos": True, "temperature": 0},
+    ).json()
     assert length["choices"][0]["finish_reason"] == "length"
-    stop = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 30,
-                                                   "temperature": 0}).json()
+    stop = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 30, "temperature": 0}
+    ).json()
     assert stop["choices"][0]["finish_reason"] == "stop"
     after = scrape(http)
 
@@ -101,8 +119,13 @@ def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(http: httpx.Client) -> None:
     assert wait_until(lambda: engine_is_idle(http)), "engine busy before the test"
     before = scrape(http)
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 500, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         events = 0
@@ -139,8 +162,14 @@ def test_health_stays_fast_while_streams_generate(base_url: str, http: httpx.Cli
     streams, max_tokens = 8, 40
 
     async def stream_one(client: httpx.AsyncClient, i: int) -> int:
-        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True, "temperature": 0}
+        body = {
+            "model": MODEL,
+            "prompt": f"Story number {i}:",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
         chunks = 0
         async with client.stream("POST", "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
@@ -151,8 +180,10 @@ def test_health_stays_fast_while_streams_generate(base_url: str, http: httpx.Cli
     async def main() -> tuple[list[int], list[float]]:
         latencies: list[float] = []
         limits = httpx.Limits(max_connections=streams + 2)
-        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=120, limits=limits) as client, \
-                httpx.AsyncClient(base_url=base_url, timeout=10) as probe:
+        async with (
+            httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=120, limits=limits) as client,
+            httpx.AsyncClient(base_url=base_url, timeout=10) as probe,
+        ):
             tasks = [asyncio.create_task(stream_one(client, i)) for i in range(streams)]
             await asyncio.sleep(0.3)  # let the streams start
             while not all(t.done() for t in tasks):
@@ -172,8 +203,14 @@ def test_health_stays_fast_while_streams_generate(base_url: str, http: httpx.Cli
 def test_sigterm_drains_an_in_flight_stream_and_exits_0(launch_server) -> None:
     server = launch_server("--shutdown-timeout", "30")
     engine_pid = server.engine_pid()
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Count slowly:",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     payloads = []
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
@@ -220,4 +257,3 @@ def _alive(pid: int) -> bool:
             return False
     except Exception:  # noqa: BLE001 - it vanished between the two calls
         return False
-

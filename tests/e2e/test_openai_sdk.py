@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import httpx
+import openai
 import pytest
 from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, sse_json, sse_payloads
-import openai
 from openai import AsyncOpenAI, OpenAI
 
 GREEDY = {"temperature": 0.0}
@@ -69,9 +69,12 @@ def test_chat_greedy_answers_paris(greedy_chat, http: httpx.Client) -> None:
 def test_async_client_concurrent_chats(base_url: str, greedy_chat) -> None:
     async def main() -> list:
         async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as aclient:
-            return await asyncio.gather(*[
-                aclient.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=24, **GREEDY)
-                for _ in range(3)])
+            return await asyncio.gather(
+                *[
+                    aclient.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=24, **GREEDY)
+                    for _ in range(3)
+                ]
+            )
 
     for response in asyncio.run(main()):
         assert "Paris" in response.choices[0].message.content
@@ -80,8 +83,9 @@ def test_async_client_concurrent_chats(base_url: str, greedy_chat) -> None:
 
 def test_completion_string_prompt_usage_matches_tokenize(client: OpenAI, http: httpx.Client) -> None:
     prompt = "The quick brown fox"
-    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True},
-                                         **GREEDY)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True}, **GREEDY
+    )
     assert response.object == "text_completion"
     choice = response.choices[0]
     assert choice.finish_reason == "length" and choice.text
@@ -109,14 +113,22 @@ def test_completion_list_of_prompts_and_token_ids(client: OpenAI, http: httpx.Cl
 
 
 def test_n_choices_have_distinct_indexes(client: OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=4, n=3,
-                                          temperature=1.0, seed=7)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, max_tokens=4, n=3, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
     assert all(c.message.content is not None for c in chat.choices)
     assert chat.usage.completion_tokens <= 3 * 4
 
-    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, n=2,
-                                           temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=3,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in completion.choices) == [0, 1]
     assert completion.usage.completion_tokens == 2 * 3
 
@@ -124,20 +136,31 @@ def test_n_choices_have_distinct_indexes(client: OpenAI) -> None:
 def test_stop_string_cuts_text(client: OpenAI, greedy_chat) -> None:
     full = greedy_chat.choices[0].message.content
     assert "Paris" in full
-    cut = client.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=24, stop=["Paris"],
-                                         **GREEDY)
+    cut = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, max_tokens=24, stop=["Paris"], **GREEDY
+    )
     choice = cut.choices[0]
     assert choice.finish_reason == "stop"
-    assert choice.message.content == full[:full.index("Paris")]
+    assert choice.message.content == full[: full.index("Paris")]
     assert "Paris" not in choice.message.content
     assert choice.model_extra.get("stop_reason") == "Paris"
 
 
 def test_seed_reproducibility(client: OpenAI) -> None:
     def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt="My favourite animal is the", max_tokens=8,
-                                         temperature=1.0, top_p=1.0, seed=seed,
-                                         extra_body={"ignore_eos": True, "top_k": 0}).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL,
+                prompt="My favourite animal is the",
+                max_tokens=8,
+                temperature=1.0,
+                top_p=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True, "top_k": 0},
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -146,8 +169,9 @@ def test_seed_reproducibility(client: OpenAI) -> None:
 
 
 def test_chat_logprobs_shapes(client: OpenAI) -> None:
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=5, logprobs=True,
-                                              top_logprobs=3, **GREEDY)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
     choice = response.choices[0]
     content = choice.logprobs.content
     assert len(content) == response.usage.completion_tokens
@@ -164,8 +188,14 @@ def test_chat_logprobs_shapes(client: OpenAI) -> None:
 
 
 def test_completion_logprobs_shapes(client: OpenAI) -> None:
-    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, logprobs=2,
-                                         extra_body={"ignore_eos": True}, **GREEDY)
+    response = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=4,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     choice = response.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
@@ -178,8 +208,14 @@ def test_completion_logprobs_shapes(client: OpenAI) -> None:
 
 
 def test_streamed_chat_matches_non_streamed(client: OpenAI, greedy_chat) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL_QUESTION, max_tokens=24, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CAPITAL_QUESTION,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
@@ -199,8 +235,9 @@ def test_async_streaming_completion(base_url: str, client: OpenAI) -> None:
 
     async def main() -> tuple[str, list]:
         async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as aclient:
-            stream = await aclient.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8,
-                                                      stream=True, **GREEDY)
+            stream = await aclient.completions.create(
+                model=MODEL, prompt="Roses are red,", max_tokens=8, stream=True, **GREEDY
+            )
             chunks = [chunk async for chunk in stream]
             return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
@@ -211,8 +248,14 @@ def test_async_streaming_completion(base_url: str, client: OpenAI) -> None:
 
 
 def test_raw_stream_is_sse_with_done_terminator(http: httpx.Client) -> None:
-    body = {"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 6, "stream": True,
-            "stream_options": {"include_usage": True}, **GREEDY}
+    body = {
+        "model": MODEL,
+        "messages": CAPITAL_QUESTION,
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **GREEDY,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -220,10 +263,14 @@ def test_raw_stream_is_sse_with_done_terminator(http: httpx.Client) -> None:
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == (
-        events[-1]["usage"]["prompt_tokens"] + events[-1]["usage"]["completion_tokens"])
+        events[-1]["usage"]["prompt_tokens"] + events[-1]["usage"]["completion_tokens"]
+    )
 
-    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
-                                                      "stream": True, "ignore_eos": True}) as response:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True},
+    ) as response:
         events = sse_json(sse_payloads(response))
     assert [e["choices"][0].get("finish_reason") for e in events][-1] == "length"
     assert all(e["object"] == "text_completion" for e in events)
@@ -233,8 +280,14 @@ def test_first_chunk_arrives_long_before_the_end(client: OpenAI) -> None:
     """Tokens are streamed as they are generated, not buffered until the end."""
     start = time.monotonic()
     first_content, count = None, 0
-    stream = client.completions.create(model=MODEL, prompt="Write a long story about a dragon.", max_tokens=100,
-                                       stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Write a long story about a dragon.",
+        max_tokens=100,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             count += 1

@@ -58,15 +58,27 @@ def wait_idle(client: httpx.Client, timeout: float = 30.0, settled: bool = False
 def test_metrics_show_every_metric_under_vllm_and_pagoda_names(client: httpx.Client) -> None:
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}).status_code == 200
     text = client.get("/metrics").text
-    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
-             for family in text_string_to_metric_families(text) for s in family.samples}
-    own = {(n[len("pagoda:"):], labels): v for (n, labels), v in found.items() if n.startswith("pagoda:")}
-    theirs = {(n[len("vllm:"):], labels): v for (n, labels), v in found.items() if n.startswith("vllm:")}
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    own = {(n[len("pagoda:") :], labels): v for (n, labels), v in found.items() if n.startswith("pagoda:")}
+    theirs = {(n[len("vllm:") :], labels): v for (n, labels), v in found.items() if n.startswith("vllm:")}
     assert own == theirs and len(own) + len(theirs) == len(found)
     names = {name for name, _ in theirs}
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                 "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_sum", "engine_steps_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_sum",
+        "engine_steps_total",
+    ):
         assert name in names, name
     assert theirs[("generation_tokens_total", (("model_name", MODEL),))] >= 3
 
@@ -74,10 +86,13 @@ def test_metrics_show_every_metric_under_vllm_and_pagoda_names(client: httpx.Cli
 async def _burst(port: int, count: int) -> tuple[list, list[tuple[int, str]]]:
     """`count` connections, then one streamed request on each written at once; (connections, (status,
     headers) of each). The admitted streams stay open until the caller closes them."""
-    body = json.dumps({"model": MODEL, "prompt": list(range(100, 116)), "max_tokens": 300, "ignore_eos": True,
-                       "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    body = json.dumps(
+        {"model": MODEL, "prompt": list(range(100, 116)), "max_tokens": 300, "ignore_eos": True, "stream": True}
+    ).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     conns = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(count)))
     for _, writer in conns:
         writer.write(request)
@@ -108,10 +123,10 @@ def test_a_burst_cannot_push_waiting_past_max_waiting_requests(capped: ServerPro
 
     async def main() -> list[tuple[int, str]]:
         conns, heads = await _burst(capped.port, BURST)
-        await asyncio.sleep(0.5)                      # the core reports the admitted ones
+        await asyncio.sleep(0.5)  # the core reports the admitted ones
         settled = scrape(client)
         peaks.append(metric(settled, "vllm:num_requests_waiting"))
-        for _, writer in conns:                       # the admitted streams are aborted
+        for _, writer in conns:  # the admitted streams are aborted
             writer.close()
         return heads
 
@@ -125,12 +140,13 @@ def test_a_burst_cannot_push_waiting_past_max_waiting_requests(capped: ServerPro
     assert admitted + len(refused) == BURST, sorted({status for status, _ in heads})
     assert CAP <= admitted <= CAP + SEQS + 2, (admitted, len(refused))
     assert all("retry-after:" in h for h in refused)
-    assert max(peaks) <= CAP + 1, peaks              # + 1: a preempted request goes back to waiting
+    assert max(peaks) <= CAP + 1, peaks  # + 1: a preempted request goes back to waiting
     wait_idle(client, settled=True)
 
 
-def test_a_stream_cut_by_shutdown_timeout_ends_with_an_error_event_and_done(capped: ServerProcess,
-                                                                           client: httpx.Client) -> None:
+def test_a_stream_cut_by_shutdown_timeout_ends_with_an_error_event_and_done(
+    capped: ServerProcess, client: httpx.Client
+) -> None:
     """SIGTERM with --shutdown-timeout 1: a stream still generating then gets an error event naming the
     shutdown and [DONE]; a non-streamed request a 503 with Retry-After; the server exits 0."""
     wait_idle(client)
@@ -169,7 +185,7 @@ def test_a_stream_cut_by_shutdown_timeout_ends_with_an_error_event_and_done(capp
     error = json.loads(payloads[-2])["error"]
     assert error["code"] == 503 and error["type"] == "ServiceUnavailableError", error
     assert "shutting down" in error["message"] and "--shutdown-timeout" in error["message"], error
-    assert all("choices" in json.loads(p) for p in payloads[:-2])      # tokens until the cut
+    assert all("choices" in json.loads(p) for p in payloads[:-2])  # tokens until the cut
     assert 0.8 < cut_after < 5, cut_after
     assert plain["status"] == 503 and plain["retry"], plain
     assert "shutting down" in plain["body"]["error"]["message"], plain

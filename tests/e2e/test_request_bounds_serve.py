@@ -51,18 +51,21 @@ FIELD_BOUNDS = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param,limit", FIELD_BOUNDS,
-                         ids=[f"{p.rsplit('/', 1)[1]}-{param}-{i}" for i, (p, _, param, _) in enumerate(FIELD_BOUNDS)])
-def test_field_over_its_bound_is_400_naming_it(http: httpx.Client, path: str, body: dict, param: str,
-                                               limit: str) -> None:
+@pytest.mark.parametrize(
+    "path,body,param,limit",
+    FIELD_BOUNDS,
+    ids=[f"{p.rsplit('/', 1)[1]}-{param}-{i}" for i, (p, _, param, _) in enumerate(FIELD_BOUNDS)],
+)
+def test_field_over_its_bound_is_400_naming_it(
+    http: httpx.Client, path: str, body: dict, param: str, limit: str
+) -> None:
     error = assert_openai_error(http.post(path, json=body), 400)
     assert error["param"] == param and limit in error["message"], error
     assert len(error["message"]) < 300, "the error must not echo the oversized value"
 
 
 def test_fields_at_their_bounds_are_accepted(http: httpx.Client) -> None:
-    body = completion(max_tokens=1, stop=["x" * 1024] + ["y"] * 63, stop_token_ids=list(range(256)),
-                      prompt=["Hi"] * 2)
+    body = completion(max_tokens=1, stop=["x" * 1024] + ["y"] * 63, stop_token_ids=list(range(256)), prompt=["Hi"] * 2)
     response = http.post(COMPLETIONS, json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 2
@@ -98,8 +101,13 @@ def raw(url: str, first: bytes, piece: bytes = b"", most: int = 0) -> httpx.Resp
 
 
 def declared_body(url: str, size: int) -> httpx.Response:
-    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {size}\r\n").encode() + AUTH + b"\r\n"
+    head = (
+        (
+            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n"
+        ).encode()
+        + AUTH
+        + b"\r\n"
+    )
     return raw(url, head, b"[" * 65536, 4 << 20)
 
 
@@ -118,7 +126,7 @@ def test_body_over_the_cap_is_413_before_it_is_read(base_url: str) -> None:
 
 
 def test_chunked_body_over_the_cap_is_413(http: httpx.Client) -> None:
-    pieces = (b" " * (1 << 20) for _ in range(40))          # 40 MiB, no Content-Length
+    pieces = (b" " * (1 << 20) for _ in range(40))  # 40 MiB, no Content-Length
     response = http.post(COMPLETIONS, content=pieces, headers={"Content-Type": "application/json"})
     assert_openai_error(response, 413, contains="--max-request-bytes")
 
@@ -130,11 +138,12 @@ def test_big_header_is_431(base_url: str) -> None:
 
 def test_too_many_headers_is_431(base_url: str) -> None:
     assert_openai_error(many_headers(base_url, 300), 431, contains="--max-header-count")
-    assert_openai_error(many_headers(base_url, 100_000), 431)          # over the byte cap first
+    assert_openai_error(many_headers(base_url, 100_000), 431)  # over the byte cap first
 
 
 def test_rss_stays_flat_while_answering_oversized_requests(server, base_url: str, http: httpx.Client) -> None:
-    api = psutil.Process(server.proc.pid)
+    (api_pid,) = server.api_pids()  # the one API process (the launcher does no HTTP)
+    api = psutil.Process(api_pid)
 
     def round_of_abuse() -> None:
         assert declared_body(base_url, 256 << 20).status_code == 413
@@ -165,7 +174,7 @@ def test_rss_stays_flat_while_answering_oversized_requests(server, base_url: str
             for sock in socks:
                 sock.close()
 
-    round_of_abuse()                         # warm: whatever is allocated once is not growth
+    round_of_abuse()  # warm: whatever is allocated once is not growth
     before = api.memory_info().rss
     for _ in range(3):
         round_of_abuse()
@@ -184,9 +193,21 @@ def test_fd_soft_limit_is_raised(server) -> None:
 def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from e2e_server import ServerProcess
 
-    proc = ServerProcess(tmp_path_factory.mktemp("bounds") / "serve.log",
-                         ["--api-server-count", "2", "--max-request-bytes", "1000", "--max-header-count", "20",
-                          "--idle-connection-timeout", "1", "--timeout-keep-alive", "1"])
+    proc = ServerProcess(
+        tmp_path_factory.mktemp("bounds") / "serve.log",
+        [
+            "--api-server-count",
+            "2",
+            "--max-request-bytes",
+            "1000",
+            "--max-header-count",
+            "20",
+            "--idle-connection-timeout",
+            "1",
+            "--timeout-keep-alive",
+            "1",
+        ],
+    )
     try:
         proc.wait_healthy()
         yield proc
@@ -196,16 +217,17 @@ def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 def test_limits_apply_in_every_api_process(multi) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    for _ in range(4):       # new connections: the kernel spreads them over both processes
-        response = httpx.post(multi.url + COMPLETIONS, headers=headers, content=json.dumps(
-            completion(prompt="x" * 2000)), timeout=30)
+    for _ in range(4):  # new connections: the kernel spreads them over both processes
+        response = httpx.post(
+            multi.url + COMPLETIONS, headers=headers, content=json.dumps(completion(prompt="x" * 2000)), timeout=30
+        )
         assert_openai_error(response, 413, contains="1000")
         assert_openai_error(many_headers(multi.url, 30), 431, contains="20")
     idle = [connect(multi.url) for _ in range(6)]
     t0 = time.monotonic()
     for sock in idle:
         sock.settimeout(10)
-        assert sock.recv(1) == b""           # closed by the server, unused, after --idle-connection-timeout
+        assert sock.recv(1) == b""  # closed by the server, unused, after --idle-connection-timeout
         sock.close()
     assert time.monotonic() - t0 < 6
     api = [c for c in psutil.Process(multi.proc.pid).children() if c.net_connections("tcp")]

@@ -26,9 +26,16 @@ def test_ids_without_a_tokenizer_piece_leave_the_server_healthy(padding_yuan, la
 
     server = launch_server("--model", padding_yuan, "--max-model-len", "256")
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+
         def complete(prompt, stream=False):
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                    "stream": stream}
+            body = {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             if not stream:
                 r = http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
@@ -38,6 +45,7 @@ def test_ids_without_a_tokenizer_piece_leave_the_server_healthy(padding_yuan, la
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
             import json
+
             return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
 
         for prompt, out in zip(PROMPTS, reference):

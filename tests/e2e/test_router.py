@@ -44,8 +44,13 @@ class FixedPortServer(ServerProcess):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed by stop(), like the parent's
         cmd = [sys.executable, "-m", "pagoda", "serve", *BASE_FLAGS, "--port", str(port), *extra_flags]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 class Cluster:
@@ -90,7 +95,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     router_proc = None
     cl: Cluster | None = None
     try:
-        a = request.getfixturevalue("server")     # the shared server starts while B and C load
+        a = request.getfixturevalue("server")  # the shared server starts while B and C load
         b.wait_healthy()
         c.wait_healthy()
         port = free_port()
@@ -113,9 +118,22 @@ open_seconds = 60
 """)
         started = time.monotonic()
         with open(tmp / "router.log", "wb") as log:
-            router_proc = subprocess.Popen([sys.executable, "-m", "pagoda", "router", "--config", str(config),
-                                            "--host", "127.0.0.1", "--port", str(port)],
-                                           stdout=log, stderr=subprocess.STDOUT)
+            router_proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagoda",
+                    "router",
+                    "--config",
+                    str(config),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
@@ -141,7 +159,7 @@ open_seconds = 60
         b.stop()
         c.stop()
         if cl is not None and cl.b is not b:
-            cl.b.stop()     # B as restarted by the test
+            cl.b.stop()  # B as restarted by the test
 
 
 def chat(system: str | None, user: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
@@ -156,8 +174,11 @@ def test_models_health_and_keys(cluster: Cluster) -> None:
         assert sorted(m["id"] for m in r.json()["data"]) == ["smol", "smol-c"]
         # "smol-c" is served by C only: whatever the session, C gets it
         for i in range(3):
-            r = client.post("/v1/chat/completions", json={**chat(None, "Hi"), "model": "smol-c", "max_tokens": 1},
-                            headers={"X-Session-ID": f"model-{i}"})
+            r = client.post(
+                "/v1/chat/completions",
+                json={**chat(None, "Hi"), "model": "smol-c", "max_tokens": 1},
+                headers={"X-Session-ID": f"model-{i}"},
+            )
             assert r.status_code == 200 and r.headers["x-pagoda-backend"] == cluster.c.url
     for headers in ({}, {"Authorization": "Bearer not-a-key"}, {"Authorization": f"Bearer {API_KEY}"}):
         r = httpx.post(cluster.router_url + "/v1/chat/completions", json=chat(None, "Hi"), headers=headers)
@@ -172,8 +193,11 @@ def test_session_affinity_shows_in_the_backends_prefix_cache(cluster: Cluster) -
         served, hits = [], []
         for turn in range(3):
             before = {u: metric(u, "pagoda:prefix_cache_hits_total") for u in cluster.backends}
-            r = client.post("/v1/chat/completions", json=chat(LONG_SYSTEM, f"Question {turn}: what is a bracket?"),
-                            headers={"X-Session-ID": "affinity-session"})
+            r = client.post(
+                "/v1/chat/completions",
+                json=chat(LONG_SYSTEM, f"Question {turn}: what is a bracket?"),
+                headers={"X-Session-ID": "affinity-session"},
+            )
             assert r.status_code == 200, r.text
             served.append(r.headers["x-pagoda-backend"])
             after = {u: metric(u, "pagoda:prefix_cache_hits_total") for u in cluster.backends}
@@ -181,7 +205,7 @@ def test_session_affinity_shows_in_the_backends_prefix_cache(cluster: Cluster) -
         assert len(set(served)) == 1, served
         owner = served[0]
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
-        for h in hits[1:]:   # the long system prompt is found in the owner's cache; nobody else saw it
+        for h in hits[1:]:  # the long system prompt is found in the owner's cache; nobody else saw it
             assert h[owner] >= prompt_tokens * 0.8, (h, prompt_tokens)
             assert all(v == 0 for u, v in h.items() if u != owner), h
         text = client.get("/metrics").text
@@ -196,24 +220,33 @@ def test_sessions_spread_and_stick(cluster: Cluster) -> None:
         # one backend is left out ~2 % of the time; keep adding sessions (up to 60, a miss is then
         # ~1e-10) until every backend has some.
         for i in range(60):
-            r = client.post("/v1/chat/completions", json=chat(None, "Hi", max_tokens=1),
-                            headers={"X-Session-ID": f"spread-{i}"})
+            r = client.post(
+                "/v1/chat/completions", json=chat(None, "Hi", max_tokens=1), headers={"X-Session-ID": f"spread-{i}"}
+            )
             assert r.status_code == 200
             placement[i] = r.headers["x-pagoda-backend"]
             if i >= 11 and set(placement.values()) == set(cluster.backends):
                 break
         assert set(placement.values()) == set(cluster.backends), placement
-        for i in (0, 5, 11):   # again: the same backend
-            r = client.post("/v1/chat/completions", json=chat(None, "Hello", max_tokens=1),
-                            headers={"X-Session-ID": f"spread-{i}"})
+        for i in (0, 5, 11):  # again: the same backend
+            r = client.post(
+                "/v1/chat/completions", json=chat(None, "Hello", max_tokens=1), headers={"X-Session-ID": f"spread-{i}"}
+            )
             assert r.headers["x-pagoda-backend"] == placement[i]
         # no header, no user: the conversation fingerprint keeps a conversation on one backend
         first = client.post("/v1/chat/completions", json=chat("Be brief.", "Name a pagoda.", max_tokens=1))
-        later = client.post("/v1/chat/completions", json={**chat("Be brief.", "Name a pagoda.", max_tokens=1),
-                                                          "messages": [{"role": "system", "content": "Be brief."},
-                                                                       {"role": "user", "content": "Name a pagoda."},
-                                                                       {"role": "assistant", "content": "Horyu-ji"},
-                                                                       {"role": "user", "content": "Another?"}]})
+        later = client.post(
+            "/v1/chat/completions",
+            json={
+                **chat("Be brief.", "Name a pagoda.", max_tokens=1),
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Name a pagoda."},
+                    {"role": "assistant", "content": "Horyu-ji"},
+                    {"role": "user", "content": "Another?"},
+                ],
+            },
+        )
         assert first.headers["x-pagoda-backend"] == later.headers["x-pagoda-backend"]
 
 
@@ -236,22 +269,26 @@ def _timed_stream(url: str, body: dict[str, Any], headers: dict[str, str]) -> tu
 
 def test_stream_passthrough_is_byte_identical_and_incremental(cluster: Cluster) -> None:
     body = chat(None, "Count from one to thirty, separated by commas.", max_tokens=32, stream=True, ignore_eos=True)
-    backend, through = _timed_stream(cluster.router_url, body, {"Authorization": f"Bearer {ALICE}",
-                                                               "X-Session-ID": "stream-1"})
+    backend, through = _timed_stream(
+        cluster.router_url, body, {"Authorization": f"Bearer {ALICE}", "X-Session-ID": "stream-1"}
+    )
     _, direct = _timed_stream(backend.decode(), body, {"Authorization": f"Bearer {API_KEY}"})
     raw_through = b"".join(c for _, c in through)
     raw_direct = b"".join(c for _, c in direct)
-    assert _normalize(raw_through) == _normalize(raw_direct)     # same events, same framing, no usage chunk added
-    events = sse_json([e[len(b"data: "):].decode() for e in raw_through.split(b"\n\n") if e])
+    assert _normalize(raw_through) == _normalize(raw_direct)  # same events, same framing, no usage chunk added
+    events = sse_json([e[len(b"data: ") :].decode() for e in raw_through.split(b"\n\n") if e])
     assert all(e["usage"] is None for e in events)
     # chunks arrive as they are generated: many separate arrivals, the first long before the last
     times = [t for t, _ in through]
     assert len(through) >= 10, len(through)
     assert times[0] < 0.5 * times[-1], times
     # asked for usage: the client gets the usage chunk, byte for byte as the backend sent it
-    _, with_usage = _timed_stream(cluster.router_url, {**body, "stream_options": {"include_usage": True}},
-                                  {"Authorization": f"Bearer {ALICE}", "X-Session-ID": "stream-1"})
-    last = sse_json([e[len(b"data: "):].decode() for e in b"".join(c for _, c in with_usage).split(b"\n\n") if e])[-1]
+    _, with_usage = _timed_stream(
+        cluster.router_url,
+        {**body, "stream_options": {"include_usage": True}},
+        {"Authorization": f"Bearer {ALICE}", "X-Session-ID": "stream-1"},
+    )
+    last = sse_json([e[len(b"data: ") :].decode() for e in b"".join(c for _, c in with_usage).split(b"\n\n") if e])[-1]
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 32
 
 
@@ -272,40 +309,50 @@ def test_usage_per_key(cluster: Cluster) -> None:
                 add(label, r.json()["usage"])
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"{label} went", "max_tokens": 5})
             add(label, r.json()["usage"])
-            body = chat(None, f"Tell {label} a fact.", max_tokens=6, stream=True,
-                        stream_options={"include_usage": True})
+            body = chat(
+                None, f"Tell {label} a fact.", max_tokens=6, stream=True, stream_options={"include_usage": True}
+            )
             with client.stream("POST", "/v1/chat/completions", json=body) as s:
                 events = sse_json([line[6:] for line in s.iter_lines() if line.startswith("data: ")])
             usage = events[-1]["usage"]
             # the same greedy request without include_usage: the client sees no usage, the router still counts it
             with client.stream("POST", "/v1/chat/completions", json={**body, "stream_options": None}) as s:
-                assert all(json.loads(line[6:]).get("usage") is None for line in s.iter_lines()
-                           if line.startswith("data: {"))
+                assert all(
+                    json.loads(line[6:]).get("usage") is None for line in s.iter_lines() if line.startswith("data: {")
+                )
             add(label, usage, times=2)
     after = httpx.get(cluster.router_url + "/usage", headers={"Authorization": f"Bearer {BOB}"}).json()["keys"]
     for label, (requests, prompt, completion) in expected.items():
         old = before.get(label, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
         got = after[label]
-        assert (got["requests"] - old["requests"], got["prompt_tokens"] - old["prompt_tokens"],
-                got["completion_tokens"] - old["completion_tokens"]) == (requests, prompt, completion), (label, got)
+        assert (
+            got["requests"] - old["requests"],
+            got["prompt_tokens"] - old["prompt_tokens"],
+            got["completion_tokens"] - old["completion_tokens"],
+        ) == (requests, prompt, completion), (label, got)
         assert got["requests_without_usage"] == 0
     text = httpx.get(cluster.router_url + "/metrics").text
     assert 'pagoda_router:completion_tokens_total{key="bob"}' in text
-    assert ALICE not in text and BOB not in text                  # labels, never the keys
+    assert ALICE not in text and BOB not in text  # labels, never the keys
 
 
 def test_client_disconnect_aborts_the_backend_request(cluster: Cluster) -> None:
     body = chat(None, "Write a very long story about a wooden pagoda.", max_tokens=400, stream=True, ignore_eos=True)
     headers = {"Authorization": f"Bearer {ALICE}", "X-Session-ID": "disconnect-1"}
-    with httpx.Client(timeout=60) as client, \
-            client.stream("POST", cluster.router_url + "/v1/chat/completions", json=body, headers=headers) as r:
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", cluster.router_url + "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
         backend = r.headers["x-pagoda-backend"]
         aborts = metric(backend, "pagoda:request_success_total", finished_reason="abort")
         chunks = r.iter_raw()
         for _ in range(3):
             next(chunks)
-    wait_for(lambda: metric(backend, "pagoda:request_success_total", finished_reason="abort") > aborts, 10,
-             "the backend to abort the request")
+    wait_for(
+        lambda: metric(backend, "pagoda:request_success_total", finished_reason="abort") > aborts,
+        10,
+        "the backend to abort the request",
+    )
     wait_for(lambda: metric(backend, "pagoda:num_requests_running") == 0, 10, "the backend to be idle")
     assert metric(cluster.router_url, "pagoda_router:client_disconnects_total", backend=backend) >= 1
 
@@ -319,9 +366,11 @@ def _refused(port: int) -> bool:
 def test_stop_and_restart_a_backend(cluster: Cluster) -> None:
     b = cluster.b
     with cluster.client() as client:
+
         def place(session: str) -> str:
-            r = client.post("/v1/chat/completions", json=chat(None, "Hi", max_tokens=1),
-                            headers={"X-Session-ID": session})
+            r = client.post(
+                "/v1/chat/completions", json=chat(None, "Hi", max_tokens=1), headers={"X-Session-ID": session}
+            )
             assert r.status_code == 200, r.text
             return r.headers["x-pagoda-backend"]
 
@@ -340,7 +389,7 @@ def test_stop_and_restart_a_backend(cluster: Cluster) -> None:
         b.stop()
 
         wait_for(lambda: router_health(cluster.router_url)[b.url] is False, 10, "the probes to eject B")
-        for s in on_b:    # ejected: no retries needed, and each session moves to one stable backend
+        for s in on_b:  # ejected: no retries needed, and each session moves to one stable backend
             where = {place(s) for _ in range(2)}
             assert len(where) == 1 and b.url not in where
             if s in moved:
@@ -350,7 +399,7 @@ def test_stop_and_restart_a_backend(cluster: Cluster) -> None:
         try:
             restarted.wait_healthy()
             wait_for(lambda: router_health(cluster.router_url)[b.url] is True, 10, "the probes to readmit B")
-            assert {place(s) for s in on_b} == {b.url}      # its sessions came back
+            assert {place(s) for s in on_b} == {b.url}  # its sessions came back
         finally:
             cluster.b = restarted
             cluster.backends[b.url] = restarted

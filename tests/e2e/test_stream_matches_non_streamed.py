@@ -24,12 +24,15 @@ def _stream(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[st
         return sse_json(sse_payloads(r))
 
 
-@pytest.mark.parametrize("extra", [
-    {"n": 2, "max_tokens": 12, "ignore_eos": True},
-    {"max_tokens": 16, "stop": [" is", "\n"], "logprobs": 2},
-    {"max_tokens": 8, "echo": True, "logprobs": 1, "ignore_eos": True},
-    {"prompt": ["The capital of France is", "Roses are red,"], "n": 2, "max_tokens": 6},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2, "max_tokens": 12, "ignore_eos": True},
+        {"max_tokens": 16, "stop": [" is", "\n"], "logprobs": 2},
+        {"max_tokens": 8, "echo": True, "logprobs": 1, "ignore_eos": True},
+        {"prompt": ["The capital of France is", "Roses are red,"], "n": 2, "max_tokens": 6},
+    ],
+)
 def test_streamed_completion_matches_non_streamed(http: httpx.Client, extra: dict[str, Any]) -> None:
     body = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0.0, **extra}
     whole = http.post("/v1/completions", json=body)
@@ -38,12 +41,12 @@ def test_streamed_completion_matches_non_streamed(http: httpx.Client, extra: dic
     events = _stream(http, "/v1/completions", body)
     assert len({e["id"] for e in events}) == 1
     *chunks, usage = events
-    assert usage["choices"] == [] and usage["usage"] == _set(expected["usage"])   # streamed: exclude_none
+    assert usage["choices"] == [] and usage["usage"] == _set(expected["usage"])  # streamed: exclude_none
     texts: dict[int, str] = {}
     reasons: dict[int, tuple] = {}
     logprobs: dict[int, dict[str, list]] = {}
     for chunk in chunks:
-        assert set(chunk) == COMPLETION_KEYS and chunk["object"] == "text_completion"   # exclude_none: no usage
+        assert set(chunk) == COMPLETION_KEYS and chunk["object"] == "text_completion"  # exclude_none: no usage
         for choice in chunk["choices"]:
             i = choice["index"]
             assert i not in reasons, "no chunk after a choice's finish reason"
@@ -65,8 +68,14 @@ def test_streamed_completion_matches_non_streamed(http: httpx.Client, extra: dic
     assert len(texts) == len(expected["choices"])
 
 
-@pytest.mark.parametrize("extra", [{"n": 2, "max_tokens": 10}, {"max_tokens": 6, "logprobs": True, "top_logprobs": 2},
-                                   {"max_tokens": 24, "stop": ["Paris"], "include_stop_str_in_output": True}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2, "max_tokens": 10},
+        {"max_tokens": 6, "logprobs": True, "top_logprobs": 2},
+        {"max_tokens": 24, "stop": ["Paris"], "include_stop_str_in_output": True},
+    ],
+)
 def test_streamed_chat_matches_non_streamed(http: httpx.Client, extra: dict[str, Any]) -> None:
     body = {"model": MODEL, "messages": CAPITAL_QUESTION, "temperature": 0.0, **extra}
     whole = http.post("/v1/chat/completions", json=body)

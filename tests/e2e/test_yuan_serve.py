@@ -17,10 +17,12 @@ import openai
 import pytest
 from e2e_helpers import API_KEY, MODEL
 
-MESSAGES = [{"role": "system", "content": "You are helpful. "},
-            {"role": "user", "content": "  Hi there"},
-            {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Name a city.\n"}]
+MESSAGES = [
+    {"role": "system", "content": "You are helpful. "},
+    {"role": "user", "content": "  Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Name a city.\n"},
+]
 # Spec §6: system content.strip() + "\n"; turns stripped, joined by the literal "<n>", last + "<sep>".
 EXPECTED_PROMPT = "You are helpful.\nHi there<n>Hello!<n>Name a city.<sep>"
 
@@ -33,8 +35,12 @@ def yuan_folder(wide_yuan) -> str:
 def test_chat_template_command_prints_the_yuan_format(yuan_folder, tmp_path):
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps(MESSAGES))
-    out = subprocess.run([sys.executable, "-m", "pagoda", "chat-template", "--model", yuan_folder,
-                          "--messages", str(messages)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagoda", "chat-template", "--model", yuan_folder, "--messages", str(messages)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == repr(EXPECTED_PROMPT)
 
@@ -51,8 +57,7 @@ def test_serve_answers_chat_with_the_yuan_prompt(yuan_folder, launch_server):
     # The answer starts right away: no <sep> or other special token text leaks into it.
     assert "<sep>" not in answer and "<eod>" not in answer
 
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
     log = server.log_tail(20000)
     assert "Per-sequence state (LF)" in log and "snapshot per block" in log

@@ -19,8 +19,8 @@ from pagoda.errors import InvalidRequest
 
 def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
     rng = random.Random(seed)
-    shared = [rng.randrange(3, 512) for _ in range(40)]          # a common prefix: prefix-cache hits
-    stops = rng.sample(range(3, 512), 40)                          # ~8 % of the vocabulary ends a request
+    shared = [rng.randrange(3, 512) for _ in range(40)]  # a common prefix: prefix-cache hits
+    stops = rng.sample(range(3, 512), 40)  # ~8 % of the vocabulary ends a request
     prompts, params = [], []
     for i in range(36):
         body = [rng.randrange(3, 512) for _ in range(rng.randint(1, 150))]
@@ -34,19 +34,21 @@ def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
         elif kind == 2:
             p = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stops, min_tokens=6)
         elif kind == 3:
-            p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i, max_tokens=max_tokens,
-                               stop_token_ids=stops)
+            p = SamplingParams(
+                temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i, max_tokens=max_tokens, stop_token_ids=stops
+            )
         elif kind == 4:
             p = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, stop_token_ids=stops)
         elif kind == 5:
             p = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=1.3, ignore_eos=True)
         elif kind == 6:
-            p = SamplingParams(temperature=0, max_tokens=max_tokens, frequency_penalty=0.7, presence_penalty=0.3,
-                               stop_token_ids=stops)
+            p = SamplingParams(
+                temperature=0, max_tokens=max_tokens, frequency_penalty=0.7, presence_penalty=0.3, stop_token_ids=stops
+            )
         elif kind == 7:
             p = SamplingParams(n=2, temperature=1.0, seed=2000 + i, max_tokens=max_tokens, ignore_eos=True)
         else:
-            p = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)   # to max_model_len
+            p = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # to max_model_len
         params.append(p)
     return prompts, params
 
@@ -55,8 +57,11 @@ def _summary(outputs) -> list:
     rows = []
     for out in outputs:
         for c in out.outputs:
-            lps = None if c.logprobs is None else [sorted((tid, lp.logprob) for tid, lp in step.items())
-                                                   for step in c.logprobs]
+            lps = (
+                None
+                if c.logprobs is None
+                else [sorted((tid, lp.logprob) for tid, lp in step.items()) for step in c.logprobs]
+            )
             rows.append((out.request_id, c.index, c.token_ids, c.finish_reason, c.stop_reason, lps))
     return rows
 
@@ -72,8 +77,7 @@ def _assert_same(got: list, expected: list) -> None:
 
 
 def _engine(model: str, async_scheduling: bool, **kwargs) -> LLM:
-    return LLM(model=model, skip_tokenizer_init=True, max_model_len=256, async_scheduling=async_scheduling,
-               **kwargs)
+    return LLM(model=model, skip_tokenizer_init=True, max_model_len=256, async_scheduling=async_scheduling, **kwargs)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -88,7 +92,7 @@ def test_async_equals_sync_under_pressure(tiny_llama, seed):
     late = {"rows": 0}
     gather = runner._late_tokens
 
-    def counting(states, rows, flat_index):      # how many inputs came from the device, not the host
+    def counting(states, rows, flat_index):  # how many inputs came from the device, not the host
         late["rows"] += len(rows)
         return gather(states, rows, flat_index)
 
@@ -120,7 +124,7 @@ def test_async_abort_mid_flight(tiny_qwen2):
     for _ in range(6):
         for out in engine.step():
             seen[out.request_id] += out.outputs[0].token_ids
-    assert engine._inflight is not None                # a step is on the device right now
+    assert engine._inflight is not None  # a step is on the device right now
     aborted = engine.abort_request(["a"])
     assert [o.request_id for o in aborted] == ["a"] and aborted[0].finished
     # "a" is still in the launched step: reusing its id now would hand it that step's token.
@@ -133,8 +137,12 @@ def test_async_abort_mid_flight(tiny_qwen2):
     ref = _engine(tiny_qwen2, False, num_gpu_blocks_override=64)
     want = ref.generate([{"prompt_token_ids": [9, 10, 11]}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert seen["b"] == want and 0 < len(seen["a"]) < 50
-    assert seen["a"] == ref.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params,
-                                     use_tqdm=False)[0].outputs[0].token_ids[:len(seen["a"])]
-    assert engine._inflight is None                    # idle: nothing left on the device
+    assert (
+        seen["a"]
+        == ref.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids[: len(seen["a"])]
+    )
+    assert engine._inflight is None  # idle: nothing left on the device
     engine.step()
     assert not engine.runner.states and engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

@@ -7,17 +7,21 @@ from pagoda import SamplingParams
 
 
 def test_capital_of_france(default_llm):
-    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    out = default_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
-    assert out.outputs[0].finish_reason == "stop"       # ended on <|im_end|>, not by length
+    assert out.outputs[0].finish_reason == "stop"  # ended on <|im_end|>, not by length
     assert out.prompt.startswith("<|im_start|>")
 
 
 def test_stop_string_and_logprobs(default_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
-    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], params,
-                           use_tqdm=False)[0].outputs[0]
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
     assert "Paris" not in out.text and out.text.strip()
     assert len(out.logprobs) == len(out.token_ids)

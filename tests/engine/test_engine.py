@@ -29,8 +29,14 @@ def test_batch_invariance_under_preemption_and_chunking(tiny_llama):
     expected = [_tokens(alone.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False))[0] for p in prompts]
 
     # Pressure: 8 sequences, 64-token steps, and a pool barely larger than one max-length request.
-    tight = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8,
-                max_num_batched_tokens=64, num_gpu_blocks_override=40)
+    tight = LLM(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=40,
+    )
     # Poison every usable block: attention must never read a slot before it was written.
     for k_cache, v_cache in tight.engine.runner.kv_caches:
         k_cache[1:].fill_(float("nan"))
@@ -46,7 +52,7 @@ def test_batch_invariance_under_preemption_and_chunking(tiny_llama):
 
 
 def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
-    shared = _random_prompts(1, 50, 50, seed=1)[0]            # 3 full 16-token blocks + 2 tokens
+    shared = _random_prompts(1, 50, 50, seed=1)[0]  # 3 full 16-token blocks + 2 tokens
     first, second = shared + [7, 8, 9], shared + [10, 11]
     cached = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
     cached.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
@@ -55,16 +61,27 @@ def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
     assert out.num_cached_tokens == 48
     assert cached.engine.block_manager.prefix_hits - hits_before == 48
 
-    plain = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64,
-                enable_prefix_caching=False)
+    plain = LLM(
+        model=tiny_qwen2,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        enable_prefix_caching=False,
+    )
     ref = plain.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
     assert ref.num_cached_tokens == 0
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_limits_hold_every_step(tiny_llama):
-    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=3,
-              max_num_batched_tokens=40, num_gpu_blocks_override=64)
+    llm = LLM(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=3,
+        max_num_batched_tokens=40,
+        num_gpu_blocks_override=64,
+    )
     engine = llm.engine
     for i, p in enumerate(_random_prompts(7, 5, 90, seed=2)):
         engine.add_request(str(i), p, GREEDY)
@@ -79,8 +96,11 @@ def test_limits_hold_every_step(tiny_llama):
 
 def test_max_model_len_and_lengths(tiny_llama):
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=16)
-    out = llm.generate([{"prompt_token_ids": list(range(3, 60))}],
-                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": list(range(3, 60))}],
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 64 - 57 and out.outputs[0].finish_reason == "length"
     with pytest.raises(InvalidRequest, match="maximum model length of 64"):
         llm.generate([{"prompt_token_ids": list(range(3, 70))}], GREEDY, use_tqdm=False)
@@ -100,10 +120,10 @@ def test_n_and_seeded_sampling(tiny_llama):
     prompt = [{"prompt_token_ids": [4, 5, 6, 7]}]
     params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
     a = llm.generate(prompt, params, use_tqdm=False)[0]
-    b = llm.generate(prompt * 2, params, use_tqdm=False)[1]   # batched with a twin: same tokens
+    b = llm.generate(prompt * 2, params, use_tqdm=False)[1]  # batched with a twin: same tokens
     assert [o.index for o in a.outputs] == [0, 1, 2]
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
-    assert len({tuple(o.token_ids) for o in a.outputs}) > 1   # the samples differ from each other
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # the samples differ from each other
 
 
 def test_stop_token_ids_and_min_tokens(tiny_llama):
@@ -113,14 +133,18 @@ def test_stop_token_ids_and_min_tokens(tiny_llama):
     tokens = free.outputs[0].token_ids
     stop_at = tokens[5]
     first = tokens.index(stop_at)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
     # min_tokens suppresses the stop token until enough tokens exist.
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=first + 2,
-                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=first + 2, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.token_ids) >= first + 2
-    assert stop_at not in out.token_ids[:first + 1]
+    assert stop_at not in out.token_ids[: first + 1]
 
 
 def test_folder_without_tokenizer_needs_skip_flag(tiny_llama):
@@ -155,14 +179,21 @@ def test_repetition_penalty_matches_transformers(tiny_llama):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     prompts = _random_prompts(4, 5, 40, seed=9)
-    llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64,
-              dtype="float32")
+    llm = LLM(
+        model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64, dtype="float32"
+    )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
     got = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     for prompt, tokens in zip(prompts, got):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                 repetition_penalty=1.8, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                repetition_penalty=1.8,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert tokens == ref
 
 
@@ -207,8 +238,7 @@ def test_late_tokens_of_a_batch_that_keeps_its_rows_need_no_copies(tiny_llama, m
 
     from pagoda.worker import model_runner
 
-    runner = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=16,
-                 max_model_len=64).engine.runner
+    runner = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=16, max_model_len=64).engine.runner
     copies = []
     real = model_runner.to_device
     monkeypatch.setattr(model_runner, "to_device", lambda *a, **k: copies.append(a) or real(*a, **k))

@@ -12,7 +12,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 
-VOCAB = 4096     # ids below this are common SmolLM2 tokens: readable text, stop strings that match
+VOCAB = 4096  # ids below this are common SmolLM2 tokens: readable text, stop strings that match
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +20,32 @@ def tiny_with_tokenizer(tmp_path_factory) -> str:
     from pagoda.models.gguf_checkpoint import default_gguf_path, load_gguf_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-smol")
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
     (folder / "config.json").write_text(json.dumps(config))
     load_gguf_tokenizer(default_gguf_path()).save_pretrained(str(folder))
     return str(folder)
 
 
 def _engine(folder: str):
-    return LLM(model=folder, load_format="dummy", max_model_len=512, max_num_seqs=16, num_gpu_blocks_override=200,
-               seed=0).engine
+    return LLM(
+        model=folder, load_format="dummy", max_model_len=512, max_num_seqs=16, num_gpu_blocks_override=200, seed=0
+    ).engine
 
 
 def _prompts(count: int) -> list[list[int]]:

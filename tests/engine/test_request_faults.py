@@ -23,8 +23,14 @@ PROMPTS = {"a": "The capital of France is", TARGET: "Once upon a time", "b": "1,
 
 
 def _llm(folder: str, async_scheduling: bool = False) -> LLM:
-    return LLM(model=folder, max_model_len=128, num_gpu_blocks_override=64, block_size=16, seed=0,
-               async_scheduling=async_scheduling)
+    return LLM(
+        model=folder,
+        max_model_len=128,
+        num_gpu_blocks_override=64,
+        block_size=16,
+        seed=0,
+        async_scheduling=async_scheduling,
+    )
 
 
 def _finals(llm: LLM, params: dict[str, SamplingParams]) -> dict:
@@ -42,8 +48,10 @@ def _finals(llm: LLM, params: dict[str, SamplingParams]) -> dict:
 
 def _run(llm: LLM, params: dict[str, SamplingParams]) -> dict[str, tuple[list[int], str, str | int | None]]:
     engine = llm.engine
-    results = {rid: (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].stop_reason)
-               for rid, out in _finals(llm, params).items()}
+    results = {
+        rid: (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].stop_reason)
+        for rid, out in _finals(llm, params).items()
+    }
     assert engine.block_manager.usage == 0.0, "blocks leaked"
     engine.block_manager.check_integrity([])
     return results
@@ -51,8 +59,12 @@ def _run(llm: LLM, params: dict[str, SamplingParams]) -> dict[str, tuple[list[in
 
 def _params() -> dict[str, SamplingParams]:
     base = dict(temperature=0, max_tokens=12, ignore_eos=True)
-    return {"a": SamplingParams(**base), TARGET: SamplingParams(**base, logprobs=2),
-            "b": SamplingParams(**base, stop_token_ids=[99999]), "c": SamplingParams(**base, repetition_penalty=1.2)}
+    return {
+        "a": SamplingParams(**base),
+        TARGET: SamplingParams(**base, logprobs=2),
+        "b": SamplingParams(**base, stop_token_ids=[99999]),
+        "c": SamplingParams(**base, repetition_penalty=1.2),
+    }
 
 
 def _inject_sampling(monkeypatch):
@@ -62,6 +74,7 @@ def _inject_sampling(monkeypatch):
         if request_id == TARGET:
             raise RuntimeError("injected: sampling setup")
         return original(self, request_id, *args, **kwargs)
+
     monkeypatch.setattr(SamplingState, "add", add)
 
 
@@ -69,9 +82,10 @@ def _inject_stop_check(monkeypatch):
     original = Scheduler._check_stop
 
     def check(self, request, token):
-        if request.request_id.split("#")[0] == TARGET:      # "<id>#<i>": the samples of n > 1
+        if request.request_id.split("#")[0] == TARGET:  # "<id>#<i>": the samples of n > 1
             raise RuntimeError("injected: stop check")
         return original(self, request, token)
+
     monkeypatch.setattr(Scheduler, "_check_stop", check)
 
 
@@ -93,6 +107,7 @@ def _inject_detokenizer(monkeypatch):
         if self._victim and self._seen == 4:
             raise IndexError("injected: piece id is out of range")
         return original_update(self, token_id)
+
     monkeypatch.setattr(IncrementalDetokenizer, "__init__", init)
     monkeypatch.setattr(IncrementalDetokenizer, "update_one", update_one)
 
@@ -108,6 +123,7 @@ def _inject_output(monkeypatch):
             if calls["n"] == 2:
                 raise KeyError("injected: output processing")
         return original(self, sample, token, lp)
+
     monkeypatch.setattr(OutputProcessor, "_append_logprobs", append)
 
 
@@ -117,10 +133,14 @@ def reference(wide_yuan):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("inject", [_inject_sampling, _inject_stop_check, _inject_detokenizer, _inject_output],
-                         ids=["sampling", "stop-check", "detokenize", "output"])
-def test_a_fault_in_one_request_ends_only_that_request(wide_yuan, reference, monkeypatch, inject, async_scheduling,
-                                                        caplog):
+@pytest.mark.parametrize(
+    "inject",
+    [_inject_sampling, _inject_stop_check, _inject_detokenizer, _inject_output],
+    ids=["sampling", "stop-check", "detokenize", "output"],
+)
+def test_a_fault_in_one_request_ends_only_that_request(
+    wide_yuan, reference, monkeypatch, inject, async_scheduling, caplog
+):
     llm = _llm(wide_yuan, async_scheduling)
     inject(monkeypatch)
     with caplog.at_level("ERROR", logger="pagoda"):
@@ -155,9 +175,11 @@ def test_ids_without_a_tokenizer_piece(padding_yuan):
     tokenizer = llm.get_tokenizer()
     pieces = len(tokenizer)
     assert pieces < 135000 < 135040
-    out = llm.generate([{"prompt_token_ids": [100, 135000]}, "Hello", "Once upon a time"],
-                       SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1,
-                                      skip_special_tokens=False), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [100, 135000]}, "Hello", "Once upon a time"],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1, skip_special_tokens=False),
+        use_tqdm=False,
+    )
     sampled = [t for o in out for t in o.outputs[0].token_ids]
     assert any(t >= pieces for t in sampled) and any(t < pieces for t in sampled)
     for o in out:
@@ -166,7 +188,7 @@ def test_ids_without_a_tokenizer_piece(padding_yuan):
         # Decoded after the prompt, as the detokenizer does (SentencePiece keeps the first leading space).
         prompt = [t for t in o.prompt_token_ids if t < pieces]
         kept = [t for t in c.token_ids if t < pieces]
-        assert c.text == tokenizer.decode(prompt + kept)[len(tokenizer.decode(prompt)):]
+        assert c.text == tokenizer.decode(prompt + kept)[len(tokenizer.decode(prompt)) :]
         assert all(entry[t].decoded_token == "" for t, entry in zip(c.token_ids, c.logprobs) if t >= pieces)
     with pytest.raises(InvalidRequest, match=r"135040 .*\[0, 135040\)"):
         llm.generate([{"prompt_token_ids": [100, 135040]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -176,7 +198,7 @@ def test_decoding_helpers_drop_ids_without_a_piece(wide_yuan):
     llm = LLM(model=wide_yuan, max_model_len=64, num_gpu_blocks_override=8)
     tok = llm.get_tokenizer()
     pieces = len(tok)
-    with pytest.raises(IndexError):          # the reference: SentencePiece itself refuses such an id
+    with pytest.raises(IndexError):  # the reference: SentencePiece itself refuses such an id
         tok.decode([100, pieces + 5])
     assert decode_ids(tok, [100, pieces + 5, 200, -1]) == tok.decode([100, 200])
     assert single_token_decoder(tok)(pieces) == ""

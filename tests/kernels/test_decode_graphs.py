@@ -16,15 +16,28 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.cuda_graphs import default_buckets, default_token_buckets
-from tests.conftest import SHARED_FIXTURES
+from tests.conftest import FIXTURES
 
 CUDA = torch.cuda.is_available()
+# Tokens per request in the two-round golden tests: the goldens' first 8 of 16 (on a GPU all 16). Under the
+# interpreter every decode step costs seconds (rows x heads programs per layer, each interpreted), and the
+# paths these tests pin are all taken within 8: the block boundaries (block_size 4), chunked prefill mixed
+# with decodes, bucket padding, async input gathering, and the second round's restored LF snapshots (those
+# are the prompts' blocks). All 16 tokens of every golden, on every path but the graphs: test_yuan_golden.py.
+TOKENS = 16 if CUDA else 8
 
 
 def _engine(fixture: str, **overrides) -> LLMEngine:
-    args = dict(model=str(SHARED_FIXTURES / fixture), skip_tokenizer_init=True, dtype="float32",
-                attention_backend="triton", block_size=4, num_gpu_blocks_override=200, max_num_seqs=8,
-                device="cuda" if CUDA else "cpu")
+    args = dict(
+        model=str(FIXTURES / fixture),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        attention_backend="triton",
+        block_size=4,
+        num_gpu_blocks_override=200,
+        max_num_seqs=8,
+        device="cuda" if CUDA else "cpu",
+    )
     engine = LLMEngine(EngineConfig.create(EngineArgs(**(args | overrides))))
     if not CUDA:
         engine.runner.enable_decode_graphs(capture=False)
@@ -54,7 +67,7 @@ def test_default_buckets():
 def test_default_token_buckets():
     assert default_token_buckets(8) == [16]
     assert default_token_buckets(100)[-1] == 128 and default_token_buckets(8192)[-1] == 2048
-    assert default_token_buckets(2048)[-1] == 2048     # a 2048-token step has no spare token: eager
+    assert default_token_buckets(2048)[-1] == 2048  # a 2048-token step has no spare token: eager
 
 
 def _count_buckets(graphs) -> list[int]:
@@ -70,36 +83,36 @@ def test_yuan_goldens_through_mixed_step_graphs(async_scheduling):
     token-bucket graph (decode rows through the prefill kernel's tiles, padding rows on the scratch
     slot), the second round restores LF snapshots those graphs wrote. With async scheduling the
     decode rows' input tokens are gathered on the device into the graph's static buffer."""
-    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     cases = golden["cases"]
     engine = _engine("yuan2-tiny", max_num_batched_tokens=8, async_scheduling=async_scheduling)
     assert engine.runner.step_graphs.buckets == [16]
     mixed = _count_buckets(engine.runner.step_graphs)
     decode = _count_buckets(engine.runner.decode_graphs)
     for round_ in range(2):
-        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, 16)
+        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
         for i, case in enumerate(cases):
-            assert done[f"{round_}-{i}"] == case["greedy_16"], f"round {round_}, case {i}"
+            assert done[f"{round_}-{i}"] == case["greedy_16"][:TOKENS], f"round {round_}, case {i}"
     assert engine.scheduler.stats.num_chunked_prefills > 0 and engine.block_manager.prefix_hits > 0
     assert len(mixed) >= 10 and len(decode) >= 10
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_yuan_goldens_through_decode_graphs(async_scheduling):
-    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
-    cases = golden["cases"]                       # 1, 2, 7, 23 and 45 prompt tokens
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = golden["cases"]  # 1, 2, 7, 23 and 45 prompt tokens
     engine = _engine("yuan2-tiny", async_scheduling=async_scheduling)
     graphs = engine.runner.decode_graphs
     assert graphs is not None
     used = []
     run = graphs.run
     graphs.run = lambda inputs: used.append(graphs.bucket(len(inputs.token_ids))) or run(inputs)
-    for round_ in range(2):                       # round 1 restores LF snapshots written by graph steps
-        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, 16)
+    for round_ in range(2):  # round 1 restores LF snapshots written by graph steps
+        done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
         for i, case in enumerate(cases):
-            assert done[f"{round_}-{i}"] == case["greedy_16"], f"round {round_}, case {i}"
+            assert done[f"{round_}-{i}"] == case["greedy_16"][:TOKENS], f"round {round_}, case {i}"
     assert engine.block_manager.prefix_hits > 0
-    assert 8 in used and len(used) >= 15          # 5 rows padded to the bucket of 8, most steps graphed
+    assert 8 in used and len(used) >= TOKENS - 1  # 5 rows padded to the bucket of 8, most steps graphed
     # Every slot but the scratch one is free again once the runner hears of the last finishes.
     engine.step()
     pool = engine.runner.state_pool
@@ -108,7 +121,7 @@ def test_yuan_goldens_through_decode_graphs(async_scheduling):
 
 def test_yuan_one_row_at_a_time_matches_golden_steps():
     """Bucket 1 and 2 (no padding / one padding row), prompts decoded alone and in a pair."""
-    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     engine = _engine("yuan2-tiny", max_num_seqs=2)
     assert engine.runner.decode_graphs.buckets == [1, 2]
     a, b, c = golden["cases"][0], golden["cases"][2], golden["cases"][4]
@@ -119,10 +132,19 @@ def test_yuan_one_row_at_a_time_matches_golden_steps():
 
 def test_enforce_eager_and_moe_skip_graphs():
     # The eager half can only fail on a GPU (the CPU never captures); the MoE half runs everywhere.
-    engine = LLMEngine(EngineConfig.create(EngineArgs(
-        model=str(SHARED_FIXTURES / "yuan2-tiny"), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        attention_backend="triton" if CUDA else "torch", num_gpu_blocks_override=50,
-        device="cuda" if CUDA else "cpu")))
+    engine = LLMEngine(
+        EngineConfig.create(
+            EngineArgs(
+                model=str(FIXTURES / "yuan2-tiny"),
+                skip_tokenizer_init=True,
+                dtype="float32",
+                enforce_eager=True,
+                attention_backend="triton" if CUDA else "torch",
+                num_gpu_blocks_override=50,
+                device="cuda" if CUDA else "cpu",
+            )
+        )
+    )
     assert not engine.config.device.cuda_graphs and engine.runner.decode_graphs is None
     moe = _engine("yuan2-m32-tiny")
-    assert moe.runner.decode_graphs is None      # the expert loop syncs with the host
+    assert moe.runner.decode_graphs is None  # the expert loop syncs with the host

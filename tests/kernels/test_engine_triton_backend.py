@@ -13,22 +13,32 @@ import torch
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
-from tests.conftest import SHARED_FIXTURES
+from tests.conftest import FIXTURES
 
 
 def test_yuan_goldens_on_the_triton_backend():
-    golden = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "golden.json").read_text())
-    cases = [golden["cases"][2], golden["cases"][3]]           # 7 and 23 prompt tokens
-    engine = LLMEngine(EngineConfig.create(EngineArgs(
-        model=str(SHARED_FIXTURES / "yuan2-tiny"), skip_tokenizer_init=True, dtype="float32",
-        attention_backend="triton", max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=80,
-        device="cuda" if torch.cuda.is_available() else "cpu")))
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = [golden["cases"][2], golden["cases"][3]]  # 7 and 23 prompt tokens
+    engine = LLMEngine(
+        EngineConfig.create(
+            EngineArgs(
+                model=str(FIXTURES / "yuan2-tiny"),
+                skip_tokenizer_init=True,
+                dtype="float32",
+                attention_backend="triton",
+                max_num_batched_tokens=8,
+                block_size=4,
+                num_gpu_blocks_override=80,
+                device="cuda" if torch.cuda.is_available() else "cpu",
+            )
+        )
+    )
     assert engine.runner.backend.name == "triton" and not engine.runner.backend.needs_zeroed_blocks
     for k, v in engine.runner.kv_caches:
         k[1:].fill_(float("nan"))
         v[1:].fill_(float("nan"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for round_ in range(2):                                    # the second round hits the prefix cache
+    for round_ in range(2):  # the second round hits the prefix cache
         for i, case in enumerate(cases):
             engine.add_request(f"{round_}-{i}", case["prompt_ids"], params)
         done = {}

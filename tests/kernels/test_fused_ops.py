@@ -43,7 +43,7 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
     def ordered(t: torch.Tensor) -> torch.Tensor:
         bits = t.contiguous().view(INT_VIEW[t.dtype]).long()
-        return torch.where(bits < 0, torch.iinfo(INT_VIEW[t.dtype]).min - bits, bits)   # monotone in value
+        return torch.where(bits < 0, torch.iinfo(INT_VIEW[t.dtype]).min - bits, bits)  # monotone in value
 
     return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
 
@@ -57,7 +57,7 @@ def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -
 # RMSNorm / fused add + RMSNorm
 # ---------------------------------------------------------------------------------------------
 
-NORM_SHAPES = [(1, 8), (3, 33), (4, 100), (2, 257)]      # (rows, hidden); odd and non-power-of-2 hiddens
+NORM_SHAPES = [(1, 8), (3, 33), (4, 100), (2, 257)]  # (rows, hidden); odd and non-power-of-2 hiddens
 
 
 def _check_normed(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -87,22 +87,22 @@ def test_fused_add_rms_norm(rows, hidden, dtype):
     weight = _randn(hidden, dtype=dtype, seed=5) + 1
     out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
     ref_out, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
-    assert torch.equal(summed, ref_summed)           # the next residual stream: exactly `x + residual`
-    assert torch.equal(summed, residual + x)         # the order the model used to add in
+    assert torch.equal(summed, ref_summed)  # the next residual stream: exactly `x + residual`
+    assert torch.equal(summed, residual + x)  # the order the model used to add in
     _check_normed(out, ref_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_strided_and_batched_inputs(dtype):
     wide = _randn(5, 80, dtype=dtype, seed=6)
-    x = wide[:, 8:56]                                             # rows strided by 80
-    residual = _randn(2, 5, 48, dtype=dtype, seed=7)[1]          # a view into a bigger tensor
+    x = wide[:, 8:56]  # rows strided by 80
+    residual = _randn(2, 5, 48, dtype=dtype, seed=7)[1]  # a view into a bigger tensor
     weight = _randn(48, dtype=dtype, seed=8)
     out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
     ref_out, ref_summed = rms_norm_reference(x, weight, 1e-6, residual)
     assert torch.equal(summed, ref_summed)
     _check_normed(out, ref_out)
-    x3 = _randn(2, 3, 48, dtype=dtype, seed=9)                   # [..., H]
+    x3 = _randn(2, 3, 48, dtype=dtype, seed=9)  # [..., H]
     _check_normed(fused_ops.rms_norm(x3, weight, 1e-6), rms_norm_reference(x3, weight, 1e-6))
     assert fused_ops.rms_norm(x3[:0], weight, 1e-6).shape == (0, 3, 48)
 
@@ -111,8 +111,8 @@ def test_rms_norm_strided_and_batched_inputs(dtype):
 # RoPE
 # ---------------------------------------------------------------------------------------------
 
-HEADS = [(4, 4), (6, 2), (3, 1)]                          # (Hq, Hkv): MHA, GQA, MQA
-DIMS = [(8, 8), (16, 16), (12, 8), (10, 6), (16, 8)]     # (head_dim, rotary_dim): full, partial, odd halves
+HEADS = [(4, 4), (6, 2), (3, 1)]  # (Hq, Hkv): MHA, GQA, MQA
+DIMS = [(8, 8), (16, 16), (12, 8), (10, 6), (16, 8)]  # (head_dim, rotary_dim): full, partial, odd halves
 
 
 def _qkv_views(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
@@ -143,12 +143,13 @@ def test_rotary_tables_and_head_blocks(dtype, monkeypatch):
     t, hq, hkv, d = 4, 6, 3, 16
     positions = torch.tensor([0, 7, 300, 31], device=DEVICE)
     bf16_table = RotaryEmbedding(8, 512, 10000.0, None, table_precision="bfloat16").cos_sin(positions)
-    mrope = multimodal_cos_sin(RotaryEmbedding(d, 512, 1e6, None),
-                               torch.stack([positions, positions.flip(0), positions // 2]), [2, 3, 3])
+    mrope = multimodal_cos_sin(
+        RotaryEmbedding(d, 512, 1e6, None), torch.stack([positions, positions.flip(0), positions // 2]), [2, 3, 3]
+    )
     for cos_sin, rotary_dim in ((bf16_table, 8), (mrope, d)):
         q, k = _qkv_views(t, hq, hkv, d, dtype, seed=12)
         for qq, kk in ((q, k), (q.contiguous(), k.contiguous())):
-            for tile in (fused_ops._ROPE_TILE, 8):                # 8 elements: one head per program
+            for tile in (fused_ops._ROPE_TILE, 8):  # 8 elements: one head per program
                 monkeypatch.setattr(fused_ops, "_ROPE_TILE", tile)
                 q_out, k_out = fused_ops.rotary(qq, kk, *cos_sin)
                 q_ref, k_ref = apply_rotary_reference(qq, kk, cos_sin)
@@ -196,25 +197,33 @@ def test_rotary_store_kv_refuses_what_it_cannot_store():
     cos_sin = RotaryEmbedding(8, 16, 1e4, None).cos_sin(torch.tensor([1, 2], device=DEVICE))
     cache = torch.zeros(3, 4, 2, 8, device=DEVICE)
     assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache, cache.clone())
-    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache.half(), cache.half())     # dtype
+    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache.half(), cache.half())  # dtype
     assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache[..., :4], cache[..., :4])  # head_dim
-    assert not fused_ops.supports_rotary_store_kv(q, k, v[:, :1], *cos_sin, cache, cache)             # v shape
-    assert fused_ops.rotary_store_kv(q[:0], k[:0], v[:0], cos_sin[0][:0], cos_sin[1][:0], cache, cache,
-                                     torch.zeros(0, dtype=torch.long, device=DEVICE)).shape == (0, 4, 8)
+    assert not fused_ops.supports_rotary_store_kv(q, k, v[:, :1], *cos_sin, cache, cache)  # v shape
+    assert fused_ops.rotary_store_kv(
+        q[:0],
+        k[:0],
+        v[:0],
+        cos_sin[0][:0],
+        cos_sin[1][:0],
+        cache,
+        cache,
+        torch.zeros(0, dtype=torch.long, device=DEVICE),
+    ).shape == (0, 4, 8)
 
 
 # ---------------------------------------------------------------------------------------------
 # SiLU-and-mul
 # ---------------------------------------------------------------------------------------------
 
-SILU_SHAPES = [(1, 1), (3, 5), (4, 64), (2, 37), (1, 1100)]     # (rows, I); 1100 > one column block
+SILU_SHAPES = [(1, 1), (3, 5), (4, 64), (2, 37), (1, 1100)]  # (rows, I); 1100 > one column block
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,inter", SILU_SHAPES)
 def test_silu_and_mul(rows, inter, dtype):
     x = _randn(rows, 2 * inter, dtype=dtype, scale=4.0, seed=14)
-    x[0, 0] = -100.0                                 # exp overflows: silu = -0
+    x[0, 0] = -100.0  # exp overflows: silu = -0
     x[-1, min(1, inter - 1)] = 100.0
     out = fused_ops.silu_and_mul(x)
     ref = silu_and_mul_reference(x)
@@ -229,8 +238,8 @@ def test_silu_and_mul(rows, inter, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
-    monkeypatch.setattr(fused_ops, "_SILU_BLOCK", 8)       # I = 21 → three column blocks, the last partial
-    x = _randn(3, 50, dtype=dtype, seed=15)[:, 4:46]       # [3, 42], rows strided by 50
+    monkeypatch.setattr(fused_ops, "_SILU_BLOCK", 8)  # I = 21 → three column blocks, the last partial
+    x = _randn(3, 50, dtype=dtype, seed=15)[:, 4:46]  # [3, 42], rows strided by 50
     out = fused_ops.silu_and_mul(x)
     # fp32: exp is not correctly rounded on either side (NumPy under the interpreter, Sleef or CUDA's
     # exp in PyTorch), so a couple of fp32 ulps, as in test_silu_and_mul; bf16 rounds that away
@@ -244,6 +253,7 @@ def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Layer dispatch
 # ---------------------------------------------------------------------------------------------
+
 
 def test_cpu_tensors_never_take_the_kernels(monkeypatch):
     assert dispatch.fused_ops_for(torch.zeros(2)) is None
@@ -259,9 +269,11 @@ def test_cpu_tensors_never_take_the_kernels(monkeypatch):
 # Yuan2's LF gate on one-token rows: norms fused with the state shifts
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden, with_residual, with_snapshots", [(6, True, False), (10, False, True),
-                                                                   (34, True, True)])
+@pytest.mark.parametrize(
+    "hidden, with_residual, with_snapshots", [(6, True, False), (10, False, True), (34, True, True)]
+)
 def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_snapshots, dtype):
     """`lf_decode_input` then `lf_decode_output` against the reference composition: the layer's
     input norm (`rms_norm_reference`, with or without the residual add), the LF gate's gather /
@@ -295,7 +307,7 @@ def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_sn
     assert torch.equal(state, want_state)
 
     o1 = _randn(rows, half, dtype=dtype, seed=47)
-    in2[:, half:] = o1                                  # what conv1 accumulates there
+    in2[:, half:] = o1  # what conv1 accumulates there
     o2 = _randn(rows, hidden, dtype=dtype, seed=48)
     y = fused_ops.lf_decode_output(o2, x, out_weight, 1e-6, in2[:, half:], state, slots, snap_index, snapshots)
     _check_normed(y, rms_norm_reference(o2, out_weight, 1e-6, x)[0])
@@ -328,8 +340,12 @@ def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch)
     state0 = _randn(5, hidden + half, dtype=dtype, seed=60)
     h, residual = _randn(1, hidden, dtype=dtype, seed=61), _randn(1, hidden, dtype=dtype, seed=62)
     slot = torch.tensor([3], device=DEVICE)
-    batch = SequenceStateBatch(slots=slot, first_token=torch.tensor([0], device=DEVICE),
-                               last_token=torch.tensor([0], device=DEVICE), one_token_per_row=True)
+    batch = SequenceStateBatch(
+        slots=slot,
+        first_token=torch.tensor([0], device=DEVICE),
+        last_token=torch.tensor([0], device=DEVICE),
+        one_token_per_row=True,
+    )
 
     def step(with_terms: bool):
         lf.bind_state(state0.clone(), torch.empty(0))
@@ -345,7 +361,7 @@ def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch)
         assert not lf.supports_previous_token_terms(torch.cat([h, h]), batch)
         y_split, state_split = step(True)
         y_whole, state_whole = step(False)
-    with monkeypatch.context() as m:                         # the PyTorch gate (what the CPU runs)
+    with monkeypatch.context() as m:  # the PyTorch gate (what the CPU runs)
         m.setattr(dispatch, "fused_ops_for", lambda x: None)
         m.setattr(dispatch, "gemv_for", lambda x: None)
         lf.bind_state(state0.clone(), torch.empty(0))
@@ -353,7 +369,7 @@ def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch)
         y_ref, state_ref = lf(x_ref, batch), lf.state
 
     assert torch.equal(state_split[:, :hidden], state_whole[:, :hidden])
-    if dtype == torch.float32:          # nothing rounded to a narrower type: fp32 summation order only
+    if dtype == torch.float32:  # nothing rounded to a narrower type: fp32 summation order only
         torch.testing.assert_close(state_split[:, hidden:], state_whole[:, hidden:])
     else:
         assert ulps(state_split[:, hidden:], state_whole[:, hidden:]) <= 1
@@ -372,11 +388,20 @@ def kernels_everywhere(monkeypatch):
     class Spy:
         def __getattr__(self, name):
             attr = getattr(fused_ops, name)
-            if name in ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_store_kv", "silu_and_mul",
-                        "lf_decode_input", "lf_decode_output"):
+            if name in (
+                "rms_norm",
+                "fused_add_rms_norm",
+                "rotary",
+                "rotary_store_kv",
+                "silu_and_mul",
+                "lf_decode_input",
+                "lf_decode_output",
+            ):
+
                 def wrapped(*args, **kwargs):
                     calls.append(name)
                     return attr(*args, **kwargs)
+
                 return wrapped
             return attr
 
@@ -392,7 +417,7 @@ def test_layers_use_the_kernels_and_fall_back(kernels_everywhere):
     assert torch.equal(summed, x + residual)
     assert ulps(out, rms_norm_reference(x, norm.weight, norm.eps, residual)[0]) <= 4
     norm(x)
-    norm(x.to(torch.bfloat16))                             # fp32 weight, bf16 input: PyTorch's promotion
+    norm(x.to(torch.bfloat16))  # fp32 weight, bf16 input: PyTorch's promotion
     gate_up = _randn(2, 12, dtype=torch.float32, seed=19)
     assert ulps(SiluAndMul()(gate_up), silu_and_mul_reference(gate_up)) <= 4
     q, k = _qkv_views(2, 4, 2, 8, torch.float32, seed=20)
@@ -411,34 +436,70 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     accumulating in place, conv2, q/k, v, o, down, lm_head), and the requests run one at a time, so
     the dense model's decode steps have one row and its MLP takes the GEMV with SiLU-and-mul fused.
     Those one-row steps compute the LF previous-token terms a layer ahead, so the convolutions run
-    as their weights' halves (whole-weight convolutions at one row: `test_lf_previous_token_terms_...`;
-    this test is the suite's slowest under the interpreter, the lm_head GEMV's many programs)."""
+    as their weights' halves (whole-weight convolutions at one row: `test_lf_previous_token_terms_...`).
+    Under the interpreter each GEMV runs as four programs (BLOCK_N a quarter of N; the interpreter's own config,
+    two columns a program, made this the suite's slowest test: ~750 launches of up to 256 programs, each
+    interpreted one by one): the same kernels, the same K tiles (so the same numerics) and more than one
+    program per launch; tests/kernels/test_gemv.py covers the configs themselves."""
     from types import SimpleNamespace
 
+    import triton
+
     from pagoda.kernels import gemv
+    from pagoda.kernels.fused_ops import _interpreting
 
     gemv_calls: list[tuple[str, tuple[int, int]]] = []
+    if with_gemv and _interpreting():
+        product_config = gemv.gemv_config
+
+        def four_programs(m: int, n: int, k: int) -> gemv.GemvConfig:
+            config = product_config(m, n, k)
+            return gemv.GemvConfig(
+                block_n=max(config.block_n, triton.next_power_of_2(n) // 4),
+                block_k=config.block_k,
+                num_warps=config.num_warps,
+            )
+
+        monkeypatch.setattr(gemv, "gemv_config", four_programs)
     if with_gemv:
+
         def spy(name):
             def call(*args, **kwargs):
                 gemv_calls.append((name, tuple(args[1].shape)))
                 return getattr(gemv, name)(*args, **kwargs)
+
             return call
 
         monkeypatch.setattr(gemv, "MAX_ROWS", 8)
-        monkeypatch.setattr(dispatch, "gemv_for", lambda x: SimpleNamespace(
-            supports=gemv.supports, gemv=spy("gemv"), gemv_silu_and_mul=spy("gemv_silu_and_mul")))
+        monkeypatch.setattr(
+            dispatch,
+            "gemv_for",
+            lambda x: SimpleNamespace(
+                supports=gemv.supports, gemv=spy("gemv"), gemv_silu_and_mul=spy("gemv_silu_and_mul")
+            ),
+        )
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.sampling_params import SamplingParams
-    from tests.conftest import SHARED_FIXTURES
+    from tests.conftest import FIXTURES
 
     # yuan2-tiny runs the Triton attention backend too (RoPE fused into its KV store); M32 the PyTorch one.
     for name, backend in (("yuan2-tiny", "triton"), ("yuan2-m32-tiny", "torch")):
-        golden = json.loads((SHARED_FIXTURES / name / "golden.json").read_text())
-        engine = LLMEngine(EngineConfig.create(EngineArgs(
-            model=str(SHARED_FIXTURES / name), skip_tokenizer_init=True, dtype="float32", attention_backend=backend,
-            max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=80, device=DEVICE)))
+        golden = json.loads((FIXTURES / name / "golden.json").read_text())
+        engine = LLMEngine(
+            EngineConfig.create(
+                EngineArgs(
+                    model=str(FIXTURES / name),
+                    skip_tokenizer_init=True,
+                    dtype="float32",
+                    attention_backend=backend,
+                    max_num_batched_tokens=16,
+                    block_size=4,
+                    num_gpu_blocks_override=80,
+                    device=DEVICE,
+                )
+            )
+        )
         runner, captured = engine.runner, {}
         sample = runner._sample
 
@@ -451,7 +512,7 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         cases = golden["cases"][:3]
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         done = {}
-        for batch in ([list(enumerate(cases))] if not with_gemv else [[pair] for pair in enumerate(cases)]):
+        for batch in [list(enumerate(cases))] if not with_gemv else [[pair] for pair in enumerate(cases)]:
             for i, case in batch:
                 engine.add_request(str(i), case["prompt_ids"], params)
             while engine.has_unfinished_requests():
@@ -461,13 +522,23 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         for i, case in enumerate(cases):
             assert done[str(i)] == case["greedy_16"][:6], name
             torch.testing.assert_close(captured[str(i)][0], torch.tensor(case["last_logits"]), atol=1e-4, rtol=0)
-    assert {"fused_add_rms_norm", "rms_norm", "rotary", "rotary_store_kv", "silu_and_mul", "lf_decode_input",
-            "lf_decode_output"} <= set(kernels_everywhere)
-    if with_gemv:      # the LF convolutions' halves conv1 [H/2, H] x 2 and conv2 [H, H/2] x 2, the MLP's up/gate [2I, H]
-        cfg = json.loads((SHARED_FIXTURES / "yuan2-tiny" / "config.json").read_text())
+    assert {
+        "fused_add_rms_norm",
+        "rms_norm",
+        "rotary",
+        "rotary_store_kv",
+        "silu_and_mul",
+        "lf_decode_input",
+        "lf_decode_output",
+    } <= set(kernels_everywhere)
+    if with_gemv:  # the LF convolutions' halves conv1 [H/2, H] x 2 and conv2 [H, H/2] x 2, the MLP's up/gate [2I, H]
+        cfg = json.loads((FIXTURES / "yuan2-tiny" / "config.json").read_text())
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        assert {("gemv", (hidden // 2, hidden)), ("gemv", (hidden, hidden // 2)),
-                ("gemv_silu_and_mul", (2 * inter, hidden))} <= set(gemv_calls)
+        assert {
+            ("gemv", (hidden // 2, hidden)),
+            ("gemv", (hidden, hidden // 2)),
+            ("gemv_silu_and_mul", (2 * inter, hidden)),
+        } <= set(gemv_calls)
 
 
 def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
@@ -476,12 +547,22 @@ def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
     the same on CPU today). Eager on a GPU too: a CUDA graph captured in one run would replay in the other."""
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(model=tiny_qwen2, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=128,
-              dtype="bfloat16", device=DEVICE, enforce_eager=True)
+    llm = LLM(
+        model=tiny_qwen2,
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=64,
+        max_model_len=128,
+        dtype="bfloat16",
+        device=DEVICE,
+        enforce_eager=True,
+    )
     runner, captured = llm.engine.runner, []
     sample = runner._sample
-    monkeypatch.setattr(runner, "_sample",
-                        lambda ids, states, logits: captured.append(logits.float().cpu()) or sample(ids, states, logits))
+    monkeypatch.setattr(
+        runner,
+        "_sample",
+        lambda ids, states, logits: captured.append(logits.float().cpu()) or sample(ids, states, logits),
+    )
     prompts = [{"prompt_token_ids": [5, 17, 301, 44, 9, 260, 88, 13, 402]}, {"prompt_token_ids": [400, 12, 97]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -491,7 +572,7 @@ def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], torch.cat(captured)
 
-    ref_tokens, ref_logits = run(None)             # the PyTorch code, on any device
+    ref_tokens, ref_logits = run(None)  # the PyTorch code, on any device
     tokens, logits = run(fused_ops)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=0)

@@ -30,7 +30,7 @@ class Shape:
     intermediate: int
     theta: float
     mrope_sections: tuple[int, ...] | None = None
-    qkv_has_v: bool = True        # Yuan's fused projection is [q | k] only (v comes from another GEMM)
+    qkv_has_v: bool = True  # Yuan's fused projection is [q | k] only (v comes from another GEMM)
 
 
 SHAPES = {
@@ -85,8 +85,9 @@ def test_fused_ops_match_the_references_at_model_shapes(model: str, tokens: int,
     q, k = (p.view(t, -1, s.head_dim) for p in qkv.split(widths, dim=-1)[:2])
     positions = torch.randint(0, 32768, (t,), generator=gen, device=dev)
     if s.mrope_sections:
-        cos_sin = multimodal_cos_sin(rope, torch.stack([positions, positions // 7, positions // 13]),
-                                     list(s.mrope_sections))
+        cos_sin = multimodal_cos_sin(
+            rope, torch.stack([positions, positions // 7, positions // 13]), list(s.mrope_sections)
+        )
     else:
         cos_sin = rope.cos_sin(positions)
     gate_up = randn(t, 2 * s.intermediate, scale=3.0)

@@ -1,8 +1,9 @@
 """The few-row GEMV kernel against `F.linear` / `torch.addmm` computed in float64.
 
 The kernel sums products in fp32 in its own order, then rounds once: it may differ from the exact
-result by an ulp of the output plus the fp32 sum's own rounding (which shows where terms cancel). On CPU the kernel runs under the Triton interpreter (`conftest.py`): tiny
-shapes, with K not a multiple of the K tile to cover the masked path.
+result by an ulp of the output plus the fp32 sum's own rounding (which shows where terms cancel). On CPU
+the kernel runs under the Triton interpreter (`conftest.py`): tiny shapes, with K not a multiple of the
+K tile to cover the masked path.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pagoda.kernels import gemv as gemv_module
 from pagoda.kernels.gemv import GemvConfig, gemv, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def assert_near_exact(y, x, w, bias=None, base=None):
     """y within one ulp of the exact (float64) result, plus what an fp32 sum of K products may lose
     to rounding (2·K·2^-24 of Σ|x·w|: visible where the terms cancel and the result is small)."""
@@ -30,16 +33,15 @@ def assert_near_exact(y, x, w, bias=None, base=None):
             exact = exact + extra.double()
     info = torch.finfo(y.dtype)
     magnitude = exact.to(y.dtype).double().abs().clamp_min(info.smallest_normal)
-    one_ulp = info.eps * torch.exp2(torch.floor(torch.log2(magnitude)))       # the output dtype's ulp there
-    slack = 2 * x.shape[-1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+    one_ulp = info.eps * torch.exp2(torch.floor(torch.log2(magnitude)))  # the output dtype's ulp there
+    slack = 2 * x.shape[-1] * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
     err = (y.double() - exact).abs()
     assert bool((err <= one_ulp + slack).all()), float((err - one_ulp - slack).max())
 
 
-SHAPES = [(1, 24, 40), (1, 7, 64), (2, 16, 33), (3, 10, 96)]      # (M, N, K): odd N and K on purpose
+SHAPES = [(1, 24, 40), (1, 7, 64), (2, 16, 33), (3, 10, 96)]  # (M, N, K): odd N and K on purpose
 if DEVICE == "cuda":
-    SHAPES += [(1, 2048, 2048), (1, 1024, 4096), (1, 2048, 8192), (1, 16384, 2048), (4, 4096, 2048),
-               (1, 1000, 3000)]
+    SHAPES += [(1, 2048, 2048), (1, 1024, 4096), (1, 2048, 8192), (1, 16384, 2048), (4, 4096, 2048), (1, 1000, 3000)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -48,14 +50,15 @@ if DEVICE == "cuda":
 def test_matches_linear(m, n, k, dtype, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
     bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
     y = gemv(x, w, bias)
     assert y.shape == (m, n) and y.dtype == dtype
     assert_near_exact(y, x, w, bias)
     # and agrees with what the layer would otherwise run
-    assert torch.allclose(y.float(), F.linear(x.float(), w.float(), None if bias is None else bias.float()),
-                          atol=2e-2, rtol=2e-2)
+    assert torch.allclose(
+        y.float(), F.linear(x.float(), w.float(), None if bias is None else bias.float()), atol=2e-2, rtol=2e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -67,11 +70,11 @@ def test_accumulates_into_a_strided_view_like_addmm(dtype):
     left_before = buffer[:, :n].clone()
     base = buffer[:, n:].clone()
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
     out = buffer[:, n:]
     gemv(x, w, out=out, accumulate=True)
     assert_near_exact(buffer[:, n:], x, w, base=base)
-    assert torch.equal(buffer[:, :n], left_before)          # nothing written outside the view
+    assert torch.equal(buffer[:, :n], left_before)  # nothing written outside the view
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -81,12 +84,12 @@ def test_float32_partial_sum_then_its_second_half_rounds_once(n, k, dtype):
     y = A1·x + t rounded once; together the one-GEMV result over [x_prev | x], within fp32 order. Both
     weight halves are column views of one [N, 2K] matrix (row stride 2K)."""
     g = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, 2 * k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    w = (torch.randn(n, 2 * k, generator=g) / k**0.5).to(DEVICE, dtype)
     x_prev, x = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
     bias = torch.randn(n, generator=g).to(DEVICE, dtype)
     partial = torch.empty(1, n, dtype=torch.float32, device=DEVICE)
     gemv(x_prev, w[:, :k], bias, out=partial)
-    assert_near_exact(partial, x_prev.float(), w[:, :k].float(), bias.float())      # fp32 ulps: not rounded
+    assert_near_exact(partial, x_prev.float(), w[:, :k].float(), bias.float())  # fp32 ulps: not rounded
     y = gemv(x, w[:, k:], partial.view(-1))
     assert y.dtype == dtype
     assert_near_exact(y, torch.cat([x_prev, x], dim=-1), w, bias)
@@ -99,7 +102,7 @@ def test_leading_dims_and_strided_input():
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
     assert gemv(x, w).shape == (1, 1, 8)
     wide = torch.randn(1, 128).to(DEVICE, torch.bfloat16)
-    view = wide[:, 64:]                                      # row stride 128, unit column stride
+    view = wide[:, 64:]  # row stride 128, unit column stride
     assert_near_exact(gemv(view, w), view, w)
 
 
@@ -114,9 +117,9 @@ def test_supports_rejects_what_it_cannot_run():
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
     assert supports(torch.randn(1, 64).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(gemv_module.MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
-    assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)               # mixed dtypes
+    assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)  # mixed dtypes
     assert not supports(torch.randn(1, 32).to(DEVICE, torch.bfloat16), w)
-    assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())          # K not contiguous
+    assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())  # K not contiguous
     assert not supports(torch.randn(0, 64).to(DEVICE, torch.bfloat16), w)
 
 
@@ -142,12 +145,13 @@ def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtyp
 
     g = torch.Generator().manual_seed(n * 100 + k)
     x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(2 * n, k, generator=g) * 2 / k ** 0.5).to(DEVICE, dtype)
+    w = (torch.randn(2 * n, k, generator=g) * 2 / k**0.5).to(DEVICE, dtype)
     fused = gemv_silu_and_mul(x, w)
     assert fused.shape == (1, n) and fused.dtype == dtype
     assert torch.equal(fused, fused_ops.silu_and_mul(gemv(x, w)))
-    torch.testing.assert_close(fused.float(), silu_and_mul_reference(F.linear(x.float(), w.float())),
-                               atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(
+        fused.float(), silu_and_mul_reference(F.linear(x.float(), w.float())), atol=3e-2, rtol=3e-2
+    )
     assert gemv_silu_and_mul(x.view(1, 1, k), w).shape == (1, 1, n)
 
 

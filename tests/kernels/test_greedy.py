@@ -26,14 +26,14 @@ def test_matches_torch_argmax(vocab: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(MAX_ROWS, vocab, generator=g) * 4).to(dtype)
     if vocab > 2:
-        logits[1] = logits[1].round()                       # many ties in value
-        logits[2, vocab // 2] = logits[2, -1] = logits[2].max() + 1    # a tie for the maximum: lower index
-        logits[3, vocab - 1] = float("nan")                 # NaN wins, as in torch
+        logits[1] = logits[1].round()  # many ties in value
+        logits[2, vocab // 2] = logits[2, -1] = logits[2].max() + 1  # a tie for the maximum: lower index
+        logits[3, vocab - 1] = float("nan")  # NaN wins, as in torch
         logits[3, vocab // 3] = float("inf")
-        logits[4] = float("-inf")                           # no finite value: index 0
+        logits[4] = float("-inf")  # no finite value: index 0
         logits[5] = -0.0
-        logits[5, vocab - 1] = 0.0                          # -0.0 == +0.0: the first one
-        logits[6] = torch.linspace(-3, -1, vocab)           # all negative: the last is largest
+        logits[5, vocab - 1] = 0.0  # -0.0 == +0.0: the first one
+        logits[6] = torch.linspace(-3, -1, vocab)  # all negative: the last is largest
     logits = logits.to(DEVICE)
     argmax = GreedyArgmax()
     for rows in (1, 3, MAX_ROWS):

@@ -33,15 +33,15 @@ from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend, select_attention_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HEADS = [(4, 4), (4, 2), (8, 1)]           # (Hq, Hkv): MHA, GQA, MQA
+HEADS = [(4, 4), (4, 2), (8, 1)]  # (Hq, Hkv): MHA, GQA, MQA
 HEAD_DIMS = [16, 32]
 BLOCK_SIZES = [4, 16]
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
 
 # (cached tokens, new tokens) per request; seq_len = cached + new.
-DECODE_ONLY = [(0, 1), (6, 1), (12, 1), (40, 1)]                      # seq lens 1, 7, 13, 41
-PREFILL_ONLY = [(0, 7), (0, 20), (13, 3)]                             # 20 > one query tile; cached prefix
-MIXED = [(9, 1), (0, 11), (0, 1), (37, 5), (4, 1), (16, 18)]          # decode rows between prefill chunks
+DECODE_ONLY = [(0, 1), (6, 1), (12, 1), (40, 1)]  # seq lens 1, 7, 13, 41
+PREFILL_ONLY = [(0, 7), (0, 20), (13, 3)]  # 20 > one query tile; cached prefix
+MIXED = [(9, 1), (0, 11), (0, 1), (37, 5), (4, 1), (16, 18)]  # decode rows between prefill chunks
 
 
 @dataclass
@@ -50,23 +50,30 @@ class Case:
     prefixes (everything else NaN), and the step's new q/k/v in flat token order."""
 
     batch: AttentionBatch
-    q: torch.Tensor              # [T, Hq, D]
-    k: torch.Tensor              # [T, Hkv, D] this step's new keys
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hkv, D] this step's new keys
     v: torch.Tensor
-    k_cache: torch.Tensor        # [num_blocks, block_size, Hkv, D], NaN where nothing was written
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], NaN where nothing was written
     v_cache: torch.Tensor
-    keys: list[torch.Tensor]     # per request [seq_len, Hkv, D]
+    keys: list[torch.Tensor]  # per request [seq_len, Hkv, D]
     values: list[torch.Tensor]
     scale: float
 
 
-def make_case(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype = torch.float32, seed: int = 0) -> Case:
+def make_case(
+    spec: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Case:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in spec]
     need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = 1 + sum(need) + 3                                    # null block + used + spare
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()   # scattered, never block 0
+    num_blocks = 1 + sum(need) + 3  # null block + used + spare
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # scattered, never block 0
     tables = torch.zeros(len(spec), max(need) + 1, dtype=torch.long)  # at least one null-padding column
     for row, n in enumerate(need):
         tables[row, :n] = torch.tensor(ids[:n])
@@ -92,11 +99,27 @@ def make_case(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     query_lens = [n for _, n in spec]
     starts = torch.zeros(len(spec) + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    batch = AttentionBatch(query_lens, seq_lens, starts.to(DEVICE), torch.tensor(seq_lens, device=DEVICE),
-                           tables.to(DEVICE), torch.cat(slots).to(DEVICE), block_size)
+    batch = AttentionBatch(
+        query_lens,
+        seq_lens,
+        starts.to(DEVICE),
+        torch.tensor(seq_lens, device=DEVICE),
+        tables.to(DEVICE),
+        torch.cat(slots).to(DEVICE),
+        block_size,
+    )
     q = randn(sum(query_lens), num_heads, head_dim)
-    return Case(batch, q.to(DEVICE), torch.cat(new_k).to(DEVICE), torch.cat(new_v).to(DEVICE), k_cache.to(DEVICE),
-                v_cache.to(DEVICE), keys, values, head_dim ** -0.5)
+    return Case(
+        batch,
+        q.to(DEVICE),
+        torch.cat(new_k).to(DEVICE),
+        torch.cat(new_v).to(DEVICE),
+        k_cache.to(DEVICE),
+        v_cache.to(DEVICE),
+        keys,
+        values,
+        head_dim**-0.5,
+    )
 
 
 def dense_attention(case: Case) -> torch.Tensor:
@@ -106,11 +129,11 @@ def dense_attention(case: Case) -> torch.Tensor:
     starts = case.batch.query_start_loc.tolist()
     group = case.q.shape[1] // case.keys[0].shape[1]
     for row, seq_len in enumerate(case.batch.seq_lens):
-        q = case.q[starts[row]:starts[row + 1]].cpu().double()                 # [n, Hq, D]
-        k = case.keys[row].double().repeat_interleave(group, dim=1)            # [L, Hq, D]
+        q = case.q[starts[row] : starts[row + 1]].cpu().double()  # [n, Hq, D]
+        k = case.keys[row].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = case.values[row].double().repeat_interleave(group, dim=1)
         n = q.shape[0]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale               # [Hq, n, L]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale  # [Hq, n, L]
         visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
@@ -134,6 +157,7 @@ def grid(*extra):
 
 # ---- store_kv -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_store_kv_writes_only_its_slots(block_size: int) -> None:
     num_blocks, num_kv_heads, head_dim = 6, 2, 16
@@ -141,7 +165,7 @@ def test_store_kv_writes_only_its_slots(block_size: int) -> None:
     k_cache = torch.full(cache_shape, float("nan"), device=DEVICE)
     v_cache = torch.full(cache_shape, float("nan"), device=DEVICE)
     slots = torch.tensor([3, 1 * block_size + 2, 5 * block_size + block_size - 1, -1, 4 * block_size], device=DEVICE)
-    kv = torch.randn(len(slots), 2 * num_kv_heads, head_dim, device=DEVICE)   # k/v as strided views of one tensor
+    kv = torch.randn(len(slots), 2 * num_kv_heads, head_dim, device=DEVICE)  # k/v as strided views of one tensor
     k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     store_kv(k, v, k_cache, v_cache, slots)
 
@@ -151,17 +175,25 @@ def test_store_kv_writes_only_its_slots(block_size: int) -> None:
     torch.testing.assert_close(flat_v[written], v[slots >= 0], atol=0, rtol=0)
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[written] = False
-    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()   # slot -1 wrote nothing
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()  # slot -1 wrote nothing
 
 
 # ---- kernels called directly ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,num_splits", grid([1, 3]))
 def test_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_splits: int) -> None:
     case = make_case(DECODE_ONLY, num_heads, num_kv_heads, head_dim, block_size, seed=num_splits)
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.batch.slot_mapping)
-    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables.to(torch.int32),
-                                 case.batch.seq_lens_tensor.to(torch.int32), case.scale, num_splits)
+    out = paged_decode_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.batch.block_tables.to(torch.int32),
+        case.batch.seq_lens_tensor.to(torch.int32),
+        case.scale,
+        num_splits,
+    )
     assert_matches(out, dense_attention(case), torch.float32)
 
 
@@ -172,8 +204,9 @@ def test_decode_more_splits_than_tiles_and_padding_rows(num_splits: int) -> None
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.batch.slot_mapping)
     seq_lens = case.batch.seq_lens_tensor.clone()
     seq_lens[1] = 0
-    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables, seq_lens,
-                                 case.scale, num_splits)
+    out = paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.batch.block_tables, seq_lens, case.scale, num_splits
+    )
     expected = dense_attention(case)
     assert_matches(out[[0, 2]], expected[[0, 2]], torch.float32)
     assert (out[1] == 0).all()
@@ -187,26 +220,44 @@ def test_decode_split_counters_are_reused_and_left_zero() -> None:
     from pagoda.kernels.paged_attention import SplitCounters
 
     counters = SplitCounters()
-    for spec, num_heads, num_kv_heads, splits in (([(0, 1), (37, 1), (70, 1)], 8, 2, 5),
-                                                  ([(9, 1)], 8, 2, 2), (DECODE_ONLY, 6, 3, 7),
-                                                  ([(0, 1), (37, 1), (70, 1)], 8, 2, 3)):
+    for spec, num_heads, num_kv_heads, splits in (
+        ([(0, 1), (37, 1), (70, 1)], 8, 2, 5),
+        ([(9, 1)], 8, 2, 2),
+        (DECODE_ONLY, 6, 3, 7),
+        ([(0, 1), (37, 1), (70, 1)], 8, 2, 3),
+    ):
         case = make_case(spec, num_heads, num_kv_heads, 16, 4, seed=splits)
         store_kv(case.k, case.v, case.k_cache, case.v_cache, case.batch.slot_mapping)
         rows = len(spec)
         buffer = counters.get(rows, num_kv_heads, torch.device(DEVICE))
-        out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables,
-                                     case.batch.seq_lens_tensor, case.scale, splits, split_counters=buffer)
+        out = paged_decode_attention(
+            case.q,
+            case.k_cache,
+            case.v_cache,
+            case.batch.block_tables,
+            case.batch.seq_lens_tensor,
+            case.scale,
+            splits,
+            split_counters=buffer,
+        )
         assert_matches(out, dense_attention(case), torch.float32)
         assert (buffer == 0).all()
-    assert len(counters._buffers) == 1          # 1024 counters cover every launch above
+    assert len(counters._buffers) == 1  # 1024 counters cover every launch above
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", grid())
 def test_prefill_kernel(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     case = make_case(PREFILL_ONLY, num_heads, num_kv_heads, head_dim, block_size)
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.batch.slot_mapping)
-    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.batch.block_tables,
-                                  case.batch.query_start_loc, case.batch.seq_lens_tensor, case.scale)
+    out = paged_prefill_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.batch.block_tables,
+        case.batch.query_start_loc,
+        case.batch.seq_lens_tensor,
+        case.scale,
+    )
     assert_matches(out, dense_attention(case), torch.float32)
 
 
@@ -220,12 +271,14 @@ def test_odd_head_dim_and_block_larger_than_key_tile(head_dim: int, block_size: 
 
 # ---- the backend against the torch reference --------------------------------------------------------
 
+
 @pytest.mark.parametrize("spec", [DECODE_ONLY, PREFILL_ONLY, MIXED], ids=["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", grid())
-def test_backend_matches_torch_reference(spec, num_heads: int, num_kv_heads: int, head_dim: int,
-                                         block_size: int) -> None:
+def test_backend_matches_torch_reference(
+    spec, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
     case = make_case(spec, num_heads, num_kv_heads, head_dim, block_size, seed=len(spec))
-    ref_k, ref_v = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)   # the runner's zeroed blocks
+    ref_k, ref_v = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)  # the runner's zeroed blocks
     expected = run_backend(TorchAttentionBackend(), case, ref_k, ref_v)
     out = run_backend(TritonAttentionBackend(), case, case.k_cache, case.v_cache)
 
@@ -233,8 +286,9 @@ def test_backend_matches_torch_reference(spec, num_heads: int, num_kv_heads: int
     assert_matches(out, dense_attention(case), torch.float32)
     flat = case.k_cache.view(-1, num_kv_heads, head_dim)
     torch.testing.assert_close(flat[case.batch.slot_mapping], case.k, atol=0, rtol=0)
-    torch.testing.assert_close(case.v_cache.view(-1, num_kv_heads, head_dim)[case.batch.slot_mapping], case.v,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        case.v_cache.view(-1, num_kv_heads, head_dim)[case.batch.slot_mapping], case.v, atol=0, rtol=0
+    )
 
 
 @pytest.mark.parametrize("decode_splits", [1, 3])
@@ -258,20 +312,22 @@ def test_backend_bfloat16(spec, num_heads: int, num_kv_heads: int) -> None:
 
 # ---- host-side rules ------------------------------------------------------------------------------------
 
+
 def test_split_rule() -> None:
-    assert choose_num_splits(256, 8, 32768, 132) == 1          # big batch fills the GPU already
-    assert choose_num_splits(1, 2, 100, 132) == 1              # short sequence: not worth a reduce
-    assert choose_num_splits(1, 2, 4096, 132) == 4096 // 256   # length-limited
+    assert choose_num_splits(256, 8, 32768, 132) == 1  # big batch fills the GPU already
+    assert choose_num_splits(1, 2, 100, 132) == 1  # short sequence: not worth a reduce
+    assert choose_num_splits(1, 2, 4096, 132) == 4096 // 256  # length-limited
     assert choose_num_splits(1, 2, 1 << 20, 132) == MAX_SPLITS
-    assert choose_num_splits(4, 8, 1 << 20, 132) == 9          # ~2 programs per SM: ceil(264 / 32)
+    assert choose_num_splits(4, 8, 1 << 20, 132) == 9  # ~2 programs per SM: ceil(264 / 32)
 
 
 def test_select_attention_backend() -> None:
     assert select_attention_backend("cpu").name == "torch"
-    assert select_attention_backend("cuda").name == "triton"   # triton imports here (the tests need it)
+    assert select_attention_backend("cuda").name == "triton"  # triton imports here (the tests need it)
 
 
 # ---- start-up compilation -------------------------------------------------------------------------------
+
 
 def _compiled_kernels() -> int:
     """How many compiled specialisations the attention kernels hold (all devices)."""
@@ -295,8 +351,10 @@ def test_warm_up_compiles_every_step_variant(num_heads: int, num_kv_heads: int) 
     backend.warm_up({(num_heads, num_kv_heads, head_dim)}, block_size, torch.bfloat16, torch.device(DEVICE))
     compiled = _compiled_kernels()
     for spec, splits, pdl_on in itertools.product(
-            (DECODE_ONLY, MIXED, PREFILL_ONLY, [(0, 1)], [(239, 1)], [(520, 1), (3, 1)]), (None, 1, 3, 16, 64),
-            (True, False)):
+        (DECODE_ONLY, MIXED, PREFILL_ONLY, [(0, 1)], [(239, 1)], [(520, 1), (3, 1)]),
+        (None, 1, 3, 16, 64),
+        (True, False),
+    ):
         case = make_case(spec, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=5)
         with dispatch.pdl_allowed(pdl_on):
             run_backend(TritonAttentionBackend(decode_splits=splits), case, case.k_cache, case.v_cache)

@@ -13,10 +13,10 @@ CUDA = torch.cuda.is_available()
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    produced = x * 3 + 1                                  # main-stream producer of the branch input
-    branch = Branch(lambda a: a @ w, produced)            # side stream
-    main = (produced @ w.t()).relu()                      # main chain meanwhile
-    return main + branch.join()                           # consumer of both
+    produced = x * 3 + 1  # main-stream producer of the branch input
+    branch = Branch(lambda a: a @ w, produced)  # side stream
+    main = (produced @ w.t()).relu()  # main chain meanwhile
+    return main + branch.join()  # consumer of both
 
 
 def test_branch_inline_on_cpu_or_disabled():
@@ -41,7 +41,7 @@ def test_branch_matches_inline_eager_and_in_a_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _step(static_x, w)                                # warm up outside the capture
+        _step(static_x, w)  # warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -8,8 +8,10 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.layers.attention import AttentionBatch, StepAttention
 
-PROMPTS = [[5, 17, 301, 44, 9, 260, 88, 13, 402, 77, 3, 19, 250, 111, 6, 7, 8, 200, 31, 99, 145, 67, 23],
-           [400, 12, 97, 501, 2, 33]]
+PROMPTS = [
+    [5, 17, 301, 44, 9, 260, 88, 13, 402, 77, 3, 19, 250, 111, 6, 7, 8, 200, 31, 99, 145, 67, 23],
+    [400, 12, 97, 501, 2, 33],
+]
 
 
 def _hf_model(folder: str):
@@ -24,13 +26,21 @@ def _our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     dev = runner.device
     n, bs = len(token_ids), llm.config.cache.block_size
     blocks = torch.arange(1, -(-n // bs) + 1, device=dev)
-    runner._zero_blocks(blocks.tolist())      # as the runner does for every block it hands out
+    runner._zero_blocks(blocks.tolist())  # as the runner does for every block it hands out
     pos = torch.arange(n, device=dev)
-    batch = AttentionBatch([n], [n], torch.tensor([0, n], device=dev), torch.tensor([n], device=dev),
-                           blocks[None, :], blocks[pos // bs] * bs + pos % bs, bs)
+    batch = AttentionBatch(
+        [n],
+        [n],
+        torch.tensor([0, n], device=dev),
+        torch.tensor([n], device=dev),
+        blocks[None, :],
+        blocks[pos // bs] * bs + pos % bs,
+        bs,
+    )
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(token_ids, device=dev), pos,
-                              StepAttention(runner.backend, runner.backend.prepare(batch)))
+        hidden = runner.model(
+            torch.tensor(token_ids, device=dev), pos, StepAttention(runner.backend, runner.backend.prepare(batch))
+        )
         return runner.model.compute_logits(hidden).cpu()
 
 
@@ -57,16 +67,23 @@ def test_prefill_and_greedy_decode_match_transformers(kind, request):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     runner._sample = sample
-    ours_by_step = torch.cat(captured).cpu()          # rows: step-major, prompt order within a step
+    ours_by_step = torch.cat(captured).cpu()  # rows: step-major, prompt order within a step
     for row, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0)
-        ref_tokens = ref.sequences[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        ref_tokens = ref.sequences[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == ref_tokens
-        ref_logits = torch.cat(ref.logits)     # [20, V]
-        torch.testing.assert_close(ours_by_step[row::len(PROMPTS)], ref_logits, atol=1e-4, rtol=0)
+        ref_logits = torch.cat(ref.logits)  # [20, V]
+        torch.testing.assert_close(ours_by_step[row :: len(PROMPTS)], ref_logits, atol=1e-4, rtol=0)
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path, tiny_qwen2):
@@ -78,7 +95,9 @@ def test_sharded_checkpoint_loads_identically(tmp_path, tiny_qwen2):
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a = LLM(model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256).generate(
-        [PROMPTS[0]], params, use_tqdm=False)
+        [PROMPTS[0]], params, use_tqdm=False
+    )
     b = LLM(model=tiny_qwen2, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256).generate(
-        [PROMPTS[0]], params, use_tqdm=False)
+        [PROMPTS[0]], params, use_tqdm=False
+    )
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids

@@ -45,17 +45,37 @@ def tiny_qwen2vl(tmp_path_factory) -> str:
     import transformers
 
     config = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2,
-                           spatial_merge_size=2, in_channels=3, hidden_size=64),
-        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            num_heads=4,
+            mlp_ratio=4,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            in_channels=3,
+            hidden_size=64,
+        ),
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    with torch.no_grad():      # random init leaves logits flat; sharpen them so greedy is robust
+    with torch.no_grad():  # random init leaves logits flat; sharpen them so greedy is robust
         model.lm_head.weight.mul_(30)
     folder = tmp_path_factory.mktemp("tiny-qwen2vl")
     model.save_pretrained(folder)
@@ -81,22 +101,31 @@ def _hf_reference(hf, ids: list[int], images: list[RandomVisual], steps: int) ->
     transformers' own get_rope_index."""
     kwargs = {}
     if images:
-        kwargs = dict(pixel_values=torch.from_numpy(np.concatenate([v.pixel_values for v in images])),
-                      image_grid_thw=torch.tensor([v.grid_thw for v in images]))
+        kwargs = dict(
+            pixel_values=torch.from_numpy(np.concatenate([v.pixel_values for v in images])),
+            image_grid_thw=torch.tensor([v.grid_thw for v in images]),
+        )
     input_ids = torch.tensor([ids])
     mm_types = (input_ids == IMAGE_PAD).long()
     with torch.no_grad():
         logits = hf(input_ids=input_ids, mm_token_type_ids=mm_types, **kwargs).logits[0, -1]
-        out = hf.generate(input_ids=input_ids, mm_token_type_ids=mm_types, max_new_tokens=steps, do_sample=False,
-                          attention_mask=torch.ones_like(input_ids), **kwargs)
-    return logits, out[0, len(ids):].tolist()
+        out = hf.generate(
+            input_ids=input_ids,
+            mm_token_type_ids=mm_types,
+            max_new_tokens=steps,
+            do_sample=False,
+            attention_mask=torch.ones_like(input_ids),
+            **kwargs,
+        )
+    return logits, out[0, len(ids) :].tolist()
 
 
 class Engine:
     def __init__(self, folder: str, **kw):
         kw.setdefault("num_gpu_blocks_override", 128)
-        self.engine = LLMEngine(EngineConfig.create(EngineArgs(model=folder, skip_tokenizer_init=True,
-                                                               dtype="float32", **kw)))
+        self.engine = LLMEngine(
+            EngineConfig.create(EngineArgs(model=folder, skip_tokenizer_init=True, dtype="float32", **kw))
+        )
         self.first_logits: dict[str, torch.Tensor] = {}
         sample = self.engine.runner._sample
 
@@ -121,9 +150,9 @@ class Engine:
 
 
 STEPS = 8
-IMG_A = random_visual((1, 8, 12), 1)      # 24 placeholder tokens
-IMG_B = random_visual((1, 4, 4), 2)       # 4 placeholder tokens
-IMG_C = random_visual((1, 8, 12), 3)      # same size as A, other pixels
+IMG_A = random_visual((1, 8, 12), 1)  # 24 placeholder tokens
+IMG_B = random_visual((1, 4, 4), 2)  # 4 placeholder tokens
+IMG_C = random_visual((1, 8, 12), 3)  # same size as A, other pixels
 CASES = {
     "text_only": ([300, 301, 302, 303, 304], []),
     "one_image": ([300, 301, 302], [IMG_A]),
@@ -142,7 +171,7 @@ def test_logits_and_greedy_match_transformers(tiny_qwen2vl, hf_model, case, chun
     engine = Engine(tiny_qwen2vl, **kw)
     tokens = engine.run({"r": (ids, images)}, STEPS)
     if chunk and images:
-        assert engine.engine.scheduler.stats.num_chunked_prefills > 0   # the 24-token image was cut
+        assert engine.engine.scheduler.stats.num_chunked_prefills > 0  # the 24-token image was cut
     torch.testing.assert_close(engine.first_logits["r"], ref_logits, atol=1e-4, rtol=1e-4)
     assert tokens["r"] == ref_tokens
 
@@ -193,8 +222,9 @@ def test_encoder_runs_once_per_image_across_chunks(tiny_qwen2vl):
 
 
 def test_text_only_model_refuses_images(tiny_qwen2):
-    engine = LLMEngine(EngineConfig.create(EngineArgs(model=tiny_qwen2, skip_tokenizer_init=True,
-                                                      num_gpu_blocks_override=80)))
+    engine = LLMEngine(
+        EngineConfig.create(EngineArgs(model=tiny_qwen2, skip_tokenizer_init=True, num_gpu_blocks_override=80))
+    )
     ids = [1, 2, 3]
     _, mm = expand_prompt([1, 500, 2], [("image", IMG_B)], PlaceholderIds(500, 501), "x")
     from pagoda.errors import InvalidRequest
@@ -203,8 +233,13 @@ def test_text_only_model_refuses_images(tiny_qwen2):
         engine.add_request("r", ids, SamplingParams(max_tokens=2), mm_inputs=mm)
 
 
-@pytest.mark.parametrize("rope", [{"type": "mrope", "mrope_section": [2, 3, 3]},
-                                  {"type": "default", "rope_type": "default", "mrope_section": [2, 3, 3]}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"type": "mrope", "mrope_section": [2, 3, 3]},
+        {"type": "default", "rope_type": "default", "mrope_section": [2, 3, 3]},
+    ],
+)
 def test_official_flat_config_and_renamed_weights_load_the_same_model(tiny_qwen2vl, hf_model, tmp_path, rope):
     """The official checkpoints' layout: flat config.json with `rope_scaling` (mrope or default
     spelling) and the weights under `model.language_model.*` / `model.visual.*` as 4.5x re-saves
@@ -215,15 +250,24 @@ def test_official_flat_config_and_renamed_weights_load_the_same_model(tiny_qwen2
 
     nested = json.loads(open(f"{tiny_qwen2vl}/config.json").read())
     text = nested.pop("text_config")
-    flat = {**nested, **{k: v for k, v in text.items() if k not in ("rope_parameters", "model_type", "dtype")},
-            "rope_theta": 1e6, "rope_scaling": rope, "architectures": ["Qwen2VLForConditionalGeneration"]}
+    flat = {
+        **nested,
+        **{k: v for k, v in text.items() if k not in ("rope_parameters", "model_type", "dtype")},
+        "rope_theta": 1e6,
+        "rope_scaling": rope,
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+    }
     flat["vision_config"] = {k: v for k, v in nested["vision_config"].items() if k not in ("dtype",)}
     folder = tmp_path / "flat"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(flat))
     weights = load_file(f"{tiny_qwen2vl}/model.safetensors")
-    renamed = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else
-               ("model." + k if k.startswith("visual.") else k): v for k, v in weights.items()}
+    renamed = {
+        ("model.language_model." + k[len("model.") :])
+        if k.startswith("model.")
+        else ("model." + k if k.startswith("visual.") else k): v
+        for k, v in weights.items()
+    }
     assert any(k.startswith("model.language_model.") for k in renamed)
     save_file(renamed, str(folder / "model.safetensors"))
     before, images = CASES["two_images"]
@@ -231,5 +275,6 @@ def test_official_flat_config_and_renamed_weights_load_the_same_model(tiny_qwen2
     expanded, _ = expand_prompt(ids, [("image", v) for v in images], PLACEHOLDERS, "test")
     engine = Engine(str(folder))
     engine.run({"r": (ids, images)}, 2)
-    torch.testing.assert_close(engine.first_logits["r"], _hf_reference(hf_model, expanded, images, 1)[0],
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        engine.first_logits["r"], _hf_reference(hf_model, expanded, images, 1)[0], atol=1e-4, rtol=1e-4
+    )

@@ -19,8 +19,17 @@ from pagoda.layers.linear import default_weight_loader
 from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, split_by_item, vision_config_with_defaults
 
 TEXT_HIDDEN = 64
-VISION = {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 4, "patch_size": 14, "temporal_patch_size": 2,
-          "spatial_merge_size": 2, "in_channels": 3, "hidden_size": TEXT_HIDDEN}
+VISION = {
+    "depth": 2,
+    "embed_dim": 32,
+    "num_heads": 4,
+    "mlp_ratio": 4,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "hidden_size": TEXT_HIDDEN,
+}
 PATCH_DIM = 3 * 2 * 14 * 14
 
 
@@ -30,12 +39,26 @@ def hf_checkpoint(tmp_path_factory) -> tuple[nn.Module, Path]:
     import transformers
 
     config = transformers.Qwen2VLConfig(
-        text_config={"hidden_size": TEXT_HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512, "rms_norm_eps": 1e-6,
-                     "bos_token_id": 1, "eos_token_id": 2,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
-        vision_config=dict(VISION), image_token_id=500, video_token_id=501, vision_start_token_id=502,
-        vision_end_token_id=503, bos_token_id=1, eos_token_id=2)
+        text_config={
+            "hidden_size": TEXT_HIDDEN,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "vocab_size": 512,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        },
+        vision_config=dict(VISION),
+        image_token_id=500,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     hf = transformers.Qwen2VLForConditionalGeneration(config).eval()
     _randomize(hf.model.visual)
@@ -79,7 +102,7 @@ def _strip_visual_prefix(key: str) -> str | None:
     # transformers 5 writes the original `visual.*` names; 4.5x re-saves used `model.visual.*`.
     for prefix in ("visual.", "model.visual."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return None
 
 
@@ -100,7 +123,7 @@ def test_saved_checkpoint_uses_visual_prefix(hf_checkpoint):
 GRID_CASES = {
     "one_image": [(1, 8, 12)],
     "two_images_different_sizes": [(1, 8, 12), (1, 4, 4)],
-    "same_size_not_adjacent": [(1, 4, 6), (1, 2, 2), (1, 4, 6)],   # grouped SDPA over gathered rows
+    "same_size_not_adjacent": [(1, 4, 6), (1, 2, 2), (1, 4, 6)],  # grouped SDPA over gathered rows
     "video_two_frame_pairs": [(2, 4, 6)],
     "video_and_image_mixed": [(2, 4, 6), (1, 4, 6), (1, 6, 2)],
 }
@@ -115,7 +138,7 @@ def test_matches_transformers(hf_checkpoint, ours, grids):
         expected = hf.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
         got = ours(pixels, grids)
     assert got.shape == (pixels.shape[0] // 4, TEXT_HIDDEN)
-    assert expected.abs().max() > 0.1          # the comparison below is not between near-zeros
+    assert expected.abs().max() > 0.1  # the comparison below is not between near-zeros
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -144,16 +167,16 @@ def test_video_frame_pairs_do_not_attend_to_each_other(ours):
 
 def test_conv3d_weight_loads_into_patch_embed():
     cfg = vision_config_with_defaults(dict(VISION, depth=0), TEXT_HIDDEN)
-    model = Qwen2VisionTransformer(cfg).to(torch.float64)   # float64: a layout bug, not summation noise
+    model = Qwen2VisionTransformer(cfg).to(torch.float64)  # float64: a layout bug, not summation noise
     proj = model.patch_embed.proj
     torch.manual_seed(4)
-    conv_weight = torch.randn(32, 3, 2, 14, 14, dtype=torch.float64)   # checkpoint layout [D, C, T, p, p]
+    conv_weight = torch.randn(32, 3, 2, 14, 14, dtype=torch.float64)  # checkpoint layout [D, C, T, p, p]
     proj.weight_loader(proj.weight, conv_weight)
     pixels = torch.randn(5, PATCH_DIM, dtype=torch.float64)
     expected = F.conv3d(pixels.view(5, 3, 2, 14, 14), conv_weight, stride=(2, 14, 14)).view(5, 32)
     torch.testing.assert_close(model.patch_embed(pixels), expected, atol=1e-10, rtol=1e-10)
 
-    proj.weight_loader(proj.weight, conv_weight.reshape(32, -1) * 2)   # an already-flat weight
+    proj.weight_loader(proj.weight, conv_weight.reshape(32, -1) * 2)  # an already-flat weight
     torch.testing.assert_close(proj.weight, conv_weight.reshape(32, -1) * 2)
     with pytest.raises(ValueError, match="shape mismatch"):
         proj.weight_loader(proj.weight, torch.randn(32, 3, 1, 14, 14))
@@ -169,7 +192,8 @@ def test_patch_embed_casts_pixels_to_weight_dtype():
 def test_config_defaults_and_aliases():
     # The official 7B/72B vision_config: only these four fields.
     cfg = vision_config_with_defaults(
-        {"hidden_size": 3584, "in_chans": 3, "model_type": "qwen2_vl", "spatial_patch_size": 14}, 3584)
+        {"hidden_size": 3584, "in_chans": 3, "model_type": "qwen2_vl", "spatial_patch_size": 14}, 3584
+    )
     assert (cfg["depth"], cfg["embed_dim"], cfg["num_heads"], cfg["mlp_ratio"]) == (32, 1280, 16, 4)
     assert (cfg["patch_size"], cfg["temporal_patch_size"], cfg["spatial_merge_size"]) == (14, 2, 2)
     assert (cfg["in_channels"], cfg["hidden_act"], cfg["hidden_size"]) == (3, "quick_gelu", 3584)

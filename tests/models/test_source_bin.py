@@ -27,10 +27,12 @@ class Payload:
 
 def _state_dict() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"model.embed_tokens.weight": torch.randn(8, 4, generator=g),
-            "model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g),
-            "model.norm.weight": torch.randn(4, generator=g),
-            "lm_head.weight": torch.randn(8, 4, generator=g, dtype=torch.float64)}
+    return {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g),
+        "model.norm.weight": torch.randn(4, generator=g),
+        "lm_head.weight": torch.randn(8, 4, generator=g, dtype=torch.float64),
+    }
 
 
 def _folder(path) -> str:
@@ -102,8 +104,9 @@ def test_missing_listed_shard_is_named(tmp_path):
     folder = _folder(tmp_path / "m")
     victim = _save_sharded(folder, _state_dict())[1]
     os.remove(os.path.join(folder, victim))
-    with pytest.raises(ModelLoadError, match=f"{victim} is listed in pytorch_model.bin.index.json but missing.*"
-                                             "re-download"):
+    with pytest.raises(
+        ModelLoadError, match=f"{victim} is listed in pytorch_model.bin.index.json but missing.*re-download"
+    ):
         _weights(folder)
 
 
@@ -119,7 +122,7 @@ def test_unlisted_shard_is_named(tmp_path):
 def test_pickle_with_code_is_refused_without_running_it(tmp_path):
     folder = _folder(tmp_path / "m")
     torch.save({"model.norm.weight": torch.ones(4), "evil": Payload()}, os.path.join(folder, "pytorch_model.bin"))
-    assert EXECUTED == []   # saving only records the call
+    assert EXECUTED == []  # saving only records the call
     with pytest.raises(ModelLoadError, match="not a plain tensor checkpoint.*never runs code.*safetensors"):
         _weights(folder)
     assert EXECUTED == []
@@ -174,12 +177,25 @@ def _fake_hub(monkeypatch, tmp_path, repo_files: list[str]) -> list[list[str]]:
 def test_download_fetches_bin_only_when_repo_has_no_safetensors(monkeypatch, tmp_path):
     from pagoda.models.source import _download
 
-    calls = _fake_hub(monkeypatch, tmp_path, ["config.json", "pytorch_model.bin.index.json", "training_args.bin",
-                                              "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"])
+    calls = _fake_hub(
+        monkeypatch,
+        tmp_path,
+        [
+            "config.json",
+            "pytorch_model.bin.index.json",
+            "training_args.bin",
+            "pytorch_model-00001-of-00002.bin",
+            "pytorch_model-00002-of-00002.bin",
+        ],
+    )
     folder = _download("IEITYuan/Yuan2-2B-hf")
     assert len(calls) == 2 and calls[1] == ["pytorch_model*.bin", "*.bin.index.json"]
-    assert sorted(os.listdir(folder)) == ["config.json", "pytorch_model-00001-of-00002.bin",
-                                          "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"]
+    assert sorted(os.listdir(folder)) == [
+        "config.json",
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model-00002-of-00002.bin",
+        "pytorch_model.bin.index.json",
+    ]
 
 
 def test_download_skips_bin_when_repo_has_safetensors(monkeypatch, tmp_path):

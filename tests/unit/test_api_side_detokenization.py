@@ -12,8 +12,8 @@ import random
 import pytest
 
 from pagoda.engine.async_engine import _add_text
-from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
+from pagoda.outputs import CompletionOutput, RequestOutput
 
 PROMPT = "Tell me something: "
 # ASCII, byte-split CJK and emoji (several tokens per character), whitespace.
@@ -38,8 +38,15 @@ def _outputs(rng: random.Random, samples: list[list[int]], delta: bool) -> list[
     a few new tokens of the samples that advanced, in a random interleaving; a sample's last output has
     its finish reason. Final-only mode: one output with every sample's whole token list."""
     if not delta:
-        return [RequestOutput("r", None, [], [CompletionOutput(i, "", list(ids), None, None, "length")
-                                            for i, ids in enumerate(samples)], True)]
+        return [
+            RequestOutput(
+                "r",
+                None,
+                [],
+                [CompletionOutput(i, "", list(ids), None, None, "length") for i, ids in enumerate(samples)],
+                True,
+            )
+        ]
     sent = [0] * len(samples)
     outputs = []
     while any(n < len(ids) for n, ids in zip(sent, samples)):
@@ -48,7 +55,7 @@ def _outputs(rng: random.Random, samples: list[list[int]], delta: bool) -> list[
             if sent[i] >= len(ids) or rng.random() < 0.3:
                 continue
             take = rng.randint(1, 4)
-            chunk = ids[sent[i]:sent[i] + take]
+            chunk = ids[sent[i] : sent[i] + take]
             sent[i] += len(chunk)
             completions.append(CompletionOutput(i, "", chunk, None, None, "stop" if sent[i] == len(ids) else None))
         if completions:
@@ -64,8 +71,8 @@ def test_text_matches_a_full_decode_of_each_sample(qwen, delta: bool) -> None:
         n = rng.randint(1, 3)
         # Cut at a random token (as max_tokens does): a sample may end inside a character, which
         # only the flush at its finish can emit (as U+FFFD, like the full decode).
-        samples = [ids[:rng.randint(1, len(ids))] for ids in (qwen.encode(random_text(rng)) for _ in range(n))]
-        if rng.random() < 0.5:                      # an EOS at the end: skipped like the core skips it
+        samples = [ids[: rng.randint(1, len(ids))] for ids in (qwen.encode(random_text(rng)) for _ in range(n))]
+        if rng.random() < 0.5:  # an EOS at the end: skipped like the core skips it
             samples[0].append(qwen.eos_token_id)
         detoks = [IncrementalDetokenizer(qwen, prompt_ids) for _ in range(n)]
         texts = [""] * n

@@ -21,15 +21,21 @@ def write_lines(path: Path, rows: list) -> Path:
 
 
 def line(cid: str, **body) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": cid}], **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": cid}], **body},
+    }
 
 
 # ---------------------------------------------------------------------------------------------- JSONL input
 
+
 def test_load_batch_jsonl(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "in.jsonl", [line("a", stream=True, stream_options={"include_usage": True}),
-                                               "", line("b")])
+    path = write_lines(
+        tmp_path / "in.jsonl", [line("a", stream=True, stream_options={"include_usage": True}), "", line("b")]
+    )
     items = inputs.load_batch_jsonl(str(path))
     assert [(i.custom_id, i.index, i.source) for i in items] == [("a", 0, f"{path}:1"), ("b", 1, f"{path}:3")]
     assert "stream" not in items[0].body and "stream_options" not in items[0].body
@@ -37,15 +43,18 @@ def test_load_batch_jsonl(tmp_path: Path) -> None:
     assert inputs.load_batch_jsonl(str(path), model="other")[1].body["model"] == "other"
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("{not json", "in.jsonl:2: not JSON"),
-    ('["a"]', "in.jsonl:2: expected a JSON object"),
-    (json.dumps({"method": "POST", "url": "/v1/x", "body": {}}), "custom_id must be a non-empty string"),
-    (json.dumps({**line("z"), "method": "GET"}), "method must be POST"),
-    (json.dumps({**line("z"), "url": "chat"}), "url must be an endpoint path"),
-    (json.dumps({**line("z"), "body": []}), "body must be a JSON object"),
-    (json.dumps(line("a")), "in.jsonl:2: duplicate custom_id 'a' (first on line 1)"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "in.jsonl:2: not JSON"),
+        ('["a"]', "in.jsonl:2: expected a JSON object"),
+        (json.dumps({"method": "POST", "url": "/v1/x", "body": {}}), "custom_id must be a non-empty string"),
+        (json.dumps({**line("z"), "method": "GET"}), "method must be POST"),
+        (json.dumps({**line("z"), "url": "chat"}), "url must be an endpoint path"),
+        (json.dumps({**line("z"), "body": []}), "body must be a JSON object"),
+        (json.dumps(line("a")), "in.jsonl:2: duplicate custom_id 'a' (first on line 1)"),
+    ],
+)
 def test_load_batch_jsonl_errors_name_the_line(tmp_path: Path, bad: str, message: str) -> None:
     path = write_lines(tmp_path / "in.jsonl", [line("a"), bad])
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -62,6 +71,7 @@ def test_load_batch_jsonl_empty_or_missing(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- image sources
 
+
 def png_bytes(w: int, h: int, color=(10, 20, 30), mode: str = "RGB", fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     Image.new(mode, (w, h), color).save(buf, format=fmt)
@@ -74,7 +84,10 @@ def test_list_images_recursive_glob_and_hidden(tmp_path: Path) -> None:
     for rel in ("b.png", "a.JPG", "notes.txt", "sub/c.webp", "sub/deeper/d.png", ".hidden/e.png", ".f.png"):
         (tmp_path / rel).write_bytes(b"x")
     root = str(tmp_path)
-    names = lambda paths: [str(Path(p).relative_to(tmp_path)) for p in paths]
+
+    def names(paths):
+        return [str(Path(p).relative_to(tmp_path)) for p in paths]
+
     assert names(inputs.list_images(root)) == ["a.JPG", "b.png", "sub/c.webp", "sub/deeper/d.png"]
     assert names(inputs.list_images(root, recursive=False)) == ["a.JPG", "b.png"]
     assert names(inputs.list_images(root, pattern="*.png")) == ["b.png", "sub/deeper/d.png"]
@@ -95,10 +108,14 @@ def test_read_url_list(tmp_path: Path) -> None:
 
 def test_prompt_template() -> None:
     ref = ImageRef("url", "https://h.test/dir/My%20Cat.jpg?s=1", page="https://h.test/p")
-    assert inputs.render_prompt("Describe {filename} ({stem}) from {page}", ref) == \
-        "Describe My Cat.jpg (My Cat) from https://h.test/p"
+    assert (
+        inputs.render_prompt("Describe {filename} ({stem}) from {page}", ref)
+        == "Describe My Cat.jpg (My Cat) from https://h.test/p"
+    )
     fref = ImageRef("file", "/data/imgs/x.png")
-    assert inputs.render_prompt("{path} {url} {{literal}}", fref) == "/data/imgs/x.png file:///data/imgs/x.png {literal}"
+    assert (
+        inputs.render_prompt("{path} {url} {{literal}}", fref) == "/data/imgs/x.png file:///data/imgs/x.png {literal}"
+    )
     with pytest.raises(InputError, match="unknown placeholder {name}"):
         inputs.check_template("Describe {name}")
     with pytest.raises(InputError, match="bad template"):
@@ -106,14 +123,19 @@ def test_prompt_template() -> None:
 
 
 def test_custom_ids_are_deterministic_and_sensitive() -> None:
-    base = {"identity": "file:/a.png", "prompt": "Describe", "system": None, "model": "m",
-            "params": {"max_tokens": 8}}
+    base = {"identity": "file:/a.png", "prompt": "Describe", "system": None, "model": "m", "params": {"max_tokens": 8}}
     cid = inputs.make_custom_id(**base)
     assert cid == inputs.make_custom_id(**base)
     assert cid.startswith("req-") and len(cid) == 24
     assert cid == inputs.make_custom_id(**{**base, "params": {"max_tokens": 8}})  # key order irrelevant
-    variants = [{"identity": "file:/b.png"}, {"prompt": "Describe!"}, {"system": "be brief"}, {"model": "n"},
-                {"params": {"max_tokens": 9}}, {"params": {"max_tokens": 8, "temperature": 0.0}}]
+    variants = [
+        {"identity": "file:/b.png"},
+        {"prompt": "Describe!"},
+        {"system": "be brief"},
+        {"model": "n"},
+        {"params": {"max_tokens": 9}},
+        {"params": {"max_tokens": 8, "temperature": 0.0}},
+    ]
     ids = {inputs.make_custom_id(**{**base, **v}) for v in variants}
     assert cid not in ids and len(ids) == len(variants)
     assert inputs.make_custom_id(**base, max_pixels=1000) != cid
@@ -130,11 +152,15 @@ def test_build_image_items(tmp_path: Path) -> None:
     assert body["messages"][0] == {"role": "system", "content": "sys"}
     assert body["messages"][1]["content"][1] == {"type": "text", "text": "Describe b.jpg"}
     filled = inputs.set_image_url(body, "data:image/png;base64,AAAA")
-    assert filled["messages"][1]["content"][0] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert filled["messages"][1]["content"][0] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,AAAA"},
+    }
     assert body["messages"][1]["content"][0]["image_url"]["url"] is None  # the template body is untouched
 
 
 # ---------------------------------------------------------------------------------------------- resume files
+
 
 def ok_row(cid: str) -> dict:
     return output.success_row(cid, 200, "req_1", {"choices": []}, {"attempts": 1})
@@ -174,9 +200,16 @@ def test_repair_keeps_a_complete_row_without_newline(tmp_path: Path) -> None:
 
 
 def test_done_ids_only_counts_successes_and_skips_bad_lines(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "out.jsonl", [ok_row("a"), "garbage", err_row("b"),
-                                                {**ok_row("c"), "response": {"status_code": 500, "body": None}},
-                                                {"no": "id"}])
+    path = write_lines(
+        tmp_path / "out.jsonl",
+        [
+            ok_row("a"),
+            "garbage",
+            err_row("b"),
+            {**ok_row("c"), "response": {"status_code": 500, "body": None}},
+            {"no": "id"},
+        ],
+    )
     problems: list[str] = []
     assert output.done_ids(str(path), problems) == {"a"}
     assert any("out.jsonl:2: not JSON" in p for p in problems) and any("not a batch result row" in p for p in problems)
@@ -184,9 +217,10 @@ def test_done_ids_only_counts_successes_and_skips_bad_lines(tmp_path: Path) -> N
 
 
 def test_compact_errors_keeps_one_row_per_id(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "errors.jsonl", [err_row("a", 3), err_row("other", 1),
-                                                   {**err_row("b", 2), "x_meta": {"attempts": 2,
-                                                                                  "attempts_before": 4}}])
+    path = write_lines(
+        tmp_path / "errors.jsonl",
+        [err_row("a", 3), err_row("other", 1), {**err_row("b", 2), "x_meta": {"attempts": 2, "attempts_before": 4}}],
+    )
     spent = output.compact_errors(str(path), {"a", "b", "c"})
     assert spent == {"a": 3, "b": 6}
     assert [r["custom_id"] for r in output.iter_rows(str(path))] == ["other"]
@@ -213,6 +247,7 @@ def test_row_shapes() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- media
+
 
 def test_prepare_passes_through_and_downscales() -> None:
     data = png_bytes(300, 200)

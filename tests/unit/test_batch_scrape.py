@@ -50,14 +50,14 @@ def urls(html: str = HTML, page: str = PAGE, **kw) -> list[str]:
 
 def test_extracts_resolves_and_filters() -> None:
     assert urls() == [
-        "https://example.com/og/cover.jpg",             # og:image (twitter:image is the same URL)
-        "https://example.com/blog/photos/a.jpg",        # relative to the page
-        "https://example.com/static/b.png",             # root-relative
-        "https://example.com/blog/thumb-large.jpg",     # largest srcset width
-        "https://example.com/blog/retina.jpg",          # largest density
-        "https://example.com/blog/lazy/real.jpg",       # data-src over a data: placeholder
+        "https://example.com/og/cover.jpg",  # og:image (twitter:image is the same URL)
+        "https://example.com/blog/photos/a.jpg",  # relative to the page
+        "https://example.com/static/b.png",  # root-relative
+        "https://example.com/blog/thumb-large.jpg",  # largest srcset width
+        "https://example.com/blog/retina.jpg",  # largest density
+        "https://example.com/blog/lazy/real.jpg",  # data-src over a data: placeholder
         "https://example.com/blog/lazy/original.webp",  # data-original
-        "https://example.com/blog/pic-1600.webp",       # <picture>: largest source
+        "https://example.com/blog/pic-1600.webp",  # <picture>: largest source
         "https://cdn.example.org/img/c.jpg?size=large&v=2",  # protocol-relative, entities decoded
     ]
 
@@ -77,8 +77,10 @@ def test_skipped_reasons() -> None:
 def test_base_href_and_min_side() -> None:
     html = '<base href="/assets/v2/"><img src="x.png" width="20" height="20"><img src="y.png">'
     assert urls(html, "https://h.test/a/b.html") == ["https://h.test/assets/v2/y.png"]
-    assert urls(html, "https://h.test/a/b.html", min_side=16) == ["https://h.test/assets/v2/x.png",
-                                                                   "https://h.test/assets/v2/y.png"]
+    assert urls(html, "https://h.test/a/b.html", min_side=16) == [
+        "https://h.test/assets/v2/x.png",
+        "https://h.test/assets/v2/y.png",
+    ]
 
 
 def test_picture_without_width_descriptors_keeps_the_img() -> None:
@@ -88,8 +90,11 @@ def test_picture_without_width_descriptors_keeps_the_img() -> None:
 
 def test_srcset_parsing() -> None:
     assert parse_srcset("a.jpg 480w, b.jpg 1080w") == [("a.jpg", 480.0, None), ("b.jpg", 1080.0, None)]
-    assert parse_srcset(" a.jpg, b.jpg 2x ,  c.jpg 1.5x") == [("a.jpg", None, None), ("b.jpg", None, 2.0),
-                                                              ("c.jpg", None, 1.5)]
+    assert parse_srcset(" a.jpg, b.jpg 2x ,  c.jpg 1.5x") == [
+        ("a.jpg", None, None),
+        ("b.jpg", None, 2.0),
+        ("c.jpg", None, 1.5),
+    ]
     assert parse_srcset("img.php?a=1,2 100w, z.jpg 50w")[0] == ("img.php?a=1,2", 100.0, None)  # comma in URL
     assert parse_srcset("a.jpg,b.jpg 2x") == [("a.jpg,b.jpg", None, 2.0)]  # the HTML rule: no space, one URL
     assert parse_srcset("x.jpg, ,y.jpg 10w,") == [("x.jpg", None, None), ("y.jpg", 10.0, None)]
@@ -113,13 +118,17 @@ def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
 def test_scrape_page_fetch_stage_filters_and_dedupes() -> None:
     big, other = _png(64, 48, (200, 10, 10)), _png(50, 50, (10, 200, 10))
     site = {
-        "https://h.test/page": ("text/html; charset=utf-8", (
-            b'<meta property="og:image" content="/og.png">'
-            b'<img src="a.png"><img src="a-copy.png"><img src="tiny.png"><img src="broken.png">'
-            b'<img src="missing.png"><img src="b.png"><img src="vector.png">')),
+        "https://h.test/page": (
+            "text/html; charset=utf-8",
+            (
+                b'<meta property="og:image" content="/og.png">'
+                b'<img src="a.png"><img src="a-copy.png"><img src="tiny.png"><img src="broken.png">'
+                b'<img src="missing.png"><img src="b.png"><img src="vector.png">'
+            ),
+        ),
         "https://h.test/og.png": ("image/png", other),
         "https://h.test/a.png": ("image/png", big),
-        "https://h.test/a-copy.png": ("image/png", big),            # same bytes, other URL
+        "https://h.test/a-copy.png": ("image/png", big),  # same bytes, other URL
         "https://h.test/tiny.png": ("image/png", _png(1, 1, (0, 0, 0))),
         "https://h.test/broken.png": ("image/png", b"not an image"),
         "https://h.test/b.png": ("image/png", _png(40, 40, (1, 2, 3))),
@@ -135,8 +144,7 @@ def test_scrape_page_fetch_stage_filters_and_dedupes() -> None:
         return media.Fetched(data, ctype, url)
 
     result = scrape_page("https://h.test/page", fetch=fake_fetch)
-    assert [i.url for i in result.images] == ["https://h.test/og.png", "https://h.test/a.png",
-                                              "https://h.test/b.png"]
+    assert [i.url for i in result.images] == ["https://h.test/og.png", "https://h.test/a.png", "https://h.test/b.png"]
     assert [(i.width, i.height) for i in result.images] == [(50, 50), (64, 48), (40, 40)]
     reasons = dict(result.skipped)
     assert reasons["https://h.test/a-copy.png"] == "duplicate content"

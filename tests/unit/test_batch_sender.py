@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from pagoda.tools.batch.retry import MAX_RETRY_DELAY_S, backoff_delay, parse_retry_after, retry_delay, should_retry_status
+from pagoda.tools.batch.retry import (
+    MAX_RETRY_DELAY_S,
+    backoff_delay,
+    parse_retry_after,
+    retry_delay,
+    should_retry_status,
+)
 from pagoda.tools.batch.sender import TokenBucket, _error_fields
 
 
@@ -56,7 +62,7 @@ def test_retry_delay_honours_retry_after_in_range() -> None:
 def test_backoff_is_exponential_capped_with_jitter() -> None:
     rng = random.Random(1)
     for n in range(10):
-        base = min(0.5 * 2 ** n, MAX_RETRY_DELAY_S)
+        base = min(0.5 * 2**n, MAX_RETRY_DELAY_S)
         samples = [backoff_delay(n, rng) for _ in range(200)]
         assert all(0.75 * base <= s <= base for s in samples)
         assert max(samples) - min(samples) > 0.1 * base  # jitter is really applied
@@ -64,8 +70,9 @@ def test_backoff_is_exponential_capped_with_jitter() -> None:
 
 
 def test_error_fields() -> None:
-    code, message = _error_fields(400, {"error": {"message": "bad image", "type": "invalid_request_error",
-                                                  "code": None}})
+    code, message = _error_fields(
+        400, {"error": {"message": "bad image", "type": "invalid_request_error", "code": None}}
+    )
     assert code == "invalid_request_error" and message == "HTTP 400: bad image"
     assert _error_fields(422, {"detail": [{"loc": ["body"]}]})[1].startswith("HTTP 422: [")
     assert _error_fields(503, "upstream down") == ("http_503", "HTTP 503: upstream down")

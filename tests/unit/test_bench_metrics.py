@@ -29,9 +29,19 @@ from pagoda.tools.bench.workload import Workload, arrival_intervals, load_jsonl,
 
 def _ok(start: float, ttft: float, gaps: list[float], tokens: int, prompt: int = 10) -> RequestResult:
     e2el = ttft + sum(gaps) + 0.001  # the usage chunk and [DONE] arrive a little after the last content chunk
-    return RequestResult(success=True, status=200, start=start, end=start + e2el, ttft=ttft, e2el=e2el,
-                         itl=list(gaps), chunks=len(gaps) + 1, prompt_tokens=prompt, completion_tokens=tokens,
-                         usage_reported=True)
+    return RequestResult(
+        success=True,
+        status=200,
+        start=start,
+        end=start + e2el,
+        ttft=ttft,
+        e2el=e2el,
+        itl=list(gaps),
+        chunks=len(gaps) + 1,
+        prompt_tokens=prompt,
+        completion_tokens=tokens,
+        usage_reported=True,
+    )
 
 
 def _failed(start: float, status: int | None = 500, error: str = "HTTP 500: boom") -> RequestResult:
@@ -39,6 +49,7 @@ def _failed(start: float, status: int | None = 500, error: str = "HTTP 500: boom
 
 
 # ---- percentiles and definitions ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("q", [50, 90, 95, 99])
 def test_percentile_is_numpy_linear(q: int) -> None:
@@ -49,8 +60,15 @@ def test_percentile_is_numpy_linear(q: int) -> None:
 
 def test_summarize_ms_keys_and_units() -> None:
     out = summarize_ms("ttft", [0.1, 0.2, 0.3, 0.4])
-    assert set(out) == {"mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p90_ttft_ms",
-                        "p95_ttft_ms", "p99_ttft_ms"}
+    assert set(out) == {
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p50_ttft_ms",
+        "p90_ttft_ms",
+        "p95_ttft_ms",
+        "p99_ttft_ms",
+    }
     assert out["mean_ttft_ms"] == pytest.approx(250.0)
     assert out["p90_ttft_ms"] == pytest.approx(float(np.percentile([100, 200, 300, 400], 90)))
     assert out["std_ttft_ms"] == pytest.approx(float(np.std([100, 200, 300, 400])))
@@ -59,14 +77,14 @@ def test_summarize_ms_keys_and_units() -> None:
 
 def test_tpot_definition() -> None:
     assert tpot_of(0.5, 2.5, 5) == pytest.approx(0.5)  # (2.5 - 0.5) / (5 - 1)
-    assert tpot_of(0.5, 0.5, 1) is None                 # one output token: no TPOT sample
+    assert tpot_of(0.5, 0.5, 1) is None  # one output token: no TPOT sample
     assert tpot_of(None, 2.5, 5) is None
 
 
 def test_aggregate_matches_vllm_definitions() -> None:
-    a = _ok(0.0, 0.2, [0.1, 0.1, 0.1], tokens=4)          # one chunk per token
-    b = _ok(0.05, 0.3, [0.2, 0.2], tokens=5, prompt=12)   # a chunk carried two tokens: ITL != TPOT
-    c = _ok(0.1, 0.25, [], tokens=1)                      # single token: TTFT and E2EL only
+    a = _ok(0.0, 0.2, [0.1, 0.1, 0.1], tokens=4)  # one chunk per token
+    b = _ok(0.05, 0.3, [0.2, 0.2], tokens=5, prompt=12)  # a chunk carried two tokens: ITL != TPOT
+    c = _ok(0.1, 0.25, [], tokens=1)  # single token: TTFT and E2EL only
     bad = _failed(0.2)
     point = aggregate([a, b, c, bad], duration=2.0)
     assert point["completed"] == 3 and point["failed"] == 1
@@ -109,6 +127,7 @@ def test_max_concurrency() -> None:
 
 # ---- SLO, knee, recommendation --------------------------------------------------------------------------
 
+
 def test_slo_point_rules() -> None:
     slo = SLO(ttft_p95_ms=1000, tpot_p95_ms=50)
     good = {"completed": 100, "error_rate": 0.0, "p95_ttft_ms": 900, "p95_tpot_ms": 40}
@@ -122,15 +141,15 @@ def test_slo_point_rules() -> None:
 
 
 def test_knee_doubling_rule() -> None:
-    assert find_knee([1, 2, 4, 8, 16], [10, 19, 35, 37, 38]) == 4           # 4 -> 8 adds 5.7 %
-    assert find_knee([1, 2, 4, 8], [10, 20, 40, 80]) is None                 # still linear
-    assert find_knee([16, 1, 8, 4, 2], [38, 10, 37, 35, 19]) == 4            # order does not matter
+    assert find_knee([1, 2, 4, 8, 16], [10, 19, 35, 37, 38]) == 4  # 4 -> 8 adds 5.7 %
+    assert find_knee([1, 2, 4, 8], [10, 20, 40, 80]) is None  # still linear
+    assert find_knee([16, 1, 8, 4, 2], [38, 10, 37, 35, 19]) == 4  # order does not matter
     # Rungs that are not one doubling apart: the gain is normalised per doubling.
     assert gain_per_doubling(32, 100, 128, 121) == pytest.approx(0.10)
     assert find_knee([1, 8, 32, 64], [10, 60, 100, 105]) == 32
-    assert find_knee([1, 8, 32, 128], [10, 60, 100, 115]) == 32             # +15 % over two doublings
-    assert find_knee([1, 8, 32, 128], [10, 60, 100, 130]) is None           # +14 % per doubling
-    assert find_knee([1, 2, 4], [10, 25, 20]) == 2                           # throughput falls
+    assert find_knee([1, 8, 32, 128], [10, 60, 100, 115]) == 32  # +15 % over two doublings
+    assert find_knee([1, 8, 32, 128], [10, 60, 100, 130]) is None  # +14 % per doubling
+    assert find_knee([1, 2, 4], [10, 25, 20]) == 2  # throughput falls
 
 
 def test_recommendation() -> None:
@@ -142,20 +161,48 @@ def test_recommendation() -> None:
     assert [round_up8(x) for x in (1, 8, 9, 17, 256)] == [8, 8, 16, 24, 256]
 
 
-def _point(c: int, tput: float, ttft: float, tpot: float, slo_pass: bool, waiting: float = 0, running: float = 0,
-           preempt: float = 0, kv: float = 0.3) -> dict:
-    return {"mode": "closed", "concurrency": c, "request_rate": "inf", "output_throughput": tput,
-            "completed": 10, "failed": 0, "error_rate": 0.0, "p95_ttft_ms": ttft, "p95_tpot_ms": tpot,
-            "median_tpot_ms": tpot, "slo_pass": slo_pass,
-            "server_metrics": {"available": True, "waiting_peak": waiting, "running_peak": running,
-                               "kv_cache_usage_peak": kv, "preemptions_delta": preempt}}
+def _point(
+    c: int,
+    tput: float,
+    ttft: float,
+    tpot: float,
+    slo_pass: bool,
+    waiting: float = 0,
+    running: float = 0,
+    preempt: float = 0,
+    kv: float = 0.3,
+) -> dict:
+    return {
+        "mode": "closed",
+        "concurrency": c,
+        "request_rate": "inf",
+        "output_throughput": tput,
+        "completed": 10,
+        "failed": 0,
+        "error_rate": 0.0,
+        "p95_ttft_ms": ttft,
+        "p95_tpot_ms": tpot,
+        "median_tpot_ms": tpot,
+        "slo_pass": slo_pass,
+        "server_metrics": {
+            "available": True,
+            "waiting_peak": waiting,
+            "running_peak": running,
+            "kv_cache_usage_peak": kv,
+            "preemptions_delta": preempt,
+        },
+    }
 
 
 def test_analyze_curve_and_evidence() -> None:
     slo = SLO(ttft_p95_ms=1000, tpot_p95_ms=100)
-    points = [_point(1, 50, 100, 20, True, running=1), _point(8, 350, 150, 22, True, running=8),
-              _point(32, 1000, 400, 30, True, running=32), _point(64, 1050, 900, 31, True, waiting=32, running=32),
-              _point(128, 1060, 2500, 31, False, waiting=96, running=32)]
+    points = [
+        _point(1, 50, 100, 20, True, running=1),
+        _point(8, 350, 150, 22, True, running=8),
+        _point(32, 1000, 400, 30, True, running=32),
+        _point(64, 1050, 900, 31, True, waiting=32, running=32),
+        _point(128, 1060, 2500, 31, False, waiting=96, running=32),
+    ]
     out = analyze(points, slo)
     assert out["knee_concurrency"] == 32
     assert out["max_concurrency_meeting_slo"] == 64
@@ -184,6 +231,7 @@ def test_analyze_without_server_metrics_or_ladder() -> None:
 
 # ---- arrivals and workload ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
 def test_gamma_arrivals_mean_and_shape(burstiness: float) -> None:
     gaps = arrival_intervals(20000, 8.0, burstiness, np.random.default_rng(1))
@@ -201,8 +249,15 @@ def test_infinite_rate_sends_all_at_once() -> None:
 def test_workload_bodies(tmp_path) -> None:
     from PIL import Image
 
-    w = Workload(endpoint="chat", model="m", input_len=8, output_len=3, ignore_eos=True,
-                 image_sizes=parse_image_sizes("32x16,20x20"), images_per_request=2)
+    w = Workload(
+        endpoint="chat",
+        model="m",
+        input_len=8,
+        output_len=3,
+        ignore_eos=True,
+        image_sizes=parse_image_sizes("32x16,20x20"),
+        images_per_request=2,
+    )
     spec = w.next_specs(1)[0]
     body = w.body(spec)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -217,11 +272,12 @@ def test_workload_bodies(tmp_path) -> None:
         parse_image_sizes("32by16")
 
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "hi", "max_tokens": 7}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
-                    '{"custom_id": "x", "body": {"prompt": "batch"}}\n')
+    path.write_text(
+        '{"prompt": "hi", "max_tokens": 7}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n'
+        '{"custom_id": "x", "body": {"prompt": "batch"}}\n'
+    )
     specs = load_jsonl(str(path))
-    comp = Workload(endpoint="completions", model="m", input_len=1, output_len=5, dataset="jsonl",
-                    dataset_specs=specs)
+    comp = Workload(endpoint="completions", model="m", input_len=1, output_len=5, dataset="jsonl", dataset_specs=specs)
     bodies = [comp.body(s) for s in comp.next_specs(4)]
     assert [b["prompt"] for b in bodies] == ["hi", "yo", "batch", "hi"]
     assert [b["max_tokens"] for b in bodies] == [7, 5, 5, 7]
@@ -230,14 +286,17 @@ def test_workload_bodies(tmp_path) -> None:
 
 # ---- /metrics parsing -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("prefix", ["vllm", "pagoda"])
 def test_parse_prometheus_either_prefix(prefix: str) -> None:
-    text = (f'# TYPE {prefix}:num_requests_running gauge\n'
-            f'{prefix}:num_requests_running{{model_name="m",engine="0"}} 3.0\n'
-            f'{prefix}:num_requests_running{{model_name="m",engine="1"}} 2.0\n'
-            f'# TYPE {prefix}:num_requests_waiting gauge\n{prefix}:num_requests_waiting{{model_name="m"}} 4.0\n'
-            f'# TYPE {prefix}:kv_cache_usage_perc gauge\n{prefix}:kv_cache_usage_perc{{model_name="m"}} 0.5\n'
-            f'# TYPE {prefix}:num_preemptions counter\n{prefix}:num_preemptions_total{{model_name="m"}} 7.0\n')
+    text = (
+        f"# TYPE {prefix}:num_requests_running gauge\n"
+        f'{prefix}:num_requests_running{{model_name="m",engine="0"}} 3.0\n'
+        f'{prefix}:num_requests_running{{model_name="m",engine="1"}} 2.0\n'
+        f'# TYPE {prefix}:num_requests_waiting gauge\n{prefix}:num_requests_waiting{{model_name="m"}} 4.0\n'
+        f'# TYPE {prefix}:kv_cache_usage_perc gauge\n{prefix}:kv_cache_usage_perc{{model_name="m"}} 0.5\n'
+        f'# TYPE {prefix}:num_preemptions counter\n{prefix}:num_preemptions_total{{model_name="m"}} 7.0\n'
+    )
     parsed = parse_prometheus(text)
     assert parsed == {"running": 5.0, "waiting": 4.0, "kv_cache_usage": 0.5, "preemptions": 7.0, "_prefix": prefix}
     later = {**parsed, "preemptions": 9.0}
@@ -255,7 +314,7 @@ def test_server_mean_ttft_from_histogram_deltas() -> None:
     registry = CollectorRegistry()
     ttft = Histogram("vllm:time_to_first_token_seconds", "t", ["model_name"], registry=registry).labels("m")
     queue = Histogram("vllm:request_queue_time_seconds", "q", ["model_name"], registry=registry).labels("m")
-    ttft.observe(5.0)                                     # before the point: must not count
+    ttft.observe(5.0)  # before the point: must not count
     before = parse_prometheus(generate_latest(registry).decode())
     for seconds in (0.010, 0.030):
         ttft.observe(seconds)
@@ -264,7 +323,7 @@ def test_server_mean_ttft_from_histogram_deltas() -> None:
     summary = server_metrics_summary(before, after, [])
     assert summary["server_mean_ttft_ms"] == pytest.approx(20.0)
     assert summary["server_mean_queue_ms"] == pytest.approx(2.0)
-    assert server_metrics_summary(before, before, [])["server_mean_ttft_ms"] is None   # no requests: no mean
+    assert server_metrics_summary(before, before, [])["server_mean_ttft_ms"] is None  # no requests: no mean
 
 
 def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
@@ -281,7 +340,7 @@ def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
         return parse_prometheus(metrics.render().decode())
 
     before = feed(10, 1.0, 0.5, 0.3)
-    after = feed(110, 1.6, 0.9, 0.45)           # 100 steps: 0.6 s busy, 0.4 s of it waiting, 0.15 s on a CPU
+    after = feed(110, 1.6, 0.9, 0.45)  # 100 steps: 0.6 s busy, 0.4 s of it waiting, 0.15 s on a CPU
     summary = server_metrics_summary(before, after, [])
     assert summary["engine_steps_delta"] == 100
     assert summary["engine_host_ms_per_step"] == pytest.approx(2.0)
@@ -293,6 +352,7 @@ def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
 
 
 # ---- the SSE client on a mock transport -----------------------------------------------------------------
+
 
 def _sse(events: list, done: bool = True) -> bytes:
     lines = [f"data: {json.dumps(e)}\n\n" for e in events]
@@ -314,6 +374,7 @@ def _run(status: int, body: bytes) -> RequestResult:
         transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
         async with httpx.AsyncClient(transport=transport) as client:
             return await stream_request(client, "http://x/v1/chat/completions", {"stream": True}, {}, chat=True)
+
     return asyncio.run(go())
 
 
@@ -321,7 +382,7 @@ def test_stream_request_success_uses_usage() -> None:
     r = _run(200, _sse([_chunk(None, role=True), _chunk("He"), _chunk("llo"), _chunk(" world"), USAGE]))
     assert r.success and r.error is None
     assert r.ttft is not None and r.ttft <= r.e2el
-    assert r.chunks == 3 and len(r.itl) == 2        # role-only chunk is not content
+    assert r.chunks == 3 and len(r.itl) == 2  # role-only chunk is not content
     assert (r.prompt_tokens, r.completion_tokens) == (11, 3)
 
 

@@ -49,20 +49,23 @@ def compute_all(bm: BlockManager, r: Request) -> None:
 # Property test
 # ------------------------------------------------------------------------------------------------
 
+
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(2, 10) | st.integers(2, 40),       # small pools evict more
-                block_size=st.sampled_from([1, 2, 4]) | st.integers(1, 8),
-                prefix_caching=st.sampled_from([True, True, True, False]),
-                bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2))
+    @initialize(
+        num_blocks=st.integers(2, 10) | st.integers(2, 40),  # small pools evict more
+        block_size=st.sampled_from([1, 2, 4]) | st.integers(1, 8),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+        bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2),
+    )
     def setup(self, num_blocks, block_size, prefix_caching, bases):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.bs = block_size
         self.bases = bases
-        self.live: list[Request] = []      # hold blocks
-        self.waiting: list[Request] = []   # hold no blocks (never admitted, failed admission, preempted)
+        self.live: list[Request] = []  # hold blocks
+        self.waiting: list[Request] = []  # hold no blocks (never admitted, failed admission, preempted)
         # Shadow KV: (block, offset) -> the token prefix whose last token's K/V is stored there.
         self.content: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.seen: list[list[int]] = []    # token sequences computed so far (to ask for them again)
+        self.seen: list[list[int]] = []  # token sequences computed so far (to ask for them again)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _holders(self, block: int, exclude: Request | None = None) -> list[Request]:
@@ -72,8 +75,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         toks = tokens_of(r)
         for p in range(r.num_computed_tokens):
             slot = (r.block_ids[p // self.bs], p % self.bs)
-            assert self.content.get(slot) == tuple(toks[:p + 1]), \
+            assert self.content.get(slot) == tuple(toks[: p + 1]), (
                 f"{r.request_id}: position {p} in block {slot[0]} holds other content"
+            )
 
     def _admit(self, r: Request, data) -> None:
         assert not r.block_ids and r.num_computed_tokens == 0
@@ -86,7 +90,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         r.num_computed_tokens = hits
         if r.num_cached_tokens < 0:
             r.num_cached_tokens = hits
-        self._check_reads(r)                      # every hit block holds exactly this prefix
+        self._check_reads(r)  # every hit block holds exactly this prefix
         free_before = self.bm.num_free_blocks
         chunk = r.num_tokens - hits
         if data.draw(st.booleans(), label="partial"):
@@ -109,8 +113,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_new(self, data):
         base = data.draw(st.sampled_from(self.bases), label="base")
-        k = data.draw(st.sampled_from([len(base), len(base) // 2, len(base) // 4])
-                      | st.integers(0, len(base)), label="prefix")
+        k = data.draw(
+            st.sampled_from([len(base), len(base) // 2, len(base) // 4]) | st.integers(0, len(base)), label="prefix"
+        )
         tail = data.draw(st.lists(st.integers(1, 3), max_size=2), label="tail")
         prompt = base[:k] + tail or [1]
         self._admit(make_request(prompt), data)
@@ -137,7 +142,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cap = min(len(r.block_ids) * self.bs, r.num_tokens)
         if cap > r.num_computed_tokens:
             self._check_reads(r)
-            n = cap - r.num_computed_tokens       # usually everything allocated, like a real step
+            n = cap - r.num_computed_tokens  # usually everything allocated, like a real step
             if data.draw(st.booleans(), label="partial"):
                 n = data.draw(st.integers(1, n), label="n")
             toks = tokens_of(r)
@@ -145,11 +150,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 block = r.block_ids[p // self.bs]
                 others = self._holders(block, exclude=r)
                 assert not others, f"writing block {block} shared with {[o.request_id for o in others]}"
-                self.content[(block, p % self.bs)] = tuple(toks[:p + 1])
+                self.content[(block, p % self.bs)] = tuple(toks[: p + 1])
             r.num_computed_tokens += n
             self.bm.cache_full_blocks(r)
             if r.num_computed_tokens >= self.bs:
-                self.seen.append(toks[:r.num_computed_tokens])
+                self.seen.append(toks[: r.num_computed_tokens])
         if r.num_computed_tokens == r.num_tokens and data.draw(st.booleans(), label="sample"):
             r.output_token_ids.append(data.draw(st.integers(1, 3), label="token"))
 
@@ -167,7 +172,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ok = self.bm.allocate(r, n)
         assert ok == (need <= free_before)
         if ok:
-            assert r.block_ids[:len(before)] == before and len(r.block_ids) == len(before) + need
+            assert r.block_ids[: len(before)] == before and len(r.block_ids) == len(before) + need
         else:
             assert r.block_ids == before and self.bm.num_free_blocks == free_before
 
@@ -227,11 +232,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if len(hs) > 1:
                 # Only full, computed prefix blocks with identical whole prefixes may be shared.
                 (r0, i0) = hs[0]
-                prefix = tokens_of(r0)[:(i0 + 1) * self.bs]
+                prefix = tokens_of(r0)[: (i0 + 1) * self.bs]
                 for r, i in hs:
                     assert i == i0, f"block {b} shared at different positions"
                     assert (i + 1) * self.bs <= r.num_computed_tokens, f"block {b} shared while not full+computed"
-                    assert tokens_of(r)[:(i + 1) * self.bs] == prefix, f"block {b} shared across different prefixes"
+                    assert tokens_of(r)[: (i + 1) * self.bs] == prefix, f"block {b} shared across different prefixes"
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -245,14 +250,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 
 
 # ------------------------------------------------------------------------------------------------
 # Deterministic tests
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bs", [1, 4, 8])
 def test_prefix_reuse_after_finish(bs):
@@ -263,7 +272,7 @@ def test_prefix_reuse_after_finish(bs):
     compute_all(bm, a)
     a_blocks = list(a.block_ids)
     bm.free(a)
-    b = make_request(prefix + [8, 8])          # diverges right after the 3 full blocks
+    b = make_request(prefix + [8, 8])  # diverges right after the 3 full blocks
     assert bm.match_prefix(b) == 3 * bs
     assert bm.prefix_queries == a.num_tokens + b.num_tokens and bm.prefix_hits == 3 * bs
     assert b.block_ids == a_blocks[:3]
@@ -299,7 +308,7 @@ def test_fully_cached_prompt_leaves_one_token(bs):
     bm.free(a)
     b = make_request(prompt)
     hits = bm.match_prefix(b)
-    assert hits == 2 * bs                       # the third block holds the last token, which must run
+    assert hits == 2 * bs  # the third block holds the last token, which must run
     assert b.num_tokens - hits >= 1
     # Same for the request that computed it, whose block hashes already cover the whole prompt.
     a.num_computed_tokens = 0
@@ -316,16 +325,16 @@ def test_fully_cached_prompt_leaves_one_token(bs):
 def test_no_hit_after_a_gap():
     # A later block of a prefix can stay cached after an earlier one was evicted (here the later
     # one was computed by another request); a hit needs every block before it to hit as well.
-    bm = BlockManager(8, 2)                     # 7 usable blocks
+    bm = BlockManager(8, 2)  # 7 usable blocks
     a = make_request([1, 1, 5])
     b = make_request([1, 1, 2, 2, 5])
     assert bm.allocate(a, 3) and bm.allocate(b, 5)
     a.num_computed_tokens, b.num_computed_tokens = 3, 5
-    bm.cache_full_blocks(a)                     # [1, 1] is cached in a's block
-    bm.cache_full_blocks(b)                     # [1, 1] | [2, 2] is cached in b's second block
+    bm.cache_full_blocks(a)  # [1, 1] is cached in a's block
+    bm.cache_full_blocks(b)  # [1, 1] | [2, 2] is cached in b's second block
     bm.free(a)
     filler = make_request([9] * 8)
-    assert bm.allocate(filler, 8)               # takes every free block, evicting a's [1, 1]
+    assert bm.allocate(filler, 8)  # takes every free block, evicting a's [1, 1]
     assert a.block_ids == [] and bm.num_free_blocks == 0
     bm.free(filler)
     f = make_request([1, 1, 2, 2, 9])
@@ -344,25 +353,25 @@ def test_prefix_caching_disabled_never_hits():
 
 def test_lru_eviction_order_and_revival():
     bs = 2
-    bm = BlockManager(5, bs)                    # 4 usable blocks
-    a = make_request([1, 1, 2, 2])              # 2 full blocks
+    bm = BlockManager(5, bs)  # 4 usable blocks
+    a = make_request([1, 1, 2, 2])  # 2 full blocks
     b = make_request([3, 3, 4, 4])
     compute_all(bm, a)
     compute_all(bm, b)
     a0, a1 = a.block_ids
     b0, b1 = b.block_ids
     assert bm.num_free_blocks == 0
-    bm.free(a)                                  # freed first: oldest; tail block before head block
+    bm.free(a)  # freed first: oldest; tail block before head block
     bm.free(b)
     assert bm.num_free_blocks == 4
     assert list(bm._free) == [a1, a0, b1, b0]
 
     # Revive b's first block: it leaves the free list and is never handed out while held.
     d = make_request([3, 3, 4, 4, 9])
-    assert bm.match_prefix(d) == 4              # both of b's blocks are still cached
+    assert bm.match_prefix(d) == 4  # both of b's blocks are still cached
     assert d.block_ids == [b0, b1]
     assert bm.num_free_blocks == 2 and b0 not in bm._free and b1 not in bm._free
-    bm.free(d)                                  # back at the young end, tail first
+    bm.free(d)  # back at the young end, tail first
     assert list(bm._free) == [a1, a0, b1, b0]
 
     e = make_request([3, 3, 7])
@@ -380,7 +389,7 @@ def test_lru_eviction_order_and_revival():
     bm.check_integrity([e, f])
     # Allocating the rest never hands out a block that is held.
     f.num_computed_tokens = 2
-    assert not bm.allocate(f, 3)               # needs 2 more blocks, only 1 free
+    assert not bm.allocate(f, 3)  # needs 2 more blocks, only 1 free
     assert f.block_ids == [a0]
     assert bm.allocate(f, 2)
     assert f.block_ids == [a0, b1]
@@ -389,11 +398,11 @@ def test_lru_eviction_order_and_revival():
 
 
 def test_evicted_content_is_not_hit():
-    bm = BlockManager(3, 2)                     # 2 usable blocks
+    bm = BlockManager(3, 2)  # 2 usable blocks
     a = make_request([1, 2, 3, 4])
     compute_all(bm, a)
     bm.free(a)
-    b = make_request([5, 6, 7, 8])              # reuses both blocks for new content
+    b = make_request([5, 6, 7, 8])  # reuses both blocks for new content
     assert bm.match_prefix(b) == 0
     compute_all(bm, b)
     bm.free(b)
@@ -408,7 +417,7 @@ def test_reset_prefix_cache_forgets_only_free_blocks():
     b = make_request([6, 7, 8, 9, 5])
     compute_all(bm, a)
     compute_all(bm, b)
-    bm.free(a)                                  # a's blocks are free but cached; b's are held
+    bm.free(a)  # a's blocks are free but cached; b's are held
     bm.reset_prefix_cache()
     assert bm.match_prefix(make_request([1, 2, 3, 4, 5])) == 0
     c = make_request([6, 7, 8, 9, 5])

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import os
 
-from pagoda.cli.serve import _generation_defaults
 from pagoda.models.gguf_checkpoint import DEFAULT_GENERATION_CONFIG, default_gguf_path
 from pagoda.models.source import ModelSource
 from pagoda.server import protocol as p
+from pagoda.server.api_process import generation_defaults as _generation_defaults
 from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
 
 
@@ -39,9 +39,16 @@ def test_other_gguf_files_get_no_defaults(tmp_path) -> None:
 
 
 def test_a_bare_request_to_the_embedded_model_is_bounded() -> None:
-    ctx = ServingContext(engine=None, tokenizer=None, served_model_names=["m"], max_model_len=2048,
-                         vocab_size=49152, architecture="LlamaForCausalLM", chat_template=None,
-                         metrics=None,  # type: ignore[arg-type]
-                         generation_defaults=sampling_defaults(DEFAULT_GENERATION_CONFIG))
-    (_, _, params), = OpenAIServing(ctx).prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None))
+    ctx = ServingContext(
+        engine=None,
+        tokenizer=None,
+        served_model_names=["m"],
+        max_model_len=2048,
+        vocab_size=49152,
+        architecture="LlamaForCausalLM",
+        chat_template=None,
+        metrics=None,  # type: ignore[arg-type]
+        generation_defaults=sampling_defaults(DEFAULT_GENERATION_CONFIG),
+    )
+    ((_, _, params),) = OpenAIServing(ctx).prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None))
     assert (params.max_tokens, params.temperature, params.top_p) == (256, 0.2, 0.9)

@@ -17,16 +17,52 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
-from tests.conftest import SHARED_FIXTURES
+from tests.conftest import FIXTURES
 
-YUAN_MODEL = SHARED_FIXTURES / "yuan2-tokenizer" / "tokenizer.model"
+YUAN_MODEL = FIXTURES / "yuan2-tokenizer" / "tokenizer.model"
 
 # Pieces random texts are built from: ASCII words, common and rare (byte-split) CJK,
 # emoji (4-byte, some multi-codepoint), accented Latin, whitespace and punctuation.
 PIECES = [
-    "hello", " world", "The", " END", "end", " ", "  ", "\n", "\n\n", "\t", ".", ",", "!",
-    "42", " café", "é", "È", "naïve", "中文", "停止", "你好", "，", "。", "龘", "齉", "𠀋",
-    "🎉", "🎉🎉", "👍🏽", "👨‍👩‍👧", "😀", " 🎉", "ü", "ß", "Ω", "ñ", "<", ">", "x",
+    "hello",
+    " world",
+    "The",
+    " END",
+    "end",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    ".",
+    ",",
+    "!",
+    "42",
+    " café",
+    "é",
+    "È",
+    "naïve",
+    "中文",
+    "停止",
+    "你好",
+    "，",
+    "。",
+    "龘",
+    "齉",
+    "𠀋",
+    "🎉",
+    "🎉🎉",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "😀",
+    " 🎉",
+    "ü",
+    "ß",
+    "Ω",
+    "ñ",
+    "<",
+    ">",
+    "x",
 ]
 
 
@@ -233,7 +269,8 @@ def test_sentencepiece_matches_full_decode(yuan):
         # Prompt/output split at any clean point: the output text is the full decode's
         # continuation, including the leading space the first output piece carries.
         splits = [0] + [
-            k for k in range(1, len(ids))
+            k
+            for k in range(1, len(ids))
             if not yuan.decode(ids[:k]).endswith("\ufffd") and full.startswith(yuan.decode(ids[:k]))
         ]
         k = rng.choice(splits)

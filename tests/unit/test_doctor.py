@@ -16,9 +16,12 @@ import torch
 
 from pagoda.tools import doctor
 from pagoda.tools.doctor import Check, format_report, run_checks
-from tests.conftest import SHARED_FIXTURES, TINY_CONFIGS, build_tiny_model
+from tests.conftest import FIXTURES, TINY_CONFIGS, build_tiny_model
 
-TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def save_tiny_tokenizer(folder: str, chat_template: str | None = TEMPLATE) -> None:
@@ -56,8 +59,9 @@ def fails(checks: list[Check], name: str | None = None) -> list[Check]:
 
 
 def line_of(checks: list[Check], name: str, status: str = "FAIL") -> str:
-    lines = [line for c, line in zip(checks, format_report(checks).splitlines()) if c.name == name
-             and c.status == status]
+    lines = [
+        line for c, line in zip(checks, format_report(checks).splitlines()) if c.name == name and c.status == status
+    ]
     assert lines, f"no {status} line for {name!r} in:\n{format_report(checks)}"
     return "\n".join(lines)
 
@@ -66,8 +70,21 @@ def test_healthy_folder_has_no_fail(model_dir):
     checks = run_checks(model_dir, device="cpu")
     assert not fails(checks), format_report(checks)
     names = {c.name for c in checks}
-    assert {"config", "architecture", "config fields", "shards", "permissions", "safetensors", "index",
-            "checkpoint vs model", "disk", "tokenizer", "special tokens", "chat template", "cuda"} <= names
+    assert {
+        "config",
+        "architecture",
+        "config fields",
+        "shards",
+        "permissions",
+        "safetensors",
+        "index",
+        "checkpoint vs model",
+        "disk",
+        "tokenizer",
+        "special tokens",
+        "chat template",
+        "cuda",
+    } <= names
     assert next(c for c in checks if c.name == "cuda").detail.startswith("running on CPU")
     assert "5 safetensors file(s)" in next(c for c in checks if c.name == "shards").detail
 
@@ -96,8 +113,9 @@ def test_missing_shard(model_dir):
 
 
 def test_extra_unlisted_shard(model_dir):
-    shutil.copy(os.path.join(model_dir, shard_names(model_dir)[0]),
-                os.path.join(model_dir, "model-00006-of-00006.safetensors"))
+    shutil.copy(
+        os.path.join(model_dir, shard_names(model_dir)[0]), os.path.join(model_dir, "model-00006-of-00006.safetensors")
+    )
     line = line_of(run_checks(model_dir, fast=True), "shards")
     assert "model-00006-of-00006.safetensors" in line and "not listed" in line
 
@@ -139,15 +157,16 @@ def test_directory_in_place_of_a_file_is_unreadable(model_dir):
     checks = run_checks(model_dir, fast=True)
     line = line_of(checks, "permissions")
     assert victim in line and "directory" in line
-    assert not fails(checks, "safetensors")          # reported once, not again as a bad header
+    assert not fails(checks, "safetensors")  # reported once, not again as a bad header
 
 
 def test_permission_check_uses_os_access(model_dir, monkeypatch):
     """As root every file is readable, so the os.access answer is simulated for one file."""
     victim = os.path.join(model_dir, "tokenizer.json")
     real_access = os.access
-    monkeypatch.setattr(doctor.os, "access",
-                        lambda p, mode, *a, **k: False if os.fspath(p) == victim else real_access(p, mode, *a, **k))
+    monkeypatch.setattr(
+        doctor.os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == victim else real_access(p, mode, *a, **k)
+    )
     line = line_of(run_checks(model_dir, fast=True, skip_tokenizer_init=True), "permissions")
     assert "tokenizer.json" in line and "not readable" in line
 
@@ -168,7 +187,7 @@ def test_bad_chat_template(model_dir):
     line = line_of(checks, "chat template")
     assert "does not render" in line and "--chat-template" in line
     assert len(fails(checks)) == 1
-    fixed = run_checks(model_dir, device="cpu", chat_template=TEMPLATE)     # an override replaces it
+    fixed = run_checks(model_dir, device="cpu", chat_template=TEMPLATE)  # an override replaces it
     assert not fails(fixed), format_report(fixed)
 
 
@@ -192,8 +211,7 @@ def test_taken_port(model_dir):
 
 
 def test_yuan_fixture_special_token_ids():
-    checks = run_checks(str(SHARED_FIXTURES / "yuan2-tiny"), tokenizer=str(SHARED_FIXTURES / "yuan2-tokenizer"),
-                        device="cpu")
+    checks = run_checks(str(FIXTURES / "yuan2-tiny"), tokenizer=str(FIXTURES / "yuan2-tokenizer"), device="cpu")
     assert not fails(checks), format_report(checks)
     yuan = next(c for c in checks if c.name == "yuan tokens")
     assert yuan.status == "ok" and "<eod> = 77185" in yuan.detail and "<sep> = 77187" in yuan.detail
@@ -202,6 +220,7 @@ def test_yuan_fixture_special_token_ids():
 
 def test_yuan_ids_elsewhere_fail():
     """A tokenizer where <eod>/<sep> are not Yuan2's ids (a wrong --tokenizer) gives the FAIL line."""
+
     class WrongTokenizer:
         def convert_tokens_to_ids(self, token):
             return 0
@@ -244,8 +263,10 @@ def test_bin_shards_both_ways(tmp_path):
     hf.config.save_pretrained(folder)
     state = hf.state_dict()
     names = list(state)
-    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
-              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    shards = {
+        "pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+        "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :],
+    }
     for shard, keys in shards.items():
         torch.save({k: state[k] for k in keys}, os.path.join(folder, shard))
     with open(os.path.join(folder, "pytorch_model.bin.index.json"), "w") as f:
@@ -256,8 +277,9 @@ def test_bin_shards_both_ways(tmp_path):
 
     extra = os.path.join(folder, "pytorch_model-00003-of-00003.bin")
     shutil.copy(os.path.join(folder, "pytorch_model-00001-of-00002.bin"), extra)
-    assert "pytorch_model-00003-of-00003.bin" in line_of(run_checks(folder, fast=True, skip_tokenizer_init=True),
-                                                         "shards")
+    assert "pytorch_model-00003-of-00003.bin" in line_of(
+        run_checks(folder, fast=True, skip_tokenizer_init=True), "shards"
+    )
     os.remove(extra)
     second = os.path.join(folder, "pytorch_model-00002-of-00002.bin")
     with open(second, "r+b") as f:
@@ -272,10 +294,19 @@ def test_bin_shards_both_ways(tmp_path):
 def test_qwen2_vl_vision_and_preprocessor_config(tmp_path):
     folder = tmp_path / "qwen2vl-config"
     folder.mkdir()
-    cfg = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
-           "text_config": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                           "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128},
-           "vision_config": {"depth": 2, "embed_dim": 32, "num_heads": 4, "hidden_size": 64}}
+    cfg = {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "text_config": {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "vocab_size": 512,
+            "intermediate_size": 128,
+        },
+        "vision_config": {"depth": 2, "embed_dim": 32, "num_heads": 4, "hidden_size": 64},
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14, "merge_size": 2}))
     checks = run_checks(str(folder), fast=True, skip_tokenizer_init=True)
@@ -291,8 +322,9 @@ def test_qwen2_vl_vision_and_preprocessor_config(tmp_path):
 
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
-    assert "patch_size 16 vs vision_config 14" in line_of(run_checks(str(folder), fast=True,
-                                                                     skip_tokenizer_init=True), "preprocessor config")
+    assert "patch_size 16 vs vision_config 14" in line_of(
+        run_checks(str(folder), fast=True, skip_tokenizer_init=True), "preprocessor config"
+    )
 
 
 def test_tensor_parallel_and_shm(model_dir):
@@ -308,12 +340,13 @@ def test_a_crashing_check_becomes_a_fail_line(model_dir, monkeypatch):
     monkeypatch.setattr(doctor, "_check_disk", boom)
     checks = run_checks(model_dir, fast=True)
     assert "unexpected error: RuntimeError: disk exploded" in line_of(checks, "disk")
-    assert any(c.name == "tokenizer" and c.status == "ok" for c in checks)    # the others still ran
+    assert any(c.name == "tokenizer" and c.status == "ok" for c in checks)  # the others still ran
 
 
 def test_report_format_and_cli(model_dir, capsys):
-    report = format_report([Check("a", "ok", "fine", None), Check("b", "warn", "hmm", "do x"),
-                            Check("c", "FAIL", "bad", "do y")])
+    report = format_report(
+        [Check("a", "ok", "fine", None), Check("b", "warn", "hmm", "do x"), Check("c", "FAIL", "bad", "do y")]
+    )
     assert report.splitlines() == ["[ ok ] a: fine", "[warn] b: hmm → do x", "[FAIL] c: bad → do y"]
     assert doctor.main([model_dir, "--device", "cpu"]) == 0
     assert "[FAIL]" not in capsys.readouterr().out
@@ -323,15 +356,15 @@ def test_report_format_and_cli(model_dir, capsys):
 
 
 def test_serve_preflight_raises_with_the_fail_lines(model_dir):
-    import argparse
-
+    from pagoda.config import EngineArgs
+    from pagoda.config.server import ServerConfig
     from pagoda.errors import ConfigError
 
-    ns = argparse.Namespace(model=model_dir, port=None, tokenizer=None)
-    assert not fails(doctor.serve_preflight(ns))
+    engine, server = EngineArgs(model=model_dir), ServerConfig(port=None)  # type: ignore[arg-type]
+    assert not fails(doctor.serve_preflight(engine, server))
     os.remove(os.path.join(model_dir, shard_names(model_dir)[0]))
     with pytest.raises(ConfigError, match=r"\[FAIL\] shards: .*model-00001-of-00005.safetensors"):
-        doctor.serve_preflight(ns)
+        doctor.serve_preflight(engine, server)
 
 
 def test_default_gguf_model():

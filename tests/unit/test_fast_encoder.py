@@ -11,9 +11,37 @@ import pytest
 
 from pagoda.frontend.tokenizer import fast_encoder
 
-PIECES = ["hello", " world", "The", " ", "  ", "\n", "\n\n", "\t", ".", "42", " café", "naïve", "中文", "你好", "。",
-          "𠀋", "🎉", "👍🏽", "👨‍👩‍👧", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>", "user",
-          "\r\n", "ß", "<", ">"]
+PIECES = [
+    "hello",
+    " world",
+    "The",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    ".",
+    "42",
+    " café",
+    "naïve",
+    "中文",
+    "你好",
+    "。",
+    "𠀋",
+    "🎉",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start",
+    "|>",
+    "user",
+    "\r\n",
+    "ß",
+    "<",
+    ">",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +60,7 @@ def random_texts(count: int, seed: int = 0) -> list[str]:
 
 def test_same_ids_as_tokenizer_encode(qwen) -> None:
     encode = fast_encoder(qwen)
-    assert encode.__name__ == "encode"          # the Rust shortcut was taken for a stock fast tokenizer
+    assert encode.__name__ == "encode"  # the Rust shortcut was taken for a stock fast tokenizer
     for text in random_texts(300):
         for flag in (True, False):
             assert encode(text, flag) == qwen.encode(text, add_special_tokens=flag), (text, flag)
@@ -43,9 +71,9 @@ def test_backend_state_transformers_would_reset_falls_back(qwen) -> None:
     encode = fast_encoder(tok)
     text = "hello world " * 20
     reference = qwen.encode(text, add_special_tokens=True)
-    tok._tokenizer.enable_truncation(5)        # set behind transformers' back: its encode turns it off again
+    tok._tokenizer.enable_truncation(5)  # set behind transformers' back: its encode turns it off again
     assert encode(text, True) == reference
-    tok.split_special_tokens = True             # now a special token's text is split into ordinary tokens
+    tok.split_special_tokens = True  # now a special token's text is split into ordinary tokens
     special = "<|im_start|>user hi<|im_end|>"
     assert encode(special, False) == tok.encode(special, add_special_tokens=False)
 

@@ -18,10 +18,15 @@ import httpx
 import pytest
 import uvicorn
 
+from pagoda.server.http_limits import (
+    BodyLimitMiddleware,
+    HttpLimits,
+    _Notices,
+    default_max_connections,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from tests.conftest import read_http_response as read_response
-
-from pagoda.server.http_limits import (BodyLimitMiddleware, HttpLimits, _Notices, default_max_connections,
-                                       quiet_accept_errors, raise_fd_limit)
 
 
 async def echo_app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -36,8 +41,13 @@ async def echo_app(scope, receive, send) -> None:  # type: ignore[no-untyped-def
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = json.dumps({"path": scope["path"], "bytes": size}).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -60,8 +70,9 @@ class ThreadServer:
 
     async def _main(self) -> None:
         app = BodyLimitMiddleware(echo_app, self.limits.max_request_bytes)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
-                                **self.limits.uvicorn_args())
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", **self.limits.uvicorn_args()
+        )
         self.server = uvicorn.Server(config)
         await self.server.serve()
 
@@ -74,8 +85,16 @@ class ThreadServer:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
 
-LIMITS = HttpLimits(max_request_bytes=1 << 20, max_header_bytes=8192, max_header_count=32, header_timeout=0.6,
-                    body_timeout=0.6, idle_connection_timeout=0.6, keep_alive_timeout=0.6, max_connections=6)
+LIMITS = HttpLimits(
+    max_request_bytes=1 << 20,
+    max_header_bytes=8192,
+    max_header_count=32,
+    header_timeout=0.6,
+    body_timeout=0.6,
+    idle_connection_timeout=0.6,
+    keep_alive_timeout=0.6,
+    max_connections=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +102,6 @@ def server() -> Iterator[ThreadServer]:
     srv = ThreadServer(LIMITS)
     yield srv
     srv.stop()
-
-
 
 
 def send_until_answered(sock: socket.socket, pieces: Iterator[bytes]) -> None:
@@ -113,7 +130,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         while sock.recv(65536):
             pass
         return True
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True
@@ -135,7 +152,7 @@ def test_big_header_is_431_naming_the_limit(server: ThreadServer) -> None:
 def test_unfinished_huge_header_is_refused_before_it_ends(server: ThreadServer) -> None:
     with server.connect() as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
-        send_until_answered(sock, (b"a" * 4096 for _ in range(4096)))     # up to 16 MiB, never finished
+        send_until_answered(sock, (b"a" * 4096 for _ in range(4096)))  # up to 16 MiB, never finished
         error = openai_error(*read_response(sock), 431)
     assert "--max-header-bytes" in error["message"]
 
@@ -149,25 +166,26 @@ def test_too_many_headers_is_431_naming_the_count(server: ThreadServer) -> None:
 
 
 def test_headers_at_the_limits_pass(server: ThreadServer) -> None:
-    headers = {f"x-h{i}": "v" for i in range(25)} | {"x-pad": "a" * 6000}     # + httpx's own 5
+    headers = {f"x-h{i}": "v" for i in range(25)} | {"x-pad": "a" * 6000}  # + httpx's own 5
     assert httpx.get(server.url + "/ok", headers=headers).status_code == 200
 
 
 # ---- body --------------------------------------------------------------------------------------------
 def test_declared_body_over_the_cap_is_413_before_it_is_sent(server: ThreadServer) -> None:
     with server.connect() as sock:
-        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 268435456\r\n\r\n")
-        status, headers, body = read_response(sock)           # answered with nothing of the body sent
+        sock.sendall(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 268435456\r\n\r\n"
+        )
+        status, headers, body = read_response(sock)  # answered with nothing of the body sent
         error = openai_error(status, headers, body, 413)
     assert "268435456" in error["message"] and str(1 << 20) in error["message"]
     assert error["type"] == "RequestTooLargeError" and headers["connection"] == "close"
 
 
 def test_chunked_body_over_the_cap_is_413(server: ThreadServer) -> None:
-    response = httpx.post(server.url + "/", content=(b"x" * 65536 for _ in range(64)))     # 4 MiB, chunked
+    response = httpx.post(server.url + "/", content=(b"x" * 65536 for _ in range(64)))  # 4 MiB, chunked
     assert response.status_code == 413 and "--max-request-bytes" in response.json()["error"]["message"]
-    response = httpx.post(server.url + "/", content=(b"x" * 65536 for _ in range(15)))     # within the cap
+    response = httpx.post(server.url + "/", content=(b"x" * 65536 for _ in range(15)))  # within the cap
     assert response.json()["bytes"] == 15 * 65536
 
 
@@ -180,7 +198,7 @@ def test_idle_connection_is_closed(server: ThreadServer) -> None:
     with server.connect() as sock:
         assert closed_within(sock, 3.0)
     with server.connect() as sock:
-        sock.sendall(b"\r\n\r\n")                 # blank lines begin no request
+        sock.sendall(b"\r\n\r\n")  # blank lines begin no request
         assert closed_within(sock, 3.0)
 
 
@@ -198,7 +216,7 @@ def test_headers_trickled_after_an_idle_start_still_get_the_header_deadline() ->
     try:
         with srv.connect() as sock:
             time.sleep(0.3)
-            sock.sendall(b"GET / HTTP/1.1\r\n")     # the first byte ends the idle wait; the header deadline starts
+            sock.sendall(b"GET / HTTP/1.1\r\n")  # the first byte ends the idle wait; the header deadline starts
             t0 = time.monotonic()
             error = openai_error(*read_response(sock), 408)
             assert 0.3 < time.monotonic() - t0 < 3.0
@@ -225,7 +243,7 @@ def test_idle_keep_alive_connection_is_closed_after_a_request(server: ThreadServ
         sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_response(sock)[0] == 200
         time.sleep(0.3)
-        sock.sendall(b"\r\n")                       # cancels uvicorn's keep-alive timer, begins no request
+        sock.sendall(b"\r\n")  # cancels uvicorn's keep-alive timer, begins no request
         assert closed_within(sock, 3.0)
 
 
@@ -235,7 +253,7 @@ def test_connections_over_the_cap_get_503_while_open_ones_work() -> None:
     idle = []
     try:
         with httpx.Client(base_url=srv.url) as client:
-            assert client.get("/health").status_code == 200     # one open keep-alive connection
+            assert client.get("/health").status_code == 200  # one open keep-alive connection
             idle = [srv.connect() for _ in range(3)]
             time.sleep(0.2)
             for _ in range(5):
@@ -244,12 +262,12 @@ def test_connections_over_the_cap_get_503_while_open_ones_work() -> None:
                 error = response.json()["error"]
                 assert "4" in error["message"] and error["type"] == "ServiceUnavailableError"
                 assert response.headers["retry-after"] == "1"
-            assert client.get("/health").status_code == 200     # the existing connection still works
+            assert client.get("/health").status_code == 200  # the existing connection still works
             for sock in idle[:2]:
                 sock.close()
             idle = idle[2:]
             time.sleep(0.2)
-            assert httpx.get(srv.url + "/health").status_code == 200    # room again
+            assert httpx.get(srv.url + "/health").status_code == 200  # room again
     finally:
         for sock in idle:
             sock.close()
@@ -270,7 +288,7 @@ def test_fd_soft_limit_is_raised_to_the_hard_limit() -> None:
 
 
 def test_default_connection_cap_stays_below_the_fd_limit() -> None:
-    assert default_max_connections(20000) == 20000 - 2048 - 256     # room for a burst of refused accepts
+    assert default_max_connections(20000) == 20000 - 2048 - 256  # room for a burst of refused accepts
     assert default_max_connections(50_000) == 45_000
     assert default_max_connections(1024) == 512
     assert default_max_connections(10**7) == 65536
@@ -292,15 +310,19 @@ def test_accept_failures_log_one_line_without_traceback(caplog: pytest.LogCaptur
     try:
         quiet_accept_errors(loop)
         with caplog.at_level(logging.DEBUG):
-            for _ in range(2048):      # asyncio retries accept() up to the backlog per wake-up
-                loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                             "exception": OSError(24, "Too many open files")})
+            for _ in range(2048):  # asyncio retries accept() up to the backlog per wake-up
+                loop.call_exception_handler(
+                    {
+                        "message": "socket.accept() out of system resource",
+                        "exception": OSError(24, "Too many open files"),
+                    }
+                )
             loop.call_exception_handler({"message": "something else"})
     finally:
         loop.close()
     accept = [r for r in caplog.records if "accept" in r.getMessage()]
     assert len(accept) == 1 and accept[0].exc_info is None and "Too many open files" in accept[0].getMessage()
-    assert any(r.getMessage() == "something else" for r in caplog.records)   # other errors still reach asyncio
+    assert any(r.getMessage() == "something else" for r in caplog.records)  # other errors still reach asyncio
 
 
 def test_serve_flags_build_the_limits() -> None:
@@ -315,8 +337,18 @@ def test_serve_flags_build_the_limits() -> None:
     assert limits.max_request_bytes == 32 << 20 and limits.max_header_bytes == 64 << 10
     assert limits.max_header_count == 256 and limits.keep_alive_timeout == 5
     assert limits.max_connections == default_max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    vllm_names = parser.parse_args(["--h11-max-incomplete-event-size", "4194304", "--h11-max-header-count", "10",
-                                    "--max-connections", "7", "--idle-connection-timeout", "2"])
+    vllm_names = parser.parse_args(
+        [
+            "--h11-max-incomplete-event-size",
+            "4194304",
+            "--h11-max-header-count",
+            "10",
+            "--max-connections",
+            "7",
+            "--idle-connection-timeout",
+            "2",
+        ]
+    )
     limits = HttpLimits.from_args(vllm_names)
     assert (limits.max_header_bytes, limits.max_header_count, limits.max_connections) == (4194304, 10, 7)
     with pytest.raises(ConfigError, match="--body-timeout"):

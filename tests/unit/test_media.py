@@ -21,7 +21,13 @@ from PIL import Image
 
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.multimodal import media
-from pagoda.frontend.multimodal.media import MediaPolicy, check_public_host, is_private_address, load_image, load_video_frames
+from pagoda.frontend.multimodal.media import (
+    MediaPolicy,
+    check_public_host,
+    is_private_address,
+    load_image,
+    load_video_frames,
+)
 
 WHERE = "messages[1].content[0]"
 
@@ -78,12 +84,12 @@ def test_data_uri_png_round_trip_is_pixel_exact():
 def test_data_uri_jpeg_and_bare_image_mime():
     image = _load(_data_uri(_encode(_image(), "JPEG"), "image/jpeg"))
     assert image.mode == "RGB" and image.size == (32, 24)
-    assert _load(_data_uri(PNG, "image")).size == (32, 24)             # the Qwen README's form
-    assert _load(_data_uri(PNG).rstrip("=")).size == (32, 24)          # missing padding tolerated
+    assert _load(_data_uri(PNG, "image")).size == (32, 24)  # the Qwen README's form
+    assert _load(_data_uri(PNG).rstrip("=")).size == (32, 24)  # missing padding tolerated
 
 
 def test_rgba_is_composited_on_white():
-    rgba = Image.new("RGBA", (4, 4), (10, 20, 30, 0))                   # fully transparent
+    rgba = Image.new("RGBA", (4, 4), (10, 20, 30, 0))  # fully transparent
     assert np.asarray(_load(_data_uri(_encode(rgba)))).min() == 255
 
 
@@ -116,7 +122,7 @@ def test_decompression_bombs():
 def test_exif_orientation_is_applied():
     image = _image(40, 20)
     exif = Image.Exif()
-    exif[0x0112] = 6                                                     # "rotate 90 CW to display"
+    exif[0x0112] = 6  # "rotate 90 CW to display"
     loaded = _load(_data_uri(_encode(image, "JPEG", exif=exif.tobytes()), "image/jpeg"))
     assert loaded.size == (20, 40)
 
@@ -141,7 +147,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._route(self.path)
         except (BrokenPipeError, ConnectionResetError):
-            pass                                        # the client gave up first (size cap, timeout)
+            pass  # the client gave up first (size cap, timeout)
 
     def _route(self, path: str) -> None:
         if path == "/img.png":
@@ -152,7 +158,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._redirect("/loop")
         elif path == "/big":
             self._send(200, b"\0" * 5000)
-        elif path == "/big-unsized":                    # no Content-Length: must count while streaming
+        elif path == "/big-unsized":  # no Content-Length: must count while streaming
             self.send_response(200)
             self.end_headers()
             for _ in range(50):
@@ -213,8 +219,20 @@ def test_http_failures(server_url):
 
 
 def test_private_address_rule():
-    for address in ("10.0.0.1", "169.254.1.1", "169.254.169.254", "::1", "127.0.0.1", "192.168.1.1",
-                    "0.0.0.0", "224.0.0.1", "100.64.0.1", "::ffff:127.0.0.1", "fe80::1%eth0", "fc00::1"):
+    for address in (
+        "10.0.0.1",
+        "169.254.1.1",
+        "169.254.169.254",
+        "::1",
+        "127.0.0.1",
+        "192.168.1.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "100.64.0.1",
+        "::ffff:127.0.0.1",
+        "fe80::1%eth0",
+        "fc00::1",
+    ):
         assert is_private_address(address), address
     for address in ("8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"):
         assert not is_private_address(address), address
@@ -229,7 +247,7 @@ def test_host_check_on_literal_hosts():
     for url in ("http://10.0.0.1/a.png", "http://169.254.1.1/", "http://[::1]:8080/x", "https://127.0.0.1/"):
         with pytest.raises(InvalidRequest, match="--allow-private-media-urls"):
             asyncio.run(check(url))
-    asyncio.run(check("http://8.8.8.8/a.png"))                  # public: passes (no connection made)
+    asyncio.run(check("http://8.8.8.8/a.png"))  # public: passes (no connection made)
     asyncio.run(check_public_host(httpx.URL("http://10.0.0.1/"), PRIVATE_OK, WHERE))
 
 
@@ -249,10 +267,9 @@ def test_every_redirect_hop_is_checked(monkeypatch):
         return ["93.184.216.34"] if host == "public.example" else [host]
 
     monkeypatch.setattr(media, "_resolve_addresses", resolve)
-    monkeypatch.setattr(media, "_http_client",
-                        lambda policy: httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    monkeypatch.setattr(media, "_http_client", lambda policy: httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     _error("http://public.example/to-internal", match="127.0.0.1.*--allow-private-media-urls")
-    assert seen == ["http://public.example/to-internal"]        # the internal hop was never requested
+    assert seen == ["http://public.example/to-internal"]  # the internal hop was never requested
     assert _load("http://public.example/to-public").size == (32, 24)
 
 
@@ -271,9 +288,9 @@ def test_local_files(tmp_path):
     assert _load(f"file://{allowed}/a%20b.png", policy).size == (32, 24)
     _error(f"file://{tmp_path}/secret.png", policy, match="outside .*--allowed-local-media-path")
     _error(f"file://{allowed}/../secret.png", policy, match="outside")
-    _error(f"file://{allowed}/link.png", policy, match="outside")       # symlinks resolved first
+    _error(f"file://{allowed}/link.png", policy, match="outside")  # symlinks resolved first
     _error(f"file://{allowed}/missing.png", policy, match="no such file")
-    _error(f"file://{allowed}/a%20b.png", match="--allowed-local-media-path")   # disabled by default
+    _error(f"file://{allowed}/a%20b.png", match="--allowed-local-media-path")  # disabled by default
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,29 +1,24 @@
 """/metrics under both prefixes: every `pagoda:` sample also as `vllm:`, same labels and value, in one
-process and in prometheus multiprocess mode (several API processes); `--metrics-prefix` picks one; the
-waiting gauge shows the API side's count while the core's report is stale; `pagoda bench` reading a
-page with both prefixes counts each value once."""
+process (in prometheus multiprocess mode, several API processes: tests/e2e/test_metrics_multiprocess.py);
+`--metrics-prefix` picks one; the waiting gauge shows the API side's count while the core's report is
+stale; `pagoda bench` reading a page with both prefixes counts each value once."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.tools.bench.metrics import parse_prometheus
 from pagoda.engine.core_process import Outputs
 from pagoda.outputs import EngineStats
 from pagoda.server.metrics import METRICS_PREFIXES, ServerMetrics
-
-REPO = Path(__file__).resolve().parents[2]
+from pagoda.tools.bench.metrics import parse_prometheus
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def by_prefix(found: dict[tuple[str, tuple], float], prefix: str) -> dict[tuple[str, tuple], float]:
@@ -42,12 +37,22 @@ def feed(metrics: ServerMetrics) -> None:
 def check_both(text: str) -> dict[tuple[str, tuple], float]:
     found = samples(text)
     own, theirs = by_prefix(found, "pagoda"), by_prefix(found, "vllm")
-    assert len(own) + len(theirs) == len(found)           # nothing under a third name
+    assert len(own) + len(theirs) == len(found)  # nothing under a third name
     assert own == theirs and len(own) > 50
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                 "generation_tokens_total", "request_success_total", "num_preemptions_total",
-                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_sum", "request_queue_time_seconds_count", "engine_steps_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "num_preemptions_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_sum",
+        "request_queue_time_seconds_count",
+        "engine_steps_total",
+    ):
         assert any(key[0] == name for key in theirs), name
     return theirs
 
@@ -75,39 +80,12 @@ def test_metrics_prefix_picks_one() -> None:
 
 def test_a_stale_report_shows_the_api_side_waiting_count() -> None:
     metrics = ServerMetrics("m")
-    feed(metrics)                                       # the core said: 2 waiting
+    feed(metrics)  # the core said: 2 waiting
     page = samples(metrics.render(waiting_estimate=9).decode())
     assert page[("vllm:num_requests_waiting", (("model_name", "m"),))] == 9
     assert page[("pagoda:num_requests_waiting", (("model_name", "m"),))] == 9
-    feed(metrics)                                       # the core's next report is the truth again
+    feed(metrics)  # the core's next report is the truth again
     assert samples(metrics.render().decode())[("vllm:num_requests_waiting", (("model_name", "m"),))] == 2
-
-
-_MULTIPROCESS = """
-import json, sys
-from pagoda.server.metrics import ServerMetrics
-sys.path.insert(0, {here!r})
-from test_metrics_prefixes import feed
-metrics = ServerMetrics("m", multiprocess=True, count_engine_totals={first})
-feed(metrics)
-print(json.dumps(metrics.render().decode()))
-"""
-
-
-def test_multiprocess_mode_shows_the_sums_under_both_prefixes(tmp_path: Path) -> None:
-    """Two API processes write their files; the second renders both: sums, the same under either prefix."""
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    pages = []
-    for first in (True, False):
-        code = _MULTIPROCESS.format(here=str(Path(__file__).parent), first=first)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        pages.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    theirs = check_both(pages[1])
-    assert theirs[("generation_tokens_total", (("model_name", "m"),))] == 4        # both processes' tokens
-    assert theirs[("time_to_first_token_seconds_count", (("model_name", "m"),))] == 2
-    assert theirs[("engine_steps_total", (("model_name", "m"),))] == 7             # counted by the first only
 
 
 def test_bench_reads_a_page_with_both_prefixes_once() -> None:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.inputs import MultiModalItem
 from pagoda.frontend.multimodal.mrope import mrope_positions
+from pagoda.inputs import MultiModalItem
 
 
 def _item(grid, offset, modality="image"):
@@ -21,7 +21,7 @@ def test_worked_example_224_image():
     assert delta == -56
     np.testing.assert_array_equal(positions[:, :15], np.tile(np.arange(15), (3, 1)))
     assert positions[:, 15].tolist() == [15, 15, 15] and positions[:, 78].tolist() == [15, 22, 22]
-    assert positions[:, 15 + 8 * 3 + 5].tolist() == [15, 18, 20]          # pad (b=3, c=5)
+    assert positions[:, 15 + 8 * 3 + 5].tolist() == [15, 18, 20]  # pad (b=3, c=5)
     np.testing.assert_array_equal(positions[:, 79:], np.tile(np.arange(23, 33), (3, 1)))
 
 
@@ -54,10 +54,18 @@ def test_images_match_transformers_get_rope_index(grids):
     import transformers
 
     config = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=32, num_heads=4, hidden_size=64))
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(depth=1, embed_dim=32, num_heads=4, hidden_size=64),
+    )
     model = transformers.Qwen2VLModel(config).eval()
     ids, items = [10, 11, 12], []
     for grid in grids:
@@ -66,8 +74,7 @@ def test_images_match_transformers_get_rope_index(grids):
         items.append(_item(grid, len(ids)))
         ids += [151655] * n + [151653, 20, 21]
     input_ids = torch.tensor([ids])
-    ref, ref_delta = model.get_rope_index(input_ids, (input_ids == 151655).long(),
-                                          image_grid_thw=torch.tensor(grids))
+    ref, ref_delta = model.get_rope_index(input_ids, (input_ids == 151655).long(), image_grid_thw=torch.tensor(grids))
     positions, delta = mrope_positions(len(ids), items)
     np.testing.assert_array_equal(positions, ref[:, 0].numpy())
     assert delta == int(ref_delta.flatten()[0])

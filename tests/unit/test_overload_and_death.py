@@ -1,27 +1,25 @@
 """The API side's own counts and the core's death, without a core process: `--max-waiting-requests`
 against a burst the core has not reported yet (and its share with several API processes), the core's
-`received` count, a send to a core that cannot take it ending when the core dies, the pidfd noticing
-an exit at once, and `end_streams` (the `--shutdown-timeout` cut)."""
+`received` count, a send to a core that cannot take it ending when the core dies, and `end_streams` (the
+`--shutdown-timeout` cut). The pidfd noticing a real process's exit at once: tests/e2e/test_core_exit_watch.py."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from pagoda.engine.async_engine import AsyncEngine, CoreClient
 from pagoda.engine.core_process import AbortRequests, AddRequest, Outputs, Ready, Shutdown, _loop
-from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.errors import EngineDead, Overloaded, ShuttingDown
+from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.server.app import sse_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.serving import OpenAIServing, ServingContext
+from pagoda.server.sse import sse_response
 
 
 class _Pipe:
@@ -44,7 +42,7 @@ class _Pipe:
 
 
 def _engine(stuck: bool = False) -> tuple[AsyncEngine, _Pipe]:
-    engine = AsyncEngine(None)  # type: ignore[arg-type]
+    engine = AsyncEngine(None, CoreClient(0, "", "", os.getpid(), Ready(1, 16, 1.0)))  # type: ignore[arg-type]
     pipe = _Pipe(stuck)
     engine._outbox = engine._inbox = pipe  # type: ignore[attr-defined]
     engine._tasks = [asyncio.get_running_loop().create_task(engine._read_outputs())]
@@ -52,10 +50,20 @@ def _engine(stuck: bool = False) -> tuple[AsyncEngine, _Pipe]:
 
 
 def _serving(engine: AsyncEngine, limit: int, processes: int = 1) -> OpenAIServing:
-    return OpenAIServing(ServingContext(engine=engine, tokenizer=None, served_model_names=["m"], max_model_len=512,
-                                        vocab_size=1000, architecture="Fake", chat_template=None,
-                                        metrics=ServerMetrics("m"), max_waiting_requests=limit,
-                                        api_server_count=processes))
+    return OpenAIServing(
+        ServingContext(
+            engine=engine,
+            tokenizer=None,
+            served_model_names=["m"],
+            max_model_len=512,
+            vocab_size=1000,
+            architecture="Fake",
+            chat_template=None,
+            metrics=ServerMetrics("m"),
+            max_waiting_requests=limit,
+            api_server_count=processes,
+        )
+    )
 
 
 def _stats(running: int, waiting: int) -> EngineStats:
@@ -79,12 +87,14 @@ def test_a_burst_cannot_pass_on_a_stale_waiting_count() -> None:
         # 20 requests pass the check before any is sent (a stream is sent once its response started).
         admitted = _admitted(serving, 20)
         assert len(admitted) == 8
-        gens = [engine.generate_batches([1], SamplingParams(max_tokens=4), request_id=f"r{i}", admission=a)
-                for i, a in enumerate(admitted)]
+        gens = [
+            engine.generate_batches([1], SamplingParams(max_tokens=4), request_id=f"r{i}", admission=a)
+            for i, a in enumerate(admitted)
+        ]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         await asyncio.sleep(0)
         assert sum(isinstance(m, AddRequest) for m in pipe.sent) == 8
-        assert engine.num_unreported == 8 and not _admitted(serving, 5)     # sent, not yet reported
+        assert engine.num_unreported == 8 and not _admitted(serving, 5)  # sent, not yet reported
         # The core took all 8: 3 run, 5 wait; room for 3 more.
         pipe.inbound.put_nowait(Outputs([], _stats(3, 5), {}, received=8))
         await asyncio.sleep(0)
@@ -110,11 +120,11 @@ def test_several_api_processes_share_the_room() -> None:
         engine, _ = _engine()
         assert len(_admitted(_serving(engine, limit=8, processes=2), 20)) == 4
         engine2, _ = _engine()
-        assert len(_admitted(_serving(engine2, limit=8, processes=3), 20)) == 3      # ceil(8 / 3)
+        assert len(_admitted(_serving(engine2, limit=8, processes=3), 20)) == 3  # ceil(8 / 3)
         engine3, pipe3 = _engine()
         pipe3.inbound.put_nowait(Outputs([], _stats(0, 7), {}, received=0))
         await asyncio.sleep(0)
-        assert len(_admitted(_serving(engine3, limit=8, processes=4), 20)) == 1      # room 1: one each at most
+        assert len(_admitted(_serving(engine3, limit=8, processes=4), 20)) == 1  # room 1: one each at most
         for e in (engine, engine2, engine3):
             e._tasks[0].cancel()
 
@@ -129,7 +139,7 @@ def test_the_waiting_gauge_counts_sends_the_core_has_not_reported_once_stale() -
         gens = [engine.generate_batches([1], SamplingParams(max_tokens=4), request_id=f"r{i}") for i in range(3)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         await asyncio.sleep(0)
-        assert engine.waiting_estimate() is None              # just sent: the core's report is current
+        assert engine.waiting_estimate() is None  # just sent: the core's report is current
         assert engine.waiting_estimate(stale_after=0.0) == 2 + 3
         pipe.inbound.put_nowait(Outputs([], _stats(1, 5), {}, received=3))
         await asyncio.sleep(0)
@@ -148,32 +158,13 @@ def test_a_send_the_dead_core_never_takes_ends_with_engine_dead() -> None:
         gen = engine.generate_batches([1], SamplingParams(max_tokens=4), request_id="r1")
         task = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.05)
-        assert not task.done()                                # the send is waiting for the core
+        assert not task.done()  # the send is waiting for the core
         engine._mark_dead("test")
         with pytest.raises(EngineDead):
             await asyncio.wait_for(task, 1.0)
         with pytest.raises(EngineDead):
             await engine.generate_batches([1], SamplingParams(max_tokens=4)).__anext__()
         engine._tasks[0].cancel()
-
-    asyncio.run(main())
-
-
-def test_the_core_exiting_is_noticed_at_once() -> None:
-    async def main() -> None:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        try:
-            engine = AsyncEngine(None, CoreClient(0, "", "", child.pid, Ready(1, 16, 1.0)))  # type: ignore[arg-type]
-            watch = asyncio.create_task(engine._watch_core())
-            await asyncio.sleep(0.7)                          # past one 0.5 s fallback check
-            assert not engine.is_dead
-            child.kill()                                      # a zombie until reaped: kill(pid, 0) still works
-            started = time.monotonic()
-            await asyncio.wait_for(watch, 2.0)
-            assert engine.is_dead and time.monotonic() - started < 0.2
-        finally:
-            child.kill()
-            child.wait()
 
     asyncio.run(main())
 
@@ -199,7 +190,7 @@ def test_end_streams_fails_open_requests_with_an_error_event_and_done() -> None:
         await asyncio.wait_for(reader, 1.0)
         text = "".join(writes)
         assert '"code": 503' in text and "shutting down" in text and text.endswith("data: [DONE]\n\n")
-        assert isinstance(pipe.sent[-1], AbortRequests)       # the core frees the request's blocks
+        assert isinstance(pipe.sent[-1], AbortRequests)  # the core frees the request's blocks
         with pytest.raises(ShuttingDown):
             await engine.generate_batches([1], SamplingParams(max_tokens=4)).__anext__()
         engine._tasks[0].cancel()
@@ -262,5 +253,5 @@ def test_the_core_reports_how_many_requests_it_took() -> None:
     # Requests taken are always reported, even when the stats did not change: until then the API side
     # counts them as waiting.
     inbox, outbox = _Inbox([[], [add("a"), add("b")], [add("c")], [Shutdown()]]), _Outbox()
-    _loop(_FakeCore(), inbox, outbox, os.getppid())
+    _loop(_FakeCore(), inbox, [outbox])
     assert [m.received for m in outbox.sent] == [0, 2, 3]

@@ -24,9 +24,16 @@ def engine() -> types.SimpleNamespace:
 
 @pytest.fixture
 def client(engine) -> TestClient:
-    ctx = ServingContext(engine=engine, tokenizer=None, served_model_names=[MODEL], max_model_len=64,
-                         vocab_size=100, architecture="LlamaForCausalLM", chat_template=None,
-                         metrics=None)  # type: ignore[arg-type]
+    ctx = ServingContext(
+        engine=engine,
+        tokenizer=None,
+        served_model_names=[MODEL],
+        max_model_len=64,
+        vocab_size=100,
+        architecture="LlamaForCausalLM",
+        chat_template=None,
+        metrics=None,
+    )  # type: ignore[arg-type]
     return TestClient(build_app(OpenAIServing(ctx)), raise_server_exceptions=False)
 
 
@@ -51,8 +58,9 @@ def test_openapi_documents_400_in_openai_shape_and_never_422(client: TestClient)
         responses = schema["paths"][path]["post"]["responses"]
         assert responses["400"]["content"]["application/json"]["schema"] == error_ref, path
         assert "404" in responses and "401" in responses, path
-    assert schema["paths"]["/v1/models"]["get"]["responses"]["503"]["content"]["application/json"]["schema"] \
-        == error_ref
+    assert (
+        schema["paths"]["/v1/models"]["get"]["responses"]["503"]["content"]["application/json"]["schema"] == error_ref
+    )
     components = schema["components"]["schemas"]
     assert components["ErrorResponse"]["properties"]["error"] == {"$ref": "#/components/schemas/ErrorInfo"}
     assert set(components["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
@@ -73,14 +81,17 @@ def test_models_is_503_while_the_engine_is_dead(client: TestClient, engine) -> N
 
 
 # ---- chat messages ---------------------------------------------------------------------------
-@pytest.mark.parametrize("messages,param", [
-    ([{"role": "bogus", "content": "hi"}], "messages.0.role"),
-    ([{"role": "function", "content": "hi"}], "messages.0.role"),
-    ([{"role": "user", "content": None}], "messages.0.content"),
-    ([{"role": "user"}], "messages.0.content"),
-    ([{"role": "user", "content": "hi"}, {"role": "system", "content": None}], "messages.1.content"),
-    ([{"role": "tool", "content": None, "tool_call_id": "t"}], "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        ([{"role": "bogus", "content": "hi"}], "messages.0.role"),
+        ([{"role": "function", "content": "hi"}], "messages.0.role"),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "user", "content": "hi"}, {"role": "system", "content": None}], "messages.1.content"),
+        ([{"role": "tool", "content": None, "tool_call_id": "t"}], "messages.0.content"),
+    ],
+)
 def test_bad_roles_and_missing_content_are_400(client: TestClient, messages: list, param: str) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         error = error_of(post(client, path, {"messages": messages}), 400)
@@ -98,8 +109,14 @@ def test_assistant_only_conversation_is_400_unless_continuing_it(client: TestCli
     error = error_of(post(client, "/v1/chat/completions", {"messages": only_assistant}), 400)
     assert error["param"] == "messages" and "continue_final_message" in error["message"]
     # Continuing it gets past that check (this in-process server has no tokenizer to go further).
-    error = error_of(post(client, "/v1/chat/completions", {"messages": only_assistant, "continue_final_message": True,
-                                                           "add_generation_prompt": False}), 400)
+    error = error_of(
+        post(
+            client,
+            "/v1/chat/completions",
+            {"messages": only_assistant, "continue_final_message": True, "add_generation_prompt": False},
+        ),
+        400,
+    )
     assert "tokenizer" in error["message"]
 
 
@@ -127,11 +144,14 @@ def test_a_huge_model_name_is_not_echoed_back(client: TestClient) -> None:
     assert MODEL in error["message"] and error["param"] == "model"
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
-    ("/tokenize", {"prompt": "\udfff"}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", "\ud83d"]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/tokenize", {"prompt": "\udfff"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\ud83d"]}, "prompt"),
+    ],
+)
 def test_lone_surrogates_are_400(client: TestClient, path: str, body: dict, param: str) -> None:
     # The server here has no tokenizer: give it an encoder so the check before encoding is reached.
     client.app.state.serving._encode = lambda text, special: [1]

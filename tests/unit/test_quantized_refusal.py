@@ -91,15 +91,18 @@ def test_quantized_tensors_in_a_bin_checkpoint_are_refused_at_load(folder):
     assert "re-download" not in exc.value.message
 
 
-@pytest.mark.parametrize("names, method", [
-    ([f"{PROJ}.qweight", f"{PROJ}.qzeros", f"{PROJ}.scales"], "awq/gptq"),
-    ([f"{PROJ}.qweight", f"{PROJ}.g_idx"], "gptq"),
-    ([f"{PROJ}.weight", f"{PROJ}.weight_scale", f"{PROJ}.input_scale"], "fp8"),
-    ([f"{PROJ}.weight", f"{PROJ}.weight_scale_inv"], "fp8"),
-    ([f"{PROJ}.weight_packed", f"{PROJ}.weight_scale"], "compressed-tensors"),
-    ([f"{PROJ}.weight", f"{PROJ}.weight.quant_state.bitsandbytes__nf4"], "bitsandbytes"),
-    ([f"{PROJ}.weight", "model.norm.weight", "lm_head.weight"], None),
-])
+@pytest.mark.parametrize(
+    "names, method",
+    [
+        ([f"{PROJ}.qweight", f"{PROJ}.qzeros", f"{PROJ}.scales"], "awq/gptq"),
+        ([f"{PROJ}.qweight", f"{PROJ}.g_idx"], "gptq"),
+        ([f"{PROJ}.weight", f"{PROJ}.weight_scale", f"{PROJ}.input_scale"], "fp8"),
+        ([f"{PROJ}.weight", f"{PROJ}.weight_scale_inv"], "fp8"),
+        ([f"{PROJ}.weight_packed", f"{PROJ}.weight_scale"], "compressed-tensors"),
+        ([f"{PROJ}.weight", f"{PROJ}.weight.quant_state.bitsandbytes__nf4"], "bitsandbytes"),
+        ([f"{PROJ}.weight", "model.norm.weight", "lm_head.weight"], None),
+    ],
+)
 def test_tensor_names_name_the_method(names, method):
     found = tensor_quantization(names)
     assert (found.method if found else None) == method
@@ -125,7 +128,7 @@ def test_llm_quantization_keyword(plain):
     with pytest.raises(ConfigError, match="--quantization awq is not supported yet") as exc:
         load(plain, quantization="awq")
     assert exc.value.param == "quantization"
-    EngineConfig.create(EngineArgs(model=plain, quantization="none"))       # unquantized: accepted
+    EngineConfig.create(EngineArgs(model=plain, quantization="none"))  # unquantized: accepted
 
 
 def test_doctor_fails_a_quantized_folder_with_the_same_text(folder):

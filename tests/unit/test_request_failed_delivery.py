@@ -9,14 +9,17 @@ import json
 
 from pagoda.engine.async_engine import _deliverable, _Stream
 from pagoda.engine.core_process import wire_output
-from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.errors import RequestFailed
-from pagoda.server.app import sse_response
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.server.sse import sse_response
 
 
 def _wire(request_id: str, reason: str | None, stop=None, tokens=(5,)):
-    return wire_output(RequestOutput(request_id, None, [1], [CompletionOutput(0, "", list(tokens), None, None,
-                                                                               reason, stop)], reason is not None))
+    return wire_output(
+        RequestOutput(
+            request_id, None, [1], [CompletionOutput(0, "", list(tokens), None, None, reason, stop)], reason is not None
+        )
+    )
 
 
 class _BrokenTokenizer:
@@ -49,7 +52,7 @@ def test_a_stream_whose_decoding_raises_fails_alone():
 
     fine.detokenizers = [IncrementalDetokenizer(_Tok(), [1])]
     bad_detok = IncrementalDetokenizer(_Tok(), [1])
-    bad_detok._tokenizer = _BrokenTokenizer()          # raises from the first output token on
+    bad_detok._tokenizer = _BrokenTokenizer()  # raises from the first output token on
     bad_detok._decode = bad_detok._decode_general
     broken.detokenizers = [bad_detok]
     assert isinstance(_deliverable(_wire("a", None, tokens=(3, 4)), broken), RequestFailed)

@@ -45,18 +45,21 @@ def test_toml_file(tmp_path: Path) -> None:
     path.write_text(TOML)
     cfg = build_config(parse_file(path), {"policy": None, "health.interval": 0.25})
     assert [(b.url, b.name, b.weight) for b in cfg.backends] == [
-        ("http://127.0.0.1:8001", "a", 1), ("http://127.0.0.1:8002", "http://127.0.0.1:8002", 2)]
+        ("http://127.0.0.1:8001", "a", 1),
+        ("http://127.0.0.1:8002", "http://127.0.0.1:8002", 2),
+    ]
     assert cfg.policy == "session" and cfg.load_factor == 1.5 and cfg.backend_api_key == "backend-key"
     assert cfg.api_keys == (("alice", "sk-alice"),)
-    assert cfg.health.interval == 0.25 and cfg.health.fail_threshold == 3     # the flag wins over the file
+    assert cfg.health.interval == 0.25 and cfg.health.fail_threshold == 3  # the flag wins over the file
     assert cfg.breaker.open_seconds == 4 and cfg.long_request_chars == 10000
 
 
 def test_flags_add_backends_and_keys(tmp_path: Path) -> None:
     path = tmp_path / "router.json"
     path.write_text(json.dumps({"backends": ["http://h:1"], "api_keys": ["k1"]}))
-    cfg = build_config(parse_file(path), {"backends": ["http://h:2", "http://h:1"], "api_keys": ["k2"],
-                                          "policy": "prefix"})
+    cfg = build_config(
+        parse_file(path), {"backends": ["http://h:2", "http://h:1"], "api_keys": ["k2"], "policy": "prefix"}
+    )
     assert [b.url for b in cfg.backends] == ["http://h:1", "http://h:2"]
     assert [label for label, _ in cfg.api_keys] == [key_label("k1"), key_label("k2")]
     assert "k1" not in key_label("k1") and cfg.policy == "prefix"
@@ -70,16 +73,19 @@ def test_yaml_file(tmp_path: Path) -> None:
     assert cfg.backends[0].name == "one" and cfg.policy == "round-robin" and cfg.health.timeout == 1
 
 
-@pytest.mark.parametrize("text, message", [
-    ("policy = 'random'\nbackends = ['http://h:1']", "policy must be one of"),
-    ("backends = []", "no backends"),
-    ("backends = ['h:1']", "must start with http"),
-    ("backends = ['http://h:1']\ntypo = 1", "unknown key 'typo'"),
-    ("backends = ['http://h:1']\n[health]\nintervall = 1", "unknown key [health]"),
-    ("backends = ['http://h:1']\nload_factor = 0.5", "load_factor"),
-    ("backends = [{url = 'http://h:1', name = 'x'}, {url = 'http://h:2', name = 'x'}]", "unique"),
-    ("backends = ['http://h:1'\n", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("policy = 'random'\nbackends = ['http://h:1']", "policy must be one of"),
+        ("backends = []", "no backends"),
+        ("backends = ['h:1']", "must start with http"),
+        ("backends = ['http://h:1']\ntypo = 1", "unknown key 'typo'"),
+        ("backends = ['http://h:1']\n[health]\nintervall = 1", "unknown key [health]"),
+        ("backends = ['http://h:1']\nload_factor = 0.5", "load_factor"),
+        ("backends = [{url = 'http://h:1', name = 'x'}, {url = 'http://h:2', name = 'x'}]", "unique"),
+        ("backends = ['http://h:1'\n", "cannot parse"),
+    ],
+)
 def test_invalid_files(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -94,14 +100,14 @@ def test_reload_from_toml_file(tmp_path: Path) -> None:
     watcher = ConfigWatcher(path, {"max_attempts": 5}, state.apply)
     kept = state.backends[0]
     kept.healthy, kept.inflight = False, 3
-    assert watcher.check() is False                         # unchanged file: nothing to do
+    assert watcher.check() is False  # unchanged file: nothing to do
 
     path.write_text("policy = 'least-loaded'\nbackends = ['http://h:1', 'http://h:3']\n[api_keys]\nbob = 'k'\n")
     assert watcher.check() is True
     assert [b.url for b in state.backends] == ["http://h:1", "http://h:3"]
-    assert state.backends[0] is kept and not kept.healthy and kept.inflight == 3   # runtime state survives
+    assert state.backends[0] is kept and not kept.healthy and kept.inflight == 3  # runtime state survives
     assert state.config.policy == "least-loaded" and state.balancer.policy == "least-loaded"
-    assert state.config.max_attempts == 5                   # the command line still applies
+    assert state.config.max_attempts == 5  # the command line still applies
     assert state.auth({"headers": [(b"authorization", b"Bearer k")]}) == "bob"
     assert state.reloads == 1
 

@@ -14,7 +14,7 @@ def test_breaker_opens_after_consecutive_failures_only() -> None:
     b = CircuitBreaker(BreakerConfig(failures=3, open_seconds=10))
     b.record_failure(now=0)
     b.record_failure(now=1)
-    b.record_success()                      # a success resets the count
+    b.record_success()  # a success resets the count
     b.record_failure(now=2)
     b.record_failure(now=3)
     assert b.state(now=3) == CLOSED and b.can_try(now=3)
@@ -28,23 +28,23 @@ def test_breaker_half_open_lets_one_trial_through() -> None:
     b.record_failure(now=0)
     assert b.state(now=5) == OPEN
     assert b.state(now=10) == HALF_OPEN and b.can_try(now=10)
-    assert b.begin_attempt(now=10) is True        # the trial
-    assert not b.can_try(now=10.5)                # nobody else while it runs
-    b.record_failure(now=11)                      # trial failed: open again, cool-down restarts
+    assert b.begin_attempt(now=10) is True  # the trial
+    assert not b.can_try(now=10.5)  # nobody else while it runs
+    b.record_failure(now=11)  # trial failed: open again, cool-down restarts
     assert b.state(now=20) == OPEN and b.state(now=21) == HALF_OPEN
     b.begin_attempt(now=21)
-    b.release()                                   # the client went away: no verdict, next one may try
+    b.release()  # the client went away: no verdict, next one may try
     assert b.can_try(now=21)
     b.begin_attempt(now=22)
     b.record_success()
     assert b.state(now=22) == CLOSED and b.consecutive_failures == 0
-    assert b.begin_attempt(now=23) is False       # closed: not a trial
+    assert b.begin_attempt(now=23) is False  # closed: not a trial
 
 
 def test_breaker_late_failure_while_open_keeps_cooldown() -> None:
     b = CircuitBreaker(BreakerConfig(failures=1, open_seconds=10))
     b.record_failure(now=0)
-    b.record_failure(now=5)                        # a request sent before it opened fails late
+    b.record_failure(now=5)  # a request sent before it opened fails late
     assert b.state(now=10) == HALF_OPEN
 
 
@@ -83,8 +83,8 @@ def test_probe_thresholds_eject_and_readmit() -> None:
     healthy = [h for h, _ in seen]
     # pass, fail, fail (ejected), fail, pass, pass, pass (readmitted), pass
     assert healthy == [True, True, False, False, False, False, True, True]
-    assert seen[5][1] == OPEN and seen[6][1] == CLOSED      # readmission closes the breaker
-    assert State.backends[0].models == ["smol"]             # learned from /v1/models on (re)admission
+    assert seen[5][1] == OPEN and seen[6][1] == CLOSED  # readmission closes the breaker
+    assert State.backends[0].models == ["smol"]  # learned from /v1/models on (re)admission
 
 
 def test_backend_availability_needs_health_and_breaker() -> None:

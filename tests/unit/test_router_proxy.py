@@ -39,8 +39,11 @@ def streamed(status: int, obj: Any, headers: dict[str, str] | None = None) -> ht
     async def gen() -> Any:
         yield data
 
-    return httpx.Response(status, headers={"content-type": "application/json", "content-length": str(len(data)),
-                                           **(headers or {})}, content=gen())
+    return httpx.Response(
+        status,
+        headers={"content-type": "application/json", "content-length": str(len(data)), **(headers or {})},
+        content=gen(),
+    )
 
 
 class Fakes:
@@ -50,7 +53,7 @@ class Fakes:
         self.behaviour = {n: "ok" for n in URLS}
         self.models = {n: ["smol"] for n in URLS}
         self.seen: list[tuple[str, dict[str, Any], httpx.Headers]] = []
-        self.gate: asyncio.Event | None = None   # when set, completions wait for it (long-queue test)
+        self.gate: asyncio.Event | None = None  # when set, completions wait for it (long-queue test)
         self.running = 0
         self.peak = 0
 
@@ -59,16 +62,24 @@ class Fakes:
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": m, "object": "model", "owned_by": name}
-                                                                        for m in self.models[name]]})
+            return httpx.Response(
+                200,
+                json={
+                    "object": "list",
+                    "data": [{"id": m, "object": "model", "owned_by": name} for m in self.models[name]],
+                },
+            )
         mode = self.behaviour[name]
         if mode == "refuse":
             raise httpx.ConnectError("connection refused", request=request)
         body = json.loads(request.content)
         self.seen.append((name, body, request.headers))
         if isinstance(mode, int):
-            return streamed(mode, {"error": {"message": f"{name} says {mode}", "type": "X", "param": None,
-                                             "code": mode}}, {"retry-after": "3"})
+            return streamed(
+                mode,
+                {"error": {"message": f"{name} says {mode}", "type": "X", "param": None, "code": mode}},
+                {"retry-after": "3"},
+            )
         if self.gate is not None:
             self.running += 1
             self.peak = max(self.peak, self.running)
@@ -83,9 +94,16 @@ class Fakes:
                     yield e
 
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=gen())
-        return streamed(200, {"id": "x", "object": "chat.completion", "model": body.get("model"),
-                              "choices": [{"index": 0, "message": {"role": "assistant", "content": name}}],
-                              "usage": USAGE})
+        return streamed(
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": name}}],
+                "usage": USAGE,
+            },
+        )
 
 
 async def with_router(fakes: Fakes, test: Callable[[httpx.AsyncClient, RouterState], Any], **overrides: Any) -> Any:
@@ -163,7 +181,7 @@ def test_all_backends_failing() -> None:
         for n in URLS:
             fakes.behaviour[n] = 503
         r = await client.post("/v1/chat/completions", json=CHAT)
-        assert r.status_code == 503 and r.headers["retry-after"] == "3"   # the last backend's own answer
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"  # the last backend's own answer
         assert "says 503" in r.json()["error"]["message"]
         for n in URLS:
             fakes.behaviour[n] = "refuse"
@@ -192,22 +210,32 @@ def test_stream_passthrough_and_usage_hidden_unless_asked() -> None:
     fakes = Fakes()
 
     async def test(client: httpx.AsyncClient, state: RouterState) -> None:
-        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                              headers={"Authorization": "Bearer k1"})
+        r = await client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"Authorization": "Bearer k1"}
+        )
         assert r.status_code == 200
-        assert r.content == b"".join(stream_events(False))    # the usage chunk the router asked for is gone
+        assert r.content == b"".join(stream_events(False))  # the usage chunk the router asked for is gone
         assert r.headers["x-accel-buffering"] == "no" and "x-pagoda-backend" in r.headers
         sent = fakes.seen[-1][1]
         assert sent["stream_options"] == {"include_usage": True}
-        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True,
-                                                            "stream_options": {"include_usage": True}},
-                              headers={"Authorization": "Bearer k1"})
-        assert r.content == b"".join(stream_events(True))     # asked for: byte for byte
+        r = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            headers={"Authorization": "Bearer k1"},
+        )
+        assert r.content == b"".join(stream_events(True))  # asked for: byte for byte
         r = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k1"})
         assert r.json()["usage"] == USAGE
         usage = (await client.get("/usage")).json()["keys"]
-        assert usage == {key_label("k1"): {"requests": 3, "requests_without_usage": 0, "prompt_tokens": 21,
-                                           "completion_tokens": 9, "total_tokens": 30}}
+        assert usage == {
+            key_label("k1"): {
+                "requests": 3,
+                "requests_without_usage": 0,
+                "prompt_tokens": 21,
+                "completion_tokens": 9,
+                "total_tokens": 30,
+            }
+        }
         text = state.metrics.render().decode()
         assert f'pagoda_router:prompt_tokens_total{{key="{key_label("k1")}"}} 21.0' in text
 
@@ -235,11 +263,11 @@ def test_api_keys_and_backend_key() -> None:
         r = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.headers["x-pagoda-backend"] == "router"
         assert (await client.get("/v1/models")).status_code == 401
-        assert (await client.get("/health")).status_code == 200     # probes and scrapers need no key
+        assert (await client.get("/health")).status_code == 200  # probes and scrapers need no key
         assert (await client.get("/metrics")).status_code == 200
         r = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-alice"})
         assert r.status_code == 200
-        assert fakes.seen[-1][2]["authorization"] == "Bearer backend-secret"   # the router's key, not the client's
+        assert fakes.seen[-1][2]["authorization"] == "Bearer backend-secret"  # the router's key, not the client's
         r = await client.get("/usage", headers={"Authorization": "Bearer sk-bob"})
         assert set(r.json()["keys"]) == {"alice"}
 
@@ -253,8 +281,9 @@ def test_request_limits() -> None:
         big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
         r = await client.post("/v1/chat/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == 413
-        r = await client.post("/v1/chat/completions", content=b"{not json",
-                              headers={"content-type": "application/json"})
+        r = await client.post(
+            "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         r = await client.post("/v1/chat/completions", json=[1, 2])
         assert r.status_code == 400
@@ -281,7 +310,7 @@ def test_long_requests_have_their_own_queue() -> None:
             await asyncio.sleep(0.01)
             if fakes.running == 4:
                 break
-        assert fakes.running == 4       # the three short ones did not wait behind the long queue
+        assert fakes.running == 4  # the three short ones did not wait behind the long queue
         fakes.gate.set()
         results = await asyncio.gather(*longs, *shorts)
         assert all(r.status_code == 200 for r in results)
@@ -299,9 +328,10 @@ def test_models_merged_and_model_aware_routing() -> None:
         assert r.status_code == 200
         assert [m["id"] for m in r.json()["data"]] == ["smol", "big"]
         assert set(r.headers["x-pagoda-backend"].split(",")) == set(URLS.values())
-        for i in range(6):   # only c serves "big"
-            r = await client.post("/v1/chat/completions", json={**CHAT, "model": "big"},
-                                  headers={"X-Session-ID": str(i)})
+        for i in range(6):  # only c serves "big"
+            r = await client.post(
+                "/v1/chat/completions", json={**CHAT, "model": "big"}, headers={"X-Session-ID": str(i)}
+            )
             assert r.headers["x-pagoda-backend"] == URLS["c"]
 
     run(fakes, test)
@@ -311,8 +341,9 @@ def test_round_robin_and_least_loaded_spread() -> None:
     for policy in ("round-robin", "least-loaded"):
         fakes = Fakes()
 
-        async def test(client: httpx.AsyncClient, state: RouterState, fakes: Fakes = fakes,
-                       policy: str = policy) -> None:
+        async def test(
+            client: httpx.AsyncClient, state: RouterState, fakes: Fakes = fakes, policy: str = policy
+        ) -> None:
             for _ in range(6):
                 assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
             counts = {n: sum(1 for s, _, _ in fakes.seen if s == n) for n in URLS}

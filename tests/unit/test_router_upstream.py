@@ -32,7 +32,7 @@ else:
 def run(loop_kind: str, coro: Awaitable[Any]) -> Any:
     factory = uvloop.new_event_loop if loop_kind == "uvloop" else None
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(asyncio.wait_for(coro, 30))   # a bug fails the test instead of hanging it
+        return runner.run(asyncio.wait_for(coro, 30))  # a bug fails the test instead of hanging it
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -44,7 +44,7 @@ class RawServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.connections = 0
-        self.requests: list[tuple[bytes, bytes]] = []    # (head, body)
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
         self.closed_by_client = asyncio.Event()
         self.server: asyncio.Server | None = None
 
@@ -84,11 +84,13 @@ def serve(handler: Handler) -> RawServer:
     return RawServer(handler)
 
 
-async def post(transport: FastHTTPTransport, url: str, body: bytes = b'{"x":1}',
-               timeout: httpx.Timeout | None = None) -> httpx.Response:
+async def post(
+    transport: FastHTTPTransport, url: str, body: bytes = b'{"x":1}', timeout: httpx.Timeout | None = None
+) -> httpx.Response:
     ext = {"timeout": (timeout or httpx.Timeout(5.0)).as_dict()}
-    return await transport.handle_async_request(httpx.Request("POST", url + "/v1/chat/completions", content=body,
-                                                              headers={"x-test": "1"}, extensions=ext))
+    return await transport.handle_async_request(
+        httpx.Request("POST", url + "/v1/chat/completions", content=body, headers={"x-test": "1"}, extensions=ext)
+    )
 
 
 async def chunks_of(response: httpx.Response) -> list[bytes]:
@@ -103,9 +105,11 @@ def test_chunked_stream_request_bytes_and_keepalive_reuse(loop_kind: str) -> Non
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while await server.read_request(reader):
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nX-Custom: a b\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n")
-            for p in parts:   # one chunk per write, some time apart: the client sees them as they come
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nX-Custom: a b\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            for p in parts:  # one chunk per write, some time apart: the client sees them as they come
                 writer.write(b"%x\r\n%s\r\n" % (len(p), p))
                 await writer.drain()
                 await asyncio.sleep(0.005)
@@ -121,8 +125,8 @@ def test_chunked_stream_request_bytes_and_keepalive_reuse(loop_kind: str) -> Non
                 assert r.status_code == 200
                 assert r.headers["content-type"] == "text/event-stream" and r.headers["x-custom"] == "a b"
                 got = await chunks_of(r)
-                assert b"".join(got) == b"".join(parts) and len(got) >= 3    # not all buffered into one
-            assert server.connections == 1                                   # one kept-alive connection
+                assert b"".join(got) == b"".join(parts) and len(got) >= 3  # not all buffered into one
+            assert server.connections == 1  # one kept-alive connection
             head, body = server.requests[0]
             assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
             assert b"x-test: 1" in head.lower() and b"host: 127.0.0.1:" in head.lower()
@@ -136,8 +140,8 @@ def test_chunked_stream_request_bytes_and_keepalive_reuse(loop_kind: str) -> Non
 def test_content_length_and_until_close_bodies(loop_kind: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await server.read_request(reader)
-        if n == 1:   # HTTP/1.0 style: no length, the body ends when the connection closes
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n{\"a\":")
+        if n == 1:  # HTTP/1.0 style: no length, the body ends when the connection closes
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n{"a":')
             await writer.drain()
             await asyncio.sleep(0.01)
             writer.write(b"1}")
@@ -153,7 +157,7 @@ def test_content_length_and_until_close_bodies(loop_kind: str) -> None:
             t = FastHTTPTransport()
             r = await post(t, server.url)
             assert r.status_code == 200 and await r.aread() == b'{"a":1}'
-            r = await post(t, server.url)        # the first connection was not kept: a new one
+            r = await post(t, server.url)  # the first connection was not kept: a new one
             assert r.status_code == 404 and await r.aread() == b"nope!"
             assert server.connections == 2
             await t.aclose()
@@ -166,10 +170,10 @@ def test_connect_error_and_drop_before_the_answer(loop_kind: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await server.read_request(reader)
         if n == 1:
-            return          # closes without answering
+            return  # closes without answering
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         await writer.drain()
-        await asyncio.sleep(0.05)   # then closes the kept-alive connection while it is idle
+        await asyncio.sleep(0.05)  # then closes the kept-alive connection while it is idle
 
     server = serve(handler)
 
@@ -180,7 +184,7 @@ def test_connect_error_and_drop_before_the_answer(loop_kind: str) -> None:
                 await post(t, server.url)
             r = await post(t, server.url)
             assert await r.aread() == b"ok"
-            await asyncio.sleep(0.2)   # the server has closed the idle connection: a new one, no error
+            await asyncio.sleep(0.2)  # the server has closed the idle connection: a new one, no error
             r = await post(t, server.url)
             assert await r.aread() == b"ok" and server.connections == 3
             await t.aclose()
@@ -196,8 +200,10 @@ def test_body_cut_short_and_malformed_answer(loop_kind: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await server.read_request(reader)
         if n == 1:
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                         b"5\r\nhello\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\n"
+            )
             await writer.drain()
             await asyncio.sleep(0.02)
         else:
@@ -253,7 +259,7 @@ def test_read_timeout_and_closing_a_half_read_response(loop_kind: str) -> None:
             assert await it.__anext__() == b"abc"
             await r.aclose()
             await asyncio.wait_for(server.closed_by_client.wait(), 2)
-            assert not t._pools[("127.0.0.1", server.port)].idle     # neither connection kept for reuse
+            assert not t._pools[("127.0.0.1", server.port)].idle  # neither connection kept for reuse
             assert t._pools[("127.0.0.1", server.port)].count == 0
             await t.aclose()
 
@@ -296,8 +302,8 @@ def test_pool_limit_waits_then_times_out(loop_kind: str) -> None:
             third = asyncio.ensure_future(post(t, server.url))
             await asyncio.sleep(0.05)
             release.set()
-            await (await first).aread()       # releases the connection: wakes `second` ...
-            second.cancel()                   # ... which leaves before it could take it
+            await (await first).aread()  # releases the connection: wakes `second` ...
+            second.cancel()  # ... which leaves before it could take it
             assert await (await asyncio.wait_for(third, 2)).aread() == b"ok"
             await t.aclose()
 
@@ -306,14 +312,14 @@ def test_pool_limit_waits_then_times_out(loop_kind: str) -> None:
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
 def test_backpressure_and_large_request_body(loop_kind: str) -> None:
-    big = bytes(range(256)) * 4096 * 2          # 2 MiB each way
+    big = bytes(range(256)) * 4096 * 2  # 2 MiB each way
     request_body = b"{" + b"x" * (1 << 20) + b"}"
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await server.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big))
         for i in range(0, len(big), 65536):
-            writer.write(big[i:i + 65536])
+            writer.write(big[i : i + 65536])
             await writer.drain()
 
     server = serve(handler)
@@ -326,7 +332,7 @@ def test_backpressure_and_large_request_body(loop_kind: str) -> None:
             got, paused = [], False
             async for chunk in r.stream:
                 got.append(chunk)
-                await asyncio.sleep(0.02)         # a slow client: the socket must be paused, not buffered
+                await asyncio.sleep(0.02)  # a slow client: the socket must be paused, not buffered
                 paused = paused or conn.read_paused
                 assert conn.buffered <= upstream_mod._HIGH_WATER + 65536 * 4
             await r.aclose()
@@ -344,9 +350,12 @@ def test_router_streams_through_the_fast_transport(loop_kind: str) -> None:
     from pagoda.tools.router.config import build_config
 
     usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
-    events = [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],"usage":null}\n\n',
-              b'data: {"choices":[{"index":0,"delta":{"content":"b"}}],"usage":null}\n\n',
-              b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n", b"data: [DONE]\n\n"]
+    events = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],"usage":null}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"b"}}],"usage":null}\n\n',
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while await server.read_request(reader):
@@ -368,11 +377,12 @@ def test_router_streams_through_the_fast_transport(loop_kind: str) -> None:
                 assert isinstance(state.upstream_for(state.backends[0]), FastHTTPTransport)
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
                     for _ in range(2):
-                        r = await client.post("/v1/chat/completions", json={"model": "m", "stream": True,
-                                                                            "messages": [{"role": "user",
-                                                                                          "content": "hi"}]})
+                        r = await client.post(
+                            "/v1/chat/completions",
+                            json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+                        )
                         assert r.status_code == 200 and r.headers["x-pagoda-backend"] == server.url
-                        assert r.content == b"".join(events[:2] + events[3:])     # the usage event hidden
+                        assert r.content == b"".join(events[:2] + events[3:])  # the usage event hidden
                 sent = json.loads(server.requests[0][1])
                 assert sent["stream_options"] == {"include_usage": True}
                 assert state.usage.snapshot()["anonymous"]["completion_tokens"] == 4

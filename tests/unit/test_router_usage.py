@@ -17,11 +17,14 @@ def event(obj: object, sep: bytes = b"\n\n") -> bytes:
 
 def stream(sep: bytes = b"\n\n", with_usage: bool = True) -> tuple[bytes, bytes]:
     """(full stream, the same stream without the usage-only event)."""
-    head = [event({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
-                   "usage": None}, sep)]
+    head = [
+        event({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": None}, sep)
+    ]
     # a content that mentions "usage" (escaped inside the JSON string) must not confuse the tap
-    head += [event({"id": "x", "choices": [{"index": 0, "delta": {"content": t}}], "usage": None}, sep)
-             for t in ["The ", '"usage": {1}', " end"]]
+    head += [
+        event({"id": "x", "choices": [{"index": 0, "delta": {"content": t}}], "usage": None}, sep)
+        for t in ["The ", '"usage": {1}', " end"]
+    ]
     tail = [b"data: [DONE]" + sep]
     usage = [event({"id": "x", "choices": [], "usage": USAGE}, sep)] if with_usage else []
     return b"".join(head + usage + tail), b"".join(head + tail)
@@ -44,7 +47,7 @@ def test_inspection_mode_is_byte_for_byte_and_immediate() -> None:
         chunks = chunked(full, random.Random(seed))
         tap = SSEUsageTap(drop_usage_chunk=False)
         out, outs = run_tap(tap, chunks)
-        assert outs[:-1] == chunks and out == full          # every chunk goes out as it came, untouched
+        assert outs[:-1] == chunks and out == full  # every chunk goes out as it came, untouched
         assert tap.usage == USAGE
 
 
@@ -61,8 +64,8 @@ def test_drop_mode_forwards_complete_events_at_once() -> None:
     full, _ = stream()
     events = full.split(b"\n\n")[:-1]
     tap = SSEUsageTap(drop_usage_chunk=True)
-    assert tap.feed(events[0] + b"\n\n" + events[1][:10]) == events[0] + b"\n\n"   # only the partial one waits
-    assert tap.feed(events[1][10:] + b"\n\n") == events[1] + b"\n\n"          # whole once complete
+    assert tap.feed(events[0] + b"\n\n" + events[1][:10]) == events[0] + b"\n\n"  # only the partial one waits
+    assert tap.feed(events[1][10:] + b"\n\n") == events[1] + b"\n\n"  # whole once complete
 
 
 def test_no_usage_and_continuous_usage() -> None:
@@ -70,8 +73,10 @@ def test_no_usage_and_continuous_usage() -> None:
     tap = SSEUsageTap(drop_usage_chunk=True)
     assert run_tap(tap, [full])[0] == full and tap.usage is None
     # continuous_usage_stats: every chunk has usage; the last one counts and content chunks are never dropped
-    events = [event({"choices": [{"delta": {"content": "a"}}], "usage": {"prompt_tokens": 3, "completion_tokens": i}})
-              for i in (1, 2)]
+    events = [
+        event({"choices": [{"delta": {"content": "a"}}], "usage": {"prompt_tokens": 3, "completion_tokens": i}})
+        for i in (1, 2)
+    ]
     events.append(event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}))
     tap = SSEUsageTap(drop_usage_chunk=False)
     run_tap(tap, [b"".join(events) + b"data: [DONE]\n\n"])
@@ -85,7 +90,7 @@ def test_unterminated_last_event_and_non_sse() -> None:
     assert tap.usage == USAGE
     tap = SSEUsageTap(drop_usage_chunk=True)
     blob = b"x" * (2 << 20)
-    assert run_tap(tap, [blob[:100], blob[100:]])[0] == blob          # not SSE: passed through whole
+    assert run_tap(tap, [blob[:100], blob[100:]])[0] == blob  # not SSE: passed through whole
 
 
 def test_json_usage_and_ledger() -> None:
@@ -95,8 +100,15 @@ def test_json_usage_and_ledger() -> None:
     ledger = UsageLedger()
     ledger.add("alice", 12, 5, counted=True)
     ledger.add("alice", 0, 0, counted=False)
-    assert ledger.snapshot() == {"alice": {"requests": 2, "requests_without_usage": 1, "prompt_tokens": 12,
-                                           "completion_tokens": 5, "total_tokens": 17}}
+    assert ledger.snapshot() == {
+        "alice": {
+            "requests": 2,
+            "requests_without_usage": 1,
+            "prompt_tokens": 12,
+            "completion_tokens": 5,
+            "total_tokens": 17,
+        }
+    }
 
 
 def test_whole_events_without_usage_skip_the_parse(monkeypatch: object) -> None:
@@ -121,4 +133,4 @@ def test_whole_events_without_usage_skip_the_parse(monkeypatch: object) -> None:
         examined.clear()
         tap = SSEUsageTap(drop_usage_chunk=drop)
         assert tap.feed(plain[:-1]) == (plain[:-1] if not drop else plain.rsplit(b"\n\n", 2)[0] + b"\n\n")
-        assert examined   # ends mid-event: the slow path, which keeps the partial event pending
+        assert examined  # ends mid-event: the slow path, which keeps the partial event pending

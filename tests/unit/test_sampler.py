@@ -158,7 +158,7 @@ def test_build_neutral_knobs_are_none_and_counts_match() -> None:
 def test_all_greedy_is_argmax(device: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(32, 300) * 4).to(device=device, dtype=dtype)
-    logits[0, 5] = logits[0, 200] = 100.0          # a tie: the first maximum wins, as in float32
+    logits[0, 5] = logits[0, 200] = 100.0  # a tie: the first maximum wins, as in float32
     # Greedy ignores top-k/top-p/min-p entirely.
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)] * 32
     out = Sampler()(logits, make_batch(params, 300, device))

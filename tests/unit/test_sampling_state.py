@@ -29,8 +29,13 @@ def random_params(rng: random.Random, index: int) -> SamplingParams:
     elif kind == "freq":
         kw = dict(temperature=0.9, frequency_penalty=rng.choice([0.5, -0.4]), presence_penalty=rng.choice([0.0, 0.3]))
     elif kind == "mixed":
-        kw = dict(temperature=1.2, top_k=rng.choice([0, 3, 100]), min_p=rng.choice([0.0, 0.05]),
-                  repetition_penalty=1.1, presence_penalty=0.2)
+        kw = dict(
+            temperature=1.2,
+            top_k=rng.choice([0, 3, 100]),
+            min_p=rng.choice([0.0, 0.05]),
+            repetition_penalty=1.1,
+            presence_penalty=0.2,
+        )
     elif kind == "min_tokens":
         kw = dict(temperature=0.0, min_tokens=rng.randint(1, 4), stop_token_ids=rng.choice([[], [7], [7, 9]]))
     elif kind == "seeded":
@@ -56,7 +61,7 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
     sampler = Sampler()
     next_id = 0
     for step in range(60):
-        for _ in range(rng.choice([0, 0, 1, 2, 3])):              # arrivals
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):  # arrivals
             rid = f"r{next_id}"
             params = random_params(rng, next_id)
             next_id += 1
@@ -66,7 +71,7 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
                 gens = [torch.Generator().manual_seed(params.seed), torch.Generator().manual_seed(params.seed)]
             live[rid] = dict(params=params, prompt=prompt, output=[], gens=gens)
             state.add(rid, params, prompt, generator=gens[0])
-        for rid in [r for r in live if rng.random() < 0.08]:        # finished / aborted
+        for rid in [r for r in live if rng.random() < 0.08]:  # finished / aborted
             state.remove(rid)
             del live[rid]
         # Rows that sample this step: a shuffled subset (others are preempted or mid-prefill).
@@ -77,27 +82,41 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
         reqs = [live[r] for r in rows]
         got = state.batch(rows)
         want = SamplingBatch.build(
-            [q["params"] for q in reqs], [q["prompt"] for q in reqs], [q["output"] for q in reqs],
+            [q["params"] for q in reqs],
+            [q["prompt"] for q in reqs],
+            [q["output"] for q in reqs],
             [q["gens"][1] for q in reqs],
             [EOS + q["params"].stop_token_ids if len(q["output"]) < q["params"].min_tokens else [] for q in reqs],
-            VOCAB, "cpu")
-        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "suppress_mask"):
+            VOCAB,
+            "cpu",
+        )
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "suppress_mask",
+        ):
             assert_same(getattr(got, name), getattr(want, name))
         assert got.max_num_logprobs == want.max_num_logprobs and got.all_greedy == want.all_greedy
         assert all(g is q["gens"][0] for g, q in zip(got.generators, reqs))
         # Histories matter only where the knob is not neutral; elsewhere the state may hold anything.
         rep_rows = [i for i, q in enumerate(reqs) if q["params"].repetition_penalty != 1.0]
-        count_rows = [i for i, q in enumerate(reqs)
-                      if q["params"].frequency_penalty != 0.0 or q["params"].presence_penalty != 0.0]
+        count_rows = [
+            i for i, q in enumerate(reqs) if q["params"].frequency_penalty != 0.0 or q["params"].presence_penalty != 0.0
+        ]
         assert_same(got.prompt_or_output_mask, want.prompt_or_output_mask, rep_rows)
         assert_same(got.output_token_counts, want.output_token_counts, count_rows)
 
         logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(step)) * 3
         assert torch.equal(apply_penalties(logits, got), apply_penalties(logits, want))
         if not want.all_greedy:
-            assert torch.equal(apply_filters(apply_penalties(logits, got), got),
-                               apply_filters(apply_penalties(logits, want), want))
+            assert torch.equal(
+                apply_filters(apply_penalties(logits, got), got), apply_filters(apply_penalties(logits, want), want)
+            )
         torch.manual_seed(step)
         out_got = sampler(logits, got)
         torch.manual_seed(step)
@@ -119,8 +138,8 @@ def test_add_with_existing_output_and_row_reuse() -> None:
     assert b.output_token_counts[0].tolist() == [0, 0, 0, 0, 2, 1, 0, 0, 0, 0]
     state.update(torch.tensor([6]))
     state.remove("a")
-    state.remove("never-added")                     # ignored
-    state.add("b", rep, [9])                        # reuses a's row: nothing of a's history remains
+    state.remove("never-added")  # ignored
+    state.add("b", rep, [9])  # reuses a's row: nothing of a's history remains
     b = state.batch(["b"])
     assert b.prompt_or_output_mask[0].nonzero().flatten().tolist() == [9]
     assert not b.output_token_counts.any()
@@ -143,19 +162,35 @@ def test_temperature_only_fast_path_matches_build() -> None:
     """While no live row uses a knob other than temperature, batch() skips the knob table; a row
     that uses one (top_p here) switches back to the full path, and its removal back again."""
     state = SamplingState(capacity=4, vocab_size=30, device="cpu", eos_token_ids=EOS)
-    plain = {"g": SamplingParams(temperature=0.0), "t": SamplingParams(temperature=0.6),
-             "m": SamplingParams(temperature=0.0, min_tokens=2, max_tokens=10)}
+    plain = {
+        "g": SamplingParams(temperature=0.0),
+        "t": SamplingParams(temperature=0.6),
+        "m": SamplingParams(temperature=0.0, min_tokens=2, max_tokens=10),
+    }
     for rid, params in plain.items():
         state.add(rid, params, [1, 2])
 
     def check(rows: list[str], params: dict[str, SamplingParams], outputs: dict[str, int]) -> None:
         got = state.batch(rows)
         want = SamplingBatch.build(
-            [params[r] for r in rows], [[1, 2]] * len(rows), [[0] * outputs.get(r, 0) for r in rows],
+            [params[r] for r in rows],
+            [[1, 2]] * len(rows),
+            [[0] * outputs.get(r, 0) for r in rows],
             [None] * len(rows),
-            [EOS if outputs.get(r, 0) < params[r].min_tokens else [] for r in rows], 30, "cpu")
-        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "suppress_mask"):
+            [EOS if outputs.get(r, 0) < params[r].min_tokens else [] for r in rows],
+            30,
+            "cpu",
+        )
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "suppress_mask",
+        ):
             assert_same(getattr(got, name), getattr(want, name))
         assert got.all_greedy == want.all_greedy and got.max_num_logprobs == want.max_num_logprobs
         state.update(torch.zeros(len(rows), dtype=torch.int64))
@@ -163,11 +198,11 @@ def test_temperature_only_fast_path_matches_build() -> None:
             outputs[r] = outputs.get(r, 0) + 1
 
     outputs: dict[str, int] = {}
-    check(["m", "g"], plain, outputs)                 # all greedy
+    check(["m", "g"], plain, outputs)  # all greedy
     check(["t", "g", "m"], plain, outputs)
     state.add("p", SamplingParams(temperature=0.9, top_p=0.5), [3])
     both = plain | {"p": SamplingParams(temperature=0.9, top_p=0.5)}
-    check(["g", "t"], both, outputs)                  # a live row uses top_p: the full path
+    check(["g", "t"], both, outputs)  # a live row uses top_p: the full path
     check(["p", "m"], both, outputs)
     state.remove("p")
     check(["t", "m", "g"], plain, outputs)

@@ -19,8 +19,8 @@ import pytest
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
-from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.engine.scheduler import Scheduler
+from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
@@ -44,8 +44,8 @@ class FakeRunner:
         self.token_fn = token_fn or (lambda state: TOKEN)
         self.states: dict[str, dict] = {}
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.num_sent: dict[str, int] = {}       # request id -> times sent as new (ids may be reused)
-        self.num_finished: dict[str, int] = {}   # request id -> times reported finished
+        self.num_sent: dict[str, int] = {}  # request id -> times sent as new (ids may be reused)
+        self.num_finished: dict[str, int] = {}  # request id -> times reported finished
 
     def execute(self, so: SchedulerOutput, sched: Scheduler) -> StepOutput:
         bs = self.block_size
@@ -59,8 +59,12 @@ class FakeRunner:
             assert new.request_id not in self.states, f"{new.request_id} sent as new while already known"
             self.num_sent[new.request_id] = self.num_sent.get(new.request_id, 0) + 1
             self.states[new.request_id] = dict(
-                tokens=list(new.prompt_token_ids), params=new.sampling_params, outputs=[],
-                blocks=list(new.block_ids), computed=new.num_computed_tokens)
+                tokens=list(new.prompt_token_ids),
+                params=new.sampling_params,
+                outputs=[],
+                blocks=list(new.block_ids),
+                computed=new.num_computed_tokens,
+            )
         for cached in so.cached_requests:
             state = self.states[cached.request_id]
             if cached.resumed:
@@ -73,18 +77,19 @@ class FakeRunner:
         for rid, n in so.num_scheduled_tokens.items():
             state = self.states[rid]
             request = sched.requests.get(rid)
-            if request is not None:              # None: aborted while this step was in flight
+            if request is not None:  # None: aborted while this step was in flight
                 assert state["blocks"] == request.block_ids, f"{rid}: runner block table is stale"
                 assert state["tokens"] == request.prompt_token_ids + request.output_token_ids
             start, end = state["computed"], state["computed"] + n
             assert end <= len(state["tokens"]), f"{rid}: scheduled past its last token"
             assert len(state["blocks"]) * bs >= end, f"{rid}: not enough blocks for its tokens"
             toks = state["tokens"]
-            for p in range(start):                      # attention reads the whole prefix
-                assert self.kv.get((state["blocks"][p // bs], p % bs)) == tuple(toks[:p + 1]), \
+            for p in range(start):  # attention reads the whole prefix
+                assert self.kv.get((state["blocks"][p // bs], p % bs)) == tuple(toks[: p + 1]), (
                     f"{rid}: KV slot for position {p} holds other content"
+                )
             for p in range(start, end):
-                self.kv[(state["blocks"][p // bs], p % bs)] = tuple(toks[:p + 1])
+                self.kv[(state["blocks"][p // bs], p % bs)] = tuple(toks[: p + 1])
             state["computed"] = end
             if end == len(toks):
                 token = self.token_fn(state)
@@ -95,15 +100,29 @@ class FakeRunner:
 
 
 class Harness:
-    def __init__(self, *, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                 max_model_len=1024, prefix_caching=True, eos=(EOS,), token_fn=None):
-        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len)
+    def __init__(
+        self,
+        *,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=1024,
+        prefix_caching=True,
+        eos=(EOS,),
+        token_fn=None,
+    ):
+        self.config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            async_scheduling=False,
+        )
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.config, self.bm, set(eos))
         self.runner = FakeRunner(block_size, token_fn)
         self.bs = block_size
-        self.admission = {}            # request id -> admission counter (latest admission)
+        self.admission = {}  # request id -> admission counter (latest admission)
         self.counter = 0
         self.outputs: list[SchedulerOutput] = []
         self.all_requests: dict[str, Request] = {}
@@ -139,13 +158,13 @@ class Harness:
         kept = [r for r in R if r not in P]
         assert [sched.requests[rid] for rid in S[:k]] == kept[:k]
         admitted = [sched.requests[rid] for rid in S[k:]]
-        assert admitted == W[:len(admitted)], "waiting requests must be admitted FCFS, after running ones"
+        assert admitted == W[: len(admitted)], "waiting requests must be admitted FCFS, after running ones"
         # Preemption: the most recently admitted running requests, then to the front of waiting.
-        assert P == R[len(R) - len(P):], "preempted a request that was not the most recently admitted"
+        assert P == R[len(R) - len(P) :], "preempted a request that was not the most recently admitted"
         assert sched.stats.num_preemptions - preempt_before == len(P)
         if P:
             assert not admitted, "no admission in a step that preempted"
-            assert list(sched.waiting)[:len(P)] == P
+            assert list(sched.waiting)[: len(P)] == P
             for r in P:
                 assert r.block_ids == [] and r.num_computed_tokens == 0
         assert list(sched.running) == kept + admitted
@@ -166,8 +185,8 @@ class Harness:
                 start = computed_before
                 d = cached[rid]
                 assert not d.resumed and d.num_computed_tokens == computed_before
-                assert d.new_block_ids == request.block_ids[len(blocks_before):]
-                assert request.block_ids[:len(blocks_before)] == blocks_before
+                assert d.new_block_ids == request.block_ids[len(blocks_before) :]
+                assert request.block_ids[: len(blocks_before)] == blocks_before
             else:
                 # The prefix hit found at admission (num_computed_tokens has moved past this step already).
                 start = (data[rid] if rid in data else cached[rid]).num_computed_tokens
@@ -176,7 +195,7 @@ class Harness:
                 assert start % bs == 0 and start <= num_tokens - 1
                 if not self.bm.enable_prefix_caching:
                     assert start == 0
-                if rid in self.runner.states and rid not in so.finished_request_ids:   # preempted earlier
+                if rid in self.runner.states and rid not in so.finished_request_ids:  # preempted earlier
                     d = cached[rid]
                     assert d.resumed and d.new_block_ids == request.block_ids and d.num_computed_tokens == start
                 else:
@@ -240,7 +259,7 @@ class Harness:
         self.drain()
 
     def drain(self) -> None:
-        so = self.sched.schedule()          # delivers the last finished ids
+        so = self.sched.schedule()  # delivers the last finished ids
         self.outputs.append(so)
         assert so.is_empty and not so.new_requests and not so.cached_requests
         self.runner.execute(so, self.sched)
@@ -259,6 +278,7 @@ def finish_reason(r: Request) -> str | None:
 # Randomized workloads
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_workloads(seed):
     rng = random.Random(seed)
@@ -266,16 +286,21 @@ def test_random_workloads(seed):
     prefix_caching = rng.random() < 0.7
     max_prompt, max_out = rng.randint(2, 40), rng.randint(1, 24)
     longest = max_prompt + max_out
-    num_blocks = cdiv(longest, bs) + 1 + rng.randint(0, 4)    # one longest request always fits
-    h = Harness(num_blocks=num_blocks, block_size=bs, max_num_seqs=rng.randint(1, 8),
-                max_num_batched_tokens=rng.choice([1, 3, 8, 16, 64]), prefix_caching=prefix_caching,
-                token_fn=lambda s: 7 if rng.random() < 0.7 else 3)
+    num_blocks = cdiv(longest, bs) + 1 + rng.randint(0, 4)  # one longest request always fits
+    h = Harness(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.choice([1, 3, 8, 16, 64]),
+        prefix_caching=prefix_caching,
+        token_fn=lambda s: 7 if rng.random() < 0.7 else 3,
+    )
     bases = [[rng.randint(1, 3) for _ in range(max_prompt)] for _ in range(2)]
     arrivals: dict[int, list[Request]] = {}
     requests = []
     for i in range(rng.randint(1, 12)):
         base = rng.choice(bases)
-        prompt = base[:rng.randint(0, max_prompt)] or [1]
+        prompt = base[: rng.randint(0, max_prompt)] or [1]
         prompt = (prompt + [rng.randint(1, 3) for _ in range(rng.randint(0, 3))])[:max_prompt]
         r = make_request(f"r{i}", prompt, max_tokens=rng.randint(1, max_out))
         requests.append(r)
@@ -291,10 +316,20 @@ def test_random_workloads_with_aborts():
     for seed in range(15):
         rng = random.Random(1000 + seed)
         bs = rng.choice([1, 2, 4])
-        h = Harness(num_blocks=cdiv(30, bs) + 1 + rng.randint(0, 6), block_size=bs,
-                    max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.randint(2, 16))
-        reqs = [h.add(make_request(f"r{i}", [rng.randint(1, 3) for _ in range(rng.randint(1, 20))],
-                                   max_tokens=rng.randint(1, 10))) for i in range(8)]
+        h = Harness(
+            num_blocks=cdiv(30, bs) + 1 + rng.randint(0, 6),
+            block_size=bs,
+            max_num_seqs=rng.randint(1, 4),
+            max_num_batched_tokens=rng.randint(2, 16),
+        )
+        reqs = [
+            h.add(
+                make_request(
+                    f"r{i}", [rng.randint(1, 3) for _ in range(rng.randint(1, 20))], max_tokens=rng.randint(1, 10)
+                )
+            )
+            for i in range(8)
+        ]
         aborted = set()
         while h.sched.has_unfinished():
             live = list(h.sched.requests)
@@ -321,16 +356,17 @@ def test_random_workloads_with_aborts():
 # Deterministic scenarios
 # ------------------------------------------------------------------------------------------------
 
+
 def test_token_budget_and_chunked_prefill():
     h = Harness(block_size=4, max_num_batched_tokens=16)
     a = h.add(make_request("a", [1, 2, 3], max_tokens=10))
     so = h.step()
     assert so.num_scheduled_tokens == {"a": 3}
-    b = h.add(make_request("b", list(range(1, 51)), max_tokens=2))   # 50-token prompt
+    b = h.add(make_request("b", list(range(1, 51)), max_tokens=2))  # 50-token prompt
     sizes = []
     while b.num_output_tokens == 0:
         so = h.step()
-        assert so.num_scheduled_tokens["a"] == 1                      # a keeps decoding, first
+        assert so.num_scheduled_tokens["a"] == 1  # a keeps decoding, first
         assert list(so.num_scheduled_tokens)[0] == "a"
         sizes.append(so.num_scheduled_tokens["b"])
     assert sizes == [15, 15, 15, 5]
@@ -355,9 +391,9 @@ def test_max_num_seqs_and_fcfs():
 def test_waiting_head_blocks_admission_fcfs():
     # r1 does not fit while r0 runs; r2 would fit but must not jump ahead of r1.
     h = Harness(num_blocks=1 + 4, block_size=4, max_num_batched_tokens=64)
-    h.add(make_request("r0", [1] * 8, max_tokens=4))     # 2 blocks, 3 by the end
-    h.add(make_request("r1", [2] * 9, max_tokens=1))     # 3 blocks
-    h.add(make_request("r2", [3] * 2, max_tokens=1))     # 1 block
+    h.add(make_request("r0", [1] * 8, max_tokens=4))  # 2 blocks, 3 by the end
+    h.add(make_request("r1", [2] * 9, max_tokens=1))  # 3 blocks
+    h.add(make_request("r2", [3] * 2, max_tokens=1))  # 1 block
     so = h.step()
     assert list(so.num_scheduled_tokens) == ["r0"]
     order = [d.request_id for d in so.new_requests]
@@ -370,7 +406,7 @@ def test_waiting_head_blocks_admission_fcfs():
 def test_preemption_recompute_and_resume():
     bs = 2
     h = Harness(num_blocks=1 + 6, block_size=bs, max_num_batched_tokens=64)
-    reqs = [h.add(make_request(f"r{i}", [i + 1] * 3, max_tokens=8)) for i in range(3)]   # 3 + 8 = 11 tokens
+    reqs = [h.add(make_request(f"r{i}", [i + 1] * 3, max_tokens=8)) for i in range(3)]  # 3 + 8 = 11 tokens
     resumed = []
     preempted_ids = []
     while h.sched.has_unfinished():
@@ -382,7 +418,7 @@ def test_preemption_recompute_and_resume():
         resumed += [d for d in so.cached_requests if d.resumed]
     h.drain()
     assert h.sched.stats.num_preemptions > 0
-    assert preempted_ids[0] == "r2"                       # the most recently admitted goes first
+    assert preempted_ids[0] == "r2"  # the most recently admitted goes first
     assert resumed, "a preempted request must come back as resumed CachedRequestData"
     assert {d.request_id for d in resumed} <= set(preempted_ids)
     for r in reqs:
@@ -394,8 +430,13 @@ def test_preemption_recompute_and_resume():
 def test_preempted_request_recomputes_its_outputs():
     # Without prefix caching a resumed request recomputes prompt + output from scratch.
     bs = 2
-    h = Harness(num_blocks=1 + 5, block_size=bs, max_num_batched_tokens=64, prefix_caching=False,
-                token_fn=lambda s: 10 + len(s["outputs"]))
+    h = Harness(
+        num_blocks=1 + 5,
+        block_size=bs,
+        max_num_batched_tokens=64,
+        prefix_caching=False,
+        token_fn=lambda s: 10 + len(s["outputs"]),
+    )
     a = h.add(make_request("a", [1, 1, 1], max_tokens=6))
     b = h.add(make_request("b", [2, 2, 2], max_tokens=6))
     seen = False
@@ -418,8 +459,8 @@ def test_self_preemption():
     # b, the most recently admitted, is the one that needs a new block: it preempts itself, a keeps
     # running, and b comes back once a has finished.
     h = Harness(num_blocks=1 + 4, block_size=2, max_num_batched_tokens=64)
-    a = h.add(make_request("a", [1, 1, 1], max_tokens=3))      # computes at most 5 tokens: 3 blocks
-    b = h.add(make_request("b", [2, 2, 2, 2], max_tokens=2))   # its 5th token needs a 3rd block
+    a = h.add(make_request("a", [1, 1, 1], max_tokens=3))  # computes at most 5 tokens: 3 blocks
+    b = h.add(make_request("b", [2, 2, 2, 2], max_tokens=2))  # its 5th token needs a 3rd block
     so = h.step()
     assert so.num_scheduled_tokens == {"a": 3, "b": 4} and h.bm.num_free_blocks == 0
     so = h.step()
@@ -498,7 +539,7 @@ def test_abort_frees_blocks_and_reports_once():
     h = Harness(num_blocks=1 + 8, block_size=2, max_num_seqs=2, max_num_batched_tokens=64)
     a = h.add(make_request("a", [1] * 5, max_tokens=10))
     b = h.add(make_request("b", [2] * 5, max_tokens=10))
-    c = h.add(make_request("c", [3] * 3, max_tokens=2))     # waits: max_num_seqs=2
+    c = h.add(make_request("c", [3] * 3, max_tokens=2))  # waits: max_num_seqs=2
     h.step()
     h.step()
     assert a.block_ids and c.status is RequestStatus.WAITING
@@ -509,7 +550,7 @@ def test_abort_frees_blocks_and_reports_once():
     assert a.status is RequestStatus.FINISHED_ABORTED and c.status is RequestStatus.FINISHED_ABORTED
     h.check_pool()
     so = h.step()
-    assert so.finished_request_ids == {"a"}            # c never reached the runner
+    assert so.finished_request_ids == {"a"}  # c never reached the runner
     assert "a" not in so.num_scheduled_tokens
     # Aborted while the step ran: the update skips it and the next step reports it.
     so = h.step(abort_during_step=["b"])
@@ -548,7 +589,7 @@ def test_request_id_reused_after_finish_is_new_again():
 def test_prefix_hits_reported_at_admission():
     bs = 4
     h = Harness(block_size=bs, max_num_batched_tokens=64)
-    prompt = list(range(1, 14))                    # 13 tokens: 3 full blocks
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     a = h.add(make_request("a", prompt, max_tokens=2))
     h.run()
     assert a.num_cached_tokens == 0
@@ -557,7 +598,7 @@ def test_prefix_hits_reported_at_admission():
     assert so.new_requests[0].num_computed_tokens == 12 and b.num_cached_tokens == 12
     assert so.num_scheduled_tokens == {"b": 1}
     h.run()
-    h.add(make_request("c", prompt[:12], max_tokens=1))   # fully cached prompt: last token recomputed
+    h.add(make_request("c", prompt[:12], max_tokens=1))  # fully cached prompt: last token recomputed
     so = h.step()
     assert so.new_requests[0].num_computed_tokens == 8 and so.num_scheduled_tokens == {"c": 4}
     h.run()
@@ -568,15 +609,15 @@ def test_num_cached_tokens_counts_the_admission_that_succeeded():
     # by the time it is admitted that prefix was evicted, so nothing was served from the cache.
     bs = 2
     h = Harness(num_blocks=1 + 8, block_size=bs, max_num_seqs=4, max_num_batched_tokens=64)
-    a = h.add(make_request("a", [5, 5, 5, 5, 5], max_tokens=1))     # 3 blocks, 2 full cached
+    a = h.add(make_request("a", [5, 5, 5, 5, 5], max_tokens=1))  # 3 blocks, 2 full cached
     h.run()
-    c = h.add(make_request("c", [1] * 3, max_tokens=12))           # grows to 15 tokens: 8 blocks
+    c = h.add(make_request("c", [1] * 3, max_tokens=12))  # grows to 15 tokens: 8 blocks
     h.step()
     b = h.add(make_request("b", [5, 5, 5, 5] + [6] * 9, max_tokens=1))  # 13 tokens: 7 blocks
     so = h.step()
-    assert "b" not in so.num_scheduled_tokens                       # 2 prefix blocks hit, 5 more don't fit
+    assert "b" not in so.num_scheduled_tokens  # 2 prefix blocks hit, 5 more don't fit
     h.run()
     assert a.num_output_tokens == 1 and c.num_output_tokens == 12
     hits = [d.num_computed_tokens for so in h.outputs for d in so.new_requests if d.request_id == "b"]
-    assert hits == [2]                                              # c's growth evicted the second block
+    assert hits == [2]  # c's growth evicted the second block
     assert b.num_cached_tokens == hits[0]

@@ -1,6 +1,7 @@
 """The listening socket that several processes share (`pagoda/launch/sockets.py`, used by `pagoda serve
---api-server-count N` and `pagoda router --workers N`): a connection accepted from them must have TCP_NODELAY, or Nagle holds each
-small SSE write until the client's delayed ACK (~40 ms added to the first token on the H200).
+--api-server-count N` and `pagoda router --workers N`): a connection accepted from them must have
+TCP_NODELAY, or Nagle holds each small SSE write until the client's delayed ACK (which delays the first
+token by the ACK timer).
 
 asyncio sets TCP_NODELAY on an accepted connection only when the listening socket's `proto` is
 IPPROTO_TCP, and the child processes rebuild the socket from (family, type, proto) as
@@ -16,7 +17,7 @@ import sys
 
 import pytest
 
-from pagoda.cli.serve_multi import _listen_socket
+from pagoda.cli.serve import _listen_socket
 from pagoda.launch.sockets import listen_socket
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP socket options as on Linux")

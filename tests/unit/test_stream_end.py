@@ -11,9 +11,9 @@ import pytest
 
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server import protocol as p
-from pagoda.server.app import sse_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.serving import OpenAIServing, ServingContext
+from pagoda.server.sse import sse_response
 
 PROMPT = [5, 6, 7]
 
@@ -27,16 +27,31 @@ class FakeEngine:
     async def generate_batches(self, ids, params, prompt=None, delta=True, request_id=None, mm_inputs=None):
         for step, text in enumerate("abc"):
             done = step == 2
-            yield [RequestOutput(request_id or "x", prompt, ids,
-                                 [CompletionOutput(0, text, [100 + step], None, None, "length" if done else None)],
-                                 done, 0, 0.0 if done else None)]
+            yield [
+                RequestOutput(
+                    request_id or "x",
+                    prompt,
+                    ids,
+                    [CompletionOutput(0, text, [100 + step], None, None, "length" if done else None)],
+                    done,
+                    0,
+                    0.0 if done else None,
+                )
+            ]
             await asyncio.sleep(0)
 
 
 def serving() -> OpenAIServing:
-    ctx = ServingContext(engine=FakeEngine(), tokenizer=None, served_model_names=["m"], max_model_len=1024,  # type: ignore[arg-type]
-                         vocab_size=1000, architecture="Fake", chat_template=None,
-                         metrics=ServerMetrics("m-stream-end-test"))
+    ctx = ServingContext(
+        engine=FakeEngine(),
+        tokenizer=None,
+        served_model_names=["m"],
+        max_model_len=1024,  # type: ignore[arg-type]
+        vocab_size=1000,
+        architecture="Fake",
+        chat_template=None,
+        metrics=ServerMetrics("m-stream-end-test"),
+    )
     return OpenAIServing(ctx)
 
 
@@ -59,7 +74,7 @@ def token_chunks(out: list[str], usage_reference) -> list[dict]:  # type: ignore
     if usage_reference is not None:
         assert chunks[-1] == json.loads(usage_reference(chunks[0]))
         chunks = chunks[:-1]
-    last = parse(out[-1])                       # the final write carries the end of the stream
+    last = parse(out[-1])  # the final write carries the end of the stream
     assert last[-1] == "[DONE]" and json.loads(last[0])["choices"][-1]["finish_reason"] == "length"
     assert len(last) == (3 if usage_reference is not None else 2)
     return chunks
@@ -76,11 +91,17 @@ def test_completion_stream_end(prompts: int, usage: bool) -> None:
     async def run() -> list[str]:
         return await writes(await server.completion_stream(p.CompletionRequest(**body), 0.0))
 
-    expected_usage = p.UsageInfo(prompt_tokens=3 * prompts, completion_tokens=3 * prompts,
-                                 total_tokens=6 * prompts)
-    chunks = token_chunks(asyncio.run(run()), (
-        lambda head: p.CompletionResponse(id=head["id"], created=head["created"], model="m", choices=[],
-                                          usage=expected_usage).model_dump_json(exclude_none=True)) if usage else None)
+    expected_usage = p.UsageInfo(prompt_tokens=3 * prompts, completion_tokens=3 * prompts, total_tokens=6 * prompts)
+    chunks = token_chunks(
+        asyncio.run(run()),
+        (
+            lambda head: p.CompletionResponse(
+                id=head["id"], created=head["created"], model="m", choices=[], usage=expected_usage
+            ).model_dump_json(exclude_none=True)
+        )
+        if usage
+        else None,
+    )
     texts: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -91,10 +112,11 @@ def test_completion_stream_end(prompts: int, usage: bool) -> None:
 @pytest.mark.parametrize("usage", [False, True])
 def test_chat_stream_end(usage: bool) -> None:
     server = serving()
+
     async def chat_prompt(*args, **kwargs):
         return "text", PROMPT, None
 
-    server.chat_prompt = chat_prompt                                       # type: ignore[method-assign]
+    server.chat_prompt = chat_prompt  # type: ignore[method-assign]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
     if usage:
         body["stream_options"] = {"include_usage": True}
@@ -102,8 +124,18 @@ def test_chat_stream_end(usage: bool) -> None:
     async def run() -> list[str]:
         return await writes(await server.chat_stream(p.ChatCompletionRequest(**body), 0.0))
 
-    chunks = token_chunks(asyncio.run(run()), (
-        lambda head: p.ChatCompletionChunk(id=head["id"], created=head["created"], model="m", choices=[],
-                                           usage=p.UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6))
-        .model_dump_json()) if usage else None)
+    chunks = token_chunks(
+        asyncio.run(run()),
+        (
+            lambda head: p.ChatCompletionChunk(
+                id=head["id"],
+                created=head["created"],
+                model="m",
+                choices=[],
+                usage=p.UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6),
+            ).model_dump_json()
+        )
+        if usage
+        else None,
+    )
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "abc"

@@ -1,4 +1,4 @@
-"""Yuan2.0 tokenizer + chat format against the golden fixtures (shared/fixtures/yuan2-tokenizer)."""
+"""Yuan2.0 tokenizer + chat format against the golden fixtures (tests/fixtures/yuan2-tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ import pytest
 from pagoda.frontend.chat_template import render_chat
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
 from pagoda.frontend.yuan_tokenizer import YUAN_CHAT_TEMPLATE, load_yuan_tokenizer
-from tests.conftest import SHARED_FIXTURES
+from tests.conftest import FIXTURES
 
-_FIXTURES = SHARED_FIXTURES / "yuan2-tokenizer"
+_FIXTURES = FIXTURES / "yuan2-tokenizer"
 _GOLDEN_PATH = _FIXTURES / "tokenization_golden.json"
 
-GOLDEN = json.loads(_GOLDEN_PATH.read_text(encoding="utf-8")) if _GOLDEN_PATH.is_file() else {
-    "special_token_ids": {}, "encode": [], "chat": []}
+GOLDEN = (
+    json.loads(_GOLDEN_PATH.read_text(encoding="utf-8"))
+    if _GOLDEN_PATH.is_file()
+    else {"special_token_ids": {}, "encode": [], "chat": []}
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +44,26 @@ def test_eos_and_special_ids(tok):
     assert tok.eos_token_id == GOLDEN["stop_token_id"] == 77185
     special = set(tok.all_special_ids)
     assert 77185 in special
-    for name in ("<sep>", "<pad>", "<mask>", "<predict>", "<FIM_SUFFIX>", "<FIM_PREFIX>", "<FIM_MIDDLE>",
-                 "<commit_before>", "<commit_msg>", "<commit_after>", "<jupyter_start>", "<jupyter_text>",
-                 "<jupyter_code>", "<jupyter_output>", "<empty_output>"):
+    for name in (
+        "<sep>",
+        "<pad>",
+        "<mask>",
+        "<predict>",
+        "<FIM_SUFFIX>",
+        "<FIM_PREFIX>",
+        "<FIM_MIDDLE>",
+        "<commit_before>",
+        "<commit_msg>",
+        "<commit_after>",
+        "<jupyter_start>",
+        "<jupyter_text>",
+        "<jupyter_code>",
+        "<jupyter_output>",
+        "<empty_output>",
+    ):
         assert GOLDEN["special_token_ids"][name] in special
-    assert 2 not in special            # "</s>" is NOT the stop token for Yuan
-    assert 77186 not in special        # "<n>" is an ordinary piece
+    assert 2 not in special  # "</s>" is NOT the stop token for Yuan
+    assert 77186 not in special  # "<n>" is an ordinary piece
 
 
 def test_len_tokenizer(tok):
@@ -55,7 +72,7 @@ def test_len_tokenizer(tok):
 
 @pytest.mark.parametrize("case", GOLDEN["encode"], ids=lambda c: repr(c["text"])[:30])
 def test_encode_golden(tok, case):
-    for add_special in (True, False):   # no BOS/EOS either way
+    for add_special in (True, False):  # no BOS/EOS either way
         assert tok.encode(case["text"], add_special_tokens=add_special) == case["ids"]
     assert tok.convert_ids_to_tokens(case["ids"]) == case["pieces"]
     assert tok.decode(case["ids"]) == case["decode"]
@@ -74,8 +91,12 @@ def test_chat_golden(tok, case):
 def test_chat_template_matches_hub_template(tok):
     """Our template renders like the one the Yuan2 chat checkpoints ship (which uses sep_token)."""
     hub = GOLDEN["chat_template_hf_hub"]["template"]
-    msgs = [{"role": "system", "content": "  sys \n"}, {"role": "user", "content": " u1 "},
-            {"role": "assistant", "content": "a1\n"}, {"role": "user", "content": "u2"}]
+    msgs = [
+        {"role": "system", "content": "  sys \n"},
+        {"role": "user", "content": " u1 "},
+        {"role": "assistant", "content": "a1\n"},
+        {"role": "user", "content": "u2"},
+    ]
     ours = render_chat(tok, msgs)
     assert ours == "sys\nu1<n>a1<n>u2<sep>"
     assert render_chat(tok, msgs, chat_template=hub) == ours
@@ -153,7 +174,7 @@ def test_cached_decode_tables_match_transformers(tok):
         ids = [rng.choice(pool) if rng.random() < 0.3 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
         for skip in (False, True):
             assert tok.convert_ids_to_tokens(ids, skip) == PreTrainedTokenizer.convert_ids_to_tokens(tok, ids, skip)
-            tok.__dict__.pop("_pagoda_decode_tables", None)           # rebuilt from scratch: same text
+            tok.__dict__.pop("_pagoda_decode_tables", None)  # rebuilt from scratch: same text
             fresh = tok.decode(ids, skip_special_tokens=skip)
             assert tok.decode(ids, skip_special_tokens=skip) == fresh
     # Adding a special token rebuilds the tables (a private copy: the fixture is shared).
@@ -181,7 +202,7 @@ def test_fast_decode_equals_decode(newline_as_text):
                 want = tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
                 assert tok.fast_decode(ids, skip, spaces) == want, (ids, skip, spaces)
         checked_fast += all(i not in tok._added_tokens_decoder for i in ids)
-    assert checked_fast > 100            # most windows took the shortcut, not the fallback
+    assert checked_fast > 100  # most windows took the shortcut, not the fallback
     # The detokenizer picks it up, and streams the same text as one full decode.
     ids = [rng.randrange(3, 60000) for _ in range(40)] + [77186, 5, 6]
     assert _stream(tok, ids) == tok.decode(ids, skip_special_tokens=True)

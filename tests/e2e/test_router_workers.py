@@ -50,23 +50,39 @@ def serve_fake(port: int) -> None:
         usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
         if not body.get("stream"):
             await asyncio.sleep(0.01)
-            return JSONResponse({"id": "c", "object": "chat.completion", "model": "fake", "usage": usage,
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * n},
-                                              "finish_reason": "length"}]})
+            return JSONResponse(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "model": "fake",
+                    "usage": usage,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "x" * n}, "finish_reason": "length"}
+                    ],
+                }
+            )
 
         async def events() -> Any:
             for _ in range(n):
                 await asyncio.sleep(0.005)
-                yield "data: " + json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}],
-                                             "usage": None}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}], "usage": None})
+                    + "\n\n"
+                )
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield "data: " + json.dumps({"id": "c", "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                            Route("/v1/chat/completions", chat, methods=["POST"])])
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -89,10 +105,11 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 
 class Cluster:
-    def __init__(self, url: str, proc: subprocess.Popen, backends: dict[str, subprocess.Popen], tmp: Path,
-                 config: Path):
+    def __init__(
+        self, url: str, proc: subprocess.Popen, backends: dict[str, subprocess.Popen], tmp: Path, config: Path
+    ):
         self.url, self.proc, self.backends, self.tmp, self.config = url, proc, backends, tmp, config
-        self.sent: dict[str, list[int]] = {k: [0, 0, 0] for k in KEYS}   # requests, prompt, completion tokens
+        self.sent: dict[str, list[int]] = {k: [0, 0, 0] for k in KEYS}  # requests, prompt, completion tokens
 
     def health(self) -> dict[str, Any]:
         """/health on a fresh connection (so either worker may answer)."""
@@ -128,8 +145,8 @@ policy = "session"
 load_factor = 0
 backends = {json.dumps(list(backends))}
 [api_keys]
-alice = "{KEYS['alice']}"
-bob = "{KEYS['bob']}"
+alice = "{KEYS["alice"]}"
+bob = "{KEYS["bob"]}"
 [health]
 interval = 0.25
 timeout = 0.5
@@ -138,11 +155,29 @@ pass_threshold = 1
 [breaker]
 failures = 1000
 """)
-        with open(tmp / "router.log", "wb") as log:   # TMPDIR: the metrics directory lands where we can see it
-            proc = subprocess.Popen([sys.executable, "-m", "pagoda", "router", "--config", str(config), "--workers",
-                                     "2", "--host", "127.0.0.1", "--port", str(port), "--reload-interval", "0.2"],
-                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ,
-                                                                                          "TMPDIR": str(tmp)})
+        with open(tmp / "router.log", "wb") as log:  # TMPDIR: the metrics directory lands where we can see it
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagoda",
+                    "router",
+                    "--config",
+                    str(config),
+                    "--workers",
+                    "2",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--reload-interval",
+                    "0.2",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, "TMPDIR": str(tmp)},
+            )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200, 30, "the router")
         yield Cluster(url, proc, backends, tmp, config)
@@ -163,12 +198,20 @@ async def _post_many(cl: Cluster, jobs: list[tuple[str, str, bool, int]], concur
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=cl.url, timeout=30, limits=limits) as client:
+
         async def one(label: str, session: str, stream: bool, max_tokens: int) -> httpx.Response:
-            body = {"model": "fake", "stream": stream, "max_tokens": max_tokens,
-                    "messages": [{"role": "user", "content": f"hello from {session}"}]}
+            body = {
+                "model": "fake",
+                "stream": stream,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": f"hello from {session}"}],
+            }
             async with sem:
-                r = await client.post("/v1/chat/completions", json=body,
-                                      headers={"authorization": f"Bearer {KEYS[label]}", "x-session-id": session})
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {KEYS[label]}", "x-session-id": session},
+                )
             if r.status_code == 200:
                 row = cl.sent[label]
                 row[0] += 1
@@ -181,12 +224,17 @@ async def _post_many(cl: Cluster, jobs: list[tuple[str, str, bool, int]], concur
 
 def _metrics(cl: Cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(cl.url + "/metrics", headers={"connection": "close"}, timeout=5).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _total(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
+    return sum(
+        v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+    )
 
 
 def test_concurrent_requests_and_session_affinity_across_workers(cluster: Cluster) -> None:
@@ -206,15 +254,19 @@ def test_concurrent_requests_and_session_affinity_across_workers(cluster: Cluste
     balancer = Balancer("session")
     balancer.set_backends([Backend(BackendConfig(url=u, name=u), BreakerConfig()) for u in cluster.backends])
     assert {s: next(iter(v)) for s, v in placed.items()} == {s: balancer.owner("s:" + s) for s in sessions}
-    assert len({next(iter(v)) for v in placed.values()}) == 3     # and sessions spread over all backends
+    assert len({next(iter(v)) for v in placed.values()}) == 3  # and sessions spread over all backends
     # both workers served proxied requests: each worker's own counter file has some
     from prometheus_client.multiprocess import MultiProcessCollector
 
     (metrics_dir,) = cluster.tmp.glob("pagoda-router-metrics-*")
     per_worker = []
     for f in sorted(metrics_dir.glob("counter_*.db")):
-        samples = [s for m in MultiProcessCollector.merge([str(f)]) for s in m.samples
-                   if s.name == "pagoda_router:requests_total"]
+        samples = [
+            s
+            for m in MultiProcessCollector.merge([str(f)])
+            for s in m.samples
+            if s.name == "pagoda_router:requests_total"
+        ]
         per_worker.append(sum(s.value for s in samples))
     assert len(per_worker) == 2 and min(per_worker) > 0 and sum(per_worker) == len(jobs), per_worker
 
@@ -225,7 +277,7 @@ def test_metrics_and_usage_add_up_all_workers(cluster: Cluster) -> None:
     assert all(r.status_code == 200 for r in responses)
     total_requests = sum(row[0] for row in cluster.sent.values())
     pids = set()
-    for _ in range(8):    # fresh connections: either worker answers, every answer must be the whole total
+    for _ in range(8):  # fresh connections: either worker answers, every answer must be the whole total
         m = _metrics(cluster)
         assert _total(m, "pagoda_router:requests_total", code="200") == total_requests
         for label, (requests, prompt, completion) in cluster.sent.items():
@@ -233,25 +285,34 @@ def test_metrics_and_usage_add_up_all_workers(cluster: Cluster) -> None:
             assert _total(m, "pagoda_router:prompt_tokens_total", key=label) == prompt
             assert _total(m, "pagoda_router:completion_tokens_total", key=label) == completion
         assert _total(m, "pagoda_router:time_to_first_byte_seconds_count") == total_requests
-        usage = httpx.get(cluster.url + "/usage", headers={"authorization": f"Bearer {KEYS['bob']}",
-                                                          "connection": "close"}, timeout=5).json()["keys"]
+        usage = httpx.get(
+            cluster.url + "/usage", headers={"authorization": f"Bearer {KEYS['bob']}", "connection": "close"}, timeout=5
+        ).json()["keys"]
         for label, (requests, prompt, completion) in cluster.sent.items():
-            assert usage[label] == {"requests": requests, "requests_without_usage": 0, "prompt_tokens": prompt,
-                                    "completion_tokens": completion, "total_tokens": prompt + completion}
+            assert usage[label] == {
+                "requests": requests,
+                "requests_without_usage": 0,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
         pids.add(cluster.health()["worker"]["pid"])
     # gauges: each backend up, nothing in flight once the workers have published (every 0.25 s)
     time.sleep(0.4)
     m = _metrics(cluster)
-    assert {dict(ls)["backend"]: v for (n, ls), v in m.items() if n == "pagoda_router:backend_up"} == \
-        dict.fromkeys(cluster.backends, 1.0)
+    assert {dict(ls)["backend"]: v for (n, ls), v in m.items() if n == "pagoda_router:backend_up"} == dict.fromkeys(
+        cluster.backends, 1.0
+    )
     assert _total(m, "pagoda_router:backend_inflight") == 0
 
 
 def test_a_stopped_backend_is_avoided_by_every_worker(cluster: Cluster) -> None:
     dead = list(cluster.backends)[1]
     sessions = [f"sess-{i}" for i in range(24)]
-    placed = {s: r.headers["x-pagoda-backend"] for s, r in
-              zip(sessions, asyncio.run(_post_many(cluster, [("alice", s, False, 1) for s in sessions], 8)))}
+    placed = {
+        s: r.headers["x-pagoda-backend"]
+        for s, r in zip(sessions, asyncio.run(_post_many(cluster, [("alice", s, False, 1) for s in sessions], 8)))
+    }
     on_dead = [s for s, b in placed.items() if b == dead]
     assert on_dead
     proc = cluster.backends[dead]
@@ -276,8 +337,11 @@ def test_config_reload_reaches_every_worker(cluster: Cluster) -> None:
     cluster.config.write_text(cluster.config.read_text().replace('policy = "session"', 'policy = "round-robin"'))
     views = cluster.workers_views(until=lambda v: v["policy"] == "round-robin")
     assert all(v["worker"]["reloads"] == 1 for v in views.values())
-    wait_for(lambda: _total(_metrics(cluster), "pagoda_router:config_reloads_total") == 1, 5,
-             "config_reloads_total == 1 (worker 0 counts)")
+    wait_for(
+        lambda: _total(_metrics(cluster), "pagoda_router:config_reloads_total") == 1,
+        5,
+        "config_reloads_total == 1 (worker 0 counts)",
+    )
 
 
 def test_sigterm_stops_every_worker_and_cleans_up(cluster: Cluster) -> None:
@@ -296,10 +360,28 @@ def test_bind_error_is_one_line_and_non_zero(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "pagoda", "router", "--workers", "2", "--host", "127.0.0.1",
-                            "--port", str(port), "--backend", "http://127.0.0.1:9"], check=False, cwd=ROOT,
-                           capture_output=True,
-                           text=True, timeout=30, env={**os.environ, "TMPDIR": str(tmp_path)})
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pagoda",
+                "router",
+                "--workers",
+                "2",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--backend",
+                "http://127.0.0.1:9",
+            ],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
     assert r.returncode == 1
     line = f"pagoda router: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert r.stderr.strip().splitlines() == [line]
