@@ -48,7 +48,9 @@ def test_prepare_gc_for_serving_freezes_the_startup_heap_and_raises_gen0_thresho
         dead_later = _garbage_cycle()
         gc.collect()
         assert dead_later() is None
-        assert gc.get_freeze_count() == frozen
+        # Nothing made later joins the permanent generation. (Its count may drop: a frozen object whose last
+        # reference goes away, say in a thread of the test runner, is still freed by reference counting.)
+        assert gc.get_freeze_count() <= frozen
         # A young generation that is not collected at every few hundred container allocations.
         assert GEN0_THRESHOLD > threshold[0]
         assert gc.get_threshold() == (GEN0_THRESHOLD, *threshold[1:])
