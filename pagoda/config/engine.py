@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
+from pagoda.config.parallel import ParallelConfig, tensor_parallel_error
 from pagoda.errors import ConfigError
 from pagoda.models.quantization import refuse_quantized
 
@@ -66,6 +67,17 @@ class EngineArgs:
     swap_space: float = knob(4, "accepted for vLLM compatibility (preemption recomputes)")
     cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, "KV cache budget in GiB when running on the CPU")
     device: str = knob("auto", "auto | cpu | cuda")
+    tensor_parallel_size: int = knob(
+        1,
+        "ranks (GPUs) to shard the model over: attention heads, MLP and vocabulary split N ways; gloo on the CPU",
+        flags=("-tp",),
+    )
+    distributed_executor_backend: str = knob(
+        "mp",
+        "how the tensor-parallel ranks run: mp (local processes) | ray (actors on a running Ray cluster, "
+        "across machines; RAY_ADDRESS names it)",
+        choices=("mp", "ray"),
+    )
     seed: int = knob(0, "random seed for requests without their own seed")
     trust_remote_code: bool = knob(
         False, "accepted for vLLM compatibility: Pagoda never runs code shipped in a model folder"
@@ -166,6 +178,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    parallel: ParallelConfig
 
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
@@ -214,9 +227,16 @@ class EngineConfig:
             f"attention_backend must be auto, torch or triton; got {a.attention_backend!r}",
         )
 
+        _check(
+            a.distributed_executor_backend in ("mp", "ray"),
+            "distributed_executor_backend",
+            f"distributed_executor_backend must be mp or ray; got {a.distributed_executor_backend!r}",
+        )
         device = _resolve_device(a.device)
         source = resolve_model_source(a.model)
         hf_config = source.hf_config
+        # Before any weight is read: sizes the model cannot split, GPUs that are not there, a missing Ray.
+        _check_parallel(a, hf_config, device)
         # Before any weight is read: a quantized folder would otherwise fail half-way through loading.
         refuse_quantized(source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy")
         dtype = _resolve_dtype(a.dtype, hf_config, device)
@@ -263,6 +283,7 @@ class EngineConfig:
                 async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
             ),
             device=_device_config(device, a.attention_backend, a.enforce_eager),
+            parallel=_section(ParallelConfig, a),
         )
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
@@ -273,6 +294,37 @@ class EngineConfig:
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ConfigError(message, param)
+
+
+def _check_parallel(a: EngineArgs, hf_config: dict[str, Any], device: str) -> None:
+    n = a.tensor_parallel_size
+    problem = tensor_parallel_error(hf_config, n)
+    if problem is not None:
+        raise ConfigError(problem, "tensor_parallel_size")
+    if n == 1:
+        return
+    if a.distributed_executor_backend == "ray":
+        try:
+            import ray  # lazy: optional (ray)  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--distributed-executor-backend ray needs the ray package (pip install 'pagoda[ray]'), and a "
+                "running Ray cluster (ray start --head).",
+                "distributed_executor_backend",
+            ) from None
+        return  # Ray counts the cluster's GPUs when it places the ranks
+    if device == "cuda":
+        import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
+
+        visible = torch.cuda.device_count()
+        if visible < n:
+            shown = envs.CUDA_VISIBLE_DEVICES.value
+            where = f"CUDA_VISIBLE_DEVICES={shown}" if shown is not None else "CUDA_VISIBLE_DEVICES is not set"
+            raise ConfigError(
+                f"--tensor-parallel-size {n} needs {n} GPUs but {visible} {'is' if visible == 1 else 'are'} "
+                f"visible ({where}); lower --tensor-parallel-size or expose more GPUs.",
+                "tensor_parallel_size",
+            )
 
 
 def _resolve_device(device: str) -> str:

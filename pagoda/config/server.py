@@ -36,7 +36,6 @@ class ServerConfig:
     port: int = knob(8000, None)
     served_model_name: tuple[str, ...] | None = knob(None, "names clients use in 'model' (default: the model path)")
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
-    tensor_parallel_size: int = knob(1, None, flags=("-tp",))
     pipeline_parallel_size: int = knob(1, None, flags=("-pp",))
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")
     chat_template: str | None = knob(None, "Jinja chat template: a file or the template text")
@@ -128,8 +127,6 @@ class ServerConfig:
         """The one-line refusals of what this server does not do (ConfigError)."""
         if self.api_server_count < 1:
             raise ConfigError(f"--api-server-count must be at least 1 (got {self.api_server_count}).")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1.")
         if self.pipeline_parallel_size != 1:
             raise ConfigError("--pipeline-parallel-size > 1 is not supported; use 1.")
         if self.enable_chunked_prefill is False:

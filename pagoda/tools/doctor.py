@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pagoda import envs
 from pagoda.config import EngineArgs, _derived_max_model_len, text_field
+from pagoda.config.parallel import tensor_parallel_error
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError, PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template
@@ -129,6 +130,7 @@ def run_checks(
     *,
     port: int | None = None,
     tensor_parallel_size: int = 1,
+    distributed_executor_backend: str = "mp",
     fast: bool = False,
     tokenizer: str | None = None,
     host: str = "0.0.0.0",
@@ -171,7 +173,7 @@ def run_checks(
         if _is_qwen2_vl(state.hf_config):
             run("vision config", lambda: _check_vision_config(state.hf_config))
             run("preprocessor config", lambda: _check_preprocessor(state))
-        if tensor_parallel_size > 1:
+        if tensor_parallel_size != 1:
             run("tensor parallel", lambda: _check_tensor_parallel(state.hf_config, tensor_parallel_size))
         if load_format == "dummy":
             out.append(Check("shards", "ok", "--load-format dummy: random weights, no checkpoint is read", None))
@@ -199,7 +201,7 @@ def run_checks(
                 if not fast:
                     run("chat template", lambda: _check_chat_template(state, chat_template))
     if not fast:
-        run("cuda", lambda: _check_cuda(state, device, tensor_parallel_size))
+        run("cuda", lambda: _check_cuda(state, device, tensor_parallel_size, distributed_executor_backend))
     if port is not None:
         run("port", lambda: _check_port(host, port))
     if tensor_parallel_size > 1:
@@ -447,24 +449,20 @@ def _check_preprocessor(state: _State) -> Check:
 
 
 def _check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:
-    heads = text_field(cfg, "num_attention_heads")
-    kv = text_field(cfg, "num_key_value_heads", heads)
-    problems = []
-    if _positive_int(heads) and heads % tp:
-        problems.append(f"num_attention_heads {heads} is not divisible by {tp}")
-    if _positive_int(kv) and (kv % tp if kv >= tp else tp % kv):
-        problems.append(f"num_key_value_heads {kv} cannot be split or replicated evenly over {tp} GPUs")
-    vision_heads = (cfg.get("vision_config") or {}).get("num_heads") if _is_qwen2_vl(cfg) else None
-    if _is_qwen2_vl(cfg) and (vision_heads or 16) % tp:
-        problems.append(f"vision num_heads {vision_heads or 16} is not divisible by {tp}")
-    if problems:
-        return Check(
-            "tensor parallel",
-            "FAIL",
-            "; ".join(problems),
-            "pick a --tensor-parallel-size that divides the attention head counts",
-        )
-    return Check("tensor parallel", "ok", f"{heads} heads / {kv} KV heads split over {tp} GPUs", None)
+    """The rule `pagoda serve` refuses by (config/parallel.py): a FAIL carries serve's own refusal line."""
+    error = tensor_parallel_error(cfg, tp)
+    if error is not None:
+        return Check("tensor parallel", "FAIL", error, "pass one of the valid sizes as --tensor-parallel-size")
+    heads = int(text_field(cfg, "num_attention_heads"))
+    kv = int(text_field(cfg, "num_key_value_heads") or heads)
+    if kv >= tp:
+        kv_split = f"{kv} KV heads split {kv // tp} per GPU"
+    else:
+        kv_split = f"{kv} KV heads replicated (each on {tp // kv} GPUs, 1 per GPU)"
+    detail = f"{tp} GPUs: {heads} attention heads split {heads // tp} per GPU, {kv_split}"
+    if _is_qwen2_vl(cfg):
+        detail += "; the vision tower is replicated on every GPU"
+    return Check("tensor parallel", "ok", detail, None)
 
 
 def _check_shards(state: _State) -> list[Check]:
@@ -999,7 +997,7 @@ def _check_chat_template(state: _State, override: str | None) -> Check:
 # Machine
 
 
-def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
+def _check_cuda(state: _State, device: str, tp: int, backend: str = "mp") -> list[Check]:
     import torch  # lazy: torch (`pagoda` starts without it)
 
     visible = envs.CUDA_VISIBLE_DEVICES.value
@@ -1015,12 +1013,16 @@ def _check_cuda(state: _State, device: str, tp: int) -> list[Check]:
         return [Check("cuda", "warn", detail + ": Pagoda will run on the CPU", fix)]
     count = torch.cuda.device_count()
     out = [Check("cuda", "ok", f"torch {torch.__version__}, CUDA {torch.version.cuda}, {count} GPU(s) visible", None)]
-    if tp > count:
+    if tp > count and backend == "ray":
+        out.append(Check("gpus", "ok", f"{count} visible here; Ray places the {tp} ranks on its cluster's GPUs", None))
+    elif tp > count:  # serve's own refusal (config/engine.py)
+        where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES is not set"
         out.append(
             Check(
                 "gpus",
                 "FAIL",
-                f"--tensor-parallel-size {tp} needs {tp} GPUs, {count} visible",
+                f"--tensor-parallel-size {tp} needs {tp} GPUs but {count} {'is' if count == 1 else 'are'} "
+                f"visible ({where})",
                 "lower --tensor-parallel-size or expose more GPUs (CUDA_VISIBLE_DEVICES)",
             )
         )
@@ -1150,6 +1152,12 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="check that the server port is free")
     parser.add_argument("--host", default="0.0.0.0", help="address the server will bind (with --port)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default="mp",
+        choices=("mp", "ray"),
+        help="ray: the ranks run on a Ray cluster, so this machine's GPU count does not limit -tp",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--chat-template", default=None, help="template the server will use: a file or the text")
     parser.add_argument("--skip-tokenizer-init", action="store_true", help="the server will run without a tokenizer")
@@ -1165,6 +1173,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
         model,
         port=ns.port,
         tensor_parallel_size=ns.tensor_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
         fast=ns.fast,
         tokenizer=ns.tokenizer,
         host=ns.host,
@@ -1187,7 +1196,8 @@ def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
     checks = run_checks(
         engine.model,
         port=server.port,
-        tensor_parallel_size=server.tensor_parallel_size,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        distributed_executor_backend=engine.distributed_executor_backend,
         fast=True,
         tokenizer=engine.tokenizer,
         host=server.host,

@@ -6,6 +6,8 @@ function the engine sizes its cache with. On the CPU the block count is `memory.
 identical to the engine's; on a GPU the engine profiles one worst-case step, which the planner
 estimates (weights + activations of one `max_num_batched_tokens` step + sampler logits + a fixed
 CUDA-context allowance), so the engine logs the planner's prediction next to what it allocated.
+The valid tensor-parallel sizes and the reasons against the requested one come from
+`config.parallel`, the rule `pagoda serve` refuses by.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, _derived_max_model_len, text_field
+from pagoda.config.parallel import tensor_parallel_error, tensor_parallel_problems, valid_tensor_parallel_sizes
 from pagoda.errors import ConfigError
 from pagoda.models.quantization import checkpoint_quantization
 from pagoda.worker import memory
@@ -35,7 +38,6 @@ GPU_MEMORY_GIB = {
     "3090": 23.6,
 }
 CUDA_CONTEXT_BYTES = GiB // 2  # memory held outside PyTorch's allocator (context, cuBLAS workspaces)
-TP_CANDIDATES = (1, 2, 4, 8)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -63,8 +65,8 @@ class Plan:
     concurrency_at_typical_len: float
     recommended_max_num_seqs: int
     fits_one_max_len_request: bool
-    valid_tensor_parallel_sizes: list[int]
-    invalid_tensor_parallel_sizes: dict[str, str]
+    valid_tensor_parallel_sizes: list[int]  # every size up to the attention head count (config/parallel.py)
+    tensor_parallel_problems: list[str]  # why tensor_parallel_size does not fit ([] when it does)
     image_tokens: int | None = None  # placeholder tokens per image (Qwen2-VL), at --image
     image_tokens_per_request: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -82,7 +84,7 @@ def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
 
 def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
     """(total, per GPU). Per GPU: everything split tp ways except what the scheme replicates (norms,
-    biases, Yuan's LF convolutions — spec yuan2.md §7 — and the small router)."""
+    biases, Yuan's LF convolutions — spec yuan2.md §7 —, the small router, Qwen2-VL's vision tower)."""
     total = replicated = 0
     seen = set()
     for name, param in model.named_parameters():
@@ -91,34 +93,9 @@ def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
         seen.add(id(param))
         size = param.numel() * dtype_bytes
         total += size
-        if param.dim() < 2 or ".lf_gate." in name or ".mlp.gate." in name:
+        if param.dim() < 2 or ".lf_gate." in name or ".mlp.gate." in name or name.startswith("visual."):
             replicated += size
     return total, replicated + (total - replicated) // tp
-
-
-def _tp_validity(hf_config: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
-    heads = int(text_field(hf_config, "num_attention_heads"))
-    kv_heads = int(text_field(hf_config, "num_key_value_heads") or heads)
-    intermediate = text_field(hf_config, "intermediate_size")
-    vision_heads = (hf_config.get("vision_config") or {}).get("num_heads")
-    if hf_config.get("vision_config") is not None and vision_heads is None:
-        vision_heads = 16  # Qwen2-VL's vision default
-    valid, invalid = [], {}
-    for tp in TP_CANDIDATES:
-        reasons = []
-        if heads % tp:
-            reasons.append(f"{heads} attention heads do not split {tp} ways")
-        if kv_heads % tp and tp % kv_heads:
-            reasons.append(f"{kv_heads} KV heads neither split {tp} ways nor replicate evenly")
-        if vision_heads and vision_heads % tp:
-            reasons.append(f"{vision_heads} vision heads do not split {tp} ways")
-        if intermediate and int(intermediate) % tp:
-            reasons.append(f"intermediate size {intermediate} does not split {tp} ways")
-        if reasons:
-            invalid[str(tp)] = "; ".join(reasons)
-        else:
-            valid.append(tp)
-    return valid, invalid
 
 
 def activation_bytes_estimate(
@@ -183,16 +160,23 @@ def make_plan(
             f"max_model_len={max_model_len} is larger than the model's maximum context ({derived}).", "max_model_len"
         )
     tp = tensor_parallel_size
+    if tp < 1:  # no per-GPU numbers to give
+        raise ConfigError(tensor_parallel_error(hf_config, tp) or "", "tensor_parallel_size")
     max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
     model = _meta_model(hf_config, max_model_len)
     spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching)
     weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
-    valid, invalid = _tp_validity(hf_config)
+    problems = tensor_parallel_problems(hf_config, tp)
     notes = []
-    if tp not in valid:
-        notes.append(f"tensor_parallel_size={tp} is not valid for this model: {invalid.get(str(tp), 'unknown')}")
-    # Per GPU, KV heads split tp ways (or are replicated when there are fewer KV heads than GPUs).
+    if problems:
+        notes.append(f"{tensor_parallel_error(hf_config, tp)} The per-GPU numbers assume an even split.")
+    # Per GPU, KV heads split tp ways, or are replicated when there are fewer KV heads than GPUs: each GPU then
+    # holds one whole KV head, its cache and its rows of the K/V projections.
     kv_heads_per_gpu = max(1, spec.num_kv_heads // tp)
+    if spec.num_kv_heads < tp:
+        hidden = int(text_field(hf_config, "hidden_size"))
+        kv_weights = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * hidden * dtype_bytes
+        weights_gpu += kv_weights // spec.num_kv_heads - kv_weights // tp
     gpu_spec = memory.KVCacheSpec(
         spec.num_layers,
         kv_heads_per_gpu,
@@ -237,8 +221,6 @@ def make_plan(
                     f"more than max_model_len {max_model_len}: lower max_pixels"
                 )
     architecture = (hf_config.get("architectures") or ["<missing>"])[0]
-    if tp > 1:
-        notes.append("Pagoda serves tensor_parallel_size=1 today; the TP numbers are for planning.")
     return Plan(
         architecture,
         dtype,
@@ -262,8 +244,8 @@ def make_plan(
         at_typical if usable else 0.0,
         recommended if usable else 0,
         fits,
-        valid,
-        invalid,
+        valid_tensor_parallel_sizes(hf_config),
+        problems,
         per_image,
         per_request,
         notes,
@@ -299,9 +281,8 @@ def format_plan(plan: Plan) -> str:
         f"recommended --max-num-seqs {plan.recommended_max_num_seqs} (80 % of the concurrency at {plan.typical_len} "
         "tokens, a multiple of 8)",
         f"one {plan.max_model_len}-token request fits: {'yes' if plan.fits_one_max_len_request else 'NO'}",
-        f"valid --tensor-parallel-size: {plan.valid_tensor_parallel_sizes}",
+        f"valid --tensor-parallel-size: {', '.join(str(n) for n in plan.valid_tensor_parallel_sizes)}",
     ]
-    lines += [f"  tp={tp} invalid: {why}" for tp, why in plan.invalid_tensor_parallel_sizes.items()]
     if plan.image_tokens is not None:
         lines.append(
             f"image: {plan.image_tokens} tokens each, {plan.image_tokens_per_request} per request with "
@@ -377,4 +358,4 @@ def run_plan(ns: argparse.Namespace) -> int:
             f"are those of the unquantized {ns.dtype} model"
         )
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
-    return 0 if plan.fits_one_max_len_request else 1
+    return 0 if plan.fits_one_max_len_request and not plan.tensor_parallel_problems else 1

@@ -17,7 +17,9 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported yet"),
+        # The default model has 9 attention heads over 3 KV heads: 2 splits neither (valid: 1, 3).
+        (["--tensor-parallel-size", "2"], "9 attention heads do not divide by 2; 3 KV heads do not divide by 2"),
+        (["-tp", "4"], "valid sizes: 1, 3."),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 is not supported"),
         (["--block-size", "3"], "block_size must be a power of two"),
         (["--model", "/no/such/model/folder"], "does not exist"),

@@ -328,9 +328,50 @@ def test_qwen2_vl_vision_and_preprocessor_config(tmp_path):
 
 
 def test_tensor_parallel_and_shm(model_dir):
+    """The tiny Llama: 4 heads, 2 KV heads, intermediate 128, vocab 512 — so sizes 1, 2 and 4 fit."""
+    from pagoda.config.parallel import tensor_parallel_error
+
     checks = run_checks(model_dir, fast=True, tensor_parallel_size=3, skip_tokenizer_init=True)
-    assert "not divisible by 3" in line_of(checks, "tensor parallel")
+    refusal = (
+        "--tensor-parallel-size 3 does not fit this model: 4 attention heads do not divide by 3; "
+        "2 KV heads do not divide by 3, and 3 is not a multiple of 2 (to replicate them); "
+        "intermediate size 128 does not divide by 3; vocab size 512 does not divide by 3; valid sizes: 1, 2, 4."
+    )
+    (check,) = [c for c in checks if c.name == "tensor parallel"]
+    assert check.status == "FAIL" and check.detail == refusal == tensor_parallel_error(TINY_CONFIGS["llama"], 3)
     assert any(c.name == "/dev/shm" for c in checks)
+
+    def tp_line(n: int) -> Check:
+        (c,) = [
+            c
+            for c in run_checks(model_dir, fast=True, tensor_parallel_size=n, skip_tokenizer_init=True)
+            if c.name == "tensor parallel"
+        ]
+        return c
+
+    assert tp_line(2) == Check(
+        "tensor parallel", "ok", "2 GPUs: 4 attention heads split 2 per GPU, 2 KV heads split 1 per GPU", None
+    )
+    assert tp_line(4).detail == (
+        "4 GPUs: 4 attention heads split 1 per GPU, 2 KV heads replicated (each on 2 GPUs, 1 per GPU)"
+    )
+    assert tp_line(0).status == "FAIL" and "must be at least 1 (got 0)" in tp_line(0).detail
+    assert tp_line(8).detail.startswith("--tensor-parallel-size 8 does not fit this model: 4 attention heads do not")
+
+
+def test_tensor_parallel_of_qwen2vl_ignores_the_vision_heads():
+    from tests.unit.test_plan import QWEN2VL_72B
+
+    # 32 does not divide the vision tower's 16 heads, but the tower is replicated: only the text model counts.
+    cfg = dict(QWEN2VL_72B, vision_config=dict(QWEN2VL_72B["vision_config"], num_heads=16))
+    assert doctor._check_tensor_parallel(cfg, 32) == Check(
+        "tensor parallel",
+        "ok",
+        "32 GPUs: 64 attention heads split 2 per GPU, 8 KV heads replicated (each on 4 GPUs, 1 per GPU); "
+        "the vision tower is replicated on every GPU",
+        None,
+    )
+    assert doctor._check_tensor_parallel(cfg, 3).detail.endswith("valid sizes: 1, 2, 4, 8, 16, 32, 64.")
 
 
 def test_a_crashing_check_becomes_a_fail_line(model_dir, monkeypatch):
@@ -353,6 +394,8 @@ def test_report_format_and_cli(model_dir, capsys):
     assert doctor.main(["--model", model_dir, "--fast", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["counts"]["FAIL"] == 0 and {"name", "status", "detail", "fix"} <= set(out["checks"][0])
+    assert doctor.main([model_dir, "--fast", "-tp", "3", "--distributed-executor-backend", "ray"]) == 1
+    assert "[FAIL] tensor parallel: --tensor-parallel-size 3 does not fit this model" in capsys.readouterr().out
 
 
 def test_serve_preflight_raises_with_the_fail_lines(model_dir):
@@ -365,6 +408,9 @@ def test_serve_preflight_raises_with_the_fail_lines(model_dir):
     os.remove(os.path.join(model_dir, shard_names(model_dir)[0]))
     with pytest.raises(ConfigError, match=r"\[FAIL\] shards: .*model-00001-of-00005.safetensors"):
         doctor.serve_preflight(engine, server)
+    three = EngineArgs(model=model_dir, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"\[FAIL\] tensor parallel: --tensor-parallel-size 3 does not fit this"):
+        doctor.serve_preflight(three, server)
 
 
 def test_default_gguf_model():
@@ -385,7 +431,13 @@ def test_gpu_checks_with_a_simulated_gpu(model_dir, monkeypatch):
     checks = run_checks(model_dir, tensor_parallel_size=2, skip_tokenizer_init=True)
     by_name = {c.name: c for c in checks}
     assert by_name["cuda"].status == "ok" and "1 GPU(s) visible" in by_name["cuda"].detail
-    assert "needs 2 GPUs, 1 visible" in line_of(checks, "gpus")
+    assert "needs 2 GPUs but 1 is visible (CUDA_VISIBLE_DEVICES is not set)" in line_of(checks, "gpus")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    checks = run_checks(model_dir, tensor_parallel_size=2, skip_tokenizer_init=True)
+    assert "needs 2 GPUs but 1 is visible (CUDA_VISIBLE_DEVICES=3)" in line_of(checks, "gpus")
+    ray = run_checks(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray", skip_tokenizer_init=True)
+    assert [c.status for c in ray if c.name == "gpus"] == ["ok"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert by_name["gpu 0"].status == "warn" and "100.00 GiB free of 140.00 GiB" in by_name["gpu 0"].detail
     assert by_name["bf16"].status == "ok"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

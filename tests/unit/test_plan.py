@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
-from pagoda.tools.plan import GPU_MEMORY_GIB, make_plan
+from pagoda.errors import ConfigError
+from pagoda.tools.plan import GPU_MEMORY_GIB, add_plan_args, format_plan, make_plan, run_plan
 
 KiB, GiB = 1024, 1 << 30
 
@@ -64,22 +68,25 @@ def test_yuan2_2b_kv_and_lf_state():
     params = 24 * (4 * 2048**2 + 3 * 2048 * 8192 + 2 * 2048**2) + 135040 * 2048
     norms_and_biases = 24 * (3 * 2048 + 1024 + 2048) + 2048
     assert plan.weights_bytes_total == 2 * (params + norms_and_biases)
-    assert plan.valid_tensor_parallel_sizes == [1, 2, 4, 8]
+    # Every divisor of the 32 heads: powers of 2, within the vocab's 2^7 (135040 = 2^7 * 5 * 211) and 2^13.
+    assert plan.valid_tensor_parallel_sizes == [1, 2, 4, 8, 16, 32]
+    assert plan.tensor_parallel_problems == []
 
 
 def test_qwen2vl_7b_and_72b():
     plan = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=int(GPU_MEMORY_GIB["a100-80g"] * GiB), image=(1000, 750))
     assert plan.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 56 * KiB
     assert plan.state_bytes_per_sequence == 0
+    # 28 heads: 7 and 14 split neither the 4 KV heads nor the vocab; 28 (KV replicated) fails vocab and MLP.
     assert plan.valid_tensor_parallel_sizes == [1, 2, 4]
-    assert "28 attention heads" in plan.invalid_tensor_parallel_sizes["8"]
     assert plan.image_tokens == 972 and plan.image_tokens_per_request == 974
     assert 8.2e9 < plan.weights_bytes_total / 2 < 8.4e9  # 8.3 B parameters (model card)
 
     big = make_plan(QWEN2VL_72B, memory_bytes_per_gpu=H200, tensor_parallel_size=4)
     assert big.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 == 320 * KiB
     assert big.kv_bytes_per_token_per_gpu == 80 * KiB
-    assert big.valid_tensor_parallel_sizes == [1, 2, 4, 8]
+    # The vision tower (16 heads) is replicated, so it limits nothing: every power of 2 up to the 64 heads.
+    assert big.valid_tensor_parallel_sizes == [1, 2, 4, 8, 16, 32, 64]
     assert 72e9 < big.weights_bytes_total / 2 < 74e9
 
 
@@ -93,6 +100,62 @@ def test_yuan2_102b_on_8_gpus():
     assert plan.fits_one_max_len_request
     single = make_plan(YUAN2_102B, memory_bytes_per_gpu=H200)
     assert not single.fits_one_max_len_request and single.kv_blocks == 0
+
+
+def test_invalid_size_gives_the_reasons_and_still_the_numbers():
+    plan = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, tensor_parallel_size=7)
+    assert plan.tensor_parallel_problems == [
+        "4 KV heads do not divide by 7, and 7 is not a multiple of 4 (to replicate them)",
+        "intermediate size 18944 does not divide by 7",
+        "vocab size 152064 does not divide by 7",
+    ]
+    text = format_plan(plan)
+    assert "valid --tensor-parallel-size: 1, 2, 4\n" in text
+    assert "note: --tensor-parallel-size 7 does not fit this model: 4 KV heads do not divide by 7" in text
+    assert plan.kv_blocks > 0 and plan.weights_bytes_per_gpu < plan.weights_bytes_total
+    # 28 splits the heads and replicates the KV heads: the reasons are the vocab and the MLP only.
+    assert make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, tensor_parallel_size=28).tensor_parallel_problems == [
+        "intermediate size 18944 does not divide by 28",
+        "vocab size 152064 does not divide by 28",
+    ]
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 0 does not fit .*at least 1"):
+        make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, tensor_parallel_size=0)
+
+
+def _replicated_bytes(cfg) -> tuple[int, int]:
+    """(total, replicated) weight bytes, from the per-GPU weights at TP 2 and 4: W(tp) = R + (T - R) / tp."""
+    w2, w4 = (make_plan(cfg, memory_bytes_per_gpu=H200, tensor_parallel_size=tp) for tp in (2, 4))
+    return w2.weights_bytes_total, w2.weights_bytes_total - 4 * (w2.weights_bytes_per_gpu - w4.weights_bytes_per_gpu)
+
+
+def test_qwen2vl_vision_tower_and_replicated_kv_heads_count_on_every_gpu():
+    # The ViT (32 blocks of 1280 wide: ~0.63 B) and its merger (~0.04 B): the model card's 675 M, on every GPU.
+    _, replicated = _replicated_bytes(QWEN2VL_7B)
+    assert 670e6 < replicated / 2 < 690e6
+    # TP 16 over 8 KV heads: each GPU holds one whole KV head's K and V projections (80 layers x 2 x 128 x 8192),
+    # twice the 1/16 share an even split would give.
+    total, replicated = _replicated_bytes(QWEN2VL_72B)
+    even = replicated + (total - replicated) // 16
+    kv_head = 80 * 2 * 128 * 8192 * 2
+    tp16 = make_plan(QWEN2VL_72B, memory_bytes_per_gpu=H200, tensor_parallel_size=16)
+    assert abs(tp16.weights_bytes_per_gpu - (even + kv_head // 2)) < 16
+
+
+def _run_plan(folder, *argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_plan_args(parser)
+    return run_plan(parser.parse_args([str(folder), "--gpu", "h200", *argv]))
+
+
+def test_cli_exit_status_follows_the_requested_size(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2VL_7B))
+    assert _run_plan(tmp_path, "--tensor-parallel-size", "4") == 0
+    assert "valid --tensor-parallel-size: 1, 2, 4" in capsys.readouterr().out
+    assert _run_plan(tmp_path, "--tp", "8", "--json") == 1
+    out = json.loads(capsys.readouterr().out)
+    # 8 replicates the 4 KV heads, and divides 18944 = 2^9 * 37 and 152064 = 2^9 * 297: the heads alone refuse.
+    assert out["tensor_parallel_problems"] == ["28 attention heads do not divide by 8"]
+    assert out["valid_tensor_parallel_sizes"] == [1, 2, 4] and out["kv_blocks"] > 0
 
 
 def _planned_blocks(engine) -> int:
