@@ -206,6 +206,52 @@ def build_tiny_model(kind: str, folder: str, max_shard_size: str | None = None) 
     return folder
 
 
+QWEN2VL_SPECIAL_IDS = (151655, 151656, 151652, 151653)  # image pad, video pad, vision start, vision end
+
+
+def tiny_qwen2vl_config(
+    vocab_size: int = 151936,
+    depth: int = 2,
+    max_positions: int = 1024,
+    special_ids: tuple[int, int, int, int] = QWEN2VL_SPECIAL_IDS,
+    **extra,
+):
+    """A two-layer Qwen2-VL of the real layout (transformers' config class): 4 heads over 2 KV heads, M-RoPE
+    sections [2, 3, 3], a `depth`-block vision tower of 4 heads with the 2x2 merger."""
+    import transformers
+
+    image, video, start, end = special_ids
+    return transformers.Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=depth,
+            embed_dim=32,
+            num_heads=4,
+            mlp_ratio=4,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            in_channels=3,
+            hidden_size=64,
+        ),
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        **extra,
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return build_tiny_model("llama", str(tmp_path_factory.mktemp("tiny-llama")))

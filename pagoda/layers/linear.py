@@ -1,9 +1,22 @@
-"""Linear layers that own how checkpoint tensors land in their parameters.
+"""Linear layers that own how checkpoint tensors land in their parameters, single-device or sharded
+over the tensor-parallel group (`pagoda/distributed/parallel_state.py`).
 
-`MergedLinear` fuses several projections that read the same input (q/k/v, gate/up) into one
-matmul; each checkpoint tensor is copied into its slice of the fused weight by `weight_loader`.
-These are single-device layers; the tensor-parallel variants will keep the same loader contract
-(narrow the checkpoint tensor to the rank's shard first).
+`Linear` is replicated (every rank holds the whole weight): the vision tower, routers, LF convs.
+The parallel layers read `tp_rank()` / `tp_world_size()` when constructed and hold only their rank's
+share; at world size 1 each is exactly the single-device layer (same names, shapes and matmul):
+- `ColumnParallelLinear`: output rows split, the output stays split (the next row-parallel layer
+  consumes it as is);
+- `MergedColumnParallelLinear`: several projections of one input fused ([out_0 | out_1 | ...]),
+  each split separately, so rank r holds [out_0 share r | out_1 share r | ...];
+- `QKVParallelLinear`: the merged q/k/v of (grouped-query) attention, split by heads; with fewer
+  KV heads than ranks each rank holds a copy of the one KV head its query heads read;
+- `RowParallelLinear`: input columns split; the partial outputs are summed over the ranks
+  (all-reduce) and the bias is added once, after the sum.
+
+Weight loading: a loader receives either a torch tensor or a lazy checkpoint tensor (a safetensors
+slice: `LazyTensor`) and narrows it to the rank's share BEFORE reading it (`read_weight`), so a rank
+reads only its share from disk. Loaders that do that carry `@reads_shards`; the model loader hands
+every other loader an already-read tensor.
 
 `linear` is the one matmul entry point: on CUDA, inputs of at most `gemv.MAX_ROWS` rows (decode at
 batch 1) go to the Triton GEMV (`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all
@@ -12,10 +25,14 @@ others to `F.linear`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.distributed import parallel_state
 from pagoda.kernels import dispatch
 
 
@@ -27,13 +44,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet: its shape, narrowed views, and `read()` of the view."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def dim(self) -> int: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor: ...
+
+    def read(self) -> torch.Tensor: ...
+
+
+Weight = torch.Tensor | LazyTensor
+
+
+def read_weight(loaded: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor behind `loaded` (read from disk now if lazy), in `dtype` when given."""
+    tensor = loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+_Loader = TypeVar("_Loader", bound=Callable[..., Any])
+
+
+def reads_shards(loader: _Loader) -> _Loader:
+    """Marks a weight loader that accepts a `LazyTensor` and reads only what its parameter holds."""
+    loader.reads_shards = True  # type: ignore[attr-defined]
+    return loader
+
+
+def loader_reads_shards(loader: Callable[..., Any]) -> bool:
+    return bool(getattr(loader, "reads_shards", False))
+
+
+@reads_shards
+def default_weight_loader(param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
+    """The whole checkpoint tensor into `param` (a replicated parameter)."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(read_weight(loaded, param.dtype))
+
+
+def _narrowed(loaded: Weight, dim: int, start: int, length: int) -> Weight:
+    """loaded.narrow(...), skipped when it would keep everything (the world-size-1 case)."""
+    if start == 0 and length == loaded.shape[dim]:
+        return loaded
+    return loaded.narrow(dim, start, length)
 
 
 class Linear(nn.Module):
+    """Replicated: the whole [output_size, input_size] weight on every rank."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
@@ -43,20 +106,134 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Outputs of several projections concatenated: [out_0 | out_1 | ...]; shard ids index them."""
+class ColumnParallelLinear(Linear):
+    """y_r = x · W_rᵀ + b_r with W_r = rows [r·O/N, (r+1)·O/N) of the [O, I] weight: [T, I] → [T, O/N]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        self.full_output_size = output_size
+        self.output_start, local = parallel_state.shard(output_size, "output size")
+        super().__init__(input_size, local, bias)
+
+    @reads_shards
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
+        expected = (self.full_output_size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(read_weight(_narrowed(loaded, 0, self.output_start, param.shape[0]), param.dtype))
+
+
+class MergedColumnParallelLinear(Linear):
+    """Projections of one input fused into one matmul, each split over the ranks on its own.
+
+    Rank r holds [part_0 rows r | part_1 rows r | ...] (its output is laid out the same way, so a
+    `[gate | up]` chunk or a q/k/v split of it works as on one device). A checkpoint tensor is one
+    part (shard_id = its name, through the model's `packed_modules_mapping`) or, with shard_id None,
+    all parts concatenated along the rows (Yuan M32's expert `w1` = [activated | linear]).
+    """
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, shard_names: tuple[str, ...] | None = None
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        shard_names: tuple[str, ...] | None = None,
+        part_ranges: Sequence[tuple[int, int]] | None = None,
     ):
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
+        """part_ranges: (start, length) of this rank's rows in each part's checkpoint tensor; by
+        default an even contiguous split of each part."""
+        self.full_output_sizes = list(output_sizes)
+        if part_ranges is None:
+            part_ranges = [parallel_state.shard(size, "output size") for size in output_sizes]
+        self.part_ranges = list(part_ranges)
+        self.output_sizes = [length for _, length in self.part_ranges]  # local: the forward's split sizes
         self.shard_names = shard_names or tuple(str(i) for i in range(len(output_sizes)))
+        super().__init__(input_size, sum(self.output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def _load_part(self, param: nn.Parameter, loaded: Weight, index: int) -> None:
+        start, length = self.part_ranges[index]
+        target = param.data.narrow(0, sum(self.output_sizes[:index]), length)
+        target.copy_(read_weight(_narrowed(loaded, 0, start, length), param.dtype))
+
+    @reads_shards
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
+        rest = tuple(param.shape[1:])
+        if shard_id is None:  # every part, concatenated along the rows
+            expected = (sum(self.full_output_sizes), *rest)
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+            offset = 0
+            for index, size in enumerate(self.full_output_sizes):
+                self._load_part(param, _narrowed(loaded, 0, offset, size), index)
+                offset += size
+            return
         index = self.shard_names.index(str(shard_id))
-        offset = sum(self.output_sizes[:index])
-        target = param.data.narrow(0, offset, self.output_sizes[index])
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape mismatch for shard {shard_id}: {tuple(target.shape)} vs {tuple(loaded.shape)}")
-        target.copy_(loaded)
+        expected = (self.full_output_sizes[index], *rest)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch for shard {shard_id}: {expected} vs {tuple(loaded.shape)}")
+        self._load_part(param, loaded, index)
+
+
+def kv_head_range(num_kv_heads: int) -> tuple[int, int]:
+    """(first KV head, count) this rank holds: an even split when the KV heads divide by the world
+    size; with fewer KV heads than ranks, the one KV head of this rank's query heads (rank r of N
+    reads KV head r // (N / kv_heads)), replicated over N / kv_heads ranks."""
+    world, rank = parallel_state.tp_world_size(), parallel_state.tp_rank()
+    if num_kv_heads >= world:
+        return parallel_state.shard(num_kv_heads, "num_key_value_heads")
+    if world % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {world} must be a multiple of num_key_value_heads {num_kv_heads}")
+    return rank // (world // num_kv_heads), 1
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """[q | k | v] of attention split by heads: rank r holds query heads [r·Hq/N, (r+1)·Hq/N) and
+    the KV heads of `kv_head_range` (a replicated copy where Hkv < N)."""
+
+    def __init__(self, input_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        q_start, q_heads = parallel_state.shard(num_heads, "num_attention_heads")
+        kv_start, kv_heads = kv_head_range(num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_heads, kv_heads, head_dim  # local counts
+        kv_range = (kv_start * head_dim, kv_heads * head_dim)
+        super().__init__(
+            input_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias,
+            ("q", "k", "v"),
+            [(q_start * head_dim, q_heads * head_dim), kv_range, kv_range],
+        )
+
+
+class RowParallelLinear(Linear):
+    """y = Σ_r x_r · W_rᵀ + b with W_r = columns [r·I/N, (r+1)·I/N) of the [O, I] weight and x_r this
+    rank's share of the input: [T, I/N] → [T, O], the same full output on every rank.
+
+    reduce_results=False leaves the partial sum (the caller reduces once, e.g. after an expert sum;
+    then there must be no bias)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
+        self.tp_size = parallel_state.tp_world_size()
+        self.full_input_size = input_size
+        self.input_start, local = parallel_state.shard(input_size, "input size")
+        if bias and not reduce_results and self.tp_size > 1:
+            raise ValueError("a row-parallel layer that leaves the reduction to its caller cannot add a bias")
+        self.reduce_results = reduce_results
+        super().__init__(local, output_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight)
+        if not self.reduce_results:
+            return out
+        parallel_state.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+    @reads_shards
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
+            default_weight_loader(param, loaded)
+            return
+        expected = (param.shape[0], self.full_input_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(read_weight(_narrowed(loaded, 1, self.input_start, param.shape[1]), param.dtype))

@@ -3,6 +3,12 @@
 Parameter names follow the HF checkpoints except where projections are fused (`qkv_proj`,
 `gate_up_proj`); `packed_modules_mapping` tells the loader how HF names map onto them.
 Qwen2 differs from Llama only by biases on q/k/v.
+
+Tensor parallelism (`layers/linear.py`, `layers/vocab_parallel.py`): each rank holds its share of
+the attention heads (KV heads replicated where there are fewer than ranks) and of the MLP's
+intermediate features; o_proj and down_proj sum the ranks' partial outputs, so every layer's output
+and the residual stream are whole and identical on every rank; the embedding and LM head are split
+by vocabulary rows.
 """
 
 from __future__ import annotations
@@ -14,24 +20,27 @@ from torch import nn
 
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
-from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
+from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], qkv_bias: bool):
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
+        self.head_dim = cfg.get("head_dim") or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        # This rank's heads (all of them at world size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, shard_names=("q", "k", "v")
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, hidden, bias=bool(cfg.get("attention_bias", False)) and not qkv_bias
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)) and not qkv_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: StepAttention) -> torch.Tensor:
@@ -42,8 +51,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], shard_names=("gate", "up"))
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], shard_names=("gate", "up"))
+        self.down_proj = RowParallelLinear(intermediate, hidden)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta, scaling = rope_parameters(cfg)
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, theta, scaling)
@@ -99,7 +108,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; `compute_logits` → [N, V]."""
+    """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; `compute_logits` → [N, V] (the
+    whole vocabulary, on every tensor-parallel rank)."""
 
     qkv_bias = False
     packed_modules_mapping = {
@@ -115,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
         self.model = LlamaModel(cfg, positions, self.qkv_bias)
-        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -4,6 +4,10 @@ Each checkpoint tensor goes to the parameter of the same name, or — for fused 
 in the model's `packed_modules_mapping` — to its slice of the fused parameter via the owning
 module's `weight_loader`. Every parameter must be written exactly by the checkpoint: a missing weight is an
 error naming it, never a silently random tensor.
+
+Tensor parallelism: the model is built after the process joined its group, so its layers hold one
+rank's shares; safetensors entries arrive unread (`LazyTensor`) and the layers' loaders read only
+their rows or columns of them, so a rank's host memory peaks at about its share of the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
-from pagoda.layers.linear import default_weight_loader
+from pagoda.layers.linear import default_weight_loader, loader_reads_shards, read_weight
 from pagoda.models.quantization import tensor_quantization
 from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
@@ -32,8 +37,15 @@ def load_model(
     started = time.perf_counter()
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
     model_class = get_model_class(architecture)
-    with torch.device("meta"):
-        model = model_class(source.hf_config, max_model_len)
+    world = parallel_state.tp_world_size()
+    try:
+        with torch.device("meta"):
+            model = model_class(source.hf_config, max_model_len)
+    except ValueError as exc:
+        if world == 1:
+            raise
+        # A dimension the ranks cannot share evenly (heads, vocabulary, intermediate size).
+        raise ModelLoadError(f"{architecture} cannot be split over tensor_parallel_size {world}: {exc}.") from None
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     if load_format == "dummy":
@@ -136,8 +148,10 @@ def load_weights(model: nn.Module, source: ModelSource) -> None:
             ) from None
         if target is None:
             continue
+        if not loader_reads_shards(target.loader):
+            tensor = read_weight(tensor, target.param.dtype)  # a loader that takes whole tensors
         try:
-            target.loader(target.param, tensor.to(target.param.dtype), target.shard)
+            target.loader(target.param, tensor, target.shard)
         except ValueError as exc:
             raise ModelLoadError(f"Checkpoint tensor {router.rename(name)!r}: {exc}") from None
         router.loaded.add(target.key)

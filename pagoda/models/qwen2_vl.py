@@ -11,6 +11,9 @@ Config: flat (official) or nested (`text_config`, transformers >= 5); rope given
 `rope_scaling: {type: mrope | default, mrope_section}` or `rope_parameters`; a partial
 `vision_config` gets the vision defaults. Weights: `visual.*`, `model.*`, `lm_head.*`, and the
 `model.language_model.*` / `model.visual.*` spellings of transformers 4.5x re-saves.
+Tensor parallelism: the decoder is split as Qwen2's (`models/llama.py`); the vision tower is
+replicated (plain `Linear` layers, whole weights on every rank), so `encode` gives the same rows on
+every rank and each rank merges them into its own, identical, embeddings.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from torch import nn
 
 from pagoda.errors import ModelLoadError
 from pagoda.layers.attention import Attention, StepAttention
-from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
+from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.llama import LlamaDecoderLayer
 from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
 
@@ -59,7 +62,7 @@ class Qwen2VLTextModel(nn.Module):
         self.sections = mrope_section(cfg)
         if 2 * sum(self.sections) != head_dim:
             raise ModelLoadError(f"mrope_section {self.sections} must sum to head_dim/2 = {head_dim // 2}.")
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
         # M-RoPE is plain RoPE (theta from the config, no scaling) applied per axis band.
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, rope_theta(cfg), None)
         layer_cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters")}
@@ -108,7 +111,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         positions = max(max_positions, int(text.get("max_position_embeddings", max_positions)))
         self.visual = Qwen2VisionTransformer(self.vision_config)
         self.model = Qwen2VLTextModel(text, positions)
-        self.lm_head = Linear(text["hidden_size"], text["vocab_size"])
+        self.lm_head = ParallelLMHead(text["vocab_size"], text["hidden_size"])
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -4,6 +4,10 @@
 through `ModelSource.iter_weights()`, so a checkpoint is never held in memory twice. HF folders
 hold safetensors or, for older checkpoints (Yuan2.0 on the hub), PyTorch `pytorch_model*.bin`
 pickles; safetensors win when both are present.
+
+Safetensors entries are yielded unread (`SafetensorsTensor`): a tensor-parallel rank narrows each
+to its share and reads only that (`layers/linear.py`'s loaders). GGUF and .bin tensors are plain
+(memory-mapped where the format allows); narrowing them is a view.
 """
 
 from __future__ import annotations
@@ -36,6 +40,60 @@ _BIN_SINGLE = "pytorch_model.bin"
 
 logger = logging.getLogger(__name__)
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class SafetensorsTensor:
+    """One entry of an open safetensors file, not read yet: its shape and dtype from the header,
+    `narrow` (a range along one dim; composes) and `read()`, which reads only the narrowed range.
+
+    Valid while its file is open: `iter_weights` keeps it open until the consumer asks for the next
+    entry, so a loader reads what it needs before handing control back."""
+
+    def __init__(self, handle: Any, name: str, ranges: tuple[tuple[int, int], ...] | None = None):
+        self._handle, self.name = handle, name
+        info = handle.get_slice(name)
+        self.dtype: torch.dtype | None = _SAFETENSORS_DTYPES.get(info.get_dtype())
+        # (start, stop) per dim of the stored tensor; None = all of it.
+        self._ranges = ranges
+        full = tuple(int(n) for n in info.get_shape())
+        self._full = full
+        self.shape = torch.Size(full if ranges is None else tuple(b - a for a, b in ranges))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> SafetensorsTensor:
+        dim %= self.dim()
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"{self.name}: rows [{start}, {start + length}) out of range for {tuple(self.shape)}")
+        ranges = list(self._ranges or tuple((0, n) for n in self._full))
+        first = ranges[dim][0] + start
+        ranges[dim] = (first, first + length)
+        return SafetensorsTensor(self._handle, self.name, tuple(ranges))
+
+    def read(self) -> torch.Tensor:
+        if self._ranges is None:
+            return self._handle.get_tensor(self.name)
+        return self._handle.get_slice(self.name)[tuple(slice(a, b) for a, b in self._ranges)]
+
+
+# What `iter_weights` yields: a plain tensor (GGUF, .bin) or an unread safetensors entry.
+CheckpointTensor = torch.Tensor | SafetensorsTensor
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -55,9 +113,10 @@ class ModelSource:
             return _shard_paths(self.location)
         return _bin_shard_paths(self.location)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every checkpoint tensor, file by file; each file is announced in the log as it starts,
-        the progress an operator watches while a checkpoint of tens of GiB loads."""
+    def iter_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        """Every checkpoint tensor, file by file (safetensors entries unread: `SafetensorsTensor`);
+        each file is announced in the log as it starts, the progress an operator watches while a
+        checkpoint of tens of GiB loads."""
         paths = self.weight_files()
         for number, path in enumerate(paths, 1):
             logger.info(
@@ -144,18 +203,18 @@ def _no_weights_error(folder: str) -> ModelLoadError:
     )
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) shard by shard; a shard missing from or extra to the index is an error."""
+def iter_safetensors(folder: str) -> Iterator[tuple[str, SafetensorsTensor]]:
+    """Yield (name, unread tensor) shard by shard; a shard missing from or extra to the index is an error."""
     for path in _shard_paths(folder):
         yield from _iter_safetensors_file(path)
 
 
-def _iter_safetensors_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors_file(path: str) -> Iterator[tuple[str, SafetensorsTensor]]:
     from safetensors import safe_open  # lazy: safetensors, only when reading weights
 
     with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            yield name, SafetensorsTensor(f, name)
 
 
 def _shard_paths(folder: str) -> list[str]:

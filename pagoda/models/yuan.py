@@ -13,6 +13,14 @@ Spec: shared/specs/yuan2.md. What differs from Llama, and where it is handled:
   dim = attention_projection_size / heads, RoPE on the first hidden/heads dims only, and the
   reference's all-bfloat16 RoPE table (§2.5) unless config.json sets `rope_precision`.
 - No remote code: everything is read from config.json; `rotary_emb.inv_freq` buffers are skipped.
+
+Tensor parallelism (§7): heads are split over the ranks. Rank r of N takes rows
+[r·2P/N, (r+1)·2P/N) of the fused, interleaved [q_proj; k_proj], which are the q and k of heads
+r·NH/N .. (r+1)·NH/N - 1 (`YuanQKProjection`), the same heads' rows of v_proj and columns of
+o_proj (summed over the ranks). The LF gate is replicated: whole conv weights on every rank, fed
+the same (all-reduced) hidden states, so its state slots stay identical on every rank without
+communication. MLP and experts: up/gate (w1's [activated | linear] halves) split as merged
+columns, down (w2) by rows; M32's router is replicated and the expert sum is reduced once.
 """
 
 from __future__ import annotations
@@ -24,14 +32,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs
+from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
-from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    Weight,
+    read_weight,
+    reads_shards,
+)
 from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
+from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 # Decode steps up to this many rows overlap v_proj with the LF gate: it helps at batch 1, is neutral at
 # 64 and slows the batch-256 step, where one matmul already fills the GPU (benchmarks/h200.py: c=1 TPOT
@@ -96,38 +114,53 @@ class YuanShape:
             raise ModelLoadError("Unsupported Yuan2 config.json: " + "; ".join(problems) + ".")
 
 
-class YuanQKProjection(MergedLinear):
-    """y [T, H] → [q | k] [T, 2P], head-major, from the checkpoint's interleaved q_proj/k_proj halves."""
+class YuanQKProjection(Linear):
+    """y [T, H] → [q | k] [T, 2P_r], head-major, for this rank's heads, from the checkpoint's
+    interleaved q_proj/k_proj halves (P_r = this rank's heads × head dim; P_r = P at world size 1)."""
 
     def __init__(self, hidden: int, num_heads: int, head_dim: int):
-        projection = num_heads * head_dim
-        super().__init__(hidden, [projection, projection], shard_names=("q", "k"))
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.total_heads, self.head_dim = num_heads, head_dim
+        first, self.num_heads = parallel_state.shard(num_heads, "num_attention_heads")  # this rank's heads
+        # Rows [first_row, first_row + 2·P_r) of the fused [q_proj; k_proj] (2D rows per head).
+        self.first_row = 2 * first * head_dim
+        super().__init__(hidden, 2 * self.num_heads * head_dim)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        d, projection = self.head_dim, self.num_heads * self.head_dim
-        if loaded.shape != (projection, param.shape[1]):
+    @reads_shards
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
+        d, projection = self.head_dim, self.total_heads * self.head_dim
+        if tuple(loaded.shape) != (projection, param.shape[1]):
             raise ValueError(
                 f"shape mismatch for {shard_id}_proj: expected {(projection, param.shape[1])}, "
                 f"got {tuple(loaded.shape)}"
             )
-        # Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key.
-        fused_rows = torch.arange(projection) + (0 if shard_id == "q" else projection)
+        # This tensor's rows in fused-row numbering, [offset, offset + P), meet this rank's rows
+        # [first_row, first_row + 2·P_r) in one contiguous range (empty on ranks whose heads all sit
+        # in the other half): only that range is read.
+        offset = 0 if shard_id == "q" else projection
+        local = param.shape[0] // 2
+        start = max(offset, self.first_row)
+        end = min(offset + projection, self.first_row + 2 * local)
+        if end <= start:
+            return
+        rows = read_weight(loaded.narrow(0, start - offset, end - start), param.dtype)
+        # Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key;
+        # on this rank it is local row g - first_row of local head (g - first_row) // 2D.
+        fused_rows = torch.arange(start, end) - self.first_row
         head, within = fused_rows // (2 * d), fused_rows % (2 * d)
-        target = torch.where(within < d, head * d + within, projection + head * d + within - d)
-        param.data[target.to(param.device)] = loaded.to(param.device)
+        target = torch.where(within < d, head * d + within, local + head * d + within - d)
+        param.data[target.to(param.device)] = rows.to(param.device)
 
 
 class YuanAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], shape: YuanShape):
         super().__init__()
-        self.num_heads, self.head_dim = shape.num_heads, shape.head_dim
-        self.projection = shape.projection
-        self.v_proj = Linear(shape.hidden, shape.projection)
-        self.lf_gate = LocalizedFilter(shape.hidden)
+        self.v_proj = ColumnParallelLinear(shape.hidden, shape.projection)
+        self.lf_gate = LocalizedFilter(shape.hidden)  # replicated (see the module docstring)
         self.qk_proj = YuanQKProjection(shape.hidden, shape.num_heads, shape.head_dim)
-        self.o_proj = Linear(shape.projection, shape.hidden)
-        self.attn = Attention(shape.num_heads, shape.num_heads, shape.head_dim)
+        self.num_heads, self.head_dim = self.qk_proj.num_heads, shape.head_dim  # this rank's heads
+        self.projection = self.num_heads * self.head_dim
+        self.o_proj = RowParallelLinear(shape.projection, shape.hidden)
+        self.attn = Attention(self.num_heads, self.num_heads, shape.head_dim)
 
     def forward(
         self,
@@ -152,8 +185,8 @@ class YuanMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.up_gate_proj = MergedLinear(hidden, [intermediate, intermediate], shard_names=("up", "gate"))
-        self.down_proj = Linear(intermediate, hidden)
+        self.up_gate_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], shard_names=("up", "gate"))
+        self.down_proj = RowParallelLinear(intermediate, hidden)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,11 +209,14 @@ class YuanAttentionRouter(nn.Module):
 
 
 class YuanExpert(nn.Module):
+    """w1 split as merged columns (each of its [activated | linear] halves on its own), w2 by rows
+    without its reduction: the output is this rank's partial sum, reduced once by `YuanMoE`."""
+
     def __init__(self, hidden: int, ffn_hidden: int, gated: bool):
         super().__init__()
         self.gated = gated
-        self.w1 = Linear(hidden, 2 * ffn_hidden if gated else ffn_hidden)
-        self.w2 = Linear(ffn_hidden, hidden)
+        self.w1 = MergedColumnParallelLinear(hidden, [ffn_hidden, ffn_hidden] if gated else [ffn_hidden])
+        self.w2 = RowParallelLinear(ffn_hidden, hidden, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w1(x)
@@ -198,6 +234,7 @@ class YuanMoE(nn.Module):
 
     def __init__(self, hidden: int, shape: YuanShape):
         super().__init__()
+        self.tp_size = parallel_state.tp_world_size()
         self.top_k, self.norm_topk = shape.top_k, shape.norm_topk
         self.gate = YuanAttentionRouter(hidden, shape.num_experts)
         self.experts = nn.ModuleList(
@@ -215,7 +252,9 @@ class YuanMoE(nn.Module):
             token, slot = torch.nonzero(chosen == index, as_tuple=True)
             contribution = self.experts[index](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, contribution)
-        return out
+        # Every rank routed the same tokens to the same experts (replicated router, same input) and
+        # added its share of each expert's output: one sum over the ranks completes them all.
+        return out if self.tp_size == 1 else parallel_state.all_reduce(out)
 
 
 class YuanDecoderLayer(nn.Module):
@@ -256,7 +295,7 @@ class YuanDecoderLayer(nn.Module):
 class YuanModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], shape: YuanShape, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], shape.hidden)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], shape.hidden)
         self.rotary_emb = RotaryEmbedding(
             shape.rotary_dim, max_positions, YUAN_ROPE_THETA, None, shape.rope_table_precision
         )
@@ -305,7 +344,7 @@ class YuanForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
         self.model = YuanModel(cfg, self.shape, positions)
-        self.lm_head = Linear(self.shape.hidden, cfg["vocab_size"])
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], self.shape.hidden)
         self.tie_weights()
 
     def tie_weights(self) -> None:

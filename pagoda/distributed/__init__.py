@@ -1,0 +1,1 @@
+"""This process's place in a tensor-parallel group, and the collectives the layers and the runner use."""
