@@ -73,6 +73,24 @@ OPENAI_API_KEY = Env(
 HTTP_TIMEOUT_KEEP_ALIVE = Env(
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0, "vLLM's name for --timeout-keep-alive's default, in seconds"
 )
+TP_INIT_TIMEOUT_S = Env(
+    "PAGODA_TP_INIT_TIMEOUT_S",
+    float,
+    120.0,
+    "seconds the tensor-parallel ranks have to meet at startup (torch.distributed / NCCL init) before serve fails",
+)
+TP_HEARTBEAT_TIMEOUT_S = Env(
+    "PAGODA_TP_HEARTBEAT_TIMEOUT_S",
+    float,
+    5.0,
+    "seconds without a heartbeat after which a tensor-parallel rank counts as hung and the engine core exits",
+)
+TP_STEP_TIMEOUT_S = Env(
+    "PAGODA_TP_STEP_TIMEOUT_S",
+    float,
+    600.0,
+    "seconds one tensor-parallel step (or control call) may take before its collectives count as hung",
+)
 
 # ---- read, never set by Pagoda
 TRITON_INTERPRET = Env(
@@ -81,6 +99,7 @@ TRITON_INTERPRET = Env(
     False,
     "Triton's CPU interpreter: the kernels run on the CPU (tests), so GPU-only paths stay off",
 )
+RAY_ADDRESS = Env("RAY_ADDRESS", str, "auto", "the Ray cluster `--distributed-executor-backend ray` joins")
 CUDA_VISIBLE_DEVICES = Env("CUDA_VISIBLE_DEVICES", str, None, "which GPUs this process sees (reported by doctor)")
 
 ALL: tuple[Env, ...] = tuple(v for v in globals().values() if isinstance(v, Env))

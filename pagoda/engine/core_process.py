@@ -171,6 +171,7 @@ class CoreProcess:
             target or run_engine_core,
             (config, self.input_address, self.control_address, self.client_addresses),
             death_signal=signal.SIGKILL,
+            daemon=False,  # it starts the tensor-parallel rank processes
         )  # it ignores SIGTERM (see run_engine_core)
 
     @property
@@ -262,11 +263,21 @@ def run_engine_core(
     for address in client_addresses:  # connected before the API processes bind: messages queue
         clients.append(ctx.socket(zmq.PUSH))
         clients[-1].connect(address)
+    ready = False
+
+    def on_fatal(line: str) -> None:
+        """A tensor-parallel rank is gone or hung (called from the rank watch's thread, just before this
+        process exits): say so on sockets of that thread's own (ZMQ sockets are not thread-safe)."""
+        message = CoreDied(line) if ready else StartupFailed(line)
+        for address in [control_address, *(client_addresses if ready else [])]:
+            box = ctx.socket(zmq.PUSH)
+            box.connect(address)
+            box.send_pyobj(message)
+            box.close(linger=1000)
+
     try:
-        # The seam for tensor parallelism: "one engine core" is this LLMEngine in this process; with TP it
-        # becomes an engine whose executor drives N rank workers (started here, or by the launcher through
-        # the same Supervisor), while the pipes, the loop and the API processes stay as they are.
-        engine = LLMEngine(config)
+        # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
+        engine = LLMEngine(config, on_fatal)
     except PagodaError as exc:
         control.send_pyobj(StartupFailed(exc.message))
         return
@@ -278,6 +289,7 @@ def run_engine_core(
     control.send_pyobj(
         Ready(layout.num_blocks - 1, layout.block_size, layout.max_concurrency(config.model.max_model_len))
     )
+    ready = True
     try:
         _loop(engine, inbox, clients)
     except Exception:
@@ -286,6 +298,7 @@ def run_engine_core(
             box.send_pyobj(died)
         raise
     finally:
+        engine.shutdown()
         for box in [control, *clients]:
             box.close(linger=1000)
         inbox.close(linger=0)

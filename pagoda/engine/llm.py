@@ -75,6 +75,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks now (they also stop when this object is collected or the process
+        exits); a process runs one tensor-parallel engine at a time."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -29,13 +30,16 @@ from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import memory
-from pagoda.worker.model_runner import ModelRunner, PendingStep
+from pagoda.worker.model_runner import PendingStep
+from pagoda.worker.tensor_parallel import make_runner
 
 logger = logging.getLogger("pagoda")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None] | None = None):
+        """on_fatal(line): told when a tensor-parallel rank is gone or hung, just before this process exits
+        (the engine core tells the launcher and the API processes)."""
         self.config = config
         torch.manual_seed(config.model.seed)
         self.source = resolve_model_source(config.model.model)
@@ -43,7 +47,7 @@ class LLMEngine:
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
         self.token_info = tokenizer_info(self.tokenizer, self.source)
-        self.runner = ModelRunner(config, self.source, set(self.token_info.eos_token_ids))
+        self.runner = make_runner(config, self.source, set(self.token_info.eos_token_ids), on_fatal)
         self.kv_layout = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.kv_layout)
         self.runner.warm_up_attention()
@@ -111,6 +115,17 @@ class LLMEngine:
             cfg.model.max_model_len,
             layout.max_concurrency(cfg.model.max_model_len),
         )
+        tp = cfg.parallel.tensor_parallel_size
+        if tp > 1:
+            logger.info(
+                "Tensor parallel size %d: per rank %.2f GiB of weights and %.2f GiB of KV cache (%d blocks of %d "
+                "KV heads per layer); --gpu-memory-utilization applies to each GPU",
+                tp,
+                self.runner.weight_bytes / memory.GiB,
+                layout.total_bytes / memory.GiB,
+                layout.num_blocks - 1,
+                self.runner.kv_cache_spec().num_kv_heads,
+            )
         if cfg.device.device == "cpu" and cfg.cache.gpu_memory_utilization_given:
             logger.warning(
                 "--gpu-memory-utilization %g does not apply on the CPU: --cpu-kv-cache-space-gib "
@@ -214,6 +229,12 @@ class LLMEngine:
             sched.stats.num_steps,
             self._device_wait_s,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (a TP = 1 engine holds nothing that needs stopping)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

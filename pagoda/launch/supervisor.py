@@ -14,7 +14,6 @@ order in which children are stopped, and what a dead child means, is the caller'
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -27,9 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("pagoda.launch")
+from pagoda.child_process import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("pagoda.launch")
 
 
 @dataclass
@@ -49,15 +48,6 @@ class Child:
     @property
     def exitcode(self) -> int | None:
         return self.process.exitcode
-
-
-def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
-    """Linux: `sig` to this process when its parent goes away (even by SIGKILL); exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent:  # gone before the prctl
-        os._exit(1)
 
 
 def _child_main(
@@ -93,11 +83,16 @@ class Supervisor:
         index: int = 0,
         death_signal: int = signal.SIGTERM,
         new_session: bool = False,
+        daemon: bool = True,
     ) -> Child:
         """Start `target(*args)` in a spawned child (`target` and `args` must pickle). It gets `death_signal`
-        when this process dies; `new_session`: its own session, so a terminal's signals reach only us."""
+        when this process dies; `new_session`: its own session, so a terminal's signals reach only us.
+        `daemon=False` for a child that starts processes of its own (multiprocessing forbids it to a daemon)."""
         process = self.mp.Process(
-            target=_child_main, name=name, daemon=True, args=(os.getpid(), int(death_signal), new_session, target, args)
+            target=_child_main,
+            name=name,
+            daemon=daemon,
+            args=(os.getpid(), int(death_signal), new_session, target, args),
         )
         with self._child_environment():
             process.start()

@@ -22,10 +22,11 @@ import torch
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
+from pagoda.distributed.parallel_state import all_reduce_max, broadcast_tensor, is_driver, tp_world_size
 from pagoda.inputs import MultiModalInputs
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
-from pagoda.layers.sampler import Sampler, SamplingState
+from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend
@@ -129,6 +130,8 @@ class ModelRunner:
             source, config.model.max_model_len, self.dtype, config.device.device, config.model.load_format
         )
         self.vocab_size = config.model.vocab_size
+        unique = {id(p): p for p in self.model.parameters()}  # tied weights once
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())  # this rank's share
         self.backend = backend or self._make_backend(config.device.attention_backend)
         self.sampler = Sampler()
         # Per-request sampling rows kept across steps: a step's batch is a gather, and the penalties'
@@ -272,7 +275,8 @@ class ModelRunner:
             if self.accepts_multimodal:
                 self._profile_encoder(num_tokens)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        # Under tensor parallelism every rank sizes the same pool: the largest rank's peak decides.
+        peak = int(all_reduce_max(torch.cuda.max_memory_allocated(self.device)))
         del hidden
         self.kv_caches = []
         for layer in self.model.attention_layers():
@@ -660,9 +664,16 @@ class ModelRunner:
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
         # The batch counts tokens still in flight too (min_tokens; the penalties' device history
         # already holds them), so sampling never waits for the step before.
-        batch = self.sampling.batch(request_ids)
-        out = self.sampler(logits, batch)
-        self.sampling.update(out.sampled_token_ids)
+        if tp_world_size() > 1 and not is_driver():
+            # Only the driver samples; the other ranks take its tokens (they feed the next step's inputs).
+            tokens = broadcast_tensor(torch.empty(len(request_ids), dtype=torch.int64, device=logits.device))
+            out = SamplerOutput(tokens, None, None, None)
+        else:
+            batch = self.sampling.batch(request_ids)
+            out = self.sampler(logits, batch)
+            self.sampling.update(out.sampled_token_ids)
+            if tp_world_size() > 1:
+                broadcast_tensor(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row

@@ -34,10 +34,11 @@ class CapturingEngine:
     def __init__(self, name: str, **engine_args):
         # A fixed pool: on a GPU the default would take 90% of its memory for every engine built here.
         engine_args.setdefault("num_gpu_blocks_override", 256)
-        args = EngineArgs(model=str(FIXTURES / name), skip_tokenizer_init=True, dtype="float32", **engine_args)
+        model = name if "/" in name else str(FIXTURES / name)
+        args = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", **engine_args)
         self.engine = LLMEngine(EngineConfig.create(args))
         self.logits: dict[str, list[torch.Tensor]] = {}
-        runner = self.engine.runner
+        runner = getattr(self.engine.runner, "local", self.engine.runner)  # rank 0's, under tensor parallelism
         sample = runner._sample
 
         def capture(request_ids, states, logits):

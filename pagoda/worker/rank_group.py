@@ -1,0 +1,220 @@
+"""The driver's handle on tensor-parallel ranks 1..N-1: start them, tell whether one is gone, stop them.
+
+Two backends, as vLLM's `--distributed-executor-backend` names them:
+- `LocalRanks` (mp): local processes spawned by the engine core; each dies with it (PR_SET_PDEATHSIG)
+  and stamps a shared heartbeat twice a second.
+- `RayRanks` (ray): Ray actors on an existing Ray cluster (`ray start --head`, `ray start --address=...`),
+  so a model can span machines; the ranks meet over TCP at the driver's address. Ray owns placement and
+  the processes; nothing here manages a cluster.
+
+`fault()` is the one question `RankWatch` (the driver's watch thread) asks: None while every rank is
+healthy, else one line that names the rank and what happened to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagoda import envs
+from pagoda.config import EngineConfig
+from pagoda.worker.rank_worker import RankActor, run_rank_process
+
+logger = logging.getLogger("pagoda.core")
+
+WATCH_INTERVAL_S = 0.5
+# Environment the ranks need from the driver's (Ray workers start from the raylet's, not the driver's).
+_FORWARDED_ENV_PREFIXES = ("PAGODA_", "NCCL_", "TORCH_", "TRITON_", "GLOO_", "HF_")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalRanks:
+    host = "127.0.0.1"
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.procs: list[Any] = []
+        self.heartbeats: list[Any] = []
+        self.errors: list[Any] = []
+        self.started = 0.0
+
+    def start(self, config: EngineConfig, init_method: str, eos_token_ids: list[int]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.started = time.monotonic()
+        previous = os.environ.get("PAGODA_TP_PARENT")
+        os.environ["PAGODA_TP_PARENT"] = str(os.getpid())  # read by the child before anything else
+        try:
+            for rank in range(1, self.world_size):
+                heartbeat = ctx.Value("d", 0.0, lock=False)
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=run_rank_process,
+                    args=(config, rank, init_method, eos_token_ids, heartbeat, writer),
+                    name=f"pagoda-rank-{rank}",
+                    daemon=False,  # a daemon may not start processes (Triton compiles in some)
+                )
+                proc.start()
+                writer.close()
+                self.procs.append(proc)
+                self.heartbeats.append(heartbeat)
+                self.errors.append(reader)
+        finally:
+            if previous is None:
+                os.environ.pop("PAGODA_TP_PARENT", None)
+            else:
+                os.environ["PAGODA_TP_PARENT"] = previous
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def fault(self) -> str | None:
+        now = time.monotonic()
+        stale_after = envs.TP_HEARTBEAT_TIMEOUT_S.value
+        for rank, (proc, beat, errors) in enumerate(zip(self.procs, self.heartbeats, self.errors), start=1):
+            if proc.exitcode is not None:
+                reason = ""
+                with contextlib.suppress(EOFError, OSError):
+                    if errors.poll():
+                        reason = f": {errors.recv()}"
+                if reason:
+                    return f"tensor-parallel rank {rank} (pid {proc.pid}) failed to start{reason}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            last = beat.value
+            if last and now - last > stale_after:
+                return (
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) is hung: no heartbeat for {now - last:.1f} s "
+                    f"(PAGODA_TP_HEARTBEAT_TIMEOUT_S={stale_after:g})"
+                )
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+
+
+class RayRanks:
+    def __init__(self, world_size: int, device: str):
+        import ray  # lazy: ray (optional: pip install 'pagoda[ray]')
+
+        self.ray = ray
+        self.world_size = world_size
+        self.device = device
+        ray.init(address=envs.RAY_ADDRESS.value, ignore_reinit_error=True, logging_level=logging.WARNING)
+        self.host = ray.util.get_node_ip_address()
+        self.actors: list[Any] = []
+        self.runs: list[Any] = []
+        self._last_ping = 0.0
+
+    def start(self, config: EngineConfig, init_method: str, eos_token_ids: list[int]) -> None:
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        cls = self.ray.remote(RankActor)
+        resources = {"num_gpus": 1} if self.device == "cuda" else {"num_cpus": 1}
+        for rank in range(1, self.world_size):
+            actor = cls.options(name=None, max_concurrency=2, runtime_env={"env_vars": env}, **resources).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.run.remote(config, rank, init_method, eos_token_ids))
+
+    def node_ids(self) -> list[str]:
+        return list(self.ray.get([a.node_id.remote() for a in self.actors], timeout=60))
+
+    def pids(self) -> list[int]:
+        return []
+
+    def fault(self) -> str | None:
+        ray = self.ray
+        for rank, run in enumerate(self.runs, start=1):
+            done, _ = ray.wait([run], timeout=0)
+            if done:
+                try:
+                    ray.get(run)
+                    return f"tensor-parallel rank {rank} (Ray actor) stopped"
+                except Exception as exc:  # noqa: BLE001 - what Ray says about the actor's end
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    return f"tensor-parallel rank {rank} (Ray actor) failed: {first}"
+        now = time.monotonic()
+        if now - self._last_ping < 1.0:
+            return None
+        self._last_ping = now
+        timeout = envs.TP_HEARTBEAT_TIMEOUT_S.value
+        for rank, actor in enumerate(self.actors, start=1):
+            try:
+                ray.get(actor.ping.remote(), timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                return f"tensor-parallel rank {rank} (Ray actor) is hung: no answer to a ping within {timeout:g} s"
+            except Exception as exc:  # noqa: BLE001 - a dead actor: the next poll of its run says more
+                return f"tensor-parallel rank {rank} (Ray actor) is gone: {type(exc).__name__}"
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(Exception):
+            self.ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+
+
+class RankWatch:
+    """The driver's watch thread: a rank that exits, stops beating or never returns from a step ends the
+    engine core within about a second (one line naming the rank, then exit code 1), never a silent hang —
+    the driver's own thread may be blocked inside a collective with that rank, so the watch cannot hand
+    the error to it. `on_fatal(line)` runs first (the engine core tells the launcher and the API processes)."""
+
+    def __init__(self, ranks: LocalRanks | RayRanks, on_fatal: Callable[[str], None] | None):
+        self.ranks, self.on_fatal = ranks, on_fatal
+        self.call: tuple[str, float] | None = None  # the driver's call in progress and since when
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagoda-rank-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    @contextlib.contextmanager
+    def calling(self, method: str):
+        self.call = (method, time.monotonic())
+        try:
+            yield
+        finally:
+            self.call = None
+
+    def _run(self) -> None:
+        while not self._stopped.wait(WATCH_INTERVAL_S):
+            line = self.ranks.fault() or self._slow_call()
+            if line is not None and not self._stopped.is_set():
+                self._fatal(line)
+
+    def _slow_call(self) -> str | None:
+        call, limit = self.call, envs.TP_STEP_TIMEOUT_S.value
+        if call is None or time.monotonic() - call[1] <= limit:
+            return None
+        return (
+            f"tensor-parallel call {call[0]!r} has not returned in {limit:g} s (PAGODA_TP_STEP_TIMEOUT_S): "
+            "a collective is hung; rerun with NCCL_DEBUG=INFO to see which rank stopped"
+        )
+
+    def _fatal(self, line: str) -> None:
+        logger.error("%s; stopping the engine core", line)
+        if self.on_fatal is not None:
+            with contextlib.suppress(Exception):
+                self.on_fatal(line)
+        logging.shutdown()
+        os._exit(1)

@@ -1,0 +1,127 @@
+"""A tensor-parallel rank other than the driver: its own shard of the model, driven by rank 0's calls.
+
+The driver (rank 0, in the engine core) broadcasts every call it makes on its own `ModelRunner` — each
+step's `launch(SchedulerOutput)` and the startup calls (profile, KV cache, graphs) — as one pickled
+`(method, args)` over the gloo group; each rank makes the same call on its shard, in the same order, so
+the collectives inside line up. Only the driver samples: a rank gets each step's tokens by the broadcast
+inside `ModelRunner._sample`, and appends them to its request states one launch later (as the driver
+does with async scheduling), so its host work for step N+1 never waits for step N's GPU work.
+
+Two ways to run one: `run_rank_process` (a local process the engine core spawns: the `mp` backend) and
+`RankActor` (a Ray actor, possibly on another machine: the `ray` backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pagoda import envs
+from pagoda.child_process import die_with_parent
+from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from pagoda.models.source import resolve_model_source
+from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagoda.rank")
+
+HEARTBEAT_INTERVAL_S = 0.5
+STOP = None  # the call that ends a rank's loop
+
+
+def share_cpu_threads(config: EngineConfig) -> int:
+    """On the CPU, each of the N ranks computes on its share of the cores: N processes each running one
+    OpenMP thread per core would oversubscribe the machine N times over. Returns the previous count."""
+    previous = torch.get_num_threads()
+    if config.device.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
+    return previous
+
+
+def build_rank_runner(config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int]) -> ModelRunner:
+    """Join the group, then build this rank's shard (it reads only its slices of the weights)."""
+    torch.manual_seed(config.model.seed)
+    share_cpu_threads(config)
+    init_tensor_parallel(
+        rank,
+        config.parallel.tensor_parallel_size,
+        init_method,
+        config.device.device,
+        envs.TP_INIT_TIMEOUT_S.value,
+    )
+    return ModelRunner(config, resolve_model_source(config.model.model), set(eos_token_ids))
+
+
+def serve_driver(runner: ModelRunner) -> None:
+    """Make every call the driver makes, in its order, until it sends STOP."""
+    pending = None  # the last launched step, read after the next launch (as the driver does)
+    while True:
+        call = broadcast_object()
+        if call is STOP:
+            break
+        method, args = call
+        result = getattr(runner, method)(*args)
+        if method == "launch":
+            for request_id, stage, exc in runner.take_failures():  # the driver reports them to the client
+                logger.debug("request %s left out (%s): %s", request_id, stage, exc)
+            if pending is not None:
+                pending.result()
+            pending = result
+    if pending is not None:
+        pending.result()
+
+
+def _beat(heartbeat: Any) -> None:
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def run_rank_process(
+    config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int], heartbeat: Any, errors: Any
+) -> None:
+    """Entry of a local rank process (spawned by the engine core, which it dies with). `heartbeat`: a
+    shared double this process stamps with time.monotonic() twice a second (the core's watch reads it);
+    `errors`: a pipe end for the one line that says why startup failed."""
+    die_with_parent(int(os.environ["PAGODA_TP_PARENT"]), signal.SIGKILL)
+    # The driver ends a rank (STOP, or its own death): a terminal's Ctrl-C or a SIGTERM to the process group
+    # must not kill a rank in the middle of a collective the driver still waits on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    threading.Thread(target=_beat, args=(heartbeat,), name="pagoda-heartbeat", daemon=True).start()
+    if config.device.device == "cuda":
+        torch.cuda.set_device(rank)  # local ranks: one visible GPU each, in rank order
+    try:
+        runner = build_rank_runner(config, rank, init_method, eos_token_ids)
+    except Exception as exc:  # noqa: BLE001 - one line to the driver, which refuses to start with it
+        errors.send(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    serve_driver(runner)
+    destroy_tensor_parallel()
+
+
+class RankActor:
+    """One rank as a Ray actor (the `ray` backend): `run` blocks in the rank's loop; `ping` answers on a
+    second thread (the actor is created with max_concurrency=2) while `run` is inside a collective."""
+
+    def node_id(self) -> str:
+        import ray  # lazy: ray (optional; only the ray backend's actors import it)
+
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> float:
+        return time.monotonic()
+
+    def run(self, config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int]) -> None:
+        logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+        if config.device.device == "cuda":
+            torch.cuda.set_device(0)  # Ray gives each actor its own GPU as CUDA_VISIBLE_DEVICES
+        serve_driver(build_rank_runner(config, rank, init_method, eos_token_ids))
+        destroy_tensor_parallel()

@@ -1,0 +1,170 @@
+"""`pagoda serve -tp 2` on the CPU (gloo), and the Ray backend across a two-node Ray cluster on this machine.
+
+The reference is the TP = 1 engine in this process: the served TP = 2 model must give its text, streamed and
+not. A rank that is killed or stopped (a hang) must turn /health into 503 within a few seconds and end the
+server with a non-zero exit, and SIGTERM must stop every process: no orphan is left (checked by pid).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from e2e_helpers import API_KEY, MODEL
+from e2e_server import ServerProcess, free_port
+
+from tests.conftest import FIXTURES
+
+YUAN = str(FIXTURES / "yuan2-tiny")
+TOKENIZER = str(FIXTURES / "yuan2-tokenizer")
+FLAGS = ["--model", YUAN, "--tokenizer", TOKENIZER, "--max-model-len", "256", "-tp", "2"]
+PROMPTS = [case["prompt_ids"] for case in json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())["cases"]]
+
+
+def _tp1_texts() -> list[str]:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(YUAN, tokenizer=TOKENIZER, max_model_len=256, cpu_kv_cache_space_gib=0.05)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _ranks(server: ServerProcess) -> list[psutil.Process]:
+    """The rank processes: the engine core's children other than multiprocessing's resource tracker."""
+    core = psutil.Process(server.engine_pid())
+    return [c for c in core.children() if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def _none_alive(procs: list[psutil.Process], timeout: float = 15.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+def _health_503_within(server: ServerProcess, seconds: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 503:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass  # the server may already be gone: that also fails the check below
+        time.sleep(0.1)
+    raise AssertionError(f"/health did not turn 503 within {seconds} s:\n{server.log_tail()}")
+
+
+@pytest.fixture
+def tp_server(tmp_path):
+    started: list[ServerProcess] = []
+
+    def launch(env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(tmp_path / f"serve-{len(started)}.log", FLAGS, env)
+        started.append(server)
+        server.wait_healthy()
+        return server
+
+    yield launch
+    for server in started:
+        server.stop()
+
+
+def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every_rank(tp_server):
+    server = tp_server()
+    ranks = _ranks(server)
+    assert len(ranks) == 1, ranks
+    assert "Tensor parallel: 2 ranks (mp backend)" in server.log_tail(20000)
+    assert "per rank" in server.log_tail(20000)
+    expected = _tp1_texts()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    extra = {"ignore_eos": True}
+    for prompt, text in zip(PROMPTS, expected):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+        assert done.choices[0].text == text
+        assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(prompt)
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=extra
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
+    everything = _descendants(server.proc.pid)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
+
+
+# A stopped (hung) rank takes the same path once the watch sees its stale heartbeat: PAGODA_TP_FAULT=stopped
+# runs that case too (each case costs a server start; tests/unit/test_rank_watch.py covers the detection).
+FAULTS = ["killed", "stopped"] if os.environ.get("PAGODA_TP_FAULT") == "stopped" else ["killed"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(tp_server, fault):
+    server = tp_server({"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
+    (rank,) = _ranks(server)
+    everything = _descendants(server.proc.pid)
+    rank.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    waited = _health_503_within(server, 15)
+    assert server.proc.wait(60) != 0
+    log = server.log_tail(20000)
+    assert f"tensor-parallel rank 1 (pid {rank.pid})" in log, log
+    assert ("exited with code -9" if fault == "killed" else "is hung: no heartbeat") in log
+    assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
+    print(f"{fault}: /health 503 after {waited:.1f} s")
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """Two Ray nodes on loopback: a head without CPUs (so no rank can be placed there) and one worker node."""
+    ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+    port = str(free_port())
+    env = {**os.environ, "RAY_DISABLE_IMPORT_WARNING": "1"}
+
+    def start(*flags: str, cpus: int) -> None:
+        small = ["--object-store-memory", str(80 * 2**20), "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
+        cmd = [ray_bin, "start", *flags, "--num-cpus", str(cpus), *small]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+
+    start("--head", "--port", port, "--include-dashboard=false", cpus=0)
+    try:
+        start("--address", f"127.0.0.1:{port}", cpus=1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_ray_backend_places_rank_1_on_the_other_node_and_matches_tp1(ray_cluster, monkeypatch):
+    import ray
+
+    from pagoda import LLM, SamplingParams
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    expected = _tp1_texts()
+    llm = LLM(
+        YUAN,
+        tokenizer=TOKENIZER,
+        max_model_len=256,
+        cpu_kv_cache_space_gib=0.05,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    try:
+        runner = llm.engine.runner
+        (rank1_node,) = runner.ranks.node_ids()
+        assert rank1_node != ray.get_runtime_context().get_node_id()  # across the two nodes
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].text for o in outputs] == expected
+    finally:
+        llm.shutdown()
+        ray.shutdown()

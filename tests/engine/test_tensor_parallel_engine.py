@@ -1,0 +1,92 @@
+"""Tensor parallelism on the CPU (gloo), through the real engine: rank 0 here, the other ranks spawned.
+
+The reference is the golden fixtures (Yuan2 dense and M32, made with the official modeling code) and the
+TP = 1 engine (Llama with 2 KV heads split, then replicated at TP = 4; Qwen2 with one KV head replicated):
+the same greedy tokens, logits within 1e-4 (fp32), through one batch, chunked prefill that carries the LF
+state across chunks, prefix-cache hits that restore it from snapshots, and async scheduling (the ranks
+read each step's tokens one launch late). Yuan2 at TP = 4 is checked at the model level
+(tests/models/test_tensor_parallel_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.distributed.parallel_state import tp_world_size
+from pagoda.errors import ConfigError
+from pagoda.sampling_params import SamplingParams
+from tests.models.test_yuan_golden import LOGIT_ATOL, CapturingEngine, _check_all, _golden
+
+
+def _prompts(name: str) -> list[list[int]]:
+    return [case["prompt_ids"] for case in _golden(name)["cases"]]
+
+
+@pytest.fixture
+def engines():
+    """Every engine a test builds is shut down at its end: its ranks stop, this process leaves the group."""
+    built: list[CapturingEngine] = []
+
+    def build(name: str, **engine_args) -> CapturingEngine:
+        built.append(CapturingEngine(name, **engine_args))
+        return built[-1]
+
+    yield build
+    for capture in built:
+        capture.engine.shutdown()
+    assert tp_world_size() == 1
+
+
+@pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])
+def test_yuan_tp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
+    capture = engines(name, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16, async_scheduling=True)
+    runner = capture.engine.runner
+    assert runner.local.model.model.layers[0].self_attn.attn.num_heads == 2  # 4 heads, 2 per rank
+    prompts = _prompts(name)
+    _check_all(name, capture, capture.run(prompts))  # one batch, prompts chunked at 16 tokens
+    hits = capture.engine.stats().prefix_cache_hits
+    _check_all(name, capture, capture.run(prompts, prefix="s"), prefix="s")  # LF state from snapshots
+    assert capture.engine.stats().prefix_cache_hits > hits
+
+
+def _against_tp1(engines, model: str, tp: int) -> None:
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    one = engines(model, tensor_parallel_size=1, block_size=4, max_model_len=256)
+    expected = one.run(prompts, max_tokens=8)
+    split = engines(model, tensor_parallel_size=tp, block_size=4, max_model_len=256, max_num_batched_tokens=16)
+    assert split.run(prompts, max_tokens=8) == expected
+    for rid in expected:
+        for a, b in zip(split.logits[rid], one.logits[rid], strict=True):
+            torch.testing.assert_close(a, b, atol=LOGIT_ATOL, rtol=0)
+    split.engine.shutdown()  # one tensor-parallel group per process
+
+
+def test_a_second_engine_while_a_group_runs_is_refused(engines, tiny_llama):
+    engines(tiny_llama, tensor_parallel_size=2, max_model_len=256)
+    with pytest.raises(ConfigError, match="already runs a tensor-parallel engine"):
+        engines(tiny_llama, tensor_parallel_size=1, max_model_len=256)
+
+
+def test_llama_tp2_splits_and_tp4_replicates_kv_heads(engines, tiny_llama):
+    _against_tp1(engines, tiny_llama, 2)
+    _against_tp1(engines, tiny_llama, 4)
+
+
+def test_qwen2_tp2_replicates_its_one_kv_head(engines, tiny_qwen2):
+    _against_tp1(engines, tiny_qwen2, 2)
+
+
+def test_seeded_sampling_is_the_drivers(engines, tiny_llama):
+    """Only rank 0 samples: a seeded random request gives the TP = 1 tokens."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        engine = engines(tiny_llama, tensor_parallel_size=tp, max_model_len=256).engine
+        engine.add_request("a", [5, 6, 7, 8], params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results.append(out.outputs[0].token_ids)
+        engine.shutdown()
+    assert results[0] == results[1]
