@@ -314,11 +314,15 @@ class OpenAIServing:
             chunk = p.ChatCompletionChunk(id=chunk_id, created=created, model=name, choices=choices, usage=usage)
             return sse_data(chunk.model_dump_json(exclude_unset=False))
 
-        yield frame(
+        # The role chunk goes out with the first tokens, as vLLM's server sends it: clients (vLLM's `bench serve`
+        # among them) take the first chunk with choices as the first token, so one sent before the prefill
+        # would count the whole prefill, image encoding included, as decode time.
+        role: str | None = frame(
             [p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")) for i in range(params.n)]
         )
         async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
-            events = []  # one chunk per output, as they came; all of a batch go out in one write
+            events = [role] if role is not None else []  # one chunk per output, as they came; one write per batch
+            role = None
             for out in batch:
                 choices = []
                 for c in out.outputs:

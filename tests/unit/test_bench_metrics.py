@@ -103,7 +103,7 @@ def test_aggregate_matches_vllm_definitions() -> None:
     # ITL pooled over all gaps of all requests.
     assert point["mean_itl_ms"] == pytest.approx(1000 * np.mean([0.1, 0.1, 0.1, 0.2, 0.2]))
     assert point["p99_itl_ms"] == pytest.approx(1000 * np.percentile([0.1, 0.1, 0.1, 0.2, 0.2], 99))
-    assert point["max_concurrent_requests"] == 4
+    assert point["max_concurrent_requests"] == 3  # completed requests only, [start, start + E2EL)
     assert point["errors"] == ["HTTP 500: boom"] and point["error_counts"] == {"500": 1}
     assert point["request_goodput"] is None  # no SLO given
 
@@ -266,7 +266,7 @@ def test_workload_bodies(tmp_path) -> None:
     assert parts[0]["type"] == "text" and len(parts[0]["text"].split()) == 8
     urls = [p["image_url"]["url"] for p in parts[1:]]
     sizes = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).size for u in urls]
-    assert sizes == [(32, 16), (20, 20)] and urls[0].startswith("data:image/png;base64,")
+    assert sizes == [(32, 16), (20, 20)] and urls[0].startswith("data:image/jpeg;base64,")
     assert w.body(w.next_specs(1)[0])["messages"] != body["messages"]  # fresh random words and images
     with pytest.raises(ValueError):
         parse_image_sizes("32by16")
@@ -387,12 +387,15 @@ def test_stream_request_success_uses_usage() -> None:
 
 
 def test_stream_request_failures() -> None:
-    no_content = _run(200, _sse([_chunk(None, role=True), USAGE]))
-    assert not no_content.success and no_content.ttft is None and "no content" in no_content.error
+    # No text at all, but the server says it generated 3 tokens and the stream ended: a success.
+    no_text = _run(200, _sse([_chunk(None, role=True), USAGE]))
+    assert no_text.success and no_text.completion_tokens == 3 and no_text.chunks == 0
+    zero = _run(200, _sse([_chunk(None, role=True), {"choices": [], "usage": {"completion_tokens": 0}}]))
+    assert not zero.success and "no token" in zero.error
     http = _run(404, b'{"error": {"message": "The model `x` does not exist."}}')
     assert not http.success and http.status == 404 and "does not exist" in http.error
     cut = _run(200, _sse([_chunk("a"), _chunk("b")], done=False))
-    assert not cut.success and "[DONE]" in cut.error
+    assert not cut.success and "[DONE]" in cut.error and "finish_reason" in cut.error
     err = _run(200, _sse([_chunk("a"), {"error": {"message": "engine died", "code": 500}}]))
     assert not err.success and "engine died" in err.error
     no_usage = _run(200, _sse([_chunk("a"), _chunk("b")]))
@@ -411,5 +414,5 @@ def test_stream_request_total_timeout() -> None:
             return await stream_request(client, "http://x/v1/chat/completions", {}, {}, chat=True, timeout=0.2)
 
     r = asyncio.run(go())
-    assert not r.success and "timeout" in r.error and "after 1 content chunks" in r.error
+    assert not r.success and "timeout" in r.error and "after 1 token chunks" in r.error
     assert r.end - r.start < 2

@@ -139,3 +139,24 @@ def test_chat_stream_end(usage: bool) -> None:
         else None,
     )
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "abc"
+
+
+def test_chat_role_chunk_goes_out_with_the_first_tokens() -> None:
+    """Not before the prefill: a client that times the first chunk with choices (vLLM's `bench serve`) would
+    otherwise see a TTFT of ~0 and count the prefill as decode time."""
+    server = serving()
+
+    async def chat_prompt(*args, **kwargs):
+        return "text", PROMPT, None
+
+    server.chat_prompt = chat_prompt  # type: ignore[method-assign]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+
+    async def run() -> list[str]:
+        return await writes(await server.chat_stream(p.ChatCompletionRequest(**body), 0.0))
+
+    first = [json.loads(e) for e in parse(asyncio.run(run())[0])]
+    assert [c["choices"][0]["delta"] for c in first] == [
+        {"role": "assistant", "content": ""},
+        {"role": None, "content": "a"},
+    ]

@@ -136,9 +136,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--image",
         default=None,
         metavar="WxH[,WxH...]",
-        help="attach random PNG images of these sizes (base64 data URIs) to chat requests",
+        help="vLLM's random-mm workload: every chat request carries a random JPEG of this size (base64 data "
+        "URI, from --seed) after its random text, which is then --input-len tokens by itself (template and "
+        "image not counted); a list cycles through the sizes",
     )
-    g.add_argument("--images-per-request", type=_positive, default=1)
+    g.add_argument("--images-per-request", type=_positive, default=1, help="images per request (default 1)")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     g.add_argument(
         "--no-calibrate",
@@ -342,7 +344,9 @@ def _run(ns: argparse.Namespace) -> int:
         "timing": (
             "closed loop: a request's clock starts when it gets a concurrency slot, so TTFT/E2EL include "
             "server-side queueing but not client-side waiting; open loop with a cap reports the client "
-            "wait as *_client_queue_ms"
+            "wait as *_client_queue_ms. TTFT/ITL/E2EL use token chunks (any chunk with choices, empty text "
+            "included; not a chat role preamble); output tokens are usage.completion_tokens; duration = "
+            "first request dispatched -> last response done (vLLM's benchmark_duration)"
         ),
         "knee_rule": (
             f"first c where the next rung adds < {KNEE_MIN_GAIN * 100:.0f}% output throughput per doubling of c"

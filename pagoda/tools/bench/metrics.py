@@ -1,17 +1,24 @@
-"""vLLM-compatible aggregation of per-request timings (shared/specs/tools.md §1.3), and /metrics parsing.
+"""vLLM-compatible aggregation of per-request timings, and /metrics parsing.
 
-- TTFT: send -> first content chunk. E2EL: send -> last byte. Failed requests are counted, never timed.
-- TPOT per request = (E2EL - TTFT) / (n - 1), only for n = usage.completion_tokens > 1.
-- ITL: every gap between consecutive content chunks, pooled over requests (differs from TPOT when a chunk
+The definitions are those of `vllm bench serve` (`calculate_metrics` in vllm/benchmarks/serve.py, vLLM 0.26):
+- TTFT: send -> first token chunk. E2EL: send -> last token chunk (see client.py). Failed requests are
+  counted, never timed, and their tokens do not count.
+- Output tokens per request = usage.completion_tokens; TPOT = (E2EL - TTFT) / (n - 1), only for n > 1.
+- ITL: every gap between consecutive token chunks, pooled over requests (differs from TPOT when a chunk
   carries several tokens).
-- Percentiles: numpy's default (linear interpolation). Throughputs divide by the point's wall duration.
+- Throughputs divide by the point's duration: from dispatching the first request to the last response done
+  (vLLM's `benchmark_duration`). Percentiles: numpy's default (linear interpolation).
 - Goodput: completed requests whose TTFT and TPOT meet the per-request thresholds (the SLO values, in ms)
   divided by the duration; a request with <= 1 output token counts as TPOT 0 (as vLLM does).
+- max_concurrent_requests: the peak of overlapping [start, start + E2EL) over completed requests;
+  max_output_tokens_per_s: the most token chunks that arrived in one whole second counted from the first
+  completed request's start (vLLM's 1-second buckets).
 Keys: `mean_/median_/std_/p50/p90/p95/p99_{ttft,tpot,itl,e2el}_ms` (None when there is no sample).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,6 +54,22 @@ def summarize_ms(name: str, values_s: Sequence[float], percentiles: Iterable[flo
         key = f"p{q:g}_{name}_ms"
         out[key] = None if empty else float(np.percentile(ms, q))
     return out
+
+
+def peak_chunks_per_second(results: Sequence[Any]) -> float:
+    """vLLM's `max_output_tokens_per_s`: token-chunk arrival times (start + TTFT, then each ITL gap) put in
+    1-second buckets from the earliest start; the fullest bucket's count."""
+    if not results:
+        return 0.0
+    t0 = min(r.start for r in results)
+    span = max(r.start + r.e2el for r in results) - t0
+    buckets = np.zeros(int(math.ceil(span)) + 1)
+    for r in results:
+        times = r.start + r.ttft + np.concatenate(([0.0], np.cumsum(np.asarray(r.itl, dtype=float))))
+        index = (times - t0).astype(int)
+        index = index[(index >= 0) & (index < buckets.size)]
+        np.add.at(buckets, index, 1)
+    return float(buckets.max())
 
 
 def max_concurrency(intervals: Iterable[tuple[float, float]]) -> int:
@@ -91,7 +114,8 @@ def aggregate(
     results: Sequence[Any], duration: float, slo: SLO | None = None, percentiles: Iterable[float] = PERCENTILES
 ) -> dict[str, Any]:
     """The vLLM result keys for one point from `RequestResult`-like objects (attributes success, ttft, e2el,
-    itl, prompt_tokens, completion_tokens, start, end, status, error, usage_reported, scheduled)."""
+    itl, prompt_tokens, completion_tokens, start, status, error, usage_reported, scheduled). `duration` is the
+    point's span: first request dispatched -> last response done."""
     percentiles = tuple(percentiles)
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
@@ -117,7 +141,8 @@ def aggregate(
         "request_goodput": None,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "max_concurrent_requests": max_concurrency((r.start, r.end) for r in results if r.end),
+        "max_concurrent_requests": max_concurrency((r.start, r.start + r.e2el) for r in ok),
+        "max_output_tokens_per_s": peak_chunks_per_second(ok),
         "usage_missing": sum(1 for r in ok if not r.usage_reported),
     }
     if slo is not None and (slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None):

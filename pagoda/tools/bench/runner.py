@@ -175,7 +175,7 @@ def _client_process(
 
 def _run_in_processes(
     target: Target, warm: list[dict], bodies: list[dict], cfg: PointConfig, seed: int, processes: int
-) -> tuple[list[RequestResult], float, float, list[float]]:
+) -> tuple[list[RequestResult], float, list[float]]:
     """Split a point over several client processes (a cap of c becomes c/N per process, the request
     rate r becomes r/N each: the sum of N independent Poisson streams is Poisson at r). Returns the
     results, the span from the first process's start to the last one's end, and each one's CPU %."""
@@ -283,14 +283,17 @@ async def run_point(
 
 async def calibrate(target: Target, workload: Workload) -> dict[str, Any]:
     """Two probe prompts (max_tokens 1) of W1 and W2 random words give tokens per word and the fixed overhead
-    (chat template, BOS) from usage.prompt_tokens; then set the word count that lands on --input-len."""
+    (chat template, BOS) from usage.prompt_tokens; then set the word count that lands on --input-len (with
+    images: the text alone is --input-len tokens, as in vLLM's random-mm dataset). The probes carry no image
+    and draw their words from their own generator, so the measured requests do not depend on calibration."""
     chat = target.endpoint == "chat"
     w1 = max(32, workload.input_len // 2)
     w2 = max(64, workload.input_len)
     measured = []
+    probe_rng = np.random.default_rng([workload.seed, 0xCA11])
     async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout)) as client:
         for words in (w1, w2):
-            body = workload.body(RequestSpec(prompt=random_words(workload.rng, words)), max_tokens=1)
+            body = workload.body(RequestSpec(prompt=random_words(probe_rng, words)), max_tokens=1)
             body.pop("ignore_eos", None)
             r = await stream_request(client, target.url, body, target.headers, chat)
             if r.status != 200 or not r.usage_reported or r.prompt_tokens is None:
@@ -308,16 +311,22 @@ async def calibrate(target: Target, workload: Workload) -> dict[str, Any]:
             "reason": f"prompt tokens did not grow with words ({measured})",
         }
     overhead = measured[0] - per_word * w1
-    words = max(1, round((workload.input_len - overhead) / per_word))
+    if workload.image_sizes:  # random-mm: --input-len counts the text prompt alone (vLLM's --random-input-len)
+        words = max(1, round(workload.input_len / per_word))
+    else:
+        words = max(1, round((workload.input_len - overhead) / per_word))
     workload.words_per_prompt = words
-    info = {
+    info: dict[str, Any] = {
         "calibrated": True,
         "tokens_per_word": per_word,
         "overhead_tokens": overhead,
         "words_per_prompt": words,
         "expected_prompt_tokens": overhead + per_word * words,
     }
-    if workload.input_len < overhead + per_word:
+    if workload.image_sizes:
+        info["expected_text_tokens"] = per_word * words
+        info["expected_prompt_tokens"] = None  # template + text + the image's tokens: the server's count decides
+    elif workload.input_len < overhead + per_word:
         info["note"] = (
             f"--input-len {workload.input_len} is below the fixed prompt overhead "
             f"(~{overhead:.0f} tokens of template/BOS); prompts use 1 word"

@@ -1,5 +1,10 @@
 """What to send: random-word prompts, JSONL datasets, random images, and the arrival schedule.
 
+With `--image WxH` every request is a chat completion whose one user message holds the random text and then
+one random JPEG of that size as a base64 data URI, as vLLM's `random-mm` dataset sends them
+(`RandomMultiModalDataset` in vllm/benchmarks/datasets/datasets.py: iid uniform RGB noise, `process_image`'s
+JPEG data URI, text part first and the image after it, `--random-input-len` text tokens).
+
 A `Workload` turns into request bodies (`payloads`); the sizes it aims for are nominal, the sizes that count
 are the server's own `usage.prompt_tokens` / `usage.completion_tokens`, read back per request.
 """
@@ -65,18 +70,22 @@ def parse_image_sizes(text: str | None) -> list[tuple[int, int]]:
     return sizes
 
 
-def random_png_data_uri(rng: np.random.Generator, width: int, height: int) -> str:
-    """A unique random PNG as a data URI. Coarse random blocks (not per-pixel noise) keep it small to send and
-    to encode, while every image still differs, so a server's image-embedding cache cannot hide the encoder."""
+def random_jpeg_data_uri(rng: np.random.Generator, width: int, height: int) -> str:
+    """A random RGB image as a base64 JPEG data URI, as vLLM's `random-mm` dataset builds them: every pixel
+    drawn uniformly from 0..255 (noise: the worst case for JPEG, so the upload is as large as it gets), saved
+    by Pillow at its default quality. Every image differs, so no server-side image cache can hide the encoder."""
     from PIL import Image  # lazy: PIL, only for --image workloads
 
-    bw, bh = max(1, math.ceil(width / 16)), max(1, math.ceil(height / 16))
-    blocks = rng.integers(0, 256, size=(bh, bw, 3), dtype=np.uint8)
-    pixels = np.repeat(np.repeat(blocks, 16, axis=0), 16, axis=1)[:height, :width]
-    pixels[0, : min(width, 8)] = rng.integers(0, 256, size=(min(width, 8), 3), dtype=np.uint8)  # per-pixel salt
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, format="PNG", compress_level=1)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    Image.fromarray(pixels, "RGB").save(buf, format="JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_rng(seed: int, request: int, item: int) -> np.random.Generator:
+    """The generator of one image: a function of (seed, request number, item), so a run's images depend
+    on --seed only (not on calibration, warm-up sizes or the order images are built in)."""
+    return np.random.default_rng([seed, request, item, 0x1A6E])
 
 
 def load_jsonl(path: str) -> list[RequestSpec]:
@@ -158,7 +167,7 @@ class Workload:
                 spec = RequestSpec(prompt=random_words(self.rng, self.words_per_prompt or 1))
             for k in range(self.images_per_request if self.image_sizes else 0):
                 w, h = self.image_sizes[(i * self.images_per_request + k) % len(self.image_sizes)]
-                spec.images.append(random_png_data_uri(self.rng, w, h))
+                spec.images.append(random_jpeg_data_uri(image_rng(self.seed, i, k), w, h))
             specs.append(spec)
         return specs
 
@@ -176,7 +185,7 @@ class Workload:
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extra sampling field; pagoda accepts it too
         if self.endpoint == "chat":
-            messages = (
+            messages: list[dict[str, Any]] = (
                 [dict(m) for m in spec.messages]
                 if spec.messages is not None
                 else [{"role": "user", "content": spec.prompt or ""}]
