@@ -40,12 +40,16 @@ class MultiModalConfig:
     allow_private_media_urls: bool = knob(
         False, "allow image urls that resolve to loopback/private/link-local addresses", store_true=True
     )
+    max_video_seconds: float = knob(600.0, "longest video file a request may send, in seconds (default 600)")
 
     def __post_init__(self) -> None:
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(
                 self, "limit_mm_per_prompt", _checked_limits(self.limit_mm_per_prompt, shown(self.limit_mm_per_prompt))
             )
+        seconds = self.max_video_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise ConfigError(f"--max-video-seconds {seconds!r}: expected a positive number", "max_video_seconds")
         kwargs = self.mm_processor_kwargs
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ConfigError(f"--mm-processor-kwargs {shown(kwargs)}: expected a JSON object", "mm_processor_kwargs")
@@ -62,6 +66,7 @@ class MultiModalConfig:
         mm_processor_kwargs: str | None = None,
         allowed_local_media_path: str | None = None,
         allow_private_media_urls: bool = False,
+        max_video_seconds: float = 600.0,
     ) -> MultiModalConfig:
         """The config from the flags' strings: `--limit-mm-per-prompt` as JSON or `image=4,video=1`,
         `--mm-processor-kwargs` as a JSON object. A bad value raises ConfigError naming the flag."""
@@ -83,6 +88,7 @@ class MultiModalConfig:
             mm_processor_kwargs=kwargs,
             allowed_local_media_path=allowed_local_media_path,
             allow_private_media_urls=bool(allow_private_media_urls),
+            max_video_seconds=max_video_seconds,
         )
 
     @classmethod
@@ -93,6 +99,7 @@ class MultiModalConfig:
             getattr(ns, "mm_processor_kwargs", None),
             getattr(ns, "allowed_local_media_path", None),
             getattr(ns, "allow_private_media_urls", False),
+            getattr(ns, "max_video_seconds", 600.0),
         )
 
 

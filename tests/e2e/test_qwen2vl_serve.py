@@ -225,6 +225,32 @@ def test_video_frames_and_local_file(client, http, vl_server):
     assert reply.usage.prompt_tokens > 0
 
 
+def test_video_file_counts_like_its_sampled_frames(client, http):
+    """An mp4 (1 s at 10 fps: 4 frames sampled, spec §5.1) costs what the list of 4 frames of its size does."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 84, 56, "yuv420p"
+        for i in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((56, 84, 3), 20 * i, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    as_file = user({"type": "video_url", "video_url": {"url": data_uri(buf.getvalue(), "video/mp4")}}, "What happens?")
+    reply = client.chat.completions.create(model=MODEL, messages=as_file, max_tokens=2, temperature=0)
+    frames = [data_uri(encoded(84, 56, seed=s)) for s in range(4)]
+    as_frames = user({"type": "video", "video": frames}, "What happens?")
+    listed = client.chat.completions.create(model=MODEL, messages=as_frames, max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens == listed.usage.prompt_tokens
+    assert reply.usage.prompt_tokens == _text_only_tokens(http, as_file) + 2 + 2 * image_tokens(
+        84, 56, 128 * 784, 768 * 784
+    )
+
+
 def test_streaming_with_an_image(client):
     messages = user(image_part(data_uri(encoded(70, 70))), "go")
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True)

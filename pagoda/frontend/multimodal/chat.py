@@ -4,6 +4,8 @@ Accepted parts (spec shared/specs/qwen2vl.md §11), in any order and any turn:
   {"type": "text", "text": ...}
   {"type": "image_url", "image_url": {"url": ...}} (or a bare string url), Qwen's {"type": "image", "image": url}
   {"type": "video", "video": [frame urls]}, {"type": "video_url", "video_url": {"url": [frame urls]}}
+  {"type": "video", "video": url}, {"type": "video_url", "video_url": {"url": url}}: one video file
+  (mp4, webm, mov, ...), decoded and frame-sampled by `multimodal/video.py` (spec §5.1)
 A part without "type" gets it from its keys. The chat template sees {"type": "image"|"video"} and
 {"type": "text"} parts in the order sent, so it writes one placeholder per item where it was.
 Media are fetched concurrently (`multimodal/media.py` enforces the URL policy and decoding limits),
@@ -24,6 +26,7 @@ from pagoda.frontend.chat_template import check_template_kwargs, render_chat
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image, preprocess_video
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
+from pagoda.frontend.multimodal.video import load_video
 from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
 
@@ -33,8 +36,9 @@ MAX_IMAGE_PIXELS = 16384 * 28 * 28  # Qwen2-VL's largest image: 16384 placeholde
 @dataclass(frozen=True)
 class MediaRef:
     modality: str  # "image" | "video"
-    urls: tuple[str, ...]  # one image url, or the frame urls of a video
+    urls: tuple[str, ...]  # one image url, or the frame urls of a video, or one video file's url
     where: str  # "messages[i].content[j]", for error messages
+    video_file: bool = False  # urls[0] is a video file to decode and sample (not a one-frame video)
 
 
 @dataclass
@@ -72,7 +76,11 @@ def multimodal_serving(
     path = mm.allowed_local_media_path
     if path is not None and not os.path.isdir(path):
         raise ConfigError(f"--allowed-local-media-path {path!r} is not a folder.", "allowed_local_media_path")
-    policy = MediaPolicy(allowed_local_media_path=path, allow_private_urls=mm.allow_private_media_urls)
+    policy = MediaPolicy(
+        allowed_local_media_path=path,
+        allow_private_urls=mm.allow_private_media_urls,
+        max_video_seconds=mm.max_video_seconds,
+    )
     return MultiModalServing(placeholders, int(vision.get("spatial_merge_size", 2)), preprocess, policy, mm.limits)
 
 
@@ -93,17 +101,17 @@ def _url_of(value: Any, where: str) -> str:
     return url
 
 
-def _frames_of(value: Any, where: str) -> tuple[str, ...]:
+def _video_of(value: Any, where: str) -> MediaRef:
+    """A video part's value: one video file url, or a list of frame image urls."""
     frames = value.get("url", value.get("frames")) if isinstance(value, dict) else value
-    if isinstance(frames, str):
+    if isinstance(frames, str) and frames.strip():
+        return MediaRef("video", (frames,), where, video_file=True)
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
         raise InvalidRequest(
-            f"{where}: video files are not decoded here; send the video as a list of frame "
-            'image urls ({"type": "video", "video": [url, ...]}).',
+            f"{where}: a video must be a video file url (mp4, webm, ...) or a non-empty list of frame image urls.",
             "messages",
         )
-    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
-        raise InvalidRequest(f"{where}: a video must be a non-empty list of frame image urls.", "messages")
-    return tuple(frames)
+    return MediaRef("video", tuple(frames), where)
 
 
 def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaRef]]:
@@ -126,7 +134,7 @@ def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
                 refs.append(MediaRef("image", (_url_of(part.get(kind), where),), where))
                 parts.append({"type": "image"})
             elif kind in ("video", "video_url"):
-                refs.append(MediaRef("video", _frames_of(part.get(kind), where), where))
+                refs.append(_video_of(part.get(kind), where))
                 parts.append({"type": "video"})
             else:
                 raise InvalidRequest(
@@ -252,6 +260,8 @@ async def build_inputs(
         *(
             load_image(r.urls[0], mm.policy, r.where)
             if r.modality == "image"
+            else load_video(r.urls[0], mm.policy, config, r.where)
+            if r.video_file
             else load_video_frames(list(r.urls), mm.policy, r.where)
             for r in refs
         )
@@ -261,7 +271,12 @@ async def build_inputs(
         out = []
         for ref, media in zip(refs, loaded):
             try:
-                visual = preprocess_image(media, config) if ref.modality == "image" else preprocess_video(media, config)
+                if ref.modality == "image":
+                    visual = preprocess_image(media, config)
+                elif ref.video_file:  # a DecodedVideo: frames already sampled and sized by §5.1
+                    visual = preprocess_video(media.frames, config, media.size_hw)
+                else:
+                    visual = preprocess_video(media, config)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"{ref.where}: {exc.message}", "messages") from None
             out.append((ref.modality, visual))

@@ -28,7 +28,19 @@ MAX_ASPECT_RATIO = 200
 
 # Keys a request may override through `mm_processor_kwargs`. The other settings are properties of
 # the checkpoint's vision tower and must not change per request.
-_OVERRIDABLE = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+_PIXEL_KEYS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels", "video_total_pixels")
+# Frame sampling of a video *file* (spec §5.1, qwen-vl-utils' names) -> the config field it sets.
+_SAMPLING_KEYS = {
+    "fps": "video_fps",
+    "nframes": "video_nframes",
+    "min_frames": "video_min_frames",
+    "max_frames": "video_max_frames",
+}
+_OVERRIDABLE = (*_PIXEL_KEYS, *_SAMPLING_KEYS)
+# Most frames sampled from one video file: qwen-vl-utils' FPS_MAX_FRAMES, also the cap on overrides
+# (memory and the encoder's work grow with the frame count).
+MAX_SAMPLED_FRAMES = 768
+MAX_SAMPLING_FPS = 60.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,13 @@ class VisionPreprocessConfig:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     video_min_pixels: int = 128 * 784
     video_max_pixels: int = 768 * 784
+    # Video files only (spec §5.1; a video given as frames uses its frames as sent): the total pixel
+    # budget shared by the sampled frames, and the frame sampling (`video_nframes`, when set, wins over fps).
+    video_total_pixels: int = 24576 * 784
+    video_fps: float = 2.0
+    video_nframes: int | None = None
+    video_min_frames: int = 4
+    video_max_frames: int = MAX_SAMPLED_FRAMES
 
     @property
     def factor(self) -> int:
@@ -72,38 +91,73 @@ class VisionPreprocessConfig:
         return cls(**_settings_from_json(raw, path))
 
     def with_overrides(self, kwargs: dict[str, Any] | None, param: str) -> VisionPreprocessConfig:
-        """Apply a request's `mm_processor_kwargs` (pixel budgets only); bad input is a 400."""
+        """Apply a request's (or the server's) `mm_processor_kwargs`: pixel budgets and video frame
+        sampling (fps | nframes, min_frames, max_frames); bad input is a 400."""
         if not kwargs:
             return self
         if not isinstance(kwargs, dict):
             raise InvalidRequest(f"{param} must be an object, got {type(kwargs).__name__}.", param)
+        if "fps" in kwargs and "nframes" in kwargs:
+            raise InvalidRequest(f"{param}: give either fps or nframes for a video, not both.", param)
         updates: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key not in _OVERRIDABLE:
                 raise InvalidRequest(f"{param}: unknown key {key!r}; supported keys: {', '.join(_OVERRIDABLE)}.", param)
+            if key == "fps":
+                if not _is_positive_number(value) or value > MAX_SAMPLING_FPS:
+                    raise InvalidRequest(
+                        f"{param}.fps must be a number in (0, {MAX_SAMPLING_FPS:g}], got {value!r}.", param
+                    )
+                updates["video_fps"] = float(value)
+                updates["video_nframes"] = None  # fps given at a later layer wins over an earlier nframes
+                continue
             if not _is_positive_int(value):
                 raise InvalidRequest(f"{param}.{key} must be a positive integer, got {value!r}.", param)
-            updates[key] = value
+            if key in _SAMPLING_KEYS and value > MAX_SAMPLED_FRAMES:
+                raise InvalidRequest(f"{param}.{key} must be at most {MAX_SAMPLED_FRAMES} frames, got {value}.", param)
+            updates[_SAMPLING_KEYS.get(key, key)] = value
         cfg = replace(self, **updates)
-        for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+        for lo, hi in (
+            ("min_pixels", "max_pixels"),
+            ("video_min_pixels", "video_max_pixels"),
+            ("video_min_frames", "video_max_frames"),
+        ):
             if getattr(cfg, lo) > getattr(cfg, hi):
                 bad = lo if lo in updates else hi
                 raise InvalidRequest(
-                    f"{param}.{bad}: {lo} ({getattr(cfg, lo)}) must not exceed {hi} ({getattr(cfg, hi)}).", param
+                    f"{param}.{_key_of(bad)}: {_key_of(lo)} ({getattr(cfg, lo)}) must not exceed "
+                    f"{_key_of(hi)} ({getattr(cfg, hi)}).",
+                    param,
                 )
         return cfg
 
     def cache_key(self) -> str:
-        """Every setting that changes the pixels, as a stable string (part of content hashes).
+        """Every setting that changes the pixels of given frames, as a stable string (part of content hashes).
 
-        The leading tag versions the algorithm itself: bump it if preprocessing ever changes.
+        The leading tag versions the algorithm itself: bump it if preprocessing ever changes. The video
+        file sampling settings are left out: they choose which frames are decoded (and the total-pixel
+        budget their size), which the hashed pixels themselves show.
         """
-        values = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        values = ",".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name not in _NOT_IN_CACHE_KEY
+        )
         return f"qwen2vl-pil-v1({values})"
+
+
+_NOT_IN_CACHE_KEY = frozenset(("video_total_pixels", *_SAMPLING_KEYS.values()))
+
+
+def _key_of(field_name: str) -> str:
+    """The mm_processor_kwargs key that sets a config field."""
+    return next((key for key, name in _SAMPLING_KEYS.items() if name == field_name), field_name)
 
 
 def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _settings_from_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
@@ -142,7 +196,7 @@ def _three_floats(value: Any, key: str, path: str) -> tuple[float, float, float]
 
 
 def smart_resize(
-    height: int, width: int, factor: int = 28, min_pixels: int = 3136, max_pixels: int = 12845056
+    height: int, width: int, factor: int = 28, min_pixels: float = 3136, max_pixels: float = 12845056
 ) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, ~aspect-preserving, pixel count in range.
 
@@ -247,17 +301,21 @@ def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> Process
     return ProcessedVisual(pixel_values, grid, cfg.merge_size)
 
 
-def preprocess_video(frames: list[Image.Image], cfg: VisionPreprocessConfig) -> ProcessedVisual:
+def preprocess_video(
+    frames: list[Image.Image], cfg: VisionPreprocessConfig, size_hw: tuple[int, int] | None = None
+) -> ProcessedVisual:
     """A video given as frames -> encoder input (spec §5.2).
 
     Every frame is resized to the size smart_resize picks for the first frame under the video
     pixel budget (frames of other sizes are stretched to it), and the frame count is padded to a
-    multiple of T by repeating the last frame.
+    multiple of T by repeating the last frame. `size_hw` is that size when the caller chose it
+    already (a decoded video file, whose frames come resized to it under §5.1's total budget).
     """
     if not frames:
         raise InvalidRequest("A video needs at least one frame.", "messages")
     first = frames[0]
-    size_hw = smart_resize(first.height, first.width, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    if size_hw is None:
+        size_hw = smart_resize(first.height, first.width, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
     lut = _normalize_lut(cfg)
     tp = cfg.temporal_patch_size
     n = len(frames)

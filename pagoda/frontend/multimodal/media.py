@@ -7,7 +7,8 @@ directory, bodies are size-capped while streaming, and the decoded pixel count i
 decompression (a tiny PNG can claim gigapixels). Every failure is an `InvalidRequest` (HTTP 400)
 whose message starts with the content part's location, e.g. "messages[1].content[0]: ...".
 
-Decoding runs in a worker thread so a large JPEG does not stall the event loop.
+Decoding runs in a worker thread so a large JPEG does not stall the event loop. Video files use the
+same loading (`multimodal/video.py` decodes them).
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ class MediaPolicy:
     allowed_local_media_path: str | None = None  # file:// allowed only below this directory
     allow_private_urls: bool = False  # allow loopback/private/link-local hosts
     fetch_timeout_s: float = 10.0  # whole fetch, all redirect hops included
-    max_bytes: int = 20 * 2**20  # encoded image size
+    max_bytes: int = 20 * 2**20  # encoded image (or video file) size
     max_image_pixels: int = 64 * 2**20  # decoded width*height (decompression bomb guard)
+    # Video files (multimodal/video.py): the longest duration, the most frames the file may hold (all
+    # are demuxed, those up to the last sampled one decoded), the largest frame (4K UHD).
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 36000  # 600 s at 60 fps
+    max_video_frame_pixels: int = 3840 * 2160
+    max_video_decode_s: float = 60.0  # wall time for demuxing + decoding one video file
 
 
 def _fail(where: str, message: str) -> InvalidRequest:
@@ -83,19 +90,20 @@ async def load_video_frames(urls: list[str], policy: MediaPolicy, where: str) ->
     return list(await asyncio.gather(*(load_image(u, policy, f"{where}[frame {i}]") for i, u in enumerate(urls))))
 
 
-async def _load_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
-    """Dispatch on the URL scheme."""
+async def _load_bytes(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
+    """Dispatch on the URL scheme. `kind` ("image" | "video") is the data URI media type accepted
+    and the word the error messages use."""
     if not isinstance(url, str) or not url.strip():
-        raise _fail(where, "the image URL must be a non-empty string.")
+        raise _fail(where, f"the {kind} URL must be a non-empty string.")
     url = url.strip()
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":  # base64 of a 20 MB image takes tens of ms: keep it off the event loop
-        return await asyncio.to_thread(_decode_data_uri, url, policy, where)
+        return await asyncio.to_thread(_decode_data_uri, url, policy, where, kind)
     if scheme in ("http", "https"):
-        return await _fetch_http(url, policy, where)
+        return await _fetch_http(url, policy, where, kind)
     if scheme == "file":
         return await asyncio.to_thread(_read_local_file, url, policy, where)
-    raise _fail(where, f"unsupported URL scheme {scheme!r}: use data:image/...;base64, http(s):// or file://.")
+    raise _fail(where, f"unsupported URL scheme {scheme!r}: use data:{kind}/...;base64, http(s):// or file://.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,20 +112,24 @@ async def _load_bytes(url: str, policy: MediaPolicy, where: str) -> bytes:
 _B64_STRIP = re.compile(r"\s+")
 
 
-def _decode_data_uri(url: str, policy: MediaPolicy, where: str) -> bytes:
-    """`data:image/png;base64,...` (also bare `data:image;base64,`) -> image bytes."""
+def _decode_data_uri(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
+    """`data:image/png;base64,...` (also bare `data:image;base64,`) -> image bytes; with kind
+    "video", `data:video/mp4;base64,...` -> the video file's bytes."""
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise _fail(where, "malformed data URI (no ',' after the media type).")
     params = [p.strip().lower() for p in header.split(";")]
     mime = params[0]
-    if not (mime == "image" or mime.startswith("image/")):
-        raise _fail(where, f"data URI media type {mime or '(none)'!r} is not an image; use data:image/...;base64,")
+    if not (mime == kind or mime.startswith(f"{kind}/")):
+        article = "an" if kind == "image" else "a"
+        raise _fail(
+            where, f"data URI media type {mime or '(none)'!r} is not {article} {kind}; use data:{kind}/...;base64,"
+        )
     if "base64" not in params[1:]:
-        raise _fail(where, "only base64 data URIs are supported (data:image/...;base64,...).")
+        raise _fail(where, f"only base64 data URIs are supported (data:{kind}/...;base64,...).")
     text = _B64_STRIP.sub("", payload)
     if len(text) * 3 // 4 > policy.max_bytes + 3:  # refuse before allocating the decoded copy
-        raise _fail(where, f"image data is over the limit of {policy.max_bytes} bytes.")
+        raise _fail(where, f"{kind} data is over the limit of {policy.max_bytes} bytes.")
     return _b64decode(text, where)
 
 
@@ -201,14 +213,14 @@ def _http_client(policy: MediaPolicy) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(policy.fetch_timeout_s),
         follow_redirects=False,
-        headers={"Accept": "image/*", "Accept-Encoding": "identity"},
+        headers={"Accept": "image/*, video/*", "Accept-Encoding": "identity"},
     )
 
 
-async def _fetch_http(url: str, policy: MediaPolicy, where: str) -> bytes:
+async def _fetch_http(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
     """GET with a whole-fetch deadline; timeouts become 400s that say so."""
     try:
-        return await asyncio.wait_for(_fetch_following_redirects(url, policy, where), policy.fetch_timeout_s)
+        return await asyncio.wait_for(_fetch_following_redirects(url, policy, where, kind), policy.fetch_timeout_s)
     except (asyncio.TimeoutError, httpx.TimeoutException) as e:
         raise _fail(where, f"timed out after {policy.fetch_timeout_s:g} s fetching {_short(url)}.") from e
     except httpx.InvalidURL as e:
@@ -217,7 +229,7 @@ async def _fetch_http(url: str, policy: MediaPolicy, where: str) -> bytes:
         raise _fail(where, f"could not fetch {_short(url)}: {type(e).__name__}: {e}.") from e
 
 
-async def _fetch_following_redirects(url: str, policy: MediaPolicy, where: str) -> bytes:
+async def _fetch_following_redirects(url: str, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
     """Follow up to MAX_REDIRECTS redirects by hand so that every hop passes the address check."""
     current = httpx.URL(url)
     async with _http_client(policy) as client:
@@ -229,13 +241,13 @@ async def _fetch_following_redirects(url: str, policy: MediaPolicy, where: str) 
                     continue
                 if not response.is_success:
                     raise _fail(where, f"fetching {_short(url)} failed with HTTP {response.status_code}.")
-                return await _read_capped(response, policy, where)
+                return await _read_capped(response, policy, where, kind)
     raise _fail(where, f"too many redirects (more than {MAX_REDIRECTS}) fetching {_short(url)}.")
 
 
-async def _read_capped(response: httpx.Response, policy: MediaPolicy, where: str) -> bytes:
+async def _read_capped(response: httpx.Response, policy: MediaPolicy, where: str, kind: str = "image") -> bytes:
     """The body, aborting as soon as it exceeds max_bytes (whatever Content-Length claims)."""
-    too_big = f"the image at {_short(str(response.url))} is over the limit of {policy.max_bytes} bytes."
+    too_big = f"the {kind} at {_short(str(response.url))} is over the limit of {policy.max_bytes} bytes."
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > policy.max_bytes:
         raise _fail(where, too_big)

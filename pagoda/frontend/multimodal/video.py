@@ -1,0 +1,255 @@
+"""Video files (mp4, webm, mov, mkv, avi, gif, ...) -> the sampled, resized frames Qwen2-VL sees.
+
+A video given as one URL (`{"type": "video_url", "video_url": {"url": ...}}` or `{"type": "video",
+"video": url}`) is loaded like an image (`media.py`: the same URL schemes, SSRF guard, byte cap and
+fetch deadline; data URIs must say `data:video/...`), then decoded with PyAV in a worker thread.
+
+Sampling follows qwen-vl-utils, the Qwen team's reference (spec qwen2vl.md §5.1): with N frames at
+f frames/s, n = N / f * fps clamped to [ceil_even(min_frames), floor_even(min(max_frames, N))] and
+rounded to even (or a given `nframes`, rounded to even); frame indices are n values evenly spaced from
+0 to N-1, rounded; every frame gets the size smart_resize picks under the per-frame budget
+max(min(video_max_pixels, video_total_pixels / n * 2), int(video_min_pixels * 1.05)). The knobs live in
+`VisionPreprocessConfig` (server and request `mm_processor_kwargs`: fps, nframes, min_frames, max_frames,
+video_min_pixels, video_max_pixels, video_total_pixels).
+
+Limits (`MediaPolicy`; each failure is a 400 naming the limit): the file's bytes (`max_bytes`), its
+duration (`max_video_seconds`, --max-video-seconds), the frames it holds (`max_video_frames`), the frame
+size (`max_video_frame_pixels`) and the wall time the decoding may take (`max_video_decode_s`). Only the
+frames up to the last sampled one are decoded, and each sampled frame is resized as soon as it is
+decoded, so memory is bounded by the model's pixel budget, not by the file's resolution.
+
+The demuxers allowed are listed (`_FORMATS`): playlist and concat formats, which would make FFmpeg open
+other URLs or local files behind the URL policy's back, are not among them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from io import BytesIO
+from typing import Any
+
+import av
+import numpy as np
+from PIL import Image
+
+from pagoda.errors import InvalidRequest
+from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, smart_resize
+from pagoda.frontend.multimodal.media import MediaPolicy, _fail, _load_bytes
+
+FRAME_FACTOR = 2  # frames per temporal patch: the sampled count is always even
+# Demuxers that read only the bytes given (names as FFmpeg spells them; format_whitelist matches any of a
+# demuxer's comma-separated names).
+_FORMATS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,flv,mpeg,mpegts,ogg,gif,apng,asf,nut,ivf,m4v,h264,hevc,mjpeg"
+_OPEN_OPTIONS = {"format_whitelist": _FORMATS, "protocol_whitelist": "none"}
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """The frames sampled from one video file, RGB and already resized to `size_hw`."""
+
+    frames: list[Image.Image]
+    size_hw: tuple[int, int]  # (height, width) every frame has, a multiple of the patch factor
+    indices: tuple[int, ...]  # which source frames (0-based, decode order)
+    total_frames: int  # N
+    fps: float  # f, the stream's average frame rate
+    source_size: tuple[int, int]  # (width, height) of the source frames
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling (pure functions of the counts; spec §5.1)
+
+
+def _round_even(x: float) -> int:
+    return round(x / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _ceil_even(x: float) -> int:
+    return math.ceil(x / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _floor_even(x: float) -> int:
+    return math.floor(x / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def sample_frame_count(total_frames: int, video_fps: float, cfg: VisionPreprocessConfig) -> int:
+    """How many frames qwen-vl-utils samples from `total_frames` frames at `video_fps` (may be out of
+    [2, total_frames]: `sample_indices`' caller checks)."""
+    if cfg.video_nframes is not None:
+        return _round_even(cfg.video_nframes)
+    min_frames = _ceil_even(cfg.video_min_frames)
+    max_frames = _floor_even(min(cfg.video_max_frames, total_frames))
+    n = total_frames / video_fps * cfg.video_fps
+    return _round_even(min(max(n, min_frames), max_frames))
+
+
+def sample_indices(total_frames: int, n: int) -> list[int]:
+    """n frame indices evenly spaced over 0..total_frames-1, rounded (half to even, like torch)."""
+    return [int(i) for i in np.linspace(0, total_frames - 1, n).round()]
+
+
+def frame_pixel_budget(cfg: VisionPreprocessConfig, n: int) -> float:
+    """Most pixels per sampled frame when n frames share the video's total budget."""
+    return max(min(cfg.video_max_pixels, cfg.video_total_pixels / n * FRAME_FACTOR), int(cfg.video_min_pixels * 1.05))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and decoding
+
+
+async def load_video(url: str, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str) -> DecodedVideo:
+    """Fetch the video file behind `url` and decode its sampled frames (in a worker thread)."""
+    try:
+        data = await _load_bytes(url, policy, where, kind="video")
+        return await asyncio.to_thread(decode_video, data, policy, cfg, where)
+    except InvalidRequest:
+        raise
+    except Exception as e:  # the boundary: nothing raw reaches the server's 500 handler
+        raise _fail(where, f"could not load the video: {type(e).__name__}: {e}") from e
+
+
+def decode_video(data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str) -> DecodedVideo:
+    """A video file's bytes -> its sampled frames; every failure is an InvalidRequest naming it."""
+    if len(data) > policy.max_bytes:
+        raise _fail(where, f"the video is {len(data)} bytes, over the limit of {policy.max_bytes} bytes.")
+    deadline = time.monotonic() + policy.max_video_decode_s
+    total, fps, source_size = _probe(data, policy, where, deadline)
+    for _attempt in range(2):
+        n = sample_frame_count(total, fps, cfg)
+        if not FRAME_FACTOR <= n <= total:
+            raise _fail(
+                where,
+                f"cannot sample {n} frames from a video of {total} frame(s) (at least {FRAME_FACTOR} frames "
+                "are needed; nframes must not exceed the video's frame count).",
+            )
+        indices = sample_indices(total, n)
+        width, height = source_size
+        size_hw = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, frame_pixel_budget(cfg, n))
+        frames, decoded = _decode_frames(data, indices, size_hw, policy, where, deadline)
+        if frames is not None:
+            return DecodedVideo(frames, size_hw, tuple(indices), total, fps, source_size)
+        total = decoded  # the container promised more frames than it holds: sample the real count
+    raise _fail(where, f"the video's frame count is inconsistent ({total} frames decode); it may be corrupt.")
+
+
+def _open(data: bytes, where: str) -> Any:
+    try:
+        return av.open(BytesIO(data), mode="r", options=dict(_OPEN_OPTIONS), metadata_errors="ignore")
+    except av.FFmpegError as e:
+        raise _fail(where, _not_a_video(data, e)) from e
+
+
+def _not_a_video(data: bytes, error: Exception) -> str:
+    """Why FFmpeg would not open the data: an image sent as a video says so."""
+    try:
+        with Image.open(BytesIO(data)) as image:
+            kind = image.format or "image"
+        return f"the data is a {kind} image, not a video file; send it as an image part or a list of frames."
+    except Exception:  # noqa: BLE001 - not an image either: report FFmpeg's reason
+        return f"the data is not a video file in a supported container or is corrupt ({error})."
+
+
+def _video_stream(container: Any, where: str) -> Any:
+    for stream in container.streams.video:
+        if not stream.disposition & av.stream.Disposition.attached_pic:  # cover art is not a video
+            return stream
+    raise _fail(where, f"the file ({container.format.name}) has no video stream.")
+
+
+def _probe(data: bytes, policy: MediaPolicy, where: str, deadline: float) -> tuple[int, float, tuple[int, int]]:
+    """(frame count N, frame rate f, (width, height)), checking every limit before any frame is decoded.
+
+    N is the count of the stream's packets (demuxing only): one per frame in the containers we allow.
+    """
+    with _open(data, where) as container:
+        stream = _video_stream(container, where)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width <= 0 or height <= 0:
+            raise _fail(where, "the video stream has no frame size; the file may be corrupt.")
+        _check_frame_size(width, height, policy, where)
+        declared = _declared_seconds(container, stream)
+        if declared is not None and declared > policy.max_video_seconds:
+            raise _too_long(declared, policy, where)
+        total = 0
+        for packet in container.demux(stream):
+            if packet.size:
+                total += 1
+                if total > policy.max_video_frames:
+                    raise _fail(where, f"the video has more than the limit of {policy.max_video_frames} frames.")
+                if total % 256 == 0:
+                    _check_deadline(deadline, policy, where)
+        rate = stream.average_rate or stream.guessed_rate
+    if total == 0:
+        raise _fail(where, "the video has no frames.")
+    fps = float(rate) if rate else (total / declared if declared else 0.0)
+    if not fps > 0 or not math.isfinite(fps):
+        raise _fail(where, "cannot tell the video's frame rate (the container declares neither it nor a duration).")
+    if total / fps > policy.max_video_seconds:
+        raise _too_long(total / fps, policy, where)
+    return total, fps, (width, height)
+
+
+def _declared_seconds(container: Any, stream: Any) -> float | None:
+    """The duration the container or the stream declares, if any."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return container.duration / av.time_base
+    return None
+
+
+def _decode_frames(
+    data: bytes, indices: list[int], size_hw: tuple[int, int], policy: MediaPolicy, where: str, deadline: float
+) -> tuple[list[Image.Image] | None, int]:
+    """(the frames at `indices`, resized to size_hw, or None if the stream ended first; frames decoded)."""
+    wanted: dict[int, list[int]] = {}
+    for position, index in enumerate(indices):
+        wanted.setdefault(index, []).append(position)
+    out: list[Image.Image | None] = [None] * len(indices)
+    last = indices[-1]
+    decoded = 0
+    with _open(data, where) as container:
+        stream = _video_stream(container, where)
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                decoded = index + 1
+                _check_frame_size(frame.width, frame.height, policy, where)
+                if index in wanted:
+                    image = frame.to_image().resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
+                    for position in wanted[index]:
+                        out[position] = image
+                if index >= last:
+                    break
+                if index % 16 == 0:
+                    _check_deadline(deadline, policy, where)
+        except av.FFmpegError as e:
+            raise _fail(where, f"the video is corrupt: decoding failed at frame {decoded} ({e}).") from e
+    if any(image is None for image in out):
+        if decoded == 0:
+            raise _fail(where, "the video has no decodable frames; the file may be corrupt.")
+        return None, decoded
+    return [image for image in out if image is not None], decoded
+
+
+def _check_frame_size(width: int, height: int, policy: MediaPolicy, where: str) -> None:
+    if width * height > policy.max_video_frame_pixels:
+        raise _fail(
+            where,
+            f"video frames are {width}x{height} = {width * height} pixels, over the limit of "
+            f"{policy.max_video_frame_pixels} pixels per frame.",
+        )
+
+
+def _check_deadline(deadline: float, policy: MediaPolicy, where: str) -> None:
+    if time.monotonic() > deadline:
+        raise _fail(where, f"decoding the video took longer than the limit of {policy.max_video_decode_s:g} s.")
+
+
+def _too_long(seconds: float, policy: MediaPolicy, where: str) -> InvalidRequest:
+    return _fail(
+        where,
+        f"the video is {seconds:.1f} s long, over the limit of {policy.max_video_seconds:g} s (--max-video-seconds).",
+    )
