@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -134,7 +133,14 @@ def decode_video(data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, 
     raise _fail(where, f"the video's frame count is inconsistent ({total} frames decode); it may be corrupt.")
 
 
+def _av() -> Any:
+    import av  # lazy: av (FFmpeg's libraries load only when a video file is decoded)
+
+    return av
+
+
 def _open(data: bytes, where: str) -> Any:
+    av = _av()
     try:
         return av.open(BytesIO(data), mode="r", options=dict(_OPEN_OPTIONS), metadata_errors="ignore")
     except av.FFmpegError as e:
@@ -153,7 +159,7 @@ def _not_a_video(data: bytes, error: Exception) -> str:
 
 def _video_stream(container: Any, where: str) -> Any:
     for stream in container.streams.video:
-        if not stream.disposition & av.stream.Disposition.attached_pic:  # cover art is not a video
+        if not stream.disposition & _av().stream.Disposition.attached_pic:  # cover art is not a video
             return stream
     raise _fail(where, f"the file ({container.format.name}) has no video stream.")
 
@@ -196,7 +202,7 @@ def _declared_seconds(container: Any, stream: Any) -> float | None:
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration:
-        return container.duration / av.time_base
+        return container.duration / _av().time_base
     return None
 
 
@@ -225,7 +231,7 @@ def _decode_frames(
                     break
                 if index % 16 == 0:
                     _check_deadline(deadline, policy, where)
-        except av.FFmpegError as e:
+        except _av().FFmpegError as e:
             raise _fail(where, f"the video is corrupt: decoding failed at frame {decoded} ({e}).") from e
     if any(image is None for image in out):
         if decoded == 0:
