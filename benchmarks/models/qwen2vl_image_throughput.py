@@ -126,25 +126,28 @@ def _random_image_visual(rng: np.random.Generator):
     return preprocess_image(image, VisionPreprocessConfig())
 
 
-def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict:
+def make_engine(folder: str):
+    """The offline engine both this benchmark and profile/image_step_profile.py drive: random bf16 weights."""
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        seed=0,
+        gpu_memory_utilization=0.5,
+    )
+    return LLMEngine(EngineConfig.create(args))
+
+
+def run_pagoda(folder: str, requests, concurrency: int, output_len: int) -> dict:
     from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
     from pagoda.sampling_params import SamplingParams
 
-    engine = LLMEngine(
-        EngineConfig.create(
-            EngineArgs(
-                model=folder,
-                load_format="dummy",
-                skip_tokenizer_init=True,
-                dtype="bfloat16",
-                max_model_len=4096,
-                seed=0,
-                gpu_memory_utilization=0.5,
-            )
-        )
-    )
+    engine = make_engine(folder)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     placeholders = PlaceholderIds(IMAGE_PAD, VIDEO_PAD)
     prepared = [expand_prompt(ids, [("image", visual)], placeholders, "bench") for ids, visual in requests]

@@ -22,28 +22,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
-from qwen2vl_image_throughput import IMAGE_PAD, VIDEO_PAD, make_requests, sync, write_config  # noqa: E402
+from qwen2vl_image_throughput import IMAGE_PAD, VIDEO_PAD, free_gpu, make_engine, make_requests, sync, write_config  # noqa: E402
 
 
 def profile(folder: str, requests, concurrency: int, output_len: int) -> dict:
-    from pagoda.config import EngineArgs, EngineConfig
-    from pagoda.engine.llm_engine import LLMEngine
     from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
     from pagoda.sampling_params import SamplingParams
 
-    engine = LLMEngine(
-        EngineConfig.create(
-            EngineArgs(
-                model=folder,
-                load_format="dummy",
-                skip_tokenizer_init=True,
-                dtype="bfloat16",
-                max_model_len=4096,
-                seed=0,
-                gpu_memory_utilization=0.5,
-            )
-        )
-    )
+    engine = make_engine(folder)
     model = engine.runner.model
     encode = model.encode
     encoder_s = [0.0]
@@ -104,7 +90,7 @@ def profile(folder: str, requests, concurrency: int, output_len: int) -> dict:
     drive(prepared[:2], 2, "warm")
     encoder_s[0], encoded[0] = 0.0, 0
     total, rows = drive(prepared, concurrency, "q")
-    engine = None
+    engine = model = None  # the closures above hold both: free_gpu() collects the cycle
     return {"total_s": total, "rows": rows, "images": len(prepared), "encoder_s": encoder_s[0]}
 
 
@@ -121,6 +107,7 @@ def main() -> None:
     for c in args.concurrency:
         requests, prep_s = make_requests(max(2 * c, 8), args.text_len, seed=c)
         result = profile(folder, requests, c, args.output_len)
+        free_gpu()  # the next concurrency's engine sizes its KV pool from the free memory
         rows, total = result["rows"], result["total_s"]
         print(f"\nC={c}: {result['images']} images in {total:.2f} s; preprocessing {prep_s * 1000:.1f} ms/image (CPU)")
         print("| step kind | steps | share of run | mean step ms | mean decode rows | mean prefill tokens |")

@@ -232,9 +232,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a TP = 1 engine holds nothing that needs stopping)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

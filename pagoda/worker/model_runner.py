@@ -372,6 +372,9 @@ class ModelRunner:
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
 
+    def shutdown(self) -> None:
+        """Nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)."""
+
     def take_failures(self) -> list[tuple[str, str, Exception]]:
         failures, self.failures = self.failures, []
         return failures

@@ -48,33 +48,23 @@ class LocalRanks:
         self.procs: list[Any] = []
         self.heartbeats: list[Any] = []
         self.errors: list[Any] = []
-        self.started = 0.0
 
     def start(self, config: EngineConfig, init_method: str, eos_token_ids: list[int]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.started = time.monotonic()
-        previous = os.environ.get("PAGODA_TP_PARENT")
-        os.environ["PAGODA_TP_PARENT"] = str(os.getpid())  # read by the child before anything else
-        try:
-            for rank in range(1, self.world_size):
-                heartbeat = ctx.Value("d", 0.0, lock=False)
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=run_rank_process,
-                    args=(config, rank, init_method, eos_token_ids, heartbeat, writer),
-                    name=f"pagoda-rank-{rank}",
-                    daemon=False,  # a daemon may not start processes (Triton compiles in some)
-                )
-                proc.start()
-                writer.close()
-                self.procs.append(proc)
-                self.heartbeats.append(heartbeat)
-                self.errors.append(reader)
-        finally:
-            if previous is None:
-                os.environ.pop("PAGODA_TP_PARENT", None)
-            else:
-                os.environ["PAGODA_TP_PARENT"] = previous
+        for rank in range(1, self.world_size):
+            heartbeat = ctx.Value("d", 0.0, lock=False)
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_rank_process,
+                args=(config, rank, init_method, eos_token_ids, heartbeat, writer, os.getpid()),
+                name=f"pagoda-rank-{rank}",
+                daemon=False,  # a daemon may not start processes (Triton compiles in some)
+            )
+            proc.start()
+            writer.close()
+            self.procs.append(proc)
+            self.heartbeats.append(heartbeat)
+            self.errors.append(reader)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]

@@ -83,18 +83,28 @@ def _beat(heartbeat: Any) -> None:
         time.sleep(HEARTBEAT_INTERVAL_S)
 
 
+def _log_as_rank(rank: int) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+
+
 def run_rank_process(
-    config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int], heartbeat: Any, errors: Any
+    config: EngineConfig,
+    rank: int,
+    init_method: str,
+    eos_token_ids: list[int],
+    heartbeat: Any,
+    errors: Any,
+    parent: int,
 ) -> None:
-    """Entry of a local rank process (spawned by the engine core, which it dies with). `heartbeat`: a
+    """Entry of a local rank process, spawned by the engine core `parent`, which it dies with. `heartbeat`: a
     shared double this process stamps with time.monotonic() twice a second (the core's watch reads it);
     `errors`: a pipe end for the one line that says why startup failed."""
-    die_with_parent(int(os.environ["PAGODA_TP_PARENT"]), signal.SIGKILL)
+    die_with_parent(parent, signal.SIGKILL)
     # The driver ends a rank (STOP, or its own death): a terminal's Ctrl-C or a SIGTERM to the process group
     # must not kill a rank in the middle of a collective the driver still waits on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    _log_as_rank(rank)
     threading.Thread(target=_beat, args=(heartbeat,), name="pagoda-heartbeat", daemon=True).start()
     if config.device.device == "cuda":
         torch.cuda.set_device(rank)  # local ranks: one visible GPU each, in rank order
@@ -120,7 +130,7 @@ class RankActor:
         return time.monotonic()
 
     def run(self, config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int]) -> None:
-        logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+        _log_as_rank(rank)
         if config.device.device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU as CUDA_VISIBLE_DEVICES
         serve_driver(build_rank_runner(config, rank, init_method, eos_token_ids))

@@ -38,8 +38,8 @@ def launch_server(tmp_path: Path) -> Iterator:
     """Start an extra, short-lived server with more flags; it is stopped at the end of the test."""
     started: list[ServerProcess] = []
 
-    def launch(*extra_flags: str) -> ServerProcess:
-        proc = ServerProcess(tmp_path / f"serve-{len(started)}.log", list(extra_flags))
+    def launch(*extra_flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(tmp_path / f"serve-{len(started)}.log", list(extra_flags), env)
         started.append(proc)
         proc.wait_healthy()
         return proc

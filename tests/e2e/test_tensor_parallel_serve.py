@@ -65,23 +65,8 @@ def _health_503_within(server: ServerProcess, seconds: float) -> float:
     raise AssertionError(f"/health did not turn 503 within {seconds} s:\n{server.log_tail()}")
 
 
-@pytest.fixture
-def tp_server(tmp_path):
-    started: list[ServerProcess] = []
-
-    def launch(env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(tmp_path / f"serve-{len(started)}.log", FLAGS, env)
-        started.append(server)
-        server.wait_healthy()
-        return server
-
-    yield launch
-    for server in started:
-        server.stop()
-
-
-def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every_rank(tp_server):
-    server = tp_server()
+def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every_rank(launch_server):
+    server = launch_server(*FLAGS)
     ranks = _ranks(server)
     assert len(ranks) == 1, ranks
     assert "Tensor parallel: 2 ranks (mp backend)" in server.log_tail(20000)
@@ -103,14 +88,9 @@ def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every
     assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
 
 
-# A stopped (hung) rank takes the same path once the watch sees its stale heartbeat: PAGODA_TP_FAULT=stopped
-# runs that case too (each case costs a server start; tests/unit/test_rank_watch.py covers the detection).
-FAULTS = ["killed", "stopped"] if os.environ.get("PAGODA_TP_FAULT") == "stopped" else ["killed"]
-
-
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(tp_server, fault):
-    server = tp_server({"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, fault):
+    server = launch_server(*FLAGS, env={"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
     (rank,) = _ranks(server)
     everything = _descendants(server.proc.pid)
     rank.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
