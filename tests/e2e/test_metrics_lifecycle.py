@@ -134,9 +134,16 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(http: httpx.Client) ->
                 events += 1
                 if events == 2:
                     break
-        # The gauges follow the core's stats, which may reach /metrics just after the tokens reached us.
-        assert wait_until(lambda: metric(scrape(http), "pagoda:num_requests_running") == 1, timeout=5)
-        assert metric(scrape(http), "pagoda:kv_cache_usage_perc") > 0
+
+        # The gauges follow the core's stats, which may reach /metrics just after the tokens reached us
+        # (and the running count can move in a report before the KV usage does): read both from one scrape.
+        def running_with_kv(samples: dict) -> bool:
+            return (
+                metric(samples, "pagoda:num_requests_running") == 1
+                and metric(samples, "pagoda:kv_cache_usage_perc") > 0
+            )
+
+        assert wait_until(lambda: running_with_kv(scrape(http)), timeout=5), scrape(http)
     # Closing the response drops the connection: the server must abort the request promptly.
     assert wait_until(lambda: engine_is_idle(http), timeout=5), scrape(http)
     after = scrape(http)
