@@ -67,6 +67,13 @@ API_KEY = Env(
     "PAGODA_API_KEY", str, None, "the API key `pagoda serve` requires (--api-key wins), and the one the clients send"
 )
 CACHE_DIR = Env("PAGODA_CACHE_DIR", str, None, "where converted GGUF checkpoints are cached (~/.cache/pagoda)")
+GGUF_CONVERSION_CACHE = Env(
+    "PAGODA_GGUF_CONVERSION_CACHE",
+    bool,
+    True,
+    "keep a small GGUF checkpoint's config and dequantized weights under PAGODA_CACHE_DIR (later starts skip "
+    "parsing and dequantizing it); 0: read the .gguf file every time",
+)
 OPENAI_API_KEY = Env(
     "OPENAI_API_KEY", str, None, "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)"
 )

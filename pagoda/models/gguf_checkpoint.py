@@ -9,6 +9,13 @@ Owns everything Pagoda knows about the GGUF format:
     under HF parameter names and in HF layout;
   * `load_gguf_tokenizer()` builds the tokenizer (with its chat template) from the file.
 
+Parsing a GGUF header is slow in Python (the embedded model's 49k-token vocabulary and merges are
+~150k fields: ~10 s on a 2-core machine, in every process that reads the config), and dequantizing takes
+seconds more. So the first read of a file up to `_CONVERSION_CACHE_MAX_BYTES` of float32 weights keeps
+its config and weights (safetensors) under PAGODA_CACHE_DIR, keyed by path, size and mtime; later reads
+of that file take them from there (`PAGODA_GGUF_CONVERSION_CACHE=0` turns this off). The cached weights
+are the reader's output exactly, so a model loads the same either way.
+
 Only `llama`-architecture GGUF files are understood. The weight reader is our own, on top
 of the `gguf` package; transformers is used only for the tokenizer.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -43,6 +51,9 @@ _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 _SUPPORTED_ARCHITECTURES = ("llama",)
+# Converted (float32) checkpoints up to this size are cached: the embedded model is ~0.5 GiB; a 7B GGUF
+# would be 28 GiB of float32, more disk than the parse it saves is worth.
+_CONVERSION_CACHE_MAX_BYTES = 2 * 2**30
 
 # GGUF tensor name (after the `blk.N.` prefix) -> HF name (after `model.layers.N.`).
 _LAYER_TENSORS = {
@@ -195,6 +206,9 @@ def _config_from_reader(reader) -> dict[str, Any]:
 
 def read_gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """An HF-style `config.json` dict built from the GGUF metadata (llama only)."""
+    cached = _converted(path)
+    if cached is not None:
+        return cached[0]
     return _config_from_reader(_open(path))
 
 
@@ -262,9 +276,88 @@ def iter_gguf_tensors(path: str | os.PathLike[str], config: dict[str, Any]) -> I
     `lm_head.weight` is yielded; the model ties it itself. Peak extra memory is one
     tensor, since the file is memory-mapped and each array is freed once consumed.
     """
+    cached = _converted(path)
+    handle = _open_converted(cached[1]) if cached is not None else None
+    if handle is not None:
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+        return
     reader = _open(path)
     _architecture(reader)
-    yield from _iter_reader_tensors(reader, config)
+    keep: dict[str, torch.Tensor] | None = {} if _cacheable(reader) else None
+    for name, tensor in _iter_reader_tensors(reader, config):
+        if keep is not None:
+            keep[name] = tensor
+        yield name, tensor
+    if keep is not None:
+        _save_converted(path, config, keep)
+
+
+# ---- the conversion cache ---------------------------------------------------------------------
+def _cache_root() -> str:
+    return envs.CACHE_DIR.value or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
+
+
+def _file_key(path: str | os.PathLike[str]) -> str:
+    path = os.fspath(path)
+    stat = os.stat(path)
+    return hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _converted_dir(path: str | os.PathLike[str]) -> str:
+    return os.path.join(_cache_root(), "gguf-checkpoints", _file_key(path))
+
+
+def _converted(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str] | None:
+    """(config, weights file) of a complete cached conversion of `path`, or None."""
+    if not envs.GGUF_CONVERSION_CACHE.value or not os.path.isfile(path):
+        return None
+    folder = _converted_dir(path)
+    weights = os.path.join(folder, "model.safetensors")
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return (config, weights) if isinstance(config, dict) and os.path.isfile(weights) else None
+
+
+def _open_converted(weights: str) -> Any:
+    """The cached weights opened, or None when the file is damaged (then the GGUF is read again)."""
+    from safetensors import safe_open  # lazy: safetensors
+
+    try:
+        return safe_open(weights, framework="pt")
+    except Exception:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        return None
+
+
+def _cacheable(reader) -> bool:
+    if not envs.GGUF_CONVERSION_CACHE.value:
+        return False
+    elements = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    return elements * 4 <= _CONVERSION_CACHE_MAX_BYTES
+
+
+def _save_converted(path: str | os.PathLike[str], config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Write config and weights to a temporary sibling, then rename: a concurrent reader sees all or
+    nothing. A read-only or full disk only costs the speed-up."""
+    from safetensors.torch import save_file  # lazy: safetensors
+
+    target = _converted_dir(path)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        shutil.rmtree(target, ignore_errors=True)  # a damaged entry, or the same one a concurrent start wrote
+        os.replace(tmp, target)
+    except OSError:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]):
@@ -295,10 +388,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
 
 
 def _tokenizer_cache_dir(path: str) -> str:
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = envs.CACHE_DIR.value or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-    return os.path.join(root, "gguf-tokenizers", key)
+    return os.path.join(_cache_root(), "gguf-tokenizers", _file_key(path))
 
 
 def _save_atomically(tokenizer: Any, target: str) -> None:

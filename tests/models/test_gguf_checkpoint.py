@@ -7,6 +7,7 @@ llama.cpp Q/K permutation, so every tensor we stream must equal its parameters e
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 
@@ -36,29 +37,51 @@ def test_default_path_points_at_gguf(gguf_path):
     assert gguf_path.endswith(".gguf")
 
 
-def test_tensors_match_transformers(gguf_path, hf_model):
-    config = gc.read_gguf_config(gguf_path)
-    reference = hf_model.state_dict()
-    start = time.perf_counter()
-    seen = set()
-    for name, tensor in gc.iter_gguf_tensors(gguf_path, config):
-        assert name not in seen, f"{name} yielded twice"
-        seen.add(name)
-        assert name in reference, f"unexpected tensor {name}"
-        assert tensor.dtype == torch.float32
-        expected = reference[name]
-        assert tensor.shape == expected.shape, name
-        # Q/K are the permuted ones; an un-permute bug shows up here as a large mismatch.
-        torch.testing.assert_close(tensor, expected.float(), atol=1e-6, rtol=0, msg=name)
-    print(f"streamed {len(seen)} tensors in {time.perf_counter() - start:.2f}s")
+def test_tensors_match_transformers(gguf_path, hf_model, tmp_path, monkeypatch):
+    """Read twice with an empty conversion cache: the first read parses and dequantizes the file (and
+    fills the cache), the second takes the cached conversion; both must be transformers' tensors."""
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    for source in ("reader", "conversion cache"):
+        assert (gc._converted(gguf_path) is not None) == (source == "conversion cache")
+        config = gc.read_gguf_config(gguf_path)
+        reference = hf_model.state_dict()
+        start = time.perf_counter()
+        seen = set()
+        for name, tensor in gc.iter_gguf_tensors(gguf_path, config):
+            assert name not in seen, f"{name} yielded twice"
+            seen.add(name)
+            assert name in reference, f"unexpected tensor {name}"
+            assert tensor.dtype == torch.float32
+            expected = reference[name]
+            assert tensor.shape == expected.shape, name
+            # Q/K are the permuted ones; an un-permute bug shows up here as a large mismatch.
+            torch.testing.assert_close(tensor, expected.float(), atol=1e-6, rtol=0, msg=name)
+        print(f"{source}: {len(seen)} tensors in {time.perf_counter() - start:.2f}s")
 
-    expected_names = set(reference)
-    if config["tie_word_embeddings"]:
-        # The tied head is the embedding matrix: not yielded, the model ties it.
-        expected_names.discard("lm_head.weight")
-        assert "lm_head.weight" not in seen
-        assert torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
-    assert seen == expected_names
+        expected_names = set(reference)
+        if config["tie_word_embeddings"]:
+            # The tied head is the embedding matrix: not yielded, the model ties it.
+            expected_names.discard("lm_head.weight")
+            assert "lm_head.weight" not in seen
+            assert torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
+        assert seen == expected_names
+
+
+def test_conversion_cache_switch_and_a_damaged_entry(gguf_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGODA_GGUF_CONVERSION_CACHE", "0")
+    config = gc.read_gguf_config(gguf_path)
+    assert sum(1 for _ in gc.iter_gguf_tensors(gguf_path, config)) and not (tmp_path / "gguf-checkpoints").exists()
+    monkeypatch.setenv("PAGODA_GGUF_CONVERSION_CACHE", "1")
+    folder = tmp_path / "gguf-checkpoints" / gc._file_key(gguf_path)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{not json")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert gc._converted(gguf_path) is None  # a damaged entry is never used
+    assert gc.read_gguf_config(gguf_path) == config
+    (folder / "config.json").write_text(json.dumps(config))  # damaged weights: read from the file again
+    names = [name for name, _ in gc.iter_gguf_tensors(gguf_path, config)]
+    assert len(names) == len(set(names)) > 100 and gc._open_converted(str(folder / "model.safetensors")) is not None
 
 
 def test_config_matches_transformers(gguf_path, hf_model):
