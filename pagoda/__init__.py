@@ -5,19 +5,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagoda.engine.llm import LLM
     from pagoda.outputs import CompletionOutput, RequestOutput
-    from pagoda.sampling_params import SamplingParams
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "pagoda.engine.llm",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
 }
 
 

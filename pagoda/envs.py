@@ -99,6 +99,13 @@ TP_STEP_TIMEOUT_S = Env(
     "seconds one tensor-parallel step (or control call) may take before its collectives count as hung",
 )
 
+GRAMMAR_COMPILE_TIMEOUT_S = Env(
+    "PAGODA_GRAMMAR_COMPILE_TIMEOUT_S",
+    float,
+    30.0,
+    "seconds a structured-output request's grammar may take to compile before the request is refused (400)",
+)
+
 # ---- read, never set by Pagoda
 TRITON_INTERPRET = Env(
     "TRITON_INTERPRET",

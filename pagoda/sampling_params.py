@@ -5,6 +5,8 @@ Owns the fields, their defaults (the same as vLLM's), normalisation of loose inp
 `InvalidRequest` whose message names the field and the allowed range, and whose `param`
 is the field name, so the server can answer 400 with the offending parameter.
 The engine resolves `max_tokens=None` against max_model_len; the sampler reads the rest.
+`StructuredOutputsParams` (vLLM's name) says which grammar constrains the output; its shape is checked
+here, the grammar itself by the grammar engine (`frontend/structured_output`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,93 @@ def _fail(name: str, rule: str, v: object) -> InvalidRequest:
     return InvalidRequest(f"{name} {rule}, got {v!r}", param=name)
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")  # besides json_object
+# Bounds on a grammar's source: it is compiled against the whole vocabulary, per distinct source.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint on the output, as vLLM's `StructuredOutputsParams`:
+
+    json: a JSON schema (dict or its JSON text); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: the output is one of these strings; grammar: an EBNF
+    (GBNF-style) grammar whose `root` rule the output matches. disable_any_whitespace: JSON without
+    free whitespace between tokens (compact output)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None  # xgrammar's structural tag (JSON text): how forced tool calls are written
+    disable_any_whitespace: bool = False
+    # The request field the constraint came in (for the 400's `param`): the server sets
+    # "response_format" or "guided_json" ...; offline it is "structured_outputs".
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [name for name in _KINDS if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequest(
+                f"{self.param} needs exactly one of json, json_object, regex, choice, grammar; got "
+                f"{', '.join(given) or 'none'}.",
+                self.param,
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise _fail(self.param, "choice must be a non-empty list of strings", self.choice)
+            if len(self.choice) > MAX_CHOICES:
+                raise InvalidRequest(f"{self.param}: at most {MAX_CHOICES} choices, got {len(self.choice)}", self.param)
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise _fail(self.param, "choice must contain only non-empty strings", self.choice)
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise _fail(self.param, f"{name} must be a non-empty string", value)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _fail(self.param, "json must be a JSON schema (an object or its JSON text)", self.json)
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(
+                f"{self.param}: the {self.kind} is {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS} are "
+                "allowed.",
+                self.param,
+            )
+
+    @property
+    def kind(self) -> str:
+        """ "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
+        for name in _KINDS:
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def source(self) -> str:
+        """The constraint as one string (a JSON schema as canonical JSON text): with `kind` and
+        `disable_any_whitespace`, the key of its compiled grammar."""
+        import json as _json  # the field named json shadows the module in this class's namespace
+
+        kind = self.kind
+        if kind == "json":
+            if isinstance(self.json, str):
+                return self.json
+            return _json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return _json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.source, self.disable_any_whitespace
+
+
 @dataclass
 class SamplingParams:
     """How to pick the output tokens of one request; validated on construction."""
@@ -73,6 +162,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if _check_int("n", self.n) < 1:
@@ -103,6 +193,19 @@ class SamplingParams:
                 raise _fail("logprobs", f"must be <= {MAX_LOGPROBS}", self.logprobs)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise _fail("structured_outputs", "must be a StructuredOutputsParams", so)
+            # The grammar ends the output with EOS; both would need tokens the grammar forbids.
+            if self.ignore_eos:
+                raise InvalidRequest(
+                    f"ignore_eos cannot be combined with {so.param}: the grammar ends with EOS.", so.param
+                )
+            if self.min_tokens:
+                raise InvalidRequest(
+                    f"min_tokens cannot be combined with {so.param}: a complete output may be shorter.", so.param
+                )
 
     def _check_range(self, name: str, ok: Callable[[float], bool], rule: str) -> None:
         # Error shows the value as the user sent it ("got -1", not "got -1.0").

@@ -369,6 +369,12 @@ def _loop(engine, inbox, clients: list) -> None:
                     owners[message.request_id] = message.client_index
         if engine.has_unfinished_requests():
             outputs += engine.step()
+            # A request whose grammar failed to compile is answered as invalid (400), not as an error output.
+            for request_id, message in engine.take_rejected():
+                owner = owners.pop(request_id, None)
+                if owner is not None:
+                    rejected[owner][request_id] = message
+                outputs = [out for out in outputs if out.request_id != request_id]
         per_client: list[list[WireOutput]] = [[] for _ in range(count)]
         for out in outputs:
             owner = owners.pop(out.request_id, None) if out.finished else owners.get(out.request_id)

@@ -10,6 +10,7 @@ when one max_model_len request could not fit.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Callable
@@ -18,12 +19,15 @@ from typing import Any
 
 import torch
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.validation import validate_request
 from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.frontend.structured_output.grammars import check_structured_outputs
+from pagoda.frontend.structured_output.manager import GrammarManager
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
 from pagoda.models.source import resolve_model_source
 from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
@@ -60,6 +64,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet read
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
+        # Structured output: the grammar engine starts with the first constrained request. Such a request
+        # waits here, outside the scheduler, until its grammar is compiled (`_admit_compiled`).
+        self._grammars: GrammarManager | None = None
+        self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
+        self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self.vocab_size = self.runner.vocab_size
         self._log_startup()
 
@@ -176,6 +185,13 @@ class LLMEngine:
         max_tokens = validate_request(
             prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size, self.tokenizer is not None
         )
+        structured = params.structured_outputs
+        if structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest(
+                    f"{structured.param} needs a tokenizer (skip_tokenizer_init=True).", structured.param
+                )
+            check_structured_outputs(structured)
         if mm_inputs is not None and mm_inputs.items and not self.runner.accepts_multimodal:
             raise InvalidRequest(
                 f"Model {self.config.model.model} ({self.config.model.architecture}) does not accept images or video.",
@@ -198,8 +214,60 @@ class LLMEngine:
                 child.arrival_time = arrival_time
             children.append(child)
         self.output_processor.add_request(request_id, prompt, children, delta, detokenize)
+        if structured is not None:
+            future = self.grammars.compile(structured)
+            self._awaiting_grammar[request_id] = (
+                future,
+                children,
+                time.monotonic() + envs.GRAMMAR_COMPILE_TIMEOUT_S.value,
+            )
+            return
         for child in children:
             self.scheduler.add_request(child)
+
+    @property
+    def grammars(self) -> GrammarManager:
+        if self._grammars is None:
+            assert self.tokenizer is not None
+            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.token_info.eos_token_ids))
+            self.runner.set_token_masks(self._grammars)
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move constrained requests whose grammar is ready into the scheduler; refuse those whose grammar
+        failed or ran out of time. With nothing else to run, wait a little for a compile rather than spin."""
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            cf.wait([f for f, _, _ in self._awaiting_grammar.values()], timeout=0.005, return_when=cf.FIRST_COMPLETED)
+        outputs = []
+        now = time.monotonic()
+        for request_id, (future, children, deadline) in list(self._awaiting_grammar.items()):
+            param = children[0].sampling_params.structured_outputs.param  # type: ignore[union-attr]
+            if future.done():
+                del self._awaiting_grammar[request_id]
+                error = future.exception()
+                if error is None:
+                    for child in children:
+                        self.grammars.start(child.request_id, future.result())
+                        self.scheduler.add_request(child)
+                    continue
+                message = f"{param}: the grammar cannot be compiled: {error}"
+            elif now > deadline:
+                del self._awaiting_grammar[request_id]
+                message = (
+                    f"{param}: the grammar did not compile within {envs.GRAMMAR_COMPILE_TIMEOUT_S.value:g} s "
+                    "(PAGODA_GRAMMAR_COMPILE_TIMEOUT_S); simplify the schema."
+                )
+            else:
+                continue
+            self._rejected.append((request_id, message))
+            outputs.append(self.output_processor.fail(request_id, message, {c.request_id: c for c in children}))
+        return outputs
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """Requests refused after `add_request` accepted them (their grammar failed to compile): the
+        engine core answers them as invalid (400) instead of sending their error output."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def _in_flight(self, request_id: str, n: int) -> bool:
         """Whether a finished request of this id is still in the launched, unread step (its token
@@ -213,6 +281,14 @@ class LLMEngine:
         # The output processor knows each user request's samples: no scan over every live request.
         children = [cid for rid in request_ids for cid in self.output_processor.child_ids(rid)]
         aborted = self.scheduler.abort_requests(children)
+        for request_id in request_ids:
+            if (waiting := self._awaiting_grammar.pop(request_id, None)) is not None:
+                for child in waiting[1]:
+                    child.status = RequestStatus.FINISHED_ABORTED
+                aborted += waiting[1]
+        if self._grammars is not None:
+            for child_id in children:
+                self._grammars.remove(child_id)
         outputs = self.output_processor.finish_aborted(aborted)
         self._settle_if_idle()
         return outputs
@@ -221,7 +297,7 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(
             sched.num_running,
-            sched.num_waiting,
+            sched.num_waiting + sum(len(children) for _, children, _ in self._awaiting_grammar.values()),
             bm.usage,
             sched.stats.num_preemptions,
             bm.prefix_queries,
@@ -231,17 +307,22 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (a TP = 1 engine holds nothing that needs stopping)."""
+        """Stop the tensor-parallel ranks, if any, and the grammar compiler's threads."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._awaiting_grammar)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        refused = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
         launched = self.runner.launch(scheduler_output)
         failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
+        if refused:
+            failed = refused + failed
         if not self.config.scheduler.async_scheduling:
             return failed + self._process(scheduler_output, launched)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
@@ -299,4 +380,6 @@ class LLMEngine:
         for child_id in [*self.output_processor.child_ids(parent_id), request_id]:
             if child_id in self.scheduler.requests:
                 requests[child_id] = self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ERROR, message)
+            if self._grammars is not None:
+                self._grammars.remove(child_id)
         return [self.output_processor.fail(parent_id, message, requests)]

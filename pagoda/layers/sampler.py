@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch
+from pagoda.layers.token_mask import apply_token_bitmask
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
@@ -506,8 +507,15 @@ class Sampler(nn.Module):
             return self._greedy(logits)
         return logits.argmax(dim=-1)
 
-    def forward(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits [B, V] of any float dtype; all math in float32."""
+    def forward(
+        self, logits: Tensor, batch: SamplingBatch, token_bitmask: tuple[Tensor, list[int]] | None = None
+    ) -> SamplerOutput:
+        """logits [B, V] of any float dtype; all math in float32. token_bitmask: the grammar masks of
+        the constrained rows (`layers.token_mask`), applied before everything else; logprobs stay those
+        of the unmasked distribution."""
+        unmasked = logits
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *token_bitmask)
         if batch.all_greedy and batch.max_num_logprobs is None and _no_penalties(batch):
             # Widening to float32 is exact and order-preserving, so the argmax (first maximum on
             # ties) is the same without the [B, V] float32 copy of a 135k vocabulary at B=256, the
@@ -529,7 +537,7 @@ class Sampler(nn.Module):
 
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        logprobs = raw.log_softmax(dim=-1)
+        logprobs = (raw if token_bitmask is None else unmasked.float()).log_softmax(dim=-1)
         sampled_lp = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_lp, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1, sorted=True)
         return SamplerOutput(token_ids, sampled_lp, top_lp, top_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -154,6 +155,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by `enable_decode_graphs`
         self.step_graphs: StepGraphs | None = None  # mixed steps, likewise
         self._last_sampled: torch.Tensor | None = None  # its token ids, on the device
+        self._last_step: PendingStep | None = None  # the last launched step's samples
+        # Structured output (`frontend.structured_output.manager.GrammarManager`, set by the engine on
+        # the first constrained request): fills the allowed-token bitmask of constrained rows.
+        self.token_masks: Any = None
         self._arange: torch.Tensor | None = None  # 0, 1, 2, ... on the device (`_late_tokens`)
 
     @staticmethod
@@ -306,6 +311,8 @@ class ModelRunner:
             if state is not None:
                 self._release_slot(state)
             self.sampling.remove(request_id)
+            if self.token_masks is not None:
+                self.token_masks.remove(request_id)
         for request_id in so.preempted_request_ids:
             if request_id in self.states:
                 self._release_slot(self.states[request_id])
@@ -371,6 +378,9 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
+
+    def set_token_masks(self, masks: Any) -> None:
+        self.token_masks = masks
 
     def shutdown(self) -> None:
         """Nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)."""
@@ -673,7 +683,7 @@ class ModelRunner:
             out = SamplerOutput(tokens, None, None, None)
         else:
             batch = self.sampling.batch(request_ids)
-            out = self.sampler(logits, batch)
+            out = self.sampler(logits, batch, self._token_bitmask(request_ids, states))
             self.sampling.update(out.sampled_token_ids)
             if tp_world_size() > 1:
                 broadcast_tensor(out.sampled_token_ids)
@@ -681,4 +691,16 @@ class ModelRunner:
             s.num_pending += 1
             s.pending_row = row
         self._last_sampled = out.sampled_token_ids
-        return PendingStep(request_ids, states, out)
+        self._last_step = PendingStep(request_ids, states, out)
+        return self._last_step
+
+    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequestState]) -> Any:
+        """Constrained rows' allowed tokens, or None. Runs after the step's forward pass is queued, so
+        the grammar work overlaps it on a GPU; a row still waiting for the last step's token (async
+        scheduling) makes this wait for that step's samples, which the grammar must see first."""
+        masks = self.token_masks
+        if masks is None or not masks.any_constrained(request_ids):
+            return None
+        if self._last_step is not None and any(s.num_pending for s in states):
+            self._last_step.result()
+        return masks.fill(request_ids, [s.output_token_ids for s in states])

@@ -130,6 +130,10 @@ class TensorParallelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.local.kv_cache_spec()  # per rank: the same on every rank
 
+    def set_token_masks(self, masks: Any) -> None:
+        """Only the driver samples, so only its shard applies grammar masks."""
+        self.local.set_token_masks(masks)
+
     def take_failures(self) -> list[tuple[str, str, Exception]]:
         return self.local.take_failures()
 

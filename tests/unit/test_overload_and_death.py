@@ -218,6 +218,9 @@ class _FakeCore:
     def step(self) -> list:
         return []
 
+    def take_rejected(self) -> list[tuple[str, str]]:
+        return []
+
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0.0, 0, 0, 0, 0)
 
