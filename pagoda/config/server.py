@@ -24,6 +24,7 @@ DEFAULT_HEADER_TIMEOUT_S = 60.0
 DEFAULT_BODY_TIMEOUT_S = 300.0
 DEFAULT_IDLE_CONNECTION_TIMEOUT_S = 300.0
 METRICS_PREFIX_CHOICES = ("both", "vllm", "pagoda")
+TOOL_CALL_PARSERS = ("hermes", "qwen", "json")  # frontend/tool_calls/parsers.py
 
 logger = logging.getLogger("pagoda")
 
@@ -44,6 +45,15 @@ class ServerConfig:
         "let a chat request carry its own chat_template (rendered in a time- and size-bounded sandbox); "
         "without it such a request gets 400",
         store_true=True,
+    )
+    enable_auto_tool_choice: bool = knob(
+        False, "let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser", store_true=True
+    )
+    tool_call_parser: str | None = knob(
+        None,
+        "how the model writes tool calls: hermes (alias qwen: <tool_call> blocks, the Qwen2/Qwen2-VL and Hermes "
+        "templates) or json (a bare JSON call object, for models whose template has no tool format)",
+        choices=TOOL_CALL_PARSERS,
     )
     enable_log_requests: bool = knob(False, "log one line per request", store_true=True)
     disable_log_requests: bool = knob(False, "accepted for compatibility (default)", store_true=True)
@@ -129,5 +139,7 @@ class ServerConfig:
             raise ConfigError(f"--api-server-count must be at least 1 (got {self.api_server_count}).")
         if self.pipeline_parallel_size != 1:
             raise ConfigError("--pipeline-parallel-size > 1 is not supported; use 1.")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}).")
         if self.enable_chunked_prefill is False:
             logger.warning("--no-enable-chunked-prefill ignored: chunked prefill is always on")

@@ -1,10 +1,13 @@
 """OpenAI-compatible request and response schemas (pydantic), plus vLLM's extra sampling fields.
 
 Unknown request fields are accepted and ignored (as vLLM does), so clients that send newer OpenAI
-fields keep working. Field-level range checks live in `SamplingParams`; here only shapes, the
-cross-field rules that involve OpenAI-only fields, and the bounds on list lengths and `n`: those are
-checked on the parsed JSON before pydantic builds anything from it (a million tiny messages take
-~10 s and ~800 MB to validate), so an oversized field costs next to nothing.
+fields keep working, except those that change the output in vLLM or OpenAI and that Pagoda does not
+implement (`REFUSED_FIELDS`): those are a 400 naming the field, never silently dropped.
+
+Field-level range checks live in `SamplingParams`; here only shapes, the cross-field rules that involve
+OpenAI-only fields, and the bounds on list lengths and `n`: those are checked on the parsed JSON before
+pydantic builds anything from it (a million tiny messages take ~10 s and ~800 MB to validate), so an
+oversized field costs next to nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +46,54 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# Fields that change what vLLM or OpenAI generate and that Pagoda does not implement, with the value
+# that means "off" (sent with that value they are harmless): any other value is refused.
+REFUSED_FIELDS: dict[str, Any] = {
+    "logit_bias": {},
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "prompt_logprobs": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "guided_whitespace_pattern": None,
+    "logits_processors": None,
+    "functions": None,
+    "function_call": None,
+    "prediction": None,
+    "audio": None,
+    "structural_tag": None,
+}
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (its newer name for the guided_* fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -70,6 +121,13 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -109,6 +167,32 @@ class OtherPart(BaseModel):
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+MAX_TOOLS = 128  # OpenAI's cap on `tools`
 
 
 class ChatMessage(BaseModel):
@@ -151,6 +235,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # per-request min_pixels / max_pixels (vision models)
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 _TOKEN_IDS = TypeAdapter(list[int])
@@ -186,6 +273,10 @@ class TokenizeRequest(_Request):
     messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # As a chat request renders them (vLLM's /tokenize takes the same): to count or inspect a prompt with tools.
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -223,9 +314,33 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(BaseModel):
@@ -250,9 +365,15 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
+class ToolDeltaMessage(DeltaMessage):
+    """A delta of a stream with tools (other streams' chunks keep DeltaMessage's exact shape)."""
+
+    tool_calls: list[DeltaToolCall] | None = None
+
+
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: DeltaMessage
+    delta: DeltaMessage | ToolDeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -99,7 +99,7 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     serving = _serving(request)
     serving.check_model(body.model)
     if body.messages is not None:
-        _, tokens, _ = await serving.chat_prompt(body.messages, serving.ctx.chat_template, body.add_generation_prompt)
+        _, tokens, _ = await serving.tokenize_chat(body)
     elif body.prompt is not None:
         tokens = serving.tokenize(body.prompt, body.add_special_tokens)
     else:

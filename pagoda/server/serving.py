@@ -8,6 +8,7 @@ deltas accumulated.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,11 +22,20 @@ from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
 from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tokenizer import fast_encoder
+from pagoda.frontend.tool_calls.parsers import ToolCallStream
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.sse import SSE_DONE, sse_data
+from pagoda.server.tool_requests import (
+    ToolPlan,
+    final_message,
+    plan_tools,
+    prepare_messages,
+    refuse_unimplemented,
+    structured_outputs_of,
+)
 
 logger = logging.getLogger("pagoda.server")
 
@@ -55,6 +65,8 @@ class ServingContext:
     log_requests: bool = False
     multimodal: MultiModalServing | None = None  # set for vision-language models
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    tool_call_parser: str | None = None  # --tool-call-parser
 
     @property
     def model_name(self) -> str:
@@ -140,8 +152,19 @@ class OpenAIServing:
     def check_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
         check_prompt_tokens(token_ids, self.ctx.vocab_size, param)
 
-    def _sampling_params(self, req: p._SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, req: p._SamplingFields, max_tokens: int, logprobs: int | None, tool_plan: ToolPlan | None = None
+    ) -> SamplingParams:
         defaults = self.ctx.generation_defaults
+        refuse_unimplemented(req)
+        structured = structured_outputs_of(req)
+        if tool_plan is not None and tool_plan.forced is not None:
+            if structured is not None:
+                raise InvalidRequest(
+                    f"tool_choice {tool_plan.choice!r} already constrains the reply; drop {structured.param}.",
+                    structured.param,
+                )
+            structured = tool_plan.forced
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(req, name)
@@ -168,12 +191,17 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured,
         )
 
     # ---- chat ---------------------------------------------------------------------------------
-    async def prepare_chat(self, req: p.ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, Any]:
-        """(rendered text, prompt ids with image/video placeholders expanded, params, mm inputs or None)."""
+    async def prepare_chat(
+        self, req: p.ChatCompletionRequest
+    ) -> tuple[str, list[int], SamplingParams, Any, ToolPlan | None]:
+        """(rendered text, prompt ids with image/video placeholders expanded, params, mm inputs or None,
+        how tool calls are read back or None)."""
         self.check_model(req.model)
+        tool_plan = plan_tools(req, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.", "top_logprobs"
@@ -202,6 +230,7 @@ class OpenAIServing:
             req.mm_processor_kwargs,
             continue_final_message=req.continue_final_message,
             request_template=req.chat_template or None,
+            tool_plan=tool_plan,
         )
         self.check_tokens(token_ids, "messages")
         media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
@@ -212,7 +241,7 @@ class OpenAIServing:
             media_tokens,
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return text, token_ids, self._sampling_params(req, max_tokens, logprobs), mm_inputs
+        return text, token_ids, self._sampling_params(req, max_tokens, logprobs, tool_plan), mm_inputs, tool_plan
 
     async def chat_prompt(
         self,
@@ -224,13 +253,17 @@ class OpenAIServing:
         *,
         continue_final_message: bool = False,
         request_template: str | None = None,
+        tool_plan: ToolPlan | None = None,
     ) -> tuple[str, list[int], Any]:
         """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders.
         `request_template` (a request's own, allowed by --trust-request-chat-template) replaces
         `chat_template` and is rendered in the bounded sandbox, off the event loop."""
         if self.ctx.tokenizer is None:
             raise InvalidRequest("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.", "messages")
-        dicts = [self._message_dict(m) for m in messages]
+        template = request_template or chat_template or getattr(self.ctx.tokenizer, "chat_template", None)
+        dicts = prepare_messages([self._message_dict(m) for m in messages], tool_plan, template)
+        if tool_plan is not None:
+            template_kwargs = {**(template_kwargs or {}), "tools": tool_plan.template_tools}
         # All of it may end up in the rendered prompt, which the tokenizer must be able to take.
         for value, param in (
             (dicts, "messages"),
@@ -251,6 +284,22 @@ class OpenAIServing:
             request_template=request_template,
         )
 
+    async def tokenize_chat(self, req: p.TokenizeRequest) -> tuple[str, list[int], Any]:
+        """/tokenize of messages: the prompt a chat request with the same messages, tools and template gets."""
+        if req.chat_template and not self.ctx.trust_request_chat_template:
+            raise InvalidRequest(refused_message(), "chat_template")
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        assert req.messages is not None
+        return await self.chat_prompt(
+            req.messages,
+            self.ctx.chat_template,
+            req.add_generation_prompt,
+            kwargs or None,
+            request_template=req.chat_template or None,
+        )
+
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
         data = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
@@ -260,7 +309,7 @@ class OpenAIServing:
         return data
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
-        text, ids, params, mm_inputs = await self.prepare_chat(req)
+        text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
         async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
@@ -272,16 +321,18 @@ class OpenAIServing:
                         logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
                     if c.finish_reason is not None:
                         finals[c.index] = c
-        choices = [
-            p.ChatChoice(
-                index=i,
-                message=p.ResponseMessage(content="".join(texts[i])),
-                logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
-                finish_reason=_reason(finals[i]),
-                stop_reason=_stop(finals[i]),
+        choices = []
+        for i in range(params.n):
+            message, reason = final_message("".join(texts[i]), tool_plan, _reason(finals[i]))
+            choices.append(
+                p.ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
+                    finish_reason=reason,
+                    stop_reason=_stop(finals[i]),
+                )
             )
-            for i in range(params.n)
-        ]
         return p.ChatCompletionResponse(
             id=p.make_id("chatcmpl"),
             created=p.now(),
@@ -291,9 +342,9 @@ class OpenAIServing:
         )
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
-        text, ids, params, mm_inputs = await self.prepare_chat(req)
+        text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
-        return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission)
+        return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission, tool_plan)
 
     async def _chat_stream(
         self,
@@ -304,8 +355,11 @@ class OpenAIServing:
         arrival: float,
         mm_inputs: Any = None,
         admission: Admission | None = None,
+        tool_plan: ToolPlan | None = None,
     ) -> AsyncIterator[str | bytes]:
         chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
+        # With tools, each sample's text goes through its tool-call parser: content deltas and tool_calls deltas.
+        calls = [ToolCallStream(tool_plan.parser) for _ in range(params.n)] if tool_plan is not None else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
         template = p.ChatChunkTemplate(chunk_id, created, name)
@@ -328,6 +382,9 @@ class OpenAIServing:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None:
+                        continue
+                    if calls is not None:
+                        choices.append(_tool_choice_chunk(calls[c.index], c, self._chat_logprobs))
                         continue
                     choice = template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None else None
                     if choice is None:
@@ -400,10 +457,17 @@ class OpenAIServing:
                 "prompt",
             )
         prepared = []
+        params: SamplingParams | None = None
         for text, ids in items:
             max_tokens = self._resolve_max_tokens(req.max_tokens, len(ids))  # first: O(1) for an overlong prompt
             self.check_tokens(ids)
-            prepared.append((text, ids, self._sampling_params(req, max_tokens, req.logprobs)))
+            # The request's fields (and its grammar) are checked once; prompts differ only in max_tokens.
+            params = (
+                self._sampling_params(req, max_tokens, req.logprobs)
+                if params is None
+                else dataclasses.replace(params, max_tokens=max_tokens)
+            )
+            prepared.append((text, ids, params))
         return prepared
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
@@ -597,6 +661,31 @@ class OpenAIServing:
         finally:
             metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
             metrics.e2e.observe(time.monotonic() - arrival)
+
+
+def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any) -> str:
+    """One streamed choice of a request with tools: content the parser let through, tool-call deltas."""
+    content, deltas = stream.feed(c.text, final=c.finish_reason is not None)
+    tool_calls = [
+        p.DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+    ]
+    reason = _reason(c)
+    if reason == "stop" and stream.call_ids:
+        reason = "tool_calls"
+    lp = p.ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs)) if c.logprobs is not None else None
+    return p.ChatStreamChoice(
+        index=c.index,
+        delta=p.ToolDeltaMessage(content=content if content or not tool_calls else None, tool_calls=tool_calls or None),
+        logprobs=lp,
+        finish_reason=reason,
+        stop_reason=_stop(c),
+    ).model_dump_json()
 
 
 def check_unicode(value: Any, param: str) -> None:

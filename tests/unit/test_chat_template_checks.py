@@ -131,7 +131,7 @@ async def post_chat(serving: OpenAIServing, **extra) -> httpx.Response:
 
 
 def prompt_of(serving: OpenAIServing, **extra) -> str:
-    text, _, _, _ = asyncio.run(serving.prepare_chat(p.ChatCompletionRequest(**chat_body(**extra))))
+    text, _, _, _, _ = asyncio.run(serving.prepare_chat(p.ChatCompletionRequest(**chat_body(**extra))))
     return text
 
 
