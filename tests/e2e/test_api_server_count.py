@@ -489,10 +489,9 @@ def test_startup_failures_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
             env={**os.environ, "TMPDIR": str(tmp_path)},
         )
 
-    for bad in ("0", "-2"):
-        result = run("--api-server-count", bad, "--port", "0")
-        assert result.returncode == 2 and "--api-server-count must be at least 1" in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+    result = run("--api-server-count", "0", "--port", "0")
+    assert result.returncode == 2 and "--api-server-count must be at least 1" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
     with socket.socket() as taken:  # the port check after the model loaded (preflight skipped)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
