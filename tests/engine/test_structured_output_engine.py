@@ -225,3 +225,18 @@ def test_sentencepiece_vocabulary_yuan2(wide_yuan) -> None:
             jsonschema.validate(json.loads(c.text), QWEN_SCHEMA)
     finally:
         llm.shutdown()
+
+
+def test_a_stop_string_inside_the_grammar_ends_the_output_there(default_llm) -> None:
+    prompt = chat_prompt(default_llm, "Answer in one word.")
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        max_tokens=30,
+        stop=[" STOP"],
+        structured_outputs=StructuredOutputsParams(regex=r"Answer: [a-z]{1,6} STOP [a-z]{1,6}"),
+    )
+    (out,) = default_llm.generate([prompt], params, use_tqdm=False)
+    for c in out.outputs:
+        assert re.fullmatch(r"Answer: [a-z]{1,6}", c.text), c.text
+        assert c.finish_reason == "stop" and c.stop_reason == " STOP"
