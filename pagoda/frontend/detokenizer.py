@@ -121,6 +121,19 @@ def decode_ids(tokenizer: Any, token_ids: Sequence[int], **kwargs: Any) -> str:
     return tokenizer.decode(decodable_ids(tokenizer, token_ids), **kwargs)
 
 
+def held_prefix_len(text: str, markers: list[str] | tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: text that
+    must be held back from a stream because the next tokens may complete a marker (a stop string, a
+    tool-call tag)."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:k]):
+                best = k
+                break
+    return best
+
+
 class _FastDecoder:
     """`tokenizer.decode(ids, skip_special_tokens=...)` through the backend's Rust decoder, plus a
     cache of single-token decodes (the steady-state context window is one token; a decode is a
@@ -471,14 +484,7 @@ class IncrementalDetokenizer:
         return None if best is None else (best[1], best[2])
 
     def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+        return held_prefix_len(text, self._stops)
 
     def _push(self, text: str) -> None:
         if text:

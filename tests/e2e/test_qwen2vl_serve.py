@@ -422,7 +422,7 @@ def _valid_weather_call(name: str, arguments: str) -> None:
 
 def test_required_tool_call_stream_and_not_then_the_round_trip(client, http, tools_template):
     extra = {"chat_template": tools_template}
-    out = client.chat.completions.create(
+    request = dict(
         model=MODEL,
         messages=ASK,
         tools=[WEATHER],
@@ -432,21 +432,12 @@ def test_required_tool_call_stream_and_not_then_the_round_trip(client, http, too
         parallel_tool_calls=False,
         extra_body=extra,
     )
+    out = client.chat.completions.create(**request)
     assert out.choices[0].finish_reason == "tool_calls", out.choices[0].message
     (call,) = out.choices[0].message.tool_calls
     _valid_weather_call(call.function.name, call.function.arguments)
 
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=[WEATHER],
-        tool_choice="required",
-        max_tokens=120,
-        temperature=0,
-        parallel_tool_calls=False,
-        stream=True,
-        extra_body=extra,
-    )
+    stream = client.chat.completions.create(**request, stream=True)
     streamed, finish = {"name": None, "arguments": ""}, None
     for chunk in stream:
         for choice in chunk.choices:

@@ -59,16 +59,12 @@ def schemas() -> list[dict]:
     return out
 
 
-def chat_prompt(llm: LLM, text: str) -> dict:
-    tokenizer = llm.get_tokenizer()
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    return {"prompt": rendered, "prompt_token_ids": tokenizer.encode(rendered)}
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
 
 def test_fifty_schemas_every_output_validates(default_llm) -> None:
-    prompt = chat_prompt(default_llm, f"Extract the receipt as JSON.\n\n{RECEIPT}")
+    prompt = user(f"Extract the receipt as JSON.\n\n{RECEIPT}")
     cases = schemas()
     params = [
         SamplingParams(
@@ -80,8 +76,8 @@ def test_fifty_schemas_every_output_validates(default_llm) -> None:
         )
         for i, schema in enumerate(cases)
     ]
-    default_llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # the 50 then hit its prefix
-    outs = default_llm.generate([prompt] * len(cases), params, use_tqdm=False)
+    default_llm.chat([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # the 50 then hit its prefix
+    outs = default_llm.chat([prompt] * len(cases), params, use_tqdm=False)
     for schema, out in zip(cases, outs):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion.text
@@ -89,10 +85,10 @@ def test_fifty_schemas_every_output_validates(default_llm) -> None:
 
 
 def test_regex_and_choice_hold_on_every_sample_at_temperature_one(default_llm) -> None:
-    prompt = chat_prompt(default_llm, "Give me an order code.")
+    prompt = user("Give me an order code.")
     regex = r"[A-Z]{3}-[0-9]{4}"
     colours = ["red", "green", "dark blue"]
-    regex_out, choice_out, json_out = default_llm.generate(
+    regex_out, choice_out, json_out = default_llm.chat(
         [prompt] * 3,
         [
             SamplingParams(
@@ -115,13 +111,13 @@ def test_regex_and_choice_hold_on_every_sample_at_temperature_one(default_llm) -
 
 
 def test_unconstrained_requests_get_the_tokens_they_get_alone(default_llm) -> None:
-    prompts = [chat_prompt(default_llm, q) for q in ("Name a planet.", "What is 2 + 2?", "Say hello in French.")]
+    prompts = [user(q) for q in ("Name a planet.", "What is 2 + 2?", "Say hello in French.")]
     free = SamplingParams(temperature=0, max_tokens=16)
-    alone = [o.outputs[0].token_ids for o in default_llm.generate(prompts, free, use_tqdm=False)]
+    alone = [o.outputs[0].token_ids for o in default_llm.chat(prompts, free, use_tqdm=False)]
     constrained = SamplingParams(
         temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="[0-9]{1,8}")
     )
-    mixed = default_llm.generate(
+    mixed = default_llm.chat(
         [prompts[0], prompts[1], prompts[1], prompts[2], prompts[0]],
         [free, constrained, free, constrained, free],
         use_tqdm=False,
@@ -228,7 +224,7 @@ def test_sentencepiece_vocabulary_yuan2(wide_yuan) -> None:
 
 
 def test_a_stop_string_inside_the_grammar_ends_the_output_there(default_llm) -> None:
-    prompt = chat_prompt(default_llm, "Answer in one word.")
+    prompt = user("Answer in one word.")
     params = SamplingParams(
         n=2,
         temperature=1.0,
@@ -236,7 +232,7 @@ def test_a_stop_string_inside_the_grammar_ends_the_output_there(default_llm) -> 
         stop=[" STOP"],
         structured_outputs=StructuredOutputsParams(regex=r"Answer: [a-z]{1,6} STOP [a-z]{1,6}"),
     )
-    (out,) = default_llm.generate([prompt], params, use_tqdm=False)
+    (out,) = default_llm.chat([prompt], params, use_tqdm=False)
     for c in out.outputs:
         assert re.fullmatch(r"Answer: [a-z]{1,6}", c.text), c.text
         assert c.finish_reason == "stop" and c.stop_reason == " STOP"

@@ -28,9 +28,10 @@ CUDA = torch.cuda.is_available()
 TOKENS = 16 if CUDA else 6
 # Synchronous and async scheduling feed the graphs the same buffers; they differ in where a decode row's
 # input token comes from (the host, or the last step's samples on the device). Under the interpreter each
-# golden run costs over a minute, so the CPU runs the async variant (the default on CUDA, and the one with
-# more to get wrong: the device-side gather); a GPU runs both.
-SCHEDULING = [pytest.param(False, marks=pytest.mark.skipif(not CUDA, reason="sync variant: GPU only (cost)")), True]
+# golden run here costs close to a minute, so the CPU runs these with async scheduling (the default on
+# CUDA, and the one with more to get wrong: the device-side gather) and takes the synchronous graph path
+# through `test_yuan_one_row_at_a_time_matches_golden_steps` (the CPU's default scheduling); a GPU runs both.
+SCHEDULING = [False, True] if CUDA else [True]
 
 
 def _engine(fixture: str, **overrides) -> LLMEngine:

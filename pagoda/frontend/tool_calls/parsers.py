@@ -22,6 +22,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from pagoda.frontend.detokenizer import held_prefix_len
+
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -82,14 +84,6 @@ def _scan_call(body: str) -> ParsedCall | None:
     return call
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class HermesParser:
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -102,7 +96,7 @@ class HermesParser:
             start = text.find(self.OPEN, pos)
             if start < 0:
                 tail = text[pos:]
-                hold = 0 if final else _held_prefix(tail, self.OPEN)
+                hold = 0 if final else held_prefix_len(tail, (self.OPEN,))
                 content.append(tail[: len(tail) - hold])
                 out.pending = tail[len(tail) - hold :]
                 break
@@ -111,7 +105,7 @@ class HermesParser:
             end = text.find(self.CLOSE, body_start)
             if end < 0:  # an open block: its tail may be the start of the closing tag
                 body = text[body_start:]
-                body = body[: len(body) - _held_prefix(body, self.CLOSE)]
+                body = body[: len(body) - held_prefix_len(body, (self.CLOSE,))]
             else:
                 body = text[body_start:end]
             call = _scan_call(body)
