@@ -44,6 +44,10 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", 0) or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // workers))))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # A tensor-parallel rank's heartbeat (and a Ray actor's ping answer) can wait seconds for a core here,
+    # with two workers each running several processes; the 5 s default would then end the engine — and
+    # an offline engine's process is this worker. The fault tests set their own short timeout.
+    os.environ.setdefault("PAGODA_TP_HEARTBEAT_TIMEOUT_S", "60")
 
 
 TIERS = ("fast", "interp", "golden", "e2e")

@@ -110,7 +110,8 @@ class RayRanks:
         self.host = ray.util.get_node_ip_address()
         self.actors: list[Any] = []
         self.runs: list[Any] = []
-        self._last_ping = 0.0
+        self._sent: dict[int, tuple[Any, float]] = {}  # rank -> (its unanswered ping, when it was sent)
+        self._answered: dict[int, float] = {}  # rank -> when it last answered a ping
 
     def start(self, config: EngineConfig, init_method: str, eos_token_ids: list[int]) -> None:
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
@@ -138,18 +139,43 @@ class RayRanks:
                 except Exception as exc:  # noqa: BLE001 - what Ray says about the actor's end
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     return f"tensor-parallel rank {rank} (Ray actor) failed: {first}"
-        now = time.monotonic()
-        if now - self._last_ping < 1.0:
-            return None
-        self._last_ping = now
-        timeout = envs.TP_HEARTBEAT_TIMEOUT_S.value
+        return self._pings()
+
+    def _pings(self) -> str | None:
+        """Each actor answers a ping about once a second. The watch never blocks on one: a ping is sent,
+        then looked at on later polls. An actor that has answered before and then leaves a ping
+        unanswered for PAGODA_TP_HEARTBEAT_TIMEOUT_S is hung; one that has never answered is still
+        being created (a process start and the imports, slow on a loaded host) and gets
+        PAGODA_TP_INIT_TIMEOUT_S."""
+        ray, now = self.ray, time.monotonic()
         for rank, actor in enumerate(self.actors, start=1):
-            try:
-                ray.get(actor.ping.remote(), timeout=timeout)
-            except ray.exceptions.GetTimeoutError:
-                return f"tensor-parallel rank {rank} (Ray actor) is hung: no answer to a ping within {timeout:g} s"
-            except Exception as exc:  # noqa: BLE001 - a dead actor: the next poll of its run says more
-                return f"tensor-parallel rank {rank} (Ray actor) is gone: {type(exc).__name__}"
+            sent = self._sent.get(rank)
+            if sent is None:
+                if now - self._answered.get(rank, 0.0) >= 1.0:
+                    self._sent[rank] = (actor.ping.remote(), now)
+                continue
+            ref, at = sent
+            done, _ = ray.wait([ref], timeout=0)
+            if done:
+                del self._sent[rank]
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - a dead actor: the next poll of its run says more
+                    return f"tensor-parallel rank {rank} (Ray actor) is gone: {type(exc).__name__}"
+                self._answered[rank] = now
+                continue
+            if rank in self._answered:
+                limit, name = envs.TP_HEARTBEAT_TIMEOUT_S.value, "PAGODA_TP_HEARTBEAT_TIMEOUT_S"
+                if now - at > limit:
+                    return (
+                        f"tensor-parallel rank {rank} (Ray actor) is hung: no answer to a ping within {limit:g} s "
+                        f"({name})"
+                    )
+            elif now - at > envs.TP_INIT_TIMEOUT_S.value:
+                return (
+                    f"tensor-parallel rank {rank} (Ray actor) did not start: no answer within "
+                    f"{envs.TP_INIT_TIMEOUT_S.value:g} s (PAGODA_TP_INIT_TIMEOUT_S)"
+                )
         return None
 
     def stop(self, timeout: float = 10.0) -> None:

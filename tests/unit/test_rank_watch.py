@@ -91,3 +91,88 @@ def test_the_watch_tells_on_fatal_then_exits_nonzero(monkeypatch):
     with pytest.raises(Exited):
         watch._run()
     assert told == ["tensor-parallel rank 1 (pid 11) exited with code -9"] and exits == [1]
+
+
+class FakeRef:
+    def __init__(self, answer: float | Exception | None = None):
+        self.answer = answer  # None: not answered yet
+
+
+class FakeRay:
+    """The part of `ray` RayRanks' watch uses: refs that are done once they hold an answer."""
+
+    def wait(self, refs: list[FakeRef], timeout: float):
+        done = [r for r in refs if r.answer is not None]
+        return done, [r for r in refs if r.answer is None]
+
+    def get(self, ref: FakeRef):
+        if isinstance(ref.answer, Exception):
+            raise ref.answer
+        return ref.answer
+
+
+class FakeActor:
+    def __init__(self):
+        self.pings: list[FakeRef] = []
+
+        class _Ping:
+            @staticmethod
+            def remote() -> FakeRef:
+                self.pings.append(FakeRef())
+                return self.pings[-1]
+
+        self.ping = _Ping
+
+
+def _ray_ranks(n: int) -> tuple[rank_group.RayRanks, list[FakeActor]]:
+    ranks = rank_group.RayRanks.__new__(rank_group.RayRanks)  # no cluster: the fake ray stands in
+    actors = [FakeActor() for _ in range(n)]
+    ranks.ray, ranks.world_size, ranks.actors = FakeRay(), n + 1, actors
+    ranks.runs = [FakeRef() for _ in range(n)]  # runs that have not returned
+    ranks._sent, ranks._answered = {}, {}
+    return ranks, actors
+
+
+def _age_pings(ranks: rank_group.RayRanks, seconds: float) -> None:
+    ranks._sent = {rank: (ref, at - seconds) for rank, (ref, at) in ranks._sent.items()}
+
+
+def test_a_ray_actor_still_starting_gets_the_init_timeout_not_the_heartbeat_one(monkeypatch):
+    """A ping to an actor being created waits on its process start and imports: seconds on a loaded host.
+    That is no hang until PAGODA_TP_INIT_TIMEOUT_S, and the watch never blocks on the ping."""
+    monkeypatch.setenv("PAGODA_TP_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("PAGODA_TP_INIT_TIMEOUT_S", "30")
+    ranks, actors = _ray_ranks(1)
+    assert ranks.fault() is None and len(actors[0].pings) == 1  # sent, not waited for
+    _age_pings(ranks, 10)
+    assert ranks.fault() is None and len(actors[0].pings) == 1  # 10 s unanswered while starting: fine
+    _age_pings(ranks, 25)
+    line = ranks.fault()
+    assert line == "tensor-parallel rank 1 (Ray actor) did not start: no answer within 30 s (PAGODA_TP_INIT_TIMEOUT_S)"
+
+
+def test_a_ray_actor_that_answered_then_goes_silent_is_hung(monkeypatch):
+    monkeypatch.setenv("PAGODA_TP_HEARTBEAT_TIMEOUT_S", "2")
+    ranks, actors = _ray_ranks(2)
+    ranks.fault()
+    for actor in actors:
+        actor.pings[-1].answer = 1.0
+    assert ranks.fault() is None and ranks._sent == {}  # both answered
+    ranks._answered = {rank: at - 1.5 for rank, at in ranks._answered.items()}
+    assert ranks.fault() is None and len(actors[1].pings) == 2  # a second ping each, a second later
+    actors[0].pings[-1].answer = 2.0
+    _age_pings(ranks, 1.0)
+    assert ranks.fault() is None  # rank 2's ping is 1 s old: under the 2 s limit
+    _age_pings(ranks, 2.0)
+    line = ranks.fault()
+    hung = "tensor-parallel rank 2 (Ray actor) is hung: no answer to a ping within 2 s (PAGODA_TP_HEARTBEAT_TIMEOUT_S)"
+    assert line == hung
+
+
+def test_a_ray_actor_whose_ping_fails_is_gone_and_a_returned_run_is_named():
+    ranks, actors = _ray_ranks(1)
+    ranks.fault()
+    actors[0].pings[-1].answer = RuntimeError("actor died")
+    assert ranks.fault() == "tensor-parallel rank 1 (Ray actor) is gone: RuntimeError"
+    ranks.runs[0].answer = RuntimeError("ActorDiedError: the actor died unexpectedly")
+    assert ranks.fault() == "tensor-parallel rank 1 (Ray actor) failed: ActorDiedError: the actor died unexpectedly"
