@@ -4,6 +4,12 @@ same model, same prompts, same run, at each concurrency.
 Usage:
     python benchmarks/structured_output.py [--model M] [--concurrency 1 64] [--output-len 128] [--rounds 2]
         [--json benchmarks/results/structured_output_cpu.json]
+    python benchmarks/structured_output.py --shape qwen2-vl-2b-text --tokenizer .gpu/qwen-tokenizer \
+        --json benchmarks/results/structured_output_h200.json     # on the device
+
+--shape builds one of `benchmarks/h200_shapes.py`'s shapes with random bf16 weights (speed depends on the
+shape and the vocabulary, not the values) around the tokenizer files in --tokenizer: the grammar engine
+needs the real vocabulary, the model does not need real weights.
 
 Both sides generate exactly --output-len tokens per request, so tokens/s compare like for like: the
 unconstrained requests with ignore_eos, the constrained ones under a schema that cannot close sooner (an
@@ -20,6 +26,8 @@ import json
 import os
 import random
 import subprocess
+import sys
+import tempfile
 import time
 
 
@@ -36,6 +44,34 @@ def schema(round_index: int) -> dict:
     return {"title": f"receipt-{round_index}", "type": "array", "minItems": 64, "items": line}
 
 
+def _install_timers() -> dict[str, list]:
+    """Host time of the runner's mask step (its wait for the last step's tokens included) and of the
+    grammar engine's fill inside it, summed per name: {name: [seconds, calls]}."""
+    from pagoda.frontend.structured_output.manager import GrammarManager
+    from pagoda.worker.model_runner import ModelRunner
+
+    timers: dict[str, list] = {}
+
+    def timed(cls: type, name: str) -> None:
+        inner = getattr(cls, name)
+        slot = timers.setdefault(name, [0.0, 0])
+
+        def wrapper(*a, **k):
+            started = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                slot[0] += time.perf_counter() - started
+                slot[1] += 1
+
+        setattr(cls, name, wrapper)
+
+    timed(ModelRunner, "_token_bitmask")
+    timed(GrammarManager, "fill")
+    timed(ModelRunner, "launch")
+    return timers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
@@ -44,12 +80,28 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--shape", default=None, help="a shape of benchmarks/h200_shapes.py, random weights")
+    parser.add_argument("--tokenizer", default=None, help="with --shape: a folder of tokenizer files")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time the engine's mask work per constrained step (host ms)"
+    )
     args = parser.parse_args()
+    timers = _install_timers() if args.breakdown else None
 
     from pagoda import LLM, SamplingParams
     from pagoda.sampling_params import StructuredOutputsParams
 
-    llm = LLM(args.model, max_model_len=1024, max_num_seqs=max(args.concurrency), cpu_kv_cache_space_gib=1, seed=0)
+    engine_args: dict = dict(max_model_len=1024, max_num_seqs=max(args.concurrency), seed=0)
+    model = args.model
+    if args.shape:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from h200_shapes import write_config
+
+        model = write_config(tempfile.mkdtemp(prefix="pagoda-so-"), args.shape, args.tokenizer)
+        engine_args.update(load_format="dummy", dtype="bfloat16")
+    else:
+        engine_args.update(cpu_kv_cache_space_gib=1)
+    llm = LLM(model, **engine_args)
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
     rows = []
@@ -79,6 +131,11 @@ def main() -> None:
                     }
                 )
                 print(f"c={c} round {round_index + 1} {side}: {tokens / elapsed:.1f} output tok/s", flush=True)
+                if timers is not None:
+                    means = (f"{k} {v[0] / max(1, v[1]) * 1e3:.3f} ms x{v[1]}" for k, v in timers.items())
+                    print("   " + ", ".join(means), flush=True)
+                    for v in timers.values():
+                        v[:] = [0.0, 0]
     print("\n| concurrency | unconstrained tok/s | JSON-schema tok/s | ratio |\n| ---: | ---: | ---: | ---: |")
     summary = []
     for c in args.concurrency:
@@ -104,6 +161,7 @@ def main() -> None:
                     "device": device,
                     "commit": commit,
                     "date": time.strftime("%Y-%m-%d"),
+                    "model": args.shape or args.model or "default",
                     "output_len": args.output_len,
                     "summary": summary,
                     "rows": rows,

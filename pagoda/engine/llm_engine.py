@@ -229,7 +229,12 @@ class LLMEngine:
     def grammars(self) -> GrammarManager:
         if self._grammars is None:
             assert self.tokenizer is not None
-            self._grammars = GrammarManager(self.tokenizer, self.vocab_size, sorted(self.token_info.eos_token_ids))
+            self._grammars = GrammarManager(
+                self.tokenizer,
+                self.vocab_size,
+                sorted(self.token_info.eos_token_ids),
+                pin_memory=self.config.device.device == "cuda",
+            )
             self.runner.set_token_masks(self._grammars)
         return self._grammars
 
@@ -241,13 +246,15 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         for request_id, (future, children, deadline) in list(self._awaiting_grammar.items()):
-            param = children[0].sampling_params.structured_outputs.param  # type: ignore[union-attr]
+            structured = children[0].sampling_params.structured_outputs
+            assert structured is not None
+            param = structured.param
             if future.done():
                 del self._awaiting_grammar[request_id]
                 error = future.exception()
                 if error is None:
                     for child in children:
-                        self.grammars.start(child.request_id, future.result())
+                        self.grammars.start(child.request_id, future.result(), structured.kind)
                         self.scheduler.add_request(child)
                     continue
                 message = f"{param}: the grammar cannot be compiled: {error}"

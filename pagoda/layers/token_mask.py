@@ -14,14 +14,17 @@ from torch import Tensor
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Tensor:
     """logits [B, V] (any float dtype) → a float32 [B, V] copy with the masked tokens of `rows` at -inf.
-    bitmask: int32 [B, ceil(V/32)] on the host."""
+    bitmask: int32 [B, ceil(V/32)] on the host (page-locked for a GPU), all ones in the other rows."""
     import xgrammar as xgr  # lazy: only steps with constrained rows load the grammar engine
 
     masked = logits.float()
     if masked.data_ptr() == logits.data_ptr():
         masked = masked.clone()  # the caller's logits stay raw (logprobs are of the model's distribution)
+    # On a GPU every row is masked (the others' all-ones rows change nothing): a list of row indices
+    # would be copied from pageable memory, which blocks the host until the forward pass ends.
+    indices = rows if masked.device.type == "cpu" else None
     xgr.apply_token_bitmask_inplace(
-        masked, bitmask.to(masked.device, non_blocking=True), vocab_size=masked.shape[1], indices=rows
+        masked, bitmask.to(masked.device, non_blocking=True), vocab_size=masked.shape[1], indices=indices
     )
     return masked
 

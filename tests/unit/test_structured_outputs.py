@@ -129,8 +129,8 @@ def test_manager_walks_a_schema_over_a_byte_level_vocabulary(qwen_tokenizer) -> 
         StructuredOutputsParams(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
     ).done()
     document = qwen_tokenizer.encode('{"kind": "ticket", "total": 12}')
-    manager.start("a", compiled)
-    manager.start("free", compiled)
+    manager.start("a", compiled, "json")
+    manager.start("free", compiled, "json")
     manager.remove("free")
     outputs: list[int] = []
     for token in [*document, eos]:
@@ -145,7 +145,7 @@ def test_manager_walks_a_schema_over_a_byte_level_vocabulary(qwen_tokenizer) -> 
     bitmask, _ = manager.fill(["a"], [outputs])
     assert allowed(bitmask, 0, vocab) == {eos}
     # A token the grammar never allowed (an engine bug) ends the request the same way.
-    manager.start("b", compiled)
+    manager.start("b", compiled, "json")
     bitmask, _ = manager.fill(["b"], [qwen_tokenizer.encode("nope")])
     assert allowed(bitmask, 0, vocab) == {eos}
     assert not manager.any_constrained(["free", "other"])
@@ -158,8 +158,49 @@ def test_eos_in_a_words_sign_bit(qwen_tokenizer) -> None:
     eos = 151647  # 151647 % 32 == 31: the word's sign bit
     manager = GrammarManager(qwen_tokenizer, 151936, [eos])
     compiled = manager.compile(StructuredOutputsParams(choice=["yes"])).result(timeout=60)
-    manager.start("a", compiled)
+    manager.start("a", compiled, "choice")
     outputs = qwen_tokenizer.encode("yes") + [eos]
     bitmask, _ = manager.fill(["a"], [outputs])
     assert allowed(bitmask, 0, 151936) == {eos}
+    manager.shutdown()
+
+
+def test_json_whitespace_is_bounded_on_the_mask(qwen_tokenizer) -> None:
+    """After MAX_JSON_WHITESPACE whitespace characters the row allows exactly what the grammar allows minus
+    the whitespace-only tokens (the reference: each token's decoded text); a pattern that needs more
+    spaces keeps its mask; a regex constraint is never bounded."""
+    from pagoda.frontend.structured_output.grammars import MAX_JSON_WHITESPACE
+    from pagoda.frontend.structured_output.manager import GrammarManager
+
+    vocab, eos = 151936, 151645
+    manager = GrammarManager(qwen_tokenizer, vocab, [eos])
+    whitespace_only = {
+        i for i in range(len(qwen_tokenizer)) if (t := qwen_tokenizer.decode([i])) and not t.strip(" \t\n\r")
+    }
+    newline = qwen_tokenizer.encode("\n")
+    assert len(newline) == 1 and newline[0] in whitespace_only
+
+    def walk(params: StructuredOutputsParams, text: str, kind: str, extra: int) -> tuple[set[int], set[int]]:
+        """The mask after `text` then `extra` newlines, bounded and as the grammar alone gives it."""
+        compiled = manager.compile(params).result(timeout=60)
+        outputs = qwen_tokenizer.encode(text) + newline * extra
+        manager.start("r", compiled, kind)
+        manager.start("raw", compiled, "grammar")  # the same grammar, not a JSON kind: never bounded
+        bitmask, _ = manager.fill(["r", "raw"], [outputs, outputs])
+        manager.remove("r"), manager.remove("raw")
+        return allowed(bitmask, 0, vocab), allowed(bitmask, 1, vocab)
+
+    integer = {"type": "integer"}
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"a": integer, "b": integer}})
+    below, raw = walk(schema, "{", "json", MAX_JSON_WHITESPACE - 1)
+    assert below == raw and below & whitespace_only  # 23 newlines: more whitespace may follow
+    at, raw = walk(schema, "{", "json", MAX_JSON_WHITESPACE)
+    assert raw & whitespace_only and at == raw - whitespace_only and at  # '"a"' or '}' must come now
+    # After a value the count starts again: the bound is per run of whitespace.
+    again, raw = walk(schema, '{"a": 1' + "\n" * 20 + ",", "json", 10)
+    assert again == raw and again & whitespace_only
+    # A string that can only go on with spaces keeps its spaces (the mask is never emptied).
+    spaces = StructuredOutputsParams(json={"type": "string", "pattern": "^ {40}$"})
+    stuck, raw = walk(spaces, '"' + " " * 30, "json", 0)
+    assert stuck == raw and stuck <= whitespace_only
     manager.shutdown()

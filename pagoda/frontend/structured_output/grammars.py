@@ -16,7 +16,12 @@ from pagoda.sampling_params import StructuredOutputsParams
 
 # The longest run of whitespace JSON may have between two elements: room for a newline and indentation
 # several levels deep, but not for the endless newlines a small model falls into when nothing stops it.
+# Enforced on the mask (`manager.GrammarManager`), not in the grammar: xgrammar's own bound
+# (max_whitespace_cnt) makes every whitespace token depend on the count, and a step's mask then costs
+# several times as much (benchmarks/profile/grammar_fill.py).
 MAX_JSON_WHITESPACE = 24
+# The constraint kinds whose whitespace is JSON's (free between elements), where the bound applies.
+JSON_KINDS = frozenset({"json", "json_object", "structural_tag"})
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful part.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -60,18 +65,13 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
 
     kind = params.kind
     any_whitespace = not params.disable_any_whitespace
-    whitespace = MAX_JSON_WHITESPACE if any_whitespace else None
     try:
         if kind == "json":
             schema = parse_schema(params)
-            return xgr.Grammar.from_json_schema(
-                json.dumps(schema), any_whitespace=any_whitespace, strict_mode=True, max_whitespace_cnt=whitespace
-            )
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace, strict_mode=True)
         if kind == "json_object":
             # OpenAI's json_object: an object, any keys and values (not strict: extra properties allowed).
-            return xgr.Grammar.from_json_schema(
-                '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False, max_whitespace_cnt=whitespace
-            )
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
         if kind == "regex":

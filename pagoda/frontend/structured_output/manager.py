@@ -15,41 +15,80 @@ Life of a constrained request:
 A matcher that has accepted EOS allows only EOS (the request is ending); one that was handed a
 token it does not accept (never, unless a bug) is logged and allows only EOS, so the request ends
 rather than continuing unconstrained.
+
+JSON's free whitespace is bounded here, on the mask: once a JSON-kind sequence ends in
+MAX_JSON_WHITESPACE whitespace characters, its row also forbids the tokens that are whitespace only
+(unless nothing else is allowed), so the next token moves the JSON on. The grammar itself leaves
+whitespace unbounded, which keeps each row's fill cheap (grammars.MAX_JSON_WHITESPACE says why).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
-from pagoda.frontend.structured_output.grammars import build_grammar, clean_error
+from pagoda.frontend.structured_output.grammars import JSON_KINDS, MAX_JSON_WHITESPACE, build_grammar, clean_error
 from pagoda.frontend.structured_output.vocabulary import grammar_tokenizer_info
 from pagoda.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagoda")
 
 _CACHE_ENTRIES = 256  # compiled grammars kept (each a few hundred KB at a 150k vocabulary)
-_BATCH_FILL_ROWS = 8  # from this many constrained rows on, xgrammar fills the rows on its own threads
+
+
+_JSON_WHITESPACE = b" \t\n\r"
 
 
 class _Matcher:
-    __slots__ = ("matcher", "accepted", "broken")
+    __slots__ = ("matcher", "accepted", "broken", "json_whitespace", "trailing_whitespace")
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, json_whitespace: bool):
         self.matcher = matcher
         self.accepted = 0  # output tokens fed to the matcher so far
         self.broken = False
+        self.json_whitespace = json_whitespace  # the whitespace bound applies
+        self.trailing_whitespace = 0  # whitespace characters the output ends in
+
+
+class _Whitespace:
+    """Per token id: how many JSON whitespace characters its text ends in, whether it is nothing else,
+    and the packed mask (the bitmask's format) of the tokens that are not whitespace only."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int):
+        trailing = np.zeros(vocab_size, dtype=np.int32)
+        only = np.zeros(vocab_size, dtype=bool)
+        for token_id, text in enumerate(decoded_vocab[:vocab_size]):
+            if text:
+                kept = len(text.rstrip(_JSON_WHITESPACE))
+                trailing[token_id] = len(text) - kept
+                only[token_id] = kept == 0
+        self.trailing, self.only = trailing.tolist(), only.tolist()
+        words = -(-vocab_size // 32)
+        bits = np.zeros(words * 32, dtype=np.uint64)
+        bits[:vocab_size] = ~only
+        packed = (bits.reshape(words, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+        self.not_only = torch.from_numpy(packed.astype(np.uint32).view(np.int32))
 
 
 class GrammarManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], compile_threads: int = 2):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        compile_threads: int = 2,
+        pin_memory: bool = False,
+    ):
+        """pin_memory: the bitmasks live in page-locked memory, so the sampler's copy to the GPU is
+        asynchronous (from pageable memory it would block the host until the step's forward pass ends)."""
         self.vocab_size = vocab_size
+        self.pin_memory = pin_memory
         self.eos_token_ids = sorted(eos_token_ids)
         self._executor = cf.ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="pagoda-grammar")
         # The vocabulary's byte table takes a second or two (150k tokens): built once, off the loop, at startup.
@@ -57,12 +96,13 @@ class GrammarManager:
         self._cache: OrderedDict[tuple[str, str, bool], cf.Future] = OrderedDict()
         self._lock = threading.Lock()
         self._matchers: dict[str, _Matcher] = {}
-        self._batch: Any = None  # xgrammar BatchGrammarMatcher, made on first use
+        self._whitespace: _Whitespace | None = None  # with the compiler
 
     def _make_compiler(self, tokenizer: Any) -> Any:
         import xgrammar as xgr  # lazy: the grammar engine
 
         info = grammar_tokenizer_info(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._whitespace = _Whitespace(info.decoded_vocab, self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     # ---- compile ------------------------------------------------------------------------------
@@ -90,10 +130,11 @@ class GrammarManager:
             raise ValueError(getattr(exc, "message", None) or clean_error(exc)) from None
 
     # ---- sequences ----------------------------------------------------------------------------
-    def start(self, request_id: str, compiled: Any) -> None:
+    def start(self, request_id: str, compiled: Any, kind: str) -> None:
+        """A matcher for one sequence; `kind`: its constraint's (`StructuredOutputsParams.kind`)."""
         import xgrammar as xgr  # lazy: the grammar engine
 
-        self._matchers[request_id] = _Matcher(xgr.GrammarMatcher(compiled))
+        self._matchers[request_id] = _Matcher(xgr.GrammarMatcher(compiled), kind in JSON_KINDS)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -111,10 +152,12 @@ class GrammarManager:
 
     def fill(self, request_ids: list[str], outputs: list[list[int]]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of each constrained row: (bitmask int32 [B, ceil(V/32)], constrained row
-        indices), None when no row is constrained. `outputs[i]`: row i's output tokens so far (all of
-        them sampled and on the host)."""
-        import xgrammar as xgr  # lazy: the grammar engine
+        indices), None when no row is constrained. Unconstrained rows are all ones (every token allowed).
+        `outputs[i]`: row i's output tokens so far (all of them sampled and on the host).
 
+        The rows are filled one after another on this thread: xgrammar's own batch fill
+        (BatchGrammarMatcher, on its threads) measured several times slower per row than this loop, on
+        2 and on 16 cores (benchmarks/profile/grammar_fill.py)."""
         rows, matchers = [], []
         for row, request_id in enumerate(request_ids):
             state = self._matchers.get(request_id)
@@ -125,21 +168,19 @@ class GrammarManager:
             matchers.append(state)
         if not rows:
             return None
-        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
-        live = [(row, s) for row, s in zip(rows, matchers) if not s.broken and not s.matcher.is_terminated()]
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
         for row, s in zip(rows, matchers):
             if s.broken or s.matcher.is_terminated():
                 self._only_eos(bitmask, row)
-        if len(live) >= _BATCH_FILL_ROWS:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=min(4, os.cpu_count() or 1))
-            self._batch.batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, [r for r, _ in live])
-        else:
-            for row, s in live:
-                s.matcher.fill_next_token_bitmask(bitmask, row)
+                continue
+            s.matcher.fill_next_token_bitmask(bitmask, row)
+            if s.trailing_whitespace >= MAX_JSON_WHITESPACE and s.json_whitespace:
+                self._end_whitespace(bitmask, row)
         return bitmask, rows
 
     def _advance(self, request_id: str, state: _Matcher, output: list[int]) -> None:
+        whitespace = self._whitespace
         while state.accepted < len(output) and not state.broken:
             token = output[state.accepted]
             state.accepted += 1
@@ -148,6 +189,17 @@ class GrammarManager:
             if not state.matcher.accept_token(token):
                 logger.error("Request %s: the grammar did not accept sampled token %d; it ends now.", request_id, token)
                 state.broken = True
+            elif whitespace is not None and state.json_whitespace and token < self.vocab_size:
+                trailing = whitespace.trailing[token]
+                state.trailing_whitespace = trailing + state.trailing_whitespace if whitespace.only[token] else trailing
+
+    def _end_whitespace(self, bitmask: torch.Tensor, row: int) -> None:
+        """Forbid the whitespace-only tokens in `row`, unless they are all the grammar allows there (inside
+        a string whose pattern asks for spaces, say): the mask is never left empty."""
+        assert self._whitespace is not None
+        bounded = bitmask[row] & self._whitespace.not_only
+        if bool(bounded.any()):
+            bitmask[row] = bounded
 
     def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].zero_()

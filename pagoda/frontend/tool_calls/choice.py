@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagoda.frontend.structured_output.grammars import MAX_JSON_WHITESPACE
 from pagoda.sampling_params import StructuredOutputsParams
 
 # The json format's instructions, added as a system message when the model's chat template has no
@@ -53,11 +52,7 @@ def forced_calls(
         {
             "type": "tag",
             "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"], ensure_ascii=False) + ', "arguments": ',
-            "content": {
-                "type": "json_schema",
-                "json_schema": parameters_schema(f),
-                "max_whitespace_cnt": MAX_JSON_WHITESPACE,
-            },
+            "content": {"type": "json_schema", "json_schema": parameters_schema(f)},
             "end": "}\n</tool_call>",
         }
         for f in functions
