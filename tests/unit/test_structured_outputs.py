@@ -204,3 +204,21 @@ def test_json_whitespace_is_bounded_on_the_mask(qwen_tokenizer) -> None:
     stuck, raw = walk(spaces, '"' + " " * 30, "json", 0)
     assert stuck == raw and stuck <= whitespace_only
     manager.shutdown()
+
+
+def test_a_checked_constraint_is_not_checked_again_but_a_bad_one_always_is(monkeypatch) -> None:
+    """Meta-schema validation costs milliseconds: a batch with one schema pays it once."""
+    from pagoda.frontend.structured_output import grammars
+
+    calls = []
+    real = grammars.build_grammar
+    monkeypatch.setattr(grammars, "build_grammar", lambda p: calls.append(p.key) or real(p))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "title": "once"}
+    for _ in range(3):
+        grammars.check_structured_outputs(StructuredOutputsParams(json=schema))
+    assert len(calls) == 1
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "three"}}}
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="invalid JSON schema"):
+            grammars.check_structured_outputs(StructuredOutputsParams(json=bad))
+    assert len(calls) == 3

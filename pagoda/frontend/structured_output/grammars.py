@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from pagoda.errors import InvalidRequest
@@ -86,7 +88,24 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         raise InvalidRequest(f"{params.param}: the {what} cannot be used: {clean_error(exc)}", params.param) from None
 
 
+_CHECKED_ENTRIES = 256
+_checked: OrderedDict[tuple[str, str, bool], None] = OrderedDict()  # constraints that passed, newest last
+_checked_lock = threading.Lock()
+
+
 def check_structured_outputs(params: StructuredOutputsParams | None) -> None:
-    """Refuse a malformed constraint (400) before the request is sent to the engine."""
-    if params is not None:
-        build_grammar(params)
+    """Refuse a malformed constraint (400) before the request is sent to the engine. A constraint that
+    passed is remembered by its key: checking a JSON schema against its meta-schema takes milliseconds,
+    which a batch of requests with one schema would otherwise pay on every request."""
+    if params is None:
+        return
+    key = params.key
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return
+    build_grammar(params)
+    with _checked_lock:
+        _checked[key] = None
+        while len(_checked) > _CHECKED_ENTRIES:
+            _checked.popitem(last=False)

@@ -170,13 +170,16 @@ class GrammarManager:
             return None
         words = -(-self.vocab_size // 32)
         bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+        bounded = []
         for row, s in zip(rows, matchers):
             if s.broken or s.matcher.is_terminated():
                 self._only_eos(bitmask, row)
                 continue
             s.matcher.fill_next_token_bitmask(bitmask, row)
             if s.trailing_whitespace >= MAX_JSON_WHITESPACE and s.json_whitespace:
-                self._end_whitespace(bitmask, row)
+                bounded.append(row)
+        if bounded:
+            self._end_whitespace(bitmask, bounded)
         return bitmask, rows
 
     def _advance(self, request_id: str, state: _Matcher, output: list[int]) -> None:
@@ -193,13 +196,14 @@ class GrammarManager:
                 trailing = whitespace.trailing[token]
                 state.trailing_whitespace = trailing + state.trailing_whitespace if whitespace.only[token] else trailing
 
-    def _end_whitespace(self, bitmask: torch.Tensor, row: int) -> None:
-        """Forbid the whitespace-only tokens in `row`, unless they are all the grammar allows there (inside
-        a string whose pattern asks for spaces, say): the mask is never left empty."""
+    def _end_whitespace(self, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Forbid the whitespace-only tokens in `rows`, except in a row where they are all the grammar
+        allows (inside a string whose pattern asks for spaces, say): a mask is never left empty."""
         assert self._whitespace is not None
-        bounded = bitmask[row] & self._whitespace.not_only
-        if bool(bounded.any()):
-            bitmask[row] = bounded
+        index = torch.tensor(rows)
+        masked = bitmask[index] & self._whitespace.not_only
+        keep = masked.any(dim=1)
+        bitmask[index[keep]] = masked[keep]
 
     def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].zero_()
