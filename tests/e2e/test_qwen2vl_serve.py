@@ -462,7 +462,8 @@ def test_required_tool_call_stream_and_not_then_the_round_trip(client, http, too
         "/tokenize", json={"model": MODEL, "messages": turn, "tools": [WEATHER], "chat_template": tools_template}
     ).json()["tokens"]
     prompt = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
-    arguments = json.dumps(json.loads(call.function.arguments))  # the template writes the object with tojson
+    # The template writes the object with tojson, which (as in transformers) keeps non-ASCII text as it is.
+    arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>" in prompt
     assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt
     assert "<tools>" in prompt and '"get_weather"' in prompt
