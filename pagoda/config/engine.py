@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
 from pagoda.config.parallel import ParallelConfig, tensor_parallel_error
+from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
-from pagoda.models.quantization import refuse_quantized
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -98,7 +98,11 @@ class EngineArgs:
         "CPU; a request that stops on EOS costs one discarded token)",
     )
     quantization: str | None = knob(
-        None, "vLLM's quantization method (awq, gptq, fp8...): not supported yet, only none is accepted", flags=("-q",)
+        None,
+        "weight quantization: fp8 (FP8 e4m3 weights; a bf16/fp16 checkpoint is quantized at load) | awq | gptq | "
+        "compressed-tensors (default: what the checkpoint's quantization_config says; none for unquantized)",
+        flags=("-q",),
+        choices=QUANTIZATION_CHOICES,
     )
 
 
@@ -117,6 +121,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     seed: int
     load_format: str
+    quantization: QuantConfig | None  # resolved from the checkpoint and --quantization (None: unquantized)
 
     @property
     def architecture(self) -> str:
@@ -191,14 +196,6 @@ class EngineConfig:
             utilization = DEFAULT_GPU_MEMORY_UTILIZATION
 
         _check(
-            a.quantization in (None, "none"),
-            "quantization",
-            f"--quantization {a.quantization} is not supported yet: Pagoda runs unquantized weights only "
-            "(AWQ, GPTQ, FP8 and bitsandbytes will come with the quantization issue); omit --quantization "
-            "or pass none.",
-        )
-
-        _check(
             a.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             "block_size",
             f"block_size must be a power of two in [1, 128], got {a.block_size}",
@@ -237,8 +234,10 @@ class EngineConfig:
         hf_config = source.hf_config
         # Before any weight is read: sizes the model cannot split, GPUs that are not there, a missing Ray.
         _check_parallel(a, hf_config, device)
-        # Before any weight is read: a quantized folder would otherwise fail half-way through loading.
-        refuse_quantized(source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy")
+        # Before any weight is read: an unsupported quantized folder would otherwise fail half-way through loading.
+        quantization = resolve_quantization(
+            a.quantization, source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy"
+        )
         dtype = _resolve_dtype(a.dtype, hf_config, device)
 
         derived_len = _derived_max_model_len(hf_config)
@@ -268,6 +267,7 @@ class EngineConfig:
                 dtype=dtype,
                 max_model_len=max_model_len,
                 hf_config=hf_config,
+                quantization=quantization,
             ),
             cache=_section(
                 CacheConfig,

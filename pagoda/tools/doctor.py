@@ -33,10 +33,10 @@ from typing import Any, Literal
 from pagoda import envs
 from pagoda.config import EngineArgs, _derived_max_model_len, text_field
 from pagoda.config.parallel import tensor_parallel_error
+from pagoda.config.quantization import resolve_quantization
 from pagoda.config.server import ServerConfig
-from pagoda.errors import ConfigError, PagodaError
+from pagoda.errors import ConfigError, ModelLoadError, PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template
-from pagoda.models.quantization import checkpoint_quantization
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -185,8 +185,8 @@ def run_checks(
             run("index", lambda: _check_index_consistency(state))
         elif state.weight_format == "bin" and state.weight_files:
             run("pytorch bin", lambda: _check_bin_files(state))
-        quantized = any(c.name == "quantization" and c.status == "FAIL" for c in out)
-        # A quantized checkpoint's tensors do not map onto the model: that FAIL would only repeat it.
+        quantized = any(c.name == "quantization" for c in out)
+        # A quantized checkpoint's tensors are not the unquantized model's: the quantization check covers them.
         if not fast and state.headers_complete and not quantized:
             run("checkpoint vs model", lambda: _check_weights_match_model(state))
         run("disk", lambda: _check_disk(state))
@@ -376,15 +376,18 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
 
 
 def _check_quantization(state: _State, load_format: str) -> Check | None:
-    """A quantized checkpoint (AWQ, GPTQ, FP8...) fails at startup: say so, rather than letting the
-    tensor mismatch read as a damaged download. Nothing is reported for an unquantized one."""
+    """A quantized checkpoint: the layout `pagoda serve` will run, or the one-line refusal it would give
+    (rather than letting the tensor mismatch read as a damaged download). Silent for unquantized ones."""
     source = state.source
-    found = checkpoint_quantization(
-        source.location, source.kind, source.hf_config, read_tensor_names=load_format != "dummy"
-    )
-    if found is None:
+    try:
+        config = resolve_quantization(
+            None, source.location, source.kind, source.hf_config, read_tensor_names=load_format != "dummy"
+        )
+    except ModelLoadError as exc:
+        return Check("quantization", "FAIL", exc.message, "use a checkpoint in one of the supported layouts")
+    if config is None:
         return None
-    return Check("quantization", "FAIL", found.problem(source.location), found.advice)
+    return Check("quantization", "ok", config.describe(), None)
 
 
 def _check_vision_config(cfg: dict[str, Any]) -> Check:

@@ -19,8 +19,8 @@ from typing import Any
 
 from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, _derived_max_model_len, text_field
 from pagoda.config.parallel import tensor_parallel_error, tensor_parallel_problems, valid_tensor_parallel_sizes
+from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
-from pagoda.models.quantization import checkpoint_quantization
 from pagoda.worker import memory
 
 GiB = memory.GiB
@@ -70,6 +70,7 @@ class Plan:
     image_tokens: int | None = None  # placeholder tokens per image (Qwen2-VL), at --image
     image_tokens_per_request: int | None = None
     notes: list[str] = field(default_factory=list)
+    quantization: str = "none"  # the weights' quantization (QuantConfig.describe()), "none" when unquantized
 
 
 def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
@@ -84,14 +85,16 @@ def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
 
 def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
     """(total, per GPU). Per GPU: everything split tp ways except what the scheme replicates (norms,
-    biases, Yuan's LF convolutions — spec yuan2.md §7 —, the small router, Qwen2-VL's vision tower)."""
+    biases, Yuan's LF convolutions — spec yuan2.md §7 —, the small router, Qwen2-VL's vision tower).
+    Floating-point parameters count in the model dtype; quantized ones (fp8, packed int4) at their size."""
     total = replicated = 0
     seen = set()
     for name, param in model.named_parameters():
         if id(param) in seen:  # tied embeddings count once
             continue
         seen.add(id(param))
-        size = param.numel() * dtype_bytes
+        quantized = not param.is_floating_point() or param.element_size() == 1  # int32-packed, fp8
+        size = param.numel() * (param.element_size() if quantized else dtype_bytes)
         total += size
         if param.dim() < 2 or ".lf_gate." in name or ".mlp.gate." in name or name.startswith("visual."):
             replicated += size
@@ -149,6 +152,7 @@ def make_plan(
     images_per_request: int = 1,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    quantization: QuantConfig | None = None,
 ) -> Plan:
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
@@ -164,6 +168,15 @@ def make_plan(
         raise ConfigError(tensor_parallel_error(hf_config, tp) or "", "tensor_parallel_size")
     max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
     model = _meta_model(hf_config, max_model_len)
+    if quantization is not None:
+        import torch  # lazy: torch (`pagoda plan` runs without it)
+
+        from pagoda.layers.quantization import quantize_linear_layers
+
+        try:
+            quantize_linear_layers(model, quantization, torch.float32, torch.device("meta"))
+        except ValueError as exc:  # as the loader refuses it: a projection the format cannot hold
+            raise ConfigError(f"{quantization.describe()}: {exc}", "quantization") from None
     spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching)
     weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
     problems = tensor_parallel_problems(hf_config, tp)
@@ -249,6 +262,7 @@ def make_plan(
         per_image,
         per_request,
         notes,
+        quantization.describe() if quantization is not None else "none",
     )
 
 
@@ -311,6 +325,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images-per-request", type=int, default=1)
     parser.add_argument("--min-pixels", type=int, default=None)
     parser.add_argument("--max-pixels", type=int, default=None)
+    parser.add_argument(
+        "-q", "--quantization", default=None, choices=QUANTIZATION_CHOICES, help="as `pagoda serve --quantization`"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -349,13 +366,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         images_per_request=ns.images_per_request,
         min_pixels=ns.min_pixels,
         max_pixels=ns.max_pixels,
+        # As `pagoda serve` resolves it: a layout serve refuses is refused here in the same line.
+        quantization=resolve_quantization(ns.quantization, source.location, source.kind, source.hf_config),
     )
 
-    quantized = checkpoint_quantization(source.location, source.kind, source.hf_config)
-    if quantized is not None:
-        plan.notes.append(
-            f"{quantized.problem(source.location)}: `pagoda serve` refuses it; the sizes above "
-            f"are those of the unquantized {ns.dtype} model"
-        )
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
     return 0 if plan.fits_one_max_len_request and not plan.tensor_parallel_problems else 1
