@@ -55,6 +55,18 @@ def gemv_module() -> ModuleType | None:
 
 
 @functools.cache
+def fp8_quant_module() -> ModuleType | None:
+    """`pagoda.kernels.fp8_quant` (per-token activation quantization for fp8 matmuls), or None without Triton."""
+    return _optional_kernels("fp8_quant", envs.FUSED_OPS)
+
+
+@functools.cache
+def int4_gemm_module() -> ModuleType | None:
+    """`pagoda.kernels.int4_gemm` (AWQ/GPTQ dequantizing matmuls), or None without Triton."""
+    return _optional_kernels("int4_gemm", envs.FUSED_OPS)
+
+
+@functools.cache
 def greedy_module() -> ModuleType | None:
     """`pagoda.kernels.greedy`, or None when Triton cannot be imported or PAGODA_GREEDY_KERNEL=0."""
     return _optional_kernels("greedy", envs.GREEDY_KERNEL)

@@ -70,6 +70,7 @@ def _x_vector(x_ptr, k, K, EVEN: tl.constexpr):
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     y_ptr,
     M,
@@ -82,6 +83,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -90,7 +92,8 @@ def _gemv_kernel(
 ):
     """Program p: columns [p·BLOCK_N, (p+1)·BLOCK_N) of rows 0..M-1 (ROWS ≥ M, a power of two).
     EVEN_K / EVEN_N: K % BLOCK_K == 0 / N % BLOCK_N == 0, so no mask on that axis.
-    ACCUMULATE: y += x·Wᵀ (y's old value read first)."""
+    ACCUMULATE: y += x·Wᵀ (y's old value read first). HAS_SCALE: W is fp8 and column n's sum is
+    multiplied by s[n] (float32) before the bias."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -126,6 +129,8 @@ def _gemv_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_mask = (offs_m < M)[:, None] & mask_n[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if ACCUMULATE:
         acc += tl.load(y_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -137,12 +142,14 @@ def _gemv_kernel(
 def _gemv_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     y_ptr,
     N,
     K,
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
@@ -152,7 +159,7 @@ def _gemv_silu_and_mul_kernel(
     """One row, W [2N, K] = [activated | linear]: y[n] = silu(x·W[n]) * (x·W[N + n]), each product
     rounded to the dtype first, so y equals `silu_and_mul(gemv(x, W))` bit for bit while the [2N]
     intermediate never goes to memory and the SiLU kernel's launch is saved. Program p owns columns
-    [p·BLOCK_N, (p+1)·BLOCK_N) of both halves."""
+    [p·BLOCK_N, (p+1)·BLOCK_N) of both halves. HAS_SCALE: W is fp8, row r's sum times s[r] (float32)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -170,6 +177,9 @@ def _gemv_silu_and_mul_kernel(
         x = _x_vector(x_ptr, k, K, EVEN_K).to(tl.float32)
         acc_a += tl.sum(_weight_tile(a_rows, k, mask_n, K, EVEN_K and EVEN_N).to(tl.float32) * x[None, :], axis=1)
         acc_b += tl.sum(_weight_tile(b_rows, k, mask_n, K, EVEN_K and EVEN_N).to(tl.float32) * x[None, :], axis=1)
+    if HAS_SCALE:
+        acc_a *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+        acc_b *= tl.load(s_ptr + N + offs_n, mask=mask_n, other=0.0)
     a = _round_to(acc_a, y_ptr, EMULATE_BF16)
     b = _round_to(acc_b, y_ptr, EMULATE_BF16)
     tl.store(y_ptr + offs_n, silu_mul(a, b, y_ptr, PRECISE_EXP, EMULATE_BF16), mask=mask_n)
@@ -184,9 +194,12 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), MAX_BLOCK_K), num_warps=4)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> bool:
+def supports(
+    x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None, weight_scale: torch.Tensor | None = None
+) -> bool:
     """Whether `gemv` takes this matmul: on CUDA (or the interpreter), at most max_rows (default
-    MAX_ROWS) rows of x, one dtype, unit inner strides, W [N, K] with K = x's last dim."""
+    MAX_ROWS) rows of x, one dtype (or an fp8 e4m3 weight with a float32 [N] weight_scale), unit
+    inner strides, W [N, K] with K = x's last dim."""
     if x.dim() < 1:
         return False
     max_rows = MAX_ROWS if max_rows is None else max_rows
@@ -194,7 +207,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None)
     # rows first: the common rejection (every prefill matmul) costs one comparison on the host
     if not 0 < x.numel() <= max_rows * k:
         return False
-    if x.dtype not in DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
+    if weight_scale is not None:
+        scaled = weight.dtype == torch.float8_e4m3fn and weight_scale.dtype == torch.float32
+        if not scaled or weight_scale.shape != weight.shape[:1] or weight_scale.stride(0) != 1:
+            return False
+    elif weight.dtype != x.dtype:
+        return False
+    if x.dtype not in DTYPES or weight.dim() != 2:
         return False
     return weight.shape[1] == k and weight.stride(1) == 1 and (x.is_cuda or _interpreting())
 
@@ -206,8 +225,12 @@ def gemv(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for few rows: x [..., K], weight [N, K], bias [N] → [..., N].
+
+    weight_scale: float32 [N] for an fp8 (e4m3) weight: the result is F.linear(x, weight · s, bias),
+    each column's fp32 sum scaled once (the fp8 values widen exactly to fp32).
 
     out: a [M, N] tensor to write (unit column stride; any row stride), of x's dtype or float32 (then
     nothing is rounded: a partial sum another GEMV adds as its bias); with accumulate=True the
@@ -229,9 +252,12 @@ def gemv(
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1 or bias.dtype not in (x.dtype, torch.float32)):
         raise ValueError(f"bias must be a contiguous [{n}] vector of {x.dtype} or float32")
     config = config or gemv_config(m, n, k)
+    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be a float32 [{n}] vector")
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2,
         weight,
+        weight_scale if weight_scale is not None else out,
         bias if bias is not None else out,
         out,
         m,
@@ -244,6 +270,7 @@ def gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=weight_scale is not None,
         ACCUMULATE=accumulate,
         EVEN_K=k % config.block_k == 0,
         EVEN_N=n % config.block_n == 0,
@@ -254,9 +281,15 @@ def gemv(
     return out.reshape(*x.shape[:-1], n) if x.dim() != 2 else out
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight)) for one row: x [..., K] (one row), weight [2I, K] laid out
-    [activated | linear] → [..., I], rounded like the two kernels it replaces."""
+    [activated | linear] → [..., I], rounded like the two kernels it replaces. weight_scale: float32
+    [2I] for an fp8 weight, as in `gemv`."""
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[0] % 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight must be [2I, {k}] with contiguous rows, got {tuple(weight.shape)}")
@@ -265,18 +298,22 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig 
         raise ValueError(f"gemv_silu_and_mul takes one row, got {x2.shape[0]}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     n = weight.shape[0] // 2
+    if weight_scale is not None and (weight_scale.shape != (2 * n,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be a float32 [{2 * n}] vector")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     config = config or gemv_config(1, 2 * n, k)
     block_n = max(1, config.block_n // 2)  # two rows per column: the same weight bytes per program
     _gemv_silu_and_mul_kernel[(triton.cdiv(n, block_n),)](
         x2,
         weight,
+        weight_scale if weight_scale is not None else out,
         out,
         n,
         k,
         weight.stride(0),
         BLOCK_N=block_n,
         BLOCK_K=config.block_k,
+        HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
         EVEN_N=n % block_n == 0,
         PRECISE_EXP=not _interpreting(),

@@ -32,8 +32,13 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_reference(gate_up)
 
     def of_projection(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
-        """self(proj(x)) for a fused [gate | up] projection without bias."""
+        """self(proj(x)) for a fused [gate | up] projection without bias (unquantized, or fp8 weights
+        with their per-row scales)."""
         kernels = dispatch.gemv_for(x)
-        if kernels is not None and proj.bias is None and kernels.supports(x, proj.weight, max_rows=1):
-            return kernels.gemv_silu_and_mul(x, proj.weight)
+        if kernels is not None and proj.bias is None:
+            scale = getattr(proj, "weight_scale", None) if proj.quant is not None else None
+            if (proj.quant is None or scale is not None) and kernels.supports(
+                x, proj.weight, max_rows=1, weight_scale=scale
+            ):
+                return kernels.gemv_silu_and_mul(x, proj.weight, weight_scale=scale)
         return self(proj(x))

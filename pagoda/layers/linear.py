@@ -26,6 +26,7 @@ others to `F.linear`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -87,6 +88,43 @@ def default_weight_loader(param: nn.Parameter, loaded: Weight, shard_id: object 
     param.data.copy_(read_weight(loaded, param.dtype))
 
 
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a parameter's output and input features lie, for sharding and fusing it.
+
+    output / input: (dim, features per element along that dim), or None when the parameter does not
+    run along that axis (then it is whole on every rank for that split). A plain weight [O, I] is
+    ((0, 1), (1, 1)); a bias [O] ((0, 1), None). Quantized parameters differ: an int4 weight packed 8
+    to an int32 along the output axis is (output (1, 8), input (0, 1)); group scales [I/G, O] are
+    (output (1, 1), input (0, G)). per_part: one value per fused part (a per-tensor scale of each of
+    q, k, v), indexed by the part, never split."""
+
+    output: tuple[int, int] | None = (0, 1)
+    input: tuple[int, int] | None = (1, 1)
+    per_part: bool = False
+
+
+_BIAS_LAYOUT = ParamLayout(input=None)
+
+
+def param_layout(param: torch.Tensor) -> ParamLayout:
+    layout = getattr(param, "layout", None)
+    if isinstance(layout, ParamLayout):
+        return layout
+    return ParamLayout() if param.dim() >= 2 else _BIAS_LAYOUT
+
+
+def with_layout(param: nn.Parameter, layout: ParamLayout) -> nn.Parameter:
+    param.layout = layout  # type: ignore[attr-defined]
+    return param
+
+
+def _elements(features: int, per_element: int, what: str) -> int:
+    if features % per_element:
+        raise ValueError(f"{what} {features} is not a multiple of {per_element} (packed or grouped parameter)")
+    return features // per_element
+
+
 def _narrowed(loaded: Weight, dim: int, start: int, length: int) -> Weight:
     """loaded.narrow(...), skipped when it would keep everything (the world-size-1 case)."""
     if start == 0 and length == loaded.shape[dim]:
@@ -94,16 +132,39 @@ def _narrowed(loaded: Weight, dim: int, start: int, length: int) -> Weight:
     return loaded.narrow(dim, start, length)
 
 
+def _check_shape(param: torch.Tensor, loaded: Weight, dim: int, full: int, what: str = "") -> None:
+    expected = tuple(full if d == dim else size for d, size in enumerate(param.shape))
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"shape mismatch{what}: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+
+
+class QuantMethod(Protocol):
+    """How a quantized linear layer holds and multiplies its weight (`pagoda/layers/quantization/`)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class Linear(nn.Module):
-    """Replicated: the whole [output_size, input_size] weight on every rank."""
+    """Replicated: the whole [output_size, input_size] weight on every rank.
+
+    quant: set by `layers.quantization.quantize_linear_layers` on the parallel layers of a quantized
+    model; it replaces `weight` with its own parameters and does the matmul."""
+
+    quant: QuantMethod | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
+        self.input_size, self.output_size = input_size, output_size  # this rank's
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -116,10 +177,14 @@ class ColumnParallelLinear(Linear):
 
     @reads_shards
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
-        expected = (self.full_output_size, *param.shape[1:])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
-        param.data.copy_(read_weight(_narrowed(loaded, 0, self.output_start, param.shape[0]), param.dtype))
+        layout = param_layout(param)
+        if layout.output is None:
+            default_weight_loader(param, loaded)
+            return
+        dim, per = layout.output
+        _check_shape(param, loaded, dim, _elements(self.full_output_size, per, "output size"))
+        start = _elements(self.output_start, per, "rank's first output row")
+        param.data.copy_(read_weight(_narrowed(loaded, dim, start, param.shape[dim]), param.dtype))
 
 
 class MergedColumnParallelLinear(Linear):
@@ -150,26 +215,38 @@ class MergedColumnParallelLinear(Linear):
         super().__init__(input_size, sum(self.output_sizes), bias)
 
     def _load_part(self, param: nn.Parameter, loaded: Weight, index: int) -> None:
+        layout = param_layout(param)
+        if layout.per_part:  # one value per part (a per-tensor scale)
+            param.data[index] = read_weight(loaded, param.dtype).reshape(())
+            return
+        if layout.output is None:  # not along the output (an act-order g_idx): the same in every part
+            default_weight_loader(param, loaded)
+            return
+        dim, per = layout.output
         start, length = self.part_ranges[index]
-        target = param.data.narrow(0, sum(self.output_sizes[:index]), length)
-        target.copy_(read_weight(_narrowed(loaded, 0, start, length), param.dtype))
+        offset = _elements(sum(self.output_sizes[:index]), per, "fused part offset")
+        length = _elements(length, per, "rank's part rows")
+        target = param.data.narrow(dim, offset, length)
+        target.copy_(read_weight(_narrowed(loaded, dim, _elements(start, per, "part start"), length), param.dtype))
 
     @reads_shards
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
-        rest = tuple(param.shape[1:])
+        layout = param_layout(param)
+        dim, per = layout.output or (0, 1)
         if shard_id is None:  # every part, concatenated along the rows
-            expected = (sum(self.full_output_sizes), *rest)
-            if tuple(loaded.shape) != expected:
-                raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+            if layout.per_part or layout.output is None:
+                raise ValueError("a per-part or output-less parameter needs one checkpoint tensor per part")
+            _check_shape(param, loaded, dim, _elements(sum(self.full_output_sizes), per, "output size"))
             offset = 0
             for index, size in enumerate(self.full_output_sizes):
-                self._load_part(param, _narrowed(loaded, 0, offset, size), index)
-                offset += size
+                rows = _elements(size, per, "part size")
+                self._load_part(param, _narrowed(loaded, dim, offset, rows), index)
+                offset += rows
             return
         index = self.shard_names.index(str(shard_id))
-        expected = (self.full_output_sizes[index], *rest)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch for shard {shard_id}: {expected} vs {tuple(loaded.shape)}")
+        if not layout.per_part and layout.output is not None:
+            full = _elements(self.full_output_sizes[index], per, "part size")
+            _check_shape(param, loaded, dim, full, f" for shard {shard_id}")
         self._load_part(param, loaded, index)
 
 
@@ -221,8 +298,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = linear(x, self.weight)
+            return self.matmul(x, self.bias)
+        out = self.matmul(x, None)
         if not self.reduce_results:
             return out
         parallel_state.all_reduce(out)
@@ -230,10 +307,11 @@ class RowParallelLinear(Linear):
 
     @reads_shards
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
-        if param.dim() == 1:  # the bias: whole on every rank, added after the reduction
+        layout = param_layout(param)
+        if layout.input is None:  # the bias (added after the reduction), per-channel scales: whole on every rank
             default_weight_loader(param, loaded)
             return
-        expected = (param.shape[0], self.full_input_size)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
-        param.data.copy_(read_weight(_narrowed(loaded, 1, self.input_start, param.shape[1]), param.dtype))
+        dim, per = layout.input
+        _check_shape(param, loaded, dim, _elements(self.full_input_size, per, "input size"))
+        start = _elements(self.input_start, per, "rank's first input column")
+        param.data.copy_(read_weight(_narrowed(loaded, dim, start, param.shape[dim]), param.dtype))

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.config.quantization import QuantConfig, tensor_quantization
 from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader, loader_reads_shards, read_weight
-from pagoda.models.quantization import tensor_quantization
+from pagoda.layers.quantization import UNUSED_LEAVES, process_after_loading, quantize_linear_layers
 from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
 
@@ -32,7 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(
-    source: ModelSource, max_model_len: int, dtype: torch.dtype, device: str, load_format: str = "auto"
+    source: ModelSource,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: str,
+    load_format: str = "auto",
+    quantization: QuantConfig | None = None,
 ) -> nn.Module:
     started = time.perf_counter()
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
@@ -48,8 +54,15 @@ def load_model(
         raise ModelLoadError(f"{architecture} cannot be split over tensor_parallel_size {world}: {exc}.") from None
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
+    if quantization is not None:
+        try:
+            quantized = quantize_linear_layers(model, quantization, dtype, torch.device(device))
+        except ValueError as exc:  # a projection the format cannot hold (packing, groups over the ranks)
+            raise ModelLoadError(f"{architecture} with {quantization.describe()}: {exc}.", "quantization") from None
+        logger.info("Quantization: %s in %d linear layers", quantization.describe(), quantized)
     if load_format == "dummy":
         init_dummy_weights(model)
+        process_after_loading(model)
         logger.info(
             "Random (--load-format dummy) weights: %s in %.1f s",
             format_bytes(_param_bytes(model)),
@@ -57,6 +70,7 @@ def load_model(
         )
     else:
         load_weights(model, source)
+        process_after_loading(model)
         if device == "cuda":
             torch.cuda.synchronize()  # the copies are queued: the time must include them
         files = source.weight_files()
@@ -85,6 +99,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     and a config.json is all a benchmark then needs, not gigabytes of checkpoint."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for param in model.parameters():
+        if getattr(param, "optional", False):
+            continue  # already holds its default (a GPTQ g_idx: rows in order)
+        if not param.dtype.is_floating_point:  # packed 4-bit weights and zero points: any bits
+            bits = torch.randint(-(2**31), 2**31 - 1, param.shape, generator=generator, dtype=torch.int64)
+            param.copy_(bits.to(param.dtype))
+            continue
         values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2e-3 - 1e-3
         param.copy_(values.to(param.dtype))
 
@@ -110,11 +130,14 @@ class WeightRouter:
         self.mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
         self.rename = getattr(model, "map_weight_name", lambda n: n)
         self.loaded: set[str] = set()
+        self.quantized = any(getattr(m, "quant", None) is not None for m in self.modules.values())
 
     def target(self, checkpoint_name: str) -> WeightTarget | None:
         """None for entries the model skips; KeyError when no parameter matches."""
         name = self.rename(checkpoint_name)
-        if self.model.skip_weight(name):
+        if self.model.skip_weight(name) or kv_scale_entry(name) is not None:
+            return None
+        if self.quantized and name.rsplit(".", 1)[-1] in UNUSED_LEAVES:
             return None
         target, shard = _map_name(name, self.mapping)
         param = self.params.get(target)
@@ -132,16 +155,44 @@ class WeightRouter:
         _check_complete(self.model, self.params, self.mapping, self.loaded)
 
 
+def kv_scale_entry(name: str) -> tuple[str, str] | None:
+    """(attention module prefix, "k" | "v") for a checkpoint's KV-cache scale: vLLM-style
+    `...self_attn.k_scale`, or compressed-tensors' `...self_attn.k_proj.output_scale`."""
+    for kind in ("k", "v"):
+        for suffix in (f".{kind}_scale", f".{kind}_proj.output_scale"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)], kind
+    return None
+
+
+def _set_kv_scales(model: nn.Module, scales: dict[str, dict[str, float]]) -> None:
+    """Hand each attention layer its checkpoint KV scales (used by an fp8 KV cache)."""
+    modules = dict(model.named_modules())
+    for prefix, found in scales.items():
+        attn = modules.get(f"{prefix}.attn")
+        setter = getattr(attn, "set_kv_scales", None)
+        if setter is not None:
+            setter(found.get("k", 1.0), found.get("v", 1.0))
+
+
 def load_weights(model: nn.Module, source: ModelSource) -> None:
     router = WeightRouter(model)
+    kv_scales: dict[str, dict[str, float]] = {}
     for name, tensor in source.iter_weights():
+        entry = kv_scale_entry(router.rename(name))
+        if entry is not None:
+            kv_scales.setdefault(entry[0], {})[entry[1]] = float(read_weight(tensor, torch.float32).max())
+            continue
         try:
             target = router.target(name)
         except KeyError as exc:
             # Checked again here for what the early check cannot see without unpickling (.bin shards).
             quantized = tensor_quantization([name])
             if quantized is not None:
-                raise ModelLoadError(quantized.message(source.location), "model") from None
+                raise ModelLoadError(
+                    quantized.message(source.location, ": config.json has no quantization_config describing it"),
+                    "model",
+                ) from None
             raise ModelLoadError(
                 f"Checkpoint tensor {exc.args[0]!r} has no matching parameter in "
                 f"{type(model).__name__}; is config.json's architecture right?"
@@ -156,6 +207,7 @@ def load_weights(model: nn.Module, source: ModelSource) -> None:
             raise ModelLoadError(f"Checkpoint tensor {router.rename(name)!r}: {exc}") from None
         router.loaded.add(target.key)
     router.check_complete()
+    _set_kv_scales(model, kv_scales)
 
 
 def _map_name(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -171,7 +223,9 @@ def _check_complete(
     shards_of: dict[str, list[str]] = {}
     for fused, shard in mapping.values():
         shards_of.setdefault(fused, []).append(shard)
-    for name in params:
+    for name, param in params.items():
+        if getattr(param, "optional", False):
+            continue
         fused = name.split(".")[-2]
         expected = [f"{name}:{s}" for s in shards_of[fused]] if fused in shards_of else [name]
         missing = [e for e in expected if e not in loaded]

@@ -128,7 +128,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model = load_model(
-            source, config.model.max_model_len, self.dtype, config.device.device, config.model.load_format
+            source,
+            config.model.max_model_len,
+            self.dtype,
+            config.device.device,
+            config.model.load_format,
+            config.model.quantization,
         )
         self.vocab_size = config.model.vocab_size
         unique = {id(p): p for p in self.model.parameters()}  # tied weights once
