@@ -5,8 +5,9 @@
 
 Timed as `gemv_sweep.py` times (a CUDA graph per matmul, weights cycled out of L2): bf16 through
 Pagoda's bf16 path (`layers.linear.linear`: the GEMV at one row, cuBLAS above), the fp8 GEMV
-(weight-only, W8A16) at the rows in --gemv-rows, and per-token activation quantization +
-`torch._scaled_mm` (W8A8) at every row count; plus `fp8_linear`, the dispatch the layers use. Each
+(weight-only, W8A16) at the rows in --gemv-rows, and W8A8 at every row count two ways: per-token
+quantization + `torch._scaled_mm` with scale vectors (`w8a8_rowwise`), and the same with unit
+scales + Pagoda's scale epilogue (`w8a8`); plus `fp8_linear`, the dispatch the layers use. Each
 fp8 result's relative error against its float32 reference (`fp8_linear_reference`) is printed: the
 choice of `fp8.GEMV_MAX_ROWS` comes from this table.
 """
@@ -26,7 +27,7 @@ from benchmarks.kernels.gemv_sweep import L2_DEFEAT_BYTES, MATMULS, graph_us  # 
 def main() -> None:
     import torch
 
-    from pagoda.kernels.fp8_quant import per_token_quant
+    from pagoda.kernels.fp8_quant import per_token_quant, scale_epilogue
     from pagoda.kernels.gemv import gemv
     from pagoda.layers.linear import linear
     from pagoda.layers.quantization.fp8 import fp8_linear, fp8_linear_reference, quantize_per_channel
@@ -66,9 +67,19 @@ def main() -> None:
                         xq, xs = per_token_quant(x)
                         torch._scaled_mm(xq, wq_.t(), scale_a=xs, scale_b=ws_[None, :], out_dtype=x.dtype)
 
-                row["w8a8_us"] = graph_us(scaled_mm, copies)
+                row["w8a8_rowwise_us"] = graph_us(scaled_mm, copies)
+                one = torch.ones((), device="cuda")
+
+                def unit_scaled_mm(x=x, qs=quantized, one=one):
+                    for wq_, ws_ in qs:
+                        xq, xs = per_token_quant(x)
+                        y = torch._scaled_mm(xq, wq_.t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+                        scale_epilogue(y, xs, ws_, None)
+
+                row["w8a8_us"] = graph_us(unit_scaled_mm, copies)
                 xq, xs = per_token_quant(x)
-                y8 = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws[None, :], out_dtype=x.dtype)
+                y8 = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+                scale_epilogue(y8, xs, ws, None)
                 row["w8a8_rel_err"] = rel(y8, ref_a8)
                 if m in gemv_rows:
                     row["w8a16_gemv_us"] = graph_us(
@@ -83,7 +94,9 @@ def main() -> None:
                 if "w8a16_gemv_us" in row:
                     gemv_part = f" gemv {row['w8a16_gemv_us']:7.2f} (err {row['w8a16_rel_err']:.1e})"
                 print(
-                    f"{shape:11s} {name:8s} M={m:3d} bf16 {row['bf16_us']:7.2f} us | w8a8 {row['w8a8_us']:7.2f} "
+                    f"{shape:11s} {name:8s} M={m:3d} bf16 {row['bf16_us']:7.2f} us "
+                    f"| rowwise {row['w8a8_rowwise_us']:7.2f} "
+                    f"| w8a8 {row['w8a8_us']:7.2f} "
                     f"(err {row['w8a8_rel_err']:.1e}){gemv_part} | dispatch {row['dispatch_us']:7.2f} "
                     f"x{row['bf16_us'] / row['dispatch_us']:.2f}",
                     flush=True,

@@ -25,6 +25,7 @@ others to `F.linear`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -82,10 +83,12 @@ def loader_reads_shards(loader: Callable[..., Any]) -> bool:
 
 @reads_shards
 def default_weight_loader(param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
-    """The whole checkpoint tensor into `param` (a replicated parameter)."""
-    if param.shape != loaded.shape:
+    """The whole checkpoint tensor into `param` (a replicated parameter). A one-element parameter takes
+    any one-element tensor (a per-tensor scale is written as [], [1] or [1, 1] by different tools)."""
+    scalar = param.numel() == 1 and math.prod(loaded.shape) == 1
+    if param.shape != loaded.shape and not scalar:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(read_weight(loaded, param.dtype))
+    param.data.copy_(read_weight(loaded, param.dtype).reshape(param.shape))
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,14 @@ _BIAS_LAYOUT = ParamLayout(input=None)
 
 
 def param_layout(param: torch.Tensor) -> ParamLayout:
-    layout = getattr(param, "layout", None)
+    layout = getattr(param, "shard_layout", None)
     if isinstance(layout, ParamLayout):
         return layout
     return ParamLayout() if param.dim() >= 2 else _BIAS_LAYOUT
 
 
 def with_layout(param: nn.Parameter, layout: ParamLayout) -> nn.Parameter:
-    param.layout = layout  # type: ignore[attr-defined]
+    param.shard_layout = layout  # type: ignore[attr-defined]  # (Tensor.layout is torch's own)
     return param
 
 

