@@ -384,6 +384,28 @@ class ModelRunner:
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence, every position, in
+        one prefill over KV blocks 1.. of the cache: for accuracy checks (tests, the quantization
+        accuracy benchmark) on an idle engine. Needs ceil(n / block_size) free blocks past the null one."""
+        n, bs = len(token_ids), self.block_size
+        blocks = torch.arange(1, -(-n // bs) + 1, device=self.device)
+        self._zero_blocks(blocks.tolist())  # as for every block handed out
+        pos = torch.arange(n, device=self.device)
+        batch = AttentionBatch(
+            [n],
+            [n],
+            torch.tensor([0, n], device=self.device),
+            torch.tensor([n], device=self.device),
+            blocks[None, :],
+            blocks[pos // bs] * bs + pos % bs,
+            bs,
+        )
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = self.model(ids, pos, StepAttention(self.backend, self.backend.prepare(batch)))
+        return self.model.compute_logits(hidden).float().cpu()
+
     def set_token_masks(self, masks: Any) -> None:
         self.token_masks = masks
 

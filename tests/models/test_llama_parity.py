@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.attention import AttentionBatch, StepAttention
 
 PROMPTS = [
     [5, 17, 301, 44, 9, 260, 88, 13, 402, 77, 3, 19, 250, 111, 6, 7, 8, 200, 31, 99, 145, 67, 23],
@@ -21,27 +20,8 @@ def _hf_model(folder: str):
 
 
 def _our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Run one whole prompt through our model with a block table, return logits of every position."""
-    runner = llm.engine.runner
-    dev = runner.device
-    n, bs = len(token_ids), llm.config.cache.block_size
-    blocks = torch.arange(1, -(-n // bs) + 1, device=dev)
-    runner._zero_blocks(blocks.tolist())  # as the runner does for every block it hands out
-    pos = torch.arange(n, device=dev)
-    batch = AttentionBatch(
-        [n],
-        [n],
-        torch.tensor([0, n], device=dev),
-        torch.tensor([n], device=dev),
-        blocks[None, :],
-        blocks[pos // bs] * bs + pos % bs,
-        bs,
-    )
-    with torch.inference_mode():
-        hidden = runner.model(
-            torch.tensor(token_ids, device=dev), pos, StepAttention(runner.backend, runner.backend.prepare(batch))
-        )
-        return runner.model.compute_logits(hidden).cpu()
+    """Our model's logits at every position of one prompt (one prefill with a block table)."""
+    return llm.engine.runner.prompt_logits(token_ids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

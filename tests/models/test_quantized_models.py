@@ -8,7 +8,7 @@ quantized function, written here from the formats' definitions (float32 model, t
 - AWQ and GPTQ int4 checkpoints written from the model's weights: the reference runs the
   dequantized weights (`dequantize_*_checkpoint`, unpacked element by element from the checkpoint).
 What the formats cost in accuracy is measured on real weights instead (this random model's large
-initialization amplifies any perturbation): tests/models/test_quantization_accuracy.py.
+initialization amplifies any perturbation): benchmarks/quantization_accuracy.py.
 """
 
 from __future__ import annotations
@@ -71,7 +71,14 @@ def _load(folder: str, **kwargs) -> LLM:
     )
 
 
-def _prefill_close(llm: LLM, hf, atol: float) -> float:
+# On CPU the engine computes exactly the reference's function (float32, one summation order apart).
+# On a GPU, attention and matmuls sum in other orders; an activation a hair from an e4m3 rounding
+# boundary then rounds the other way, and this random model (initializer_range 0.3) amplifies such
+# a flip to ~0.5 in the logits. A wrong scale or layout moves them by ~10.
+EXACT = 1e-4 if not torch.cuda.is_available() else 2.0
+
+
+def _prefill_close(llm: LLM, hf, atol: float = EXACT) -> float:
     """Max |ours - reference| over PROMPTS (asserted ≤ atol); returns it."""
     worst = 0.0
     for prompt in PROMPTS:
@@ -103,7 +110,7 @@ def test_fp8_at_load_matches_the_quantized_reference(tiny_llama):
         w = tensors[f"{prefix}.weight"].float()
         deq[f"{prefix}.weight"] = _e4m3(w, (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(1e-12))
     llm = _load(tiny_llama, quantization="fp8")
-    _prefill_close(llm, _reference(tiny_llama, deq, quantize_input=True), atol=1e-4)
+    _prefill_close(llm, _reference(tiny_llama, deq, quantize_input=True))
 
 
 @pytest.mark.parametrize("layout", ["fp8-tensor", "compressed-tensors-channel"])
@@ -137,4 +144,4 @@ def test_fp8_checkpoints_load_as_written(tiny_llama, tmp_path, layout):
                 "ignore": ["lm_head"],
             },
         )
-    _prefill_close(_load(folder), _reference(tiny_llama, deq, quantize_input=True), atol=1e-4)
+    _prefill_close(_load(folder), _reference(tiny_llama, deq, quantize_input=True))
