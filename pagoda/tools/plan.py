@@ -171,12 +171,14 @@ def make_plan(
     if quantization is not None:
         import torch  # lazy: torch (`pagoda plan` runs without it)
 
-        from pagoda.layers.quantization import quantize_linear_layers
+        from pagoda.layers.quantization import process_after_loading, quantize_linear_layers
 
         try:
             quantize_linear_layers(model, quantization, torch.float32, torch.device("meta"))
         except ValueError as exc:  # as the loader refuses it: a projection the format cannot hold
             raise ConfigError(f"{quantization.describe()}: {exc}", "quantization") from None
+        if quantization.method == "fp8" and not quantization.serialized:
+            process_after_loading(model)  # fp8 at load: the weights as they will be held (meta: no work)
     spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching)
     weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
     problems = tensor_parallel_problems(hf_config, tp)

@@ -22,7 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from benchmarks.quantization_accuracy import write_int4_checkpoint
 from pagoda import LLM
+from pagoda.layers.quantization.int4_formats import dequantize_awq_checkpoint, dequantize_gptq_checkpoint
 from tests.models.test_llama_parity import PROMPTS, _hf_model, _our_prefill_logits
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -145,3 +147,23 @@ def test_fp8_checkpoints_load_as_written(tiny_llama, tmp_path, layout):
             },
         )
     _prefill_close(_load(folder), _reference(tiny_llama, deq, quantize_input=True))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])  # gptq: act-order (g_idx permutes the groups), symmetric
+def test_int4_checkpoints_match_their_dequantized_weights(tiny_llama, tmp_path, method):
+    group = 32  # hidden 64 and intermediate 128: 2 and 4 groups along the input
+    folder = write_int4_checkpoint(tiny_llama, method, group, str(tmp_path / method))
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    deq = {}
+    for name in tensors:
+        if name.endswith(".qweight"):
+            prefix = name[: -len(".qweight")]
+            q, z, sc = tensors[name], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"]
+            if method == "awq":
+                deq[f"{prefix}.weight"] = dequantize_awq_checkpoint(q, z, sc, group)
+            else:
+                deq[f"{prefix}.weight"] = dequantize_gptq_checkpoint(
+                    q, z, sc, tensors[f"{prefix}.g_idx"], group_size=group
+                )
+    assert len(deq) == 2 * len(PROJECTIONS)
+    _prefill_close(_load(folder), _reference(tiny_llama, deq, quantize_input=False))

@@ -8,7 +8,8 @@ token must match the TP = 1 run, and their greedy tokens must be the same.
 
 Covered: Llama with 2 KV heads (split over 2 ranks, replicated over 4), Qwen2 with one KV head
 (replicated) and q/k/v biases, Yuan2 dense and M32 (the fixtures), and a tiny Qwen2-VL with an image
-(replicated vision tower, M-RoPE). A second test counts what a rank reads from the safetensors files.
+(replicated vision tower, M-RoPE), and the Llama as AWQ and act-order GPTQ int4 checkpoints. A second
+test counts what a rank reads from the safetensors files.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.quantization_accuracy import write_int4_checkpoint
+from pagoda.config.quantization import resolve_quantization
 from pagoda.distributed import parallel_state
 from pagoda.layers.attention import AttentionBatch, StepAttention
 from pagoda.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -84,6 +87,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         "yuan2": str(FIXTURES / "yuan2-tiny"),
         "yuan2_m32": str(FIXTURES / "yuan2-m32-tiny"),
         "qwen2_vl": _qwen2vl_checkpoint(str(root / "qwen2-vl")),
+        # int4 checkpoints of the Llama: packed columns split by whole int32s, group scales with their
+        # rows (AWQ, groups of 32), or whole on every rank (GPTQ act-order)
+        "llama_awq": write_int4_checkpoint(str(root / "llama"), "awq", 32, str(root / "llama-awq")),
+        "llama_gptq": write_int4_checkpoint(str(root / "llama"), "gptq", 32, str(root / "llama-gptq")),
     }
 
 
@@ -120,7 +127,9 @@ class Harness:
     """A model from `folder` with its own KV cache (and LF state slots), stepped like the runner does."""
 
     def __init__(self, folder: str, kind: str):
-        self.model = load_model(resolve_model_source(folder), 256, torch.float32, "cpu")
+        source = resolve_model_source(folder)
+        quantization = resolve_quantization(None, source.location, source.kind, source.hf_config)
+        self.model = load_model(source, 256, torch.float32, "cpu", quantization=quantization)
         self.backend = TorchAttentionBackend()
         for layer in self.model.attention_layers():
             shape = (1 + 2 * BLOCKS_PER_SEQ, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
@@ -282,7 +291,7 @@ def tp1(checkpoints) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("world", "kinds"),
     [
-        (2, ("llama", "llama_untied", "qwen2", "yuan2", "yuan2_m32", "qwen2_vl")),
+        (2, ("llama", "llama_untied", "qwen2", "yuan2", "yuan2_m32", "qwen2_vl", "llama_awq", "llama_gptq")),
         # 4 ranks: Llama's 2 KV heads each replicated over 2 ranks, llama_untied's 4 split one per
         # rank, Qwen2's one KV head on all four; Yuan2's 4 heads one per rank.
         (4, ("llama", "llama_untied", "qwen2", "yuan2", "yuan2_m32")),

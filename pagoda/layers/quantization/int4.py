@@ -103,6 +103,9 @@ class Int4LinearMethod:
         layer.scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
         layer.g_idx = nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
+        # Rows in order (not act-order): the kernel computes each row's group, no g_idx load. A group
+        # at least this rank's K (group -1, or a whole group held by each rank) is one group.
+        layer.int4_group = None if self.config.desc_act else min(group, layer.input_size)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         args = (layer.qweight, layer.scales, layer.zeros, layer.g_idx)
@@ -110,7 +113,8 @@ class Int4LinearMethod:
         x2 = x.reshape(-1, k)
         kernels = dispatch.int4_gemm_module() if x.is_cuda else None
         if kernels is not None and kernels.supports(x2, layer.qweight):
-            y = kernels.int4_matmul(x2 if x2.stride(1) == 1 else x2.contiguous(), *args, bias=bias)
+            x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+            y = kernels.int4_matmul(x2, *args, bias=bias, group_size=layer.int4_group)
         else:
             y = int4_matmul_reference(x2, *args, bias=bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
