@@ -198,10 +198,11 @@ TINY_CONFIGS = {
 }
 
 
-def build_tiny_model(kind: str, folder: str, max_shard_size: str | None = None) -> str:
+def build_tiny_model(kind: str, folder: str, max_shard_size: str | None = None, **config: object) -> str:
+    """A random-weight model of TINY_CONFIGS[kind] (fields overridden by `config`) saved in `folder`."""
     import transformers
 
-    cfg = dict(TINY_CONFIGS[kind])
+    cfg = {**TINY_CONFIGS[kind], **config}
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[kind]
     torch.manual_seed(1234)

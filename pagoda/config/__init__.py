@@ -11,6 +11,7 @@ from pagoda.config.engine import (
     DEFAULT_CPU_KV_CACHE_GIB,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineArgs,
@@ -19,6 +20,7 @@ from pagoda.config.engine import (
     SchedulerConfig,
     _derived_max_model_len,
     knob,
+    resolve_kv_cache_dtype,
     text_field,
 )
 from pagoda.config.multimodal import MultiModalConfig
@@ -27,6 +29,7 @@ __all__ = [
     "DEFAULT_CPU_KV_CACHE_GIB",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "KV_CACHE_DTYPES",
     "CacheConfig",
     "DeviceConfig",
     "EngineArgs",
@@ -36,5 +39,6 @@ __all__ = [
     "SchedulerConfig",
     "_derived_max_model_len",
     "knob",
+    "resolve_kv_cache_dtype",
     "text_field",
 ]

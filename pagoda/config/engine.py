@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+# --kv-cache-dtype: the spellings accepted, and what each resolves to ("fp8" is e4m3, as in vLLM).
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 # Defaults that "None"/"auto" knobs resolve to in `EngineConfig.create` (also read by `pagoda plan`).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
@@ -58,6 +60,11 @@ class EngineArgs:
     )
     block_size: int = knob(16, "tokens per KV cache block")
     enable_prefix_caching: bool = knob(True, "reuse KV blocks across requests that share a prefix")
+    kv_cache_dtype: str = knob(
+        "auto",
+        "auto (the model dtype) | fp8 (= fp8_e4m3: FP8 e4m3 K/V with a per-layer scale from the checkpoint's "
+        "k_scale/v_scale, else 1.0; about twice the blocks in the same memory)",
+    )
     gpu_memory_utilization: float | None = knob(
         None,
         f"fraction of GPU memory the engine may use (default {DEFAULT_GPU_MEMORY_UTILIZATION}; on the CPU "
@@ -144,6 +151,7 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
 class CacheConfig:
     block_size: int  # tokens per KV block
     enable_prefix_caching: bool
+    kv_cache_dtype: str  # "auto" (the model dtype) | "fp8" (e4m3; "fp8_e4m3" resolves to it)
     gpu_memory_utilization: float  # fraction of GPU memory for the whole engine
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
@@ -212,6 +220,7 @@ class EngineConfig:
             f"num_gpu_blocks_override must be >= 2, got {a.num_gpu_blocks_override}",
         )
         _check(a.dtype in _DTYPES, "dtype", f"dtype must be one of {', '.join(_DTYPES)}; got {a.dtype!r}")
+        kv_cache_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype)
         _check(a.device in ("auto", "cpu", "cuda"), "device", f"device must be auto, cpu or cuda; got {a.device!r}")
         _check(
             a.load_format in ("auto", "dummy"),
@@ -272,6 +281,7 @@ class EngineConfig:
             cache=_section(
                 CacheConfig,
                 a,
+                kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=utilization,
                 gpu_memory_utilization_given=a.gpu_memory_utilization is not None,
             ),
@@ -286,9 +296,26 @@ class EngineConfig:
             parallel=_section(ParallelConfig, a),
         )
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """What the KV cache holds, as logs and /metrics name it: "fp8_e4m3" or the model dtype."""
+        return "fp8_e4m3" if self.cache.kv_cache_dtype == "fp8" else self.model.dtype
+
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A new config with some cache fields changed (the original stays frozen)."""
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
+
+
+def resolve_kv_cache_dtype(choice: str) -> str:
+    """--kv-cache-dtype → "auto" | "fp8", or a one-line refusal naming the choices (also `pagoda plan`'s)."""
+    resolved = KV_CACHE_DTYPES.get(choice)
+    if resolved is not None:
+        return resolved
+    if choice == "fp8_e5m2":
+        message = "kv_cache_dtype fp8_e5m2 is not supported; use fp8 (e4m3)"
+    else:
+        message = f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {choice!r}"
+    raise ConfigError(message, "kv_cache_dtype")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -113,7 +113,8 @@ class LLMEngine:
             cfg.device.device,
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f KiB per block, %.2f GiB total",
+            "KV cache (%s): %d blocks x %d tokens, %.1f KiB per block, %.2f GiB total",
+            cfg.kv_cache_dtype_name,
             layout.num_blocks - 1,
             layout.block_size,
             layout.bytes_per_block / 1024,

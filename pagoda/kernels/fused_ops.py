@@ -10,7 +10,7 @@ the activation dtype at the same points. The PyTorch references are the layers' 
 | `rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps)` |
 | `fused_add_rms_norm` | `pagoda.layers.norm.rms_norm_reference(x, weight, eps, residual)` |
 | `rotary` | `pagoda.layers.rotary.apply_rotary_reference(q, k, (cos, sin))` |
-| `rotary_store_kv` | `rotary`, then `paged_attention.store_kv` (the Triton backend's KV store) |
+| `rotary_store_kv` | `rotary`, then `paged_attention.store_kv` (the Triton backend's KV store; fp8 caches too) |
 | `silu_and_mul` | `pagoda.layers.activation.silu_and_mul_reference(x)` |
 | `lf_decode_input` / `lf_decode_output` | the layernorms plus `LocalizedFilter`'s PyTorch path (pure copies) |
 
@@ -40,6 +40,7 @@ from triton.language.extra import libdevice
 
 from pagoda import envs
 from pagoda.kernels import pdl
+from pagoda.kernels.paged_attention import FP8, store_value
 from pagoda.kernels.pdl import wait_for_inputs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -213,8 +214,12 @@ def _rope_heads(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    scale,
+    FP8_CACHE: tl.constexpr,
 ):
-    """Rotate heads [head0, head0 + BLOCK_H) of one token: src/dst point at the token's head 0."""
+    """Rotate heads [head0, head0 + BLOCK_H) of one token: src/dst point at the token's head 0.
+    The rotated values are rounded to src's dtype, then stored as dst holds them (FP8_CACHE: an fp8
+    KV cache, quantized with `scale` exactly as `paged_attention.store_kv` quantizes that rounded k)."""
     offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_h = offs_h < num_heads
@@ -225,13 +230,16 @@ def _rope_heads(
     x2 = tl.load(src_rows + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(dst_rows + offs_d[None, :], _round_to(o1, dst, EMULATE_BF16), mask=mask)
-    tl.store(dst_rows + HALF + offs_d[None, :], _round_to(o2, dst, EMULATE_BF16), mask=mask)
+    o1 = store_value(_round_to(o1, src, EMULATE_BF16), scale, dst, FP8_CACHE, EMULATE_BF16)
+    o2 = store_value(_round_to(o2, src, EMULATE_BF16), scale, dst, FP8_CACHE, EMULATE_BF16)
+    tl.store(dst_rows + offs_d[None, :], o1, mask=mask)
+    tl.store(dst_rows + HALF + offs_d[None, :], o2, mask=mask)
     if HEAD_DIM > 2 * HALF:  # partial rotary: the tail passes through
         offs_p = 2 * HALF + tl.arange(0, BLOCK_PASS)
         mask_p = mask_h[:, None] & (offs_p[None, :] < HEAD_DIM)
         tail = tl.load(src_rows + offs_p[None, :], mask=mask_p, other=0.0)
-        tl.store(dst_rows + offs_p[None, :], tail, mask=mask_p)  # same dtype: a copy
+        tail = store_value(tail, scale, dst, FP8_CACHE, EMULATE_BF16)  # a copy (quantized for an fp8 cache)
+        tl.store(dst_rows + offs_p[None, :], tail, mask=mask_p)
 
 
 @triton.jit
@@ -282,6 +290,8 @@ def _rope_program(
             BLOCK_HALF,
             BLOCK_PASS,
             EMULATE_BF16,
+            1.0,
+            False,
         )
     return t, b, cos, sin
 
@@ -354,6 +364,8 @@ def _rope_kernel(
             BLOCK_HALF,
             BLOCK_PASS,
             EMULATE_BF16,
+            1.0,
+            False,
         )
 
 
@@ -456,6 +468,8 @@ def _rope_store_kv_kernel(
     slot_ptr,
     cos_ptr,
     sin_ptr,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -482,12 +496,14 @@ def _rope_store_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`_rope_kernel`'s grid, but k programs write their rotated heads, and copy the same heads of v,
     straight into the paged cache at slot_mapping[t] (slot = block * CACHE_BLOCK + offset) instead
-    of into a k tensor; a negative slot (a padding token) stores nothing. q programs as before."""
+    of into a k tensor; a negative slot (a padding token) stores nothing. q programs as before.
+    FP8_CACHE: k and v are quantized with k_scale / v_scale as `paged_attention.store_kv` does."""
     t, b, cos, sin = _rope_program(
         q_ptr,
         q_out_ptr,
@@ -530,13 +546,15 @@ def _rope_store_kv_kernel(
                 BLOCK_HALF,
                 BLOCK_PASS,
                 EMULATE_BF16,
+                k_scale,
+                FP8_CACHE,
             )
             offs_h = head0 + tl.arange(0, BLOCK_H)
             offs_d = tl.arange(0, BLOCK_D)
             mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HEAD_DIM)
             v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch
-            tl.store(v_dst + offs_d[None, :], v, mask=mask)
+            tl.store(v_dst + offs_d[None, :], store_value(v, v_scale, v_cache_ptr, FP8_CACHE, EMULATE_BF16), mask=mask)
 
 
 def supports_rotary_store_kv(
@@ -549,7 +567,7 @@ def supports_rotary_store_kv(
     v_cache: torch.Tensor,
 ) -> bool:
     """`supports_rotary`, plus v shaped like k and caches [num_blocks, block_size, Hkv, D] of q's dtype
-    with unit head_dim stride (any layout of the other dims)."""
+    or fp8 e4m3, with unit head_dim stride (any layout of the other dims)."""
     return (
         supports_rotary(q, k, cos, sin)
         and v.shape == k.shape
@@ -558,7 +576,8 @@ def supports_rotary_store_kv(
         and k_cache.dim() == 4
         and k_cache.shape == v_cache.shape
         and k_cache.shape[2:] == k.shape[1:]
-        and k_cache.dtype == v_cache.dtype == q.dtype
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (q.dtype, FP8)
         and k_cache.stride(3) == 1
         and v_cache.stride(3) == 1
     )
@@ -573,10 +592,13 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`rotary` and the attention backend's `store_kv` in one launch: returns the rotated q (new,
     contiguous) and writes the rotated k and v [T, Hkv, D] into k_cache/v_cache at slot_mapping [T]
-    (negative = skip). The stored values are bit-identical to `rotary` followed by `store_kv`."""
+    (negative = skip). The stored values are bit-identical to `rotary` followed by `store_kv` (with
+    k_scale / v_scale for an fp8 cache)."""
     assert supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache), "unsupported rotary/cache arguments"
     t = q.shape[0]
     assert slot_mapping.shape == (t,), "slot_mapping must be [T]"
@@ -595,6 +617,8 @@ def rotary_store_kv(
         slot_mapping,
         cos2,
         sin2,
+        float(k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -614,6 +638,7 @@ def rotary_store_kv(
         **shape,
         CACHE_BLOCK=k_cache.shape[1],
         BLOCK_D=triton.next_power_of_2(q.shape[2]),
+        FP8_CACHE=k_cache.dtype == FP8,
         EMULATE_BF16=_interpreting(),
         num_warps=4,
         enable_fp_fusion=False,

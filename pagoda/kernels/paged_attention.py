@@ -11,6 +11,16 @@ All softmax arithmetic is fp32 in the log2 domain (fp32 scores are multiplied by
 then `exp2`), with the running max started at a large finite negative value rather than -inf so a
 row that has seen no key yet never computes `-inf - -inf = NaN`.
 
+FP8 cache (`--kv-cache-dtype fp8`): the caches hold e4m3 (`torch.float8_e4m3fn`) with one scale per
+tensor per layer, k_scale and v_scale (plain floats, fixed after loading, so a captured CUDA graph
+may bake them in). The store writes q = e4m3(clamp(x / scale, ±448)) (fp32 division, round to
+nearest even: `torch`'s own `.to(torch.float8_e4m3fn)` of the same fp32 value); a read means
+x = float(q) * scale. The attention kernels widen each e4m3 tile exactly to q's dtype (e4m3 ⊂ fp16,
+bf16, fp32) and fold the scales into fp32 arithmetic instead of scaling every element: k_scale into
+the score scale (s = (q · k) * scale * k_scale, the dot accumulated in fp32), v_scale into the fp32
+output accumulator. That is the dequantized attention up to fp32 rounding. With a cache of the
+model's dtype the scales are ignored.
+
 The launchers check shapes and strides, pick block sizes, and launch. They never read device values
 on the host except where documented (`num_splits=None`, `tiles=None`), so the backend can keep its
 per-layer path free of host-device syncs. The PyTorch reference for these kernels is
@@ -41,6 +51,9 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so exp2(m_old - m
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
+FP8 = torch.float8_e4m3fn  # the fp8 cache's element type (Triton's float8e4nv)
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 value: stores saturate here (e4m3fn has no inf)
+
 
 def _interpreting() -> bool:
     return envs.TRITON_INTERPRET.value
@@ -68,6 +81,47 @@ def _mma(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 quantization of stored values
+# ---------------------------------------------------------------------------------------------
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, kept in fp32.
+
+    For the interpreter only: Triton 3.6's interpreter converts fp32 → e4m3 by truncating the
+    subnormals and drops the carry of a rounding that reaches the next power of two (31.5 → 16), so
+    the value is put on the e4m3 grid here and the cast that follows is exact. Normals (|x| >= 2^-6)
+    keep 3 mantissa bits (round the 20 dropped bits to nearest even on the integer bits); subnormals
+    are multiples of 2^-9, which adding and subtracting 1.5 * 2^14 rounds to (fp32 ulp there: 2^-9).
+    Both on |x|; the sign bit is put back last (so -tiny → -0, as the hardware and torch give)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    a = magnitude.to(tl.float32, bitcast=True)
+    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) << 20
+    subnormal = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    return (tl.where(a < 0.015625, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_value(x, scale, dst_ptr, FP8_CACHE: tl.constexpr, EMULATE: tl.constexpr):
+    """x as a cache of dst_ptr's type stores it: unchanged, or (FP8_CACHE) e4m3(clamp(x / scale, ±448))
+    with the division in fp32. EMULATE: the interpreter's fp8 rounding fix (`_round_to_e4m3`)."""
+    if FP8_CACHE:
+        y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        if EMULATE:
+            y = _round_to_e4m3(y)
+        return y.to(dst_ptr.dtype.element_ty)
+    else:
+        return x
+
+
+# ---------------------------------------------------------------------------------------------
 # store_kv
 # ---------------------------------------------------------------------------------------------
 
@@ -79,6 +133,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -94,10 +150,13 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per token: copy its [Hkv, D] K and V rows into cache slot slot_mapping[t].
-    A negative slot (a padding token) writes nothing."""
+    """One program per token: copy its [Hkv, D] K and V rows into cache slot slot_mapping[t]
+    (quantized with k_scale / v_scale into an fp8 cache). A negative slot (a padding token) writes
+    nothing."""
     wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -110,15 +169,23 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
+    tl.store(k_dst, store_value(k, k_scale, k_cache_ptr, FP8_CACHE, EMULATE_FP8), mask=mask)
+    tl.store(v_dst, store_value(v, v_scale, v_cache_ptr, FP8_CACHE, EMULATE_FP8), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """k/v [T, Hkv, D] → k_cache/v_cache [num_blocks, block_size, Hkv, D] at slot_mapping [T]
-    (slot = block * block_size + offset; negative = skip)."""
+    (slot = block * block_size + offset; negative = skip). An fp8 cache stores what
+    `pagoda.layers.attention.quantize_kv(k, k_scale)` gives (v with v_scale), bit for bit; other
+    caches ignore the scales."""
     t, num_kv_heads, head_dim = k.shape
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim, k.dtype)
     assert v.shape == k.shape and v.dtype == k.dtype, "k and v must match"
@@ -132,6 +199,8 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -147,6 +216,8 @@ def store_kv(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_CACHE=is_fp8(k_cache),
+        EMULATE_FP8=_interpreting(),
         **pdl.launch_args(k),
     )
 
@@ -195,6 +266,7 @@ def _attend_tile(
     BLOCK_D: tl.constexpr,
     MASK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -204,7 +276,9 @@ def _attend_tile(
     all fp32. Each key's slot is looked up through the block table, so BLOCK_N need not relate to
     block_size (a tile may span several cache blocks, or part of one).
     MASK_KEYS: keys >= key_end may be in this tile (masked loads, -inf scores).
-    CAUSAL: row r sees only keys <= q_pos[r] (implies MASK_KEYS; q_pos is unused otherwise)."""
+    CAUSAL: row r sees only keys <= q_pos[r] (implies MASK_KEYS; q_pos is unused otherwise).
+    KV_FP8: the tiles are e4m3, widened exactly to q's dtype; their scales are the caller's (k_scale
+    inside qk_scale, v_scale on the final acc)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < key_end
@@ -215,6 +289,8 @@ def _attend_tile(
     within = offs_n % BLOCK_SIZE
     k_off = block * stride_kcb + within * stride_kcs + kv_head * stride_kch  # [BLOCK_N] int64
     k = _load_kv_rows(k_cache_ptr, k_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = _mma(q, tl.trans(k), IEEE, UPCAST) * qk_scale  # [M, BLOCK_N] log2 domain
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
@@ -226,6 +302,8 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = block * stride_vcb + within * stride_vcs + kv_head * stride_vch
     v = _load_kv_rows(v_cache_ptr, v_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, IEEE, UPCAST)
     return m_new, l_i, acc
 
@@ -249,6 +327,7 @@ def _decode_kernel(
     part_l_ptr,
     counter_ptr,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -272,6 +351,7 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_QIDX: tl.constexpr,
+    KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -339,9 +419,12 @@ def _decode_kernel(
             BLOCK_D,
             True,
             False,
+            KV_FP8,
             IEEE,
             UPCAST,
         )
+    if KV_FP8:
+        acc = acc * v_scale  # dequantize V once, on the (linear) accumulator
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row) → zeros
@@ -450,6 +533,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = 1,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     query_index: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_sms: int | None = None,
@@ -465,7 +550,8 @@ def paged_decode_attention(
     device). None picks `choose_num_splits` from seq_lens.max(), which syncs with the device.
     split_counters: int32, at least B * Hkv elements, all zero (and zero again after the launch), for
     the splits to find the last of them; None allocates zeros per call (one memset more). A caller
-    that keeps one (`SplitCounters`) must not run two launches on it at once."""
+    that keeps one (`SplitCounters`) must not run two launches on it at once.
+    k_scale, v_scale: an fp8 cache's scales (ignored for other caches)."""
     rows = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -517,7 +603,8 @@ def paged_decode_attention(
         part_m,
         part_l,
         split_counters,
-        scale * _LOG2E,
+        _qk_scale(scale, k_cache, k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -541,6 +628,7 @@ def paged_decode_attention(
         BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
         SPLIT=num_splits > 1,
         HAS_QIDX=query_index is not None,
+        KV_FP8=is_fp8(k_cache),
         IEEE=ieee,
         UPCAST=upcast,
         num_warps=cfg.num_warps,
@@ -588,6 +676,7 @@ def _prefill_kernel(
     tile_m0_ptr,
     out_ptr,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -605,6 +694,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -663,6 +753,7 @@ def _prefill_kernel(
             BLOCK_D,
             False,
             False,
+            KV_FP8,
             IEEE,
             UPCAST,
         )
@@ -692,10 +783,13 @@ def _prefill_kernel(
             BLOCK_D,
             True,
             True,
+            KV_FP8,
             IEEE,
             UPCAST,
         )
 
+    if KV_FP8:
+        acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -761,13 +855,16 @@ def paged_prefill_attention(
     *,
     tiles: PrefillTiles | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed chunks q [T, Hq, D] (request b's queries are
     q[query_start_loc[b]:query_start_loc[b+1]], at positions seq_len - q_len + j) over keys
     0..position read from the paged cache (store the chunk's K/V first). → out [T, Hq, D].
 
     tiles: which requests to run (default: all, built from query_start_loc.tolist(), a device
-    sync); rows not covered by a tile are left untouched in `out`."""
+    sync); rows not covered by a tile are left untouched in `out`. k_scale, v_scale: an fp8 cache's
+    scales (ignored for other caches)."""
     rows = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -796,7 +893,8 @@ def paged_prefill_attention(
         tiles.req,
         tiles.m0,
         out,
-        scale * _LOG2E,
+        _qk_scale(scale, k_cache, k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -814,6 +912,7 @@ def paged_prefill_attention(
         BLOCK_M=tiles.block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        KV_FP8=is_fp8(k_cache),
         IEEE=ieee,
         UPCAST=upcast,
         num_warps=num_warps,
@@ -828,7 +927,13 @@ def paged_prefill_attention(
 
 
 def compile_variants(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
     """Launch each kernel once in every variant a step can need for this attention shape, on a tiny
     scratch cache, so Triton compiles them at start-up rather than inside a step (a compile stalls
@@ -837,17 +942,24 @@ def compile_variants(
     and with several (then the in-kernel merge); prefill; store_kv. What else changes from step to
     step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers.
     Each once with and once without PDL: steps (eager or captured) of more than
-    `dispatch.PDL_MAX_ROWS` tokens launch without it (`dispatch.pdl_for_rows`)."""
+    `dispatch.PDL_MAX_ROWS` tokens launch without it (`dispatch.pdl_for_rows`). cache_dtype: the
+    cache's element type (None: dtype; `FP8` compiles the fp8-cache variants)."""
     for pdl_on in (True, False):
         with dispatch.pdl_allowed(pdl_on):
-            _launch_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+            _launch_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype or dtype)
 
 
 def _launch_variants(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    cache_dtype: torch.dtype,
 ) -> None:
     blocks = 3
-    k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    k_cache = torch.zeros(blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     tables = torch.tensor([[1, 2]], dtype=torch.int32, device=device)
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
@@ -882,9 +994,16 @@ def _check_cache(
     assert k_cache.shape[2:] == (num_kv_heads, head_dim), (
         f"cache heads/dim {tuple(k_cache.shape[2:])} != {(num_kv_heads, head_dim)}"
     )
-    assert k_cache.dtype == v_cache.dtype == dtype, f"cache dtype {k_cache.dtype} != {dtype}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (dtype, FP8), (
+        f"cache dtype {k_cache.dtype} is neither {dtype} nor {FP8}"
+    )
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head_dim must be contiguous"
     assert head_dim >= 1 and k_cache.shape[1] >= 1
+
+
+def _qk_scale(scale: float, k_cache: torch.Tensor, k_scale: float) -> float:
+    """The kernels' score multiplier: softmax scale (times an fp8 cache's k_scale) in the log2 domain."""
+    return scale * (float(k_scale) if is_fp8(k_cache) else 1.0) * _LOG2E
 
 
 _SM_COUNTS: dict[int, int] = {}

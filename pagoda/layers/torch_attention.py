@@ -9,6 +9,11 @@ causal mask offset by the number of already-cached tokens.
 Gathered blocks may hold slots past a request's length: those are masked out, and they are never
 NaN garbage because the model runner zeroes every block when it is handed out
 (`needs_zeroed_blocks`; the null block 0 that pads tables is zeroed at allocation).
+
+An fp8 cache (see `pagoda/layers/attention.py`) stores `quantize_kv(k, k_scale)`; the gathered e4m3
+blocks are widened exactly to q's dtype and the scales folded into the attention as the Triton
+kernels fold them: k_scale into SDPA's scale, v_scale onto the output. That is attention over the
+dequantized cache, without a scaled copy of every gathered block.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.attention import AttentionBackend, AttentionBatch
+from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, quantize_kv
 
 
 @dataclass
@@ -79,38 +84,45 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hkv, D]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k[metadata.slot_mapping] = k
-        flat_v[metadata.slot_mapping] = v
+        fp8 = k_cache.dtype == FP8_KV
+        flat_k[metadata.slot_mapping] = quantize_kv(k, k_scale) if fp8 else k
+        flat_v[metadata.slot_mapping] = quantize_kv(v, v_scale) if fp8 else v
+        if fp8:
+            scale = scale * k_scale
+        else:
+            v_scale = 1.0
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
 
         if metadata.decode_blocks is not None:
             num_rows = metadata.decode_token_index.shape[0]
             qd = q[metadata.decode_token_index].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = _gather(k_cache, metadata.decode_blocks, num_rows)  # [Bd, Hkv, nblk*bs, D]
-            vd = _gather(v_cache, metadata.decode_blocks, num_rows)
+            kd = _gather(k_cache, metadata.decode_blocks, num_rows, q.dtype)  # [Bd, Hkv, nblk*bs, D]
+            vd = _gather(v_cache, metadata.decode_blocks, num_rows, q.dtype)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=gqa
             )  # [Bd, Hq, 1, D]
-            out[metadata.decode_token_index] = od.squeeze(2)
+            out[metadata.decode_token_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
 
         for row in metadata.prefill_rows:
             qp = q[row.start : row.end].transpose(0, 1)  # [Hq, n, D]
-            kp = _gather(k_cache, row.blocks, 1)[0]  # [Hkv, L, D]
-            vp = _gather(v_cache, row.blocks, 1)[0]
+            kp = _gather(k_cache, row.blocks, 1, q.dtype)[0]  # [Hkv, L, D]
+            vp = _gather(v_cache, row.blocks, 1, q.dtype)[0]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=gqa
             )
-            out[row.start : row.end] = op.transpose(0, 1)
+            out[row.start : row.end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """cache [num_blocks, bs, Hkv, D], blocks [rows * nblk] → [rows, Hkv, nblk * bs, D] (a strided view
-    of one contiguous gathered copy)."""
-    gathered = torch.index_select(cache, 0, blocks)  # [rows * nblk, bs, Hkv, D]
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D], blocks [rows * nblk] → [rows, Hkv, nblk * bs, D] of `dtype` (a
+    strided view of one contiguous gathered copy; e4m3 widens exactly)."""
+    gathered = torch.index_select(cache, 0, blocks).to(dtype)  # [rows * nblk, bs, Hkv, D]
     return gathered.view(num_rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

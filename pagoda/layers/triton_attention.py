@@ -11,7 +11,9 @@ rows: seq_len 0 gives zeros, slot -1 stores nothing) — `decode_metadata` build
 such buffers (`pagoda/worker/cuda_graphs.py`).
 
 Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
-never read cache slots at or past a row's length, so they do not rely on blocks being zeroed.
+never read cache slots at or past a row's length, so they do not rely on blocks being zeroed. An fp8
+cache (e4m3, per-layer k_scale/v_scale) is handled inside the kernels: quantized by the store (or the
+fused RoPE store), the scales folded into the attention (`pagoda/kernels/paged_attention.py`).
 """
 
 from __future__ import annotations
@@ -79,10 +81,15 @@ class TritonAttentionBackend(AttentionBackend):
         self._split_counters = self._kernels.SplitCounters()  # one backend per model runner: launches in order
 
     def warm_up(
-        self, shapes: set[tuple[int, int, int]], block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        shapes: set[tuple[int, int, int]],
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         for num_heads, num_kv_heads, head_dim in sorted(shapes):
-            self._kernels.compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+            self._kernels.compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype)
 
     def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         device = batch.slot_mapping.device
@@ -162,10 +169,12 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.
-        self._kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
+        self._kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1], k_scale, v_scale)
 
     def forward_rotary(
         self,
@@ -177,14 +186,16 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """RoPE and the KV store in one launch (`fused_ops.rotary_store_kv`) where the fused kernels run."""
         ops = dispatch.fused_ops_for(q)
         cos, sin = cos_sin
         if ops is None or not ops.supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache):
-            return super().forward_rotary(q, k, v, cos_sin, k_cache, v_cache, metadata, scale)
-        q = ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, metadata.slot_mapping)
-        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1])
+            return super().forward_rotary(q, k, v, cos_sin, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        q = ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1], k_scale, v_scale)
 
     def _attend(
         self,
@@ -194,6 +205,8 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
         scale: float,
         num_kv_heads: int,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, which already holds this step's keys and values."""
         kernels = self._kernels
@@ -209,6 +222,8 @@ class TritonAttentionBackend(AttentionBackend):
                 decode.seq_lens,
                 scale,
                 self._num_splits(decode, num_kv_heads, metadata.num_sms),
+                k_scale=k_scale,
+                v_scale=v_scale,
                 query_index=decode.token_index,
                 out=out,
                 split_counters=counters,
@@ -224,6 +239,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 tiles=metadata.prefill_tiles,
                 out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
 

@@ -166,13 +166,27 @@ def kv_scale_entry(name: str) -> tuple[str, str] | None:
 
 
 def _set_kv_scales(model: nn.Module, scales: dict[str, dict[str, float]]) -> None:
-    """Hand each attention layer its checkpoint KV scales (used by an fp8 KV cache)."""
+    """Hand each attention layer its checkpoint KV scales (used by an fp8 KV cache). The entries sit
+    on the model's attention block (`model.layers.0.self_attn.k_scale`), whose `Attention` module is
+    `.attn`; an entry already naming that module (`...self_attn.attn.k_scale`) is taken as well."""
     modules = dict(model.named_modules())
+    unmatched = []
     for prefix, found in scales.items():
-        attn = modules.get(f"{prefix}.attn")
+        attn = modules.get(f"{prefix}.attn", modules.get(prefix))
         setter = getattr(attn, "set_kv_scales", None)
-        if setter is not None:
+        if setter is None:
+            unmatched.append(prefix)
+            continue
+        try:
             setter(found.get("k", 1.0), found.get("v", 1.0))
+        except ValueError as exc:
+            raise ModelLoadError(f"Checkpoint KV cache scales of {prefix!r}: {exc}") from None
+    if unmatched:
+        logger.warning(
+            "KV cache scales for %d module(s) with no attention layer (e.g. %r) were ignored",
+            len(unmatched),
+            unmatched[0],
+        )
 
 
 def load_weights(model: nn.Module, source: ModelSource) -> None:

@@ -35,7 +35,7 @@ from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
 from pagoda.server.app import build_app
-from pagoda.server.metrics import METRICS_PREFIXES, ServerMetrics
+from pagoda.server.metrics import METRICS_PREFIXES, ServerMetrics, cache_config_labels
 from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
 from pagoda.serving_gc import prepare_gc_for_serving
 
@@ -105,14 +105,17 @@ class ApiSetup:
             OpenAIServing(ctx), api_key=server.api_key_or_env, max_request_bytes=self.http_limits.max_request_bytes
         )
 
-    def metrics(self, index: int) -> ServerMetrics:
-        """Multiprocess metrics (the supervisor's PROMETHEUS_MULTIPROC_DIR); process 0 counts the engine's totals."""
-        return ServerMetrics(
+    def metrics(self, index: int, ready: Ready) -> ServerMetrics:
+        """Multiprocess metrics (the supervisor's PROMETHEUS_MULTIPROC_DIR); process 0 counts the engine's totals.
+        `ready`: the core's sized cache, for `cache_config_info`."""
+        metrics = ServerMetrics(
             self.names[0],
             prefixes=METRICS_PREFIXES[self.server.metrics_prefix],
             multiprocess=True,
             count_engine_totals=index == 0,
         )
+        metrics.publish_cache_config(cache_config_labels(self.config, ready.num_blocks))
+        return metrics
 
     def log_startup(self, ready: Ready) -> None:
         config, server = self.config, self.server
@@ -124,7 +127,8 @@ class ApiSetup:
             config.device.device,
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
+            "KV cache (%s): %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
+            config.kv_cache_dtype_name,
             ready.num_blocks,
             ready.block_size,
             config.model.max_model_len,
@@ -189,7 +193,7 @@ async def serve_api(
     engine = AsyncEngine(config, client)
     await engine.start()
     try:
-        app = setup.app(engine, setup.metrics(client.index))
+        app = setup.app(engine, setup.metrics(client.index, client.ready))
         prepare_gc_for_serving()
         uv = ApiServer(
             uvicorn.Config(

@@ -16,16 +16,23 @@ API processes (`--api-server-count N`, N >= 1): prometheus_client's multiprocess
 counters and histograms summed, the engine gauges the most recently written value (every process
 receives every change of them). The engine's running totals (preemptions, prefix-cache tokens) reach
 every process; only the first one counts them, or the sum would be N times the truth.
+
+`cache_config_info` is vLLM's info metric for the KV cache: value 1, the settings as labels
+(`cache_dtype` "auto" or "fp8", `num_gpu_blocks`, `block_size`, ...), published once the engine core
+has sized the cache (`publish_cache_config`).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagoda.engine.core_process import Outputs
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -107,6 +114,20 @@ def _renamed(family, prefix: str):
     return out
 
 
+def cache_config_labels(config: EngineConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """`cache_config_info`'s labels, named and spelled as vLLM's (every value a string)."""
+    cache = config.cache
+    return {
+        "block_size": str(cache.block_size),
+        "cache_dtype": cache.kv_cache_dtype,
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
+        "swap_space": str(cache.swap_space),
+    }
+
+
 def _engine_totals(stats) -> tuple[float, ...]:
     return (
         stats.num_preemptions,
@@ -185,6 +206,20 @@ class ServerMetrics:
             self.engine_cpu,
         )
         self._last: tuple[float, ...] = (0, 0, 0, 0, 0.0, 0.0, 0.0)
+        self._cache_info: Gauge | None = None
+
+    def publish_cache_config(self, labels: dict[str, str]) -> None:
+        """Set `cache_config_info{labels} 1` (`cache_config_labels`); once per process."""
+        if self._cache_info is not None:
+            return
+        self._cache_info = Gauge(
+            "pagoda:cache_config_info",
+            "Information of the KV cache configuration (value 1; the settings are the labels)",
+            sorted(labels),
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self._cache_info.labels(**labels).set(1)
 
     def on_engine_outputs(self, message: Outputs) -> None:
         stats = message.stats

@@ -6,7 +6,8 @@ function the engine sizes its cache with. On the CPU the block count is `memory.
 identical to the engine's; on a GPU the engine profiles one worst-case step, which the planner
 estimates (weights + activations of one `max_num_batched_tokens` step + sampler logits + a fixed
 CUDA-context allowance), so the engine logs the planner's prediction next to what it allocated.
-The valid tensor-parallel sizes and the reasons against the requested one come from
+`--kv-cache-dtype fp8` counts the cache at 1 byte per element (Yuan2's LF state stays in the model
+dtype: it is not KV cache). The valid tensor-parallel sizes and the reasons against the requested one come from
 `config.parallel`, the rule `pagoda serve` refuses by.
 """
 
@@ -17,7 +18,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagoda.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, _derived_max_model_len, text_field
+from pagoda.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_DTYPES,
+    _derived_max_model_len,
+    resolve_kv_cache_dtype,
+    text_field,
+)
 from pagoda.config.parallel import tensor_parallel_error, tensor_parallel_problems, valid_tensor_parallel_sizes
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
@@ -71,6 +78,7 @@ class Plan:
     image_tokens_per_request: int | None = None
     notes: list[str] = field(default_factory=list)
     quantization: str = "none"  # the weights' quantization (QuantConfig.describe()), "none" when unquantized
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (e4m3: kv_bytes_* count 1 byte per element)
 
 
 def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
@@ -153,10 +161,13 @@ def make_plan(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     quantization: QuantConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Plan:
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+    cache_dtype_bytes = 1 if kv_cache_dtype == "fp8" else dtype_bytes
     derived = _derived_max_model_len(hf_config)
     max_model_len = max_model_len or derived
     if max_model_len > derived:
@@ -179,7 +190,7 @@ def make_plan(
             raise ConfigError(f"{quantization.describe()}: {exc}", "quantization") from None
         if quantization.method == "fp8" and not quantization.serialized:
             process_after_loading(model)  # fp8 at load: the weights as they will be held (meta: no work)
-    spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching)
+    spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching, cache_dtype_bytes)
     weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
     problems = tensor_parallel_problems(hf_config, tp)
     notes = []
@@ -196,7 +207,7 @@ def make_plan(
         spec.num_layers,
         kv_heads_per_gpu,
         spec.head_dim,
-        dtype_bytes,
+        spec.dtype_bytes,
         spec.state_bytes_per_seq,
         spec.snapshot_bytes_per_block,
     )
@@ -265,6 +276,7 @@ def make_plan(
         per_request,
         notes,
         quantization.describe() if quantization is not None else "none",
+        kv_cache_dtype,
     )
 
 
@@ -284,7 +296,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {where}",
         f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU",
-        f"KV cache per token: {_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
+        f"KV cache per token{' (fp8 e4m3)' if plan.kv_cache_dtype == 'fp8' else ''}: "
+        f"{_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
     ]
     if plan.state_bytes_per_sequence:
         lines.append(f"LF state per sequence: {_size(plan.state_bytes_per_sequence)} (+ the same per cached block)")
@@ -330,6 +343,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-q", "--quantization", default=None, choices=QUANTIZATION_CHOICES, help="as `pagoda serve --quantization`"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help=f"as `pagoda serve --kv-cache-dtype`: {' | '.join(KV_CACHE_DTYPES)} (fp8: 1 byte per cached element)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -370,6 +388,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         max_pixels=ns.max_pixels,
         # As `pagoda serve` resolves it: a layout serve refuses is refused here in the same line.
         quantization=resolve_quantization(ns.quantization, source.location, source.kind, source.hf_config),
+        kv_cache_dtype=ns.kv_cache_dtype,
     )
 
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))

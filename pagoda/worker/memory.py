@@ -3,11 +3,14 @@
 A block holds `block_size` tokens of K and V for every attention layer:
     bytes_per_block = 2 (K, V) * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
                       + snapshot_bytes_per_block
+where dtype_bytes is the cache's element size: the model dtype's, or 1 with `--kv-cache-dtype fp8`
+(so the same budget holds about twice the blocks).
 Block 0 is reserved as the null block, so `num_blocks` usable blocks need `num_blocks + 1` slots.
 
 Models with per-sequence recurrent state (Yuan2's LF gate: 1.5·hidden values per layer) also need
 `state_bytes_per_seq` for each of the max_num_seqs state slots, reserved before blocks are counted,
-and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_block`).
+and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_block`). That state is
+not KV cache: it stays in the model dtype whatever the cache dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype_bytes: int
+    dtype_bytes: int  # bytes per cached K/V element (1 for an fp8 cache)
     state_bytes_per_seq: int = 0  # per-sequence recurrent state, all layers (0: none)
     snapshot_bytes_per_block: int = 0  # state snapshot stored with each block (prefix caching)
 
@@ -54,9 +57,12 @@ class KVCacheLayout:
         return (self.num_blocks - 1) / blocks_each
 
 
-def kv_cache_spec(model: Any, dtype_bytes: int, enable_prefix_caching: bool) -> KVCacheSpec:
+def kv_cache_spec(
+    model: Any, dtype_bytes: int, enable_prefix_caching: bool, cache_dtype_bytes: int | None = None
+) -> KVCacheSpec:
     """The cache shape a model needs, read from its modules (works on a meta-device model, so the
-    planner and the engine share this one function)."""
+    planner and the engine share this one function). dtype_bytes: the model dtype's element size
+    (the recurrent state's); cache_dtype_bytes: the KV cache's (None: the same)."""
     layers = model.attention_layers()
     stateful = getattr(model, "sequence_state_layers", list)()
     state = sum(layer.state_width for layer in stateful) * dtype_bytes
@@ -64,7 +70,7 @@ def kv_cache_spec(model: Any, dtype_bytes: int, enable_prefix_caching: bool) -> 
         len(layers),
         layers[0].num_kv_heads,
         layers[0].head_dim,
-        dtype_bytes,
+        dtype_bytes if cache_dtype_bytes is None else cache_dtype_bytes,
         state_bytes_per_seq=state,
         snapshot_bytes_per_block=state if enable_prefix_caching else 0,
     )

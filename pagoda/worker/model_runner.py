@@ -26,7 +26,7 @@ from pagoda.device_copy import to_device
 from pagoda.distributed.parallel_state import all_reduce_max, broadcast_tensor, is_driver, tp_world_size
 from pagoda.inputs import MultiModalInputs
 from pagoda.kernels import dispatch
-from pagoda.layers.attention import AttentionBackend, AttentionBatch, StepAttention
+from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
@@ -125,6 +125,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device.device)
         self.dtype = _DTYPES[config.model.dtype]
+        self.cache_dtype = FP8_KV if config.cache.kv_cache_dtype == "fp8" else self.dtype  # "auto": the model's
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model = load_model(
@@ -139,6 +140,8 @@ class ModelRunner:
         unique = {id(p): p for p in self.model.parameters()}  # tied weights once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())  # this rank's share
         self.backend = backend or self._make_backend(config.device.attention_backend)
+        if self.cache_dtype == FP8_KV:
+            self._log_kv_scales()
         self.sampler = Sampler()
         # Per-request sampling rows kept across steps: a step's batch is a gather, and the penalties'
         # token history lives on the device (updated with each step's samples, no host round trip).
@@ -175,11 +178,35 @@ class ModelRunner:
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
         return kv_cache_spec(
-            self.model, torch.tensor([], dtype=self.dtype).element_size(), self.config.cache.enable_prefix_caching
+            self.model,
+            torch.tensor([], dtype=self.dtype).element_size(),
+            self.config.cache.enable_prefix_caching,
+            torch.tensor([], dtype=self.cache_dtype).element_size(),
         )
 
+    def _log_kv_scales(self) -> None:
+        layers = self.model.attention_layers()
+        scaled = [layer for layer in layers if (layer.k_scale, layer.v_scale) != (1.0, 1.0)]
+        if scaled:
+            k = [layer.k_scale for layer in scaled]
+            v = [layer.v_scale for layer in scaled]
+            logger.info(
+                "FP8 KV cache: the checkpoint's scales in %d of %d layers (k %.4g..%.4g, v %.4g..%.4g)",
+                len(scaled),
+                len(layers),
+                min(k),
+                max(k),
+                min(v),
+                max(v),
+            )
+        else:
+            logger.info(
+                "FP8 KV cache: the checkpoint has no k_scale/v_scale: every scale is 1.0 (values beyond ±448 saturate)"
+            )
+
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
-        """Allocate K and V [num_blocks, block_size, Hkv, D] per layer and bind them to the layers.
+        """Allocate K and V [num_blocks, block_size, Hkv, D] per layer, in the cache dtype, and bind
+        them to the layers.
 
         Uninitialised (zeroing gigabytes costs seconds at startup): the null block 0 is zeroed
         here, every other block when it is handed out (`_zero_blocks`) if the attention backend
@@ -187,8 +214,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = (layout.num_blocks, layout.block_size, layer.num_kv_heads, layer.head_dim)
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
             k[0].zero_()
             v[0].zero_()
             layer.bind_kv_cache(k, v)
@@ -200,7 +227,7 @@ class ModelRunner:
         """Let the attention backend compile its kernels for this model's attention shapes now, before
         the first request (see `AttentionBackend.warm_up`)."""
         shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in self.model.attention_layers()}
-        self.backend.warm_up(shapes, self.block_size, self.dtype, self.device)
+        self.backend.warm_up(shapes, self.block_size, self.dtype, self.device, self.cache_dtype)
 
     def enable_decode_graphs(
         self, capture: bool = True, buckets: list[int] | None = None, token_buckets: list[int] | None = None
@@ -381,6 +408,8 @@ class ModelRunner:
         hand-out so stale or uninitialised memory can never inject NaN (0 * NaN = NaN)."""
         index = to_device(np.asarray(blocks, dtype=np.int64), self.device)
         for k, v in self.kv_caches:
+            if k.element_size() == 1:  # fp8: index_fill_ has no fp8 kernel; all-zero bits are +0.0
+                k, v = k.view(torch.uint8), v.view(torch.uint8)
             k.index_fill_(0, index, 0)
             v.index_fill_(0, index, 0)
 
