@@ -17,17 +17,21 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from pagoda.config.quantization import QuantConfig, tensor_quantization
 from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader, loader_reads_shards, read_weight
 from pagoda.layers.quantization import UNUSED_LEAVES, process_after_loading, quantize_linear_layers
+from pagoda.models.quantized_checkpoint import tensor_quantization
 from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
+
+if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
+    from pagoda.config.quantization import QuantConfig
 
 logger = logging.getLogger(__name__)
 

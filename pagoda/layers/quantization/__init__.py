@@ -11,10 +11,11 @@ projection with its own loader), and whatever the checkpoint lists as not conver
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from pagoda.config.quantization import QuantConfig
 from pagoda.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -22,6 +23,9 @@ from pagoda.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+
+if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
+    from pagoda.config.quantization import QuantConfig
 
 # Exactly these classes: a subclass with a loader of its own (Yuan2's q/k projection) stays unquantized.
 QUANTIZABLE = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)

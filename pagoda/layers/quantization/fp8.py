@@ -21,13 +21,17 @@ function in float32: the quantized values, widened, times their scales.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.config.quantization import QuantConfig
 from pagoda.kernels import dispatch
 from pagoda.layers.linear import Linear, MergedColumnParallelLinear, ParamLayout, with_layout
+
+if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
+    from pagoda.config.quantization import QuantConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448

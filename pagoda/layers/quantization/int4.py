@@ -21,14 +21,18 @@ GEMM above), `int4_matmul_reference` elsewhere (the dequantized weight, then F.l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from pagoda.config.quantization import QuantConfig
 from pagoda.distributed import parallel_state
 from pagoda.kernels import dispatch
 from pagoda.layers.linear import Linear, ParamLayout, RowParallelLinear, with_layout
 from pagoda.layers.quantization.int4_formats import awq_to_internal, gptq_to_internal, int4_matmul_reference
+
+if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
+    from pagoda.config.quantization import QuantConfig
 
 PACK = 8  # 4-bit values per int32
 
