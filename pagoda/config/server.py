@@ -112,6 +112,11 @@ class ServerConfig:
         "--host:--port (default 1)",
         flags=("-asc",),
     )
+    ui: bool = knob(
+        True,
+        "serve the web playground at / and the live dashboard at /dashboard (static pages that call the API "
+        "from the browser; they load without the API key and ask for it); --no-ui turns them off",
+    )
     uvicorn_log_level: str = knob("warning", None)
     skip_preflight: bool = knob(
         False, "do not run `pagoda doctor`'s fast checks before loading the model", store_true=True

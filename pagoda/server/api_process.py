@@ -102,7 +102,10 @@ class ApiSetup:
         # of HTTP and is the bottleneck, so the core keeps it.
         engine.use_tokenizer(self.tokenizer if server.api_server_count > 1 else None)
         return build_app(
-            OpenAIServing(ctx), api_key=server.api_key_or_env, max_request_bytes=self.http_limits.max_request_bytes
+            OpenAIServing(ctx),
+            api_key=server.api_key_or_env,
+            max_request_bytes=self.http_limits.max_request_bytes,
+            ui=server.ui,
         )
 
     def metrics(self, index: int, ready: Ready) -> ServerMetrics:

@@ -21,10 +21,11 @@ from pagoda.errors import EngineDead, Overloaded, PagodaError, ShuttingDown, Una
 from pagoda.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from pagoda.server.routes import router
 from pagoda.server.serving import OpenAIServing
+from pagoda.server.ui import UI_OPEN_PATHS, add_ui_routes
 
 logger = logging.getLogger("pagoda.server")
 
-# Paths that never need the API key (probes and scrapers).
+# Paths that never need the API key (probes and scrapers); with the UI on, also its pages (server/ui.py).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/ping"})
 
 
@@ -47,10 +48,14 @@ def build_app(
     api_key: str | None = None,
     lifespan: Any = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    ui: bool = True,
 ) -> FastAPI:
+    """`ui`: serve the playground and dashboard pages (server/ui.py); they load without the API key."""
     app = FastAPI(title="Pagoda OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
     app.include_router(router)
+    if ui:
+        add_ui_routes(app)
     app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(PagodaError)
@@ -79,7 +84,9 @@ def build_app(
         return error_response(500, f"Internal server error: {type(exc).__name__}", "InternalServerError")
 
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(
+            APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS | UI_OPEN_PATHS if ui else OPEN_PATHS
+        )
     if max_request_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)  # outermost: before anything reads
 
@@ -104,12 +111,13 @@ class APIKeyMiddleware:
     `request.is_disconnected()` never turns true downstream, and which relays every streamed chunk
     through an extra memory stream)."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.api_key = api_key.encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not secrets.compare_digest(token, self.api_key):

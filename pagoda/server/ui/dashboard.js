@@ -1,0 +1,261 @@
+// The live dashboard: one /metrics snapshot a second (Prometheus text, parsed here), turned into rates and
+// last-minute percentiles client side, each drawn as a small line chart on a <canvas>.
+// Rates come from the two newest snapshots; percentiles and ratios "over the last minute" from the newest one
+// and the oldest one kept (at most WINDOW_S old): counters and histogram buckets only grow, so their deltas
+// are what happened in between. A server restart (a counter going down) restarts the window.
+// Names: vLLM's `vllm:` and Pagoda's `pagoda:` carry the same values; either or both may be exported.
+"use strict";
+
+const WINDOW_S = 60;
+const HISTORY = 120; // chart points (seconds)
+const PREFIXES = ["vllm:", "pagoda:"];
+
+// Prometheus text -> {name: [{labels, value}]}
+function parseMetrics(text) {
+  const out = {};
+  for (const raw of text.split("\n")) {
+    const line = raw.trim();
+    if (!line || line[0] === "#") continue;
+    let name, labels = {}, rest;
+    const brace = line.indexOf("{");
+    const space = line.indexOf(" ");
+    if (brace >= 0 && (space < 0 || brace < space)) {
+      name = line.slice(0, brace);
+      const close = line.indexOf("}", brace);
+      const body = line.slice(brace + 1, close);
+      const re = /([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g;
+      let m;
+      while ((m = re.exec(body)) !== null) labels[m[1]] = m[2].replace(/\\(.)/g, (_, c) => (c === "n" ? "\n" : c));
+      rest = line.slice(close + 1).trim();
+    } else {
+      name = line.slice(0, space);
+      rest = line.slice(space + 1).trim();
+    }
+    const value = parseFloat(rest.split(/\s+/)[0]);
+    (out[name] = out[name] || []).push({ labels: labels, value: value });
+  }
+  return out;
+}
+
+class Snapshot {
+  constructor(families, time) {
+    this.families = families;
+    this.time = time;
+    this.prefix = PREFIXES.find((p) => Object.keys(families).some((k) => k.startsWith(p))) || "vllm:";
+  }
+  samples(name) {
+    return this.families[this.prefix + name] || [];
+  }
+  // The sum over all label sets (one model per server; several API processes are already summed).
+  total(name, match) {
+    let sum = 0, seen = false;
+    for (const s of this.samples(name)) {
+      if (match && !Object.keys(match).every((k) => s.labels[k] === match[k])) continue;
+      sum += s.value;
+      seen = true;
+    }
+    return seen ? sum : null;
+  }
+  // Histogram buckets as [[le, cumulative count]], sorted, +Inf last.
+  buckets(name) {
+    const byLe = new Map();
+    for (const s of this.samples(name + "_bucket")) {
+      const le = s.labels.le === "+Inf" ? Infinity : parseFloat(s.labels.le);
+      byLe.set(le, (byLe.get(le) || 0) + s.value);
+    }
+    return Array.from(byLe.entries()).sort((a, b) => a[0] - b[0]);
+  }
+}
+
+// The q-quantile of the observations between two bucket snapshots (linear inside a bucket), or null if none.
+function quantile(q, newer, older) {
+  const before = new Map(older || []);
+  const deltas = newer.map(([le, count]) => [le, count - (before.get(le) || 0)]);
+  if (!deltas.length) return null;
+  const total = deltas[deltas.length - 1][1];
+  if (!(total > 0)) return null;
+  const target = q * total;
+  let lower = 0, below = 0;
+  for (const [le, cumulative] of deltas) {
+    if (cumulative >= target) {
+      if (le === Infinity) return lower;
+      const inBucket = cumulative - below;
+      return inBucket > 0 ? lower + (le - lower) * ((target - below) / inBucket) : le;
+    }
+    lower = le;
+    below = cumulative;
+  }
+  return lower;
+}
+
+const snapshots = []; // newest last, covering at most WINDOW_S
+const charts = {};
+
+function fmt(value, digits, unit) {
+  if (value === null || value === undefined || !isFinite(value)) return "–";
+  return value.toFixed(digits) + (unit || "");
+}
+
+function ms(seconds) {
+  return seconds === null ? null : seconds * 1000;
+}
+
+// One card: a title, the current value, a sub-line and a chart of one or two series.
+function card(id, title, seriesNames) {
+  if (charts[id]) return charts[id];
+  const el = document.createElement("section");
+  el.className = "card";
+  el.id = "card-" + id;
+  el.setAttribute("aria-labelledby", "title-" + id);
+  el.innerHTML =
+    '<h2 id="title-' + id + '"></h2><div class="value" id="value-' + id + '">–</div>' +
+    '<div class="sub" id="sub-' + id + '"></div><canvas id="chart-' + id + '" role="img"></canvas>';
+  el.querySelector("h2").textContent = title;
+  el.querySelector("canvas").setAttribute("aria-label", title + " over the last " + HISTORY + " seconds");
+  $("cards").appendChild(el);
+  charts[id] = { el: el, series: seriesNames.map(() => []), names: seriesNames };
+  return charts[id];
+}
+
+function update(id, title, values, text, sub) {
+  const c = card(id, title, values.map((_, i) => i));
+  values.forEach((v, i) => {
+    c.series[i].push(v === null || !isFinite(v) ? null : v);
+    if (c.series[i].length > HISTORY) c.series[i].shift();
+  });
+  document.getElementById("value-" + id).textContent = text;
+  document.getElementById("sub-" + id).textContent = sub || "";
+  draw(document.getElementById("chart-" + id), c.series);
+}
+
+function draw(canvas, series) {
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || 200, height = canvas.clientHeight || 60;
+  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  let max = 0;
+  for (const s of series) for (const v of s) if (v !== null && v > max) max = v;
+  if (max <= 0) max = 1;
+  const style = getComputedStyle(document.documentElement);
+  const colors = [style.getPropertyValue("--chart").trim() || "#2457c5", style.getPropertyValue("--chart2").trim() || "#c55a24"];
+  ctx.strokeStyle = style.getPropertyValue("--border").trim() || "#ccc";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(0, height - 0.5);
+  ctx.lineTo(width, height - 0.5);
+  ctx.stroke();
+  series.forEach((points, i) => {
+    ctx.strokeStyle = colors[i % colors.length];
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    let pen = false;
+    points.forEach((v, j) => {
+      if (v === null) {
+        pen = false;
+        return;
+      }
+      const x = width - (points.length - 1 - j) * (width / (HISTORY - 1));
+      const y = height - 2 - (v / max) * (height - 6);
+      if (pen) ctx.lineTo(x, y);
+      else ctx.moveTo(x, y);
+      pen = true;
+    });
+    ctx.stroke();
+  });
+  canvas.dataset.points = String(series[0].filter((v) => v !== null).length);
+  canvas.dataset.max = String(max);
+}
+
+const $ = (id) => document.getElementById(id);
+
+function render() {
+  const now = snapshots[snapshots.length - 1];
+  const prev = snapshots.length > 1 ? snapshots[snapshots.length - 2] : null;
+  const old = snapshots[0];
+  const dt = prev ? now.time - prev.time : 0;
+  const span = now.time - old.time;
+  const rate = (name, match) => {
+    if (!prev || dt <= 0) return null;
+    const a = now.total(name, match), b = prev.total(name, match);
+    return a === null || b === null ? null : Math.max(0, a - b) / dt;
+  };
+  const windowDelta = (name, match) => {
+    const a = now.total(name, match), b = old.total(name, match);
+    return a === null ? null : a - (snapshots.length > 1 && b !== null ? b : 0);
+  };
+
+  const tokRate = rate("generation_tokens_total");
+  update("tokens", "Output tokens/s", [tokRate], fmt(tokRate, 1), "prompt tokens/s: " + fmt(rate("prompt_tokens_total"), 1));
+
+  const running = now.total("num_requests_running"), waiting = now.total("num_requests_waiting");
+  update("requests", "Requests running / waiting", [running, waiting], fmt(running, 0) + " / " + fmt(waiting, 0), "blue running, orange waiting");
+
+  const kv = now.total("kv_cache_usage_perc");
+  update("kv", "KV cache usage", [kv === null ? null : kv * 100], fmt(kv === null ? null : kv * 100, 1, " %"));
+
+  const within = snapshots.length > 1 ? old : null;
+  for (const [id, title, name] of [
+    ["ttft", "Time to first token (last minute)", "time_to_first_token_seconds"],
+    ["itl", "Inter-token latency (last minute)", "inter_token_latency_seconds"],
+  ]) {
+    const newer = now.buckets(name), older = within ? within.buckets(name) : null;
+    const p50 = ms(quantile(0.5, newer, older)), p90 = ms(quantile(0.9, newer, older)), p99 = ms(quantile(0.99, newer, older));
+    update(id, title, [p50, p99], "p50 " + fmt(p50, 1, " ms"), "p90 " + fmt(p90, 1, " ms") + " · p99 " + fmt(p99, 1, " ms"));
+  }
+
+  const preemptions = now.total("num_preemptions_total");
+  const aborts = now.total("request_success_total", { finished_reason: "abort" });
+  update("preemptions", "Preemptions", [rate("num_preemptions_total")], fmt(preemptions, 0), "aborted requests: " + fmt(aborts, 0));
+
+  const hits = windowDelta("prefix_cache_hits_total"), queries = windowDelta("prefix_cache_queries_total");
+  const hitRate = queries ? (100 * hits) / queries : null;
+  update("prefix", "Prefix-cache hit rate (last minute)", [hitRate], fmt(hitRate, 1, " %"), "tokens looked up: " + fmt(queries, 0));
+
+  // Per step over the last second: host time is the busy time less the wait for the device's tokens.
+  const steps = rate("engine_steps_total"), busy = rate("engine_core_busy_seconds_total"), wait = rate("engine_core_device_wait_seconds_total");
+  let host = null, device = null;
+  if (steps && busy !== null && wait !== null) {
+    host = ((busy - wait) / steps) * 1000;
+    device = (wait / steps) * 1000;
+  }
+  update("step", "Engine step: host / device wait", [host, device], fmt(host, 2, " ms") + " / " + fmt(device, 2, " ms"), "steps/s: " + fmt(steps, 1));
+
+  const names = now.samples("generation_tokens_total").map((s) => s.labels.model_name).filter(Boolean);
+  if (names.length) $("model-name").textContent = "model: " + names[0];
+  $("status").textContent = "Updated " + new Date().toLocaleTimeString() + " · window " + span.toFixed(0) + " s · " + now.prefix + "*";
+}
+
+let timer = null;
+async function poll() {
+  try {
+    const response = await api("/metrics", { cache: "no-store" });
+    if (response.status === 401) {
+      showKeyForm((await errorFrom(response)).message);
+      return; // the key form restarts polling
+    }
+    if (!response.ok) throw await errorFrom(response);
+    const snap = new Snapshot(parseMetrics(await response.text()), performance.now() / 1000);
+    const last = snapshots[snapshots.length - 1];
+    if (last && (snap.total("generation_tokens_total") || 0) < (last.total("generation_tokens_total") || 0)) {
+      snapshots.length = 0; // the server restarted
+    }
+    snapshots.push(snap);
+    while (snapshots.length > 2 && snap.time - snapshots[1].time >= WINDOW_S) snapshots.shift();
+    $("error").textContent = "";
+    render();
+  } catch (e) {
+    $("error").textContent = "Cannot read /metrics: " + e.message;
+  }
+  timer = setTimeout(poll, 1000);
+}
+
+setupKeyForm(() => {
+  clearTimeout(timer);
+  poll();
+});
+poll();
