@@ -1,0 +1,283 @@
+"""The playground (`/`) and the dashboard (`/dashboard`) in a real headless Chromium, against a real
+`pagoda serve` of a tiny random Qwen2-VL (test_qwen2vl_serve's model: the real Qwen2 vocabulary, images
+capped at 64 placeholder tokens), with the API key on: the page asks for the key, streams an answer, stops
+one mid-way (and /metrics then counts an abort and no request still running), counts a dropped image's tokens
+before sending it, shows the server's own error message, and the dashboard's numbers and charts move while
+requests run.
+
+Chromium is the system's (Debian's `chromium` package, or PAGODA_CHROMIUM), driven by Playwright without its
+own browser download; without a Chromium binary the tests are skipped. With PAGODA_UI_SCREENSHOTS=<folder>
+(e.g. docs/images) each page is also saved as a PNG at desktop width and at 360 px.
+
+Like every e2e module, the tests run in one xdist group (tests/conftest.py groups them by module): one server,
+one browser, in order on one worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_helpers import API_KEY, MODEL, metric, scrape
+from e2e_server import running_server
+from test_qwen2vl_serve import MAX_PIXELS, encoded, image_tokens, qwen2vl_folder  # noqa: F401 (a fixture)
+
+
+def chromium_binary() -> str | None:
+    candidates = [os.environ.get("PAGODA_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"]
+    for name in candidates:
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+CHROMIUM = chromium_binary()
+if CHROMIUM is None:
+    pytest.skip(
+        "no Chromium binary (apt-get install chromium, or set PAGODA_CHROMIUM): browser tests skipped",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+
+SCREENSHOTS = os.environ.get("PAGODA_UI_SCREENSHOTS")
+DESKTOP = {"width": 1280, "height": 860}
+PHONE = {"width": 360, "height": 760}
+TIMEOUT_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def ui_server(qwen2vl_folder, tmp_path_factory) -> Iterator:  # noqa: F811 (the imported fixture)
+    flags = ["--model", qwen2vl_folder, "--max-model-len", "4096"]
+    flags += ["--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}), "--limit-mm-per-prompt", '{"image": 2}']
+    with running_server(tmp_path_factory.mktemp("ui") / "serve.log", flags) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, ui_server):
+    context = browser.new_context(base_url=ui_server.url, viewport=DESKTOP)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+@pytest.fixture(scope="module")
+def http(ui_server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=ui_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        yield client
+
+
+def screenshot(page, name: str) -> None:
+    """Desktop and 360 px PNGs of the page as it is, when PAGODA_UI_SCREENSHOTS names a folder."""
+    if not SCREENSHOTS:
+        return
+    folder = Path(SCREENSHOTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}-desktop.png"), full_page=True)
+    page.set_viewport_size(PHONE)
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(folder / f"{name}-360px.png"), full_page=True)
+    page.set_viewport_size(DESKTOP)
+
+
+def open_playground(page) -> None:
+    """Load `/` without a key: the page asks for it (the API answered 401), keeps it, shows the model."""
+    page.goto("/")
+    sync_api.expect(page.locator("#key-note")).to_contain_text("Invalid or missing API key")  # the server's words
+    key = page.get_by_label("API key", exact=True)
+    key.fill(API_KEY)
+    key.press("Enter")
+    sync_api.expect(page.locator("#model-name")).to_have_text(f"model: {MODEL}")
+    sync_api.expect(page.locator("#key-form")).to_be_hidden()
+
+
+def set_sampling(page, max_tokens: int, **more: str) -> None:
+    page.get_by_label("Max tokens").fill(str(max_tokens))
+    for label, value in more.items():
+        page.get_by_label(label, exact=True).fill(value)
+
+
+def record_answer_lengths(page) -> None:
+    """Every length the last assistant message's text has had, as the page rendered it (window.__lengths)."""
+    page.evaluate(
+        """() => {
+            window.__lengths = [];
+            new MutationObserver(() => {
+                const all = document.querySelectorAll('#transcript .msg.assistant .text');
+                if (all.length) window.__lengths.push(all[all.length - 1].textContent.length);
+            }).observe(document.getElementById('transcript'), {subtree: true, childList: true, characterData: true});
+        }"""
+    )
+
+
+def test_playground_streams_an_answer_shows_the_prompt_and_the_servers_errors(page, http):
+    open_playground(page)
+    set_sampling(page, 48, **{"Temperature": "1", "Seed": "7", "System prompt": "You are terse."})
+    record_answer_lengths(page)
+    prompt = page.get_by_label("Message", exact=False)
+    prompt.fill("What is the capital of France?")
+    prompt.press("Enter")  # keyboard only
+    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+    lengths = page.evaluate("window.__lengths")
+    answer = page.locator("#transcript .msg.assistant .text").last.text_content()
+    assert answer, "no answer text"
+    # Streamed: the answer grew in several steps, not in one go.
+    assert len({n for n in lengths if n > 0}) >= 3, lengths
+    sync_api.expect(page.locator("#transcript .msg.user")).to_have_text("userWhat is the capital of France?")
+
+    # The exact prompt: what /tokenize renders for this conversation (system, user, assistant), with its count.
+    page.get_by_text("Show the exact prompt").click()
+    sync_api.expect(page.locator("#exact-count")).to_contain_text("tokens (of 4096")
+    shown = page.locator("#exact-prompt").text_content()
+    assert "<|im_start|>system\nYou are terse.<|im_end|>" in shown and shown.endswith("<|im_start|>assistant\n")
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": answer},
+    ]
+    count = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
+    assert page.locator("#exact-count").text_content().startswith(f"{count} tokens")
+    screenshot(page, "playground")
+
+    # A request the server refuses: its own message, as the server wrote it.
+    set_sampling(page, 100_000)
+    prompt.fill("again")
+    page.get_by_role("button", name="Send").click()
+    again = [*messages, {"role": "user", "content": "again"}]  # what the page sent
+    refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": again, "max_tokens": 100_000})
+    assert refused.status_code == 400
+    sync_api.expect(page.locator("#error")).to_have_text(refused.json()["error"]["message"])
+    assert page.locator("#transcript .msg.user").count() == 1, "a refused message must not join the conversation"
+
+
+def test_stop_aborts_the_request_and_the_server_frees_it(page, http):
+    before = metric(scrape(http), "vllm:request_success_total", finished_reason="abort")
+    open_playground(page)
+    set_sampling(page, 3000, Temperature="1")
+    prompt = page.get_by_label("Message", exact=False)
+    prompt.fill("Tell me a very long story.")
+    prompt.press("Enter")
+    answer = page.locator("#transcript .msg.assistant .text").last
+    sync_api.expect(answer).not_to_be_empty()
+    sync_api.expect(page.get_by_role("button", name="Stop")).to_be_enabled()
+    prompt.press("Escape")  # the keyboard's stop; the Stop button calls the same
+    sync_api.expect(page.locator("#status")).to_have_text("Stopped")
+    sync_api.expect(page.locator("#transcript .msg.assistant").last).to_contain_text("[stopped]")
+    sync_api.expect(page.get_by_role("button", name="Stop")).to_be_disabled()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        samples = scrape(http)
+        aborted = metric(samples, "vllm:request_success_total", finished_reason="abort")
+        if aborted > before and metric(samples, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert aborted == before + 1, "the stopped request is not counted as aborted in /metrics"
+    assert metric(samples, "vllm:num_requests_running") == 0
+    assert metric(samples, "vllm:kv_cache_usage_perc") == 0, "the aborted request's KV blocks were not freed"
+
+
+def drop_file(page, selector: str, data: bytes, name: str, mime: str) -> None:
+    """Drag-and-drop of a file onto `selector`, as the browser delivers it (a DataTransfer with a File)."""
+    page.evaluate(
+        """([selector, b64, name, mime]) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const transfer = new DataTransfer();
+            transfer.items.add(new File([bytes], name, {type: mime}));
+            const target = document.querySelector(selector);
+            target.dispatchEvent(new DragEvent('dragover', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+            target.dispatchEvent(new DragEvent('drop', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+        }""",
+        [selector, base64.b64encode(data).decode(), name, mime],
+    )
+
+
+def test_image_drop_shows_its_token_count_and_gets_an_answer(page, http):
+    open_playground(page)
+    set_sampling(page, 12)
+    # Not an image after all: the server's own message.
+    drop_file(page, "#drop", b"not a png", "broken.png", "image/png")
+    sync_api.expect(page.locator("#error")).not_to_be_empty()
+    broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+    refused = http.post(
+        "/tokenize",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": broken}}]}],
+        },
+    )
+    assert refused.status_code == 400
+    sync_api.expect(page.locator("#error")).to_have_text(refused.json()["error"]["message"])
+
+    drop_file(page, "#drop", encoded(100, 75), "photo.png", "image/png")
+    # <|vision_start|> + the image's placeholders + <|vision_end|>, by the spec's formula (not the server's code)
+    expected = image_tokens(100, 75) + 2
+    sync_api.expect(page.locator("#image-tokens")).to_have_text(f"Image: {expected} tokens")
+    sync_api.expect(page.locator("#error")).to_be_empty()
+    screenshot(page, "image-upload")
+    prompt = page.get_by_label("Message", exact=False)
+    prompt.fill("Describe this image.")
+    prompt.press("Enter")
+    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+    assert page.locator("#transcript .msg.user img").count() == 1
+    assert page.locator("#transcript .msg.assistant .text").last.text_content()
+    sync_api.expect(page.locator("#attachment")).to_be_hidden()
+    screenshot(page, "image-answer")
+
+
+def test_dashboard_moves_under_load(page, ui_server):
+    page.goto("/dashboard")
+    sync_api.expect(page.locator("#status")).to_contain_text("Updated")
+    sync_api.expect(page.locator("#value-tokens")).to_have_text("0.0")
+
+    stop = threading.Event()
+
+    def load() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 400, "stream": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=ui_server.url, headers=headers, timeout=60) as client:
+            while not stop.is_set():
+                with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        if stop.is_set():
+                            break
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        # Output tokens/s above zero, requests running, and the TTFT percentiles of the last minute filled in.
+        page.wait_for_function(
+            "parseFloat(document.getElementById('value-tokens').textContent) > 0"
+            " && parseInt(document.getElementById('value-requests').textContent) > 0"
+            " && document.getElementById('value-ttft').textContent.endsWith('ms')"
+            " && document.getElementById('value-itl').textContent.endsWith('ms')"
+            " && document.getElementById('value-step').textContent.includes('ms')",
+            timeout=TIMEOUT_MS,
+        )
+        chart = page.locator("#chart-tokens")
+        assert float(chart.get_attribute("data-max")) > 1, "the tokens/s chart drew no load"
+        screenshot(page, "dashboard")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
