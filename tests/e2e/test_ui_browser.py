@@ -87,6 +87,16 @@ def http(ui_server) -> Iterator[httpx.Client]:
         yield client
 
 
+def assert_fits_360px(page) -> None:
+    """Readable on a phone: at 360 px wide nothing makes the page scroll sideways."""
+    page.set_viewport_size(PHONE)
+    try:
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= PHONE["width"], f"{page.url} is {width} px wide at 360 px"
+    finally:
+        page.set_viewport_size(DESKTOP)
+
+
 def screenshot(page, name: str) -> None:
     """Desktop and 360 px PNGs of the page as it is, when PAGODA_UI_SCREENSHOTS names a folder."""
     if not SCREENSHOTS:
@@ -157,6 +167,7 @@ def test_playground_streams_an_answer_shows_the_prompt_and_the_servers_errors(pa
     ]
     count = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
     assert page.locator("#exact-count").text_content().startswith(f"{count} tokens")
+    assert_fits_360px(page)
     screenshot(page, "playground")
 
     # A request the server refuses: its own message, as the server wrote it.
@@ -233,6 +244,7 @@ def test_image_drop_shows_its_token_count_and_gets_an_answer(page, http):
     expected = image_tokens(100, 75) + 2
     sync_api.expect(page.locator("#image-tokens")).to_have_text(f"Image: {expected} tokens")
     sync_api.expect(page.locator("#error")).to_be_empty()
+    assert_fits_360px(page)
     screenshot(page, "image-upload")
     prompt = page.get_by_label("Message", exact=False)
     prompt.fill("Describe this image.")
@@ -276,6 +288,9 @@ def test_dashboard_moves_under_load(page, ui_server):
         )
         chart = page.locator("#chart-tokens")
         assert float(chart.get_attribute("data-max")) > 1, "the tokens/s chart drew no load"
+        assert_fits_360px(page)
+        if SCREENSHOTS:
+            page.wait_for_timeout(15_000)  # some history in the charts
         screenshot(page, "dashboard")
     finally:
         stop.set()
