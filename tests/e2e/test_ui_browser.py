@@ -3,7 +3,7 @@
 capped at 64 placeholder tokens), with the API key on: the page asks for the key, streams an answer, stops
 one mid-way (and /metrics then counts an abort and no request still running), counts a dropped image's tokens
 before sending it, shows the server's own error message, and the dashboard's numbers and charts move while
-requests run.
+requests run; and `pagoda router`'s page, in front of that server, shows the backend and tokens per key.
 
 Chromium is the system's (Debian's `chromium` package, or PAGODA_CHROMIUM), driven by Playwright without its
 own browser download; without a Chromium binary the tests are skipped. With PAGODA_UI_SCREENSHOTS=<folder>
@@ -19,6 +19,8 @@ import base64
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2e_helpers import API_KEY, MODEL, metric, scrape
-from e2e_server import running_server
+from e2e_server import free_port, running_server
 from test_qwen2vl_serve import MAX_PIXELS, encoded, image_tokens, qwen2vl_folder  # noqa: F401 (a fixture)
 
 
@@ -296,3 +298,77 @@ def test_dashboard_moves_under_load(page, ui_server):
         stop.set()
         for thread in threads:
             thread.join(30)
+
+
+ROUTER_KEY = "router-alice-key"
+
+
+@pytest.fixture(scope="module")
+def router_url(ui_server, tmp_path_factory) -> Iterator[str]:
+    """`pagoda router` in front of the one server, with one API key ("alice") and fast probes."""
+    tmp = tmp_path_factory.mktemp("router")
+    config = tmp / "router.toml"
+    config.write_text(
+        f'backends = ["{ui_server.url}"]\nbackend_api_key = "{API_KEY}"\n[api_keys]\nalice = "{ROUTER_KEY}"\n'
+        "[health]\ninterval = 0.5\ntimeout = 2.0\n"
+    )
+    port = free_port()
+    with open(tmp / "router.log", "wb") as log:
+        cmd = [sys.executable, "-m", "pagoda", "router", "--config", str(config), "--host", "127.0.0.1"]
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "router.log").read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_router_page_shows_backends_and_tokens_per_key(browser, router_url, ui_server):
+    context = browser.new_context(base_url=router_url, viewport=DESKTOP)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto("/")  # no key: the page and what it reads are open
+        row = page.locator(f'#backends tr[data-backend="{ui_server.url}"]')
+        sync_api.expect(row).to_contain_text("up")
+        sync_api.expect(row).to_contain_text("closed")
+        sync_api.expect(page.locator("#policy")).to_contain_text("1/1 healthy")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "user": "u1"}
+        with httpx.Client(base_url=router_url, headers={"Authorization": f"Bearer {ROUTER_KEY}"}, timeout=60) as c:
+            replies = [c.post("/v1/chat/completions", json=body) for _ in range(3)]
+        assert all(r.status_code == 200 for r in replies), replies[0].text
+        completion_tokens = sum(r.json()["usage"]["completion_tokens"] for r in replies)
+        key = page.locator('#keys tr[data-key="alice"]')
+        sync_api.expect(key).to_be_visible()
+        cells = key.locator("td")
+        sync_api.expect(cells.nth(0)).to_have_text("3")  # requests
+        sync_api.expect(cells.nth(2)).to_have_text(str(completion_tokens))
+        sync_api.expect(page.locator("#value-affinity")).to_have_text("100.0 %")  # one backend owns every session
+        assert ROUTER_KEY not in page.content(), "the page shows key labels, never keys"
+        # Loading the page asked the router for nothing it refused (no 401 for a favicon, say).
+        sync_api.expect(page.locator("#sub-errors")).to_contain_text("rejected: 0")
+        assert_fits_360px(page)
+        if SCREENSHOTS:
+            with httpx.Client(base_url=router_url, headers={"Authorization": f"Bearer {ROUTER_KEY}"}) as c:
+                for i in range(12):  # some history in the charts
+                    c.post("/v1/chat/completions", json={**body, "user": f"u{i % 3}"}, timeout=60)
+                    page.wait_for_timeout(500)
+        screenshot(page, "router")
+    finally:
+        context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"

@@ -106,3 +106,39 @@ def test_a_non_editable_install_ships_the_files() -> None:
     patterns = pyproject["tool"]["setuptools"]["package-data"]["pagoda.server"]
     shipped = {p.name for p in UI_DIR.iterdir() if any(fnmatch.fnmatch(f"ui/{p.name}", pat) for pat in patterns)}
     assert {"index.html", "dashboard.html", *ASSETS} <= shipped
+
+
+def test_the_routers_page_is_open_and_the_rest_still_needs_a_key() -> None:
+    import asyncio
+
+    import httpx
+
+    from pagoda.tools.router.app import RouterState
+    from pagoda.tools.router.app import build_app as build_router
+    from pagoda.tools.router.config import build_config
+    from pagoda.tools.router.ui import UI_DIR as ROUTER_UI_DIR
+    from pagoda.tools.router.ui import UI_PATHS
+
+    assert ROUTER_UI_DIR == UI_DIR  # one folder of static files, shipped once
+    html = (UI_DIR / "router.html").read_text()
+    assert set(re.findall(r'(?:src|href)="(/ui/[^"]+)"', html)) <= set(UI_PATHS)
+
+    async def check() -> None:
+        cfg = build_config(None, {"backends": ["http://127.0.0.1:9"], "api_keys": {"alice": KEY}})
+        state = RouterState(cfg, transport=httpx.MockTransport(lambda request: httpx.Response(503)))
+        app = build_router(state, probes=False)
+        await state.start(probes=False)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+                for path in UI_PATHS:
+                    response = await client.get(path)
+                    assert response.status_code == 200, path
+                page = await client.get("/")
+                assert page.headers["content-type"].startswith("text/html") and "Pagoda router" in page.text
+                assert (await client.get("/ui/router.js")).headers["content-type"].startswith("text/javascript")
+                assert (await client.get("/ui/app.js")).status_code == 401  # not the router's: not open
+                assert (await client.get("/usage")).status_code == 401
+        finally:
+            await state.stop()
+
+    asyncio.run(check())

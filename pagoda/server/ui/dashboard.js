@@ -3,39 +3,11 @@
 // Rates come from the two newest snapshots; percentiles and ratios "over the last minute" from the newest one
 // and the oldest one kept (at most WINDOW_S old): counters and histogram buckets only grow, so their deltas
 // are what happened in between. A server restart (a counter going down) restarts the window.
-// Names: vLLM's `vllm:` and Pagoda's `pagoda:` carry the same values; either or both may be exported.
+// The parser, percentiles and charts are in common.js. Names: vLLM's `vllm:` and Pagoda's `pagoda:` carry the same values; either or both may be exported.
 "use strict";
 
 const WINDOW_S = 60;
-const HISTORY = 120; // chart points (seconds)
 const PREFIXES = ["vllm:", "pagoda:"];
-
-// Prometheus text -> {name: [{labels, value}]}
-function parseMetrics(text) {
-  const out = {};
-  for (const raw of text.split("\n")) {
-    const line = raw.trim();
-    if (!line || line[0] === "#") continue;
-    let name, labels = {}, rest;
-    const brace = line.indexOf("{");
-    const space = line.indexOf(" ");
-    if (brace >= 0 && (space < 0 || brace < space)) {
-      name = line.slice(0, brace);
-      const close = line.indexOf("}", brace);
-      const body = line.slice(brace + 1, close);
-      const re = /([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g;
-      let m;
-      while ((m = re.exec(body)) !== null) labels[m[1]] = m[2].replace(/\\(.)/g, (_, c) => (c === "n" ? "\n" : c));
-      rest = line.slice(close + 1).trim();
-    } else {
-      name = line.slice(0, space);
-      rest = line.slice(space + 1).trim();
-    }
-    const value = parseFloat(rest.split(/\s+/)[0]);
-    (out[name] = out[name] || []).push({ labels: labels, value: value });
-  }
-  return out;
-}
 
 class Snapshot {
   constructor(families, time) {
@@ -67,110 +39,7 @@ class Snapshot {
   }
 }
 
-// The q-quantile of the observations between two bucket snapshots (linear inside a bucket), or null if none.
-function quantile(q, newer, older) {
-  const before = new Map(older || []);
-  const deltas = newer.map(([le, count]) => [le, count - (before.get(le) || 0)]);
-  if (!deltas.length) return null;
-  const total = deltas[deltas.length - 1][1];
-  if (!(total > 0)) return null;
-  const target = q * total;
-  let lower = 0, below = 0;
-  for (const [le, cumulative] of deltas) {
-    if (cumulative >= target) {
-      if (le === Infinity) return lower;
-      const inBucket = cumulative - below;
-      return inBucket > 0 ? lower + (le - lower) * ((target - below) / inBucket) : le;
-    }
-    lower = le;
-    below = cumulative;
-  }
-  return lower;
-}
-
 const snapshots = []; // newest last, covering at most WINDOW_S
-const charts = {};
-
-function fmt(value, digits, unit) {
-  if (value === null || value === undefined || !isFinite(value)) return "–";
-  return value.toFixed(digits) + (unit || "");
-}
-
-function ms(seconds) {
-  return seconds === null ? null : seconds * 1000;
-}
-
-// One card: a title, the current value, a sub-line and a chart of one or two series.
-function card(id, title, seriesNames) {
-  if (charts[id]) return charts[id];
-  const el = document.createElement("section");
-  el.className = "card";
-  el.id = "card-" + id;
-  el.setAttribute("aria-labelledby", "title-" + id);
-  el.innerHTML =
-    '<h2 id="title-' + id + '"></h2><div class="value" id="value-' + id + '">–</div>' +
-    '<div class="sub" id="sub-' + id + '"></div><canvas id="chart-' + id + '" role="img"></canvas>';
-  el.querySelector("h2").textContent = title;
-  el.querySelector("canvas").setAttribute("aria-label", title + " over the last " + HISTORY + " seconds");
-  $("cards").appendChild(el);
-  charts[id] = { el: el, series: seriesNames.map(() => []), names: seriesNames };
-  return charts[id];
-}
-
-function update(id, title, values, text, sub) {
-  const c = card(id, title, values.map((_, i) => i));
-  values.forEach((v, i) => {
-    c.series[i].push(v === null || !isFinite(v) ? null : v);
-    if (c.series[i].length > HISTORY) c.series[i].shift();
-  });
-  document.getElementById("value-" + id).textContent = text;
-  document.getElementById("sub-" + id).textContent = sub || "";
-  draw(document.getElementById("chart-" + id), c.series);
-}
-
-function draw(canvas, series) {
-  const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth || 200, height = canvas.clientHeight || 60;
-  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-    canvas.width = Math.round(width * ratio);
-    canvas.height = Math.round(height * ratio);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  ctx.clearRect(0, 0, width, height);
-  let max = 0;
-  for (const s of series) for (const v of s) if (v !== null && v > max) max = v;
-  if (max <= 0) max = 1;
-  const style = getComputedStyle(document.documentElement);
-  const colors = [style.getPropertyValue("--chart").trim() || "#2457c5", style.getPropertyValue("--chart2").trim() || "#c55a24"];
-  ctx.strokeStyle = style.getPropertyValue("--border").trim() || "#ccc";
-  ctx.lineWidth = 1;
-  ctx.beginPath();
-  ctx.moveTo(0, height - 0.5);
-  ctx.lineTo(width, height - 0.5);
-  ctx.stroke();
-  series.forEach((points, i) => {
-    ctx.strokeStyle = colors[i % colors.length];
-    ctx.lineWidth = 1.5;
-    ctx.beginPath();
-    let pen = false;
-    points.forEach((v, j) => {
-      if (v === null) {
-        pen = false;
-        return;
-      }
-      const x = width - (points.length - 1 - j) * (width / (HISTORY - 1));
-      const y = height - 2 - (v / max) * (height - 6);
-      if (pen) ctx.lineTo(x, y);
-      else ctx.moveTo(x, y);
-      pen = true;
-    });
-    ctx.stroke();
-  });
-  canvas.dataset.points = String(series[0].filter((v) => v !== null).length);
-  canvas.dataset.max = String(max);
-}
-
 const $ = (id) => document.getElementById(id);
 
 function render() {

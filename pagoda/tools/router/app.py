@@ -1,13 +1,14 @@
 """The router's ASGI app and its shared state.
 
-`RouterASGI` sits in front: it checks the API key (every path but /health and /metrics when keys are
-configured) and hands the two generation endpoints straight to `proxy.ProxyHandler` (no FastAPI routing
+`RouterASGI` sits in front: it checks the API key (every path but /health, /metrics and the page when keys
+are configured) and hands the two generation endpoints straight to `proxy.ProxyHandler` (no FastAPI routing
 or middleware on the hot path). Everything else goes to a small FastAPI app:
 
   GET /v1/models   union of the model ids of the healthy backends (first card per id wins)
   GET /health      200 while at least one backend is healthy, else 503; JSON with each backend's state
   GET /metrics     Prometheus text (router.metrics)
   GET /usage       per-key token totals as JSON (labels, never the keys)
+  GET /            the live page of the backends and keys (router.ui; open, as /health and /metrics are)
 
 With --workers N (router.workers) each worker process runs this app with its own RouterState; /health then
 also names the worker that answered.
@@ -35,6 +36,7 @@ from pagoda.tools.router.health import Backend, HealthChecker, auth_headers
 from pagoda.tools.router.metrics import GAUGE_PUBLISH_S, RouterMetrics
 from pagoda.tools.router.policy import Balancer
 from pagoda.tools.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
+from pagoda.tools.router.ui import UI_PATHS, add_ui_routes
 from pagoda.tools.router.upstream import FastHTTPTransport
 from pagoda.tools.router.usage import UsageLedger
 
@@ -230,7 +232,7 @@ class RouterASGI:
             return
         path = scope["path"]
         label = "anonymous"
-        if path not in OPEN_PATHS:
+        if path not in OPEN_PATHS and path not in UI_PATHS:
             found = self.state.auth(scope)
             if found is None:
                 self.state.metrics.child(self.state.metrics.rejected, "unauthorized").inc()
@@ -275,6 +277,8 @@ def build_app(state: RouterState, watcher: Any = None, probes: bool = True) -> R
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         error_type = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
         return _error(exc.status_code, str(exc.detail), error_type, dict(exc.headers or {}) or None)
+
+    add_ui_routes(api)
 
     @api.get("/health")
     async def health() -> Response:
