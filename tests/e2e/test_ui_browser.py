@@ -300,6 +300,60 @@ def test_dashboard_moves_under_load(page, ui_server):
             thread.join(30)
 
 
+def canned_metrics(k: int) -> str:
+    """The k-th /metrics snapshot of a made-up server, under the `pagoda:` prefix only (--metrics-prefix pagoda):
+    every second 10 first tokens at <= 100 ms and 10 more at <= 1 s, 10 steps of 50 ms busy of which 20 ms
+    waiting on the device, 10 prefix-cache queries of which 5 hit."""
+    label = 'model_name="m"'
+    lines = [
+        f"pagoda:num_requests_running{{{label}}} 3",
+        f"pagoda:num_requests_waiting{{{label}}} 1",
+        f"pagoda:kv_cache_usage_perc{{{label}}} 0.25",
+        f"pagoda:generation_tokens_total{{{label}}} {100 * k}",
+        f"pagoda:prompt_tokens_total{{{label}}} {40 * k}",
+        f'pagoda:request_success_total{{finished_reason="abort",{label}}} 2',
+        f'pagoda:request_success_total{{finished_reason="stop",{label}}} {k}',
+        f"pagoda:num_preemptions_total{{{label}}} 4",
+        f"pagoda:prefix_cache_queries_total{{{label}}} {10 * k}",
+        f"pagoda:prefix_cache_hits_total{{{label}}} {5 * k}",
+        f"pagoda:engine_steps_total{{{label}}} {10 * k}",
+        f"pagoda:engine_core_busy_seconds_total{{{label}}} {0.5 * k}",
+        f"pagoda:engine_core_device_wait_seconds_total{{{label}}} {0.2 * k}",
+    ]
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        for le, count in (("0.01", 0), ("0.1", 10 * k), ("1.0", 20 * k), ("+Inf", 20 * k)):
+            lines.append(f'pagoda:{name}_bucket{{le="{le}",{label}}} {count}')
+        lines.append(f"pagoda:{name}_count{{{label}}} {20 * k}")
+    return "# HELP made up\n" + "\n".join(lines) + "\n"
+
+
+def test_dashboard_math_on_known_metrics(page):
+    """Rates, per-step times, ratios and bucket-interpolated percentiles, checked against hand-computed values."""
+    served = []
+
+    def fulfil(route) -> None:
+        served.append(1)
+        route.fulfill(status=200, content_type="text/plain; version=0.0.4", body=canned_metrics(len(served)))
+
+    page.route("**/metrics", fulfil)
+    page.goto("/dashboard")
+    page.wait_for_function("document.getElementById('value-ttft').textContent.startsWith('p50')")
+    # Deltas: 20 observations a snapshot, 10 in (0.01, 0.1], 10 in (0.1, 1.0]: p50 at the top of the first
+    # bucket, p90 / p99 interpolated 80 % / 98 % into the second.
+    sync_api.expect(page.locator("#value-ttft")).to_have_text("p50 100.0 ms")
+    sync_api.expect(page.locator("#sub-ttft")).to_have_text("p90 820.0 ms · p99 982.0 ms")
+    sync_api.expect(page.locator("#value-itl")).to_have_text("p50 100.0 ms")
+    sync_api.expect(page.locator("#value-step")).to_have_text("30.00 ms / 20.00 ms")  # (50 - 20) and 20 per step
+    sync_api.expect(page.locator("#value-prefix")).to_have_text("50.0 %")
+    sync_api.expect(page.locator("#value-kv")).to_have_text("25.0 %")
+    sync_api.expect(page.locator("#value-requests")).to_have_text("3 / 1")
+    sync_api.expect(page.locator("#value-preemptions")).to_have_text("4")
+    sync_api.expect(page.locator("#sub-preemptions")).to_have_text("aborted requests: 2")
+    sync_api.expect(page.locator("#status")).to_contain_text("pagoda:*")
+    rate = float(page.locator("#value-tokens").text_content())
+    assert 30 < rate < 300, rate  # 100 tokens a snapshot, a snapshot about every second
+
+
 ROUTER_KEY = "router-alice-key"
 
 
