@@ -66,7 +66,9 @@ def ui_server(qwen2vl_folder, tmp_path_factory) -> Iterator:  # noqa: F811 (the 
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         yield browser
         browser.close()
 

@@ -176,6 +176,7 @@ async function send() {
     controller = null;
     busy(false);
     $("prompt").focus();
+    if ($("exact").open) showExactPrompt();
   }
 }
 
@@ -211,6 +212,7 @@ async function useImage(file) {
     const without = await tokenCount([{ role: "user", content: "" }]);
     $("image-tokens").textContent = "Image: " + (withImage - without) + " tokens";
     $("image-tokens").dataset.tokens = String(withImage - without);
+    if ($("exact").open) showExactPrompt();
   } catch (e) {
     $("image-tokens").textContent = "";
     setError(e.message);
