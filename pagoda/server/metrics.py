@@ -188,6 +188,11 @@ class ServerMetrics:
         ).labels(m)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _LATENCY_BUCKETS).labels(m)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: time from the first to the last output token over the tokens after the first",
+            _LATENCY_BUCKETS,
+        ).labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish", _TTFT_BUCKETS).labels(
             m
         )

@@ -635,7 +635,8 @@ class OpenAIServing:
         metrics = self.ctx.metrics
         if self.ctx.log_requests:
             logger.info("request: %d prompt tokens, params=%s", len(ids), params)
-        last = None
+        last = first = None
+        tokens = 0
         reasons: dict[int, str | None] = {}
         try:
             # Passed only when there is one: without a limit, any engine with `generate_batches` will do.
@@ -649,11 +650,13 @@ class OpenAIServing:
                     for c in out.outputs:
                         if c.token_ids:
                             has_tokens = True
+                            tokens += len(c.token_ids)
                         if c.finish_reason is not None:
                             reasons[c.index] = c.finish_reason
                     if has_tokens:
                         if last is None:
                             metrics.ttft.observe(now - arrival)
+                            first = now
                         else:
                             metrics.itl.observe(now - last)
                         last = now
@@ -661,6 +664,8 @@ class OpenAIServing:
         finally:
             metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
             metrics.e2e.observe(time.monotonic() - arrival)
+            if first is not None and last is not None and tokens > params.n:  # more than one token a choice
+                metrics.tpot.observe((last - first) / (tokens / params.n - 1))
 
 
 def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any) -> str:

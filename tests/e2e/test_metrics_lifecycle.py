@@ -56,6 +56,7 @@ def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
         "prefix_cache_hits_total",
         "time_to_first_token_seconds_count",
         "inter_token_latency_seconds_count",
+        "request_time_per_output_token_seconds_count",
         "e2e_request_latency_seconds_count",
         "request_queue_time_seconds_count",
         "engine_steps_total",
@@ -94,6 +95,11 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
         assert delta(before, after, f"pagoda:{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
     # One inter-token gap per token after the first, per request (one token per step here).
     assert delta(before, after, "pagoda:inter_token_latency_seconds_count") == generated - 2
+    # One time-per-output-token per request with more than one token (both here): its sum is the two
+    # requests' first-to-last spans over their later tokens, at most their whole latencies.
+    assert delta(before, after, "pagoda:request_time_per_output_token_seconds_count") == 2
+    tpot_sum = delta(before, after, "pagoda:request_time_per_output_token_seconds_sum")
+    assert 0 < tpot_sum <= delta(before, after, "pagoda:e2e_request_latency_seconds_sum")
     ttft_buckets = [v for (name, labels), v in after.items() if name == "pagoda:time_to_first_token_seconds_bucket"]
     assert ttft_buckets and max(ttft_buckets) == metric(after, "pagoda:time_to_first_token_seconds_count")
     assert delta(before, after, "pagoda:prefix_cache_queries_total") >= len(prompt_ids)
@@ -233,8 +239,10 @@ def test_sigterm_drains_an_in_flight_stream_and_exits_0(launch_server) -> None:
             for line in lines:
                 if line.startswith("data:"):
                     payloads.append(line[5:].strip())
-                    if refused_new is None and len(payloads) >= 5:
-                        # While draining, the server takes no new connections.
+                    if refused_new is not True and len(payloads) >= 5:
+                        # While draining, the server takes no new connections. The signal takes effect a
+                        # moment after it is sent (an idle machine streams several tokens first): probe
+                        # on every later token until one is refused.
                         try:
                             httpx.get(f"{server.url}/health", timeout=2)
                             refused_new = False

@@ -71,6 +71,7 @@ function render() {
   for (const [id, title, name] of [
     ["ttft", "Time to first token (last minute)", "time_to_first_token_seconds"],
     ["itl", "Inter-token latency (last minute)", "inter_token_latency_seconds"],
+    ["tpot", "Time per output token, per request (last minute)", "request_time_per_output_token_seconds"],
   ]) {
     const newer = now.buckets(name), older = within ? within.buckets(name) : null;
     const p50 = ms(quantile(0.5, newer, older)), p90 = ms(quantile(0.9, newer, older)), p99 = ms(quantile(0.99, newer, older));
