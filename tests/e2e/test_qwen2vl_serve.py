@@ -230,8 +230,8 @@ def test_video_frames_and_local_file(client, http, vl_server):
     assert reply.usage.prompt_tokens > 0
 
 
-def test_video_file_counts_like_its_sampled_frames(client, http):
-    """An mp4 (1 s at 10 fps: 4 frames sampled, spec §5.1) costs what the list of 4 frames of its size does."""
+def tiny_mp4() -> bytes:
+    """1 s at 10 fps of 84x56 frames: 4 frames sampled (spec §5.1), 2 temporal patches after merging."""
     import av
     import numpy as np
 
@@ -245,15 +245,23 @@ def test_video_file_counts_like_its_sampled_frames(client, http):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    as_file = user({"type": "video_url", "video_url": {"url": data_uri(buf.getvalue(), "video/mp4")}}, "What happens?")
+    return buf.getvalue()
+
+
+# <|vision_start|> + tiny_mp4's placeholders (2 temporal patches of an 84x56 frame at the video pixel bounds)
+# + <|vision_end|>, by the spec's formula
+TINY_MP4_TOKENS = 2 + 2 * image_tokens(84, 56, 128 * 784, 768 * 784)
+
+
+def test_video_file_counts_like_its_sampled_frames(client, http):
+    """An mp4 (1 s at 10 fps: 4 frames sampled, spec §5.1) costs what the list of 4 frames of its size does."""
+    as_file = user({"type": "video_url", "video_url": {"url": data_uri(tiny_mp4(), "video/mp4")}}, "What happens?")
     reply = client.chat.completions.create(model=MODEL, messages=as_file, max_tokens=2, temperature=0)
     frames = [data_uri(encoded(84, 56, seed=s)) for s in range(4)]
     as_frames = user({"type": "video", "video": frames}, "What happens?")
     listed = client.chat.completions.create(model=MODEL, messages=as_frames, max_tokens=2, temperature=0)
     assert reply.usage.prompt_tokens == listed.usage.prompt_tokens
-    assert reply.usage.prompt_tokens == _text_only_tokens(http, as_file) + 2 + 2 * image_tokens(
-        84, 56, 128 * 784, 768 * 784
-    )
+    assert reply.usage.prompt_tokens == _text_only_tokens(http, as_file) + TINY_MP4_TOKENS
 
 
 def test_streaming_with_an_image(client):

@@ -30,7 +30,14 @@ import httpx
 import pytest
 from e2e_helpers import API_KEY, MODEL, metric, scrape
 from e2e_server import free_port, running_server
-from test_qwen2vl_serve import MAX_PIXELS, encoded, image_tokens, qwen2vl_folder  # noqa: F401 (a fixture)
+from test_qwen2vl_serve import (  # noqa: F401 (qwen2vl_folder: a fixture)
+    MAX_PIXELS,
+    TINY_MP4_TOKENS,
+    encoded,
+    image_tokens,
+    qwen2vl_folder,
+    tiny_mp4,
+)
 
 
 def chromium_binary() -> str | None:
@@ -58,7 +65,8 @@ TIMEOUT_MS = 30_000
 @pytest.fixture(scope="module")
 def ui_server(qwen2vl_folder, tmp_path_factory) -> Iterator:  # noqa: F811 (the imported fixture)
     flags = ["--model", qwen2vl_folder, "--max-model-len", "4096"]
-    flags += ["--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}), "--limit-mm-per-prompt", '{"image": 2}']
+    flags += ["--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS})]
+    flags += ["--limit-mm-per-prompt", '{"image": 2, "video": 1}']
     with running_server(tmp_path_factory.mktemp("ui") / "serve.log", flags) as proc:
         yield proc
 
@@ -260,6 +268,20 @@ def test_image_drop_shows_its_token_count_and_gets_an_answer(page, http):
     assert page.locator("#transcript .msg.assistant .text").last.text_content()
     sync_api.expect(page.locator("#attachment")).to_be_hidden()
     screenshot(page, "image-answer")
+
+
+def test_video_drop_shows_its_token_count_and_gets_an_answer(page):
+    open_playground(page)
+    set_sampling(page, 6)
+    drop_file(page, "#drop", tiny_mp4(), "clip.mp4", "video/mp4")
+    sync_api.expect(page.locator("#image-tokens")).to_have_text(f"Video: {TINY_MP4_TOKENS} tokens")
+    sync_api.expect(page.locator("#error")).to_be_empty()
+    prompt = page.get_by_label("Message", exact=False)
+    prompt.fill("What happens?")
+    prompt.press("Enter")
+    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+    assert page.locator("#transcript .msg.user video").count() == 1
+    assert page.locator("#transcript .msg.assistant .text").last.text_content()
 
 
 def test_dashboard_moves_under_load(page, ui_server):

@@ -1,6 +1,7 @@
 // The playground: a multi-turn chat streamed from /v1/chat/completions (SSE), sampling controls, the exact
-// prompt (from /tokenize, then /detokenize of its ids) and, for vision-language models, one image per message
-// (a data: URL content part) whose token count /tokenize gives before sending.
+// prompt (from /tokenize, then /detokenize of its ids) and, for vision-language models, one image or video file
+// per message (a data: URL content part: image_url, or video_url for a video the server samples frames from)
+// whose token count /tokenize gives before sending.
 // State: `history` holds the finished turns as the API takes them; a stopped answer stays in it as far as it got.
 "use strict";
 
@@ -46,9 +47,12 @@ function samplingParams() {
   return body;
 }
 
+// An attachment is its data: URL; its MIME type says whether it is a video.
+const isVideo = (url) => url.startsWith("data:video/");
+
 function userMessage(text, image) {
   if (!image) return { role: "user", content: text };
-  const parts = [{ type: "image_url", image_url: { url: image } }];
+  const parts = [isVideo(image) ? { type: "video_url", video_url: { url: image } } : { type: "image_url", image_url: { url: image } }];
   if (text) parts.push({ type: "text", text: text });
   return { role: "user", content: parts };
 }
@@ -70,7 +74,14 @@ function addBubble(role, text, image) {
   label.className = "role";
   label.textContent = role;
   div.appendChild(label);
-  if (image) {
+  if (image && isVideo(image)) {
+    const video = document.createElement("video");
+    video.src = image;
+    video.controls = true;
+    video.muted = true;
+    video.setAttribute("aria-label", "Video sent with this message");
+    div.appendChild(video);
+  } else if (image) {
     const img = document.createElement("img");
     img.src = image;
     img.alt = "Image sent with this message";
@@ -191,8 +202,8 @@ async function tokenCount(messages) {
 }
 
 async function useImage(file) {
-  if (!file || !file.type.startsWith("image/")) {
-    setError("Not an image: " + (file ? file.type || file.name : "nothing"));
+  if (!file || !(file.type.startsWith("image/") || file.type.startsWith("video/"))) {
+    setError("Not an image or a video: " + (file ? file.type || file.name : "nothing"));
     return;
   }
   const url = await new Promise((resolve, reject) => {
@@ -202,15 +213,19 @@ async function useImage(file) {
     reader.readAsDataURL(file);
   });
   pendingImage = url;
+  const video = isVideo(url);
   $("attachment").hidden = false;
-  $("attachment-preview").src = url;
+  $("attachment-preview").hidden = video;
+  $("attachment-video").hidden = !video;
+  if (video) $("attachment-video").src = url;
+  else $("attachment-preview").src = url;
   $("image-tokens").textContent = "counting tokens…";
   setError("");
   try {
-    // What the image adds to a message: the same message with and without it.
+    // What the image (or video) adds to a message: the same message with and without it.
     const withImage = await tokenCount([userMessage("", url)]);
     const without = await tokenCount([{ role: "user", content: "" }]);
-    $("image-tokens").textContent = "Image: " + (withImage - without) + " tokens";
+    $("image-tokens").textContent = (video ? "Video: " : "Image: ") + (withImage - without) + " tokens";
     $("image-tokens").dataset.tokens = String(withImage - without);
     if ($("exact").open) showExactPrompt();
   } catch (e) {
@@ -223,6 +238,7 @@ function clearImage() {
   pendingImage = null;
   $("attachment").hidden = true;
   $("attachment-preview").removeAttribute("src");
+  $("attachment-video").removeAttribute("src");
   $("image-tokens").textContent = "";
   delete $("image-tokens").dataset.tokens;
   $("image-input").value = "";
@@ -294,7 +310,9 @@ drop.addEventListener("drop", (event) => {
 });
 $("prompt").addEventListener("paste", (event) => {
   const items = Array.from((event.clipboardData || {}).items || []);
-  const image = items.find((item) => item.kind === "file" && item.type.startsWith("image/"));
+  const image = items.find(
+    (item) => item.kind === "file" && (item.type.startsWith("image/") || item.type.startsWith("video/"))
+  );
   if (image) {
     event.preventDefault();
     useImage(image.getAsFile());
