@@ -32,13 +32,12 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_reference(gate_up)
 
     def of_projection(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
-        """self(proj(x)) for a fused [gate | up] projection without bias (unquantized, or fp8 weights
-        with their per-row scales)."""
+        """self(proj(x)) for a fused [gate | up] projection without bias (one GEMV when the projection
+        has operands for it: `Linear.gemv_operands`)."""
         kernels = dispatch.gemv_for(x)
-        if kernels is not None and proj.bias is None:
-            scale = getattr(proj, "weight_scale", None) if proj.quant is not None else None
-            if (proj.quant is None or scale is not None) and kernels.supports(
-                x, proj.weight, max_rows=1, weight_scale=scale
-            ):
-                return kernels.gemv_silu_and_mul(x, proj.weight, weight_scale=scale)
+        operands = proj.gemv_operands() if kernels is not None and proj.bias is None else None
+        if operands is not None:
+            weight, scale = operands
+            if kernels.supports(x, weight, max_rows=1, weight_scale=scale):
+                return kernels.gemv_silu_and_mul(x, weight, weight_scale=scale)
         return self(proj(x))

@@ -146,6 +146,10 @@ class QuantMethod(Protocol):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
+    def gemv_operands(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, per-row weight scale) the few-row GEMV kernels can read, or None when they cannot."""
+        ...
+
 
 class Linear(nn.Module):
     """Replicated: the whole [output_size, input_size] weight on every rank.
@@ -165,6 +169,13 @@ class Linear(nn.Module):
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
         return linear(x, self.weight, bias)
+
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """What a fused GEMV (`kernels/gemv.py`) multiplies by in place of this layer's matmul:
+        (weight, None) unquantized, (fp8 weight, its row scales) for fp8, None when it cannot (int4)."""
+        if self.quant is not None:
+            return self.quant.gemv_operands(self)
+        return self.weight, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

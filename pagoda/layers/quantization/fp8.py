@@ -138,3 +138,6 @@ class Fp8LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def gemv_operands(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.weight, layer.weight_scale

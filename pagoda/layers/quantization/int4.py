@@ -111,6 +111,9 @@ class Int4LinearMethod:
         # at least this rank's K (group -1, or a whole group held by each rank) is one group.
         layer.int4_group = None if self.config.desc_act else min(group, layer.input_size)
 
+    def gemv_operands(self, layer: Linear) -> None:
+        return None  # packed int4: its own kernels (`int4_gemm`), not the fp8/bf16 GEMV
+
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         args = (layer.qweight, layer.scales, layer.zeros, layer.g_idx)
         k = x.shape[-1]
