@@ -133,6 +133,14 @@ def open_playground(page) -> None:
     sync_api.expect(page.locator("#key-form")).to_be_hidden()
 
 
+def send_and_wait(page, text: str) -> None:
+    """Type `text` into the message box, send it with Enter, and wait for the answer to finish."""
+    prompt = page.get_by_label("Message", exact=False)
+    prompt.fill(text)
+    prompt.press("Enter")  # keyboard only
+    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+
+
 def set_sampling(page, max_tokens: int, **more: str) -> None:
     page.get_by_label("Max tokens").fill(str(max_tokens))
     for label, value in more.items():
@@ -260,10 +268,7 @@ def test_image_drop_shows_its_token_count_and_gets_an_answer(page, http):
     sync_api.expect(page.locator("#error")).to_be_empty()
     assert_fits_360px(page)
     screenshot(page, "image-upload")
-    prompt = page.get_by_label("Message", exact=False)
-    prompt.fill("Describe this image.")
-    prompt.press("Enter")
-    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+    send_and_wait(page, "Describe this image.")
     assert page.locator("#transcript .msg.user img").count() == 1
     assert page.locator("#transcript .msg.assistant .text").last.text_content()
     sync_api.expect(page.locator("#attachment")).to_be_hidden()
@@ -276,10 +281,7 @@ def test_video_drop_shows_its_token_count_and_gets_an_answer(page):
     drop_file(page, "#drop", tiny_mp4(), "clip.mp4", "video/mp4")
     sync_api.expect(page.locator("#image-tokens")).to_have_text(f"Video: {TINY_MP4_TOKENS} tokens")
     sync_api.expect(page.locator("#error")).to_be_empty()
-    prompt = page.get_by_label("Message", exact=False)
-    prompt.fill("What happens?")
-    prompt.press("Enter")
-    sync_api.expect(page.locator("#status")).to_contain_text("tokens in")
+    send_and_wait(page, "What happens?")
     assert page.locator("#transcript .msg.user video").count() == 1
     assert page.locator("#transcript .msg.assistant .text").last.text_content()
 

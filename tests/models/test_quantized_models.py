@@ -13,7 +13,6 @@ initialization amplifies any perturbation): benchmarks/quantization_accuracy.py.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -26,6 +25,7 @@ from benchmarks.quantization_accuracy import write_int4_checkpoint
 from pagoda import LLM
 from pagoda.layers.quantization.int4_formats import dequantize_awq_checkpoint, dequantize_gptq_checkpoint
 from tests.models.test_llama_parity import PROMPTS, _hf_model, _our_prefill_logits
+from tests.unit.test_quantization_config import with_quantization_config
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0
@@ -92,15 +92,6 @@ def _prefill_close(llm: LLM, hf, atol: float = EXACT) -> float:
     return worst
 
 
-def _with_config(folder: str, quantization_config: dict) -> None:
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(path, "w") as f:
-        json.dump(config, f)
-
-
 def _projection_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [n[: -len(".weight")] for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]
 
@@ -134,10 +125,10 @@ def test_fp8_checkpoints_load_as_written(tiny_llama, tmp_path, layout):
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(1.0)
     save_file(tensors, path, metadata={"format": "pt"})
     if layout == "fp8-tensor":
-        _with_config(folder, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+        with_quantization_config(folder, {"quant_method": "fp8", "activation_scheme": "dynamic"})
     else:
         weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
-        _with_config(
+        with_quantization_config(
             folder,
             {
                 "quant_method": "compressed-tensors",
