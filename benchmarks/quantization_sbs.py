@@ -83,7 +83,7 @@ def awq_folder(src: str, dst: str) -> None:
         json.dump(config, f, indent=1)
 
 
-def collect(folder: str, commit: str, date: str) -> dict:
+def collect(folder: str, commit: str, date: str, gpu: str) -> dict:
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "sbs_*.jsonl"))):
         for line in open(path):
@@ -103,7 +103,7 @@ def collect(folder: str, commit: str, date: str) -> dict:
             }
             row.update({new: r.get(old) for old, new in KEYS.items()})
             rows.append(row)
-    return {"gpu": "NVIDIA H200", "commit": commit, "date": date, "rows": rows}
+    return {"gpu": gpu, "commit": commit, "date": date, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -126,12 +126,13 @@ def main() -> None:
     c.add_argument("folder")
     c.add_argument("--commit", required=True)
     c.add_argument("--date", default=datetime.date.today().isoformat())
+    c.add_argument("--gpu", default="NVIDIA H200", help="the device the rows were measured on")
     c.add_argument("--out", default=RESULT)
     args = ap.parse_args()
     if args.cmd == "awq-folder":
         awq_folder(args.src, args.dst)
         return
-    result = collect(args.folder, args.commit, args.date)
+    result = collect(args.folder, args.commit, args.date, args.gpu)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
