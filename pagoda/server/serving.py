@@ -375,16 +375,22 @@ class OpenAIServing:
             [p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")) for i in range(params.n)]
         )
         async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
-            events = [role] if role is not None else []  # one chunk per output, as they came; one write per batch
+            # One chunk per output that carries tokens, as they came, even when its text is empty (held back
+            # as an incomplete UTF-8 sequence or a possible stop string, or ids the tokenizer has no piece
+            # for): a client sees every step as an event, as from vLLM. One write per batch.
+            events = [role] if role is not None else []
             role = None
             for out in batch:
                 choices = []
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
                     if calls is not None:
-                        choices.append(_tool_choice_chunk(calls[c.index], c, self._chat_logprobs))
+                        # A tool-call parser may hold text back (a tag not yet complete): a chunk only when
+                        # it lets something through.
+                        if c.text or c.finish_reason is not None:
+                            choices.append(_tool_choice_chunk(calls[c.index], c, self._chat_logprobs))
                         continue
                     choice = template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None else None
                     if choice is None:
@@ -523,7 +529,7 @@ class OpenAIServing:
         template = p.CompletionChunkTemplate(chunk_id, created, name)
         unfinished = len(prepared)
         async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
-            events = []  # one chunk per output, as they came; all of a batch go out in one write
+            events = []  # one chunk per output with tokens (see _chat_stream), a batch in one write
             for out in batch:
                 unfinished -= out.finished
                 choices = []
@@ -534,7 +540,7 @@ class OpenAIServing:
                     if req.echo and i not in echoed:
                         echoed.add(i)
                         text = (prepared[k][0] or self.decode(prepared[k][1])) + text
-                    if not text and c.finish_reason is None:
+                    if not text and not c.token_ids and c.finish_reason is None:
                         continue
                     choice = template.choice(i, text, _reason(c), c.stop_reason) if c.logprobs is None else None
                     if choice is None:

@@ -19,14 +19,18 @@ PROMPT = [5, 6, 7]
 
 
 class FakeEngine:
-    """Three steps of deltas for each request ("a", "b", "c"), the last one finished."""
+    """One step of deltas per text for each request (by default "a", "b", "c"), the last one finished; each
+    step carries one token."""
 
     is_dead = False
     stats = None
 
+    def __init__(self, texts: tuple[str, ...] = ("a", "b", "c")):
+        self.texts = texts
+
     async def generate_batches(self, ids, params, prompt=None, delta=True, request_id=None, mm_inputs=None):
-        for step, text in enumerate("abc"):
-            done = step == 2
+        for step, text in enumerate(self.texts):
+            done = step == len(self.texts) - 1
             yield [
                 RequestOutput(
                     request_id or "x",
@@ -41,9 +45,9 @@ class FakeEngine:
             await asyncio.sleep(0)
 
 
-def serving() -> OpenAIServing:
+def serving(engine: FakeEngine | None = None) -> OpenAIServing:
     ctx = ServingContext(
-        engine=FakeEngine(),
+        engine=engine or FakeEngine(),
         tokenizer=None,
         served_model_names=["m"],
         max_model_len=1024,  # type: ignore[arg-type]
@@ -160,3 +164,30 @@ def test_chat_role_chunk_goes_out_with_the_first_tokens() -> None:
         {"role": "assistant", "content": ""},
         {"role": None, "content": "a"},
     ]
+
+
+def test_every_step_with_tokens_is_an_event_even_without_text() -> None:
+    """A token whose text is held back (an incomplete UTF-8 sequence, a possible stop string) or that has no
+    piece in the tokenizer still makes a chunk, with empty text: a client that times events (vLLM's `bench
+    serve` counts each as one token's arrival) sees one per step instead of bursts at the next visible text."""
+    texts = ("a", "", "", "b", "", "c")
+    server = serving(FakeEngine(texts))
+
+    async def chat_prompt(*args, **kwargs):
+        return "text", PROMPT, None
+
+    server.chat_prompt = chat_prompt  # type: ignore[method-assign]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    completion = {"model": "m", "prompt": PROMPT, "max_tokens": 6, "stream": True}
+
+    async def run() -> tuple[list[str], list[str]]:
+        return (
+            await writes(await server.chat_stream(p.ChatCompletionRequest(**chat), 0.0)),
+            await writes(await server.completion_stream(p.CompletionRequest(**completion), 0.0)),
+        )
+
+    chat_out, completion_out = asyncio.run(run())
+    chat_chunks = token_chunks(chat_out, None)
+    assert chat_chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # the role chunk, then one per step
+    assert [c["choices"][0]["delta"]["content"] for c in chat_chunks[1:]] == list(texts)
+    assert [c["choices"][0]["text"] for c in token_chunks(completion_out, None)] == list(texts)
