@@ -18,11 +18,15 @@ import numpy as np
 @dataclass
 class MultiModalItem:
     modality: str  # "image" | "video"
-    pixel_values: np.ndarray  # [num_patches, 3 * T * p * p] float32, encoder input
+    # Encoder input [num_patches, 3 * T * p * p]: uint8 levels normalised through `pixel_lut` (float32
+    # [3, 256], the value of each level per channel) where they are used, or float32 already normalised
+    # when `pixel_lut` is None.
+    pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the 2x2 merge
     offset: int  # index of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens (= t * h * w / merge**2)
-    content_hash: bytes  # pixels + grid + processor settings (16 bytes)
+    content_hash: bytes  # pixels (+ table) + grid + processor settings (16 bytes)
+    pixel_lut: np.ndarray | None = None
 
     @property
     def end(self) -> int:
@@ -50,10 +54,18 @@ class MultiModalInputs:
         return b"".join(parts)
 
 
-def content_hash(modality: str, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], settings: str) -> bytes:
-    """Identity of an encoder input: the exact pixels the encoder sees (after resize/normalise),
-    their grid and the processor settings that produced them."""
+def content_hash(
+    modality: str,
+    pixel_values: np.ndarray,
+    grid_thw: tuple[int, int, int],
+    settings: str,
+    pixel_lut: np.ndarray | None = None,
+) -> bytes:
+    """Identity of an encoder input: the exact pixels the encoder sees (after resize/normalise; levels
+    and their table when normalisation is deferred), their grid and the processor settings."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{modality}|{grid_thw}|{settings}|{pixel_values.dtype}|{pixel_values.shape}".encode())
-    h.update(np.ascontiguousarray(pixel_values).tobytes())
+    h.update(np.ascontiguousarray(pixel_values).data)
+    if pixel_lut is not None:
+        h.update(np.ascontiguousarray(pixel_lut, dtype=np.float32).data)
     return h.digest()

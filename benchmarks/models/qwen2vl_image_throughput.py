@@ -114,6 +114,9 @@ class _GridVisual:
     def num_tokens(self) -> int:
         return self.grid_thw[0] * self.grid_thw[1] * self.grid_thw[2] // 4
 
+    def normalized(self) -> np.ndarray:
+        return self.pixel_values
+
 
 def _random_image_visual(rng: np.random.Generator):
     try:
@@ -203,7 +206,7 @@ def run_hf(folder: str, requests, concurrency: int, output_len: int, device: str
             expand_prompt(ids, [("image", v)], PlaceholderIds(IMAGE_PAD, VIDEO_PAD), "hf")[0] for ids, v in batch
         ]
         input_ids = torch.tensor(expanded, device=device)
-        pixels = torch.from_numpy(np.concatenate([v.pixel_values for _, v in batch])).to(device, torch.bfloat16)
+        pixels = torch.from_numpy(np.concatenate([v.normalized() for _, v in batch])).to(device, torch.bfloat16)
         grids = torch.tensor([v.grid_thw for _, v in batch], device=device)
         kwargs = dict(
             input_ids=input_ids,

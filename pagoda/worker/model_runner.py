@@ -717,7 +717,7 @@ class ModelRunner:
             elif all(m.content_hash != item.content_hash for m in missing):
                 missing.append(item)
         if missing:
-            pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in missing])).to(self.device)
+            pixels = torch.cat([encoder_pixels(m.pixel_values, m.pixel_lut, self.device) for m in missing])
             encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
             for item, rows in zip(missing, encoded.split([m.length for m in missing])):
                 outputs[item.content_hash] = rows
@@ -728,7 +728,7 @@ class ModelRunner:
             first = int(query_start_loc[row]) + lo - starts[row]
             index.append(np.arange(first, first + hi - lo))
             embeds.append(outputs[item.content_hash][lo - item.offset : hi - item.offset])
-        return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(embeds)
+        return to_device(np.concatenate(index), self.device), torch.cat(embeds)
 
     def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
         # The batch counts tokens still in flight too (min_tokens; the penalties' device history
@@ -760,3 +760,17 @@ class ModelRunner:
         if self._last_step is not None and any(s.num_pending for s in states):
             self._last_step.result()
         return masks.fill(request_ids, [s.output_token_ids for s in states])
+
+
+def encoder_pixels(pixel_values: np.ndarray, pixel_lut: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    """One item's encoder input on `device`, float32 [P, C * T * p * p]: uint8 levels cross to the device
+    as they are (a quarter of float32's bytes, no host-device sync) and are normalised there by a gather
+    from the per-channel table, bit for bit what the host's `normalize_levels` gives; float32 patches
+    (`pixel_lut` None) are copied as they are."""
+    if pixel_lut is None:
+        return to_device(pixel_values, device)
+    levels = to_device(pixel_values, device)  # uint8 [P, D]
+    table = to_device(pixel_lut.astype(np.float32, copy=False), device).reshape(-1)  # [C * 256]
+    channels, width = pixel_lut.shape[0], pixel_values.shape[1]
+    column_base = (torch.arange(width, device=levels.device) // (width // channels)) * 256  # [D]
+    return table[levels.long() + column_base]

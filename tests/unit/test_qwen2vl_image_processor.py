@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
@@ -21,6 +22,7 @@ from pagoda.frontend.multimodal.image_processor import (
     preprocess_video,
     smart_resize,
 )
+from pagoda.worker.model_runner import encoder_pixels
 
 CKPT_MAX = 12845056  # official preprocessor_config.json max_pixels
 MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
@@ -53,9 +55,14 @@ def _assert_parity(image: Image.Image, max_pixels: int = CKPT_MAX) -> ProcessedV
     ref_pixels, ref_grid = _hf(image, max_pixels=max_pixels)
     ours = preprocess_image(image, VisionPreprocessConfig(max_pixels=max_pixels))
     assert ours.grid_thw == ref_grid
-    assert ours.pixel_values.dtype == np.float32
-    assert ours.pixel_values.shape == ref_pixels.shape
-    np.testing.assert_array_equal(ours.pixel_values, ref_pixels)  # bit-exact
+    assert ours.pixel_values.dtype == np.uint8  # levels; normalised where they are used
+    normalized = ours.normalized()
+    assert normalized.dtype == np.float32
+    assert normalized.shape == ref_pixels.shape
+    np.testing.assert_array_equal(normalized, ref_pixels)  # bit-exact
+    # ... and the device-side gather the runner applies gives the same bits.
+    on_device = encoder_pixels(ours.pixel_values, ours.pixel_lut, torch.device("cpu"))
+    np.testing.assert_array_equal(on_device.numpy(), ref_pixels)
     return ours
 
 
@@ -102,7 +109,7 @@ def test_grayscale_parity():
     image = _noise(200, 150, "L", seed=3)
     ours = _assert_parity(image)
     # The three channels saw the same grey levels: only mean/std differ between them.
-    cols = ours.pixel_values.reshape(-1, 3, 2, 14, 14)
+    cols = ours.normalized().reshape(-1, 3, 2, 14, 14)
     restored = cols * STD[None, :, None, None, None] + MEAN[None, :, None, None, None]
     np.testing.assert_allclose(restored[:, 0], restored[:, 1], atol=1e-5)
 
@@ -207,7 +214,9 @@ def test_video_matches_spec_reference(count):
     ref, grid = _reference_video(frames, (h, w))
     assert ours.grid_thw == grid == (2, h // 14, w // 14)
     assert ours.num_tokens == 2 * (h // 28) * (w // 28) == 286
-    np.testing.assert_array_equal(ours.pixel_values, ref)
+    np.testing.assert_array_equal(ours.normalized(), ref)
+    on_device = encoder_pixels(ours.pixel_values, ours.pixel_lut, torch.device("cpu"))
+    np.testing.assert_array_equal(on_device.numpy(), ref)
 
 
 def test_video_uses_video_pixel_budget_and_odd_padding_repeats_last_frame():

@@ -6,9 +6,11 @@ PIL bicubic on uint8, the same float64 rescale then float32 normalise, and the s
 Exactness matters because the content hash of the pixels keys the prefix and encoder caches, and
 because our golden tests compare logits against transformers.
 
-Speed matters too (users' pitfall #2: CPU-bound preprocessing starves the GPU): normalisation is a
-256-entry lookup table per channel (same bits as the arithmetic, since it is elementwise) and the
-patchify is one reshape/transpose copy; there are no Python loops over pixels or patches.
+Speed matters too (users' pitfall #2: CPU-bound preprocessing starves the GPU): the resized frames
+stay uint8 through the patchify (one reshape/transpose copy, no Python loops over pixels or patches),
+and normalisation is a 256-entry lookup table per channel (same bits as the arithmetic, since it is
+elementwise) carried beside the levels and applied where the patches are used, on the device: a
+quarter of float32's bytes to hash, send to the engine core and copy to the GPU.
 """
 
 from __future__ import annotations
@@ -226,17 +228,38 @@ def smart_resize(
 
 @dataclass
 class ProcessedVisual:
-    """Encoder input for one image or video."""
+    """Encoder input for one image or video, as uint8 levels and the lookup table that normalises them.
 
-    pixel_values: np.ndarray  # float32 [num_patches, 3 * T * p * p], num_patches = t*h*w
+    The normalised float32 patches are `lut[channel, level]` exactly (see `_normalize_lut`), so the
+    levels plus a 3 KB table carry the same bits in a quarter of the bytes: that is what is hashed,
+    sent to the engine core and copied to the device, where one gather normalises them (the runner's
+    `encoder_pixels`). `normalized()` gives the float32 patches on the host (references, tests).
+    """
+
+    pixel_values: np.ndarray  # uint8 [num_patches, 3 * T * p * p], num_patches = t*h*w
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the merge
     merge_size: int = 2
+    pixel_lut: np.ndarray | None = None  # float32 [3, 256]: the normalised value of each level per channel
 
     @property
     def num_tokens(self) -> int:
         """LLM placeholder tokens: one per merge window (merge_size**2 patches) per temporal patch."""
         t, h, w = self.grid_thw
         return t * h * w // self.merge_size**2
+
+    def normalized(self) -> np.ndarray:
+        """float32 [num_patches, 3 * T * p * p]: what the vision tower sees."""
+        if self.pixel_lut is None:
+            return self.pixel_values
+        return normalize_levels(self.pixel_values, self.pixel_lut)
+
+
+def normalize_levels(levels: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """uint8 patch rows [P, C * T * p * p] -> float32 through the per-channel table `lut` [C, 256]; a
+    row's columns are channel-major ((c * T + tau) * p + y) * p + x, so column j has channel j // (T*p*p)."""
+    channels = lut.shape[0]
+    channel = np.arange(levels.shape[1]) // (levels.shape[1] // channels)  # [C*T*p*p]
+    return lut[channel[None, :], levels]
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -266,16 +289,14 @@ def _normalize_lut(cfg: VisionPreprocessConfig) -> np.ndarray:
     return (levels[None, :] - mean) / std  # [3, 256]
 
 
-def _resize_normalize(image: Image.Image, size_hw: tuple[int, int], lut: np.ndarray) -> np.ndarray:
-    """RGB-convert, bicubic-resize on uint8 and normalise one frame -> float32 [H, W, 3]."""
-    rgb = to_rgb(image)
-    resized = rgb.resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
-    u8 = np.asarray(resized, dtype=np.uint8)  # [H, W, 3]
-    return lut[np.arange(3), u8]  # [H, W, 3]
+def _resize(image: Image.Image, size_hw: tuple[int, int]) -> np.ndarray:
+    """RGB-convert and bicubic-resize one frame on uint8 -> uint8 [H, W, 3]."""
+    resized = to_rgb(image).resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
+    return np.asarray(resized, dtype=np.uint8)
 
 
 def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """frames float32 [n, H, W, C] with n % T == 0 -> ([t*gh*gw, C*T*p*p], (t, gh, gw)).
+    """frames [n, H, W, C] with n % T == 0 -> ([t*gh*gw, C*T*p*p], (t, gh, gw)), same dtype.
 
     Rows: temporal patch, then merge window (raster), then the m*m patches inside it (raster).
     Columns: (c, tau, y, x). One transpose-copy; no per-patch work.
@@ -294,11 +315,11 @@ def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> Process
     """One still image -> encoder input; the image is treated as a T-frame clip of itself."""
     height, width = image.height, image.width
     size_hw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    frame = _resize_normalize(image, size_hw, _normalize_lut(cfg))  # [H, W, 3]
+    frame = _resize(image, size_hw)  # [H, W, 3] uint8
     # Broadcast, not copy: _patchify's single copy materialises the T duplicates.
     frames = np.broadcast_to(frame[None], (cfg.temporal_patch_size, *frame.shape))  # [T, H, W, 3]
-    pixel_values, grid = _patchify(frames, cfg)
-    return ProcessedVisual(pixel_values, grid, cfg.merge_size)
+    levels, grid = _patchify(frames, cfg)
+    return ProcessedVisual(levels, grid, cfg.merge_size, _normalize_lut(cfg))
 
 
 def preprocess_video(
@@ -316,13 +337,12 @@ def preprocess_video(
     first = frames[0]
     if size_hw is None:
         size_hw = smart_resize(first.height, first.width, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
-    lut = _normalize_lut(cfg)
     tp = cfg.temporal_patch_size
     n = len(frames)
     padded = n + (-n) % tp
-    out = np.empty((padded, size_hw[0], size_hw[1], 3), dtype=np.float32)  # [n', H, W, 3]
+    out = np.empty((padded, size_hw[0], size_hw[1], 3), dtype=np.uint8)  # [n', H, W, 3]
     for i, frame in enumerate(frames):
-        out[i] = _resize_normalize(frame, size_hw, lut)
+        out[i] = _resize(frame, size_hw)
     out[n:] = out[n - 1]
-    pixel_values, grid = _patchify(out, cfg)
-    return ProcessedVisual(pixel_values, grid, cfg.merge_size)
+    levels, grid = _patchify(out, cfg)
+    return ProcessedVisual(levels, grid, cfg.merge_size, _normalize_lut(cfg))

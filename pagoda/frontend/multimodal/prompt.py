@@ -21,7 +21,7 @@ from pagoda.inputs import MultiModalInputs, MultiModalItem, content_hash
 
 
 class Visual(Protocol):
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray  # uint8 levels with `pixel_lut`, or float32 normalised patches
     grid_thw: tuple[int, int, int]
 
     @property
@@ -66,6 +66,7 @@ def expand_prompt(
         taken[kind] += 1
         n = visual.num_tokens
         t, h, w = visual.grid_thw
+        lut = getattr(visual, "pixel_lut", None)
         items.append(
             MultiModalItem(
                 kind,
@@ -73,7 +74,8 @@ def expand_prompt(
                 (t, h, w),
                 len(expanded),
                 n,
-                content_hash(kind, visual.pixel_values, (t, h, w), settings),
+                content_hash(kind, visual.pixel_values, (t, h, w), settings, lut),
+                lut,
             )
         )
         expanded.extend([token] * n)
