@@ -23,6 +23,7 @@ from torch import nn
 
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import Linear
+from pagoda.layers.rotary import apply_rotary
 
 Grid = tuple[int, int, int]
 
@@ -132,18 +133,6 @@ class PatchEmbed(nn.Module):
         return self.proj(pixel_values.to(self.proj.weight.dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def _apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32 (as the reference does), cast back to x's dtype."""
-    # x: [P, heads, d_h]; cos/sin: [P, 1, d_h] float32
-    xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
-
-
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -158,8 +147,9 @@ class VisionAttention(nn.Module):
         p = x.shape[0]
         # [P, 3·D] -> three [P, heads, d_h], heads contiguous inside each third
         q, k, v = self.qkv(x).view(p, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        q = _apply_vision_rotary(q, *rope)
-        k = _apply_vision_rotary(k, *rope)
+        # The LLM's rotate-half RoPE with per-patch tables (fp32 math, rounded once): one Triton launch
+        # for q and k on CUDA, straight from the strided views of the fused projection.
+        q, k = apply_rotary(q, k, rope)
         out = _segment_attention(q, k, v, segments)
         return self.proj(out.reshape(p, -1))
 
@@ -249,7 +239,7 @@ class Qwen2VisionTransformer(nn.Module):
             VisionBlock(dim, cfg["num_heads"], mlp_hidden, cfg["hidden_act"]) for _ in range(cfg["depth"])
         )
         self.merger = PatchMerger(dim, cfg["hidden_size"], self.merge_size)
-        # (h, w, device) -> float32 (cos, sin) [h·w, 1, d_h]; a plain dict, not buffers, so that
+        # (h, w, device) -> float32 (cos, sin) [h·w, 1, d_h/2]; a plain dict, not buffers, so that
         # meta-device construction and `.to(dtype)` leave it alone.
         self._rope_cache: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -258,7 +248,7 @@ class Qwen2VisionTransformer(nn.Module):
         grids = _as_grids(grid_thw)
         self._check_input(pixel_values, grids)
         x = self.patch_embed(pixel_values)  # [P, D]
-        rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h] float32
+        rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h/2] float32
         segments = _segments(grids, x.device)
         for block in self.blocks:
             x = block(x, rope, segments)
@@ -292,16 +282,15 @@ class Qwen2VisionTransformer(nn.Module):
 
 
 def _grid_cos_sin(h: int, w: int, merge: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin [h·w, 1, d_h] of the 2-D rotary for one frame, rows in merge-window order.
+    """float32 cos/sin [h·w, 1, d_h/2] of the 2-D rotary for one frame, rows in merge-window order.
 
-    A RoPE of dimension d_h/2 per axis: angles [row·f, col·f] (d_h/2 values), duplicated to d_h so
-    rotate-half pairs dim i with i + d_h/2.
+    A RoPE of dimension d_h/2 per axis: angles [row·f, col·f] (d_h/2 values); rotate-half pairs dim i
+    with i + d_h/2 and both take angle i (the reference's table holds the angles twice, [a | a]).
     """
     rows, cols = _window_order_positions(h, w, merge, device)  # [h·w] each
     half = head_dim // 2
     inv_freq = 1.0 / (_ROPE_THETA ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half))
-    angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [h·w, d_h/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [h·w, 1, d_h]
+    angles = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)[:, None, :]  # [h·w, 1, d_h/2]
     return angles.cos(), angles.sin()
 
 

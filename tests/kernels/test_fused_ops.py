@@ -159,6 +159,28 @@ def test_rotary_tables_and_head_blocks(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_on_vision_tower_tables(dtype):
+    """The Qwen2-VL vision tower's 2-D RoPE through the kernel: per-patch float32 half tables (rows then
+    columns of 40 angles for head_dim 80, a non-power-of-two half), q/k strided views of the fused qkv,
+    bit for bit the reference's reading of it: fp32 x·[c|c] + rotate_half(x)·[s|s], rounded once."""
+    from pagoda.models.qwen2_vl_vision import _grid_cos_sin
+
+    p, heads, d = 4 * 6, 3, 80
+    cos, sin = _grid_cos_sin(4, 6, 2, d, torch.device(DEVICE))  # [P, 1, 40]
+    qkv = _randn(p, 3 * heads * d, dtype=dtype, scale=2.0, seed=21).view(p, 3, heads, d)
+    q, k, _ = qkv.unbind(dim=1)
+    q_out, k_out = fused_ops.rotary(q, k, cos, sin)
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * full_cos + torch.cat([-x2, x1], -1) * full_sin).to(x.dtype)
+
+    assert torch.equal(q_out, reference(q)) and torch.equal(k_out, reference(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d,rotary_dim", [(8, 8), (12, 8), (16, 8)])
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
