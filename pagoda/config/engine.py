@@ -107,7 +107,8 @@ class EngineArgs:
     quantization: str | None = knob(
         None,
         "weight quantization: fp8 (FP8 e4m3 weights; a bf16/fp16 checkpoint is quantized at load) | awq | gptq | "
-        "compressed-tensors (default: what the checkpoint's quantization_config says; none for unquantized)",
+        "compressed-tensors | gguf (vLLM's spelling for a .gguf model, which loads as without it) (default: what the "
+        "checkpoint's quantization_config says; none for unquantized)",
         flags=("-q",),
         choices=QUANTIZATION_CHOICES,
     )
@@ -119,7 +120,10 @@ class EngineArgs:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    model: str  # HF folder, hub id, or path to a .gguf file (resolved, never None)
+    model: str  # where the model is: an HF folder (a hub id resolved to its snapshot) or a .gguf file, never None
+    # What the model is called: the model argument as the user gave it (a hub id stays a hub id, as vLLM names
+    # it), or the embedded default's own name when none was given. The served name unless --served-model-name.
+    name: str
     tokenizer: str  # where the tokenizer comes from (defaults to `model`)
     dtype: str  # resolved torch dtype name: "float32" | "float16" | "bfloat16"
     max_model_len: int  # resolved context cap (prompt + output tokens)
@@ -196,6 +200,7 @@ class EngineConfig:
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
         """Resolve and validate every knob once. Reads the model's config (not its weights)."""
+        from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME  # lazy: torch (config must import without it)
         from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
@@ -272,6 +277,7 @@ class EngineConfig:
                 ModelConfig,
                 a,
                 model=source.location,
+                name=a.model if a.model is not None else DEFAULT_SERVED_NAME,
                 tokenizer=a.tokenizer or source.location,
                 dtype=dtype,
                 max_model_len=max_model_len,

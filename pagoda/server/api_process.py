@@ -31,7 +31,6 @@ from pagoda.errors import ConfigError
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template
 from pagoda.frontend.multimodal.chat import multimodal_serving
 from pagoda.frontend.tokenizer import load_tokenizer
-from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
 from pagoda.server.app import build_app
@@ -70,7 +69,7 @@ class ApiSetup:
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
-        self.names = list(server.served_model_name or [config.model.model or DEFAULT_SERVED_NAME])
+        self.names = list(server.served_model_name or [config.model.name])
         self.chat_template = load_chat_template(server.chat_template)
         if check and self.tokenizer is not None:
             check_chat_template(self.tokenizer, source, server.chat_template, config.model.tokenizer)
