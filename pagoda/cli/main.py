@@ -22,6 +22,7 @@ import sys
 
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.cli.serve import add_serve_args, serve
+from pagoda.cli.vllm_flags import undot
 from pagoda.errors import InvalidRequest, PagodaError
 from pagoda.frontend.chat_template import load_chat_template, render_chat
 from pagoda.tools.bench.cli import add_bench_args, run_bench
@@ -123,6 +124,9 @@ def _run_offline(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = undot(argv)  # vLLM's `--speculative-config.method x`: answered as --speculative-config
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # lazy below: the subcommand's own modules (cli/main.py is the one dispatch)

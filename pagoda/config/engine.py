@@ -27,6 +27,8 @@ KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The model without a `model` argument: the embedded GGUF (models/gguf_checkpoint.py), and its served name.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def knob(default: Any, help: str | None, **metadata: Any) -> Any:
@@ -200,7 +202,6 @@ class EngineConfig:
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
         """Resolve and validate every knob once. Reads the model's config (not its weights)."""
-        from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME  # lazy: torch (config must import without it)
         from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
@@ -277,7 +278,7 @@ class EngineConfig:
                 ModelConfig,
                 a,
                 model=source.location,
-                name=a.model if a.model is not None else DEFAULT_SERVED_NAME,
+                name=a.model if a.model is not None else DEFAULT_MODEL_NAME,
                 tokenizer=a.tokenizer or source.location,
                 dtype=dtype,
                 max_model_len=max_model_len,
