@@ -67,8 +67,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
     ),
     (
         "only text generation is served (no pooling, embedding or scoring runners)",
-        "--runner =generate,auto --convert =none,auto --task =generate,auto --pooler-config "
-        "--override-pooler-config",
+        "--runner =generate,auto --convert =none,auto --task =generate,auto --pooler-config --override-pooler-config",
     ),
     (
         "Pagoda runs its own model implementations, never code from a model folder or a plugin",

@@ -45,7 +45,11 @@ METHOD_ALIASES = {
 GGUF = "gguf"
 QUANTIZATION_CHOICES = ("none", *METHOD_ALIASES, GGUF)
 # How the refusals name a checkpoint of each method (with its article).
-_A_CHECKPOINT = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "compressed-tensors": "a compressed-tensors checkpoint"}
+_A_CHECKPOINT = {
+    "awq": "an AWQ checkpoint",
+    "gptq": "a GPTQ checkpoint",
+    "compressed-tensors": "a compressed-tensors checkpoint",
+}
 
 
 @dataclass(frozen=True)

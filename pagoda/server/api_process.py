@@ -217,7 +217,9 @@ def check_chat_template(tokenizer: Any, source: Any, override: str | None, token
     """Log which chat template serves chats; stop here (seconds, not at the first chat request) when
     it cannot render a plain conversation; warn when its prompt is not the model family's format.
     A model without a template still serves completions: that is only logged."""
-    report = inspect_chat_template(tokenizer, source.hf_config, override, template_folder(tokenizer_path, source.location))
+    report = inspect_chat_template(
+        tokenizer, source.hf_config, override, template_folder(tokenizer_path, source.location)
+    )
     if report.error:
         raise ConfigError(
             f"the chat template ({report.origin}) does not render a user/assistant conversation: "

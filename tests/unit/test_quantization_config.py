@@ -182,7 +182,9 @@ def test_fp8_quantizes_an_unquantized_checkpoint_at_load(plain):
     assert resolved(plain, quantization="none") is None and resolved(plain) is None
 
 
-@pytest.mark.parametrize("flag, needs", [("awq", "needs an AWQ checkpoint"), ("gptq_marlin", "needs a GPTQ checkpoint")])
+@pytest.mark.parametrize(
+    "flag, needs", [("awq", "needs an AWQ checkpoint"), ("gptq_marlin", "needs a GPTQ checkpoint")]
+)
 def test_int4_flag_needs_an_int4_checkpoint(plain, flag, needs, capsys):
     assert main(["generate", "hi", "--quantization", flag, "--model", plain, "--skip-tokenizer-init"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
