@@ -22,8 +22,9 @@ import sys
 
 from pagoda.cli.args import add_engine_args, engine_args_from
 from pagoda.cli.serve import add_serve_args, serve
+from pagoda.cli.vllm_flags import undot
 from pagoda.errors import InvalidRequest, PagodaError
-from pagoda.frontend.chat_template import load_chat_template, render_chat
+from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, render_chat, template_folder
 from pagoda.tools.bench.cli import add_bench_args, run_bench
 from pagoda.tools.doctor import add_doctor_args, run_doctor
 from pagoda.tools.plan import add_plan_args, run_plan
@@ -96,10 +97,16 @@ def _print_chat_template(ns: argparse.Namespace) -> None:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequest('--messages must hold a JSON list of {"role": ..., "content": ...} objects.')
     source = resolve_model_source(ns.model)
-    tokenizer = load_tokenizer(source, ns.tokenizer or source.location, ns.trust_remote_code)
+    tokenizer_path = ns.tokenizer or source.location
+    tokenizer = load_tokenizer(source, tokenizer_path, ns.trust_remote_code)
     text = render_chat(tokenizer, messages, load_chat_template(ns.chat_template), not ns.no_generation_prompt)
     print(repr(text))
     print(f"# {len(tokenizer.encode(text, add_special_tokens=False))} tokens")
+    # The check `pagoda serve` and `pagoda doctor` make: a template foreign to the model family is worth a line.
+    folder = template_folder(tokenizer_path, source.location)
+    report = inspect_chat_template(tokenizer, source.hf_config, ns.chat_template, folder)
+    if report.warning:
+        print(f"pagoda: warning: chat template: {report.warning} → {report.fix}", file=sys.stderr)
 
 
 def _run_offline(ns: argparse.Namespace) -> None:
@@ -123,6 +130,9 @@ def _run_offline(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = undot(argv)  # vLLM's `--speculative-config.method x`: answered as --speculative-config
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # lazy below: the subcommand's own modules (cli/main.py is the one dispatch)

@@ -26,7 +26,9 @@ import sys
 
 from pagoda import envs
 from pagoda.cli.args import add_config_args, add_engine_args, engine_args_from
+from pagoda.cli.vllm_flags import add_vllm_flags, vllm_only_flags
 from pagoda.config import EngineConfig
+from pagoda.config.engine import DEFAULT_MODEL_NAME
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError
@@ -38,17 +40,35 @@ logger = logging.getLogger("pagoda")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "The OpenAI-compatible server, with vllm serve's flags. Without MODEL it serves the embedded "
+        f"{DEFAULT_MODEL_NAME} under that name; a MODEL is served under the name as given (a hub id or a path) "
+        "unless --served-model-name names it. vLLM flags Pagoda does not have are refused with the reason, or, "
+        "for those that only tune vLLM internals, accepted with a warning (docs/serving.md lists them)."
+    )
     parser.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder, hub id or .gguf (same as --model)"
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"model folder, hub id or .gguf (same as --model; default: the embedded {DEFAULT_MODEL_NAME})",
     )
     add_engine_args(parser)
     add_config_args(parser, ServerConfig)
     add_config_args(parser, MultiModalConfig)
     # --timeout-keep-alive's default is VLLM_HTTP_TIMEOUT_KEEP_ALIVE's, read when the flags are built.
     parser.set_defaults(timeout_keep_alive=float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value))
+    add_vllm_flags(parser)  # last: vLLM's flags that Pagoda has are skipped there
 
 
 def serve(ns: argparse.Namespace) -> int:
+    refusals, warnings = vllm_only_flags(ns)
+    if refusals:
+        for line in refusals:
+            print(f"pagoda: error: {line}", file=sys.stderr)
+        return 2
+    for line in warnings:
+        logger.warning(line)
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     try:

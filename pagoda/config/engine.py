@@ -27,6 +27,8 @@ KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The model without a `model` argument: the embedded GGUF (models/gguf_checkpoint.py), and its served name.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def knob(default: Any, help: str | None, **metadata: Any) -> Any:
@@ -107,7 +109,8 @@ class EngineArgs:
     quantization: str | None = knob(
         None,
         "weight quantization: fp8 (FP8 e4m3 weights; a bf16/fp16 checkpoint is quantized at load) | awq | gptq | "
-        "compressed-tensors (default: what the checkpoint's quantization_config says; none for unquantized)",
+        "compressed-tensors | gguf (vLLM's spelling for a .gguf model, which loads as without it) (default: what the "
+        "checkpoint's quantization_config says; none for unquantized)",
         flags=("-q",),
         choices=QUANTIZATION_CHOICES,
     )
@@ -119,7 +122,10 @@ class EngineArgs:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    model: str  # HF folder, hub id, or path to a .gguf file (resolved, never None)
+    model: str  # where the model is: an HF folder (a hub id resolved to its snapshot) or a .gguf file, never None
+    # What the model is called: the model argument as the user gave it (a hub id stays a hub id, as vLLM names
+    # it), or the embedded default's own name when none was given. The served name unless --served-model-name.
+    name: str
     tokenizer: str  # where the tokenizer comes from (defaults to `model`)
     dtype: str  # resolved torch dtype name: "float32" | "float16" | "bfloat16"
     max_model_len: int  # resolved context cap (prompt + output tokens)
@@ -272,6 +278,7 @@ class EngineConfig:
                 ModelConfig,
                 a,
                 model=source.location,
+                name=a.model if a.model is not None else DEFAULT_MODEL_NAME,
                 tokenizer=a.tokenizer or source.location,
                 dtype=dtype,
                 max_model_len=max_model_len,

@@ -14,7 +14,8 @@ Supported (what the layers in `pagoda/layers/quantization/` implement):
 - awq: AutoAWQ's GEMM layout, 4 bits, any group size.
 - gptq: AutoGPTQ's layout (v1 and v2 zero points), 4 bits, any group size, act-order (`desc_act`) included.
 
-GGUF files are not covered here: their quantized tensors are dequantized on load and run unquantized.
+GGUF files are not covered here: their quantized tensors are dequantized on load and run unquantized
+(`--quantization gguf`, vLLM's spelling, is accepted for them and changes nothing).
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ METHOD_ALIASES = {
     "gptq_marlin": "gptq",
     "compressed-tensors": "compressed-tensors",
 }
-QUANTIZATION_CHOICES = ("none", *METHOD_ALIASES)
+# `--quantization gguf` (vLLM's spelling for a GGUF file): a .gguf model loads as it always does, dequantized.
+GGUF = "gguf"
+QUANTIZATION_CHOICES = ("none", *METHOD_ALIASES, GGUF)
+# How the refusals name a checkpoint of each method (with its article).
+_A_CHECKPOINT = {
+    "awq": "an AWQ checkpoint",
+    "gptq": "a GPTQ checkpoint",
+    "compressed-tensors": "a compressed-tensors checkpoint",
+}
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,14 @@ def resolve_quantization(
 
     Raises ModelLoadError (param "model") for a checkpoint layout Pagoda does not run, and for a
     `--quantization` that contradicts the checkpoint; both in one line naming what is supported."""
+    if requested == GGUF:
+        if kind != "gguf":
+            raise ModelLoadError(
+                f"--quantization gguf needs a .gguf file, but {location} is an HF folder; omit --quantization "
+                "(a folder's quantization is read from its config.json).",
+                "quantization",
+            )
+        return None  # GGUF tensors are dequantized on load (models/gguf_checkpoint.py)
     method = None if requested in (None, "none") else METHOD_ALIASES.get(str(requested))
     if requested not in (None, "none") and method is None:
         raise ModelLoadError(
@@ -101,7 +118,7 @@ def resolve_quantization(
             return None
         if method != "fp8":
             raise ModelLoadError(
-                f"--quantization {requested} needs a {method.upper()} checkpoint (config.json with a "
+                f"--quantization {requested} needs {_A_CHECKPOINT[method]} (config.json with a "
                 f"quantization_config), but {location} is unquantized; only fp8 quantizes at load.",
                 "quantization",
             )

@@ -35,7 +35,11 @@ class ServerConfig:
 
     host: str = knob("0.0.0.0", None)
     port: int = knob(8000, None)
-    served_model_name: tuple[str, ...] | None = knob(None, "names clients use in 'model' (default: the model path)")
+    served_model_name: tuple[str, ...] | None = knob(
+        None,
+        "names clients use in 'model' (default: MODEL as given, e.g. a hub id or folder path; with no MODEL, "
+        "the embedded model's name SmolLM2-135M-Instruct)",
+    )
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
     pipeline_parallel_size: int = knob(1, None, flags=("-pp",))
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")

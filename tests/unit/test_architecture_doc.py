@@ -55,3 +55,9 @@ def test_every_module_is_in_the_module_map() -> None:
 def test_the_module_map_names_only_modules_that_exist() -> None:
     gone = sorted(p for p in _module_map() if not (ROOT / p).exists())
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+def test_the_doc_stays_a_map() -> None:
+    """Read in one sitting: at most 150 lines (a module's details belong in its docstring or the other docs)."""
+    lines = len(DOC.read_text(encoding="utf-8").splitlines())
+    assert lines <= 150, f"docs/architecture.md has {lines} lines; condense it to 150 or fewer"

@@ -191,3 +191,14 @@ def test_cpu_plan_equals_engine_allocation_with_lf_state(fixture):
 
     llm = LLM(model=str(FIXTURES / fixture), skip_tokenizer_init=True, cpu_kv_cache_space_gib=0.002, max_num_seqs=4)
     assert _planned_blocks(llm.engine) == llm.engine.kv_layout.num_blocks - 1
+
+
+def test_a_model_too_big_for_one_gpu_is_said_not_to_fit_instead_of_a_zero_recommendation():
+    single = make_plan(QWEN2VL_72B, memory_bytes_per_gpu=H200)  # ~145 GB of bf16 weights on one 141 GB card
+    assert single.kv_blocks == 0 and single.recommended_max_num_seqs is None
+    text = format_plan(single)
+    assert "--max-num-seqs 0" not in text
+    assert "recommended --max-num-seqs: none, the model does not fit" in text
+    assert "note: the model does not fit on one GPU" in text and "--tp" in text
+    assert "lower --max-model-len" not in text  # a shorter context cannot make the weights fit
+    assert make_plan(QWEN2VL_72B, memory_bytes_per_gpu=H200, tensor_parallel_size=4).recommended_max_num_seqs

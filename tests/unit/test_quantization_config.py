@@ -182,11 +182,13 @@ def test_fp8_quantizes_an_unquantized_checkpoint_at_load(plain):
     assert resolved(plain, quantization="none") is None and resolved(plain) is None
 
 
-@pytest.mark.parametrize("flag", ["awq", "gptq_marlin"])
-def test_int4_flag_needs_an_int4_checkpoint(plain, flag, capsys):
+@pytest.mark.parametrize(
+    "flag, needs", [("awq", "needs an AWQ checkpoint"), ("gptq_marlin", "needs a GPTQ checkpoint")]
+)
+def test_int4_flag_needs_an_int4_checkpoint(plain, flag, needs, capsys):
     assert main(["generate", "hi", "--quantization", flag, "--model", plain, "--skip-tokenizer-init"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "checkpoint (config.json with a quantization_config)" in err[0]
+    assert len(err) == 1 and f"{needs} (config.json with a quantization_config)" in err[0]
 
 
 def test_flag_contradicting_the_checkpoint_is_refused(folder):

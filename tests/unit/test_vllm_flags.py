@@ -1,0 +1,102 @@
+"""`vllm serve` flags Pagoda does not have: refused with one line per flag naming why (exit 2, before anything
+loads), or, for those that only tune vLLM internals, accepted with one warning line; the spellings that ask for
+what Pagoda does anyway (`-dp 1`, `--no-enable-lora`) pass silently. `-q gguf` loads a GGUF as without it.
+The subprocess check is tests/e2e/test_cli.py's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagoda.cli.main import build_parser, main
+from pagoda.cli.vllm_flags import FLAGS, vllm_only_flags
+from pagoda.config import EngineConfig
+from pagoda.errors import ModelLoadError
+
+
+def _lines(*argv: str) -> tuple[list[str], list[str]]:
+    return vllm_only_flags(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--enable-lora"], "--enable-lora: LoRA adapters are not supported yet"),
+        (["--lora-modules", "a=/x", "b=/y"], "--lora-modules: LoRA adapters are not supported yet"),
+        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: speculative decoding"),
+        (["-dp", "2"], "--data-parallel-size: data parallelism is not supported"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not supported"),
+        (["--kv-transfer-config", "{}"], "--kv-transfer-config: disaggregated prefill"),
+        (["--ssl-keyfile", "key.pem"], "--ssl-keyfile: TLS is not supported"),
+        (["--scheduling-policy", "priority"], "--scheduling-policy: priority scheduling is not supported"),
+        (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser: reasoning parsers are not supported yet"),
+        (["--revision", "main"], "--revision: hub revisions are not supported"),
+        (["--task", "embed"], "--task: only text generation is served"),
+        (["--speculative-config.method", "ngram"], "--speculative-config: speculative decoding"),  # vLLM's dotted
+    ],
+)
+def test_a_vllm_only_flag_is_refused_by_its_line(argv, line, capsys):
+    assert main(["serve", *argv]) == 2  # before anything is resolved or loaded: no model, no port
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("pagoda: error: " + line), err
+
+
+def test_every_flag_given_gets_its_line_grouped_by_feature(capsys):
+    argv = ["--enable-lora", "--ssl-keyfile", "k", "--max-loras", "4", "--uds", "/tmp/s", "--max-lora-rank", "8"]
+    assert main(["serve", *argv, "/models/x"]) == 2
+    flags = [line.split(": ")[2] for line in capsys.readouterr().err.splitlines()]
+    # One line per flag; LoRA's three together, then TLS, then the socket (the table's order).
+    assert flags == ["--enable-lora", "--max-loras", "--max-lora-rank", "--ssl-keyfile", "--uds"]
+
+
+def test_internal_tuning_is_accepted_with_one_warning_each_and_the_model_stays_the_model():
+    ns = build_parser().parse_args(
+        ["serve", "--max-num-partial-prefills", "4", "--disable-custom-all-reduce", "-O3", "/models/x"]
+    )
+    refusals, warnings = vllm_only_flags(ns)
+    assert refusals == []
+    assert [w.split(":")[0] for w in warnings] == [
+        "--compilation-config",
+        "--max-num-partial-prefills",
+        "--disable-custom-all-reduce",
+    ]
+    assert all("ignored" in w for w in warnings)
+    assert ns.model_tag == "/models/x"  # a flag's value is not taken for the model
+
+
+def test_a_warning_is_logged_once_per_ignored_flag(caplog, monkeypatch):
+    import pagoda.cli.serve as serve_module
+
+    def stop(ns):
+        raise SystemExit(0)  # the flags are answered; nothing is loaded
+
+    monkeypatch.setattr(serve_module, "prepare", stop)
+    ns = build_parser().parse_args(["serve", "--max-num-partial-prefills", "4", "--mm-processor-cache-gb", "0"])
+    with caplog.at_level(logging.WARNING, logger="pagoda"), pytest.raises(SystemExit):
+        serve_module.serve(ns)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "--max-num-partial-prefills",
+        "--mm-processor-cache-gb",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv", [["-dp", "1"], ["--no-enable-lora"], ["--scheduling-policy", "fcfs"], ["--max-logprobs", "20"]]
+)
+def test_what_pagoda_does_anyway_passes_silently(argv):
+    assert _lines(*argv) == ([], [])
+
+
+def test_the_flags_pagoda_has_are_its_own_and_every_name_is_unique():
+    names = [n for f in FLAGS for n in (f.name, *f.aliases)]
+    assert len(names) == len(set(names))
+    ns = build_parser().parse_args(["serve", "--enable-prefix-caching", "-tp", "1", "--max-num-seqs", "8"])
+    assert vllm_only_flags(ns) == ([], []) and ns.max_num_seqs == 8
+
+
+def test_quantization_gguf_loads_a_gguf_and_is_refused_for_a_folder(tiny_llama):
+    config = EngineConfig.create(quantization="gguf", device="cpu", skip_tokenizer_init=True, max_model_len=64)
+    assert config.model.quantization is None  # dequantized on load, as without the flag
+    with pytest.raises(ModelLoadError, match="--quantization gguf needs a .gguf file"):
+        EngineConfig.create(model=tiny_llama, quantization="gguf", device="cpu", skip_tokenizer_init=True)
