@@ -84,7 +84,8 @@ def ratio_table(rows: list[dict]) -> str:
     """Markdown: Pagoda / vLLM per workload and concurrency, where both were measured."""
     by = {(r["workload"], r["system"], r["concurrency"]): r for r in rows}
     lines = [
-        "| workload | c | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms | TPOT p95 P / V ms | ITL p95 P / V ms |",
+        "| workload | c | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms "
+        "| TPOT p95 P / V ms | ITL p95 P / V ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
@@ -114,9 +115,12 @@ def main() -> None:
     c.add_argument("--gpu", default="NVIDIA H200")
     c.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
     args = parser.parse_args()
-    commit = args.commit or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
     rows = collect(args.dirs)
     result = {"gpu": args.gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
