@@ -266,14 +266,18 @@ def run_engine_core(
     ready = False
 
     def on_fatal(line: str) -> None:
-        """A tensor-parallel rank is gone or hung (called from the rank watch's thread, just before this
-        process exits): say so on sockets of that thread's own (ZMQ sockets are not thread-safe)."""
+        """A tensor-parallel rank is gone or hung (called from the rank watch's or the driver's thread, just
+        before this process exits with os._exit): say so on sockets of that thread's own (ZMQ sockets are not
+        thread-safe), in a context of their own, whose end waits (up to a second) until the line has left:
+        closing a socket does not, and os._exit would drop it."""
         message = CoreDied(line) if ready else StartupFailed(line)
+        own = zmq.Context()
         for address in [control_address, *(client_addresses if ready else [])]:
-            box = ctx.socket(zmq.PUSH)
+            box = own.socket(zmq.PUSH)
             box.connect(address)
             box.send_pyobj(message)
             box.close(linger=1000)
+        own.term()
 
     try:
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
