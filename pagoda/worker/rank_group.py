@@ -215,6 +215,7 @@ class RankWatch:
         self.call: tuple[str, float] | None = None  # the driver's call in progress and since when
         self._stopped = threading.Event()
         self._ending = threading.Lock()  # held by the one thread that ends the process
+        self._asking = threading.Lock()  # `fault()` from one thread at a time (RayRanks keeps ping state)
         self._thread = threading.Thread(target=self._run, name="pagoda-rank-watch", daemon=True)
 
     def start(self) -> None:
@@ -233,9 +234,13 @@ class RankWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(WATCH_INTERVAL_S):
-            line = self.ranks.fault() or self._slow_call()
+            line = self._fault() or self._slow_call()
             if line is not None and not self._stopped.is_set():
                 self._fatal(line)
+
+    def _fault(self) -> str | None:
+        with self._asking:
+            return self.ranks.fault()
 
     def _slow_call(self) -> str | None:
         call, limit = self.call, envs.TP_STEP_TIMEOUT_S.value
@@ -252,7 +257,7 @@ class RankWatch:
         line; otherwise return and the caller raises `exc` (a failure of the driver's own)."""
         deadline = time.monotonic() + wait
         while True:
-            line = self.ranks.fault()
+            line = self._fault()
             if line is not None:
                 logger.debug("tensor-parallel call %r failed on the driver", method, exc_info=exc)
                 self._fatal(line)
