@@ -281,7 +281,6 @@ class CoreProcess:
         line = self.heartbeat.silence(self.child.pid)
         if line is not None:
             self.hung = line
-            logger.error("%s; killing it", line)
             self.tell_core_died(line)
             self.child.process.kill()
 
@@ -435,8 +434,8 @@ def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) 
     """Drain inputs → step → send outputs, until Shutdown. Each output goes to the API process that owns its
     request (`clients[index]`), the stats to every process whenever they change (the first process also
     counts the engine's running totals into its metrics, so they must reach it every time they move).
-    Nothing is sent while nothing changes. Each pass is the loop's progress for `heartbeat` (at least once
-    a second while idle: `_receive` waits 1 s at a time)."""
+    Nothing is sent while nothing changes. The start and the end of each pass are the loop's progress for
+    `heartbeat` (at least once a second while idle: `_receive` waits 1 s at a time)."""
     owners: dict[str, int] = {}  # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
@@ -491,6 +490,8 @@ def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) 
         last_stats = stats
         busy += time.perf_counter() - started
         cpu += time.thread_time() - started_cpu
+        if heartbeat is not None:
+            heartbeat.progress()
 
 
 def _busy(seconds: float) -> None:
