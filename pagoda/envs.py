@@ -99,11 +99,29 @@ TP_STEP_TIMEOUT_S = Env(
     "seconds one tensor-parallel step (or control call) may take before its collectives count as hung",
 )
 
+CORE_HEARTBEAT_TIMEOUT_S = Env(
+    "PAGODA_CORE_HEARTBEAT_TIMEOUT_S",
+    float,
+    5.0,
+    "seconds without a heartbeat from the engine core process (a thread of it beats twice a second, however long "
+    "a step takes) after which `pagoda serve` counts the core as hung: the API processes answer 503, the core is "
+    "killed and the server exits 1",
+)
+
 GRAMMAR_COMPILE_TIMEOUT_S = Env(
     "PAGODA_GRAMMAR_COMPILE_TIMEOUT_S",
     float,
     30.0,
     "seconds a structured-output request's grammar may take to compile before the request is refused (400)",
+)
+
+# ---- fault injection, for tests only (unset in production)
+TEST_LONG_STEP_S = Env(
+    "PAGODA_TEST_LONG_STEP_S",
+    float,
+    0.0,
+    "tests only: the engine core's first step that runs requests first keeps its loop busy on the CPU for this "
+    "many seconds (a legitimately long step, which the core's heartbeat must not take for a hang); 0: off",
 )
 
 # ---- read, never set by Pagoda

@@ -115,7 +115,13 @@ class TimedEngine(FakeEngine):
 
 
 def _timed_core(
-    step_s: float, path: str, config: Any, input_address: str, control_address: str, client_addresses: list[str]
+    step_s: float,
+    path: str,
+    config: Any,
+    input_address: str,
+    control_address: str,
+    client_addresses: list[str],
+    heartbeat: Any = None,
 ) -> None:
     fake_core(step_s, input_address, control_address, client_addresses, TimedEngine(step_s, path))
 

@@ -215,7 +215,12 @@ def serve_fake_api(
 
 
 def _core_entry(
-    step_s: float, config: Any, input_address: str, control_address: str, client_addresses: list[str]
+    step_s: float,
+    config: Any,
+    input_address: str,
+    control_address: str,
+    client_addresses: list[str],
+    heartbeat: Any = None,
 ) -> None:
     fake_core(step_s, input_address, control_address, client_addresses)
 

@@ -13,9 +13,9 @@ launcher (this process: no HTTP)           validates flags, preflight, tokenizer
 The children are started and watched by `launch.Supervisor` (they die with the launcher; metrics go through
 its Prometheus multiprocess directory, so /metrics sums over the processes). SIGTERM/SIGINT → SIGTERM to
 every API process (each drains its in-flight requests for `--shutdown-timeout`; those still running then end
-with a 503 error), then Shutdown to the core, exit 0. If the core dies, every API process is told (CoreDied:
-in-flight requests fail, /health answers 503), they are stopped and the launcher exits 1 with one line;
-likewise if an API process dies.
+with a 503 error), then Shutdown to the core, exit 0. If the core dies, or stops beating (hung: then it is
+killed), every API process is told (CoreDied: in-flight requests fail, /health answers 503), they are
+stopped and the launcher exits 1 with one line; likewise if an API process dies.
 """
 
 from __future__ import annotations
@@ -145,10 +145,12 @@ class _Launch:
             core.shutdown()
             return 0
         if dead is core.child:
-            if core.died_message:
-                logger.error("Engine core failed:\n%s", core.died_message)
-            reason = f"the engine core process died (exit code {dead.exitcode})"
-            core.tell_core_died(reason)
+            if core.hung is not None:  # found hung: the API processes were told, the core killed
+                reason = f"{core.hung}; it was killed"
+            else:
+                core.poll(0.2)  # a last line it sent just before it exited
+                reason = _core_death(core.died_message, dead.pid, dead.exitcode)
+                core.tell_core_died(reason)
             supervisor.stop(self.apis, grace=5.0)
             print(f"pagoda: error: {reason}; the API servers were stopped.", file=sys.stderr)
             return 1
@@ -160,6 +162,16 @@ class _Launch:
             file=sys.stderr,
         )
         return 1
+
+
+def _core_death(message: str | None, pid: int, exitcode: int | None) -> str:
+    """Why the core is gone, in one line: the one line it said (a lost tensor-parallel rank), else its exit
+    (a traceback it sent goes to the log first)."""
+    if message and "\n" not in message.strip():
+        return f"the engine core process (pid {pid}) exited with code {exitcode}: {message.strip()}"
+    if message:
+        logger.error("Engine core failed:\n%s", message)
+    return f"the engine core process died (pid {pid}, exit code {exitcode})"
 
 
 def _listen_socket(host: str, port: int):  # type: ignore[no-untyped-def]

@@ -15,7 +15,8 @@ all of them. The core remembers which process owns each live request id, so an a
 process (whose duplicate id the core rejected) cannot abort the owner's request.
 
 The launcher's side is `CoreProcess`: it makes the pipes' addresses, starts this process through the
-`launch.Supervisor`, waits for Ready and hands each API process its `CoreClient`.
+`launch.Supervisor`, waits for Ready and hands each API process its `CoreClient`. It also watches the
+core's heartbeat (`CoreHeartbeat`): a core that stops beating is hung, and is ended like a dead one.
 
 `Outputs` carries each request's delta as a plain tuple (`wire_output`), not a pickled `RequestOutput`:
 every streamed token crosses this pipe, and unpickling dataclasses (plus the prompt's token ids, resent
@@ -30,6 +31,7 @@ import logging
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
 from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -151,10 +154,73 @@ class CoreClient:
     ready: Ready
 
 
+# ---- the core's heartbeat -----------------------------------------------------------------------
+HEARTBEAT_INTERVAL_S = 0.5
+# A gap this long between two of the watcher's own checks means the watcher was not running (stopped
+# with the whole process group by Ctrl-Z, or starved): the core's silence over it is not the core's.
+WATCHER_STALL_S = 2.0
+
+
+class CoreHeartbeat:
+    """Tells a hung engine core from one in a long step.
+
+    The core's loop thread can legitimately spend many seconds in one step (a 20 s CPU step, a prefill of
+    a long prompt on a loaded CPU, a grammar compile it waits on), so the loop's own progress says nothing
+    about whether the process is alive. A separate thread of the core (`beat`) stamps `shared[0]` with
+    time.monotonic() every HEARTBEAT_INTERVAL_S, and with it `shared[1]`, the last time the loop went
+    around (`progress`, once per pass). That thread needs only to be scheduled and to get the GIL, which a
+    long step hands over (torch's ops and the compilers release it; Python code yields it every few ms).
+    So the beats stop only when the whole process stops: SIGSTOP, a frozen cgroup, or a call that holds
+    the GIL for longer than the timeout (itself a hang). The loop's progress goes into the line for the
+    diagnosis.
+
+    `shared`: two doubles in shared memory (multiprocessing's RawArray), made by the launcher and handed to
+    the core at spawn; CLOCK_MONOTONIC is one clock for every process of the machine."""
+
+    def __init__(self, shared: Any):
+        self.shared = shared
+        self._progress = time.monotonic()
+        # The watcher's side (`silence`): its last check, and when the core's timeout (re)started.
+        self._last_check: float | None = None
+        self._grace_from = 0.0
+
+    # ---- in the engine core
+    def progress(self) -> None:
+        self._progress = time.monotonic()
+
+    def start(self) -> None:
+        threading.Thread(target=self._beat, name="pagoda-core-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            self.shared[1] = self._progress
+            self.shared[0] = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    # ---- in the launcher
+    def silence(self, pid: int) -> str | None:
+        """None while the core beats; the one line that says it is hung once it has not beaten for
+        PAGODA_CORE_HEARTBEAT_TIMEOUT_S. Called every fraction of a second. A core that has never beaten
+        (a stand-in core) is never hung."""
+        now = time.monotonic()
+        if self._last_check is None or now - self._last_check > WATCHER_STALL_S:
+            self._grace_from = now
+        self._last_check = now
+        beat, progress = self.shared[0], self.shared[1]
+        limit = envs.CORE_HEARTBEAT_TIMEOUT_S.value
+        if not beat or now - max(beat, self._grace_from) <= limit:
+            return None
+        return (
+            f"the engine core process (pid {pid}) is hung: no heartbeat for {now - beat:.1f} s "
+            f"(PAGODA_CORE_HEARTBEAT_TIMEOUT_S={limit:g}; its engine loop last moved {now - progress:.1f} s ago)"
+        )
+
+
 # ---- the launcher's handle on the core ------------------------------------------------------------
 class CoreProcess:
     """Start the engine core through `supervisor` for `api_count` API processes; `wait_ready`, then give
-    API process i `clients[i]`. `target`: the core's entry point (benchmarks pass a fake core)."""
+    API process i `clients[i]`. `target`: the core's entry point (benchmarks pass a fake core); it gets
+    `run_engine_core`'s arguments."""
 
     def __init__(self, supervisor: Any, config: EngineConfig, api_count: int, target: Any = None):
         self.folder = tempfile.mkdtemp(prefix="pagoda-")
@@ -165,11 +231,13 @@ class CoreProcess:
         self.control = self.zmq.socket(zmq.PULL)
         self.control.bind(self.control_address)
         self.ready: Ready | None = None
-        self.died_message: str | None = None  # the traceback a failing core sent (CoreDied)
+        self.died_message: str | None = None  # the traceback or line a failing core sent (CoreDied)
+        self.heartbeat = CoreHeartbeat(supervisor.mp.RawArray("d", 2))
+        self.hung: str | None = None  # the line, once the core was found hung (and killed)
         self.child = supervisor.start(
             "pagoda-engine-core",
             target or run_engine_core,
-            (config, self.input_address, self.control_address, self.client_addresses),
+            (config, self.input_address, self.control_address, self.client_addresses, self.heartbeat.shared),
             death_signal=signal.SIGKILL,
             daemon=False,  # it starts the tensor-parallel rank processes
         )  # it ignores SIGTERM (see run_engine_core)
@@ -199,11 +267,22 @@ class CoreProcess:
         return first
 
     def poll(self, timeout: float) -> None:
-        """Wait up to `timeout` s for a message from the core (CoreDied: kept in `died_message`)."""
-        if self.control.poll(int(timeout * 1000)):
+        """Wait up to `timeout` s for messages from the core (CoreDied: kept in `died_message`), then check
+        its heartbeat: a core that has gone silent is hung. Then every API process is told (so they answer
+        503 with that line) and the core is killed, so the watch sees it gone (its ranks die with it)."""
+        wait = int(timeout * 1000)
+        while self.control.poll(wait):
+            wait = 0
             message = self.control.recv_pyobj()
             if isinstance(message, CoreDied):
                 self.died_message = message.message
+        if self.ready is None or self.hung is not None or not self.child.alive:
+            return
+        line = self.heartbeat.silence(self.child.pid)
+        if line is not None:
+            self.hung = line
+            self.tell_core_died(line)
+            self.child.process.kill()
 
     def tell_core_died(self, reason: str) -> None:
         """Every API process marks its engine dead now (in-flight requests fail, /health answers 503),
@@ -241,11 +320,16 @@ class CoreProcess:
 
 # ---- the core process (spawned by the launcher) ----------------------------------------------------
 def run_engine_core(
-    config: EngineConfig, input_address: str, control_address: str, client_addresses: list[str]
+    config: EngineConfig,
+    input_address: str,
+    control_address: str,
+    client_addresses: list[str],
+    heartbeat: Any = None,
 ) -> None:
     """Process entry point. Binds the input pipe (every API process pushes into it), reports Ready /
     StartupFailed / CoreDied on the launcher's control pipe, and pushes each API process's outputs to
-    `client_addresses[AddRequest.client_index]` (CoreDied to them too)."""
+    `client_addresses[AddRequest.client_index]` (CoreDied to them too). `heartbeat`: the shared doubles
+    of `CoreHeartbeat`, beaten from the time it is Ready."""
     from pagoda.engine.llm_engine import LLMEngine  # lazy: torch and the model code (only the core process loads them)
 
     # Ctrl-C reaches the whole process group, and SIGTERM may reach the whole group or cgroup (`timeout`,
@@ -266,14 +350,18 @@ def run_engine_core(
     ready = False
 
     def on_fatal(line: str) -> None:
-        """A tensor-parallel rank is gone or hung (called from the rank watch's thread, just before this
-        process exits): say so on sockets of that thread's own (ZMQ sockets are not thread-safe)."""
+        """A tensor-parallel rank is gone or hung (called from the rank watch's or the driver's thread, just
+        before this process exits with os._exit): say so on sockets of that thread's own (ZMQ sockets are not
+        thread-safe), in a context of their own, whose end waits (up to a second) until the line has left:
+        closing a socket does not, and os._exit would drop it."""
         message = CoreDied(line) if ready else StartupFailed(line)
+        own = zmq.Context()
         for address in [control_address, *(client_addresses if ready else [])]:
-            box = ctx.socket(zmq.PUSH)
+            box = own.socket(zmq.PUSH)
             box.connect(address)
             box.send_pyobj(message)
             box.close(linger=1000)
+        own.term()
 
     try:
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
@@ -286,12 +374,15 @@ def run_engine_core(
         return
     layout = engine.kv_layout
     prepare_gc_for_serving()  # no full GC pass over the startup heap mid-serving (a ~0.2 s stall)
+    beat = CoreHeartbeat(heartbeat) if heartbeat is not None else None
+    if beat is not None:
+        beat.start()
     control.send_pyobj(
         Ready(layout.num_blocks - 1, layout.block_size, layout.max_concurrency(config.model.max_model_len))
     )
     ready = True
     try:
-        _loop(engine, inbox, clients)
+        _loop(engine, inbox, clients, beat)
     except Exception:
         died = CoreDied(traceback.format_exc(limit=8))
         for box in [control, *clients]:
@@ -339,17 +430,21 @@ def _add(engine, message: AddRequest) -> str | None:
     return None
 
 
-def _loop(engine, inbox, clients: list) -> None:
+def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) -> None:
     """Drain inputs → step → send outputs, until Shutdown. Each output goes to the API process that owns its
     request (`clients[index]`), the stats to every process whenever they change (the first process also
     counts the engine's running totals into its metrics, so they must reach it every time they move).
-    Nothing is sent while nothing changes."""
+    Nothing is sent while nothing changes. The start and the end of each pass are the loop's progress for
+    `heartbeat` (at least once a second while idle: `_receive` waits 1 s at a time)."""
     owners: dict[str, int] = {}  # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
     busy = cpu = 0.0
     received, reported = [0] * count, [0] * count  # AddRequests per API process: taken, last reported
+    long_step = envs.TEST_LONG_STEP_S.value
     while (messages := _receive(engine, inbox)) is not None:
+        if heartbeat is not None:
+            heartbeat.progress()
         started, started_cpu = time.perf_counter(), time.thread_time()
         outputs: list[RequestOutput] = []
         rejected: list[dict[str, str]] = [{} for _ in range(count)]
@@ -368,6 +463,9 @@ def _loop(engine, inbox, clients: list) -> None:
                 else:
                     owners[message.request_id] = message.client_index
         if engine.has_unfinished_requests():
+            if long_step > 0:
+                _busy(long_step)
+                long_step = 0.0
             outputs += engine.step()
             # A request whose grammar failed to compile is answered as invalid (400), not as an error output.
             for request_id, message in engine.take_rejected():
@@ -392,6 +490,15 @@ def _loop(engine, inbox, clients: list) -> None:
         last_stats = stats
         busy += time.perf_counter() - started
         cpu += time.thread_time() - started_cpu
+        if heartbeat is not None:
+            heartbeat.progress()
+
+
+def _busy(seconds: float) -> None:
+    """Keep this thread on the CPU for `seconds` (PAGODA_TEST_LONG_STEP_S): a step that is long but not hung."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
 
 
 def _totals_changed(stats: EngineStats, last: EngineStats | None) -> bool:

@@ -7,8 +7,9 @@ Two backends, as vLLM's `--distributed-executor-backend` names them:
   so a model can span machines; the ranks meet over TCP at the driver's address. Ray owns placement and
   the processes; nothing here manages a cluster.
 
-`fault()` is the one question `RankWatch` (the driver's watch thread) asks: None while every rank is
-healthy, else one line that names the rank and what happened to it.
+`fault()` is the one question `RankWatch` asks (its thread twice a second, and the driver when a call to
+the ranks fails): None while every rank is healthy, else one line that names the rank and what happened
+to it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import threading
 import time
@@ -30,6 +32,7 @@ from pagoda.worker.rank_worker import RankActor, run_rank_process
 logger = logging.getLogger("pagoda.core")
 
 WATCH_INTERVAL_S = 0.5
+FAULT_WAIT_S = 2.0  # how long a failed call to the ranks looks for the rank that caused it
 # Environment the ranks need from the driver's (Ray workers start from the raylet's, not the driver's).
 _FORWARDED_ENV_PREFIXES = ("PAGODA_", "NCCL_", "TORCH_", "TRITON_", "GLOO_", "HF_")
 
@@ -38,6 +41,17 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _exit_text(exitcode: int) -> str:
+    """How a process ended, as multiprocessing reports it (a negative exit code: the signal that killed it)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    return f"died: killed by {name}"
 
 
 class LocalRanks:
@@ -80,7 +94,7 @@ class LocalRanks:
                         reason = f": {errors.recv()}"
                 if reason:
                     return f"tensor-parallel rank {rank} (pid {proc.pid}) failed to start{reason}"
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc.exitcode)}"
             last = beat.value
             if last and now - last > stale_after:
                 return (
@@ -190,12 +204,18 @@ class RankWatch:
     """The driver's watch thread: a rank that exits, stops beating or never returns from a step ends the
     engine core within about a second (one line naming the rank, then exit code 1), never a silent hang —
     the driver's own thread may be blocked inside a collective with that rank, so the watch cannot hand
-    the error to it. `on_fatal(line)` runs first (the engine core tells the launcher and the API processes)."""
+    the error to it. `on_fatal(line)` runs first (the engine core tells the launcher and the API processes).
+
+    A rank killed mid-step usually shows first on the driver's thread: its collective fails (gloo: a
+    connection closed by the peer) before this thread's next look. The driver then asks `fail_call`, which
+    ends the core the same way with the rank's line, the collective's traceback going to the debug log."""
 
     def __init__(self, ranks: LocalRanks | RayRanks, on_fatal: Callable[[str], None] | None):
         self.ranks, self.on_fatal = ranks, on_fatal
         self.call: tuple[str, float] | None = None  # the driver's call in progress and since when
         self._stopped = threading.Event()
+        self._ending = threading.Lock()  # held by the one thread that ends the process
+        self._asking = threading.Lock()  # `fault()` from one thread at a time (RayRanks keeps ping state)
         self._thread = threading.Thread(target=self._run, name="pagoda-rank-watch", daemon=True)
 
     def start(self) -> None:
@@ -214,9 +234,13 @@ class RankWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(WATCH_INTERVAL_S):
-            line = self.ranks.fault() or self._slow_call()
+            line = self._fault() or self._slow_call()
             if line is not None and not self._stopped.is_set():
                 self._fatal(line)
+
+    def _fault(self) -> str | None:
+        with self._asking:
+            return self.ranks.fault()
 
     def _slow_call(self) -> str | None:
         call, limit = self.call, envs.TP_STEP_TIMEOUT_S.value
@@ -227,7 +251,24 @@ class RankWatch:
             "a collective is hung; rerun with NCCL_DEBUG=INFO to see which rank stopped"
         )
 
+    def fail_call(self, method: str, exc: BaseException, wait: float = FAULT_WAIT_S) -> None:
+        """The driver's call `method` to the ranks raised `exc`. If a rank is gone (a process that exits
+        is seen a moment after its sockets close: looked at for up to `wait` s), end the core with its
+        line; otherwise return and the caller raises `exc` (a failure of the driver's own)."""
+        deadline = time.monotonic() + wait
+        while True:
+            line = self._fault()
+            if line is not None:
+                logger.debug("tensor-parallel call %r failed on the driver", method, exc_info=exc)
+                self._fatal(line)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def _fatal(self, line: str) -> None:
+        if not self._ending.acquire(blocking=False):
+            while True:  # the other thread is ending the process
+                time.sleep(60)
         logger.error("%s; stopping the engine core", line)
         if self.on_fatal is not None:
             with contextlib.suppress(Exception):

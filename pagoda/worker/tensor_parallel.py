@@ -107,9 +107,15 @@ class TensorParallelRunner:
         )
 
     def _on_all_ranks(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on every rank. A rank killed meanwhile fails the collectives here: the watch then
+        ends the core with the line that names the rank (`RankWatch.fail_call`)."""
         with self.watch.calling(method):
-            broadcast_object((method, args))
-            return getattr(self.local, method)(*args)
+            try:
+                broadcast_object((method, args))
+                return getattr(self.local, method)(*args)
+            except Exception as exc:
+                self.watch.fail_call(method, exc)
+                raise
 
     # ---- what the engine calls (ModelRunner's surface) -----------------------------------------
     def launch(self, so: SchedulerOutput) -> PendingStep:

@@ -88,17 +88,33 @@ def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every
     assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
 
 
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.parametrize("fault", ["killed mid-step", "stopped"])
 def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, fault):
+    """Killed while the ranks step (a stream is generating), the rank shows first as a failed gloo collective
+    in the driver: still one line names it and how it died, and no traceback reaches the log."""
     server = launch_server(*FLAGS, env={"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
     (rank,) = _ranks(server)
     everything = _descendants(server.proc.pid)
-    rank.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data:"):
+                    break
+            rank.send_signal(signal.SIGKILL if fault.startswith("killed") else signal.SIGSTOP)
+            rest = "\n".join(lines)
+    assert '"error"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-500:]
     waited = _health_503_within(server, 15)
     assert server.proc.wait(60) != 0
     log = server.log_tail(20000)
-    assert f"tensor-parallel rank 1 (pid {rank.pid})" in log, log
-    assert ("exited with code -9" if fault == "killed" else "is hung: no heartbeat") in log
+    named = f"tensor-parallel rank 1 (pid {rank.pid}) " + (
+        "died: killed by SIGKILL" if fault.startswith("killed") else "is hung: no heartbeat"
+    )
+    assert named in log, log
+    errors = [line for line in log.splitlines() if line.startswith("pagoda: error:")]
+    assert len(errors) == 1 and named in errors[0], log
+    assert "Traceback" not in log and "gloo" not in log.lower(), log
     assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
     print(f"{fault}: /health 503 after {waited:.1f} s")
 

@@ -1,9 +1,11 @@
 """How the driver finds a lost tensor-parallel rank (`worker/rank_group.py`), without processes: a rank that
-exited (with or without a startup error), one whose heartbeat went stale (stopped or frozen), a driver call
-that never returned (a hung collective), and the watch's end: `on_fatal` with the line, then the exit."""
+exited (with or without a startup error) or was killed, one whose heartbeat went stale (stopped or frozen), a
+driver call that never returned (a hung collective), a driver call that failed because a rank died, and the
+watch's end: `on_fatal` with the line, then the exit."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -48,10 +50,11 @@ def test_healthy_ranks_and_a_rank_not_yet_beating_are_no_fault():
     assert _ranks((FakeProc(11), 0.1, None), (FakeProc(12), None, None)).fault() is None
 
 
-def test_an_exited_rank_is_named_with_its_exit_code_or_startup_error():
+def test_an_exited_rank_is_named_with_its_exit_code_signal_or_startup_error():
     assert _ranks((FakeProc(11), 0.1, None), (FakeProc(12, -9), 0.1, None)).fault() == (
-        "tensor-parallel rank 2 (pid 12) exited with code -9"
+        "tensor-parallel rank 2 (pid 12) died: killed by SIGKILL"
     )
+    assert _ranks((FakeProc(11, 3), 0.1, None)).fault() == "tensor-parallel rank 1 (pid 11) exited with code 3"
     failed = _ranks((FakeProc(11, 1), 0.1, "ModelLoadError: no weight for 'lm_head.weight'")).fault()
     assert failed == "tensor-parallel rank 1 (pid 11) failed to start: ModelLoadError: no weight for 'lm_head.weight'"
 
@@ -75,22 +78,69 @@ def test_a_call_that_does_not_return_is_a_hung_collective(monkeypatch):
     assert watch.call is None
 
 
-def test_the_watch_tells_on_fatal_then_exits_nonzero(monkeypatch):
-    told, exits = [], []
+class Exited(Exception):
+    pass
 
-    class Exited(Exception):
-        pass
+
+@pytest.fixture
+def exits(monkeypatch) -> list[int]:
+    """The exit codes the watch would have ended the process with (each call raises `Exited` instead)."""
+    codes: list[int] = []
 
     def fake_exit(code: int) -> None:
-        exits.append(code)
+        codes.append(code)
         raise Exited
 
     monkeypatch.setattr(rank_group.os, "_exit", fake_exit)
+    monkeypatch.setattr(rank_group.logging, "shutdown", lambda: None)
+    return codes
+
+
+def test_the_watch_tells_on_fatal_then_exits_nonzero(monkeypatch, exits):
+    told: list[str] = []
     monkeypatch.setattr(rank_group, "WATCH_INTERVAL_S", 0.01)
     watch = RankWatch(_ranks((FakeProc(11, -9), 0.1, None)), told.append)
     with pytest.raises(Exited):
         watch._run()
-    assert told == ["tensor-parallel rank 1 (pid 11) exited with code -9"] and exits == [1]
+    assert told == ["tensor-parallel rank 1 (pid 11) died: killed by SIGKILL"] and exits == [1]
+
+
+def test_a_call_failed_by_a_killed_rank_ends_the_core_with_its_line_and_the_traceback_at_debug(exits, caplog):
+    """A rank killed mid-step fails the driver's collective (gloo: the peer closed the connection) before the
+    watch thread looks: the driver's failed call names the rank, found a moment after the error, in one line."""
+    told: list[str] = []
+    killed = FakeProc(12)
+    watch = RankWatch(_ranks((FakeProc(11), 0.1, None), (killed, 0.1, None)), told.append)
+    calls = 0
+    real_fault = watch.ranks.fault
+
+    def fault() -> str | None:  # the killed process is reaped a few looks after its sockets closed
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            killed.exitcode = -9
+        return real_fault()
+
+    watch.ranks.fault = fault  # type: ignore[method-assign]
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+    except RuntimeError as exc:
+        error = exc
+    with caplog.at_level(logging.DEBUG, logger="pagoda.core"), pytest.raises(Exited):
+        watch.fail_call("launch", error)
+    line = "tensor-parallel rank 2 (pid 12) died: killed by SIGKILL"
+    assert told == [line] and exits == [1]
+    by_level = {r.levelno: r for r in caplog.records}
+    assert by_level[logging.ERROR].getMessage() == f"{line}; stopping the engine core"
+    assert by_level[logging.ERROR].exc_info is None  # the one line at the default level
+    assert by_level[logging.DEBUG].exc_info is not None and by_level[logging.DEBUG].exc_info[1] is error
+
+
+def test_a_failed_call_with_every_rank_alive_is_the_drivers_own_error(exits):
+    told: list[str] = []
+    watch = RankWatch(_ranks((FakeProc(11), 0.1, None)), told.append)
+    watch.fail_call("launch", ValueError("a bug in the driver's shard"), wait=0.1)  # returns: the caller raises
+    assert told == [] and exits == []
 
 
 class FakeRef:
