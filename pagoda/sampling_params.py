@@ -28,6 +28,11 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+# The sampler computes in float32: a float knob must be a value float32 holds, or it becomes inf (1e308)
+# or 0 (1e-300) on the device, where inf/inf and x/0 give NaN logits and the sampled token is garbage.
+# Such values are refused (400), not clamped: 0 or a magnitude in [FLOAT32_TINY, FLOAT32_MAX].
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 
 def _is_int(v: object) -> bool:
@@ -213,6 +218,12 @@ class SamplingParams:
         v = _check_float(name, raw)
         if not ok(v):
             raise _fail(name, rule, raw)
+        if v and not FLOAT32_TINY <= abs(v) <= FLOAT32_MAX:
+            raise _fail(
+                name,
+                f"must be 0 or of magnitude in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the sampler computes in float32)",
+                raw,
+            )
         setattr(self, name, v)  # ints become floats so downstream tensors see one type
 
     @staticmethod

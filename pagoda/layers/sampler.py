@@ -402,6 +402,9 @@ class SamplerOutput:
     top_token_ids: Tensor | None  # [B, K] int64
 
 
+_PENALISED_LIMIT = 1e30
+
+
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Repetition, frequency, presence penalties then the suppress mask. [B, V] -> [B, V] float32.
 
@@ -413,8 +416,11 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
         assert batch.prompt_or_output_mask is not None
         rp = batch.repetition_penalty.unsqueeze(1)
         # HF semantics: shrink toward 0 from either side, so a seen token always gets less likely.
-        penalised = torch.where(x > 0, x / rp, x * rp)
-        x = torch.where(batch.prompt_or_output_mask, penalised, x)
+        # A penalty far from 1 can overflow float32 (30 / 1e-38): bounded to ±_PENALISED_LIMIT, which
+        # the temperature (>= 1e-5) cannot push past float32 either, so no +inf (NaN after softmax)
+        # appears; tokens already at -inf (grammar-masked) stay there.
+        penalised = torch.where(x > 0, x / rp, x * rp).clamp_(-_PENALISED_LIMIT, _PENALISED_LIMIT)
+        x = torch.where(batch.prompt_or_output_mask & (x > float("-inf")), penalised, x)
     if batch.frequency_penalty is not None or batch.presence_penalty is not None:
         assert batch.output_token_counts is not None
         counts = batch.output_token_counts.float()
