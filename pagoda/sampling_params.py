@@ -221,7 +221,8 @@ class SamplingParams:
         if v and not FLOAT32_TINY <= abs(v) <= FLOAT32_MAX:
             raise _fail(
                 name,
-                f"must be 0 or of magnitude in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the sampler computes in float32)",
+                f"must be 0 or of magnitude in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] "
+                "(the sampler computes in float32)",
                 raw,
             )
         setattr(self, name, v)  # ints become floats so downstream tensors see one type

@@ -37,3 +37,16 @@ def validate_request(
         raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
     room = max_model_len - len(prompt_token_ids)
     return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def check_priority(priority: int, scheduling_policy: str, param: str = "priority") -> None:
+    """A priority other than 0 needs the priority scheduling policy (vLLM refuses it too): under FCFS it
+    would be accepted and have no effect."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequest(f"priority must be an integer, got {priority!r}.", param)
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidRequest(
+            f"priority {priority} needs a server started with --scheduling-policy priority (this one schedules "
+            f"{scheduling_policy}); send 0 or leave it out.",
+            param,
+        )
