@@ -33,6 +33,12 @@ def validate_request(
             f"{max_model_len}; shorten it or raise max_model_len.",
             "prompt",
         )
+    if params.logprob_token_ids is not None and max(params.logprob_token_ids) >= vocab_size:
+        raise InvalidRequest(
+            f"logprob_token_ids has id {max(params.logprob_token_ids)}, outside the model's vocabulary "
+            f"[0, {vocab_size}).",
+            "logprob_token_ids",
+        )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
     room = max_model_len - len(prompt_token_ids)

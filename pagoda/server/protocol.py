@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagoda.sampling_params import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pagoda.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_MESSAGES = 2048  # OpenAI's cap on `messages`
 MAX_CONTENT_PARTS = 4096  # content parts in all of a request's messages
@@ -78,7 +78,6 @@ REFUSED_FIELDS: dict[str, Any] = {
     "ec_transfer_params": None,
     "prompt_embeds": None,
     "truncation_side": None,  # only means something with truncate_prompt_tokens, refused above
-    "logprob_token_ids": None,
 }
 
 
@@ -143,6 +142,8 @@ class _SamplingFields(_Request):
     return_token_ids: bool | None = None  # choices carry token_ids, the response prompt_token_ids
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # lower first (--scheduling-policy priority)
+    # These tokens' logprobs at each position instead of the top ones (needs logprobs).
+    logprob_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None

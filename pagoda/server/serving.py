@@ -177,6 +177,12 @@ class OpenAIServing:
 
         if req.stream_options is not None and not req.stream:
             raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
+        if req.logprob_token_ids is not None:
+            if logprobs is None:
+                raise InvalidRequest(
+                    "logprob_token_ids needs logprobs (true on chat, a number on completions).", "logprob_token_ids"
+                )
+            check_prompt_tokens(req.logprob_token_ids, self.ctx.vocab_size, "logprob_token_ids")
         return SamplingParams(
             n=req.n,
             temperature=pick("temperature", 1.0),
@@ -193,6 +199,7 @@ class OpenAIServing:
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            logprob_token_ids=req.logprob_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,

@@ -57,7 +57,7 @@ class RecordingEngine:
         self.calls: list[dict[str, Any]] = []
 
     async def generate_batches(self, prompt_token_ids, params, prompt, delta, request_id, mm_inputs, **kwargs):  # noqa: ANN001, ANN201
-        self.calls.append({"ids": list(prompt_token_ids), "request_id": request_id, **kwargs})
+        self.calls.append({"ids": list(prompt_token_ids), "request_id": request_id, "params": params, **kwargs})
         for i, token in enumerate(REPLY):
             last = i == len(REPLY) - 1
             lp = [{token: Logprob(-0.25, 1, chr(token + 25)), token + 1: Logprob(-2.0, 2, chr(token + 26))}]
@@ -252,7 +252,6 @@ def test_chat_echo_prepends_the_last_message_of_the_reply_role(client: TestClien
         ("kv_transfer_params", {"do_remote_decode": True}),
         ("prompt_embeds", "AAAA"),
         ("truncation_side", "left"),
-        ("logprob_token_ids", [5]),
     ],
 )
 def test_unimplemented_vllm_fields_are_refused(
@@ -290,3 +289,21 @@ def test_a_tool_message_must_answer_an_earlier_call(client: TestClient) -> None:
         {"role": "assistant", "tool_calls": [call]},
     ]
     _refused(_post(client, "/v1/chat/completions", {"messages": late, "add_generation_prompt": True}), "messages")
+
+
+def test_logprob_token_ids_reach_the_sampler_and_need_logprobs(client: TestClient, engine: RecordingEngine) -> None:
+    body = {"messages": USER, "logprobs": True, "logprob_token_ids": [41, 7]}
+    _ok(_post(client, "/v1/chat/completions", body))
+    _ok(_post(client, "/v1/completions", {"prompt": "x", "logprobs": 0, "logprob_token_ids": [3]}))
+    assert [call["params"].logprob_token_ids for call in engine.calls] == [[41, 7], [3]]
+    assert "needs logprobs" in _refused(
+        _post(client, "/v1/chat/completions", {"messages": USER, "logprob_token_ids": [41]}), "logprob_token_ids"
+    )
+    _refused(
+        _post(client, "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [200]}),
+        "logprob_token_ids",
+    )
+    _refused(
+        _post(client, "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": []}), "logprob_token_ids"
+    )
+    assert len(engine.calls) == 2

@@ -475,3 +475,24 @@ def test_extreme_knobs_stay_inside_a_grammar_mask(params: SamplingParams, device
     for _ in range(5):
         out = Sampler()(logits, batch)
         assert set(out.sampled_token_ids.tolist()) <= set(allowed)
+
+
+def test_logprob_token_ids_give_those_tokens_raw_logprobs() -> None:
+    torch.manual_seed(8)
+    b, v = 3, 50
+    logits = torch.randn(b, v) * 3
+    params = [
+        SamplingParams(logprob_token_ids=[7, 3, 49], temperature=0.7, repetition_penalty=1.4),
+        SamplingParams(logprobs=2),  # no ids of its own: its padding row is not read
+        SamplingParams(logprob_token_ids=[0], logprobs=4),
+    ]
+    assert params[0].logprobs == 0  # implied
+    batch = make_batch(params, v, "cpu", [[7, 8]] * b)
+    assert batch.logprob_token_ids is not None
+    assert batch.logprob_token_ids.tolist() == [[7, 3, 49], [0, 0, 0], [0, 0, 0]]
+    out = Sampler()(logits, batch)
+    assert out.chosen_logprobs is not None
+    for i, ids in ((0, [7, 3, 49]), (2, [0])):
+        ref = ref_log_softmax(logits[i].tolist())
+        assert out.chosen_logprobs[i, : len(ids)].tolist() == pytest.approx([ref[t] for t in ids], abs=1e-4)
+    assert Sampler()(logits, make_batch([SamplingParams(logprobs=1)] * b, v, "cpu")).chosen_logprobs is None

@@ -117,6 +117,10 @@ def test_valid_boundaries(kwargs: dict) -> None:
         ("stop_token_ids", [1, -1], "stop_token_ids"),
         ("stop_token_ids", [1, "2"], "stop_token_ids"),
         ("stop_token_ids", 5, "stop_token_ids"),
+        ("logprob_token_ids", [], "logprob_token_ids must be a non-empty list"),
+        ("logprob_token_ids", [1, -1], "token ids"),
+        ("logprob_token_ids", [1.0], "token ids"),
+        ("logprob_token_ids", list(range(257)), "at most 256"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(field: str, value: object, fragment: str) -> None:
