@@ -314,6 +314,8 @@ class OpenAIServing:
             req.add_generation_prompt,
             kwargs or None,
             request_template=req.chat_template or None,
+            # As a chat request: the template writes the special tokens unless the request asks for the tokenizer's.
+            add_special_tokens=req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False,
         )
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:

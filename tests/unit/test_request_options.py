@@ -307,3 +307,11 @@ def test_logprob_token_ids_reach_the_sampler_and_need_logprobs(client: TestClien
         _post(client, "/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": []}), "logprob_token_ids"
     )
     assert len(engine.calls) == 2
+
+
+def test_tokenize_of_messages_counts_what_a_chat_request_sends(client: TestClient, engine: RecordingEngine) -> None:
+    for extra in ({}, {"add_special_tokens": True}):
+        tokens = _ok(client.post("/tokenize", json={"model": MODEL, "messages": USER, **extra}))["tokens"]
+        _ok(_post(client, "/v1/chat/completions", {"messages": USER, **extra}))
+        assert tokens == engine.calls[-1]["ids"]
+    assert engine.calls[-1]["ids"][0] == BOS and engine.calls[0]["ids"][0] != BOS
