@@ -77,6 +77,15 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs for image/video prompts
+    # Enters the hash of the first block (and so of every block after it): requests with different salts
+    # share no prefix-cache blocks.
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first under the priority scheduling policy
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The priority policy's order: priority, then arrival (FCFS among equals)."""
+        return self.priority, self.arrival_time
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,13 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+# logprob_token_ids: gathered for every step of the request, [B, L] on the device.
+MAX_LOGPROB_TOKEN_IDS = 256
+# The sampler computes in float32: a float knob must be a value float32 holds, or it becomes inf (1e308)
+# or 0 (1e-300) on the device, where inf/inf and x/0 give NaN logits and the sampled token is garbage.
+# Such values are refused (400), not clamped: 0 or a magnitude in [FLOAT32_TINY, FLOAT32_MAX].
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 
 def _is_int(v: object) -> bool:
@@ -159,6 +166,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to max_model_len (engine resolves)
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs per output token; 0 = sampled token only
+    # vLLM's: these tokens' logprobs at every output position, instead of the top `logprobs` (implies logprobs=0
+    # when that is unset); the sampled token's logprob comes too.
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -191,6 +201,15 @@ class SamplingParams:
                 raise _fail("logprobs", "must be >= 0", self.logprobs)
             if self.logprobs > MAX_LOGPROBS:
                 raise _fail("logprobs", f"must be <= {MAX_LOGPROBS}", self.logprobs)
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _fail("logprob_token_ids", "must be a non-empty list of token ids (integers >= 0)", ids)
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise _fail("logprob_token_ids", f"must have at most {MAX_LOGPROB_TOKEN_IDS} ids", len(ids))
+            self.logprob_token_ids = list(ids)
+            if self.logprobs is None:
+                self.logprobs = 0
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         so = self.structured_outputs
@@ -213,6 +232,13 @@ class SamplingParams:
         v = _check_float(name, raw)
         if not ok(v):
             raise _fail(name, rule, raw)
+        if v and not FLOAT32_TINY <= abs(v) <= FLOAT32_MAX:
+            raise _fail(
+                name,
+                f"must be 0 or of magnitude in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] "
+                "(the sampler computes in float32)",
+                raw,
+            )
         setattr(self, name, v)  # ints become floats so downstream tensors see one type
 
     @staticmethod

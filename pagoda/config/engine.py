@@ -57,6 +57,12 @@ class EngineArgs:
     dtype: str = knob("auto", "auto | float32 | float16 | bfloat16")
     max_model_len: int | None = knob(None, "context length cap (default: from the model config)")
     max_num_seqs: int = knob(256, "maximum requests per step")
+    scheduling_policy: str = knob(
+        "fcfs",
+        "fcfs (first come, first served) | priority (a request's `priority`, lower first, ties in arrival "
+        "order; the lowest-priority running request is preempted first)",
+        choices=("fcfs", "priority"),
+    )
     max_num_batched_tokens: int | None = knob(
         None, f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
@@ -173,6 +179,7 @@ class SchedulerConfig:
     # Step N+1 is scheduled and launched while step N runs on the GPU: each running request counts
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
     async_scheduling: bool
+    scheduling_policy: str  # "fcfs" | "priority"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -170,11 +170,14 @@ class AsyncEngine:
         request_id: str | None = None,
         mm_inputs: Any = None,
         admission: Admission | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, but each wake-up yields every output that has arrived since the last one (in order;
         the last batch ends with the `finished` output): a consumer that fell behind by several engine
         steps catches up in one pass (and, streaming, in one write). `admission`: the room `admit` took
-        for this request, handed over to the sent count when it is sent."""
+        for this request, handed over to the sent count when it is sent. `cache_salt` and `priority`: as
+        `LLMEngine.add_request` takes them."""
         if self.is_dead:
             raise EngineDead(f"The engine is not running: {self.dead_reason}")
         if self._closed is not None:
@@ -217,6 +220,8 @@ class AsyncEngine:
                     mm_inputs,
                     self._client_index,
                     detokenize=stream.detokenizers is None,
+                    cache_salt=cache_salt,
+                    priority=priority,
                 )
             )
             while not finished:

@@ -8,7 +8,8 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
   the full block it last held, so a later request with the same prefix revives it; it is evicted
   (hash forgotten) only when handed out for new content.
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
-  whole prefixes. Only full blocks are hashed; the last, partial block of a request never is.
+  whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
+  salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
 Invariant (check_integrity): every usable block is either free (ref 0, in `_free`) or used
 (ref = number of requests listing it), and `_cached[h] = b` implies `hash_of[b] == h`.
 """
@@ -24,13 +25,16 @@ from pagoda.request import Request
 NULL_BLOCK = 0
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"", salt: str | None = None) -> bytes:
     """Collision-resistant chained hash of one full block (blake2b, 16 bytes). `extra` identifies
-    content that the token ids do not (the images behind a block's placeholder tokens)."""
+    content that the token ids do not (the images behind a block's placeholder tokens); `salt` (a
+    request's cache_salt, given for its first block) separates the prefix caches of its holders."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", token_ids).tobytes())
     if extra:
         h.update(b"|mm|" + extra)
+    if salt is not None:
+        h.update(b"|salt|" + salt.encode("utf-8", "surrogatepass"))
     return h.digest()
 
 
@@ -99,7 +103,8 @@ class BlockManager:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
             extra = request.mm_inputs.block_extra_key(i * bs, (i + 1) * bs) if request.mm_inputs else b""
-            request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra))
+            salt = request.cache_salt if i == 0 else None  # chained: every later block inherits it
+            request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra, salt))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's computed full blocks in the prefix cache (after each step)."""

@@ -64,6 +64,8 @@ class AddRequest:
     # see the text to stop). Detokenizing every stream was a large share of the core's host work per
     # step at 256 streams (benchmarks/profile/host_overhead.py).
     detokenize: bool = True
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
+    priority: int = 0  # lower first under --scheduling-policy priority
 
 
 @dataclass
@@ -421,6 +423,8 @@ def _add(engine, message: AddRequest) -> str | None:
             arrival_time=message.arrival_time,
             mm_inputs=message.mm_inputs,
             detokenize=message.detokenize,
+            cache_salt=message.cache_salt,
+            priority=message.priority,
         )
     except PagodaError as exc:
         return exc.message

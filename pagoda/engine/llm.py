@@ -85,18 +85,31 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """As vLLM's: `priority`, one per prompt, needs scheduling_policy="priority"; a prompt dict's
+        "cache_salt" keeps its prefix-cache blocks to prompts of the same salt."""
         batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             batch = [cast(PromptType, prompts)]  # one prompt: a string, a prompt dict or one list of token ids
         else:
             batch = list(cast(Sequence[PromptType], prompts))
         params_list = self._params_list(sampling_params, len(batch))
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise InvalidRequest(
+                f"Got {len(priorities)} priorities for {len(batch)} prompts; pass one per prompt.", "priority"
+            )
         ids = []
-        for prompt, params in zip(batch, params_list):
+        for prompt, params, rank in zip(batch, params_list, priorities):
             text, token_ids, mm_inputs = self._parse_prompt(prompt)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise InvalidRequest("cache_salt must be a non-empty string.", "cache_salt")
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
+            self.engine.add_request(
+                request_id, token_ids, params, prompt=text, mm_inputs=mm_inputs, cache_salt=salt, priority=rank
+            )
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

@@ -24,7 +24,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.validation import validate_request
+from pagoda.engine.validation import check_priority, validate_request
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
 from pagoda.frontend.structured_output.manager import GrammarManager
@@ -175,17 +175,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         mm_inputs: Any = None,
         detokenize: bool = True,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
         mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any.
         detokenize=False: outputs carry token ids and empty text (the caller decodes them), unless the
-        request has stop strings, which need the text here."""
+        request has stop strings, which need the text here. cache_salt: prefix-cache blocks are shared only
+        with requests of the same salt. priority: lower runs first under the priority scheduling policy
+        (under fcfs only 0 is accepted, as in vLLM)."""
         if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         max_tokens = validate_request(
             prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size, self.tokenizer is not None
         )
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         structured = params.structured_outputs
         if structured is not None:
             if self.tokenizer is None:
@@ -210,6 +215,8 @@ class LLMEngine:
                 child_params,
                 max_tokens,
                 mm_inputs=mm_inputs,
+                cache_salt=cache_salt,
+                priority=priority,
             )
             if arrival_time is not None:
                 child.arrival_time = arrival_time

@@ -8,12 +8,16 @@ the step's token budget. Order, rebuilt every step:
    recomputed later) — possibly the very request being scheduled;
 2. then waiting requests FCFS (preempted ones sit at the front), while the budget, `max_num_seqs`
    and free blocks allow, and only if nothing was preempted this step.
+Under `--scheduling-policy priority` both queues are kept in (priority, arrival) order instead: the
+lowest `priority` value is served first, equals in arrival order, and the running request preempted
+when blocks run out is the one with the highest value (latest among equals), as in vLLM.
 A prompt longer than the remaining budget is prefilled in chunks over several steps, alongside
 the decodes of other requests (chunked prefill).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -45,12 +49,25 @@ class Scheduler:
         self._finished_for_runner: set[str] = set()
         self._preempted_for_runner: set[str] = set()  # filled while building one step's output
         self.failures: list[tuple[str, str, Exception]] = []  # see take_failures
+        # Priority policy: `waiting` and `running` are both kept in (priority, arrival) order, so the
+        # scheduler serves the most urgent first and `running[-1]`, the preemption victim, is the least.
+        self._by_priority = config.scheduling_policy == "priority"
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue: FCFS at the back (a preempted request at the front); under the priority
+        policy in (priority, arrival) order, after the requests of equal key."""
+        if self._by_priority:
+            bisect.insort_right(self.waiting, request, key=_priority_key)
+        elif request.status is RequestStatus.PREEMPTED:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return [self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids if rid in self.requests]
@@ -131,7 +148,10 @@ class Scheduler:
                 request.num_cached_tokens = hits
                 request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
-            self.running.append(request)
+            if self._by_priority:
+                bisect.insort_right(self.running, request, key=_priority_key)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             self._note_chunk(request, num_new)
             num_scheduled[request.request_id] = num_new
@@ -170,7 +190,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request)
         if request.request_id in self._runner_known:
             self._preempted_for_runner.add(request.request_id)
 
@@ -254,3 +274,7 @@ class Scheduler:
             self._runner_known.discard(request_id)
             self._finished_for_runner.add(request_id)
         return request
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority_key

@@ -33,7 +33,26 @@ def validate_request(
             f"{max_model_len}; shorten it or raise max_model_len.",
             "prompt",
         )
+    if params.logprob_token_ids is not None and max(params.logprob_token_ids) >= vocab_size:
+        raise InvalidRequest(
+            f"logprob_token_ids has id {max(params.logprob_token_ids)}, outside the model's vocabulary "
+            f"[0, {vocab_size}).",
+            "logprob_token_ids",
+        )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("Stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids.", "stop")
     room = max_model_len - len(prompt_token_ids)
     return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def check_priority(priority: int, scheduling_policy: str, param: str = "priority") -> None:
+    """A priority other than 0 needs the priority scheduling policy (vLLM refuses it too): under FCFS it
+    would be accepted and have no effect."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequest(f"priority must be an integer, got {priority!r}.", param)
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidRequest(
+            f"priority {priority} needs a server started with --scheduling-policy priority (this one schedules "
+            f"{scheduling_policy}); send 0 or leave it out.",
+            param,
+        )

@@ -62,6 +62,9 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per-row seeded generator (on the logits' device) or None
     max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None if no row wants any
     all_greedy: bool
+    # [B, L] int64: each row's SamplingParams.logprob_token_ids, padded with 0 (rows without: all 0); None
+    # when no row has any. Their raw logprobs come back as SamplerOutput.chosen_logprobs.
+    logprob_token_ids: Tensor | None = None
 
     @classmethod
     def build(
@@ -128,6 +131,7 @@ class SamplingBatch:
             batch.suppress_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
             rows, toks = _flat_index(suppress_token_ids, device)
             batch.suppress_mask[rows, toks] = True
+        batch.logprob_token_ids = _padded_ids([p.logprob_token_ids or [] for p in params], device)
         return batch
 
 
@@ -190,6 +194,17 @@ def _batch_from_knobs(
     )
 
 
+def _padded_ids(ids_per_row: list[list[int]], device: torch.device | str) -> Tensor | None:
+    """[B, L] int64 of ragged id lists padded with 0 (L the longest), or None when every list is empty."""
+    width = max(map(len, ids_per_row), default=0)
+    if not width:
+        return None
+    table = np.zeros((len(ids_per_row), width), dtype=np.int64)
+    for row, ids in enumerate(ids_per_row):
+        table[row, : len(ids)] = ids
+    return to_device(table, device)
+
+
 def _flat_index(ids_per_row: Sequence[Sequence[int]], device: torch.device | str) -> tuple[Tensor, Tensor]:
     """(row index, token id) pairs of a ragged list, as two [N] int64 tensors on `device`."""
     lengths = np.fromiter(map(len, ids_per_row), dtype=np.int64, count=len(ids_per_row))
@@ -227,6 +242,7 @@ class SamplingState:
         self._num_output = np.zeros(0, dtype=np.int64)
         self._min_tokens = np.zeros(0, dtype=np.int64)
         self._suppress: list[list[int]] = []  # per row: eos + stop ids (min_tokens rows)
+        self._chosen: dict[int, list[int]] = {}  # row -> its logprob_token_ids (rows that have them)
         self._generators: list[torch.Generator | None] = []
         self._num_seeded = 0
         self._num_min_tokens = 0
@@ -303,6 +319,8 @@ class SamplingState:
         self._generators[row] = generator
         self._num_seeded += generator is not None
         self._num_live_active += _active_knobs(self._knobs[:, row])
+        if params.logprob_token_ids:
+            self._chosen[row] = list(params.logprob_token_ids)
 
     def remove(self, request_id: str) -> None:
         """End a request's row (unknown ids are ignored: the runner may finish a request it never sampled)."""
@@ -315,6 +333,7 @@ class SamplingState:
         self._generators[row] = None
         self._min_tokens[row] = 0
         self._suppress[row] = []
+        self._chosen.pop(row, None)
         self._free.append(row)
 
     def _greedy_temperatures(self, rows: int) -> Tensor:
@@ -375,6 +394,8 @@ class SamplingState:
                 mask = torch.zeros(len(rows_np), self.vocab_size, dtype=torch.bool, device=self.device)
                 mask[to_device(waiting, self.device)[rows_s], toks] = True
                 batch.suppress_mask = mask
+        if self._chosen:
+            batch.logprob_token_ids = _padded_ids([self._chosen.get(row, []) for row in rows_np.tolist()], self.device)
         self._last_rows, self._last_rows_np = rows, rows_np
         return batch
 
@@ -400,6 +421,10 @@ class SamplerOutput:
     sampled_logprobs: Tensor | None  # [B] float32 logprob of the sampled token, raw distribution
     top_logprobs: Tensor | None  # [B, K] float32, K = max_num_logprobs, sorted descending, raw distribution
     top_token_ids: Tensor | None  # [B, K] int64
+    chosen_logprobs: Tensor | None = None  # [B, L] float32: SamplingBatch.logprob_token_ids' raw logprobs
+
+
+_PENALISED_LIMIT = 1e30
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -413,8 +438,11 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
         assert batch.prompt_or_output_mask is not None
         rp = batch.repetition_penalty.unsqueeze(1)
         # HF semantics: shrink toward 0 from either side, so a seen token always gets less likely.
-        penalised = torch.where(x > 0, x / rp, x * rp)
-        x = torch.where(batch.prompt_or_output_mask, penalised, x)
+        # A penalty far from 1 can overflow float32 (30 / 1e-38): bounded to ±_PENALISED_LIMIT, which
+        # the temperature (>= 1e-5) cannot push past float32 either, so no +inf (NaN after softmax)
+        # appears; tokens already at -inf (grammar-masked) stay there.
+        penalised = torch.where(x > 0, x / rp, x * rp).clamp_(-_PENALISED_LIMIT, _PENALISED_LIMIT)
+        x = torch.where(batch.prompt_or_output_mask & (x > float("-inf")), penalised, x)
     if batch.frequency_penalty is not None or batch.presence_penalty is not None:
         assert batch.output_token_counts is not None
         counts = batch.output_token_counts.float()
@@ -540,4 +568,5 @@ class Sampler(nn.Module):
         logprobs = (raw if token_bitmask is None else unmasked.float()).log_softmax(dim=-1)
         sampled_lp = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_lp, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1, sorted=True)
-        return SamplerOutput(token_ids, sampled_lp, top_lp, top_ids)
+        chosen = None if batch.logprob_token_ids is None else logprobs.gather(1, batch.logprob_token_ids)
+        return SamplerOutput(token_ids, sampled_lp, top_lp, top_ids, chosen)

@@ -94,6 +94,7 @@ class ApiSetup:
             trust_request_chat_template=server.trust_request_chat_template,
             enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
+            scheduling_policy=config.scheduler.scheduling_policy,
         )
         engine.add_listener(ctx.metrics.on_engine_outputs)
         # Token ids → text where there is CPU to spare. With several API processes, here: off the engine

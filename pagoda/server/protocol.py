@@ -22,14 +22,16 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
 )
 from pydantic_core import PydanticCustomError
 
-from pagoda.sampling_params import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pagoda.sampling_params import MAX_LOGPROB_TOKEN_IDS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_MESSAGES = 2048  # OpenAI's cap on `messages`
 MAX_CONTENT_PARTS = 4096  # content parts in all of a request's messages
@@ -63,6 +65,19 @@ REFUSED_FIELDS: dict[str, Any] = {
     "prediction": None,
     "audio": None,
     "structural_tag": None,
+    # vLLM's extras that Pagoda does not implement (a reasoning parser, RAG documents in the template,
+    # disaggregated serving, prompt embeddings, custom extensions, per-request media IO options).
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+    "reasoning_effort": None,
+    "include_reasoning": True,
+    "documents": None,
+    "media_io_kwargs": None,
+    "vllm_xargs": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "prompt_embeds": None,
+    "truncation_side": None,  # only means something with truncate_prompt_tokens, refused above
 }
 
 
@@ -120,7 +135,15 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = None
+    # The response id is chatcmpl-/cmpl- and this (the X-Request-Id header wins, as in vLLM).
+    request_id: str | None = Field(default=None, max_length=256)
+    # Salts the prefix cache: requests share cached blocks only with requests of the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    return_token_ids: bool | None = None  # choices carry token_ids, the response prompt_token_ids
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # lower first (--scheduling-policy priority)
+    # These tokens' logprobs at each position instead of the top ones (needs logprobs).
+    logprob_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -232,6 +255,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's content when it has the reply's role.
+    echo: bool = False
+    # vLLM's default for chat: the template writes BOS and the like; true adds the tokenizer's own too.
+    add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # per-request min_pixels / max_pixels (vision models)
@@ -248,6 +275,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = None
 
@@ -343,21 +371,36 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall | None = None
 
 
-class ChatChoice(BaseModel):
+class _TokenIdsWhenAsked(BaseModel):
+    """vLLM's `return_token_ids` fields are left out of the JSON unless the request asked for them (None),
+    so every other response keeps its exact shape."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class ChatChoice(_TokenIdsWhenAsked):
     index: int
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -371,21 +414,23 @@ class ToolDeltaMessage(DeltaMessage):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_TokenIdsWhenAsked):
     index: int
     delta: DeltaMessage | ToolDeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIdsWhenAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk only
 
 
 class CompletionLogprobs(BaseModel):
@@ -395,12 +440,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdsWhenAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # return_token_ids: the choice's prompt (streamed: in its first chunk) and its tokens (streamed: this chunk's)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -39,9 +39,19 @@ def _serving(request: Request) -> OpenAIServing:
     return request.app.state.serving
 
 
+def _take_request_id(body: p.ChatCompletionRequest | p.CompletionRequest, request: Request) -> None:
+    """The X-Request-Id header names the request ahead of the body's request_id (as in vLLM)."""
+    header = request.headers.get("x-request-id")
+    if header:
+        if len(header) > 256:
+            raise InvalidRequest("The X-Request-Id header is longer than 256 characters.", "request_id")
+        body.request_id = header
+
+
 @router.post("/v1/chat/completions", responses=_GENERATE_ERRORS)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request):
     serving, arrival = _serving(request), time.monotonic()
+    _take_request_id(body, request)
     if body.stream:
         return sse_response(await serving.chat_stream(body, arrival))
     return await run_until_disconnect(request, serving.chat(body, arrival))
@@ -50,6 +60,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
 @router.post("/v1/completions", responses=_GENERATE_ERRORS)
 async def completions(body: p.CompletionRequest, request: Request):
     serving, arrival = _serving(request), time.monotonic()
+    _take_request_id(body, request)
     if body.stream:
         return sse_response(await serving.completion_stream(body, arrival))
     return await run_until_disconnect(request, serving.completion(body, arrival))

@@ -29,11 +29,15 @@ from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.sse import SSE_DONE, sse_data
 from pagoda.server.tool_requests import (
+    RequestOptions,
     ToolPlan,
+    check_tool_results,
     final_message,
+    logprob_token,
     plan_tools,
     prepare_messages,
     refuse_unimplemented,
+    request_options,
     structured_outputs_of,
 )
 
@@ -67,6 +71,7 @@ class ServingContext:
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     tool_call_parser: str | None = None  # --tool-call-parser
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: a request's priority needs "priority"
 
     @property
     def model_name(self) -> str:
@@ -172,6 +177,12 @@ class OpenAIServing:
 
         if req.stream_options is not None and not req.stream:
             raise InvalidRequest("stream_options can only be set when stream is true.", "stream_options")
+        if req.logprob_token_ids is not None:
+            if logprobs is None:
+                raise InvalidRequest(
+                    "logprob_token_ids needs logprobs (true on chat, a number on completions).", "logprob_token_ids"
+                )
+            check_prompt_tokens(req.logprob_token_ids, self.ctx.vocab_size, "logprob_token_ids")
         return SamplingParams(
             n=req.n,
             temperature=pick("temperature", 1.0),
@@ -188,6 +199,7 @@ class OpenAIServing:
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            logprob_token_ids=req.logprob_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -222,6 +234,7 @@ class OpenAIServing:
             )
         if req.chat_template and not self.ctx.trust_request_chat_template:
             raise InvalidRequest(refused_message(), "chat_template")
+        check_tool_results(req.messages)
         text, token_ids, mm_inputs = await self.chat_prompt(
             req.messages,
             self.ctx.chat_template,
@@ -231,6 +244,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             request_template=req.chat_template or None,
             tool_plan=tool_plan,
+            add_special_tokens=req.add_special_tokens,
         )
         self.check_tokens(token_ids, "messages")
         media_tokens = sum(mm_inputs.counts.values()) if mm_inputs is not None else 0
@@ -254,6 +268,7 @@ class OpenAIServing:
         continue_final_message: bool = False,
         request_template: str | None = None,
         tool_plan: ToolPlan | None = None,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int], Any]:
         """Render, tokenize, and for images/videos fetch, preprocess and expand their placeholders.
         `request_template` (a request's own, allowed by --trust-request-chat-template) replaces
@@ -282,6 +297,7 @@ class OpenAIServing:
             processor_kwargs,
             continue_final_message=continue_final_message,
             request_template=request_template,
+            add_special_tokens=add_special_tokens,
         )
 
     async def tokenize_chat(self, req: p.TokenizeRequest) -> tuple[str, list[int], Any]:
@@ -298,6 +314,8 @@ class OpenAIServing:
             req.add_generation_prompt,
             kwargs or None,
             request_template=req.chat_template or None,
+            # As a chat request: the template writes the special tokens unless the request asks for the tokenizer's.
+            add_special_tokens=req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False,
         )
 
     def _message_dict(self, message: p.ChatMessage) -> dict[str, Any]:
@@ -309,21 +327,28 @@ class OpenAIServing:
         return data
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
+        opts = request_options(req, self.ctx.scheduling_policy)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
-        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
+        tokens: list[list[int]] = [[] for _ in range(params.n)]
+        async for batch in self._generate(ids, params, text, arrival, opts.engine_id(), mm_inputs, admission, opts):
             for out in batch:
                 for c in out.outputs:
                     texts[c.index].append(c.text)
                     token_counts[c.index] += len(c.token_ids)
+                    if opts.return_token_ids:
+                        tokens[c.index].extend(c.token_ids)
                     if c.logprobs is not None:
-                        logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs))
+                        logprobs[c.index].extend(self._chat_logprobs(c.token_ids, c.logprobs, opts.tokens_as_ids))
                     if c.finish_reason is not None:
                         finals[c.index] = c
+        echo = chat_echo(req)
         choices = []
         for i in range(params.n):
             message, reason = final_message("".join(texts[i]), tool_plan, _reason(finals[i]))
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 p.ChatChoice(
                     index=i,
@@ -331,20 +356,23 @@ class OpenAIServing:
                     logprobs=p.ChatLogprobs(content=logprobs[i]) if params.logprobs is not None else None,
                     finish_reason=reason,
                     stop_reason=_stop(finals[i]),
+                    token_ids=tokens[i] if opts.return_token_ids else None,
                 )
             )
         return p.ChatCompletionResponse(
-            id=p.make_id("chatcmpl"),
+            id=opts.response_id("chatcmpl"),
             created=p.now(),
             model=self.ctx.model_name,
             choices=choices,
             usage=_usage(len(ids), sum(token_counts)),
+            prompt_token_ids=ids if opts.return_token_ids else None,
         )
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
+        opts = request_options(req, self.ctx.scheduling_policy)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
-        return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission, tool_plan)
+        return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission, tool_plan, opts)
 
     async def _chat_stream(
         self,
@@ -356,25 +384,38 @@ class OpenAIServing:
         mm_inputs: Any = None,
         admission: Admission | None = None,
         tool_plan: ToolPlan | None = None,
+        opts: RequestOptions | None = None,
     ) -> AsyncIterator[str | bytes]:
-        chunk_id, created, name = p.make_id("chatcmpl"), p.now(), self.ctx.model_name
+        opts = opts or request_options(req, self.ctx.scheduling_policy)
+        chunk_id, created, name = opts.response_id("chatcmpl"), p.now(), self.ctx.model_name
         # With tools, each sample's text goes through its tool-call parser: content deltas and tool_calls deltas.
         calls = [ToolCallStream(tool_plan.parser) for _ in range(params.n)] if tool_plan is not None else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
         template = p.ChatChunkTemplate(chunk_id, created, name)
 
-        def frame(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
-            chunk = p.ChatCompletionChunk(id=chunk_id, created=created, model=name, choices=choices, usage=usage)
+        def frame(
+            choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None, prompt_ids: list[int] | None = None
+        ) -> str:
+            chunk = p.ChatCompletionChunk(
+                id=chunk_id, created=created, model=name, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
             return sse_data(chunk.model_dump_json(exclude_unset=False))
 
         # The role chunk goes out with the first tokens, as vLLM's server sends it: clients (vLLM's `bench serve`
         # among them) take the first chunk with choices as the first token, so one sent before the prefill
-        # would count the whole prefill, image encoding included, as decode time.
-        role: str | None = frame(
-            [p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")) for i in range(params.n)]
+        # would count the whole prefill, image encoding included, as decode time. With echo, the echoed
+        # content follows it in a chunk of its own (as vLLM's).
+        first = frame(
+            [p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content="")) for i in range(params.n)],
+            prompt_ids=ids if opts.return_token_ids else None,
         )
-        async for batch in self._generate(ids, params, text, arrival, req.request_id, mm_inputs, admission):
+        if echo := chat_echo(req):
+            first += frame([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(content=echo)) for i in range(params.n)])
+        role: str | None = first
+        # The pre-serialized chunks have no place for token ids or "token_id:N" logprobs: those go through pydantic.
+        fast = not opts.return_token_ids
+        async for batch in self._generate(ids, params, text, arrival, opts.engine_id(), mm_inputs, admission, opts):
             # One chunk per output that carries tokens, as they came, even when its text is empty (held back
             # as an incomplete UTF-8 sequence or a possible stop string, or ids the tokenizer has no piece
             # for): a client sees every step as an event, as from vLLM. One write per batch.
@@ -387,15 +428,16 @@ class OpenAIServing:
                     if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
                     if calls is not None:
-                        # A tool-call parser may hold text back (a tag not yet complete): a chunk only when
-                        # it lets something through.
-                        if c.text or c.finish_reason is not None:
-                            choices.append(_tool_choice_chunk(calls[c.index], c, self._chat_logprobs))
+                        choices.append(_tool_choice_chunk(calls[c.index], c, self._chat_logprobs, opts))
                         continue
-                    choice = template.choice(c.index, c.text, _reason(c), c.stop_reason) if c.logprobs is None else None
+                    choice = (
+                        template.choice(c.index, c.text, _reason(c), c.stop_reason)
+                        if c.logprobs is None and fast
+                        else None
+                    )
                     if choice is None:
                         lp = (
-                            p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs))
+                            p.ChatLogprobs(content=self._chat_logprobs(c.token_ids, c.logprobs, opts.tokens_as_ids))
                             if c.logprobs is not None
                             else None
                         )
@@ -405,6 +447,7 @@ class OpenAIServing:
                             logprobs=lp,
                             finish_reason=_reason(c),
                             stop_reason=_stop(c),
+                            token_ids=list(c.token_ids) if opts.return_token_ids else None,
                         ).model_dump_json()
                     choices.append(choice)
                 if choices:
@@ -416,19 +459,26 @@ class OpenAIServing:
             if events:
                 yield "".join(events).encode()
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> list[p.ChatTokenLogprob]:
+    def _chat_logprobs(
+        self, token_ids: list[int], entries: list[dict[int, Logprob]], as_ids: bool = False
+    ) -> list[p.ChatTokenLogprob]:
         result = []
         for token, entry in zip(token_ids, entries):
             chosen = entry[token]
-            top = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank or 0)
+            top = sorted((item for item in entry.items() if item[1].rank is not None), key=lambda i: i[1].rank or 0)
+            name = logprob_token(token, chosen.decoded_token, as_ids)
             result.append(
                 p.ChatTokenLogprob(
-                    token=chosen.decoded_token or "",
+                    token=name,
                     logprob=chosen.logprob,
-                    bytes=_bytes(chosen.decoded_token),
+                    bytes=_bytes(name if as_ids else chosen.decoded_token),
                     top_logprobs=[
-                        p.TopLogprob(token=e.decoded_token or "", logprob=e.logprob, bytes=_bytes(e.decoded_token))
-                        for e in top
+                        p.TopLogprob(
+                            token=(top_name := logprob_token(tid, e.decoded_token, as_ids)),
+                            logprob=e.logprob,
+                            bytes=_bytes(top_name if as_ids else e.decoded_token),
+                        )
+                        for tid, e in top
                     ],
                 )
             )
@@ -441,6 +491,13 @@ class OpenAIServing:
             raise InvalidRequest("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1) and req.best_of != req.n:
             raise InvalidRequest("best_of is not supported; use n.", "best_of")
+        if req.echo and req.logprobs is not None:
+            # OpenAI's echo + logprobs gives the prompt tokens' logprobs too; this engine computes none.
+            raise InvalidRequest(
+                "echo with logprobs would need the prompt tokens' logprobs, which this server does not compute "
+                "(prompt_logprobs); send one of them.",
+                "echo",
+            )
         prompt = req.prompt
         count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         if count * req.n > p.MAX_PROMPTS:
@@ -449,9 +506,9 @@ class OpenAIServing:
                 "n",
             )
         if isinstance(prompt, str):
-            items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, True))]
+            items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, req.add_special_tokens))]
         elif prompt and all(isinstance(x, str) for x in prompt):
-            items = [(text, self.tokenize(text, True)) for text in cast("list[str]", prompt)]
+            items = [(text, self.tokenize(text, req.add_special_tokens)) for text in cast("list[str]", prompt)]
         elif prompt and all(isinstance(x, int) for x in prompt):
             items = [(None, list(cast("list[int]", prompt)))]
         elif prompt and all(isinstance(x, list) for x in prompt):
@@ -477,17 +534,21 @@ class OpenAIServing:
         return prepared
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
+        opts = request_options(req, self.ctx.scheduling_policy)
         prepared = self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         n = req.n
         texts, counts, finals, logprobs = _accumulators(n * len(prepared))
+        tokens: list[list[int]] = [[] for _ in range(n * len(prepared))]
         prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-        async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
+        async for k, batch in self._merged(prepared, arrival, opts, admission):
             for out in batch:
                 for c in out.outputs:
                     i = k * n + c.index
                     texts[i].append(c.text)
                     counts[i] += len(c.token_ids)
+                    if opts.return_token_ids:
+                        tokens[i].extend(c.token_ids)
                     if c.logprobs is not None:
                         logprobs[i].append((c.token_ids, c.logprobs))
                     if c.finish_reason is not None:
@@ -495,7 +556,11 @@ class OpenAIServing:
         choices = []
         for i in range(n * len(prepared)):
             prefix = (prepared[i // n][0] or self.decode(prepared[i // n][1])) if req.echo else ""
-            lp = self._completion_logprobs(logprobs[i], len(prefix)) if req.logprobs is not None else None
+            lp = (
+                self._completion_logprobs(logprobs[i], len(prefix), opts.tokens_as_ids)
+                if req.logprobs is not None
+                else None
+            )
             choices.append(
                 p.CompletionChoice(
                     index=i,
@@ -503,10 +568,12 @@ class OpenAIServing:
                     logprobs=lp,
                     finish_reason=_reason(finals[i]),
                     stop_reason=_stop(finals[i]),
+                    prompt_token_ids=prepared[i // n][1] if opts.return_token_ids else None,
+                    token_ids=tokens[i] if opts.return_token_ids else None,
                 )
             )
         return p.CompletionResponse(
-            id=p.make_id("cmpl"),
+            id=opts.response_id("cmpl"),
             created=p.now(),
             model=self.ctx.model_name,
             choices=choices,
@@ -514,21 +581,28 @@ class OpenAIServing:
         )
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
+        opts = request_options(req, self.ctx.scheduling_policy)
         prepared = self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
-        return self._completion_stream(req, prepared, arrival, admission)
+        return self._completion_stream(req, prepared, arrival, admission, opts)
 
     async def _completion_stream(
-        self, req: p.CompletionRequest, prepared: list, arrival: float, admission: Admission | None = None
+        self,
+        req: p.CompletionRequest,
+        prepared: list,
+        arrival: float,
+        admission: Admission | None = None,
+        opts: RequestOptions | None = None,
     ) -> AsyncIterator[str | bytes]:
-        chunk_id, created, name, n = p.make_id("cmpl"), p.now(), self.ctx.model_name, req.n
+        opts = opts or request_options(req, self.ctx.scheduling_policy)
+        chunk_id, created, name, n = opts.response_id("cmpl"), p.now(), self.ctx.model_name, req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
         echoed: set[int] = set()
         offsets = [0] * (n * len(prepared))
         template = p.CompletionChunkTemplate(chunk_id, created, name)
         unfinished = len(prepared)
-        async for k, batch in self._merged(prepared, arrival, req.request_id, admission):
+        async for k, batch in self._merged(prepared, arrival, opts, admission):
             events = []  # one chunk per output with tokens (see _chat_stream), a batch in one write
             for out in batch:
                 unfinished -= out.finished
@@ -537,20 +611,32 @@ class OpenAIServing:
                     i = k * n + c.index
                     completion_tokens += len(c.token_ids)
                     text = c.text
-                    if req.echo and i not in echoed:
+                    first = i not in echoed  # this choice's first chunk
+                    if first:
                         echoed.add(i)
-                        text = (prepared[k][0] or self.decode(prepared[k][1])) + text
-                    if not text and not c.token_ids and c.finish_reason is None:
+                        if req.echo:
+                            text = (prepared[k][0] or self.decode(prepared[k][1])) + text
+                    if not text and not c.token_ids and c.finish_reason is None and not (opts.return_token_ids and first):
                         continue
-                    choice = template.choice(i, text, _reason(c), c.stop_reason) if c.logprobs is None else None
+                    choice = (
+                        template.choice(i, text, _reason(c), c.stop_reason)
+                        if c.logprobs is None and not opts.return_token_ids
+                        else None
+                    )
                     if choice is None:
                         lp = None
                         if c.logprobs is not None:
                             lp = self._completion_logprobs(
-                                [(c.token_ids, c.logprobs)], offsets[i] + len(text) - len(c.text)
+                                [(c.token_ids, c.logprobs)], offsets[i] + len(text) - len(c.text), opts.tokens_as_ids
                             )
                         choice = p.CompletionChoice(
-                            index=i, text=text, logprobs=lp, finish_reason=_reason(c), stop_reason=_stop(c)
+                            index=i,
+                            text=text,
+                            logprobs=lp,
+                            finish_reason=_reason(c),
+                            stop_reason=_stop(c),
+                            prompt_token_ids=prepared[k][1] if opts.return_token_ids and first else None,
+                            token_ids=list(c.token_ids) if opts.return_token_ids else None,
                         ).model_dump_json(exclude_none=True)
                     offsets[i] += len(text)
                     choices.append(choice)
@@ -572,17 +658,22 @@ class OpenAIServing:
                 yield "".join(events).encode()
 
     def _completion_logprobs(
-        self, parts: list[tuple[list[int], list[dict[int, Logprob]]]], offset: int = 0
+        self, parts: list[tuple[list[int], list[dict[int, Logprob]]]], offset: int = 0, as_ids: bool = False
     ) -> p.CompletionLogprobs:
-        """OpenAI's legacy logprobs; text_offset counts characters from `offset` (where this text starts)."""
+        """OpenAI's legacy logprobs; text_offset counts characters from `offset` (where this text starts)
+        (the text's, also when `as_ids` names the tokens "token_id:N")."""
         result = p.CompletionLogprobs()
         for token_ids, entries in parts:
             for token, entry in zip(token_ids, entries):
                 chosen = entry[token]
-                result.tokens.append(chosen.decoded_token or "")
+                result.tokens.append(logprob_token(token, chosen.decoded_token, as_ids))
                 result.token_logprobs.append(chosen.logprob)
                 result.top_logprobs.append(
-                    {(e.decoded_token or ""): e.logprob for e in entry.values() if e.rank is not None}
+                    {
+                        logprob_token(t, e.decoded_token, as_ids): e.logprob
+                        for t, e in entry.items()
+                        if e.rank is not None
+                    }
                 )
                 result.text_offset.append(offset)
                 offset += len(chosen.decoded_token or "")
@@ -593,19 +684,23 @@ class OpenAIServing:
 
     # ---- engine streams and metrics -----------------------------------------------------------
     async def _merged(
-        self, prepared: list, arrival: float, request_id: str | None, admission: Admission | None = None
+        self, prepared: list, arrival: float, opts: RequestOptions, admission: Admission | None = None
     ) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
         """Run several prompts at once; yield (prompt index, batch of its outputs) as they come."""
         if len(prepared) == 1:
             text, ids, params = prepared[0]
-            async for batch in self._generate(ids, params, text, arrival, request_id, admission=admission):
+            async for batch in self._generate(
+                ids, params, text, arrival, opts.engine_id(), admission=admission, opts=opts
+            ):
                 yield 0, batch
             return
         queue: asyncio.Queue[tuple[int, list[RequestOutput] | None | BaseException]] = asyncio.Queue()
 
         async def pump(k: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
             try:
-                async for batch in self._generate(ids, params, text, arrival, None, admission=admission):
+                async for batch in self._generate(
+                    ids, params, text, arrival, opts.engine_id(k), admission=admission, opts=opts
+                ):
                     await queue.put((k, batch))
                 await queue.put((k, None))
             except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
@@ -635,6 +730,7 @@ class OpenAIServing:
         request_id: str | None,
         mm_inputs: Any = None,
         admission: Admission | None = None,
+        opts: RequestOptions | None = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """The engine's outputs for one prompt, in batches (all that arrived since the last wake-up);
         feeds TTFT / inter-token latency (per output with tokens) and the finish-reason counters."""
@@ -646,7 +742,9 @@ class OpenAIServing:
         reasons: dict[int, str | None] = {}
         try:
             # Passed only when there is one: without a limit, any engine with `generate_batches` will do.
-            extra = {"admission": admission} if admission is not None else {}
+            extra: dict[str, Any] = {"admission": admission} if admission is not None else {}
+            if opts is not None:
+                extra.update(opts.engine_kwargs())
             async for batch in self.ctx.engine.generate_batches(
                 ids, params, prompt, delta=True, request_id=request_id, mm_inputs=mm_inputs, **extra
             ):
@@ -674,7 +772,7 @@ class OpenAIServing:
                 metrics.tpot.observe((last - first) / (tokens / params.n - 1))
 
 
-def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any) -> str:
+def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any, opts: RequestOptions) -> str:
     """One streamed choice of a request with tools: content the parser let through, tool-call deltas."""
     content, deltas = stream.feed(c.text, final=c.finish_reason is not None)
     tool_calls = [
@@ -689,14 +787,33 @@ def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprob
     reason = _reason(c)
     if reason == "stop" and stream.call_ids:
         reason = "tool_calls"
-    lp = p.ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs)) if c.logprobs is not None else None
+    lp = (
+        p.ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, opts.tokens_as_ids))
+        if c.logprobs is not None
+        else None
+    )
     return p.ChatStreamChoice(
         index=c.index,
         delta=p.ToolDeltaMessage(content=content if content or not tool_calls else None, tool_calls=tool_calls or None),
         logprobs=lp,
         finish_reason=reason,
         stop_reason=_stop(c),
+        token_ids=list(c.token_ids) if opts.return_token_ids else None,
     ).model_dump_json()
+
+
+def chat_echo(req: p.ChatCompletionRequest) -> str:
+    """What vLLM's chat `echo` puts before the reply: the last message's text when that message has the
+    reply's role (assistant; without a generation prompt, the last message's own role), else ""."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if last.role != role:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(part.text for part in last.content or () if isinstance(part, p.TextPart))
 
 
 def check_unicode(value: Any, param: str) -> None:

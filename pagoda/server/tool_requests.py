@@ -1,6 +1,7 @@
 """What a chat or completion request asks beyond sampling: a structured-output constraint
-(response_format, vLLM's structured_outputs and guided_* fields) and tools (tools, tool_choice,
-parallel_tool_calls), checked and turned into what the engine and the response builders need.
+(response_format, vLLM's structured_outputs and guided_* fields), tools (tools, tool_choice,
+parallel_tool_calls), and vLLM's per-request options (request_id, cache_salt, priority, return_token_ids,
+return_tokens_as_token_ids), checked and turned into what the engine and the response builders need.
 
 Every mistake is a 400 naming the field: two constraints at once, a json_schema without a schema, a
 tool_choice naming a function that is not in `tools`, "auto" on a server started without
@@ -10,9 +11,11 @@ tool_choice naming a function that is not in `tools`, "auto" on a server started
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.engine.validation import check_priority
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
 from pagoda.frontend.tool_calls.choice import forced_calls, json_tools_prompt, parameters_schema
@@ -34,6 +37,55 @@ def refuse_unimplemented(req: p._SamplingFields) -> None:
             f"guided_decoding_backend {backend!r} is not available; this server uses xgrammar (or send 'auto').",
             "guided_decoding_backend",
         )
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """vLLM's per-request options. `base_id`: the client's request id (the X-Request-Id header, else the
+    body's request_id, else random): the response id is `{prefix}-{base_id}`, as vLLM's; the engine's id
+    adds a random suffix, so two requests that reuse one id never collide in the engine."""
+
+    base_id: str
+    cache_salt: str | None = None
+    priority: int = 0
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+
+    def response_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.base_id}"
+
+    def engine_id(self, k: int | None = None) -> str:
+        """The engine's id of this request's prompt `k` (None: its only one)."""
+        part = "" if k is None else f"-{k}"
+        return f"{self.base_id}{part}-{uuid.uuid4().hex[:12]}"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What `generate_batches` takes beyond the prompt: only what is set (an engine stand-in in tests
+        need not know the options)."""
+        kwargs: dict[str, Any] = {}
+        if self.cache_salt is not None:
+            kwargs["cache_salt"] = self.cache_salt
+        if self.priority:
+            kwargs["priority"] = self.priority
+        return kwargs
+
+
+def request_options(req: p._SamplingFields, scheduling_policy: str) -> RequestOptions:
+    """The request's options, checked: a priority other than 0 needs --scheduling-policy priority."""
+    check_priority(req.priority, scheduling_policy)
+    return RequestOptions(
+        base_id=req.request_id or uuid.uuid4().hex,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+        return_token_ids=bool(req.return_token_ids),
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+    )
+
+
+def logprob_token(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """How a logprob entry names its token: its text, or "token_id:N" (return_tokens_as_token_ids, for
+    tokens whose text is not valid UTF-8 on its own)."""
+    return f"token_id:{token_id}" if as_ids else (decoded or "")
 
 
 def structured_outputs_of(req: p._SamplingFields) -> StructuredOutputsParams | None:
@@ -131,6 +183,27 @@ def plan_tools(req: p.ChatCompletionRequest, auto_enabled: bool, parser_name: st
         )
     forced = forced_calls(fmt, named, False)
     return ToolPlan(functions, "named", get_parser(fmt), False, forced)
+
+
+def check_tool_results(messages: list[p.ChatMessage]) -> None:
+    """A tool message answers a call an earlier assistant message made: its `tool_call_id` must be the
+    id of one of those calls (OpenAI answers 400 otherwise; a template would pair them wrongly)."""
+    call_ids: set[str] = set()
+    for i, message in enumerate(messages):
+        extra = message.model_extra or {}
+        if message.role == "assistant" and isinstance(extra.get("tool_calls"), list):
+            call_ids.update(
+                c["id"] for c in extra["tool_calls"] if isinstance(c, dict) and isinstance(c.get("id"), str)
+            )
+        elif message.role == "tool":
+            call_id = extra.get("tool_call_id")
+            if call_id not in call_ids:
+                said = f"tool_call_id {call_id[:100]!r}" if isinstance(call_id, str) else "no tool_call_id"
+                raise InvalidRequest(
+                    f"messages[{i}] is a tool message with {said}, which answers no tool call of an earlier "
+                    "assistant message: a tool message must carry the id of the call it answers.",
+                    "messages",
+                )
 
 
 def template_mentions_tools(template: str | None) -> bool:

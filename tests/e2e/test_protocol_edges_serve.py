@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -95,3 +96,51 @@ def test_top_logprobs_limit_is_named(http: httpx.Client) -> None:
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def test_sampling_knobs_float32_cannot_hold_are_refused(http: httpx.Client) -> None:
+    # 1e308 was inf on the device: with a grammar every logit went NaN and token 0 came out, outside it.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    for field in ("temperature", "repetition_penalty"):
+        body = {"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 8, field: 1e308}
+        error = assert_openai_error(http.post(CHAT, json={**body, "response_format": response_format}), 400)
+        assert error["param"] == field and "float32" in error["message"], error
+    # The largest values accepted stay inside the grammar.
+    body = {
+        "model": MODEL,
+        "messages": CAPITAL_QUESTION,
+        "max_tokens": 8,
+        "temperature": 3.4e38,
+        "repetition_penalty": 3.4e38,
+        "structured_outputs": {"choice": ["yes", "no"]},
+    }
+    for _ in range(3):
+        response = http.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] in ("yes", "no"), response.json()
+
+
+def test_vllm_request_options_on_the_real_model(http: httpx.Client) -> None:
+    body = {"model": MODEL, "messages": CAPITAL_QUESTION, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    response = http.post(CHAT, json=body, headers={"X-Request-Id": "trace-7"})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["id"] == "chatcmpl-trace-7"
+    # The ids are those /tokenize gives for the same messages and /detokenize turns back into the reply.
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": CAPITAL_QUESTION}).json()
+    assert answer["prompt_token_ids"] == tokenized["tokens"]
+    choice = answer["choices"][0]
+    assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
+    detokenized = http.post("/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]}).json()["prompt"]
+    assert detokenized == choice["message"]["content"]
+    # The same client id twice at once: both answered, under the id they gave.
+    with httpx.Client(base_url=str(http.base_url), headers=dict(http.headers), timeout=120) as other:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            same = {**body, "request_id": "dup", "max_tokens": 16}
+            replies = list(pool.map(lambda c: c.post(CHAT, json=same), (http, other)))
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert {r.json()["id"] for r in replies} == {"chatcmpl-dup"}
+    # Priority needs --scheduling-policy priority; this server schedules FCFS.
+    error = assert_openai_error(http.post(CHAT, json={**body, "priority": 2}), 400)
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]

@@ -29,7 +29,7 @@ def _stream(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[st
     [
         {"n": 2, "max_tokens": 12, "ignore_eos": True},
         {"max_tokens": 16, "stop": [" is", "\n"], "logprobs": 2},
-        {"max_tokens": 8, "echo": True, "logprobs": 1, "ignore_eos": True},
+        {"max_tokens": 8, "echo": True, "ignore_eos": True},  # echo with logprobs is refused (no prompt logprobs)
         {"prompt": ["The capital of France is", "Roses are red,"], "n": 2, "max_tokens": 6},
     ],
 )

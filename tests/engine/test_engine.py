@@ -73,6 +73,60 @@ def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_cache_salt_shares_prefix_hits_only_within_a_salt(tiny_qwen2):
+    # Two tenants send the same 3-block prefix: a tenant hits only its own blocks (and unsalted requests
+    # only unsalted ones); the output is the same either way.
+    shared = _random_prompts(1, 50, 50, seed=3)[0]
+    llm = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+
+    def cached(tail: list[int], salt: str | None) -> tuple[int, list[int]]:
+        prompt = {"prompt_token_ids": shared + tail, **({"cache_salt": salt} if salt else {})}
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    assert cached([1], "tenant-a")[0] == 0
+    assert cached([2], "tenant-b")[0] == 0, "another salt must not hit tenant-a's blocks"
+    assert cached([3], None)[0] == 0, "no salt must not hit salted blocks"
+    hit_a, tokens_a = cached([4], "tenant-a")
+    hit_b, _ = cached([5], "tenant-b")
+    assert hit_a == hit_b == 48 and cached([6], None)[0] == 48
+    assert tokens_a == cached([4], "tenant-c")[1]
+
+
+def test_logprob_token_ids_give_exactly_those_tokens(tiny_qwen2):
+    # The ids' logprobs at each position are those the top-20 run reports for the same tokens (greedy: the
+    # same positions), in the order asked, with the sampled token's own entry beside them.
+    llm = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=32)
+    prompt = [{"prompt_token_ids": _random_prompts(1, 20, 20, seed=5)[0]}]
+    top = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=20), use_tqdm=False)[0].outputs[0]
+    wanted = sorted(top.logprobs[0], key=lambda t: top.logprobs[0][t].rank or 99)[5:8]
+    params = SamplingParams(temperature=0, max_tokens=4, logprob_token_ids=wanted)
+    chosen = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert chosen.token_ids == top.token_ids
+    first = chosen.logprobs[0]
+    assert [t for t, e in sorted(first.items(), key=lambda i: i[1].rank or 99) if e.rank is not None] == wanted
+    for t in wanted:
+        assert first[t].logprob == pytest.approx(top.logprobs[0][t].logprob, abs=1e-4)
+    assert set(first) == set(wanted) | {chosen.token_ids[0]}
+
+
+def test_priority_needs_the_priority_policy_offline(tiny_qwen2):
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    fcfs = LLM(model=tiny_qwen2, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=16)
+    with pytest.raises(InvalidRequest, match="--scheduling-policy priority"):
+        fcfs.generate(prompts, GREEDY, use_tqdm=False, priority=[0, 1])
+    ranked = LLM(
+        model=tiny_qwen2,
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        num_gpu_blocks_override=16,
+        scheduling_policy="priority",
+    )
+    got = ranked.generate(prompts, GREEDY, use_tqdm=False, priority=[3, -1])
+    want = fcfs.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_limits_hold_every_step(tiny_llama):
     llm = LLM(
         model=tiny_llama,

@@ -493,3 +493,23 @@ def test_check_integrity_detects_corruption():
     # Forgetting a holder is caught.
     with pytest.raises(RuntimeError):
         bm.check_integrity([])
+
+
+def test_cache_salt_separates_prefix_caches() -> None:
+    # Same tokens: a hit only for the same salt (or no salt on both), and the salt changes every block's hash.
+    bm = BlockManager(num_blocks=32, block_size=4)
+
+    def admit(rid: str, salt: str | None) -> int:
+        r = Request(rid, list(range(1, 14)), SamplingParams(), 4, cache_salt=salt)
+        hits = bm.match_prefix(r)
+        assert bm.allocate(r, r.num_tokens - hits)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r)
+        return hits
+
+    assert admit("a1", "tenant-a") == 0
+    assert admit("a2", "tenant-a") == 12
+    assert admit("b1", "tenant-b") == 0
+    assert admit("n1", None) == 0
+    assert admit("n2", None) == 12
+    assert admit("b2", "tenant-b") == 12

@@ -23,7 +23,7 @@ from pagoda.layers.sampler import (
     apply_filters,
     apply_penalties,
 )
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import FLOAT32_MAX, FLOAT32_TINY, SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEG_INF = float("-inf")
@@ -448,3 +448,51 @@ def test_suppressed_tokens_are_never_sampled(device: str) -> None:
         seen |= set(sampler(logits.to(device), batch).sampled_token_ids.tolist())
     assert not seen & {0, 3}
     assert len(seen) > 5  # the remaining flat tokens are all reachable
+
+
+# ----------------------------------------------------------------------------- float32 extremes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=FLOAT32_MAX),
+        SamplingParams(repetition_penalty=FLOAT32_TINY),  # 5 / 1.2e-38 overflows float32
+        SamplingParams(repetition_penalty=FLOAT32_MAX),  # -1 * 3.4e38 ... every allowed token at -inf
+        SamplingParams(repetition_penalty=FLOAT32_TINY, temperature=1e-5),
+        SamplingParams(repetition_penalty=FLOAT32_MAX, temperature=FLOAT32_MAX),
+    ],
+)
+def test_extreme_knobs_stay_inside_a_grammar_mask(params: SamplingParams, device: str) -> None:
+    # The largest and smallest values SamplingParams accepts: the sampled token stays among those a
+    # grammar allows (logits -inf elsewhere) and no NaN reaches the softmax.
+    vocab, allowed = 16, [3, 7]
+    logits = torch.full((4, vocab), NEG_INF, device=device)
+    logits[:, 3], logits[:, 7] = 5.0, -1.0
+    batch = make_batch([params] * 4, vocab, device, prompts=[[0, 3, 7, 9]] * 4, outputs=[[3]] * 4)
+    assert torch.isfinite(apply_filters(apply_penalties(logits, batch), batch)[:, allowed]).all()
+    for _ in range(5):
+        out = Sampler()(logits, batch)
+        assert set(out.sampled_token_ids.tolist()) <= set(allowed)
+
+
+def test_logprob_token_ids_give_those_tokens_raw_logprobs() -> None:
+    torch.manual_seed(8)
+    b, v = 3, 50
+    logits = torch.randn(b, v) * 3
+    params = [
+        SamplingParams(logprob_token_ids=[7, 3, 49], temperature=0.7, repetition_penalty=1.4),
+        SamplingParams(logprobs=2),  # no ids of its own: its padding row is not read
+        SamplingParams(logprob_token_ids=[0], logprobs=4),
+    ]
+    assert params[0].logprobs == 0  # implied
+    batch = make_batch(params, v, "cpu", [[7, 8]] * b)
+    assert batch.logprob_token_ids is not None
+    assert batch.logprob_token_ids.tolist() == [[7, 3, 49], [0, 0, 0], [0, 0, 0]]
+    out = Sampler()(logits, batch)
+    assert out.chosen_logprobs is not None
+    for i, ids in ((0, [7, 3, 49]), (2, [0])):
+        ref = ref_log_softmax(logits[i].tolist())
+        assert out.chosen_logprobs[i, : len(ids)].tolist() == pytest.approx([ref[t] for t in ids], abs=1e-4)
+    assert Sampler()(logits, make_batch([SamplingParams(logprobs=1)] * b, v, "cpu")).chosen_logprobs is None

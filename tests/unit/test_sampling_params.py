@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pagoda.errors import InvalidRequest
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import FLOAT32_MAX, FLOAT32_TINY, SamplingParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -57,6 +57,10 @@ def test_is_greedy(t: float, greedy: bool) -> None:
         dict(logprobs=0),
         dict(logprobs=20),
         dict(stop_token_ids=[0, 5]),
+        # What float32 holds: the extremes are accepted as they are (the sampler keeps them finite).
+        dict(temperature=FLOAT32_MAX, repetition_penalty=FLOAT32_MAX),
+        dict(repetition_penalty=FLOAT32_TINY, top_p=FLOAT32_TINY, min_p=FLOAT32_TINY),
+        dict(presence_penalty=-FLOAT32_TINY, frequency_penalty=FLOAT32_TINY),
     ],
 )
 def test_valid_boundaries(kwargs: dict) -> None:
@@ -79,6 +83,16 @@ def test_valid_boundaries(kwargs: dict) -> None:
         ("temperature", math.nan, "finite"),
         ("temperature", math.inf, "finite"),
         ("temperature", None, "number"),
+        # The sampler computes in float32: a value it cannot hold (inf or 0 there) is refused.
+        ("temperature", 1e308, "temperature must be 0 or of magnitude in [1.175e-38, 3.403e+38]"),
+        ("temperature", 3.5e38, "float32"),
+        ("temperature", 1e-300, "float32"),
+        ("repetition_penalty", 1e39, "repetition_penalty must be 0 or of magnitude"),
+        ("repetition_penalty", 1e-39, "float32"),
+        ("top_p", 1e-300, "top_p must be 0 or of magnitude"),
+        ("min_p", 1e-45, "min_p must be 0 or of magnitude"),
+        ("presence_penalty", 1e-40, "float32"),
+        ("frequency_penalty", -1e-40, "float32"),
         ("top_p", 0, "top_p must be in (0, 1], got 0"),
         ("top_p", 1.0001, "(0, 1]"),
         ("top_p", -0.5, "(0, 1]"),
@@ -103,6 +117,10 @@ def test_valid_boundaries(kwargs: dict) -> None:
         ("stop_token_ids", [1, -1], "stop_token_ids"),
         ("stop_token_ids", [1, "2"], "stop_token_ids"),
         ("stop_token_ids", 5, "stop_token_ids"),
+        ("logprob_token_ids", [], "logprob_token_ids must be a non-empty list"),
+        ("logprob_token_ids", [1, -1], "token ids"),
+        ("logprob_token_ids", [1.0], "token ids"),
+        ("logprob_token_ids", list(range(257)), "at most 256"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(field: str, value: object, fragment: str) -> None:

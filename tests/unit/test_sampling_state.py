@@ -18,7 +18,7 @@ EOS = [2, 3]
 
 
 def random_params(rng: random.Random, index: int) -> SamplingParams:
-    kind = rng.choice(["greedy", "sampled", "rep", "freq", "mixed", "min_tokens", "seeded", "logprobs"])
+    kind = rng.choice(["greedy", "sampled", "rep", "freq", "mixed", "min_tokens", "seeded", "logprobs", "chosen"])
     kw: dict = {}
     if kind == "greedy":
         kw = dict(temperature=0.0)
@@ -40,6 +40,8 @@ def random_params(rng: random.Random, index: int) -> SamplingParams:
         kw = dict(temperature=0.0, min_tokens=rng.randint(1, 4), stop_token_ids=rng.choice([[], [7], [7, 9]]))
     elif kind == "seeded":
         kw = dict(temperature=1.0, seed=1000 + index)
+    elif kind == "chosen":
+        kw = dict(temperature=0.5, logprob_token_ids=rng.choice([[5], [1, 9, 30], [39, 0]]))
     else:
         kw = dict(temperature=0.0, logprobs=rng.choice([0, 3]))
     return SamplingParams(max_tokens=100, **kw)
@@ -99,6 +101,7 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
             "frequency_penalty",
             "repetition_penalty",
             "suppress_mask",
+            "logprob_token_ids",
         ):
             assert_same(getattr(got, name), getattr(want, name))
         assert got.max_num_logprobs == want.max_num_logprobs and got.all_greedy == want.all_greedy
@@ -123,6 +126,7 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
         out_want = sampler(logits, want)
         assert torch.equal(out_got.sampled_token_ids, out_want.sampled_token_ids)
         assert_same(out_got.top_logprobs, out_want.top_logprobs)
+        assert_same(out_got.chosen_logprobs, out_want.chosen_logprobs)
         state.update(out_got.sampled_token_ids)
         for q, token in zip(reqs, out_got.sampled_token_ids.tolist()):
             q["output"].append(token)

@@ -111,12 +111,14 @@ class Harness:
         prefix_caching=True,
         eos=(EOS,),
         token_fn=None,
+        scheduling_policy="fcfs",
     ):
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             async_scheduling=False,
+            scheduling_policy=scheduling_policy,
         )
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.config, self.bm, set(eos))
@@ -621,3 +623,69 @@ def test_num_cached_tokens_counts_the_admission_that_succeeded():
     hits = [d.num_computed_tokens for so in h.outputs for d in so.new_requests if d.request_id == "b"]
     assert hits == [2]  # c's growth evicted the second block
     assert b.num_cached_tokens == hits[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# --scheduling-policy priority
+# ------------------------------------------------------------------------------------------------
+
+
+def _plain_step(h: Harness) -> SchedulerOutput:
+    """One step without the FCFS checks of `Harness.step` (the runner's KV and block checks still run)."""
+    so = h.sched.schedule()
+    h.outputs.append(so)
+    h.sched.update(so, h.runner.execute(so, h.sched))
+    h.num_steps += 1
+    h.check_pool()
+    return so
+
+
+def _prioritised(rid: str, priority: int, arrival: float, prompt: list[int], max_tokens: int) -> Request:
+    request = make_request(rid, prompt, max_tokens=max_tokens)
+    request.priority, request.arrival_time = priority, arrival
+    return request
+
+
+def test_priority_admits_lower_values_first_and_equals_in_arrival_order():
+    h = Harness(max_num_seqs=1, max_num_batched_tokens=100, scheduling_policy="priority")
+    for rid, priority, arrival in [("a", 5, 1.0), ("b", 0, 2.0), ("c", -3, 3.0), ("d", 0, 0.5), ("e", 5, 0.1)]:
+        h.add(_prioritised(rid, priority, arrival, [1, 2, 3], max_tokens=2))
+    order = []
+    while h.sched.has_unfinished():
+        order += [d.request_id for d in _plain_step(h).new_requests]
+    h.drain()
+    assert order == ["c", "d", "b", "e", "a"]
+
+
+def test_fcfs_ignores_priority():
+    h = Harness(max_num_seqs=1, max_num_batched_tokens=100)
+    for rid, priority in [("a", 5), ("b", -5)]:
+        h.add(_prioritised(rid, priority, 0.0, [1, 2, 3], max_tokens=2))
+    order = []
+    while h.sched.has_unfinished():
+        order += [d.request_id for d in h.step().new_requests]
+    assert order == ["a", "b"]
+
+
+def test_priority_preempts_the_least_urgent_running_request():
+    # Three requests that all need a new block at once; the pool has room for two. Under FCFS the most
+    # recently admitted (low) would go; by priority it is the one with the highest value (late), although it
+    # was admitted first.
+    h = Harness(num_blocks=1 + 6, block_size=2, max_num_batched_tokens=64, scheduling_policy="priority")
+    late = h.add(_prioritised("late", 9, 0.0, [1, 1, 1], max_tokens=6))
+    urgent = h.add(_prioritised("urgent", -1, 1.0, [2, 2, 2], max_tokens=6))
+    mid = h.add(_prioritised("mid", 0, 2.0, [3, 3, 3], max_tokens=6))
+    so = _plain_step(h)
+    assert set(so.num_scheduled_tokens) == {"late", "urgent", "mid"}
+    assert [r.request_id for r in h.sched.running] == ["urgent", "mid", "late"]
+    first_preempted = None
+    while h.sched.has_unfinished():
+        running = list(h.sched.running)
+        _plain_step(h)
+        gone = [r for r in running if r.status is RequestStatus.PREEMPTED]
+        if gone and first_preempted is None:
+            first_preempted = gone[0]
+    h.drain()
+    assert first_preempted is late and urgent.num_preemptions == 0
+    for r in (late, urgent, mid):
+        assert r.output_token_ids == [TOKEN] * 6

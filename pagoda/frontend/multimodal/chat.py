@@ -168,11 +168,13 @@ async def render_chat_prompt(
     *,
     continue_final_message: bool = False,
     request_template: str | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[str, list[int], Any]:
     """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
     MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
     `chat_template` is trusted (the server's); `request_template`, a request's own template, is
-    rendered in the bounded sandbox instead (`frontend/template_sandbox.py`)."""
+    rendered in the bounded sandbox instead (`frontend/template_sandbox.py`). The template writes the
+    special tokens (BOS...); `add_special_tokens` adds the tokenizer's own on top (vLLM's request field)."""
     dicts, refs = split_content(messages)
     if refs and mm is None:
         article = "an image" if refs[0].modality == "image" else "a video"
@@ -199,7 +201,7 @@ async def render_chat_prompt(
             tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs, continue_final_message
         )
     try:
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except Exception:
         _check_encodable(text)
         raise
