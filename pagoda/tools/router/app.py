@@ -37,8 +37,8 @@ from pagoda.tools.router.metrics import GAUGE_PUBLISH_S, RouterMetrics
 from pagoda.tools.router.policy import Balancer
 from pagoda.tools.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
 from pagoda.tools.router.ui import UI_PATHS, add_ui_routes
-from pagoda.tools.router.upstream import FastHTTPTransport
-from pagoda.tools.router.usage import UsageLedger
+from pagoda.tools.router.upstream import FIRST_BYTE, FastHTTPTransport
+from pagoda.tools.router.usage import UsageLedger, empty_row
 
 logger = logging.getLogger("pagoda.tools.router")
 
@@ -128,7 +128,7 @@ class RouterState:
         self.key_labels = config.key_labels()
         self.session_header_bytes = config.session_header.encode("latin-1")
         self.timeout = httpx.Timeout(connect=config.connect_timeout, read=config.read_timeout, write=60.0, pool=60.0)
-        self.timeout_extension = {"timeout": self.timeout.as_dict()}
+        self.timeout_extension = {"timeout": {**self.timeout.as_dict(), FIRST_BYTE: config.first_byte_timeout}}
         self.config = config
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -202,8 +202,12 @@ class RouterState:
             m.child(m.key_no_usage, label).inc()
 
     def usage_snapshot(self) -> dict[str, dict[str, int]]:
-        """Per-key totals: this process's ledger, or with --workers N the sum over all workers."""
-        return self.metrics.usage_totals() if self.multiprocess else self.usage.snapshot()
+        """Per-key totals: this process's ledger, or with --workers N the sum over all workers. Every configured
+        key has a row, zeros until it is used (a key's row does not appear or vanish with its traffic)."""
+        rows = self.metrics.usage_totals() if self.multiprocess else self.usage.snapshot()
+        for label, _ in self.config.api_keys:
+            rows.setdefault(label, empty_row())
+        return rows
 
     def auth(self, scope: Any) -> str | None:
         """The caller's usage label, or None when keys are configured and the bearer token is not one."""
