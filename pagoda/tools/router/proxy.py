@@ -353,10 +353,13 @@ class ProxyHandler:
                         metrics.child(metrics.errors, candidate.name, kind).inc()
                         failures.append(f"{candidate.name}: {self._failure(exc)}")
                         continue
-                if upstream.status_code < 500:
+                if upstream.status_code >= 500:
+                    if trial:
+                        candidate.breaker.release()
+                elif buffered is not None:
                     candidate.breaker.record_success()
-                elif trial:
-                    candidate.breaker.release()
+                # A stream's verdict comes at its end (_relay): one that stalls after its headers must count as a
+                # failure, not as a success followed by a failure.
                 response, backend, handed_over = upstream, candidate, True
                 break
             finally:
@@ -384,7 +387,7 @@ class ProxyHandler:
                 error_type,
             )
             return
-        await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0, buffered)
+        await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0, buffered, trial)
 
     def _failure(self, exc: Exception) -> str:
         """What went wrong with one attempt, for the client's error message."""
@@ -425,6 +428,7 @@ class ProxyHandler:
         flags: _Flags,
         t0: float,
         buffered: _Buffered | None,
+        trial: bool,
     ) -> None:
         """Send the chosen backend's answer: a buffered one at once, a stream as it arrives. Everything this
         request counts (metrics, usage) is recorded before its last byte is sent, so a client that has read
@@ -477,6 +481,8 @@ class ProxyHandler:
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = tap.flush()
+                if status < 500:
+                    backend.breaker.record_success()
             except httpx.TransportError as exc:
                 # The backend broke or went silent mid-stream: too late to retry. The client gets an error event
                 # and no [DONE], so that it cannot take the answer for complete.
@@ -492,6 +498,8 @@ class ProxyHandler:
         finally:
             await upstream.aclose()
             backend.inflight -= 1
+            if trial and backend.breaker.trial_in_flight:  # a half-open trial without a verdict (the client left)
+                backend.breaker.release()
             if not accounted:  # the client left, or the answer was cut: no usage to count
                 self._account(backend, plan, endpoint, None, status, t0, upstream, None)
 
