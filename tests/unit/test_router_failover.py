@@ -89,7 +89,8 @@ async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _:
         await writer.drain()
 
 
-stalls, silent, broken, healthy = (RawServer(h) for h in (stalls_after_two_events, never_answers, breaks_its_body, answers))
+HANDLERS = (stalls_after_two_events, never_answers, breaks_its_body, answers)
+stalls, silent, broken, healthy = (RawServer(h) for h in HANDLERS)
 healthy.events = 3  # events of its streams
 TIMEOUT_S = 0.3
 
@@ -137,7 +138,6 @@ class contextlib_group:  # noqa: N801 - used as `async with`
 def run(servers: list[RawServer], test: Callable[..., Any], **overrides: Any) -> Any:
     async def main() -> Any:
         return await with_router(servers, test, **overrides)
-
 
     with asyncio.Runner() as runner:  # without the router's timeouts these would hang: the bound fails them instead
         return runner.run(asyncio.wait_for(main(), 30))
@@ -285,8 +285,8 @@ def test_the_router_refuses_oversized_request_headers() -> None:
     async def main() -> None:
         async with healthy:
             ns = parser.parse_args(["--backend", healthy.url, "--host", "127.0.0.1", "--port", "0"])
-            cfg = build_config(None, {"backends": [healthy.url], "host": "127.0.0.1", "port": 0, "max_header_count": 32})
-            server = make_server(ns, cfg)
+            settings = {"backends": [healthy.url], "host": "127.0.0.1", "port": 0, "max_header_count": 32}
+            server = make_server(ns, build_config(None, settings))
             task = asyncio.ensure_future(server.serve())
             try:
                 while not server.started:

@@ -337,12 +337,14 @@ class ProxyHandler:
                     failures.append(f"{candidate.name}: HTTP {upstream.status_code}")
                     last_failed = (candidate, upstream, content)
                     continue
+                answer = None
                 if not _is_sse(upstream):
                     # A non-streamed answer is read whole before any of it is sent: one whose body stalls or breaks
                     # (a cut or malformed chunked body) still goes to the next backend, and no client gets a 200
                     # with half a body.
+                    answer = _Buffered()
                     try:
-                        buffered = await _read_buffered(upstream)
+                        await answer.read(upstream)
                     except BaseException as exc:
                         await upstream.aclose()
                         if not isinstance(exc, httpx.TransportError):
@@ -351,8 +353,9 @@ class ProxyHandler:
                         kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "broken_body"
                         timeouts += kind == "timeout"
                         metrics.child(metrics.errors, candidate.name, kind).inc()
-                        failures.append(f"{candidate.name}: {self._failure(exc)}")
+                        failures.append(f"{candidate.name}: {self._failure(exc, answer.first_at is not None)}")
                         continue
+                buffered = answer
                 if upstream.status_code >= 500:
                     if trial:
                         candidate.breaker.release()
@@ -389,12 +392,14 @@ class ProxyHandler:
             return
         await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0, buffered, trial)
 
-    def _failure(self, exc: Exception) -> str:
+    def _failure(self, exc: Exception, body_started: bool = False) -> str:
         """What went wrong with one attempt, for the client's error message."""
         cfg = self.state.config
         if isinstance(exc, httpx.ConnectTimeout):
             return f"no connection within {cfg.connect_timeout:g} s (--connect-timeout)"
         if isinstance(exc, httpx.ReadTimeout):
+            if body_started:
+                return f"its answer stopped for {cfg.read_timeout:g} s (--read-timeout)"
             return f"no answer within {cfg.first_byte_timeout:g} s (--first-byte-timeout)"
         return f"{type(exc).__name__}{': ' + str(exc) if str(exc) else ''}"
 
@@ -549,30 +554,33 @@ class ProxyHandler:
 
 class _Buffered:
     """A non-streamed answer read before any of it is sent: all of it, or the first `_MAX_BUFFERED` bytes and
-    the stream's iterator for the rest."""
+    the stream's iterator for the rest (`rest`)."""
 
     __slots__ = ("data", "first_at", "rest")
 
-    def __init__(self, data: bytes, first_at: float | None, rest: Any) -> None:
-        self.data, self.first_at, self.rest = data, first_at, rest
+    def __init__(self) -> None:
+        self.data = b""
+        self.first_at: float | None = None  # when its first body byte came
+        self.rest: Any = None
+
+    async def read(self, upstream: httpx.Response) -> None:
+        it = upstream.stream.__aiter__()
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while size <= _MAX_BUFFERED:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    return
+                if self.first_at is None:
+                    self.first_at = time.perf_counter()
+                parts.append(chunk)
+                size += len(chunk)
+            self.rest = it
+        finally:
+            self.data = b"".join(parts)
 
 
 def _is_sse(upstream: httpx.Response) -> bool:
     return upstream.headers.get("content-type", "").startswith("text/event-stream")
-
-
-async def _read_buffered(upstream: httpx.Response) -> _Buffered:
-    it = upstream.stream.__aiter__()
-    parts: list[bytes] = []
-    size = 0
-    first_at = None
-    while size <= _MAX_BUFFERED:
-        try:
-            chunk = await it.__anext__()
-        except StopAsyncIteration:
-            return _Buffered(b"".join(parts), first_at, None)
-        if first_at is None:
-            first_at = time.perf_counter()
-        parts.append(chunk)
-        size += len(chunk)
-    return _Buffered(b"".join(parts), first_at, it)
