@@ -361,8 +361,8 @@ class ProxyHandler:
                         candidate.breaker.release()
                 elif buffered is not None:
                     candidate.breaker.record_success()
-                # A stream's verdict comes at its end (_relay): one that stalls after its headers must count as a
-                # failure, not as a success followed by a failure.
+                # A stream's verdict comes at its end (_relay; a half-open trial's at its first event): one that
+                # stalls after its headers must count as a failure, not as a success followed by a failure.
                 response, backend, handed_over = upstream, candidate, True
                 break
             finally:
@@ -482,6 +482,8 @@ class ProxyHandler:
                     if first:
                         metrics.child(metrics.ttfb, backend.name).observe(time.perf_counter() - t0)
                         first = False
+                        if trial:  # a half-open trial that streams: the backend is back (no wait for its end)
+                            backend.breaker.record_success()
                     chunk = tap.feed(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
