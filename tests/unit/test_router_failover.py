@@ -17,7 +17,7 @@ import httpx
 
 from pagoda.tools.router.app import RouterState, build_app, make_server
 from pagoda.tools.router.cli import add_router_args
-from pagoda.tools.router.config import build_config
+from pagoda.tools.router.config import build_config, parse_text
 from tests.unit.test_router_upstream import RawServer
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -276,6 +276,10 @@ def test_defaults_are_finite_and_zero_means_none() -> None:
     assert (cfg.max_header_bytes, cfg.max_header_count) == (64 * 1024, 256)
     cfg = build_config(None, {"backends": ["http://127.0.0.1:1"], "first_byte_timeout": 0, "read_timeout": 0})
     assert (cfg.first_byte_timeout, cfg.read_timeout) == (None, None)
+    text = b'backends = ["http://127.0.0.1:1"]\nread_timeout = 5\n[limits]\nmax_header_count = 100\n'
+    text += b"header_timeout = 9\n"
+    cfg = build_config(parse_text(text, ".toml"))
+    assert (cfg.read_timeout, cfg.first_byte_timeout, cfg.max_header_count, cfg.header_timeout) == (5, 300.0, 100, 9)
 
 
 def test_the_router_refuses_oversized_request_headers() -> None:
