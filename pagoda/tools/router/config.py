@@ -72,7 +72,7 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    failures: int = 3  # consecutive request failures (connect error, 502/503/504) that open it
+    failures: int = 3  # consecutive request failures (connect error, timeout, 502/503/504, broken body) that open it
     open_seconds: float = 10.0  # how long it stays open before one trial request (half-open)
 
 
