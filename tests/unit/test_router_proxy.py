@@ -269,7 +269,9 @@ def test_api_keys_and_backend_key() -> None:
         assert r.status_code == 200
         assert fakes.seen[-1][2]["authorization"] == "Bearer backend-secret"  # the router's key, not the client's
         r = await client.get("/usage", headers={"Authorization": "Bearer sk-bob"})
-        assert set(r.json()["keys"]) == {"alice"}
+        keys = r.json()["keys"]
+        assert keys["alice"]["requests"] == 1 and keys["alice"]["total_tokens"] == 10
+        assert keys["bob"] == dict.fromkeys(keys["alice"], 0)  # every configured key has a row, zeros until used
 
     run(fakes, test, api_keys=[("alice", "sk-alice"), ("bob", "sk-bob")], backend_api_key="backend-secret")
 

@@ -31,18 +31,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.server.http_limits import HttpLimits, http_protocol
 from pagoda.tools.router.config import ConfigWatcher, RouterConfig, key_label, overrides_from
 from pagoda.tools.router.health import Backend, HealthChecker, auth_headers
 from pagoda.tools.router.metrics import GAUGE_PUBLISH_S, RouterMetrics
 from pagoda.tools.router.policy import Balancer
 from pagoda.tools.router.proxy import PROXY_PATHS, ProxyHandler, error_body, send_error
 from pagoda.tools.router.ui import UI_PATHS, add_ui_routes
-from pagoda.tools.router.upstream import FastHTTPTransport
-from pagoda.tools.router.usage import UsageLedger
+from pagoda.tools.router.upstream import FIRST_BYTE, FastHTTPTransport
+from pagoda.tools.router.usage import UsageLedger, empty_row
 
 logger = logging.getLogger("pagoda.tools.router")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+ROUTER_KEEP_ALIVE_S = 75.0
 
 
 class LongQueue:
@@ -128,7 +130,7 @@ class RouterState:
         self.key_labels = config.key_labels()
         self.session_header_bytes = config.session_header.encode("latin-1")
         self.timeout = httpx.Timeout(connect=config.connect_timeout, read=config.read_timeout, write=60.0, pool=60.0)
-        self.timeout_extension = {"timeout": self.timeout.as_dict()}
+        self.timeout_extension = {"timeout": {**self.timeout.as_dict(), FIRST_BYTE: config.first_byte_timeout}}
         self.config = config
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -202,8 +204,12 @@ class RouterState:
             m.child(m.key_no_usage, label).inc()
 
     def usage_snapshot(self) -> dict[str, dict[str, int]]:
-        """Per-key totals: this process's ledger, or with --workers N the sum over all workers."""
-        return self.metrics.usage_totals() if self.multiprocess else self.usage.snapshot()
+        """Per-key totals: this process's ledger, or with --workers N the sum over all workers. Every configured
+        key has a row, zeros until it is used (a key's row does not appear or vanish with its traffic)."""
+        rows = self.metrics.usage_totals() if self.multiprocess else self.usage.snapshot()
+        for label, _ in self.config.api_keys:
+            rows.setdefault(label, empty_row())
+        return rows
 
     def auth(self, scope: Any) -> str | None:
         """The caller's usage label, or None when keys are configured and the bearer token is not one."""
@@ -350,6 +356,19 @@ def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | Non
     state = RouterState(config, multiprocess_dir=multiprocess_dir, worker_index=worker_index)
     watcher = ConfigWatcher(ns.config, overrides, state.apply, ns.reload_interval) if ns.config else None
     app = build_app(state, watcher)
+    # The client side gets `pagoda serve`'s transport limits (the same protocol class: request line and headers
+    # counted as they arrive, 431 beyond --max-header-bytes/--max-header-count; 408 for headers or a body that
+    # do not arrive in time; a silent new connection closed after the idle timeout). No connection cap: the
+    # router's --max-connections is its upstream pool.
+    limits = HttpLimits(
+        max_request_bytes=config.max_request_bytes,
+        max_header_bytes=config.max_header_bytes,
+        max_header_count=config.max_header_count,
+        header_timeout=config.header_timeout,
+        body_timeout=config.body_timeout,
+        keep_alive_timeout=ROUTER_KEEP_ALIVE_S,
+        max_connections=1 << 30,
+    )
     # timeout_keep_alive 75 s (uvicorn: 5 s): longer than clients' pools keep idle connections (httpx 5 s, aiohttp
     # 15 s), so a client never reuses a connection the router is closing at that moment.
     return uvicorn.Server(
@@ -362,6 +381,7 @@ def make_server(ns: argparse.Namespace, config: Any, multiprocess_dir: str | Non
             timeout_graceful_shutdown=ns.shutdown_timeout,
             backlog=4096,
             proxy_headers=False,
-            timeout_keep_alive=75,
+            timeout_keep_alive=ROUTER_KEEP_ALIVE_S,
+            http=http_protocol(limits),
         )
     )

@@ -102,6 +102,27 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend-api-key", default=None, help="bearer key sent to the backends")
     g.add_argument("--max-request-bytes", type=int, default=None, help="413 beyond this body size (default 32 MiB)")
     g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=None,
+        help="431 beyond this size of a request's line and headers (default 64 KiB, as pagoda serve)",
+    )
+    g.add_argument(
+        "--max-header-count", type=int, default=None, help="431 beyond this many request header fields (default 256)"
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        help="s a client has to send a request's headers after its first byte (default 60; 408 beyond)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        help="s a client has to send a request's body after its headers (default 300; 408 beyond)",
+    )
+    g.add_argument(
         "--long-request-chars",
         type=int,
         default=None,
@@ -122,10 +143,19 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--connect-timeout", type=float, default=None, help="upstream connect timeout in s (default 5)")
     g.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=None,
+        help="s a backend has for the first byte of its answer body: the first event of a stream, the whole "
+        "answer of a request that does not stream (default 300; 0 = none). Beyond it the request goes to the "
+        "next backend",
+    )
+    g.add_argument(
         "--read-timeout",
         type=float,
         default=None,
-        help="upstream idle timeout between reads in s (default none: streams may pause for long)",
+        help="s a backend may stay silent once its body has started, e.g. between two events of a stream "
+        "(default 60; 0 = none). Beyond it a stream ends with an SSE error event",
     )
     g.add_argument("--max-connections", type=int, default=None, help="upstream connection pool size (default 2048)")
     g.add_argument(

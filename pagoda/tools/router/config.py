@@ -40,6 +40,12 @@ from typing import Any
 
 import tomllib
 
+from pagoda.config.server import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADER_COUNT,
+)
 from pagoda.errors import ConfigError
 
 logger = logging.getLogger("pagoda.tools.router")
@@ -66,7 +72,7 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    failures: int = 3  # consecutive request failures (connect error, 502/503/504) that open it
+    failures: int = 3  # consecutive request failures (connect error, timeout, 502/503/504, broken body) that open it
     open_seconds: float = 10.0  # how long it stays open before one trial request (half-open)
 
 
@@ -83,8 +89,14 @@ class RouterConfig:
     backend_api_key: str | None = None
     max_attempts: int = 3  # backends tried per request before the first byte
     connect_timeout: float = 5.0
-    read_timeout: float | None = None  # idle timeout between upstream reads; None = none
+    # Until the backend's first body byte (its whole answer, for a request that does not stream); None = none.
+    first_byte_timeout: float | None = 300.0
+    read_timeout: float | None = 60.0  # between upstream reads once the body has started; None = none
     max_request_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # the client's request line + headers (431 beyond)
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT  # header fields of a client's request (431 beyond)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers, from its first byte (408 beyond)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # a request's body, from its headers (408 beyond)
     long_request_chars: int = 0  # requests with more message text go through the long queue; 0 = off
     long_request_concurrency: int = 4
     inject_usage: bool = True  # ask streams for usage (and hide it if the client did not)
@@ -129,10 +141,15 @@ _TOP = {
     "backend_api_key",
     "max_attempts",
     "connect_timeout",
+    "first_byte_timeout",
     "read_timeout",
     "inject_usage",
     "max_connections",
     "max_request_bytes",
+    "max_header_bytes",
+    "max_header_count",
+    "header_timeout",
+    "body_timeout",
     "long_request_chars",
     "long_request_concurrency",
     "backends",
@@ -141,7 +158,15 @@ _TOP = {
 _SECTIONS = {
     "health": {f.name for f in dataclasses.fields(HealthConfig)},
     "breaker": {f.name for f in dataclasses.fields(BreakerConfig)},
-    "limits": {"max_request_bytes", "long_request_chars", "long_request_concurrency"},
+    "limits": {
+        "max_request_bytes",
+        "max_header_bytes",
+        "max_header_count",
+        "header_timeout",
+        "body_timeout",
+        "long_request_chars",
+        "long_request_concurrency",
+    },
 }
 
 
@@ -263,7 +288,12 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
         )
     except TypeError as exc:
         raise ConfigError(f"router config: {exc}") from None
-    cfg = dataclasses.replace(cfg, session_header=cfg.session_header.lower(), read_timeout=cfg.read_timeout or None)
+    cfg = dataclasses.replace(
+        cfg,
+        session_header=cfg.session_header.lower(),
+        read_timeout=cfg.read_timeout or None,
+        first_byte_timeout=cfg.first_byte_timeout or None,
+    )
     _validate(cfg)
     return cfg
 
@@ -287,7 +317,13 @@ def _validate(cfg: RouterConfig) -> None:
     check(cfg.max_attempts >= 1, "max_attempts must be >= 1")
     check(cfg.connect_timeout > 0, "connect_timeout must be > 0")
     check(cfg.read_timeout is None or cfg.read_timeout > 0, "read_timeout must be > 0 (or 0 for none)")
+    check(
+        cfg.first_byte_timeout is None or cfg.first_byte_timeout > 0, "first_byte_timeout must be > 0 (or 0 for none)"
+    )
     check(cfg.max_request_bytes >= 1024, "max_request_bytes must be >= 1024")
+    check(cfg.max_header_bytes >= 1024, "max_header_bytes must be >= 1024")
+    check(cfg.max_header_count >= 16, "max_header_count must be >= 16")
+    check(cfg.header_timeout > 0 and cfg.body_timeout > 0, "header_timeout and body_timeout must be > 0")
     check(cfg.long_request_chars >= 0, "long_request_chars must be >= 0 (0 = off)")
     check(cfg.long_request_concurrency >= 1, "long_request_concurrency must be >= 1")
     check(cfg.max_connections >= 1, "max_connections must be >= 1")
@@ -377,7 +413,12 @@ def overrides_from(ns: argparse.Namespace) -> dict[str, Any]:
         "long_request_concurrency": ns.long_request_concurrency,
         "inject_usage": ns.inject_usage,
         "connect_timeout": ns.connect_timeout,
+        "first_byte_timeout": ns.first_byte_timeout,
         "read_timeout": ns.read_timeout,
+        "max_header_bytes": ns.max_header_bytes,
+        "max_header_count": ns.max_header_count,
+        "header_timeout": ns.header_timeout,
+        "body_timeout": ns.body_timeout,
         "max_connections": ns.max_connections,
         "health.interval": ns.health_interval,
         "health.timeout": ns.health_timeout,

@@ -5,9 +5,10 @@ A backend takes new requests when it is healthy by the probes *and* its breaker 
 - Active: GET `/health` every `interval` s; `fail_threshold` consecutive failures eject the backend,
   `pass_threshold` consecutive passes readmit it (which also closes its breaker and refreshes the
   model ids it serves from `/v1/models`). Every ejection and readmission is logged.
-- Passive (circuit breaker): request failures before the first byte (connection errors, 502/503/504)
-  and streams cut by the backend count; `failures` consecutive ones open the breaker; after
-  `open_seconds` one trial request goes through (half-open): success closes it, failure reopens it.
+- Passive (circuit breaker): request failures (connection errors, timeouts, 502/503/504, bodies that
+  break) and streams that stall or are cut count; a stream's success counts at its clean end (a trial's at
+  its first event); `failures` consecutive ones open the breaker; after `open_seconds` one trial request
+  goes through (half-open): success closes it, failure reopens it.
 """
 
 from __future__ import annotations

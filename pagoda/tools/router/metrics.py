@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagoda.tools.router.health import STATE_VALUE
+from pagoda.tools.router.usage import empty_row
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 P = "pagoda_router:"
@@ -202,16 +203,9 @@ class RouterMetrics:
                 field = fields.get(sample.name)
                 if field is None:
                     continue
-                row = rows.setdefault(
-                    sample.labels["key"],
-                    {
-                        "requests": 0,
-                        "requests_without_usage": 0,
-                        "prompt_tokens": 0,
-                        "completion_tokens": 0,
-                        "total_tokens": 0,
-                    },
-                )
+                row = rows.get(sample.labels["key"])
+                if row is None:
+                    row = rows[sample.labels["key"]] = empty_row()
                 row[field] += int(sample.value)
         for row in rows.values():
             row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]

@@ -9,12 +9,21 @@ long, pick backends (policy.Balancer), then send upstream.
   RouterState.upstream_for for why not AsyncClient.send).
 - Retries: a connection error or timeout, or a 502/503/504 status, before anything was sent to the
   client marks the backend failed (circuit breaker) and the request goes to the next backend in the
-  plan (ring order), up to --max-attempts. Once our status line is sent nothing is retried.
+  plan (ring order), up to --max-attempts. A non-streamed answer is read whole (up to 16 MiB) before any
+  of it is sent, so one whose body stalls or breaks is retried too (and never reaches a client as a 200
+  with half a body; when no backend answers whole, the client gets a 502, or a 504 when they all timed
+  out). Once our status line is sent nothing is retried.
+- Timeouts: --first-byte-timeout until the backend's first body byte (a stream's first event, or the whole
+  answer of a request that does not stream), --read-timeout between reads after it. A stream that stalls
+  or breaks mid-way counts against the backend's breaker and ends with an SSE error event (OpenAI error
+  JSON, 504 or 502) and no [DONE].
 - Passthrough: our status line and headers go out only when the upstream status is known (so errors
-  pass through as the backend's own JSON with its status); the body is forwarded as it arrives: the
-  bytes read from the socket since the last send go out in one piece (never held back, never split),
+  pass through as the backend's own JSON with its status); a stream's body is forwarded as it arrives:
+  the bytes read from the socket since the last send go out in one piece (never held back, never split),
   with `X-Accel-Buffering: no`.
   Every response carries `X-Pagoda-Backend` (the backend's name; "router" when the router answered).
+- Accounting: a request's metrics and usage are recorded before its last byte is sent (router --workers N:
+  another worker reading the shared metric files right after the client got its answer sees them).
 - Disconnects: a watcher task waits for `http.disconnect` and cancels the handler; closing the
   half-read upstream response closes that connection, so the backend aborts the request and frees
   its KV blocks.
@@ -70,7 +79,7 @@ _DOWN_SKIP = frozenset(
         b"server",
     }
 )
-_MAX_JSON_CAPTURE = 16 * 1024 * 1024  # non-streamed bodies kept (on the side) for their usage
+_MAX_BUFFERED = 16 * 1024 * 1024  # a non-streamed answer up to this size is read whole before any of it is sent
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None) -> bytes:
@@ -89,10 +98,6 @@ async def send_error(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _sse_error(message: str, status: int) -> bytes:
-    return b"data: " + error_body(status, message, "BadGatewayError") + b"\n\n"
 
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true},'
@@ -281,7 +286,9 @@ class ProxyHandler:
 
         response: httpx.Response | None = None
         backend = None
+        buffered: _Buffered | None = None
         failures: list[str] = []
+        timeouts = 0
         last_failed: tuple[Any, httpx.Response, bytes] | None = None
         attempts = plan.order[: cfg.max_attempts]
         for i, candidate in enumerate(attempts):
@@ -314,8 +321,9 @@ class ProxyHandler:
                     kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "dropped" if dropped else "connect"
                     if not dropped:
                         candidate.breaker.record_failure()
+                    timeouts += kind == "timeout"
                     metrics.child(metrics.errors, candidate.name, kind).inc()
-                    failures.append(f"{candidate.name}: {type(exc).__name__}{': ' + str(exc) if str(exc) else ''}")
+                    failures.append(f"{candidate.name}: {self._failure(exc)}")
                     continue
                 if upstream.status_code in RETRY_STATUSES:
                     try:
@@ -329,10 +337,32 @@ class ProxyHandler:
                     failures.append(f"{candidate.name}: HTTP {upstream.status_code}")
                     last_failed = (candidate, upstream, content)
                     continue
-                if upstream.status_code < 500:
+                answer = None
+                if not _is_sse(upstream):
+                    # A non-streamed answer is read whole before any of it is sent: one whose body stalls or breaks
+                    # (a cut or malformed chunked body) still goes to the next backend, and no client gets a 200
+                    # with half a body.
+                    answer = _Buffered()
+                    try:
+                        await answer.read(upstream)
+                    except BaseException as exc:
+                        await upstream.aclose()
+                        if not isinstance(exc, httpx.TransportError):
+                            raise
+                        candidate.breaker.record_failure()
+                        kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "broken_body"
+                        timeouts += kind == "timeout"
+                        metrics.child(metrics.errors, candidate.name, kind).inc()
+                        failures.append(f"{candidate.name}: {self._failure(exc, answer.first_at is not None)}")
+                        continue
+                buffered = answer
+                if upstream.status_code >= 500:
+                    if trial:
+                        candidate.breaker.release()
+                elif buffered is not None:
                     candidate.breaker.record_success()
-                elif trial:
-                    candidate.breaker.release()
+                # A stream's verdict comes at its end (_relay; a half-open trial's at its first event): one that
+                # stalls after its headers must count as a failure, not as a success followed by a failure.
                 response, backend, handed_over = upstream, candidate, True
                 break
             finally:
@@ -350,16 +380,28 @@ class ProxyHandler:
                 await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
                 await send({"type": "http.response.body", "body": content, "more_body": False})
                 return
-            metrics.child(metrics.requests, "none", endpoint, "502").inc()
+            status, error_type = (504, "GatewayTimeoutError") if timeouts == len(failures) else (502, "BadGatewayError")
+            metrics.child(metrics.requests, "none", endpoint, str(status)).inc()
             flags.done = True
             await send_error(
                 send,
-                502,
+                status,
                 f"No backend could take the request ({len(failures)} tried): " + "; ".join(failures),
-                "BadGatewayError",
+                error_type,
             )
             return
-        await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0)
+        await self._relay(send, response, backend, plan, endpoint, label, drop_usage, flags, t0, buffered, trial)
+
+    def _failure(self, exc: Exception, body_started: bool = False) -> str:
+        """What went wrong with one attempt, for the client's error message."""
+        cfg = self.state.config
+        if isinstance(exc, httpx.ConnectTimeout):
+            return f"no connection within {cfg.connect_timeout:g} s (--connect-timeout)"
+        if isinstance(exc, httpx.ReadTimeout):
+            if body_started:
+                return f"its answer stopped for {cfg.read_timeout:g} s (--read-timeout)"
+            return f"no answer within {cfg.first_byte_timeout:g} s (--first-byte-timeout)"
+        return f"{type(exc).__name__}{': ' + str(exc) if str(exc) else ''}"
 
     def _down_headers(
         self, upstream: httpx.Response, backend: Any, is_sse: bool, drop_usage: bool
@@ -390,15 +432,17 @@ class ProxyHandler:
         drop_usage: bool,
         flags: _Flags,
         t0: float,
+        buffered: _Buffered | None,
+        trial: bool,
     ) -> None:
-        state = self.state
-        metrics = state.metrics
+        """Send the chosen backend's answer: a buffered one at once, a stream as it arrives. Everything this
+        request counts (metrics, usage) is recorded before its last byte is sent, so a client that has read
+        its whole answer finds it in /metrics and /usage, whichever router worker it asks."""
+        metrics = self.state.metrics
         status = upstream.status_code
-        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        is_sse = buffered is None
         tap = SSEUsageTap(drop_usage) if is_sse else None
-        captured: list[bytes] | None = [] if (not is_sse and status == 200) else None
-        captured_size = 0
-        completed = False
+        accounted = False
         try:
             await send(
                 {
@@ -407,6 +451,28 @@ class ProxyHandler:
                     "headers": self._down_headers(upstream, backend, is_sse, drop_usage),
                 }
             )
+            if buffered is not None:
+                if buffered.first_at is not None:
+                    metrics.child(metrics.ttfb, backend.name).observe(buffered.first_at - t0)
+                if buffered.rest is None:  # the whole answer
+                    usage = usage_of_json(buffered.data) if status == 200 else None
+                    accounted = self._account(backend, plan, endpoint, label, status, t0, upstream, usage)
+                    flags.done = True
+                    await send({"type": "http.response.body", "body": buffered.data, "more_body": False})
+                    return
+                # Larger than the buffer: the rest is passed through as it comes (and cut if the backend fails now).
+                await send({"type": "http.response.body", "body": buffered.data, "more_body": True})
+                try:
+                    async for chunk in buffered.rest:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except httpx.TransportError as exc:
+                    self._cut(backend, exc, False)
+                    status = 502
+                    return  # the connection is closed under the client: a truncated body cannot pass for whole
+                accounted = self._account(backend, plan, endpoint, label, status, t0, upstream, None)
+                flags.done = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             first = True
             tail = b""
             try:
@@ -416,28 +482,22 @@ class ProxyHandler:
                     if first:
                         metrics.child(metrics.ttfb, backend.name).observe(time.perf_counter() - t0)
                         first = False
-                    if tap is not None:
-                        chunk = tap.feed(chunk)
-                    elif captured is not None and captured_size < _MAX_JSON_CAPTURE:
-                        captured.append(chunk)
-                        captured_size += len(chunk)
+                        if trial:  # a half-open trial that streams: the backend is back (no wait for its end)
+                            backend.breaker.record_success()
+                    chunk = tap.feed(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if tap is not None:
-                    tail = tap.flush()
+                tail = tap.flush()
+                if status < 500:
+                    backend.breaker.record_success()
             except httpx.TransportError as exc:
-                # The backend broke mid-response: too late to retry. SSE clients get an error event and no
-                # [DONE]; other clients get a truncated response (the connection is closed under them).
-                backend.breaker.record_failure()
-                metrics.child(metrics.errors, backend.name, "stream_cut").inc()
-                logger.warning("backend %s cut a response short: %s", backend.name, type(exc).__name__)
-                if not is_sse:
-                    return
-                tail = _sse_error(f"The backend {backend.name} failed mid-response: {type(exc).__name__}", 502)
-                status = 502
+                # The backend broke or went silent mid-stream: too late to retry. The client gets an error event
+                # and no [DONE], so that it cannot take the answer for complete.
+                status, error_type, message = self._cut(backend, exc, first)
+                tail = b"data: " + error_body(status, message, error_type) + b"\n\n"
+            accounted = self._account(backend, plan, endpoint, label, status, t0, upstream, tap.usage)
             flags.done = True
             await send({"type": "http.response.body", "body": tail, "more_body": False})
-            completed = True
         except asyncio.CancelledError:
             if flags.disconnected:
                 metrics.child(metrics.disconnects, backend.name).inc()
@@ -445,13 +505,84 @@ class ProxyHandler:
         finally:
             await upstream.aclose()
             backend.inflight -= 1
-            metrics.child(metrics.requests, backend.name, endpoint, str(status)).inc()
-            metrics.child(metrics.latency, backend.name).observe(time.perf_counter() - t0)
-            metrics.child(
-                metrics.affinity,
-                backend.name,
-                "none" if plan.owner is None else "hit" if backend.name == plan.owner else "miss",
-            ).inc()
-            if completed and upstream.status_code == 200:
-                usage = tap.usage if tap is not None else (usage_of_json(b"".join(captured)) if captured else None)
-                state.record_usage(label, tokens_of(usage))
+            if trial and backend.breaker.trial_in_flight:  # a half-open trial without a verdict (the client left)
+                backend.breaker.release()
+            if not accounted:  # the client left, or the answer was cut: no usage to count
+                self._account(backend, plan, endpoint, None, status, t0, upstream, None)
+
+    def _account(
+        self,
+        backend: Any,
+        plan: Any,
+        endpoint: str,
+        label: str | None,
+        status: int,
+        t0: float,
+        upstream: httpx.Response,
+        usage: Any,
+    ) -> bool:
+        """Record one answered request; its usage too unless `label` is None (the answer did not reach its end)."""
+        state = self.state
+        metrics = state.metrics
+        metrics.child(metrics.requests, backend.name, endpoint, str(status)).inc()
+        metrics.child(metrics.latency, backend.name).observe(time.perf_counter() - t0)
+        metrics.child(
+            metrics.affinity,
+            backend.name,
+            "none" if plan.owner is None else "hit" if backend.name == plan.owner else "miss",
+        ).inc()
+        if label is not None and upstream.status_code == 200:
+            state.record_usage(label, tokens_of(usage))
+        return True
+
+    def _cut(self, backend: Any, exc: httpx.TransportError, before_first: bool) -> tuple[int, str, str]:
+        """A backend that failed after its answer started: it counts against its breaker. Returns the status,
+        error type and message for the client."""
+        metrics = self.state.metrics
+        cfg = self.state.config
+        backend.breaker.record_failure()
+        if isinstance(exc, httpx.TimeoutException):
+            metrics.child(metrics.errors, backend.name, "timeout").inc()
+            if before_first:
+                limit = f"{cfg.first_byte_timeout:g} s (--first-byte-timeout)"
+            else:
+                limit = f"{cfg.read_timeout:g} s (--read-timeout)"
+            logger.warning("backend %s sent nothing for %s; ending its stream", backend.name, limit)
+            return 504, "GatewayTimeoutError", f"The backend {backend.name} sent nothing for {limit}."
+        metrics.child(metrics.errors, backend.name, "stream_cut").inc()
+        logger.warning("backend %s cut a response short: %s", backend.name, type(exc).__name__)
+        return 502, "BadGatewayError", f"The backend {backend.name} failed mid-response: {type(exc).__name__}"
+
+
+class _Buffered:
+    """A non-streamed answer read before any of it is sent: all of it, or the first `_MAX_BUFFERED` bytes and
+    the stream's iterator for the rest (`rest`)."""
+
+    __slots__ = ("data", "first_at", "rest")
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.first_at: float | None = None  # when its first body byte came
+        self.rest: Any = None
+
+    async def read(self, upstream: httpx.Response) -> None:
+        it = upstream.stream.__aiter__()
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while size <= _MAX_BUFFERED:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    return
+                if self.first_at is None:
+                    self.first_at = time.perf_counter()
+                parts.append(chunk)
+                size += len(chunk)
+            self.rest = it
+        finally:
+            self.data = b"".join(parts)
+
+
+def _is_sse(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")

@@ -11,6 +11,10 @@ It is an `httpx.AsyncBaseTransport`, so the proxy still builds `httpx.Request`s,
 sees httpx's exceptions (ConnectError, ConnectTimeout, ReadTimeout, PoolTimeout, ReadError, WriteError,
 RemoteProtocolError), exactly as with `httpx.AsyncHTTPTransport`, which remains in use for https:// backends.
 
+Timeouts: httpx's connect, write and pool, and two for reading: until the first body byte (the `first_byte` key
+of the timeout extension: a backend computes a whole non-streamed answer, or a stream's first event, before
+sending it) and between reads after it (`read`); both raise ReadTimeout.
+
 Semantics kept from httpcore's pool: one pool per (host, port), at most `max_connections` connections,
 idle ones reused most-recent-first and dropped after `keepalive_expiry` s; a connection whose response was
 not read to the end is closed (so the backend sees the client leave and aborts the request); a server that
@@ -34,6 +38,9 @@ except ImportError:  # pragma: no cover - a dependency; without it the router us
     httptools = None
 
 _HIGH_WATER = 256 * 1024  # body bytes buffered per response before the socket is paused
+# The request's timeout extension may carry this key besides httpx's four: the read timeout until the first body
+# byte (the response head included). httpx's "read" then applies between reads after it.
+FIRST_BYTE = "first_byte"
 
 
 class _Connection(asyncio.Protocol):
@@ -307,23 +314,25 @@ class _Pool:
 
 
 class _Body(httpx.AsyncByteStream):
-    __slots__ = ("closed", "conn", "pool", "timeout")
+    __slots__ = ("closed", "conn", "first_timeout", "pool", "timeout")
 
-    def __init__(self, conn: _Connection, pool: _Pool, timeout: float | None) -> None:
-        self.conn, self.pool, self.timeout = conn, pool, timeout
+    def __init__(self, conn: _Connection, pool: _Pool, first_timeout: float | None, timeout: float | None) -> None:
+        self.conn, self.pool, self.first_timeout, self.timeout = conn, pool, first_timeout, timeout
         self.closed = False
 
     async def __aiter__(self) -> Any:
         conn = self.conn
+        timeout = self.first_timeout  # until the first body byte; then between reads
         while True:
             if conn.chunks:
                 yield conn.take()
+                timeout = self.timeout
             elif conn.error is not None:
                 raise conn.error
             elif conn.done:
                 return
             else:
-                await conn.wait(self.timeout)
+                await conn.wait(timeout)
 
     async def aclose(self) -> None:
         if not self.closed:
@@ -344,11 +353,16 @@ class FastHTTPTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
+        timeouts = request.extensions.get("timeout") or {}
+        read_timeout = timeouts.get("read")
+        first_timeout = timeouts.get(FIRST_BYTE, read_timeout)
         if url.scheme != "http" or httptools is None:
             if self._fallback is None:
                 self._fallback = httpx.AsyncHTTPTransport(limits=self._limits)
+            if first_timeout != read_timeout:  # httpcore has one timeout per read: the longer of the two
+                longest = None if first_timeout is None or read_timeout is None else max(first_timeout, read_timeout)
+                request.extensions = {**request.extensions, "timeout": {**timeouts, "read": longest}}
             return await self._fallback.handle_async_request(request)
-        timeouts = request.extensions.get("timeout") or {}
         key = (url.host, url.port or 80)
         pool = self._pools.get(key)
         if pool is None:
@@ -366,11 +380,10 @@ class FastHTTPTransport(httpx.AsyncBaseTransport):
             else:
                 await conn.write(head_bytes, timeouts.get("write"))
                 await conn.write(body, timeouts.get("write"))
-            read_timeout = timeouts.get("read")
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
-                await conn.wait(read_timeout)
+                await conn.wait(first_timeout)
         except BaseException:
             conn.close()
             pool.release(conn)
@@ -378,7 +391,7 @@ class FastHTTPTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             conn.status,
             headers=conn.headers,
-            stream=_Body(conn, pool, read_timeout),
+            stream=_Body(conn, pool, first_timeout, read_timeout),
             extensions={"http_version": b"HTTP/1.1"},
         )
 

@@ -133,6 +133,11 @@ class SSEUsageTap:
         return not (self.drop and obj.get("choices") == [])
 
 
+def empty_row() -> dict[str, int]:
+    """A key's usage row before any request."""
+    return {"requests": 0, "requests_without_usage": 0, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
 class UsageLedger:
     """Token totals per key label (thread-safe; the router runs on one loop but tests read from others)."""
 
@@ -142,16 +147,9 @@ class UsageLedger:
 
     def add(self, label: str, prompt_tokens: int, completion_tokens: int, counted: bool) -> None:
         with self._lock:
-            row = self._rows.setdefault(
-                label,
-                {
-                    "requests": 0,
-                    "requests_without_usage": 0,
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                    "total_tokens": 0,
-                },
-            )
+            row = self._rows.get(label)
+            if row is None:
+                row = self._rows[label] = empty_row()
             row["requests"] += 1
             if not counted:
                 row["requests_without_usage"] += 1
