@@ -616,7 +616,8 @@ class OpenAIServing:
                         echoed.add(i)
                         if req.echo:
                             text = (prepared[k][0] or self.decode(prepared[k][1])) + text
-                    if not text and not c.token_ids and c.finish_reason is None and not (opts.return_token_ids and first):
+                    wants_ids = opts.return_token_ids and first  # the prompt's ids go in the first chunk
+                    if not text and not c.token_ids and c.finish_reason is None and not wants_ids:
                         continue
                     choice = (
                         template.choice(i, text, _reason(c), c.stop_reason)
