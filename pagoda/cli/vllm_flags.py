@@ -9,7 +9,7 @@ Each entry is one feature's reason and its flags, written as `vllm serve --help`
 - `--name` takes one value; `--name+` takes one or more (`--lora-modules a=/x b=/y`);
 - `--name?` is a switch, and its `--no-name` form asks for what Pagoda does anyway, so it is accepted silently;
 - `-x` after a name is its short alias; `=a,b` lists the values that ask for what Pagoda does anyway (accepted
-  silently too: `--data-parallel-size 1`, `--scheduling-policy fcfs`).
+  silently too: `--data-parallel-size 1`, `--cpu-offload-gb 0`).
 
 Flags `pagoda serve` already has are skipped when the parser is built, so Pagoda implementing one of these needs
 no edit here. vLLM's `--json-flag.key value` spelling is folded onto `--json-flag` (`undot`).
@@ -108,7 +108,6 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "logprobs are the model's raw log-probabilities, at most 20 per token",
         "--max-logprobs =20 --logprobs-mode =raw_logprobs",
     ),
-    ("priority scheduling is not supported", "--scheduling-policy =fcfs"),
     ("multimodal input options beyond --mm-processor-kwargs are not supported", "--media-io-kwargs"),
     ("video frame pruning is not supported", "--video-pruning-rate =0,0.0"),
     ("interleaving images and text in one prompt string is not supported", "--interleave-mm-strings?"),

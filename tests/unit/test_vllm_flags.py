@@ -29,7 +29,6 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
         (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not supported"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config: disaggregated prefill"),
         (["--ssl-keyfile", "key.pem"], "--ssl-keyfile: TLS is not supported"),
-        (["--scheduling-policy", "priority"], "--scheduling-policy: priority scheduling is not supported"),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser: reasoning parsers are not supported yet"),
         (["--revision", "main"], "--revision: hub revisions are not supported"),
         (["--task", "embed"], "--task: only text generation is served"),
@@ -82,7 +81,7 @@ def test_a_warning_is_logged_once_per_ignored_flag(caplog, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "argv", [["-dp", "1"], ["--no-enable-lora"], ["--scheduling-policy", "fcfs"], ["--max-logprobs", "20"]]
+    "argv", [["-dp", "1"], ["--no-enable-lora"], ["--max-logprobs", "20"]]
 )
 def test_what_pagoda_does_anyway_passes_silently(argv):
     assert _lines(*argv) == ([], [])
