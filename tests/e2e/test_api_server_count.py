@@ -114,7 +114,7 @@ def scrape_pinned(conn: Pinned) -> dict:
     samples = {}
     for family in text_string_to_metric_families(response.read().decode()):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
             samples[(s.name, labels)] = s.value
     return samples
 
