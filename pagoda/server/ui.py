@@ -33,10 +33,11 @@ UI_OPEN_PATHS = frozenset(PAGES) | frozenset(ASSET_PREFIX + name for name in ASS
 _HTML = "text/html; charset=utf-8"
 # The pages change with the package, not per request: revalidate, never serve a stale copy after an upgrade.
 _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
-# The pages keep the API key in the browser: no other site may frame them (clickjacking: X-Frame-Options for
-# browsers without CSP level 2), and only the package's own script files run (the pages have no inline script).
-# Images, media and fetches stay unrestricted: the playground shows attachments from blob: and data: URLs.
-CONTENT_SECURITY_POLICY = "frame-ancestors 'none'; script-src 'self'; object-src 'none'; base-uri 'none'"
+# The pages keep the API key in the browser: no other site may frame them (clickjacking; X-Frame-Options for
+# browsers without CSP level 2), embed plugins or rebase their relative URLs. Scripts, images, media and
+# fetches are left alone: the playground shows attachments from blob: and data: URLs, and browser
+# automation (the UI tests) evaluates scripts in the page.
+CONTENT_SECURITY_POLICY = "frame-ancestors 'none'; object-src 'none'; base-uri 'none'"
 _PAGE_HEADERS = {**_HEADERS, "Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Frame-Options": "DENY"}
 
 
