@@ -19,6 +19,8 @@ no series at all on the CPU, without NVML, or for a GPU NVML cannot read (a MIG 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
 from collections.abc import Iterator
@@ -50,7 +52,7 @@ class ApiProcesses:
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for pid in self.pids():
-            collector = ProcessCollector(pid=lambda pid=pid: pid, proc=self.proc, registry=None)
+            collector = ProcessCollector(pid=functools.partial(int, pid), proc=self.proc, registry=None)
             for family in collector.collect():
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 into.samples += [s._replace(labels={**s.labels, "pid": str(pid)}) for s in family.samples]
@@ -98,7 +100,7 @@ def gpu_collector(
         return None
     try:
         if nvml is None:
-            import pynvml as nvml  # lazy: only on CUDA; nvidia-ml-py
+            nvml = importlib.import_module("pynvml")  # lazy: only on CUDA; nvidia-ml-py
         nvml.nvmlInit()
         visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         local_ranks = 1 if backend == "ray" else tensor_parallel_size

@@ -20,6 +20,13 @@ every process; only the first one counts them, or the sum would be N times the t
 `cache_config_info` is vLLM's info metric for the KV cache: value 1, the settings as labels
 (`cache_dtype` "auto" or "fp8", `num_gpu_blocks`, `block_size`, ...), published once the engine core
 has sized the cache (`publish_cache_config`).
+
+Labels and buckets are vLLM 0.26's: `model_name` and `engine` ("0") on every engine metric, and its bucket
+boundaries written out below, so that a vLLM dashboard's quantiles read the same buckets. The per-request
+phases (prefill, decode, inference) are measured where the tokens arrive, with the core's queue time
+marking when the request was first scheduled (`RequestTiming`). The standard unprefixed families:
+`http_*` (`HttpMetrics`, fed by `HttpMetricsMiddleware`, summed over processes like the rest) and
+`process_*` plus the GPU gauge, read from the machine at scrape time (server/host_metrics.py).
 """
 
 from __future__ import annotations
@@ -219,7 +226,9 @@ class ServerMetrics:
             "Per request: time from the first to the last output token over the tokens after the first",
             TOKEN_LATENCY_BUCKETS,
         )
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish", REQUEST_LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to finish", REQUEST_LATENCY_BUCKETS
+        )
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time waiting before first scheduled", REQUEST_LATENCY_BUCKETS
         )
@@ -386,7 +395,10 @@ class HttpMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
         self.requests = Counter(
-            "http_requests_total", "HTTP requests by method, status class and route", ["method", "status", "handler"], registry=r
+            "http_requests_total",
+            "HTTP requests by method, status class and route",
+            ["method", "status", "handler"],
+            registry=r,
         )
         self.latency = Histogram(
             "http_request_duration_seconds",

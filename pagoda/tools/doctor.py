@@ -787,7 +787,7 @@ def _check_bin_files(state: _State) -> list[Check]:
 
 
 def _check_checksums(state: _State) -> Check:
-    """Each weight file's sha256 against the one a SHA256SUMS, a `.sha256` or the HF cache gives (tools/checksums.py)."""
+    """Each weight file's sha256 against the one SHA256SUMS, a `.sha256` or the HF cache gives (tools/checksums)."""
     files = [p for p in state.weight_files if os.path.isfile(p) and p not in state.unreadable]
     results = checksums.verify(files)
     wrong = [r for r in results if r.expected is not None and not r.ok]
@@ -799,7 +799,9 @@ def _check_checksums(state: _State) -> Check:
             for r in wrong
             if r.expected is not None
         ]
-        return Check("checksums", "FAIL", "; ".join(lines), "re-download the file(s): the content is not what was published")
+        return Check(
+            "checksums", "FAIL", "; ".join(lines), "re-download the file(s): the content is not what was published"
+        )
     sources = sorted({r.expected.source for r in verified if r.expected is not None})
     parts = [f"{len(verified)} file(s) match their sha256 ({', '.join(sources)})"] if verified else []
     if unknown:

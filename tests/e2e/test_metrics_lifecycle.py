@@ -86,7 +86,9 @@ def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
         assert family in names, family
     # vLLM's labels and bucket boundaries, read from the page as a vLLM dashboard reads it.
     text = anon.get("/metrics").text
-    running = next(s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:num_requests_running")
+    running = next(
+        s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:num_requests_running"
+    )
     assert running.labels == {"model_name": MODEL, "engine": "0"}
     les = {name: sorted(float(dict(labels)["le"]) for n, labels in scrape(anon) if n == name) for name in (
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"

@@ -112,7 +112,27 @@ def test_bench_reads_a_page_with_both_prefixes_once() -> None:
 # vLLM 0.26's boundaries, written out here (not imported from the code under test).
 VLLM_TTFT_LE = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
 VLLM_TTFT_LE += [40.0, 80.0, 160.0, 640.0, 2560.0]
-VLLM_ITL_LE = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+VLLM_ITL_LE = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 VLLM_REQUEST_LE = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0]
 VLLM_REQUEST_LE += [480.0, 960.0, 1920.0, 7680.0]
 
@@ -156,7 +176,21 @@ def test_the_vllm_families_labels_and_buckets() -> None:
     assert bucket_bounds(found, "vllm:request_inference_time_seconds") == VLLM_REQUEST_LE
     assert bucket_bounds(found, "vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100]  # 1-2-5 to max_model_len
     assert bucket_bounds(found, "vllm:request_params_n") == [1, 2, 5, 10, 20]
-    assert bucket_bounds(found, "vllm:iteration_tokens_total") == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert bucket_bounds(found, "vllm:iteration_tokens_total") == [
+        1,
+        8,
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+    ]
 
     def value(name: str, **extra: str) -> float:
         return vllm[(name, tuple(sorted({**dict(M), **extra}.items())))]
