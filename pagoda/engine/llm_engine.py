@@ -10,6 +10,7 @@ when one max_model_len request could not fit.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import time
@@ -64,7 +65,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet read
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
-        self._step_tokens: list[int] = []  # tokens of each step since the last `stats()` (EngineStats)
+        # Tokens of each step since the last `stats()` (EngineStats); bounded, as offline nobody asks.
+        self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
         # Structured output: the grammar engine starts with the first constrained request. Such a request
         # waits here, outside the scheduler, until its grammar is compiled (`_admit_compiled`).
         self._grammars: GrammarManager | None = None
@@ -307,7 +309,8 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         deferred = sum(len(children) for _, children, _ in self._awaiting_grammar.values())
         encoder_cache = self.runner.encoder_cache
-        step_tokens, self._step_tokens = tuple(self._step_tokens), []
+        step_tokens = tuple(self._step_tokens)
+        self._step_tokens.clear()
         return EngineStats(
             sched.num_running,
             sched.num_waiting + deferred,
