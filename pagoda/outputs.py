@@ -128,3 +128,9 @@ class EngineStats:
     device_wait_seconds: float = 0.0
     busy_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    num_waiting_deferred: int = 0  # of num_waiting: requests whose grammar is still being compiled
+    mm_cache_queries: int = 0  # totals: images/videos looked up in the encoder cache (per step needing one)
+    mm_cache_hits: int = 0  # found there
+    # Tokens scheduled in each step since the previous snapshot (the core takes one per loop pass, and a
+    # pass that steps changes `num_steps`, so every API process receives each step's count once).
+    step_tokens: tuple[int, ...] = ()

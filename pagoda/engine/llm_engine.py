@@ -10,6 +10,7 @@ when one max_model_len request could not fit.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import time
@@ -64,6 +65,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet read
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
+        # Tokens of each step since the last `stats()` (EngineStats); bounded, as offline nobody asks.
+        self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
         # Structured output: the grammar engine starts with the first constrained request. Such a request
         # waits here, outside the scheduler, until its grammar is compiled (`_admit_compiled`).
         self._grammars: GrammarManager | None = None
@@ -309,16 +312,25 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
+        """The engine's snapshot; its `step_tokens` are those of the steps since the previous call."""
         bm, sched = self.block_manager, self.scheduler
+        deferred = sum(len(children) for _, children, _ in self._awaiting_grammar.values())
+        encoder_cache = self.runner.encoder_cache
+        step_tokens = tuple(self._step_tokens)
+        self._step_tokens.clear()
         return EngineStats(
             sched.num_running,
-            sched.num_waiting + sum(len(children) for _, children, _ in self._awaiting_grammar.values()),
+            sched.num_waiting + deferred,
             bm.usage,
             sched.stats.num_preemptions,
             bm.prefix_queries,
             bm.prefix_hits,
             sched.stats.num_steps,
             self._device_wait_s,
+            num_waiting_deferred=deferred,
+            mm_cache_queries=encoder_cache.hits + encoder_cache.misses,
+            mm_cache_hits=encoder_cache.hits,
+            step_tokens=step_tokens,
         )
 
     def shutdown(self) -> None:
@@ -334,6 +346,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         refused = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            self._step_tokens.append(scheduler_output.total_num_scheduled_tokens)
         launched = self.runner.launch(scheduler_output)
         failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
         if refused:

@@ -34,7 +34,8 @@ from pagoda.frontend.tokenizer import load_tokenizer
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
 from pagoda.server.app import build_app
-from pagoda.server.metrics import METRICS_PREFIXES, ServerMetrics, cache_config_labels
+from pagoda.server.host_metrics import gpu_collector, process_collector
+from pagoda.server.metrics import ENGINE_INDEX, METRICS_PREFIXES, ServerMetrics, cache_config_labels
 from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
 from pagoda.serving_gc import prepare_gc_for_serving
 
@@ -111,11 +112,24 @@ class ApiSetup:
     def metrics(self, index: int, ready: Ready) -> ServerMetrics:
         """Multiprocess metrics (the supervisor's PROMETHEUS_MULTIPROC_DIR); process 0 counts the engine's totals.
         `ready`: the core's sized cache, for `cache_config_info`."""
+        config, name = self.config, self.names[0]
+        parallel = config.parallel
+        gpu = gpu_collector(
+            config.device.device,
+            parallel.tensor_parallel_size,
+            parallel.distributed_executor_backend,
+            (name, ENGINE_INDEX),
+        )
         metrics = ServerMetrics(
-            self.names[0],
+            name,
             prefixes=METRICS_PREFIXES[self.server.metrics_prefix],
             multiprocess=True,
             count_engine_totals=index == 0,
+            max_model_len=config.model.max_model_len,
+            collectors=(gpu,) if gpu is not None else (),
+            process_collector=process_collector(
+                os.environ.get("PROMETHEUS_MULTIPROC_DIR"), self.server.api_server_count
+            ),
         )
         metrics.publish_cache_config(cache_config_labels(self.config, ready.num_blocks))
         return metrics

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.errors import EngineDead, Overloaded, PagodaError, ShuttingDown, Unauthorized
 from pagoda.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from pagoda.server.metrics import HttpMetricsMiddleware
 from pagoda.server.routes import router
 from pagoda.server.serving import OpenAIServing
 from pagoda.server.ui import UI_OPEN_PATHS, add_ui_routes
@@ -88,7 +89,10 @@ def build_app(
             APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS | UI_OPEN_PATHS if ui else OPEN_PATHS
         )
     if max_request_bytes is not None:
-        app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)  # outermost: before anything reads
+        app.add_middleware(BodyLimitMiddleware, limit=max_request_bytes)  # before anything reads
+    http_metrics = getattr(getattr(serving.ctx, "metrics", None), "http", None)
+    if http_metrics is not None:  # outermost: every answer counts, a 401 or 413 too
+        app.add_middleware(HttpMetricsMiddleware, metrics=http_metrics)
 
     return app
 

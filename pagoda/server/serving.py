@@ -26,7 +26,7 @@ from pagoda.frontend.tool_calls.parsers import ToolCallStream
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.metrics import RequestTiming, ServerMetrics
 from pagoda.server.sse import SSE_DONE, sse_data
 from pagoda.server.tool_requests import (
     RequestOptions,
@@ -738,6 +738,7 @@ class OpenAIServing:
         metrics = self.ctx.metrics
         if self.ctx.log_requests:
             logger.info("request: %d prompt tokens, params=%s", len(ids), params)
+        timing = RequestTiming(arrival, time.monotonic())
         last = first = None
         tokens = 0
         reasons: dict[int, str | None] = {}
@@ -751,6 +752,8 @@ class OpenAIServing:
             ):
                 now = time.monotonic()
                 for out in batch:
+                    if out.finished:
+                        timing.queue_time = out.queue_time
                     has_tokens = False
                     for c in out.outputs:
                         if c.token_ids:
@@ -767,10 +770,8 @@ class OpenAIServing:
                         last = now
                 yield batch
         finally:
-            metrics.on_request_finished([reasons.get(i) for i in range(params.n)])
-            metrics.e2e.observe(time.monotonic() - arrival)
-            if first is not None and last is not None and tokens > params.n:  # more than one token a choice
-                metrics.tpot.observe((last - first) / (tokens / params.n - 1))
+            timing.first, timing.last = first, last
+            metrics.on_request_finished([reasons.get(i) for i in range(params.n)], params, timing, len(ids), tokens)
 
 
 def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any, opts: RequestOptions) -> str:

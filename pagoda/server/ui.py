@@ -33,10 +33,17 @@ UI_OPEN_PATHS = frozenset(PAGES) | frozenset(ASSET_PREFIX + name for name in ASS
 _HTML = "text/html; charset=utf-8"
 # The pages change with the package, not per request: revalidate, never serve a stale copy after an upgrade.
 _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+# The pages keep the API key in the browser: no other site may frame them (clickjacking; X-Frame-Options for
+# browsers without CSP level 2), embed plugins or rebase their relative URLs. Scripts, images, media and
+# fetches are left alone: the playground shows attachments from blob: and data: URLs, and browser
+# automation (the UI tests) evaluates scripts in the page.
+CONTENT_SECURITY_POLICY = "frame-ancestors 'none'; object-src 'none'; base-uri 'none'"
+_PAGE_HEADERS = {**_HEADERS, "Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Frame-Options": "DENY"}
 
 
 def _file(name: str, media_type: str) -> Response:
-    return Response((UI_DIR / name).read_bytes(), media_type=media_type, headers=_HEADERS)
+    headers = _PAGE_HEADERS if media_type == _HTML else _HEADERS
+    return Response((UI_DIR / name).read_bytes(), media_type=media_type, headers=headers)
 
 
 def add_ui_routes(app: FastAPI) -> None:

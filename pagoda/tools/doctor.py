@@ -3,7 +3,8 @@
 Every failure this catches would otherwise surface late: a missing or truncated shard half-way
 through loading, a tokenizer error at startup, a broken chat template on the first chat request, a
 taken port after minutes of loading (spec tools.md §4.4). Each check reads metadata only (config
-files, safetensors headers, zip directories of .bin shards) and reports one line:
+files, safetensors headers, zip directories of .bin shards), except the checksums check, which hashes
+the weight files whose sha256 is known (tools/checksums.py; `--no-checksums` skips it), and reports one line:
 
     [ ok ] shards: 2 safetensors shards, all listed in model.safetensors.index.json
     [FAIL] safetensors: model-00002-of-00002.safetensors is truncated ... → re-download it
@@ -37,6 +38,7 @@ from pagoda.config.quantization import resolve_quantization
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError, ModelLoadError, PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template, template_folder
+from pagoda.tools import checksums
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -139,8 +141,10 @@ def run_checks(
     chat_template: str | None = None,
     trust_remote_code: bool = False,
     load_format: str = "auto",
+    checksums: bool = True,
 ) -> list[Check]:
-    """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights.
+    """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights (which never
+    hashes the shards); `checksums=False` skips hashing them (`--no-checksums`).
 
     `model` is an HF folder, hub id or .gguf file (None: the embedded default model), as for serve.
     """
@@ -185,6 +189,8 @@ def run_checks(
             run("index", lambda: _check_index_consistency(state))
         elif state.weight_format == "bin" and state.weight_files:
             run("pytorch bin", lambda: _check_bin_files(state))
+        if not fast and checksums and state.weight_files and load_format != "dummy":
+            run("checksums", lambda: _check_checksums(state))
         quantized = any(c.name == "quantization" for c in out)
         # A quantized checkpoint's tensors are not the unquantized model's: the quantization check covers them.
         if not fast and state.headers_complete and not quantized:
@@ -780,6 +786,32 @@ def _check_bin_files(state: _State) -> list[Check]:
     return out
 
 
+def _check_checksums(state: _State) -> Check:
+    """Each weight file's sha256 against the one SHA256SUMS, a `.sha256` or the HF cache gives (tools/checksums)."""
+    files = [p for p in state.weight_files if os.path.isfile(p) and p not in state.unreadable]
+    results = checksums.verify(files)
+    wrong = [r for r in results if r.expected is not None and not r.ok]
+    verified = [r for r in results if r.ok]
+    unknown = [os.path.basename(r.path) for r in results if r.expected is None]
+    if wrong:
+        lines = [
+            f"{os.path.basename(r.path)} has sha256 {r.actual}, not {r.expected.digest} ({r.expected.source})"
+            for r in wrong
+            if r.expected is not None
+        ]
+        return Check(
+            "checksums", "FAIL", "; ".join(lines), "re-download the file(s): the content is not what was published"
+        )
+    sources = sorted({r.expected.source for r in verified if r.expected is not None})
+    parts = [f"{len(verified)} file(s) match their sha256 ({', '.join(sources)})"] if verified else []
+    if unknown:
+        parts.append(
+            f"no expected sha256 known for {len(unknown)} file(s) (no {checksums.SUMS_FILE}, *.sha256 or HF cache "
+            "blob): not verified"
+        )
+    return Check("checksums", "ok", "; ".join(parts), None)
+
+
 def _check_weights_match_model(state: _State) -> Check:
     """Build the model on the meta device and feed it the headers' names and shapes through the real
     name mapping and weight loaders: config/weights mismatches show up without reading a tensor."""
@@ -1160,6 +1192,11 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true", help="the server will run without a tokenizer")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--fast", action="store_true", help="only the checks `pagoda serve` runs before loading")
+    parser.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="do not hash the weight files against SHA256SUMS / *.sha256 / the HF cache (minutes for 100 GB)",
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
@@ -1178,6 +1215,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
         skip_tokenizer_init=ns.skip_tokenizer_init,
         chat_template=ns.chat_template,
         trust_remote_code=ns.trust_remote_code,
+        checksums=not getattr(ns, "no_checksums", False),
     )
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "FAIL")}
     if ns.json:

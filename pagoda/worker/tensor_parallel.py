@@ -30,6 +30,7 @@ from pagoda.distributed.parallel_state import (
 from pagoda.errors import ConfigError
 from pagoda.models.source import ModelSource
 from pagoda.outputs import SchedulerOutput
+from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
 from pagoda.worker.model_runner import ModelRunner, PendingStep
 from pagoda.worker.rank_group import LocalRanks, RankWatch, RayRanks, free_port
@@ -158,6 +159,10 @@ class TensorParallelRunner:
     @property
     def weight_bytes(self) -> int:
         return self.local.weight_bytes
+
+    @property
+    def encoder_cache(self) -> EncoderCache:
+        return self.local.encoder_cache
 
     def rank_pids(self) -> list[int]:
         return self.ranks.pids()

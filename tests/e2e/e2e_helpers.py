@@ -25,13 +25,13 @@ def sse_json(payloads: list[str]) -> list[dict[str, Any]]:
 
 
 def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    """/metrics as {(sample name, sorted labels without model_name and engine): value}."""
     response = client.get("/metrics")
     assert response.status_code == 200
     samples = {}
     for family in text_string_to_metric_families(response.text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
             samples[(s.name, labels)] = s.value
     return samples
 

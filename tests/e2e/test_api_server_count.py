@@ -114,7 +114,7 @@ def scrape_pinned(conn: Pinned) -> dict:
     samples = {}
     for family in text_string_to_metric_families(response.read().decode()):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
             samples[(s.name, labels)] = s.value
     return samples
 
@@ -294,6 +294,10 @@ def test_metrics_are_the_true_totals_whichever_process_answers(asc: ServerProces
     ]
     for name in counters:
         assert len({metric(s, name) for s in before.values()}) == 1, (name, before)
+    # process_*: whichever process answers shows every API process's own series, one per pid.
+    api_pids = {str(pid) for pid in before}
+    for samples in before.values():
+        assert {dict(labels).get("pid") for n, labels in samples if n == "process_resident_memory_bytes"} == api_pids
 
     nonce = uuid.uuid4().hex[:8]
     shared = f"{nonce} shared prefix for the metrics test. " * 6  # several full 16-token blocks

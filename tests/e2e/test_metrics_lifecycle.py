@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, metric, scrape, sse_json
+from prometheus_client.parser import text_string_to_metric_families
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -44,6 +45,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
+    assert anon.get("/v1/models").status_code in (200, 401)  # an HTTP request to count
     names = set(name for name, _ in scrape(anon))
     for family in [
         "num_requests_running",
@@ -63,8 +65,37 @@ def test_metrics_exposition_has_the_pagoda_families(anon: httpx.Client) -> None:
         "engine_core_busy_seconds_total",
         "engine_core_device_wait_seconds_total",
         "engine_core_cpu_seconds_total",
+        # vLLM 0.26's, beyond the first ones
+        "request_prefill_time_seconds_bucket",
+        "request_decode_time_seconds_count",
+        "request_inference_time_seconds_sum",
+        "request_prompt_tokens_bucket",
+        "request_generation_tokens_count",
+        "request_params_n_count",
+        "request_params_max_tokens_count",
+        "iteration_tokens_total_bucket",
+        "prompt_tokens_cached_total",
+        "num_requests_waiting_by_reason",
+        "mm_cache_queries_total",
+        "mm_cache_hits_total",
     ]:
         assert f"pagoda:{family}" in names, family
+        assert f"vllm:{family}" in names, family
+    # The standard ones, unprefixed: prometheus_client's process collector and the HTTP middleware.
+    for family in ["process_cpu_seconds_total", "process_resident_memory_bytes", "http_requests_total"]:
+        assert family in names, family
+    # vLLM's labels and bucket boundaries, read from the page as a vLLM dashboard reads it.
+    text = anon.get("/metrics").text
+    running = next(
+        s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:num_requests_running"
+    )
+    assert running.labels == {"model_name": MODEL, "engine": "0"}
+    les = {name: sorted(float(dict(labels)["le"]) for n, labels in scrape(anon) if n == name) for name in (
+        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"
+    )}  # fmt: skip
+    assert les["vllm:time_to_first_token_seconds_bucket"][-3:] == [640.0, 2560.0, float("inf")]
+    assert les["vllm:inter_token_latency_seconds_bucket"][:2] == [0.01, 0.025]
+    assert les["vllm:inter_token_latency_seconds_bucket"][-2:] == [80.0, float("inf")]
 
 
 def test_counters_move_after_requests(http: httpx.Client) -> None:
@@ -93,6 +124,26 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
     for histogram in ["time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]:
         assert delta(before, after, f"pagoda:{histogram}_count") == 2, histogram
         assert delta(before, after, f"pagoda:{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
+    # vLLM's per-request phases and sizes: one observation per request, and phases that add up.
+    for histogram in ["prefill_time_seconds", "decode_time_seconds", "inference_time_seconds", "params_n"]:
+        assert delta(before, after, f"pagoda:request_{histogram}_count") == 2, histogram
+    inference = delta(before, after, "pagoda:request_inference_time_seconds_sum")
+    phases = delta(before, after, "pagoda:request_prefill_time_seconds_sum") + delta(
+        before, after, "pagoda:request_decode_time_seconds_sum"
+    )
+    assert 0 < inference <= delta(before, after, "pagoda:e2e_request_latency_seconds_sum")
+    assert abs(inference - phases) < 1e-6
+    assert delta(before, after, "pagoda:request_prompt_tokens_sum") == prompt_tokens
+    assert delta(before, after, "pagoda:request_generation_tokens_sum") == generated
+    assert delta(before, after, "pagoda:request_params_max_tokens_sum") == 5 + 30
+    # Steps schedule the prompts less their prefix-cache hits, then one token per later output token (more
+    # with async scheduling, which may schedule a step past a stop).
+    computed = prompt_tokens - delta(before, after, "pagoda:prefix_cache_hits_total") + generated - 2
+    assert delta(before, after, "pagoda:iteration_tokens_total_sum") >= computed
+    # The HTTP middleware: each route by its template and status class (the /tokenize call came before).
+    for route in ["/v1/completions", "/v1/chat/completions"]:
+        labels = {"handler": route, "method": "POST", "status": "2xx"}
+        assert delta(before, after, "http_requests_total", **labels) == 1, route
     # One inter-token gap per token after the first, per request (one token per step here).
     assert delta(before, after, "pagoda:inter_token_latency_seconds_count") == generated - 2
     # One time-per-output-token per request with more than one token (both here): its sum is the two

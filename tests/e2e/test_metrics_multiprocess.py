@@ -9,19 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.test_metrics_prefixes import check_both
+from tests.unit.test_metrics_prefixes import M, check_both, samples
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "tests" / "unit"
 
 _MULTIPROCESS = """
-import json, sys
+import json, os, sys
+from pagoda.server.host_metrics import process_collector
 from pagoda.server.metrics import ServerMetrics
 sys.path.insert(0, {here!r})
 from test_metrics_prefixes import feed
-metrics = ServerMetrics("m", multiprocess=True, count_engine_totals={first})
+processes = process_collector(os.environ["PROMETHEUS_MULTIPROC_DIR"], 2)
+metrics = ServerMetrics("m", multiprocess=True, count_engine_totals={first}, process_collector=processes)
 feed(metrics)
-print(json.dumps(metrics.render().decode()))
+print(json.dumps([os.getpid(), metrics.render().decode()]))
 """
 
 
@@ -32,13 +34,22 @@ def test_multiprocess_mode_shows_the_sums_under_both_prefixes(tmp_path: Path) ->
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
-    pages = []
+    pages, pids = [], []
     for first in (True, False):
         code = _MULTIPROCESS.format(here=str(UNIT), first=first)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        pages.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        pid, page = json.loads(out.stdout.strip().splitlines()[-1])
+        pages.append(page)
+        pids.append(pid)
     theirs = check_both(pages[1])
-    assert theirs[("generation_tokens_total", (("model_name", "m"),))] == 4  # both processes' tokens
-    assert theirs[("time_to_first_token_seconds_count", (("model_name", "m"),))] == 2
-    assert theirs[("engine_steps_total", (("model_name", "m"),))] == 7  # counted by the first only
+    assert theirs[("generation_tokens_total", M)] == 4  # both processes' tokens
+    assert theirs[("time_to_first_token_seconds_count", M)] == 2
+    assert theirs[("engine_steps_total", M)] == 7  # counted by the first only
+    assert theirs[("iteration_tokens_total_count", M)] == 1  # the core's steps, too
+    found = samples(pages[1])
+    http = (("handler", "/v1/completions"), ("method", "POST"), ("status", "2xx"))
+    assert found[("http_requests_total", http)] == 2  # summed, unprefixed
+    # process_*: one series per live API process, labelled with its pid (the first one has exited).
+    memory = {dict(labels).get("pid") for name, labels in found if name == "process_resident_memory_bytes"}
+    assert memory == {str(pids[1])}

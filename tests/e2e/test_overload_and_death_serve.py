@@ -65,7 +65,8 @@ def test_metrics_show_every_metric_under_vllm_and_pagoda_names(client: httpx.Cli
     }
     own = {(n[len("pagoda:") :], labels): v for (n, labels), v in found.items() if n.startswith("pagoda:")}
     theirs = {(n[len("vllm:") :], labels): v for (n, labels), v in found.items() if n.startswith("vllm:")}
-    assert own == theirs and len(own) + len(theirs) == len(found)
+    standard = [key for key in found if key[0].startswith(("http_", "process_"))]
+    assert own == theirs and len(own) + len(theirs) + len(standard) == len(found)
     names = {name for name, _ in theirs}
     for name in (
         "num_requests_running",
@@ -80,7 +81,7 @@ def test_metrics_show_every_metric_under_vllm_and_pagoda_names(client: httpx.Cli
         "engine_steps_total",
     ):
         assert name in names, name
-    assert theirs[("generation_tokens_total", (("model_name", MODEL),))] >= 3
+    assert theirs[("generation_tokens_total", (("engine", "0"), ("model_name", MODEL)))] >= 3
 
 
 async def _burst(port: int, count: int) -> tuple[list, list[tuple[int, str]]]:

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
-from e2e_helpers import API_KEY, MODEL, assert_openai_error
+from e2e_helpers import API_KEY, MODEL, assert_openai_error, metric, scrape
 
 from tests.conftest import tiny_qwen2vl_config
 
@@ -185,6 +185,20 @@ def test_base64_png_and_jpeg_count_image_tokens(client, http):
     # each image adds <|vision_start|> <|vision_end|> and its placeholder tokens
     expected = _text_only_tokens(http, messages) + 2 * 2 + image_tokens(100, 75) + image_tokens(300, 200)
     assert reply.usage.prompt_tokens == expected
+
+
+def test_encoder_cache_counters(http):
+    """vLLM's mm_cache_queries/hits count the encoder cache: the same image after different text (no prefix-cache
+    hit) is looked up twice and found the second time."""
+    image = image_part(data_uri(encoded(64, 48, seed=7)))
+    before = scrape(http)
+    for text in ("First look:", "Second, different look:"):
+        body = {"model": MODEL, "messages": user(text, image), "max_tokens": 1, "temperature": 0}
+        http.post("/v1/chat/completions", json=body).raise_for_status()
+    after = scrape(http)
+    queries = metric(after, "vllm:mm_cache_queries_total") - metric(before, "vllm:mm_cache_queries_total")
+    hits = metric(after, "vllm:mm_cache_hits_total") - metric(before, "vllm:mm_cache_hits_total")
+    assert queries >= 2 and hits >= 1, (queries, hits)
 
 
 def test_part_order_is_kept(http):

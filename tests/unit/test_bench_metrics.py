@@ -218,6 +218,21 @@ def test_analyze_curve_and_evidence() -> None:
     assert "preemptions" in "\n".join(analyze(preempting, slo)["evidence"])
 
 
+def test_batch_cap_only_when_fewer_ran_than_were_sent() -> None:
+    """A server with --max-num-seqs 128 at c=16: requests wait a moment between steps, yet all 16 run at
+    once; the cap binds only where fewer ran than were sent (c=64 with 16 running)."""
+    slo = SLO(ttft_p95_ms=1000, tpot_p95_ms=100)
+    roomy = [_point(8, 300, 100, 20, True, waiting=2, running=8), _point(16, 600, 100, 21, True, waiting=5, running=16)]
+    text = "\n".join(analyze(roomy, slo)["evidence"])
+    assert "max-num-seqs ~" not in text and "KV-bound" not in text
+    assert "c=16: up to 5 requests waited between steps, but all 16 ran at once" in text
+    capped = roomy + [_point(64, 610, 900, 21, True, waiting=48, running=16)]
+    text = "\n".join(analyze(capped, slo)["evidence"])
+    assert "c=64: up to 48 requests waiting while at most 16 ran" in text
+    assert "batch cap binds (max-num-seqs ~16)" in text
+    assert "c=16: up to 5 requests waited between steps" in text  # c=16 itself still is not capped
+
+
 def test_analyze_without_server_metrics_or_ladder() -> None:
     points = [_point(1, 50, 100, 20, True), _point(2, 90, 100, 20, True)]
     for p in points:
@@ -416,3 +431,30 @@ def test_stream_request_total_timeout() -> None:
     r = asyncio.run(go())
     assert not r.success and "timeout" in r.error and "after 1 token chunks" in r.error
     assert r.end - r.start < 2
+
+
+def test_gpu_utilization_column_only_when_the_server_shows_it() -> None:
+    """Two GPUs at 90 % and 50 % on the server's page → bench's mean 70 % in a "GPU util" column; a page
+    without the gauge (the CPU, vLLM) has no such column."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from pagoda.server.metrics import ServerMetrics
+    from pagoda.tools.bench.report import format_table
+
+    class TwoGpus:
+        def collect(self):
+            family = GaugeMetricFamily("pagoda:gpu_utilization_perc", "g", labels=["gpu", "tp_rank"])
+            family.add_metric(["0", "0"], 0.9)
+            family.add_metric(["1", "1"], 0.5)
+            yield family
+
+    with_gpus = parse_prometheus(ServerMetrics("m", collectors=(TwoGpus(),)).render().decode())
+    assert with_gpus is not None and with_gpus["gpu_utilization"] == pytest.approx(0.7)
+    cpu_only = parse_prometheus(ServerMetrics("m").render().decode())
+    assert cpu_only is not None and "gpu_utilization" not in cpu_only
+    point = {"mode": "closed", "concurrency": 4, "completed": 1, "failed": 0}
+    table = format_table([{**point, "server_metrics": server_metrics_summary(with_gpus, with_gpus, [with_gpus])}])
+    header, _, row = table.splitlines()
+    assert "GPU util" in header and "70%" in row
+    table = format_table([{**point, "server_metrics": server_metrics_summary(cpu_only, cpu_only, [cpu_only])}])
+    assert "GPU" not in table.splitlines()[0].replace("GPU wait", "")

@@ -39,6 +39,10 @@ def test_pages_load_without_the_key(path: str, marker: str) -> None:
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/html")
     assert marker in response.text
+    # The pages hold the API key: no other site may frame them.
+    policy = {d.split()[0]: d.split()[1:] for d in response.headers["content-security-policy"].split(";")}
+    assert policy["frame-ancestors"] == ["'none'"]
+    assert response.headers["x-frame-options"] == "DENY"
 
 
 def test_assets_have_their_content_types_and_need_no_key() -> None:

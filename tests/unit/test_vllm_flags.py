@@ -80,9 +80,7 @@ def test_a_warning_is_logged_once_per_ignored_flag(caplog, monkeypatch):
     ]
 
 
-@pytest.mark.parametrize(
-    "argv", [["-dp", "1"], ["--no-enable-lora"], ["--max-logprobs", "20"]]
-)
+@pytest.mark.parametrize("argv", [["-dp", "1"], ["--no-enable-lora"], ["--max-logprobs", "20"]])
 def test_what_pagoda_does_anyway_passes_silently(argv):
     assert _lines(*argv) == ([], [])
 

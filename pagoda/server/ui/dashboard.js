@@ -67,6 +67,14 @@ function render() {
   const kv = now.total("kv_cache_usage_perc");
   update("kv", "KV cache usage", [kv === null ? null : kv * 100], fmt(kv === null ? null : kv * 100, 1, " %"));
 
+  // Only on CUDA servers (NVML): the series is absent elsewhere, and so is the card.
+  const gpus = now.samples("gpu_utilization_perc");
+  if (gpus.length) {
+    const mean = (100 * gpus.reduce((sum, s) => sum + s.value, 0)) / gpus.length;
+    const each = gpus.map((s) => "GPU " + s.labels.gpu + ": " + fmt(s.value * 100, 0, " %")).join(" · ");
+    update("gpu", "GPU utilisation", [mean], fmt(mean, 0, " %"), each);
+  }
+
   const within = snapshots.length > 1 ? old : null;
   for (const [id, title, name] of [
     ["ttft", "Time to first token (last minute)", "time_to_first_token_seconds"],

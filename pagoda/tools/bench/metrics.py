@@ -171,6 +171,8 @@ GAUGES = {  # our key -> metric names after the "vllm:" / "pagoda:" prefix
     "running": ("num_requests_running",),
     "waiting": ("num_requests_waiting",),
     "kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    # Pagoda on CUDA only (NVML): each GPU's busy fraction; the mean over the server's GPUs
+    "gpu_utilization": ("gpu_utilization_perc",),
 }
 COUNTERS = {
     "preemptions": ("num_preemptions_total", "num_preemptions"),
@@ -200,7 +202,8 @@ PREFIXES = ("vllm:", "pagoda:")
 
 def parse_prometheus(text: str) -> dict[str, float] | None:
     """The engine metrics of a /metrics page as {our key: value}, or None if it has none of them.
-    Sums over label sets (engines, models) for counts; takes the max for the KV cache fraction."""
+    Sums over label sets (engines, models) for counts; takes the max for the KV cache fraction and the
+    mean over GPUs for their utilisation."""
     # lazy: prometheus_client fixes its multiprocess mode (PROMETHEUS_MULTIPROC_DIR) when first imported
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -226,9 +229,17 @@ def parse_prometheus(text: str) -> dict[str, float] | None:
                 break
     if not values:
         return None
-    out = {k: (max(v) if k == "kv_cache_usage" else sum(v)) for k, v in values.items()}
+    out = {k: _combine(k, v) for k, v in values.items()}
     out["_prefix"] = prefix_seen  # type: ignore[assignment]
     return out
+
+
+def _combine(key: str, values: list[float]) -> float:
+    if key == "kv_cache_usage":
+        return max(values)
+    if key == "gpu_utilization":
+        return sum(values) / len(values)
+    return sum(values)
 
 
 def server_metrics_summary(before: dict | None, after: dict | None, samples: list[dict]) -> dict[str, Any]:

@@ -160,6 +160,13 @@ def analyze(points: Sequence[dict[str, Any]], slo: SLO) -> dict[str, Any]:
                 f"c={p['concurrency']}: {pre:.0f} preemptions, KV cache peak {_fmt((kv or 0) * 100, '%')}"
                 f": the KV cache, not max-num-seqs, limits the batch here"
             )
+        elif waiting > 0 and running is not None and running >= p["concurrency"]:
+            # Every request sent ran at once at some point: the waiting ones only waited for the next step
+            # (a new request joins the batch between steps), so no cap of the server binds here.
+            evidence.append(
+                f"c={p['concurrency']}: up to {waiting:.0f} requests waited between steps, but all "
+                f"{p['concurrency']} ran at once (running peak {_fmt(running, '')}): no batch cap binds"
+            )
         elif waiting > 0:
             tpot_now, tpot_prev = p.get("median_tpot_ms"), (prev or {}).get("median_tpot_ms")
             flat = bool(tpot_now is not None and tpot_prev and abs(tpot_now / tpot_prev - 1) < TPOT_FLAT)
