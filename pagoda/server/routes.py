@@ -101,7 +101,7 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         _, tokens, _ = await serving.tokenize_chat(body)
     elif body.prompt is not None:
-        tokens = serving.tokenize(body.prompt, body.add_special_tokens)
+        tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
     else:
         raise InvalidRequest("Send either prompt or messages.", "prompt")
     return JSONResponse({"count": len(tokens), "max_model_len": serving.ctx.max_model_len, "tokens": tokens})

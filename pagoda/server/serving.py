@@ -21,7 +21,7 @@ from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, Mod
 from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
 from pagoda.frontend.template_sandbox import refused_message
-from pagoda.frontend.tokenizer import fast_encoder
+from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -85,7 +85,8 @@ def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
 class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
-        self._encode = fast_encoder(ctx.tokenizer) if ctx.tokenizer is not None else None
+        # Tokenizing and rendering: the character bound, large texts off the event loop (`PromptWork`).
+        self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -115,11 +116,22 @@ class OpenAIServing:
             raise Overloaded(f"The server is overloaded ({waiting + unreported} requests waiting); retry later.")
         return engine.admit(count)
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._encode is None:
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A prompt's ids; one longer than the context could ever hold is refused before tokenizing."""
+        if self.prompts is None:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        self.prompts.check_chars(text, "prompt")
         check_unicode(text, "prompt")
-        return self._encode(text, add_special_tokens)
+        return await self.prompts.encode(text, add_special_tokens)
+
+    async def tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of a completion request's list of prompts (all of them at once off the loop when long)."""
+        if self.prompts is None:
+            raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        for text in texts:
+            self.prompts.check_chars(text, "prompt")
+            check_unicode(text, "prompt")
+        return await self.prompts.encode_many(texts, True)
 
     def _resolve_max_tokens(
         self, requested: int | None, prompt_len: int, prompt_param: str = "prompt", media_tokens: int = 0
@@ -282,6 +294,7 @@ class OpenAIServing:
             processor_kwargs,
             continue_final_message=continue_final_message,
             request_template=request_template,
+            work=self.prompts,
         )
 
     async def tokenize_chat(self, req: p.TokenizeRequest) -> tuple[str, list[int], Any]:
@@ -429,7 +442,9 @@ class OpenAIServing:
         return result
 
     # ---- completions --------------------------------------------------------------------------
-    def prepare_completion(self, req: p.CompletionRequest) -> list[tuple[str | None, list[int], SamplingParams]]:
+    async def prepare_completion(
+        self, req: p.CompletionRequest
+    ) -> list[tuple[str | None, list[int], SamplingParams]]:
         self.check_model(req.model)
         if req.suffix is not None:
             raise InvalidRequest("suffix is not supported.", "suffix")
@@ -443,9 +458,10 @@ class OpenAIServing:
                 "n",
             )
         if isinstance(prompt, str):
-            items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, True))]
+            items: list[tuple[str | None, list[int]]] = [(prompt, await self.tokenize(prompt, True))]
         elif prompt and all(isinstance(x, str) for x in prompt):
-            items = [(text, self.tokenize(text, True)) for text in cast("list[str]", prompt)]
+            texts = cast("list[str]", prompt)
+            items = list(zip(texts, await self.tokenize_many(texts)))
         elif prompt and all(isinstance(x, int) for x in prompt):
             items = [(None, list(cast("list[int]", prompt)))]
         elif prompt and all(isinstance(x, list) for x in prompt):
@@ -471,7 +487,7 @@ class OpenAIServing:
         return prepared
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
-        prepared = self.prepare_completion(req)
+        prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         n = req.n
         texts, counts, finals, logprobs = _accumulators(n * len(prepared))
@@ -508,7 +524,7 @@ class OpenAIServing:
         )
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
-        prepared = self.prepare_completion(req)
+        prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         return self._completion_stream(req, prepared, arrival, admission)
 

@@ -27,6 +27,7 @@ from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, p
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.frontend.multimodal.video import load_video
+from pagoda.frontend.prompt_work import PromptWork, text_size
 from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
 
@@ -168,11 +169,14 @@ async def render_chat_prompt(
     *,
     continue_final_message: bool = False,
     request_template: str | None = None,
+    work: PromptWork | None = None,
 ) -> tuple[str, list[int], Any]:
     """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
     MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
     `chat_template` is trusted (the server's); `request_template`, a request's own template, is
-    rendered in the bounded sandbox instead (`frontend/template_sandbox.py`)."""
+    rendered in the bounded sandbox instead (`frontend/template_sandbox.py`). `work` (the server's):
+    large messages are rendered and tokenized off the event loop, and a rendered prompt over the
+    character bound is refused untokenized; without it (offline) both run here."""
     dicts, refs = split_content(messages)
     if refs and mm is None:
         article = "an image" if refs[0].modality == "image" else "a video"
@@ -194,12 +198,30 @@ async def render_chat_prompt(
         text = await render_request_template(
             request_template, dicts, variables, add_generation_prompt, continue_final_message
         )
+    elif work is not None:
+        size = text_size(dicts) + text_size(template_kwargs)
+        text = await work.run(
+            size,
+            "messages",
+            render_chat,
+            tokenizer,
+            dicts,
+            chat_template,
+            add_generation_prompt,
+            template_kwargs,
+            continue_final_message,
+        )
     else:
         text = render_chat(
             tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs, continue_final_message
         )
     try:
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        if work is not None:
+            token_ids = await work.encode(text, False, "messages")
+        else:
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+    except InvalidRequest:
+        raise
     except Exception:
         _check_encodable(text)
         raise
