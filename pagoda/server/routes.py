@@ -91,7 +91,8 @@ async def version() -> dict[str, str]:
 async def metrics(request: Request) -> Response:
     ctx = _serving(request).ctx
     # Between the core's reports (a long step) the waiting gauge also counts what this process sent since.
-    return Response(ctx.metrics.render(ctx.engine.waiting_estimate()), media_type=CONTENT_TYPE_LATEST)
+    waiting = ctx.engine.waiting_estimate(max_num_seqs=ctx.max_num_seqs)
+    return Response(ctx.metrics.render(waiting), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize", responses=_TOKENIZER_ERRORS)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pagoda.engine.async_engine import Admission, AsyncEngine
+from pagoda.engine.async_engine import Admission, AsyncEngine, free_seats
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
@@ -23,7 +23,7 @@ from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_promp
 from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import ServerMetrics
@@ -62,6 +62,7 @@ class ServingContext:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int | None = None
     api_server_count: int = 1  # API processes sharing the engine (--api-server-count)
+    max_num_seqs: int | None = None  # the core's seats: requests that take one run at once (admission)
     log_requests: bool = False
     multimodal: MultiModalServing | None = None  # set for vision-language models
     trust_request_chat_template: bool = False  # --trust-request-chat-template
@@ -98,11 +99,7 @@ class OpenAIServing:
 
     def check_capacity(self, count: int = 1) -> Admission | None:
         """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
-        these `count` requests until they are sent (None without a limit). Waiting: the core's last count
-        plus this process's requests that count does not include yet (`AsyncEngine.num_unreported`),
-        so a burst cannot all pass on a stale count. With N API processes each knows only its own, so
-        each may hold at most its share, 1/N rounded up, of the room the core's count leaves: a burst
-        spread over them overshoots the limit by at most N - 1."""
+        these `count` requests until they are sent (None without a limit). See `admission_room`."""
         # Checked before a stream starts, so a dead engine is a 503, not a 200 with an error event.
         engine = self.ctx.engine
         if engine.is_dead:
@@ -110,10 +107,13 @@ class OpenAIServing:
         limit = self.ctx.max_waiting_requests
         if limit is None:
             return None
-        waiting, unreported = engine.stats.num_waiting, engine.num_unreported
-        share = -(-(limit - waiting) // self.ctx.api_server_count)
+        share = admission_room(engine.stats, limit, self.ctx.max_num_seqs, self.ctx.api_server_count)
+        unreported = engine.num_unreported
         if unreported >= share:
-            raise Overloaded(f"The server is overloaded ({waiting + unreported} requests waiting); retry later.")
+            raise Overloaded(
+                f"The server is overloaded ({engine.stats.num_waiting + unreported} requests waiting or about "
+                "to); retry later."
+            )
         return engine.admit(count)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -682,6 +682,18 @@ class OpenAIServing:
             metrics.e2e.observe(time.monotonic() - arrival)
             if first is not None and last is not None and tokens > params.n:  # more than one token a choice
                 metrics.tpot.observe((last - first) / (tokens / params.n - 1))
+
+
+def admission_room(stats: EngineStats, limit: int, max_num_seqs: int | None, processes: int) -> int:
+    """How many requests not yet in the core's last count (`AsyncEngine.num_unreported`: sent since, or
+    about to be) this API process may hold. A request that takes a free seat runs at once, so it is not
+    waiting: the room is the limit plus the seats the core's count leaves free (`free_seats`) minus what
+    waits for them. The core's count is as of its last report, and it reports only between steps, so a
+    burst cannot pass on a stale count: every unreported request takes room. With N API processes each
+    knows only its own, so each may hold its share, 1/N rounded up: a burst spread over them overshoots
+    by at most N - 1."""
+    room = limit + free_seats(stats, max_num_seqs) - stats.num_waiting
+    return -(-room // processes)
 
 
 def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any) -> str:
