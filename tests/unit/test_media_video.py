@@ -260,7 +260,9 @@ def test_corrupt_and_non_video_data():
 def test_limits():
     _refused(MP4, f"over the limit of {len(MP4) - 1} bytes", MediaPolicy(max_bytes=len(MP4) - 1))
     _refused(MP4, r"3\.0 s long, over the limit of 2 s \(--max-video-seconds\)", MediaPolicy(max_video_seconds=2))
-    _refused(MP4, "more than the limit of 20 frames", MediaPolicy(max_video_frames=20))
+    _refused(MP4, "the video has 30 frames, over the limit of 20", MediaPolicy(max_video_frames=20))  # declared
+    _refused(MP4, "frames of 48x32 .* over the limit of 7680 pixels", MediaPolicy(max_video_decode_pixels=7680))
+    _refused(MP4, r"more than the limit of 1e-09 s of CPU", MediaPolicy(max_video_decode_cpu_s=1e-9))
     _refused(
         MP4, "48x32 = 1536 pixels, over the limit of 1000 pixels per frame", MediaPolicy(max_video_frame_pixels=1000)
     )

@@ -13,10 +13,18 @@ max(min(video_max_pixels, video_total_pixels / n * 2), int(video_min_pixels * 1.
 video_min_pixels, video_max_pixels, video_total_pixels).
 
 Limits (`MediaPolicy`; each failure is a 400 naming the limit): the file's bytes (`max_bytes`), its
-duration (`max_video_seconds`, --max-video-seconds), the frames it holds (`max_video_frames`), the frame
-size (`max_video_frame_pixels`) and the wall time the decoding may take (`max_video_decode_s`). Only the
-frames up to the last sampled one are decoded, and each sampled frame is resized as soon as it is
-decoded, so memory is bounded by the model's pixel budget, not by the file's resolution.
+duration (`max_video_seconds`, --max-video-seconds), the frames it holds (`max_video_frames`; the count
+the stream declares is checked before any packet is read), the frame size (`max_video_frame_pixels`), the
+pixels to decode (`max_video_decode_pixels`: the frames up to the last sampled one times the frame size,
+checked before any frame is decoded), the CPU time the decoding may take (`max_video_decode_cpu_s`:
+measured on the decoding thread, and a video whose first frames show it would need more is refused
+then) and its wall time (`max_video_decode_s`). Only the frames up to the last sampled one are decoded,
+and each sampled frame is resized as soon as it is decoded, so memory is bounded by the model's pixel
+budget, not by the file's resolution.
+
+Decoding runs on a pool of its own (`_DECODE_THREADS` threads, each decoding single-threaded), not on
+asyncio's default one: however many videos arrive at once, they take at most that many cores, and the
+images, data URIs and preprocessing of other requests never queue behind them.
 
 The demuxers allowed are listed (`_FORMATS`): playlist and concat formats, which would make FFmpeg open
 other URLs or local files behind the URL policy's back, are not among them.
@@ -25,6 +33,7 @@ other URLs or local files behind the URL policy's back, are not among them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import math
 import time
 from dataclasses import dataclass
@@ -43,6 +52,9 @@ FRAME_FACTOR = 2  # frames per temporal patch: the sampled count is always even
 # demuxer's comma-separated names).
 _FORMATS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,flv,mpeg,mpegts,ogg,gif,apng,asf,nut,ivf,m4v,h264,hevc,mjpeg"
 _OPEN_OPTIONS = {"format_whitelist": _FORMATS, "protocol_whitelist": "none"}
+_DECODE_THREADS = 2
+_DECODE_POOL = cf.ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="pagoda-video")
+_ESTIMATE_AFTER = 8  # frames decoded before their CPU time is extrapolated to the whole decode
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,8 @@ async def load_video(url: str, policy: MediaPolicy, cfg: VisionPreprocessConfig,
     """Fetch the video file behind `url` and decode its sampled frames (in a worker thread)."""
     try:
         data = await _load_bytes(url, policy, where, kind="video")
-        return await asyncio.to_thread(decode_video, data, policy, cfg, where)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_DECODE_POOL, decode_video, data, policy, cfg, where)
     except InvalidRequest:
         raise
     except Exception as e:  # the boundary: nothing raw reaches the server's 500 handler
@@ -125,6 +138,7 @@ def decode_video(data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, 
             )
         indices = sample_indices(total, n)
         width, height = source_size
+        _check_decode_pixels(indices[-1] + 1, width, height, policy, where)
         size_hw = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, frame_pixel_budget(cfg, n))
         frames, decoded = _decode_frames(data, indices, size_hw, policy, where, deadline)
         if frames is not None:
@@ -175,6 +189,8 @@ def _probe(data: bytes, policy: MediaPolicy, where: str, deadline: float) -> tup
         if width <= 0 or height <= 0:
             raise _fail(where, "the video stream has no frame size; the file may be corrupt.")
         _check_frame_size(width, height, policy, where)
+        if stream.frames and stream.frames > policy.max_video_frames:
+            raise _fail(where, f"the video has {stream.frames} frames, over the limit of {policy.max_video_frames}.")
         declared = _declared_seconds(container, stream)
         if declared is not None and declared > policy.max_video_seconds:
             raise _too_long(declared, policy, where)
@@ -216,12 +232,15 @@ def _decode_frames(
     out: list[Image.Image | None] = [None] * len(indices)
     last = indices[-1]
     decoded = 0
+    started = time.thread_time()
     with _open(data, where) as container:
         stream = _video_stream(container, where)
-        stream.thread_type = "AUTO"
+        stream.thread_type = "NONE"  # on this thread, where its CPU time is measured
         try:
             for index, frame in enumerate(container.decode(stream)):
                 decoded = index + 1
+                if decoded == _ESTIMATE_AFTER or decoded % 16 == 0:
+                    _check_cpu(time.thread_time() - started, decoded, last + 1, policy, where)
                 _check_frame_size(frame.width, frame.height, policy, where)
                 if index in wanted:
                     image = frame.to_image().resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
@@ -246,6 +265,28 @@ def _check_frame_size(width: int, height: int, policy: MediaPolicy, where: str) 
             where,
             f"video frames are {width}x{height} = {width * height} pixels, over the limit of "
             f"{policy.max_video_frame_pixels} pixels per frame.",
+        )
+
+
+def _check_decode_pixels(frames: int, width: int, height: int, policy: MediaPolicy, where: str) -> None:
+    if frames * width * height > policy.max_video_decode_pixels:
+        raise _fail(
+            where,
+            f"sampling it means decoding {frames} frames of {width}x{height} ({frames * width * height} pixels), "
+            f"over the limit of {policy.max_video_decode_pixels} pixels; send a shorter or smaller video, a lower "
+            "mm_processor_kwargs fps or nframes, or its frames as images.",
+        )
+
+
+def _check_cpu(used: float, decoded: int, needed: int, policy: MediaPolicy, where: str) -> None:
+    """Refuse once the decoding has used its CPU budget, or its first frames show it would."""
+    budget = policy.max_video_decode_cpu_s
+    if used > budget or used / decoded * needed > budget:
+        raise _fail(
+            where,
+            f"decoding the {needed} frames up to the last sampled one would take more than the limit of "
+            f"{budget:g} s of CPU ({used / decoded * 1000:.1f} ms a frame); send a shorter or smaller video, "
+            "a lower mm_processor_kwargs fps or nframes, or its frames as images.",
         )
 
 
