@@ -20,8 +20,8 @@ from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
-from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.prompt_work import PromptWork
+from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
 from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -442,9 +442,7 @@ class OpenAIServing:
         return result
 
     # ---- completions --------------------------------------------------------------------------
-    async def prepare_completion(
-        self, req: p.CompletionRequest
-    ) -> list[tuple[str | None, list[int], SamplingParams]]:
+    async def prepare_completion(self, req: p.CompletionRequest) -> list[tuple[str | None, list[int], SamplingParams]]:
         self.check_model(req.model)
         if req.suffix is not None:
             raise InvalidRequest("suffix is not supported.", "suffix")

@@ -5,7 +5,6 @@ temperature 1 up to the end of the context."""
 from __future__ import annotations
 
 import asyncio
-
 import logging
 import os
 

@@ -4,7 +4,6 @@ InvalidRequest naming the field, the server's schema refuses them before buildin
 from __future__ import annotations
 
 import asyncio
-
 import time
 
 import pytest
