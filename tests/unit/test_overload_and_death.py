@@ -231,6 +231,37 @@ def test_end_streams_fails_open_requests_with_an_error_event_and_done() -> None:
     asyncio.run(main())
 
 
+def test_a_stream_whose_client_left_before_it_started_gives_its_room_back_at_once() -> None:
+    """The client disconnects before the response's first write: the stream never starts, and its
+    admission is released when the response ends, not whenever the garbage collector runs."""
+
+    async def main() -> None:
+        engine, pipe = _engine()
+        serving = _serving(engine, limit=8)
+        from pagoda.server import protocol as p
+
+        body = p.CompletionRequest(model="m", prompt=[1, 2], max_tokens=50, stream=True)
+        response = sse_response(await serving.completion_stream(body, time.monotonic()))
+        assert engine.num_unreported == 1
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            await asyncio.sleep(0.01)  # the disconnect is seen before the body's first event
+
+        gc.disable()
+        try:
+            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST"}
+            await response(scope, receive, send)
+            assert engine.num_unreported == 0 and not pipe.sent
+        finally:
+            gc.enable()
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
 class _FakeCore:
     """The slice of LLMEngine that `core_process._loop` uses: requests wait until aborted, and the
     stats never change (so only the received count can make the core report)."""
