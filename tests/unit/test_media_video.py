@@ -263,6 +263,14 @@ def test_limits():
     _refused(MP4, "the video has 30 frames, over the limit of 20", MediaPolicy(max_video_frames=20))  # declared
     _refused(MP4, "frames of 48x32 .* over the limit of 7680 pixels", MediaPolicy(max_video_decode_pixels=7680))
     _refused(MP4, r"more than the limit of 1e-09 s of CPU", MediaPolicy(max_video_decode_cpu_s=1e-9))
+    # One budget for a request's videos: what the first took is not there for the second.
+    budget = video.CpuBudget(10.0)
+    decode_video(MP4, MediaPolicy(), CFG, WHERE, budget)
+    spent = 10.0 - budget.left()
+    assert 0 < spent < 10
+    budget.spend(budget.left() - spent / 100)  # room left for about a hundredth of that decode
+    with pytest.raises(InvalidRequest, match="s of CPU for a request's videos"):
+        decode_video(MP4, MediaPolicy(), CFG, WHERE, budget)
     _refused(
         MP4, "48x32 = 1536 pixels, over the limit of 1000 pixels per frame", MediaPolicy(max_video_frame_pixels=1000)
     )

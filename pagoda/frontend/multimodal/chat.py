@@ -26,7 +26,7 @@ from pagoda.frontend.chat_template import check_template_kwargs, render_chat
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image, preprocess_video
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
-from pagoda.frontend.multimodal.video import load_video
+from pagoda.frontend.multimodal.video import CpuBudget, load_video
 from pagoda.frontend.prompt_work import PromptWork, text_size
 from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
@@ -278,11 +278,12 @@ async def build_inputs(
             f"{MAX_IMAGE_PIXELS} (16384 tokens per image).",
             "mm_processor_kwargs",
         )
+    budget = CpuBudget(mm.policy.max_video_decode_cpu_s)  # the request's video files share it
     loaded: list[Any] = await asyncio.gather(
         *(
             load_image(r.urls[0], mm.policy, r.where)
             if r.modality == "image"
-            else load_video(r.urls[0], mm.policy, config, r.where)
+            else load_video(r.urls[0], mm.policy, config, r.where, budget)
             if r.video_file
             else load_video_frames(list(r.urls), mm.policy, r.where)
             for r in refs

@@ -16,9 +16,10 @@ Limits (`MediaPolicy`; each failure is a 400 naming the limit): the file's bytes
 duration (`max_video_seconds`, --max-video-seconds), the frames it holds (`max_video_frames`; the count
 the stream declares is checked before any packet is read), the frame size (`max_video_frame_pixels`), the
 pixels to decode (`max_video_decode_pixels`: the frames up to the last sampled one times the frame size,
-checked before any frame is decoded), the CPU time the decoding may take (`max_video_decode_cpu_s`:
-measured on the decoding thread, and a video whose first frames show it would need more is refused
-then) and its wall time (`max_video_decode_s`). Only the frames up to the last sampled one are decoded,
+checked before any frame is decoded), the CPU time decoding may take (`max_video_decode_cpu_s`, one
+budget for all of a request's video files (`CpuBudget`), measured on the decoding thread; a video whose
+first frames show it would need more than is left is refused then) and its wall time
+(`max_video_decode_s`). Only the frames up to the last sampled one are decoded,
 and each sampled frame is resized as soon as it is decoded, so memory is bounded by the model's pixel
 budget, not by the file's resolution.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import math
+import threading
 import time
 from dataclasses import dataclass
 from io import BytesIO
@@ -110,20 +112,43 @@ def frame_pixel_budget(cfg: VisionPreprocessConfig, n: int) -> float:
 # Loading and decoding
 
 
-async def load_video(url: str, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str) -> DecodedVideo:
-    """Fetch the video file behind `url` and decode its sampled frames (in a worker thread)."""
+class CpuBudget:
+    """The CPU seconds one request's videos may take to decode, together (they may decode at once)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._spent = 0.0
+        self._lock = threading.Lock()
+
+    def left(self) -> float:
+        with self._lock:
+            return self.seconds - self._spent
+
+    def spend(self, seconds: float) -> None:
+        with self._lock:
+            self._spent += seconds
+
+
+async def load_video(
+    url: str, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str, budget: CpuBudget | None = None
+) -> DecodedVideo:
+    """Fetch the video file behind `url` and decode its sampled frames (on the decoding pool). `budget`:
+    the request's, shared by its videos (one of `max_video_decode_cpu_s` for this one alone if None)."""
     try:
         data = await _load_bytes(url, policy, where, kind="video")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_DECODE_POOL, decode_video, data, policy, cfg, where)
+        return await loop.run_in_executor(_DECODE_POOL, decode_video, data, policy, cfg, where, budget)
     except InvalidRequest:
         raise
     except Exception as e:  # the boundary: nothing raw reaches the server's 500 handler
         raise _fail(where, f"could not load the video: {type(e).__name__}: {e}") from e
 
 
-def decode_video(data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str) -> DecodedVideo:
+def decode_video(
+    data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, where: str, budget: CpuBudget | None = None
+) -> DecodedVideo:
     """A video file's bytes -> its sampled frames; every failure is an InvalidRequest naming it."""
+    budget = budget if budget is not None else CpuBudget(policy.max_video_decode_cpu_s)
     if len(data) > policy.max_bytes:
         raise _fail(where, f"the video is {len(data)} bytes, over the limit of {policy.max_bytes} bytes.")
     deadline = time.monotonic() + policy.max_video_decode_s
@@ -140,7 +165,7 @@ def decode_video(data: bytes, policy: MediaPolicy, cfg: VisionPreprocessConfig, 
         width, height = source_size
         _check_decode_pixels(indices[-1] + 1, width, height, policy, where)
         size_hw = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, frame_pixel_budget(cfg, n))
-        frames, decoded = _decode_frames(data, indices, size_hw, policy, where, deadline)
+        frames, decoded = _decode_frames(data, indices, size_hw, policy, where, deadline, budget)
         if frames is not None:
             return DecodedVideo(frames, size_hw, tuple(indices), total, fps, source_size)
         total = decoded  # the container promised more frames than it holds: sample the real count
@@ -223,40 +248,50 @@ def _declared_seconds(container: Any, stream: Any) -> float | None:
 
 
 def _decode_frames(
-    data: bytes, indices: list[int], size_hw: tuple[int, int], policy: MediaPolicy, where: str, deadline: float
+    data: bytes,
+    indices: list[int],
+    size_hw: tuple[int, int],
+    policy: MediaPolicy,
+    where: str,
+    deadline: float,
+    budget: CpuBudget,
 ) -> tuple[list[Image.Image] | None, int]:
-    """(the frames at `indices`, resized to size_hw, or None if the stream ended first; frames decoded)."""
+    """(the frames at `indices`, resized to size_hw, or None if the stream ended first; frames decoded).
+    The CPU time it takes is spent from `budget`, whatever the outcome."""
     wanted: dict[int, list[int]] = {}
     for position, index in enumerate(indices):
         wanted.setdefault(index, []).append(position)
     out: list[Image.Image | None] = [None] * len(indices)
     last = indices[-1]
     decoded = 0
-    started = time.thread_time()
-    with _open(data, where) as container:
-        stream = _video_stream(container, where)
-        stream.thread_type = "NONE"  # on this thread, where its CPU time is measured
-        try:
-            for index, frame in enumerate(container.decode(stream)):
-                decoded = index + 1
-                if decoded == _ESTIMATE_AFTER or decoded % 16 == 0:
-                    _check_cpu(time.thread_time() - started, decoded, last + 1, policy, where)
-                _check_frame_size(frame.width, frame.height, policy, where)
-                if index in wanted:
-                    image = frame.to_image().resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
-                    for position in wanted[index]:
-                        out[position] = image
-                if index >= last:
-                    break
-                if index % 16 == 0:
-                    _check_deadline(deadline, policy, where)
-        except _av().FFmpegError as e:
-            raise _fail(where, f"the video is corrupt: decoding failed at frame {decoded} ({e}).") from e
-    if any(image is None for image in out):
-        if decoded == 0:
-            raise _fail(where, "the video has no decodable frames; the file may be corrupt.")
-        return None, decoded
-    return [image for image in out if image is not None], decoded
+    started, allowed = time.thread_time(), budget.left()
+    try:
+        with _open(data, where) as container:
+            stream = _video_stream(container, where)
+            stream.thread_type = "NONE"  # on this thread, where its CPU time is measured
+            try:
+                for index, frame in enumerate(container.decode(stream)):
+                    decoded = index + 1
+                    if decoded == _ESTIMATE_AFTER or decoded % 16 == 0:
+                        _check_cpu(time.thread_time() - started, decoded, last + 1, allowed, budget.seconds, where)
+                    _check_frame_size(frame.width, frame.height, policy, where)
+                    if index in wanted:
+                        image = frame.to_image().resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
+                        for position in wanted[index]:
+                            out[position] = image
+                    if index >= last:
+                        break
+                    if index % 16 == 0:
+                        _check_deadline(deadline, policy, where)
+            except _av().FFmpegError as e:
+                raise _fail(where, f"the video is corrupt: decoding failed at frame {decoded} ({e}).") from e
+        if any(image is None for image in out):
+            if decoded == 0:
+                raise _fail(where, "the video has no decodable frames; the file may be corrupt.")
+            return None, decoded
+        return [image for image in out if image is not None], decoded
+    finally:
+        budget.spend(time.thread_time() - started)
 
 
 def _check_frame_size(width: int, height: int, policy: MediaPolicy, where: str) -> None:
@@ -278,15 +313,15 @@ def _check_decode_pixels(frames: int, width: int, height: int, policy: MediaPoli
         )
 
 
-def _check_cpu(used: float, decoded: int, needed: int, policy: MediaPolicy, where: str) -> None:
-    """Refuse once the decoding has used its CPU budget, or its first frames show it would."""
-    budget = policy.max_video_decode_cpu_s
-    if used > budget or used / decoded * needed > budget:
+def _check_cpu(used: float, decoded: int, needed: int, allowed: float, limit: float, where: str) -> None:
+    """Refuse once the decoding has used the CPU time `allowed` (what the request's budget had left when
+    it started), or its first frames show it would."""
+    if used > allowed or used / decoded * needed > allowed:
         raise _fail(
             where,
             f"decoding the {needed} frames up to the last sampled one would take more than the limit of "
-            f"{budget:g} s of CPU ({used / decoded * 1000:.1f} ms a frame); send a shorter or smaller video, "
-            "a lower mm_processor_kwargs fps or nframes, or its frames as images.",
+            f"{limit:g} s of CPU for a request's videos ({used / decoded * 1000:.1f} ms a frame); send a shorter "
+            "or smaller video, a lower mm_processor_kwargs fps or nframes, or its frames as images.",
         )
 
 
