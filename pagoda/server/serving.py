@@ -107,13 +107,11 @@ class OpenAIServing:
         limit = self.ctx.max_waiting_requests
         if limit is None:
             return None
-        share = admission_room(engine.stats, limit, self.ctx.max_num_seqs, self.ctx.api_server_count)
+        stats, seats = engine.stats, self.ctx.max_num_seqs
         unreported = engine.num_unreported
-        if unreported >= share:
-            raise Overloaded(
-                f"The server is overloaded ({engine.stats.num_waiting + unreported} requests waiting or about "
-                "to); retry later."
-            )
+        if unreported >= admission_room(stats, limit, seats, self.ctx.api_server_count):
+            waiting = max(0, stats.num_waiting + unreported - free_seats(stats, seats))
+            raise Overloaded(f"The server is overloaded ({waiting} requests waiting); retry later.")
         return engine.admit(count)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
