@@ -190,6 +190,34 @@ def test_lossless_frames_equal_the_source_frames():
         assert np.array_equal(np.asarray(frame), np.asarray(expected)), index
 
 
+def test_seeking_to_key_frames_gives_the_frames_decoding_everything_gives():
+    """Key frames every 4 frames (B-frames between): each sampled frame is decoded from the key frame
+    before it, the skipped ones never, and each is the frame the sequential decode gives."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10, options={"g": "4", "keyint_min": "4", "bframes": "2"})
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        for i in range(31):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(_gray(i), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    data = buf.getvalue()
+    cfg = CFG.with_overrides({"fps": 1}, "mm_processor_kwargs")
+    clip = decode_video(data, MediaPolicy(), cfg, WHERE)
+    assert clip.indices == (0, 10, 20, 30) and _levels(clip) == [0, 10, 20, 30]
+    total, _, _, timeline = video._probe(data, MediaPolicy(), WHERE, float("inf"))
+    assert timeline is not None and total == 31 and 0 < timeline.keys[1] <= 4
+    # Hand count: from the last key frame at or before each sampled frame up to it.
+    expected = sum(i - max(k for k in timeline.keys if k <= i) + 1 for i in clip.indices)
+    needed = video._frames_to_decode(list(clip.indices), timeline)
+    assert needed == expected < 16
+    # The pixel limit counts only those.
+    decode_video(data, MediaPolicy(max_video_decode_pixels=needed * W * H), cfg, WHERE)
+    with pytest.raises(InvalidRequest, match=f"decoding {needed} frames"):
+        decode_video(data, MediaPolicy(max_video_decode_pixels=(needed - 1) * W * H), cfg, WHERE)
+
+
 def test_webm_and_gif_decode():
     webm = _make_video(fmt="webm", codec="libvpx-vp9")
     assert _levels(_load(_uri(webm, "video/webm"))) == [0, 6, 12, 17, 23, 29]
