@@ -331,7 +331,10 @@ def _decode_frames(
                     if out[wanted[target][0]] is not None:
                         continue
                     if timeline is not None and (key := timeline.key_before(target)) > position:
-                        container.seek(timeline.pts[key], stream=stream, backward=True, any_frame=False)
+                        try:
+                            container.seek(timeline.pts[key], stream=stream, backward=True, any_frame=False)
+                        except _av().FFmpegError:
+                            return None, decoded  # not seekable after all: every frame in order
                         frames = container.decode(stream)
                     for frame in frames:
                         decoded += 1
