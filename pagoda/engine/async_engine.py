@@ -64,6 +64,19 @@ class Admission:
         self.count = count
 
 
+# KV usage from which the core's free seats count as taken: a new request would wait for blocks.
+KV_FULL = 0.95
+
+
+def free_seats(stats: EngineStats, max_num_seqs: int | None) -> int:
+    """Seats (`max_num_seqs`) the core's last report leaves free. The waiting requests take them first
+    (those the last step's token budget left out run at the next), then new ones: of W waiting and U more,
+    max(0, W + U - free) wait. None while the KV cache is full, where even a free seat waits for blocks."""
+    if max_num_seqs is None or stats.kv_cache_usage >= KV_FULL:
+        return 0
+    return max(0, max_num_seqs - stats.num_running)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, client: CoreClient):
         self.config = config
@@ -109,14 +122,15 @@ class AsyncEngine:
         self._admissions.add(admission)
         return admission
 
-    def waiting_estimate(self, stale_after: float = 1.0) -> int | None:
+    def waiting_estimate(self, stale_after: float = 1.0, max_num_seqs: int | None = None) -> int | None:
         """The core's last waiting count plus this process's requests sent since that it has not
-        reported, once they have gone unreported for `stale_after` s (the core is in a long step); None
-        while its report is current. A short delay keeps the gauge the core's own between steps."""
+        reported, less the free seats (`free_seats`), once they have gone unreported for
+        `stale_after` s (the core is in a long step); None while its report is current. A short delay
+        keeps the gauge the core's own between steps."""
         unseen = self._sent - self._seen
         if unseen <= 0 or time.monotonic() - max(self._last_report, self._unseen_since) < stale_after:
             return None
-        return self.stats.num_waiting + unseen
+        return max(0, self.stats.num_waiting + unseen - free_seats(self.stats, max_num_seqs))
 
     def end_streams(self, message: str) -> None:
         """End every open request with a `ShuttingDown` error (a stream's last events are that error

@@ -52,6 +52,19 @@ class LLMEngine:
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
         self.token_info = tokenizer_info(self.tokenizer, self.source)
+        # Structured output: the grammar engine's vocabulary table (seconds of Python at a 150k vocabulary,
+        # holding the GIL) is built now, on the manager's thread while the weights load, and the engine
+        # serves only once it is done: built by the first constrained request, it would hold up the loop's
+        # every step meanwhile. A constrained request then waits outside the scheduler until its grammar
+        # is compiled (`_admit_compiled`).
+        self._grammars: GrammarManager | None = None
+        if self.tokenizer is not None:
+            self._grammars = GrammarManager(
+                self.tokenizer,
+                config.model.vocab_size,
+                sorted(self.token_info.eos_token_ids),
+                pin_memory=config.device.device == "cuda",
+            )
         self.runner = make_runner(config, self.source, set(self.token_info.eos_token_ids), on_fatal)
         self.kv_layout = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.kv_layout)
@@ -67,12 +80,12 @@ class LLMEngine:
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
         # Tokens of each step since the last `stats()` (EngineStats); bounded, as offline nobody asks.
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
-        # Structured output: the grammar engine starts with the first constrained request. Such a request
-        # waits here, outside the scheduler, until its grammar is compiled (`_admit_compiled`).
-        self._grammars: GrammarManager | None = None
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self.vocab_size = self.runner.vocab_size
+        if self._grammars is not None:
+            self.runner.set_token_masks(self._grammars)
+            self._grammars.wait_ready()
         self._log_startup()
 
     # ---- startup ------------------------------------------------------------------------------
@@ -238,15 +251,7 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarManager:
-        if self._grammars is None:
-            assert self.tokenizer is not None
-            self._grammars = GrammarManager(
-                self.tokenizer,
-                self.vocab_size,
-                sorted(self.token_info.eos_token_ids),
-                pin_memory=self.config.device.device == "cuda",
-            )
-            self.runner.set_token_masks(self._grammars)
+        assert self._grammars is not None  # there is one whenever there is a tokenizer (add_request checks)
         return self._grammars
 
     def _admit_compiled(self) -> list[RequestOutput]:

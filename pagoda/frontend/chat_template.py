@@ -1,8 +1,9 @@
 """Chat messages → prompt text, with the model's Jinja chat template (or an override).
 
 The server's own template (the model folder's, or `--chat-template`) is trusted: transformers
-renders it, on the event loop: rendering a ChatML template costs less than the hop to a worker thread
-would (benchmarks/profile/api_burst.py). A template sent in a request body is not: `template_sandbox.py`.
+renders it, on the event loop for short messages: rendering a ChatML template costs less than the hop
+to a worker thread would (benchmarks/profile/api_burst.py); long ones on `prompt_work.py`'s pool. A
+template sent in a request body is not trusted: `template_sandbox.py`.
 
 `inspect_chat_template` is the startup / `pagoda doctor` check: where the template comes from,
 whether it renders a plain conversation, and whether the prompt has the model family's format.

@@ -146,11 +146,7 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
             return general
 
         def encode(text: str, add_special_tokens: bool) -> list[int]:
-            if (
-                backend.truncation is not None
-                or backend.padding is not None
-                or backend.encode_special_tokens != bool(tokenizer.split_special_tokens)
-            ):
+            if not _backend_as_configured(tokenizer, backend):
                 return general(text, add_special_tokens)
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -161,3 +157,66 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
     except Exception:  # noqa: BLE001 - anything unexpected: the general path is always right
         return general
     return general
+
+
+def _backend_as_configured(tokenizer: Any, backend: Any) -> bool:
+    """The backend has no truncation or padding set and splits special tokens as the tokenizer says."""
+    return (
+        backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)
+    )
+
+
+# Texts on which a tokenizer that folds characters (drops or merges them while normalizing: runs of
+# spaces, control or zero-width characters, combining marks) makes one token cover more characters
+# than any of its pieces spells.
+_FOLDING_PROBES = (" " * 512, "\n" * 512, "\t" * 512, "\u3000" * 512, "\x00" * 512, "\u200b" * 512, "e\u0301" * 256)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for: the longest piece of the vocabulary, decoded
+    (and spelt: a byte-level piece spells one character per byte, which bounds the characters it decodes
+    to). A prompt of more characters than `max_model_len` times this can never fit in the context.
+    None when there is no such bound: a probe text took fewer tokens than its length allows, so this
+    tokenizer's normalizer folds characters (e.g. SentencePiece collapsing runs of spaces)."""
+    try:
+        size = len(tokenizer)
+        backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and callable(getattr(backend, "decode_batch", None)):
+            ids = [[i] for i in range(size)]
+            decoded = backend.decode_batch(ids, skip_special_tokens=False)  # Rust, all cores: ~50 ms at 150k
+        else:
+            decoded = [tokenizer.decode([i]) for i in range(size)]
+        pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+        longest = max(
+            max((len(text) for text in decoded), default=0),
+            max((len(piece) for piece in pieces if isinstance(piece, str)), default=0),
+        )
+        if longest < 1:
+            return None
+        for probe in _FOLDING_PROBES:
+            if len(probe) > longest * len(tokenizer.encode(probe, add_special_tokens=False)):
+                return None
+    except Exception:  # noqa: BLE001 - an exotic tokenizer: no bound, every prompt is tokenized
+        return None
+    return longest
+
+
+def gil_free_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """`encode(text, add_special_tokens)` as `fast_encoder`'s, for a worker thread: a fast tokenizer's
+    Rust `encode_batch` releases the GIL while it runs (its one-text `encode` holds it, which would stall
+    the event loop as surely as calling it there). Anything else gets `fast_encoder`'s function."""
+    encode = fast_encoder(tokenizer)
+    backend: Any = getattr(tokenizer, "_tokenizer", None)
+    if getattr(encode, "__qualname__", "") != "fast_encoder.<locals>.encode" or not callable(
+        getattr(backend, "encode_batch", None)
+    ):
+        return encode  # transformers' own path: the backend is not provably the same function
+
+    def encode_released(text: str, add_special_tokens: bool) -> list[int]:
+        if not _backend_as_configured(tokenizer, backend):
+            return encode(text, add_special_tokens)
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    return encode_released

@@ -90,6 +90,7 @@ class ApiSetup:
             generation_defaults=self.generation_defaults,
             max_waiting_requests=server.max_waiting_requests,
             api_server_count=server.api_server_count,
+            max_num_seqs=config.scheduler.max_num_seqs,
             log_requests=server.enable_log_requests,
             multimodal=self.multimodal,
             trust_request_chat_template=server.trust_request_chat_template,

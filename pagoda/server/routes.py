@@ -102,7 +102,8 @@ async def version() -> dict[str, str]:
 async def metrics(request: Request) -> Response:
     ctx = _serving(request).ctx
     # Between the core's reports (a long step) the waiting gauge also counts what this process sent since.
-    return Response(ctx.metrics.render(ctx.engine.waiting_estimate()), media_type=CONTENT_TYPE_LATEST)
+    waiting = ctx.engine.waiting_estimate(max_num_seqs=ctx.max_num_seqs)
+    return Response(ctx.metrics.render(waiting), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize", responses=_TOKENIZER_ERRORS)
@@ -112,7 +113,7 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         _, tokens, _ = await serving.tokenize_chat(body)
     elif body.prompt is not None:
-        tokens = serving.tokenize(body.prompt, body.add_special_tokens)
+        tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
     else:
         raise InvalidRequest("Send either prompt or messages.", "prompt")
     return JSONResponse({"count": len(tokens), "max_model_len": serving.ctx.max_model_len, "tokens": tokens})

@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pagoda.engine.async_engine import Admission, AsyncEngine
+from pagoda.engine.async_engine import Admission, AsyncEngine, free_seats
 from pagoda.engine.validation import check_prompt_tokens
 from pagoda.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound, Overloaded
 from pagoda.frontend.detokenizer import decode_ids
 from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_prompt
+from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.template_sandbox import refused_message
-from pagoda.frontend.tokenizer import fast_encoder
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
 from pagoda.server.metrics import RequestTiming, ServerMetrics
@@ -66,6 +66,7 @@ class ServingContext:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     max_waiting_requests: int | None = None
     api_server_count: int = 1  # API processes sharing the engine (--api-server-count)
+    max_num_seqs: int | None = None  # the core's seats: requests that take one run at once (admission)
     log_requests: bool = False
     multimodal: MultiModalServing | None = None  # set for vision-language models
     trust_request_chat_template: bool = False  # --trust-request-chat-template
@@ -90,7 +91,8 @@ def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
 class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
-        self._encode = fast_encoder(ctx.tokenizer) if ctx.tokenizer is not None else None
+        # Tokenizing and rendering: the character bound, large texts off the event loop (`PromptWork`).
+        self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -102,11 +104,7 @@ class OpenAIServing:
 
     def check_capacity(self, count: int = 1) -> Admission | None:
         """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
-        these `count` requests until they are sent (None without a limit). Waiting: the core's last count
-        plus this process's requests that count does not include yet (`AsyncEngine.num_unreported`),
-        so a burst cannot all pass on a stale count. With N API processes each knows only its own, so
-        each may hold at most its share, 1/N rounded up, of the room the core's count leaves: a burst
-        spread over them overshoots the limit by at most N - 1."""
+        these `count` requests until they are sent (None without a limit). See `admission_room`."""
         # Checked before a stream starts, so a dead engine is a 503, not a 200 with an error event.
         engine = self.ctx.engine
         if engine.is_dead:
@@ -114,17 +112,29 @@ class OpenAIServing:
         limit = self.ctx.max_waiting_requests
         if limit is None:
             return None
-        waiting, unreported = engine.stats.num_waiting, engine.num_unreported
-        share = -(-(limit - waiting) // self.ctx.api_server_count)
-        if unreported >= share:
-            raise Overloaded(f"The server is overloaded ({waiting + unreported} requests waiting); retry later.")
+        stats, seats = engine.stats, self.ctx.max_num_seqs
+        unreported = engine.num_unreported
+        if unreported >= admission_room(stats, limit, seats, self.ctx.api_server_count):
+            waiting = max(0, stats.num_waiting + unreported - free_seats(stats, seats))
+            raise Overloaded(f"The server is overloaded ({waiting} requests waiting); retry later.")
         return engine.admit(count)
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._encode is None:
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A prompt's ids; one longer than the context could ever hold is refused before tokenizing."""
+        if self.prompts is None:
             raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        self.prompts.check_chars(text, "prompt")
         check_unicode(text, "prompt")
-        return self._encode(text, add_special_tokens)
+        return await self.prompts.encode(text, add_special_tokens)
+
+    async def tokenize_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """The ids of a completion request's list of prompts (all of them at once off the loop when long)."""
+        if self.prompts is None:
+            raise InvalidRequest("This server has no tokenizer (--skip-tokenizer-init); send token ids.", "prompt")
+        for text in texts:
+            self.prompts.check_chars(text, "prompt")
+            check_unicode(text, "prompt")
+        return await self.prompts.encode_many(texts, add_special_tokens)
 
     def _resolve_max_tokens(
         self, requested: int | None, prompt_len: int, prompt_param: str = "prompt", media_tokens: int = 0
@@ -298,6 +308,7 @@ class OpenAIServing:
             continue_final_message=continue_final_message,
             request_template=request_template,
             add_special_tokens=add_special_tokens,
+            work=self.prompts,
         )
 
     async def tokenize_chat(self, req: p.TokenizeRequest) -> tuple[str, list[int], Any]:
@@ -485,7 +496,7 @@ class OpenAIServing:
         return result
 
     # ---- completions --------------------------------------------------------------------------
-    def prepare_completion(self, req: p.CompletionRequest) -> list[tuple[str | None, list[int], SamplingParams]]:
+    async def prepare_completion(self, req: p.CompletionRequest) -> list[tuple[str | None, list[int], SamplingParams]]:
         self.check_model(req.model)
         if req.suffix is not None:
             raise InvalidRequest("suffix is not supported.", "suffix")
@@ -506,9 +517,10 @@ class OpenAIServing:
                 "n",
             )
         if isinstance(prompt, str):
-            items: list[tuple[str | None, list[int]]] = [(prompt, self.tokenize(prompt, req.add_special_tokens))]
+            items: list[tuple[str | None, list[int]]] = [(prompt, await self.tokenize(prompt, req.add_special_tokens))]
         elif prompt and all(isinstance(x, str) for x in prompt):
-            items = [(text, self.tokenize(text, req.add_special_tokens)) for text in cast("list[str]", prompt)]
+            texts = cast("list[str]", prompt)
+            items = list(zip(texts, await self.tokenize_many(texts, req.add_special_tokens)))
         elif prompt and all(isinstance(x, int) for x in prompt):
             items = [(None, list(cast("list[int]", prompt)))]
         elif prompt and all(isinstance(x, list) for x in prompt):
@@ -535,7 +547,7 @@ class OpenAIServing:
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
         opts = request_options(req, self.ctx.scheduling_policy)
-        prepared = self.prepare_completion(req)
+        prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         n = req.n
         texts, counts, finals, logprobs = _accumulators(n * len(prepared))
@@ -582,7 +594,7 @@ class OpenAIServing:
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
         opts = request_options(req, self.ctx.scheduling_policy)
-        prepared = self.prepare_completion(req)
+        prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         return self._completion_stream(req, prepared, arrival, admission, opts)
 
@@ -772,6 +784,18 @@ class OpenAIServing:
         finally:
             timing.first, timing.last = first, last
             metrics.on_request_finished([reasons.get(i) for i in range(params.n)], params, timing, len(ids), tokens)
+
+
+def admission_room(stats: EngineStats, limit: int, max_num_seqs: int | None, processes: int) -> int:
+    """How many requests not yet in the core's last count (`AsyncEngine.num_unreported`: sent since, or
+    about to be) this API process may hold. A request that takes a free seat runs at once, so it is not
+    waiting: the room is the limit plus the seats the core's count leaves free (`free_seats`) minus what
+    waits for them. The core's count is as of its last report, and it reports only between steps, so a
+    burst cannot pass on a stale count: every unreported request takes room. With N API processes each
+    knows only its own, so each may hold its share, 1/N rounded up: a burst spread over them overshoots
+    by at most N - 1."""
+    room = limit + free_seats(stats, max_num_seqs) - stats.num_waiting
+    return -(-room // processes)
 
 
 def _tool_choice_chunk(stream: ToolCallStream, c: CompletionOutput, chat_logprobs: Any, opts: RequestOptions) -> str:

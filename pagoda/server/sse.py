@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -55,7 +55,30 @@ def sse_response(events: AsyncIterator[str | bytes]) -> StreamingResponse:
         if not (last.endswith(SSE_DONE_BYTES) if isinstance(last, bytes) else last.endswith(SSE_DONE)):
             yield SSE_DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=STREAM_HEADERS)
+    return _ClosingStreamingResponse(body(), events, media_type="text/event-stream", headers=STREAM_HEADERS)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the body and the event stream when the response ends however it ends, a client gone
+    before the first event included: a stream that never started still holds its request's admission
+    (`AsyncEngine.admit`), and left to the garbage collector (cycles through the cancellation's
+    traceback; the serving process collects rarely) that room would stay taken long after the client left."""
+
+    def __init__(self, body: AsyncIterator[str | bytes], events: AsyncIterator[str | bytes], **kwargs: Any):
+        super().__init__(body, **kwargs)
+        self._closing = (body, events)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._closing:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    try:
+                        await aclose()
+                    except RuntimeError:  # still running in a task that is being cancelled: it ends there
+                        pass
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:

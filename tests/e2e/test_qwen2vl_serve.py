@@ -15,6 +15,8 @@ import io
 import json
 import math
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from http.server import HTTPServer, SimpleHTTPRequestHandler
 
@@ -276,6 +278,63 @@ def test_video_file_counts_like_its_sampled_frames(client, http):
     listed = client.chat.completions.create(model=MODEL, messages=as_frames, max_tokens=2, temperature=0)
     assert reply.usage.prompt_tokens == listed.usage.prompt_tokens
     assert reply.usage.prompt_tokens == _text_only_tokens(http, as_file) + TINY_MP4_TOKENS
+
+
+def uhd_mp4(frames: int = 1200) -> bytes:
+    """40 s of 3840x2160 at 30 fps in ~60 KB: one encoded key frame, then one encoded "nothing changed"
+    frame muxed again for every later frame (cheap to make; each frame still decodes at full size)."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 3840, 2160, "yuv420p"
+        stream.options = {"preset": "ultrafast", "crf": "51", "bframes": "0"}
+        frame = av.VideoFrame.from_ndarray(np.full((2160, 3840, 3), 40, np.uint8), format="rgb24")
+        packets = []
+        for i in range(2):
+            frame.pts = i
+            packets += stream.encode(frame)
+        packets += stream.encode()
+        key, same = packets[0], bytes(packets[1])
+        key.pts = key.dts = 0
+        key.time_base = Fraction(1, 30)
+        container.mux(key)
+        for i in range(1, frames):
+            packet = av.Packet(same)
+            packet.stream, packet.time_base, packet.pts, packet.dts = stream, Fraction(1, 30), i, i
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_hostile_videos_are_refused_quickly_beside_a_valid_one(vl_server):
+    """Six 4K videos of 1,200 frames (sampling them means decoding ~10 G pixels) sent at once with a 10-frame
+    one: the six are refused before any frame is decoded, and the small one is answered meanwhile."""
+    hostile = user({"type": "video_url", "video_url": {"url": data_uri(uhd_mp4(), "video/mp4")}}, "What happens?")
+    valid = user({"type": "video_url", "video_url": {"url": data_uri(tiny_mp4(), "video/mp4")}}, "What happens?")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def send(messages: list[dict]) -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+        response = httpx.post(f"{vl_server.url}{CHAT}", json=body, headers=headers, timeout=120)
+        return response, time.monotonic() - t0
+
+    with ThreadPoolExecutor(7) as pool:
+        refusals = [pool.submit(send, hostile) for _ in range(6)]
+        answer = pool.submit(send, valid)
+        (reply, answered_in), refused = answer.result(), [f.result() for f in refusals]
+    assert reply.status_code == 200, reply.text
+    for response, _ in refused:
+        assert_openai_error(response, 400, contains="pixels")
+        assert "3840x2160" in response.json()["error"]["message"]
+    # Undecoded, each is refused in well under a second on an idle machine (decoding one took ~5 s of CPU);
+    # the margins are for a loaded CI machine.
+    assert max(elapsed for _, elapsed in refused) < 15, [round(e, 1) for _, e in refused]
+    assert answered_in < 30, answered_in
 
 
 def test_streaming_with_an_image(client):

@@ -11,6 +11,7 @@ import json
 import resource
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -69,6 +70,59 @@ def test_fields_at_their_bounds_are_accepted(http: httpx.Client) -> None:
     response = http.post(COMPLETIONS, json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 2
+
+
+# ---- prompts that cannot fit: refused before tokenizing, the event loop free meanwhile ------------------
+def refused_beside_health(base_url: str, path: str, body: dict) -> tuple[httpx.Response, float, list[float]]:
+    """POST `body` (sent pre-encoded) while another connection asks /health every 20 ms: (the response,
+    seconds from sending it to its answer, each /health's latency in the meantime)."""
+    content = json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    done = threading.Event()
+    latencies: list[float] = []
+
+    def ask_health() -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                done.wait(0.02)
+
+    health = threading.Thread(target=ask_health)
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as client:
+        health.start()
+        time.sleep(0.2)  # its connection is open and answered before the big body goes out
+        t0 = time.monotonic()
+        response = client.post(path, content=content)
+        elapsed = time.monotonic() - t0
+    done.set()
+    health.join()
+    return response, elapsed, latencies
+
+
+HUGE_TEXT = "hello world " * 1747626  # 20 MB: far past 2048 tokens of any piece length
+UNFIT = [
+    (COMPLETIONS, completion(prompt=HUGE_TEXT), "prompt"),
+    (COMPLETIONS, completion(prompt=["Hi", HUGE_TEXT]), "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": HUGE_TEXT}, "prompt"),
+    (CHAT, chat(messages=[{"role": "user", "content": HUGE_TEXT}]), "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", UNFIT, ids=["completion", "prompt-list", "tokenize", "chat"])
+def test_prompt_that_cannot_fit_is_refused_without_stalling_the_server(
+    base_url: str, path: str, body: dict, param: str
+) -> None:
+    response, elapsed, latencies = refused_beside_health(base_url, path, body)
+    error = assert_openai_error(response, 400, contains="maximum context length is 2048 tokens")
+    assert error["param"] == param, error
+    assert len(error["message"]) < 400, "the error must not echo the prompt"
+    # Untokenized, it is answered in ~0.2 s on an idle machine (tokenizing it took ~25 s, /health waiting as
+    # long); the margins are for a loaded CI machine, where reading and parsing 20 MB of JSON takes longer.
+    assert elapsed < 5, f"refused after {elapsed:.1f} s"
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.1 and latencies[-1] < max(0.5, elapsed / 2), (elapsed, latencies)
 
 
 # ---- transport: 413 / 431 from raw sockets ------------------------------------------------------------

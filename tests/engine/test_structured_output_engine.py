@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequest
+from pagoda.frontend.structured_output.manager import GrammarManager
 from pagoda.sampling_params import StructuredOutputsParams
 
 RECEIPT = (
@@ -174,11 +176,24 @@ def tiny_qwen2_real_vocab(tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_byte_level_vocabulary_with_preemption_and_prefix_hits(tiny_qwen2_real_vocab) -> None:
+def test_byte_level_vocabulary_with_preemption_and_prefix_hits(tiny_qwen2_real_vocab, monkeypatch) -> None:
     """12 constrained samples in a KV cache that holds about four of them: the scheduler preempts and
-    recomputes, the shared prompt hits the prefix cache, and every output still validates."""
+    recomputes, the shared prompt hits the prefix cache, and every output still validates. The vocabulary
+    table (150k tokens) is built during startup, once, on the grammar pool's thread: the first
+    constrained request does not build it on the engine loop."""
+    builds: list[str] = []
+    make_compiler = GrammarManager._make_compiler
+
+    def spy(self: GrammarManager, tokenizer: object) -> object:
+        builds.append(threading.current_thread().name)
+        return make_compiler(self, tokenizer)
+
+    monkeypatch.setattr(GrammarManager, "_make_compiler", spy)
     llm = LLM(tiny_qwen2_real_vocab, max_model_len=256, num_gpu_blocks_override=24, max_num_seqs=12, seed=0)
     try:
+        grammars = llm.engine._grammars
+        assert grammars is not None and grammars.ready, "the table is built before the engine serves"
+        assert len(builds) == 1 and builds[0].startswith("pagoda-grammar"), builds
         prompt = {"prompt_token_ids": list(range(1000, 1040))}
         params = SamplingParams(
             n=12, temperature=1.0, seed=5, max_tokens=96, structured_outputs=StructuredOutputsParams(json=QWEN_SCHEMA)
@@ -188,6 +203,7 @@ def test_byte_level_vocabulary_with_preemption_and_prefix_hits(tiny_qwen2_real_v
         for c in out.outputs:
             assert c.finish_reason == "stop", c.text
             jsonschema.validate(json.loads(c.text), QWEN_SCHEMA)
+        assert len(builds) == 1, builds
     finally:
         llm.shutdown()
 

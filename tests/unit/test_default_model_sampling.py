@@ -4,6 +4,7 @@ temperature 1 up to the end of the context."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -50,5 +51,6 @@ def test_a_bare_request_to_the_embedded_model_is_bounded() -> None:
         metrics=None,  # type: ignore[arg-type]
         generation_defaults=sampling_defaults(DEFAULT_GENERATION_CONFIG),
     )
-    ((_, _, params),) = OpenAIServing(ctx).prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None))
+    request = p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None)
+    ((_, _, params),) = asyncio.run(OpenAIServing(ctx).prepare_completion(request))
     assert (params.max_tokens, params.temperature, params.top_p) == (256, 0.2, 0.9)

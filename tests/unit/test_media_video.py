@@ -190,6 +190,34 @@ def test_lossless_frames_equal_the_source_frames():
         assert np.array_equal(np.asarray(frame), np.asarray(expected)), index
 
 
+def test_seeking_to_key_frames_gives_the_frames_decoding_everything_gives():
+    """Key frames every 4 frames (B-frames between): each sampled frame is decoded from the key frame
+    before it, the skipped ones never, and each is the frame the sequential decode gives."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10, options={"g": "4", "keyint_min": "4", "bframes": "2"})
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        for i in range(31):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(_gray(i), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    data = buf.getvalue()
+    cfg = CFG.with_overrides({"fps": 1}, "mm_processor_kwargs")
+    clip = decode_video(data, MediaPolicy(), cfg, WHERE)
+    assert clip.indices == (0, 10, 20, 30) and _levels(clip) == [0, 10, 20, 30]
+    total, _, _, timeline = video._probe(data, MediaPolicy(), WHERE, float("inf"))
+    assert timeline is not None and total == 31 and 0 < timeline.keys[1] <= 4
+    # Hand count: from the last key frame at or before each sampled frame up to it.
+    expected = sum(i - max(k for k in timeline.keys if k <= i) + 1 for i in clip.indices)
+    needed = video._frames_to_decode(list(clip.indices), timeline)
+    assert needed == expected < 16
+    # The pixel limit counts only those.
+    decode_video(data, MediaPolicy(max_video_decode_pixels=needed * W * H), cfg, WHERE)
+    with pytest.raises(InvalidRequest, match=f"decoding {needed} frames"):
+        decode_video(data, MediaPolicy(max_video_decode_pixels=(needed - 1) * W * H), cfg, WHERE)
+
+
 def test_webm_and_gif_decode():
     webm = _make_video(fmt="webm", codec="libvpx-vp9")
     assert _levels(_load(_uri(webm, "video/webm"))) == [0, 6, 12, 17, 23, 29]
@@ -260,7 +288,17 @@ def test_corrupt_and_non_video_data():
 def test_limits():
     _refused(MP4, f"over the limit of {len(MP4) - 1} bytes", MediaPolicy(max_bytes=len(MP4) - 1))
     _refused(MP4, r"3\.0 s long, over the limit of 2 s \(--max-video-seconds\)", MediaPolicy(max_video_seconds=2))
-    _refused(MP4, "more than the limit of 20 frames", MediaPolicy(max_video_frames=20))
+    _refused(MP4, "the video has 30 frames, over the limit of 20", MediaPolicy(max_video_frames=20))  # declared
+    _refused(MP4, "frames of 48x32 .* over the limit of 7680 pixels", MediaPolicy(max_video_decode_pixels=7680))
+    _refused(MP4, r"more than the limit of 1e-09 s of CPU", MediaPolicy(max_video_decode_cpu_s=1e-9))
+    # One budget for a request's videos: what the first took is not there for the second.
+    budget = video.CpuBudget(10.0)
+    decode_video(MP4, MediaPolicy(), CFG, WHERE, budget)
+    spent = 10.0 - budget.left()
+    assert 0 < spent < 10
+    budget.spend(budget.left() - spent / 100)  # room left for about a hundredth of that decode
+    with pytest.raises(InvalidRequest, match="s of CPU for a request's videos"):
+        decode_video(MP4, MediaPolicy(), CFG, WHERE, budget)
     _refused(
         MP4, "48x32 = 1536 pixels, over the limit of 1000 pixels per frame", MediaPolicy(max_video_frame_pixels=1000)
     )

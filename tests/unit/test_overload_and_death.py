@@ -49,7 +49,7 @@ def _engine(stuck: bool = False) -> tuple[AsyncEngine, _Pipe]:
     return engine, pipe
 
 
-def _serving(engine: AsyncEngine, limit: int, processes: int = 1) -> OpenAIServing:
+def _serving(engine: AsyncEngine, limit: int, processes: int = 1, seats: int | None = None) -> OpenAIServing:
     return OpenAIServing(
         ServingContext(
             engine=engine,
@@ -62,12 +62,13 @@ def _serving(engine: AsyncEngine, limit: int, processes: int = 1) -> OpenAIServi
             metrics=ServerMetrics("m"),
             max_waiting_requests=limit,
             api_server_count=processes,
+            max_num_seqs=seats,
         )
     )
 
 
-def _stats(running: int, waiting: int) -> EngineStats:
-    return EngineStats(running, waiting, 0.1, 0, 0, 0, 1)
+def _stats(running: int, waiting: int, kv_usage: float = 0.1) -> EngineStats:
+    return EngineStats(running, waiting, kv_usage, 0, 0, 0, 1)
 
 
 def _admitted(serving: OpenAIServing, tries: int) -> list:
@@ -131,6 +132,36 @@ def test_several_api_processes_share_the_room() -> None:
     asyncio.run(main())
 
 
+def test_requests_that_take_a_free_seat_are_not_waiting() -> None:
+    """--max-waiting-requests 8 with 256 seats: a burst of 100 on an idle core is all admitted, one of 400
+    gets 256 + 8; what the core then reports running or waiting takes its room (KV full: no free seats)."""
+
+    async def main() -> None:
+        engines = []
+
+        async def serving(processes: int = 1, stats: EngineStats | None = None) -> OpenAIServing:
+            engine, pipe = _engine()
+            engines.append(engine)
+            if stats is not None:
+                pipe.inbound.put_nowait(Outputs([], stats, {}, received=0))
+                await asyncio.sleep(0)
+            return _serving(engine, limit=8, processes=processes, seats=256)
+
+        assert len(_admitted(await serving(), 100)) == 100
+        assert len(_admitted(await serving(), 400)) == 256 + 8
+        assert len(_admitted(await serving(stats=_stats(250, 0)), 400)) == 6 + 8
+        assert len(_admitted(await serving(stats=_stats(256, 5)), 400)) == 3
+        # 50 left for the next step by the token budget take free seats first: 256 - 100 - 50 + 8 more.
+        assert len(_admitted(await serving(stats=_stats(100, 50)), 400)) == 114
+        assert len(_admitted(await serving(stats=_stats(100, 5, kv_usage=0.97)), 400)) == 3  # no seat is free
+        assert len(_admitted(await serving(stats=_stats(256, 8)), 400)) == 0
+        assert len(_admitted(await serving(processes=2), 400)) == 132  # each its half of 264
+        for engine in engines:
+            engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
 def test_the_waiting_gauge_counts_sends_the_core_has_not_reported_once_stale() -> None:
     async def main() -> None:
         engine, pipe = _engine()
@@ -141,6 +172,8 @@ def test_the_waiting_gauge_counts_sends_the_core_has_not_reported_once_stale() -
         await asyncio.sleep(0)
         assert engine.waiting_estimate() is None  # just sent: the core's report is current
         assert engine.waiting_estimate(stale_after=0.0) == 2 + 3
+        # With 5 seats and 1 running, the 2 waiting and the 3 sent take the 4 free seats: 1 waits.
+        assert engine.waiting_estimate(stale_after=0.0, max_num_seqs=5) == 1
         pipe.inbound.put_nowait(Outputs([], _stats(1, 5), {}, received=3))
         await asyncio.sleep(0)
         assert engine.waiting_estimate(stale_after=0.0) is None
@@ -193,6 +226,37 @@ def test_end_streams_fails_open_requests_with_an_error_event_and_done() -> None:
         assert isinstance(pipe.sent[-1], AbortRequests)  # the core frees the request's blocks
         with pytest.raises(ShuttingDown):
             await engine.generate_batches([1], SamplingParams(max_tokens=4)).__anext__()
+        engine._tasks[0].cancel()
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_left_before_it_started_gives_its_room_back_at_once() -> None:
+    """The client disconnects before the response's first write: the stream never starts, and its
+    admission is released when the response ends, not whenever the garbage collector runs."""
+
+    async def main() -> None:
+        engine, pipe = _engine()
+        serving = _serving(engine, limit=8)
+        from pagoda.server import protocol as p
+
+        body = p.CompletionRequest(model="m", prompt=[1, 2], max_tokens=50, stream=True)
+        response = sse_response(await serving.completion_stream(body, time.monotonic()))
+        assert engine.num_unreported == 1
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            await asyncio.sleep(0.01)  # the disconnect is seen before the body's first event
+
+        gc.disable()
+        try:
+            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST"}
+            await response(scope, receive, send)
+            assert engine.num_unreported == 0 and not pipe.sent
+        finally:
+            gc.enable()
         engine._tasks[0].cancel()
 
     asyncio.run(main())

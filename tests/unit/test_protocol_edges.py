@@ -10,6 +10,7 @@ import types
 import pytest
 from fastapi.testclient import TestClient
 
+from pagoda.frontend.prompt_work import PromptWork
 from pagoda.server import protocol as p
 from pagoda.server.app import build_app
 from pagoda.server.serving import OpenAIServing, ServingContext
@@ -154,7 +155,7 @@ def test_a_huge_model_name_is_not_echoed_back(client: TestClient) -> None:
 )
 def test_lone_surrogates_are_400(client: TestClient, path: str, body: dict, param: str) -> None:
     # The server here has no tokenizer: give it an encoder so the check before encoding is reached.
-    client.app.state.serving._encode = lambda text, special: [1]
+    client.app.state.serving.prompts = PromptWork(types.SimpleNamespace(encode=lambda text, **kwargs: [1]), 64)
     error = error_of(post(client, path, body), 400)
     assert error["param"] == param and "surrogate" in error["message"], error
 

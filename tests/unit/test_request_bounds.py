@@ -3,6 +3,7 @@ InvalidRequest naming the field, the server's schema refuses them before buildin
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -95,13 +96,14 @@ def _serving() -> OpenAIServing:
 def test_n_times_prompts_is_bounded() -> None:
     serving = _serving()
     with pytest.raises(InvalidRequest) as info:
-        serving.prepare_completion(p.CompletionRequest(prompt=[[5, 6]] * 17, n=128, max_tokens=2))
+        asyncio.run(serving.prepare_completion(p.CompletionRequest(prompt=[[5, 6]] * 17, n=128, max_tokens=2)))
     assert info.value.param == "n" and str(p.MAX_PROMPTS) in info.value.message
-    assert len(serving.prepare_completion(p.CompletionRequest(prompt=[[5, 6]] * 16, n=128, max_tokens=2))) == 16
+    prepared = asyncio.run(serving.prepare_completion(p.CompletionRequest(prompt=[[5, 6]] * 16, n=128, max_tokens=2)))
+    assert len(prepared) == 16
 
 
 def test_overlong_token_prompt_is_refused_before_its_ids_are_scanned() -> None:
     from pagoda.errors import ContextLengthExceeded
 
     with pytest.raises(ContextLengthExceeded):
-        _serving().prepare_completion(p.CompletionRequest(prompt=[10**9] * 5000, max_tokens=2))
+        asyncio.run(_serving().prepare_completion(p.CompletionRequest(prompt=[10**9] * 5000, max_tokens=2)))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import types
 
@@ -52,12 +53,12 @@ def test_sampling_defaults_maps_generation_config_fields():
 def test_unset_fields_use_defaults_and_explicit_fields_win():
     serving = _serving(sampling_defaults(GENERATION_CONFIG))
     req = p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None, top_p=0.5)
-    ((_, ids, params),) = serving.prepare_completion(req)
+    ((_, ids, params),) = asyncio.run(serving.prepare_completion(req))
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.7, 20, 1.05)
     assert params.top_p == 0.5  # the request's own value
     assert params.max_tokens == 512  # generation_config's max_new_tokens
     plain = _serving({})
-    ((_, _, params),) = plain.prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None))
+    ((_, _, params),) = asyncio.run(plain.prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=None)))
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
     assert params.max_tokens == 1024 - 3  # unset and no default: the rest of the context
 
@@ -69,7 +70,7 @@ def test_context_length_message_gives_the_numbers():
         match="maximum context length is 1024 tokens.*1025 tokens "
         r"\(3 in the messages, 1022 in the completion\)",
     ):
-        serving.prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=1022))
+        asyncio.run(serving.prepare_completion(p.CompletionRequest(prompt=[5, 6, 7], max_tokens=1022)))
 
 
 def test_generation_config_flag(tmp_path):

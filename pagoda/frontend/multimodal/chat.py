@@ -26,7 +26,8 @@ from pagoda.frontend.chat_template import check_template_kwargs, render_chat
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image, preprocess_video
 from pagoda.frontend.multimodal.media import MediaPolicy, load_image, load_video_frames
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
-from pagoda.frontend.multimodal.video import load_video
+from pagoda.frontend.multimodal.video import CpuBudget, load_video
+from pagoda.frontend.prompt_work import PromptWork, text_size
 from pagoda.frontend.template_sandbox import render_request_template
 from pagoda.inputs import MultiModalInputs
 
@@ -169,12 +170,15 @@ async def render_chat_prompt(
     continue_final_message: bool = False,
     request_template: str | None = None,
     add_special_tokens: bool = False,
+    work: PromptWork | None = None,
 ) -> tuple[str, list[int], Any]:
     """Messages (OpenAI parts allowed) → (rendered text, prompt ids with placeholders expanded,
     MultiModalInputs or None). `mm` is None for a text-only model, which refuses media parts.
     `chat_template` is trusted (the server's); `request_template`, a request's own template, is
     rendered in the bounded sandbox instead (`frontend/template_sandbox.py`). The template writes the
-    special tokens (BOS...); `add_special_tokens` adds the tokenizer's own on top (vLLM's request field)."""
+    special tokens (BOS...); `add_special_tokens` adds the tokenizer's own on top (vLLM's request field).
+    `work` (the server's): large messages are rendered and tokenized off the event loop, and a rendered
+    prompt over the character bound is refused untokenized; without it (offline) both run here."""
     dicts, refs = split_content(messages)
     if refs and mm is None:
         article = "an image" if refs[0].modality == "image" else "a video"
@@ -196,12 +200,30 @@ async def render_chat_prompt(
         text = await render_request_template(
             request_template, dicts, variables, add_generation_prompt, continue_final_message
         )
+    elif work is not None:
+        size = text_size(dicts) + text_size(template_kwargs)
+        text = await work.run(
+            size,
+            "messages",
+            render_chat,
+            tokenizer,
+            dicts,
+            chat_template,
+            add_generation_prompt,
+            template_kwargs,
+            continue_final_message,
+        )
     else:
         text = render_chat(
             tokenizer, dicts, chat_template, add_generation_prompt, template_kwargs, continue_final_message
         )
     try:
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if work is not None:
+            token_ids = await work.encode(text, add_special_tokens, "messages")
+        else:
+            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except InvalidRequest:
+        raise
     except Exception:
         _check_encodable(text)
         raise
@@ -258,11 +280,12 @@ async def build_inputs(
             f"{MAX_IMAGE_PIXELS} (16384 tokens per image).",
             "mm_processor_kwargs",
         )
+    budget = CpuBudget(mm.policy.max_video_decode_cpu_s)  # the request's video files share it
     loaded: list[Any] = await asyncio.gather(
         *(
             load_image(r.urls[0], mm.policy, r.where)
             if r.modality == "image"
-            else load_video(r.urls[0], mm.policy, config, r.where)
+            else load_video(r.urls[0], mm.policy, config, r.where, budget)
             if r.video_file
             else load_video_frames(list(r.urls), mm.policy, r.where)
             for r in refs

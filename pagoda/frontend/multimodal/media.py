@@ -57,6 +57,11 @@ class MediaPolicy:
     max_video_frames: int = 36000  # 600 s at 60 fps
     max_video_frame_pixels: int = 3840 * 2160
     max_video_decode_s: float = 60.0  # wall time for demuxing + decoding one video file
+    # The decoding a video may cost, known before it starts: the frames up to the last sampled one times
+    # the frame size (2^33: ~1000 frames of 4K UHD, ~4000 of 1080p); and the CPU time decoding all of one
+    # request's video files may take.
+    max_video_decode_pixels: int = 2**33
+    max_video_decode_cpu_s: float = 20.0
 
 
 def _fail(where: str, message: str) -> InvalidRequest:

@@ -89,7 +89,8 @@ class GrammarManager:
         self.pin_memory = pin_memory
         self.eos_token_ids = sorted(eos_token_ids)
         self._executor = cf.ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="pagoda-grammar")
-        # The vocabulary's byte table takes a second or two (150k tokens): built once, off the loop, at startup.
+        # The vocabulary's byte table takes seconds (150k tokens, Python holding the GIL): built once, on this
+        # pool's thread, from construction; the engine waits for it before it serves (`wait_ready`).
         self._compiler = self._executor.submit(self._make_compiler, tokenizer)
         self._cache: OrderedDict[tuple[str, str, bool], cf.Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -102,6 +103,18 @@ class GrammarManager:
         info = grammar_tokenizer_info(tokenizer, self.vocab_size, self.eos_token_ids)
         self._whitespace = WhitespaceTable(info.decoded_vocab, self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def wait_ready(self) -> None:
+        """Until the vocabulary table is built. A tokenizer the grammar engine cannot read is logged here;
+        the engine serves anyway, and each constrained request is refused with the reason."""
+        error = self._compiler.exception()
+        if error is not None:
+            logger.warning("Structured output is unavailable: the grammar engine cannot read the tokenizer: %s", error)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the vocabulary table is built (the grammar compiler exists)."""
+        return self._compiler.done()
 
     # ---- compile ------------------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams) -> cf.Future:
