@@ -46,7 +46,7 @@ from pagoda.kernels.pdl import wait_for_inputs
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_NORM_SIZE = 32768  # one program holds a whole row in registers; wider rows use PyTorch
 _ROPE_TILE = 1024  # elements of one RoPE program's [heads, R/2] tile (caps heads per program)
-_SILU_BLOCK = 1024  # columns per SiLU-and-mul program
+_SILU_BLOCK = 1024  # columns per SiLU-and-mul program (elements per QuickGELU program)
 
 
 def _interpreting() -> bool:
@@ -716,6 +716,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         num_warps=4,
         enable_fp_fusion=False,
         **pdl.launch_args(x),
+    )
+    return out
+
+
+@triton.jit
+def _quick_gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Grid (cdiv(n, BLOCK),) over a contiguous tensor: out = x * sigmoid(1.702 x), rounded to x's dtype
+    at the same three points as PyTorch's three launches (the product 1.702 x, the sigmoid, the result)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = _round_to(x * 1.702, out_ptr, EMULATE_BF16).to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-t)  # expf, as PyTorch's CUDA sigmoid
+    else:  # the interpreter: see silu_mul
+        e = tl.exp(-t.to(tl.float64)).to(tl.float32)
+    sig = _round_to(tl.math.div_rn(1.0, 1.0 + e), out_ptr, EMULATE_BF16).to(tl.float32)
+    tl.store(out_ptr + offs, _round_to(x * sig, out_ptr, EMULATE_BF16), mask=mask)
+
+
+def supports_quick_gelu(x: torch.Tensor) -> bool:
+    return x.dtype in DTYPES and x.is_contiguous()
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x) (the Qwen2-VL vision MLP's activation) in one pass over a contiguous x."""
+    assert supports_quick_gelu(x), "unsupported quick_gelu arguments"
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n == 0:
+        return out
+    _quick_gelu_kernel[(triton.cdiv(n, _SILU_BLOCK),)](
+        x,
+        out,
+        n,
+        BLOCK=_SILU_BLOCK,
+        PRECISE_EXP=not _interpreting(),
+        EMULATE_BF16=_interpreting(),
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return out
 

@@ -1,4 +1,4 @@
-"""SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul.
+"""SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul; QuickGELU.
 
 On CUDA tensors one Triton launch (`pagoda/kernels/fused_ops.py`, via `pagoda/kernels/dispatch.py`);
 everywhere else `silu_and_mul_reference`, which is also the kernel's reference. `of_projection`
@@ -14,6 +14,20 @@ from torch import nn
 
 from pagoda.kernels import dispatch
 from pagoda.layers.linear import Linear
+
+
+def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:
+    """QuickGELU, x * sigmoid(1.702 x), as three PyTorch ops (each rounded to x's dtype)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """QuickGELU (the activation the Qwen2-VL vision tower was trained with, not the erf GELU): one Triton
+    pass on CUDA, rounded where the reference rounds; `quick_gelu_reference` elsewhere."""
+    ops = dispatch.fused_ops_for(x)
+    if ops is not None and ops.supports_quick_gelu(x):
+        return ops.quick_gelu(x)
+    return quick_gelu_reference(x)
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import ModelLoadError
+from pagoda.layers.activation import quick_gelu
 from pagoda.layers.linear import Linear
 from pagoda.layers.rotary import apply_rotary
 
@@ -46,12 +47,7 @@ _LAYER_NORM_EPS = 1e-6  # hard-coded in the reference implementation
 _ROPE_THETA = 10000.0
 
 
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """QuickGELU, the activation the Qwen2-VL ViT was trained with (not the erf GELU)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-_ACTIVATIONS = {"quick_gelu": _quick_gelu, "gelu": F.gelu, "silu": F.silu}
+_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "silu": F.silu}
 
 
 def vision_config_with_defaults(vision_cfg: dict[str, Any], text_hidden: int) -> dict[str, Any]:

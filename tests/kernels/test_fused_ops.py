@@ -20,7 +20,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels import dispatch, fused_ops
-from pagoda.layers.activation import SiluAndMul, silu_and_mul_reference
+from pagoda.layers.activation import SiluAndMul, quick_gelu_reference, silu_and_mul_reference
 from pagoda.layers.norm import RMSNorm, rms_norm_reference
 from pagoda.layers.rotary import (
     RotaryEmbedding,
@@ -598,3 +598,19 @@ def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
     tokens, logits = run(fused_ops)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quick_gelu_matches_reference(dtype):
+    """The vision tower's QuickGELU in one pass against PyTorch's three ops: rounded at the same points, so
+    equal up to the sigmoid's last fp32 ulp (the interpreter's NumPy exp against PyTorch's vectorised one),
+    which a 16-bit rounding hides almost always."""
+    x = _randn(3, 1000 + 37, dtype=dtype, scale=4.0, seed=31)  # several programs, a ragged tail
+    out = fused_ops.quick_gelu(x)
+    ref = quick_gelu_reference(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if dtype != torch.float32:
+        assert (out == ref).float().mean() > 0.99  # rounded where the reference rounds: nearly all bits equal
+    assert fused_ops.quick_gelu(x[:0]).shape == (0, 1037)
