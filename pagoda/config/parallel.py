@@ -9,10 +9,10 @@
   replicated when n divides by them (each KV head on n / kv ranks, as vLLM does); any other n fails;
 - MLP: column- then row-parallel, so `intermediate_size` must divide by n;
 - embedding and LM head: vocab-parallel, so `vocab_size` must divide by n;
-- Yuan2 (spec yuan2.md §1, §7): the heads are `num_attention_heads` (the fused q/k projection splits by
-  heads, `attention_projection_size / heads` dims each); the LF gate and the MoE router are replicated;
-  M32's experts are each column/row split, so `moe_config.ffn_hidden_size` must divide by n (its unused
-  `intermediate_size` is not checked);
+- Yuan2 (docs/models.md, Yuan2: tensor parallelism): the heads are `num_attention_heads` (the fused
+  q/k projection splits by heads, `attention_projection_size / heads` dims each); the LF gate and the
+  MoE router are replicated; M32's experts are each column/row split, so `moe_config.ffn_hidden_size`
+  must divide by n (its unused `intermediate_size` is not checked);
 - Qwen2-VL: the text model's fields, flat or nested under `text_config`. The vision tower (and its
   merger) is replicated on every rank, not sharded, so the vision heads impose no constraint.
 """

@@ -1,4 +1,4 @@
-"""Yuan2.0 tokenizer and chat format (spec: shared/specs/yuan2.md §6).
+"""Yuan2.0 tokenizer and chat format (docs/models.md, Yuan2: chat format).
 
 Yuan2.0 ships a SentencePiece BPE model (134,953 pieces, byte fallback, dummy prefix) that the
 official code loads as a *slow* ``LlamaTokenizer`` in legacy mode with no BOS/EOS added,

@@ -1,6 +1,7 @@
 """Yuan2.0's localized filtering (LF) gate over a flattened, continuously batched step.
 
-Spec: shared/specs/yuan2.md §2.1 and §3. For one sequence, with x the layer's input_layernorm output:
+As the official Yuan2 modeling code computes it (docs/models.md, Yuan2: localized-filtering attention).
+For one sequence, with x the layer's input_layernorm output:
 
     o1[t] = A0·x[t-1]  + A1·x[t]  + a          conv1: [H/2, H, 2, 1], tap 0 = previous token
     o2[t] = B0·o1[t-1] + B1·o1[t] + b          conv2: [H, H/2, 2, 1]

@@ -1,6 +1,6 @@
 """Qwen2-VL (Qwen2VLForConditionalGeneration): a ViT + patch merger feeding a Qwen2 decoder with M-RoPE.
 
-Spec: shared/specs/qwen2vl.md. The decoder is our Qwen2 (`models/llama.py` layers with q/k/v bias);
+See docs/models.md, Qwen2-VL. The decoder is our Qwen2 (`models/llama.py` layers with q/k/v bias);
 what differs:
 - placeholder tokens (<|image_pad|>, <|video_pad|>) take the vision encoder's output rows instead of
   their embeddings (`StepAttention.mm_embeds`, gathered by the runner per chunk);

@@ -1,4 +1,5 @@
-"""Qwen2-VL vision tower (spec `qwen2vl.md` §6): patch embed, 2-D rotary ViT blocks, 2×2 patch merger.
+"""Qwen2-VL vision tower (as transformers' Qwen2VisionTransformer): patch embed, 2-D rotary ViT blocks,
+2×2 patch merger.
 
 Input is the processor's patch matrix (`pixel_values`, one row per 14×14×2 patch, rows in
 merge-window order) plus one `(t, h, w)` grid per item; output is one row per LLM placeholder
@@ -28,8 +29,9 @@ from pagoda.layers.rotary import apply_rotary
 
 Grid = tuple[int, int, int]
 
-# Defaults of the official checkpoints (spec §2.2): most config.json files only carry hidden_size,
-# in_chans and spatial_patch_size, and the HF class default for hidden_size (3584) is wrong for 2B/72B.
+# Defaults of the official checkpoints (docs/models.md, Qwen2-VL: the vision tower's defaults): most
+# config.json files only carry hidden_size, in_chans and spatial_patch_size, and the HF class default for
+# hidden_size (3584) is wrong for 2B/72B.
 _VISION_DEFAULTS: dict[str, Any] = {
     "depth": 32,
     "embed_dim": 1280,

@@ -1,23 +1,24 @@
 """Yuan2.0 (YuanForCausalLM): dense 2B/51B/102B and the M32 mixture of experts.
 
-Spec: shared/specs/yuan2.md. What differs from Llama, and where it is handled:
-- Localized-filtering attention (§2.1): V from the normed input x; Q and K from the LF gate's
+As the official Yuan2 modeling code computes it (docs/models.md, Yuan2). What differs from Llama, and
+where it is handled:
+- Localized-filtering attention: V from the normed input x; Q and K from the LF gate's
   output y (`layers/localized_filter.py`, with per-sequence state slots).
 - The checkpoint's `q_proj`/`k_proj` are the two halves of one fused, per-head interleaved QK
   projection: head i's query is row block [2Di, 2Di+D) of [q_proj; k_proj], its key the next D
   rows. `YuanQKProjection.weight_loader` de-interleaves into [Q (head-major) ; K (head-major)] at
   load time, so the forward is a plain fused projection and a contiguous head split stays valid
   for tensor parallelism.
-- Dense MLP with swapped names (§2.2): SiLU on `up_proj`, times `gate_proj`; fused [up | gate].
-- M32 (§2.3): attention router (fp32), top-k experts, `w1` = [activated | linear] halves; head
+- Dense MLP with swapped names: SiLU on `up_proj`, times `gate_proj`; fused [up | gate].
+- M32: attention router (fp32), top-k experts, `w1` = [activated | linear] halves; head
   dim = attention_projection_size / heads, RoPE on the first hidden/heads dims only, and the
-  reference's all-bfloat16 RoPE table (§2.5) unless config.json sets `rope_precision`.
+  reference's all-bfloat16 RoPE table unless config.json sets `rope_precision`.
 - No remote code: everything is read from config.json; `rotary_emb.inv_freq` buffers are skipped.
 
-Tensor parallelism (§7): heads are split over the ranks. Rank r of N takes rows
-[r·2P/N, (r+1)·2P/N) of the fused, interleaved [q_proj; k_proj], which are the q and k of heads
-r·NH/N .. (r+1)·NH/N - 1 (`YuanQKProjection`), the same heads' rows of v_proj and columns of
-o_proj (summed over the ranks). The LF gate is replicated: whole conv weights on every rank, fed
+Tensor parallelism (docs/models.md, Yuan2: tensor parallelism): heads are split over the ranks.
+Rank r of N takes rows [r·2P/N, (r+1)·2P/N) of the fused, interleaved [q_proj; k_proj], which are
+the q and k of heads r·NH/N .. (r+1)·NH/N - 1 (`YuanQKProjection`), the same heads' rows of v_proj
+and columns of o_proj (summed over the ranks). The LF gate is replicated: whole conv weights on every rank, fed
 the same (all-reduced) hidden states, so its state slots stay identical on every rank without
 communication. MLP and experts: up/gate (w1's [activated | linear] halves) split as merged
 columns, down (w2) by rows; M32's router is replicated and the expert sum is reduced once.
@@ -65,7 +66,7 @@ YUAN_ROPE_THETA = 10000.0  # never in the config: 10000 for every released model
 
 
 class YuanShape:
-    """The dimensions Yuan's config implies (spec §1 config-reading rules), validated once."""
+    """The dimensions Yuan's config implies (docs/models.md, Yuan2: reading config.json), validated once."""
 
     def __init__(self, cfg: dict[str, Any]):
         self.hidden = int(cfg["hidden_size"])

@@ -2,7 +2,7 @@
 
 Every failure this catches would otherwise surface late: a missing or truncated shard half-way
 through loading, a tokenizer error at startup, a broken chat template on the first chat request, a
-taken port after minutes of loading (spec tools.md §4.4). Each check reads metadata only (config
+taken port after minutes of loading. Each check reads metadata only (config
 files, safetensors headers, zip directories of .bin shards), except the checksums check, which hashes
 the weight files whose sha256 is known (tools/checksums.py; `--no-checksums` skips it), and reports one line:
 
@@ -341,7 +341,8 @@ def _check_config_fields(cfg: dict[str, Any]) -> Check:
         try:
             shape = YuanShape(cfg)
         except PagodaError as exc:
-            return Check("config fields", "FAIL", exc.message, "fix config.json (see shared/specs/yuan2.md §1)")
+            hint = "fix config.json (see docs/models.md, Yuan2: reading config.json)"
+            return Check("config fields", "FAIL", exc.message, hint)
         kind = f"MoE {shape.num_experts} experts top-{shape.top_k}" if shape.use_moe else "dense"
         return Check(
             "config fields",

@@ -93,8 +93,9 @@ def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
 
 def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
     """(total, per GPU). Per GPU: everything split tp ways except what the scheme replicates (norms,
-    biases, Yuan's LF convolutions — spec yuan2.md §7 —, the small router, Qwen2-VL's vision tower).
-    Floating-point parameters count in the model dtype; quantized ones (fp8, packed int4) at their size."""
+    biases, Yuan's LF convolutions (docs/models.md, Yuan2: tensor parallelism), the small router,
+    Qwen2-VL's vision tower). Floating-point parameters count in the model dtype; quantized ones (fp8,
+    packed int4) at their size."""
     total = replicated = 0
     seen = set()
     for name, param in model.named_parameters():

@@ -1,11 +1,12 @@
 """OpenAI chat content parts with images and video → template messages, loaded media, engine inputs.
 
-Accepted parts (spec shared/specs/qwen2vl.md §11), in any order and any turn:
+Accepted parts (OpenAI's, Qwen's and vLLM's spellings), in any order and any turn:
   {"type": "text", "text": ...}
   {"type": "image_url", "image_url": {"url": ...}} (or a bare string url), Qwen's {"type": "image", "image": url}
   {"type": "video", "video": [frame urls]}, {"type": "video_url", "video_url": {"url": [frame urls]}}
   {"type": "video", "video": url}, {"type": "video_url", "video_url": {"url": url}}: one video file
-  (mp4, webm, mov, ...), decoded and frame-sampled by `multimodal/video.py` (spec §5.1)
+  (mp4, webm, mov, ...), decoded and frame-sampled by `multimodal/video.py` (docs/models.md, Qwen2-VL:
+  video frame sampling)
 A part without "type" gets it from its keys. The chat template sees {"type": "image"|"video"} and
 {"type": "text"} parts in the order sent, so it writes one placeholder per item where it was.
 Media are fetched concurrently (`multimodal/media.py` enforces the URL policy and decoding limits),
@@ -298,7 +299,7 @@ async def build_inputs(
             try:
                 if ref.modality == "image":
                     visual = preprocess_image(media, config)
-                elif ref.video_file:  # a DecodedVideo: frames already sampled and sized by §5.1
+                elif ref.video_file:  # a DecodedVideo: frames already sampled and sized (video.py)
                     visual = preprocess_video(media.frames, config, media.size_hw)
                 else:
                     visual = preprocess_video(media, config)

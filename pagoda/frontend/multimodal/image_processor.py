@@ -1,4 +1,4 @@
-"""Qwen2-VL image / video preprocessing (spec qwen2vl.md §4, §5.2).
+"""Qwen2-VL image / video preprocessing (docs/models.md, Qwen2-VL: image preprocessing, video patches).
 
 Bit-exact with transformers' `Qwen2VLImageProcessorPil` on the CPU: the same RGB conversion
 (alpha composited onto white), the same `smart_resize` arithmetic (Python round-half-to-even),
@@ -31,7 +31,7 @@ MAX_ASPECT_RATIO = 200
 # Keys a request may override through `mm_processor_kwargs`. The other settings are properties of
 # the checkpoint's vision tower and must not change per request.
 _PIXEL_KEYS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels", "video_total_pixels")
-# Frame sampling of a video *file* (spec §5.1, qwen-vl-utils' names) -> the config field it sets.
+# Frame sampling of a video *file* (qwen-vl-utils' names) -> the config field it sets.
 _SAMPLING_KEYS = {
     "fps": "video_fps",
     "nframes": "video_nframes",
@@ -47,7 +47,8 @@ MAX_SAMPLING_FPS = 60.0
 
 @dataclass(frozen=True)
 class VisionPreprocessConfig:
-    """Preprocessing settings. Defaults are the official Qwen2-VL checkpoint values (§4.3)."""
+    """Preprocessing settings. Defaults are the official Qwen2-VL checkpoints' preprocessor_config.json
+    values (images: 4 to 16384 tokens) and qwen-vl-utils' video settings."""
 
     min_pixels: int = 3136  # 4 * 28 * 28
     max_pixels: int = 12845056  # 16384 * 28 * 28
@@ -58,7 +59,7 @@ class VisionPreprocessConfig:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     video_min_pixels: int = 128 * 784
     video_max_pixels: int = 768 * 784
-    # Video files only (spec §5.1; a video given as frames uses its frames as sent): the total pixel
+    # Video files only (a video given as frames uses its frames as sent): the total pixel
     # budget shared by the sampled frames, and the frame sampling (`video_nframes`, when set, wins over fps).
     video_total_pixels: int = 24576 * 784
     video_fps: float = 2.0
@@ -202,7 +203,7 @@ def smart_resize(
 ) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, ~aspect-preserving, pixel count in range.
 
-    Follows transformers' arithmetic to the float operation (spec §4.1 step 2): `round` is
+    Follows transformers' arithmetic to the float operation: `round` is
     Python's round-half-to-even (742/28 = 26.5 -> 26), the shrink branch floors and keeps at
     least one factor, the grow branch ceils, and there is no re-check afterwards.
     """
@@ -325,12 +326,12 @@ def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> Process
 def preprocess_video(
     frames: list[Image.Image], cfg: VisionPreprocessConfig, size_hw: tuple[int, int] | None = None
 ) -> ProcessedVisual:
-    """A video given as frames -> encoder input (spec §5.2).
+    """A video given as frames -> encoder input (docs/models.md, Qwen2-VL: video patches).
 
     Every frame is resized to the size smart_resize picks for the first frame under the video
     pixel budget (frames of other sizes are stretched to it), and the frame count is padded to a
     multiple of T by repeating the last frame. `size_hw` is that size when the caller chose it
-    already (a decoded video file, whose frames come resized to it under §5.1's total budget).
+    already (a decoded video file, whose frames come resized to it under the video's total budget).
     """
     if not frames:
         raise InvalidRequest("A video needs at least one frame.", "messages")

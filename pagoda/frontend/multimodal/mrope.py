@@ -1,4 +1,5 @@
-"""Qwen2-VL M-RoPE position ids (spec shared/specs/qwen2vl.md §8.2, original / vLLM semantics).
+"""Qwen2-VL M-RoPE position ids, with the original Qwen / transformers 4.x / vLLM semantics
+(docs/models.md, Qwen2-VL: M-RoPE positions).
 
 Walk the prompt keeping `next` (starts at 0). A text token gets (next, next, next) and advances it
 by one. The placeholder run of an item with patch grid (t, h, w) is an LLM grid (T', H', W') =

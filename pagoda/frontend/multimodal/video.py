@@ -4,7 +4,8 @@ A video given as one URL (`{"type": "video_url", "video_url": {"url": ...}}` or 
 "video": url}`) is loaded like an image (`media.py`: the same URL schemes, SSRF guard, byte cap and
 fetch deadline; data URIs must say `data:video/...`), then decoded with PyAV in a worker thread.
 
-Sampling follows qwen-vl-utils, the Qwen team's reference (spec qwen2vl.md §5.1): with N frames at
+Sampling follows qwen-vl-utils, the Qwen team's reference (docs/models.md, Qwen2-VL: video frame
+sampling): with N frames at
 f frames/s, n = N / f * fps clamped to [ceil_even(min_frames), floor_even(min(max_frames, N))] and
 rounded to even (or a given `nframes`, rounded to even); frame indices are n values evenly spaced from
 0 to N-1, rounded; every frame gets the size smart_resize picks under the per-frame budget
@@ -75,7 +76,7 @@ class DecodedVideo:
 
 
 # ----------------------------------------------------------------------------------------------
-# Sampling (pure functions of the counts; spec §5.1)
+# Sampling (pure functions of the counts; qwen-vl-utils' rules)
 
 
 def _round_even(x: float) -> int:

@@ -1,6 +1,6 @@
 """`pagoda bench`: a load tester for any OpenAI-compatible server (ours, vLLM, others).
 
-Metric definitions and result keys follow `vllm bench serve` (see shared/specs/tools.md §1.3) so numbers are
+Metric definitions and result keys follow `vllm bench serve` (see docs/tools.md, pagoda bench) so numbers are
 comparable; on top of that it sweeps a concurrency ladder, scrapes the server's Prometheus `/metrics`, checks
 an SLO per point, finds the throughput knee and recommends a `--max-num-seqs`.
 

@@ -17,7 +17,7 @@ from pagoda import envs
 from pagoda.tools.bench import report
 
 DEFAULT_LADDER = "1,8,32,64,128,256"
-DEFAULT_SLO_TTFT_P95_MS = 1000.0  # shared/specs/tools.md §1.6 design defaults
+DEFAULT_SLO_TTFT_P95_MS = 1000.0  # SLO defaults: docs/tools.md, pagoda bench
 DEFAULT_SLO_TPOT_P95_MS = 200.0
 
 

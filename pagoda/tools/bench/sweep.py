@@ -1,6 +1,6 @@
 """Sweep analysis over the concurrency ladder: knee, SLO, `--max-num-seqs` recommendation and its evidence.
 
-Knee rule (the simple one from shared/specs/tools.md §1.6): walking up the ladder, the knee is the first c
+Knee rule (a simple one, simpler than Kneedle's curve fit): walking up the ladder, the knee is the first c
 where going to the next rung adds less than 10 % output throughput *per doubling of c*. Rungs need not be
 powers of two: the gain between c0 and c1 is normalised as (T1/T0) ** (1 / log2(c1/c0)) - 1, so 32 -> 128
 must add < 21 % (two doublings) to count. No such c: no knee observed (throughput still scaling).
