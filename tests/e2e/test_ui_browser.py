@@ -262,7 +262,7 @@ def test_image_drop_shows_its_token_count_and_gets_an_answer(page, http):
     sync_api.expect(page.locator("#error")).to_have_text(refused.json()["error"]["message"])
 
     drop_file(page, "#drop", encoded(100, 75), "photo.png", "image/png")
-    # <|vision_start|> + the image's placeholders + <|vision_end|>, by the spec's formula (not the server's code)
+    # <|vision_start|> + the image's placeholders + <|vision_end|>, by docs/models.md's formula (not the server's code)
     expected = image_tokens(100, 75) + 2
     sync_api.expect(page.locator("#image-tokens")).to_have_text(f"Image: {expected} tokens")
     sync_api.expect(page.locator("#error")).to_be_empty()

@@ -3,8 +3,8 @@
 The fixture's weights have a 512-token vocabulary; the served copy widens the embedding to Yuan's
 135,040 rows (the first 512 rows are the fixture's) so every id the real tokenizer produces is
 valid, and uses the real special ids (<eod> 77185). The rendered chat prompt is pinned two ways:
-`pagoda chat-template` prints the spec's string, and a chat completion is token-for-token the
-greedy raw completion of that string.
+`pagoda chat-template` prints the expected string (docs/models.md, Yuan2: chat format), and a chat
+completion is token-for-token the greedy raw completion of that string.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ MESSAGES = [
     {"role": "assistant", "content": "Hello!"},
     {"role": "user", "content": "Name a city.\n"},
 ]
-# Spec §6: system content.strip() + "\n"; turns stripped, joined by the literal "<n>", last + "<sep>".
+# The Yuan2 chat format: system content.strip() + "\n"; turns stripped, joined by the literal "<n>", last + "<sep>".
 EXPECTED_PROMPT = "You are helpful.\nHi there<n>Hello!<n>Name a city.<sep>"
 
 

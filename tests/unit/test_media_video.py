@@ -1,4 +1,5 @@
-"""Video files in content parts: qwen-vl-utils' frame sampling (spec qwen2vl.md §5.1) checked against
+"""Video files in content parts: qwen-vl-utils' frame sampling (docs/models.md, Qwen2-VL: video frame
+sampling) checked against
 hand-computed indices, decoding with PyAV (tiny videos made in memory, frame i painted so the sampled
 frames can be told apart), the loading paths images use (data:, file://, http(s)), the limits (bytes,
 duration, frames, frame size) and bad files as 400s, and the chat parser's single-URL video forms."""
@@ -94,7 +95,7 @@ def _levels(clip: video.DecodedVideo) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Sampling: hand-computed from §5.1 (n = N/f*fps clamped to [ceil_even(4), floor_even(min(768, N))],
+# Sampling: hand-computed from qwen-vl-utils' rule (n = N/f*fps clamped to [ceil_even(4), floor_even(min(768, N))],
 # rounded to even; indices = round(linspace(0, N-1, n)))
 
 
@@ -122,7 +123,7 @@ def test_sampling_matches_the_formula(total, fps, n, indices):
 
 def test_sampling_caps_and_overrides():
     assert sample_frame_count(18000, 30, CFG) == 768  # 600 s at 30 fps: 1200 -> max_frames 768
-    assert sample_frame_count(300, 30, CFG) == 20  # spec's worked example: 10 s at 30 fps
+    assert sample_frame_count(300, 30, CFG) == 20  # docs/models.md's example: 10 s at 30 fps
     assert sample_indices(300, 20)[:5] == [0, 16, 31, 47, 63]  # 299/19 = 15.74 per step
     assert sample_indices(300, 20)[-1] == 299
     fps5 = CFG.with_overrides({"fps": 5}, "mm_processor_kwargs")

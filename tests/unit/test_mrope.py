@@ -1,4 +1,4 @@
-"""M-RoPE positions (spec qwen2vl.md §8.2) against the spec's worked examples and transformers."""
+"""M-RoPE positions (docs/models.md, Qwen2-VL: M-RoPE positions) against worked examples and transformers."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_video_uses_max_of_t_h_w_original_rule():
     assert positions[1, 15:143].max() == 22
     assert positions[:, 143].tolist() == [23, 23, 23]
     # 32 frames of 56x56 -> grid (16, 4, 4): the original rule puts the next text token at 15 + 16 = 31
-    # (transformers 5.24 would say 17, spec §8.4).
+    # (transformers 5.24 advances by max(H, W) only and would say 17).
     positions, delta = mrope_positions(15 + 64 + 1, [_item((16, 4, 4), 15, "video")])
     assert positions[:, 79].tolist() == [31, 31, 31] and delta == -48
 

@@ -94,7 +94,7 @@ def test_yuan2_102b_on_8_gpus():
     plan = make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, tensor_parallel_size=8)
     assert plan.kv_bytes_per_token == 2 * 84 * 64 * 128 * 2  # 2.625 MiB
     assert plan.kv_bytes_per_token_per_gpu == plan.kv_bytes_per_token // 8  # 336 KiB
-    # The LF convolutions (2 H^2 per layer) are replicated on every GPU (spec yuan2.md §7).
+    # The LF convolutions (2 H^2 per layer) are replicated on every GPU (docs/models.md, Yuan2: tensor parallelism).
     lf = 84 * 2 * 8192**2 * 2
     assert plan.weights_bytes_per_gpu > lf + (plan.weights_bytes_total - lf) // 8 - 1
     assert plan.fits_one_max_len_request

@@ -1,5 +1,6 @@
-"""Qwen2-VL preprocessing: bit parity with transformers' PIL image processor, the spec's worked
-examples as literal numbers, and videos against a loop-per-patch reading of spec §5.2."""
+"""Qwen2-VL preprocessing: bit parity with transformers' PIL image processor, worked examples as
+literal numbers (docs/models.md, Qwen2-VL: image preprocessing), and videos against a loop-per-patch
+reading of the video patch layout (docs/models.md, Qwen2-VL: video patches)."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_smart_resize_matches_transformers_on_random_sizes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Spec §4.4 worked examples (checkpoint defaults), as literal numbers
+# Worked examples (checkpoint defaults; docs/models.md, Qwen2-VL: image preprocessing), as literal numbers
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ def test_smart_resize_matches_transformers_on_random_sizes():
         (28, 28, CKPT_MAX, (56, 56), (1, 4, 4), 4),
         (10, 10, CKPT_MAX, (56, 56), (1, 4, 4), 4),
         (8000, 8000, CKPT_MAX, (3584, 3584), (1, 256, 256), 16384),
-        # "Anything huge, square -> 3584" in the spec is only true up to float error: w/beta is
+        # "A huge square -> 3584" is only true up to float error: w/beta is
         # sqrt(max_pixels) = 3584 exactly on paper, but can land on 127.999.../28 and floor to 127.
         # transformers does the same (the random-size test above pins our arithmetic to it).
         (20000, 20000, CKPT_MAX, (3556, 3556), (1, 254, 254), 16129),
@@ -173,7 +174,7 @@ def test_aspect_ratio_over_200_is_a_400():
 
 
 # ---------------------------------------------------------------------------------------------
-# Video against a straightforward implementation of spec §5.2
+# Video against a straightforward implementation of the patch layout (odd count: repeat the last frame)
 
 
 def _reference_video(frames: list[Image.Image], size_hw: tuple[int, int]) -> tuple[np.ndarray, tuple]:

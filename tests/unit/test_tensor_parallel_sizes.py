@@ -43,7 +43,7 @@ LLAMA3_8B = dict(
 
 
 def test_the_factorizations_used_below():
-    assert 135040 == 2**7 * 5 * 211  # Yuan2 vocab (spec yuan2.md §7)
+    assert 135040 == 2**7 * 5 * 211  # Yuan2 vocab: divides by 2, 4 and 8
     assert 8192 == 2**13 and 32768 == 2**15  # Yuan2 intermediate / M32 ffn_hidden_size
     assert 152064 == 2**9 * 3**3 * 11  # Qwen2-VL vocab
     assert 18944 == 2**9 * 37 and 29568 == 2**7 * 3 * 7 * 11  # Qwen2-VL-7B / 72B intermediate
