@@ -1,8 +1,9 @@
 """Quantized serving beside vLLM on the H200: the served ladder's rows → `results/quantization.json`.
 
-The runs use `../shared/vllm-anchor/` (vLLM 0.26 and its own `bench serve` client, pooled by
-`multi_client.py`; 40 tokens in, 256 out). On the device, after that folder's install steps
-(vLLM's fp8 also needs the `compressed-tensors` and `loguru` wheels, the API processes `httptools`):
+The runs are the side-by-side runs of benchmarks/README.md ("Against vLLM": vLLM 0.26 carried to the
+device as wheels, its own `bench serve` client pooled over several processes; 40 tokens in, 256 out;
+vLLM's fp8 also needs the `compressed-tensors` and `loguru` wheels, the API processes `httptools`). With
+`side_by_side.sh` the script that starts one server, runs the client ladder and writes `sbs_<label>.jsonl`:
 
     T=.anchor/tools; M=/tmp/models/yuan2-2b-shape    # a Llama with Yuan2-2B's dimensions
     bash $T/side_by_side.sh pagoda pagoda_bf16 $M "--api-server-count 4" "warm c1 c64 c256"

@@ -30,7 +30,7 @@ import torch
 # The golden fixtures, inside the repository (tests/fixtures, README.md in each folder says where it
 # comes from): tiny Yuan2 checkpoints with the official code's goldens, and the Yuan2 tokenizer.
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SHARED_FIXTURES = FIXTURES  # the old name (the fixtures used to live in ../shared)
+SHARED_FIXTURES = FIXTURES  # the old name, kept for the tests that still use it
 
 
 # Two cores on CI: split them between the xdist workers (PYTEST_XDIST_WORKER_COUNT is set in each), here and in
