@@ -23,7 +23,7 @@ from pagoda.server.host_metrics import GPU_UTILIZATION, gpu_collector
 from pagoda.server.metrics import ENGINE_INDEX, ServerMetrics
 
 
-def _load(devices: int, stop: threading.Event) -> None:
+def _load(devices: int, stop: threading.Event) -> list[threading.Thread]:
     import torch  # lazy: only with --load
 
     def spin(index: int) -> None:
@@ -33,8 +33,10 @@ def _load(devices: int, stop: threading.Event) -> None:
                 a @ a
             torch.cuda.synchronize(index)
 
-    for index in range(devices):
-        threading.Thread(target=spin, args=(index,), daemon=True).start()
+    threads = [threading.Thread(target=spin, args=(index,), daemon=True) for index in range(devices)]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def main() -> int:
@@ -52,8 +54,7 @@ def main() -> int:
     print("GPUs read:", [(f"tp_rank {rank}", f"NVML index {index}") for rank, _, index in collector.gpus])
     metrics = ServerMetrics("check", collectors=(collector,))
     stop = threading.Event()
-    if args.load:
-        _load(len(collector.gpus), stop)
+    loaders = _load(len(collector.gpus), stop) if args.load else []
     try:
         for _ in range(args.samples):
             time.sleep(1.0)
@@ -63,6 +64,8 @@ def main() -> int:
                         print(f"{s.name}{s.labels} {s.value}")
     finally:
         stop.set()
+        for thread in loaders:  # a CUDA thread still running at interpreter exit aborts the process
+            thread.join()
     return 0
 
 
