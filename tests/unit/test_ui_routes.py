@@ -139,6 +139,8 @@ def test_the_routers_page_is_open_and_the_rest_still_needs_a_key() -> None:
                     assert response.status_code == 200, path
                 page = await client.get("/")
                 assert page.headers["content-type"].startswith("text/html") and "Pagoda router" in page.text
+                assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+                assert page.headers["x-frame-options"] == "DENY"
                 assert (await client.get("/ui/router.js")).headers["content-type"].startswith("text/javascript")
                 assert (await client.get("/ui/app.js")).status_code == 401  # not the router's: not open
                 assert (await client.get("/usage")).status_code == 401

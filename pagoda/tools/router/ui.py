@@ -25,12 +25,20 @@ UI_PATHS = {
     "/ui/style.css": ("style.css", _CSS),
 }
 _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+# The server's pages' framing policy (server/ui.py), written here too since the router imports nothing of the
+# server: no other site may frame the page (clickjacking), embed plugins or rebase its URLs.
+_PAGE_HEADERS = {
+    **_HEADERS,
+    "Content-Security-Policy": "frame-ancestors 'none'; object-src 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+}
 
 
 def add_ui_routes(api: FastAPI) -> None:
     for path, (name, media_type) in UI_PATHS.items():
 
         async def serve(name: str = name, media_type: str = media_type) -> Response:
-            return Response((UI_DIR / name).read_bytes(), media_type=media_type, headers=_HEADERS)
+            headers = _PAGE_HEADERS if media_type == _HTML else _HEADERS
+            return Response((UI_DIR / name).read_bytes(), media_type=media_type, headers=headers)
 
         api.add_api_route(path, serve, methods=["GET"], include_in_schema=False)
