@@ -128,6 +128,15 @@ def normalize_url(url: str) -> str:
 
 
 # File keys -> flat names. Sections flatten to "section.key" except [limits], whose keys are top-level.
+_LIMITS = {
+    "max_request_bytes",
+    "max_header_bytes",
+    "max_header_count",
+    "header_timeout",
+    "body_timeout",
+    "long_request_chars",
+    "long_request_concurrency",
+}
 _TOP = {
     "host",
     "port",
@@ -145,28 +154,13 @@ _TOP = {
     "read_timeout",
     "inject_usage",
     "max_connections",
-    "max_request_bytes",
-    "max_header_bytes",
-    "max_header_count",
-    "header_timeout",
-    "body_timeout",
-    "long_request_chars",
-    "long_request_concurrency",
     "backends",
     "api_keys",
-}
+} | _LIMITS
 _SECTIONS = {
     "health": {f.name for f in dataclasses.fields(HealthConfig)},
     "breaker": {f.name for f in dataclasses.fields(BreakerConfig)},
-    "limits": {
-        "max_request_bytes",
-        "max_header_bytes",
-        "max_header_count",
-        "header_timeout",
-        "body_timeout",
-        "long_request_chars",
-        "long_request_concurrency",
-    },
+    "limits": _LIMITS,
 }
 
 
