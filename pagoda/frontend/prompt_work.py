@@ -8,7 +8,7 @@ Three defences, in order:
      fit. It is refused (400 naming max_model_len) before any tokenizing.
   2. Short texts (most requests) are rendered and tokenized on the loop, where they cost less than the
      hop to a thread would (benchmarks/profile/api_burst.py); longer ones go to a small pool of this
-     process's own, through Rust's `encode_batch`, which releases the GIL (`gil_free_encoder`).
+     process's own, through Rust's `encode_batch`, which releases the GIL (`fast_encoder(..., release_gil=True)`).
   3. The budget: a request whose work has not finished within `budget_s` (waiting for a thread
      included) is answered 400 rather than held; its thread finishes the piece it is in and is free.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagoda.errors import ContextLengthExceeded, InvalidRequest
-from pagoda.frontend.tokenizer import fast_encoder, gil_free_encoder, longest_token_chars
+from pagoda.frontend.tokenizer import fast_encoder, longest_token_chars
 
 T = TypeVar("T")
 
@@ -39,7 +39,7 @@ class PromptWork:
         self.token_chars = longest_token_chars(tokenizer)  # None: no bound for this tokenizer
         self.max_chars = None if self.token_chars is None else self.token_chars * max_model_len
         self._encode = fast_encoder(tokenizer)
-        self._encode_released = gil_free_encoder(tokenizer)
+        self._encode_released = fast_encoder(tokenizer, release_gil=True)
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pagoda-prompt")
 
     def check_chars(self, text: str, param: str) -> None:

@@ -117,14 +117,18 @@ def tokenizer_info(tokenizer: Any | None, source: ModelSource) -> TokenizerInfo:
     return TokenizerInfo(frozenset(eos), bos if isinstance(bos, int) else None)
 
 
-def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+def fast_encoder(tokenizer: Any, release_gil: bool = False) -> Callable[[str, bool], list[int]]:
     """`encode(text, add_special_tokens)` = `tokenizer.encode(text, add_special_tokens=...)`, straight through
     the backend's Rust `Tokenizer.encode` when that is provably the same function: a stock fast tokenizer
     (no overridden or patched encode) whose backend has no truncation or padding set and splits special
     tokens as the tokenizer says, and which agrees on a few probe texts. transformers' own path (a one-item
     `encode_batch` plus the BatchEncoding around it) costs more than the encode itself, and the API process
     tokenizes every completion prompt on its event loop: at a burst of hundreds of requests that is part
-    of everyone's time to first token. Anything else gets `tokenizer.encode`."""
+    of everyone's time to first token. Anything else gets `tokenizer.encode`.
+
+    `release_gil`: for a worker thread, the backend's one-item `encode_batch` instead, which releases the
+    GIL while it runs (its one-text `encode` holds it, which would stall the event loop as surely as
+    calling it there)."""
 
     def general(text: str, add_special_tokens: bool) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -148,6 +152,8 @@ def fast_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
         def encode(text: str, add_special_tokens: bool) -> list[int]:
             if not _backend_as_configured(tokenizer, backend):
                 return general(text, add_special_tokens)
+            if release_gil:
+                return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
         specials = "".join(list(getattr(tokenizer, "all_special_tokens", None) or ())[:4])
@@ -201,22 +207,3 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     except Exception:  # noqa: BLE001 - an exotic tokenizer: no bound, every prompt is tokenized
         return None
     return longest
-
-
-def gil_free_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
-    """`encode(text, add_special_tokens)` as `fast_encoder`'s, for a worker thread: a fast tokenizer's
-    Rust `encode_batch` releases the GIL while it runs (its one-text `encode` holds it, which would stall
-    the event loop as surely as calling it there). Anything else gets `fast_encoder`'s function."""
-    encode = fast_encoder(tokenizer)
-    backend: Any = getattr(tokenizer, "_tokenizer", None)
-    if getattr(encode, "__qualname__", "") != "fast_encoder.<locals>.encode" or not callable(
-        getattr(backend, "encode_batch", None)
-    ):
-        return encode  # transformers' own path: the backend is not provably the same function
-
-    def encode_released(text: str, add_special_tokens: bool) -> list[int]:
-        if not _backend_as_configured(tokenizer, backend):
-            return encode(text, add_special_tokens)
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-    return encode_released
