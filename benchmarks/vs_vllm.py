@@ -22,6 +22,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from quantization_sbs import KEYS as POOLED_NAMES  # the pooled client's names -> vLLM's (this folder's script)
+
 KEYS = (
     "output_throughput",
     "request_throughput",
@@ -32,13 +34,12 @@ KEYS = (
     "median_itl_ms",
     "p95_itl_ms",
 )
-# The pooled text rows spell medians p50_*; vLLM's own result files spell them median_* or p50_*.
-_ALIASES = {f"median_{m}_ms": f"p50_{m}_ms" for m in ("ttft", "tpot", "itl")}
 
 
 def _value(row: dict, key: str) -> float | None:
-    for name in (key, _ALIASES.get(key)):
-        if name and row.get(name) is not None:
+    """`key` (vLLM's name) of a row that may spell it as the pooled client does (p50_*: quantization_sbs.KEYS)."""
+    for name in (key, *(old for old, new in POOLED_NAMES.items() if new == key)):
+        if row.get(name) is not None:
             return float(row[name])
     return None
 
