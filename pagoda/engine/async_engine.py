@@ -71,7 +71,7 @@ KV_FULL = 0.95
 def free_seats(stats: EngineStats, max_num_seqs: int | None) -> int:
     """Seats (`max_num_seqs`) the core's last report leaves free. The waiting requests take them first
     (those the last step's token budget left out run at the next), then new ones: of W waiting and U more,
-    max(0, W + U - free) wait. None while the KV cache is full, where even a free seat waits for blocks."""
+    max(0, W + U - free) wait. 0 while the KV cache is full, where even a free seat waits for blocks."""
     if max_num_seqs is None or stats.kv_cache_usage >= KV_FULL:
         return 0
     return max(0, max_num_seqs - stats.num_running)
