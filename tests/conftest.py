@@ -60,7 +60,7 @@ LONG_FIRST = (
     "tests/kernels/test_decode_graphs.py",
     "tests/kernels/test_fused_ops.py",
     "tests/models/test_gguf_checkpoint.py",
-    "tests/kernels/test_paged_attention.py",
+    "tests/kernels/test_attention.py",
     "tests/engine/test_structured_output_engine.py",  # with the default_llm group it joins
 )
 _TESTS = Path(__file__).resolve().parent

@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fused_ops import _interpreting
+from pagoda.kernels.triton_utils import DTYPES, interpreting
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # larger batches keep torch.argmax: its one-block-per-row reduce is then well fed
 _EMPTY = -(2**63)  # a slot no program has written yet (the kernels spell it -9223372036854775807 - 1)
 
@@ -69,7 +68,7 @@ class GreedyArgmax:
             and logits.dtype in DTYPES
             and logits.shape[1] > 0
             and logits.stride(1) == 1
-            and (logits.is_cuda or _interpreting())
+            and (logits.is_cuda or interpreting())
         )
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -81,9 +80,9 @@ class GreedyArgmax:
             )
         if self._keys is None or self._keys.device != logits.device:
             self._keys = torch.full((MAX_ROWS,), _EMPTY, dtype=torch.int64, device=logits.device)
-        chunk = 64 if _interpreting() else 4096
+        chunk = 64 if interpreting() else 4096
         _argmax_keys_kernel[(rows, triton.cdiv(vocab, chunk))](
-            logits, self._keys, vocab, logits.stride(0), CHUNK=chunk, num_warps=1 if _interpreting() else 8
+            logits, self._keys, vocab, logits.stride(0), CHUNK=chunk, num_warps=1 if interpreting() else 8
         )
         ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
         _keys_to_ids_kernel[(1,)](self._keys, ids, rows, BLOCK=MAX_ROWS, num_warps=1)

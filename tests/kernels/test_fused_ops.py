@@ -19,7 +19,11 @@ import torch
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
-from pagoda.kernels import dispatch, fused_ops
+from pagoda.kernels import activation as activation_kernels
+from pagoda.kernels import dispatch
+from pagoda.kernels import localized_filter as lf_kernels
+from pagoda.kernels import rms_norm as norm_kernels
+from pagoda.kernels import rotary as rotary_kernels
 from pagoda.layers.activation import SiluAndMul, quick_gelu_reference, silu_and_mul_reference
 from pagoda.layers.norm import RMSNorm, rms_norm_reference
 from pagoda.layers.rotary import (
@@ -32,6 +36,13 @@ from pagoda.layers.rotary import (
 # SiLU of ±100 overflows exp under the interpreter (NumPy warns; the result, inf → silu = -0, is right).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
+# The fused kernel modules by family, as `dispatch.fused_for` names them.
+FUSED = {
+    "rms_norm": norm_kernels,
+    "rotary": rotary_kernels,
+    "activation": activation_kernels,
+    "localized_filter": lf_kernels,
+}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -73,7 +84,7 @@ def _check_normed(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_rms_norm(rows, hidden, dtype):
     x = _randn(rows, hidden, dtype=dtype, scale=3.0, seed=1)
     weight = _randn(hidden, dtype=dtype, seed=2) + 1
-    out = fused_ops.rms_norm(x, weight, 1e-6)
+    out = norm_kernels.rms_norm(x, weight, 1e-6)
     ref = rms_norm_reference(x, weight, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape
     _check_normed(out, ref)
@@ -85,7 +96,7 @@ def test_fused_add_rms_norm(rows, hidden, dtype):
     x = _randn(rows, hidden, dtype=dtype, scale=2.0, seed=3)
     residual = _randn(rows, hidden, dtype=dtype, scale=5.0, seed=4)
     weight = _randn(hidden, dtype=dtype, seed=5) + 1
-    out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, summed = norm_kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
     ref_out, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
     assert torch.equal(summed, ref_summed)  # the next residual stream: exactly `x + residual`
     assert torch.equal(summed, residual + x)  # the order the model used to add in
@@ -98,13 +109,13 @@ def test_rms_norm_strided_and_batched_inputs(dtype):
     x = wide[:, 8:56]  # rows strided by 80
     residual = _randn(2, 5, 48, dtype=dtype, seed=7)[1]  # a view into a bigger tensor
     weight = _randn(48, dtype=dtype, seed=8)
-    out, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    out, summed = norm_kernels.fused_add_rms_norm(x, residual, weight, 1e-6)
     ref_out, ref_summed = rms_norm_reference(x, weight, 1e-6, residual)
     assert torch.equal(summed, ref_summed)
     _check_normed(out, ref_out)
     x3 = _randn(2, 3, 48, dtype=dtype, seed=9)  # [..., H]
-    _check_normed(fused_ops.rms_norm(x3, weight, 1e-6), rms_norm_reference(x3, weight, 1e-6))
-    assert fused_ops.rms_norm(x3[:0], weight, 1e-6).shape == (0, 3, 48)
+    _check_normed(norm_kernels.rms_norm(x3, weight, 1e-6), rms_norm_reference(x3, weight, 1e-6))
+    assert norm_kernels.rms_norm(x3[:0], weight, 1e-6).shape == (0, 3, 48)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +141,7 @@ def test_rotary_matches_reference_bit_for_bit(hq, hkv, d, rotary_dim, dtype):
     for t, seed in ((1, 10), (5, 11)):
         q, k = _qkv_views(t, hq, hkv, d, dtype, seed)
         cos_sin = rope.cos_sin(torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(seed)).to(DEVICE))
-        q_out, k_out = fused_ops.rotary(q, k, *cos_sin)
+        q_out, k_out = rotary_kernels.rotary(q, k, *cos_sin)
         q_ref, k_ref = apply_rotary_reference(q, k, cos_sin)
         assert q_out.is_contiguous() and k_out.is_contiguous()
         assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
@@ -149,13 +160,13 @@ def test_rotary_tables_and_head_blocks(dtype, monkeypatch):
     for cos_sin, rotary_dim in ((bf16_table, 8), (mrope, d)):
         q, k = _qkv_views(t, hq, hkv, d, dtype, seed=12)
         for qq, kk in ((q, k), (q.contiguous(), k.contiguous())):
-            for tile in (fused_ops._ROPE_TILE, 8):  # 8 elements: one head per program
-                monkeypatch.setattr(fused_ops, "_ROPE_TILE", tile)
-                q_out, k_out = fused_ops.rotary(qq, kk, *cos_sin)
+            for tile in (rotary_kernels._ROPE_TILE, 8):  # 8 elements: one head per program
+                monkeypatch.setattr(rotary_kernels, "_ROPE_TILE", tile)
+                q_out, k_out = rotary_kernels.rotary(qq, kk, *cos_sin)
                 q_ref, k_ref = apply_rotary_reference(qq, kk, cos_sin)
                 assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref), (rotary_dim, tile)
     q, k = _qkv_views(0, hq, hkv, d, dtype, seed=13)
-    assert fused_ops.rotary(q, k, *RotaryEmbedding(d, 8, 1e4, None).cos_sin(positions[:0]))[0].shape == (0, hq, d)
+    assert rotary_kernels.rotary(q, k, *RotaryEmbedding(d, 8, 1e4, None).cos_sin(positions[:0]))[0].shape == (0, hq, d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -169,7 +180,7 @@ def test_rotary_on_vision_tower_tables(dtype):
     cos, sin = _grid_cos_sin(4, 6, 2, d, torch.device(DEVICE))  # [P, 1, 40]
     qkv = _randn(p, 3 * heads * d, dtype=dtype, scale=2.0, seed=21).view(p, 3, heads, d)
     q, k, _ = qkv.unbind(dim=1)
-    q_out, k_out = fused_ops.rotary(q, k, cos, sin)
+    q_out, k_out = rotary_kernels.rotary(q, k, cos, sin)
     full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
 
     def reference(x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +199,7 @@ def test_rotary_store_kv_matches_rotary_then_store(hq, hkv, d, rotary_dim, dtype
     """One launch = `rotary` + the backend's `store_kv`, bit for bit: the returned q, every cache slot
     written (k rotated, v copied), padding tokens (slot -1) writing nothing, heads over one or several
     programs, caches stored token-major or head-major (a transposed view)."""
-    from pagoda.kernels.paged_attention import store_kv
+    from pagoda.kernels.attention.store_kv import store_kv
 
     t, num_blocks, block_size = 5, 6, 4
     qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=30)
@@ -202,13 +213,13 @@ def test_rotary_store_kv_matches_rotary_then_store(hq, hkv, d, rotary_dim, dtype
         return [c.transpose(1, 2) for c in pair] if head_major else pair
 
     k_ref, v_ref = caches()
-    q_ref, k_rot = fused_ops.rotary(q, k, *cos_sin)
+    q_ref, k_rot = rotary_kernels.rotary(q, k, *cos_sin)
     store_kv(k_rot, v, k_ref, v_ref, slots)
-    for tile in (fused_ops._ROPE_TILE, 8):
-        monkeypatch.setattr(fused_ops, "_ROPE_TILE", tile)
+    for tile in (rotary_kernels._ROPE_TILE, 8):
+        monkeypatch.setattr(rotary_kernels, "_ROPE_TILE", tile)
         k_cache, v_cache = caches()
-        assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache)
-        q_out = fused_ops.rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache, slots)
+        assert rotary_kernels.supports_rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache)
+        q_out = rotary_kernels.rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache, slots)
         assert torch.equal(q_out, q_ref) and q_out.is_contiguous()
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), tile
 
@@ -218,11 +229,11 @@ def test_rotary_store_kv_refuses_what_it_cannot_store():
     v = torch.zeros_like(k)
     cos_sin = RotaryEmbedding(8, 16, 1e4, None).cos_sin(torch.tensor([1, 2], device=DEVICE))
     cache = torch.zeros(3, 4, 2, 8, device=DEVICE)
-    assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache, cache.clone())
-    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache.half(), cache.half())  # dtype
-    assert not fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, cache[..., :4], cache[..., :4])  # head_dim
-    assert not fused_ops.supports_rotary_store_kv(q, k, v[:, :1], *cos_sin, cache, cache)  # v shape
-    assert fused_ops.rotary_store_kv(
+    assert rotary_kernels.supports_rotary_store_kv(q, k, v, *cos_sin, cache, cache.clone())
+    assert not rotary_kernels.supports_rotary_store_kv(q, k, v, *cos_sin, cache.half(), cache.half())  # dtype
+    assert not rotary_kernels.supports_rotary_store_kv(q, k, v, *cos_sin, cache[..., :4], cache[..., :4])  # head_dim
+    assert not rotary_kernels.supports_rotary_store_kv(q, k, v[:, :1], *cos_sin, cache, cache)  # v shape
+    assert rotary_kernels.rotary_store_kv(
         q[:0],
         k[:0],
         v[:0],
@@ -247,7 +258,7 @@ def test_silu_and_mul(rows, inter, dtype):
     x = _randn(rows, 2 * inter, dtype=dtype, scale=4.0, seed=14)
     x[0, 0] = -100.0  # exp overflows: silu = -0
     x[-1, min(1, inter - 1)] = 100.0
-    out = fused_ops.silu_and_mul(x)
+    out = activation_kernels.silu_and_mul(x)
     ref = silu_and_mul_reference(x)
     assert out.shape == (rows, inter) and out.dtype == dtype
     # Same rounding points (silu rounded to the dtype, then the product); only `exp` may differ by
@@ -260,16 +271,16 @@ def test_silu_and_mul(rows, inter, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
-    monkeypatch.setattr(fused_ops, "_SILU_BLOCK", 8)  # I = 21 → three column blocks, the last partial
+    monkeypatch.setattr(activation_kernels, "_SILU_BLOCK", 8)  # I = 21 → three column blocks, the last partial
     x = _randn(3, 50, dtype=dtype, seed=15)[:, 4:46]  # [3, 42], rows strided by 50
-    out = fused_ops.silu_and_mul(x)
+    out = activation_kernels.silu_and_mul(x)
     # fp32: exp is not correctly rounded on either side (NumPy under the interpreter, Sleef or CUDA's
     # exp in PyTorch), so a couple of fp32 ulps, as in test_silu_and_mul; bf16 rounds that away
     limit = 4 if dtype == torch.float32 else 1
     assert ulps(out, silu_and_mul_reference(x)) <= limit
     x3 = _randn(2, 2, 10, dtype=dtype, seed=16)
-    assert ulps(fused_ops.silu_and_mul(x3), silu_and_mul_reference(x3)) <= limit
-    assert fused_ops.silu_and_mul(x3[:0]).shape == (0, 2, 5)
+    assert ulps(activation_kernels.silu_and_mul(x3), silu_and_mul_reference(x3)) <= limit
+    assert activation_kernels.silu_and_mul(x3[:0]).shape == (0, 2, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,13 +289,16 @@ def test_silu_and_mul_strided_rows_and_column_blocks(dtype, monkeypatch):
 
 
 def test_cpu_tensors_never_take_the_kernels(monkeypatch):
-    assert dispatch.fused_ops_for(torch.zeros(2)) is None
-    dispatch.fused_ops_module.cache_clear()
+    for family in dispatch.FUSED_FAMILIES:
+        assert dispatch.fused_for(family, torch.zeros(2)) is None
+    with pytest.raises(ValueError, match="unknown fused kernel family"):
+        dispatch.fused_module("fused_ops")
+    dispatch.fused_module.cache_clear()
     monkeypatch.setenv("PAGODA_FUSED_OPS", "0")
     try:
-        assert dispatch.fused_ops_module() is None
+        assert all(dispatch.fused_module(family) is None for family in dispatch.FUSED_FAMILIES)
     finally:
-        dispatch.fused_ops_module.cache_clear()
+        dispatch.fused_module.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +332,7 @@ def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_sn
         x_ref, summed_ref = rms_norm_reference(h, weight, 1e-6, residual)
     else:
         x_ref, summed_ref = rms_norm_reference(h, weight, 1e-6), h
-    in1, in2, summed = fused_ops.lf_decode_input(h, residual, weight, 1e-6, bias, state, slots, snap_index, snapshots)
+    in1, in2, summed = lf_kernels.lf_decode_input(h, residual, weight, 1e-6, bias, state, slots, snap_index, snapshots)
     _check_normed(in1[:, hidden:], x_ref)
     assert torch.equal(summed, summed_ref)
     x = in1[:, hidden:]
@@ -331,7 +345,7 @@ def test_lf_decode_kernels_match_the_unfused_gate(hidden, with_residual, with_sn
     o1 = _randn(rows, half, dtype=dtype, seed=47)
     in2[:, half:] = o1  # what conv1 accumulates there
     o2 = _randn(rows, hidden, dtype=dtype, seed=48)
-    y = fused_ops.lf_decode_output(o2, x, out_weight, 1e-6, in2[:, half:], state, slots, snap_index, snapshots)
+    y = lf_kernels.lf_decode_output(o2, x, out_weight, 1e-6, in2[:, half:], state, slots, snap_index, snapshots)
     _check_normed(y, rms_norm_reference(o2, out_weight, 1e-6, x)[0])
     want_state[slots, hidden:] = o1
     assert torch.equal(state, want_state)
@@ -376,7 +390,7 @@ def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch)
         return lf(x, batch, inputs, terms), lf.state
 
     with monkeypatch.context() as m:
-        m.setattr(dispatch, "fused_ops_for", lambda x: fused_ops)
+        m.setattr(dispatch, "fused_for", lambda family, x: FUSED[family])
         m.setattr(dispatch, "gemv_for", lambda x: gemv)
         lf.bind_state(state0.clone(), torch.empty(0))
         assert lf.supports_previous_token_terms(h, batch)
@@ -384,7 +398,7 @@ def test_lf_previous_token_terms_give_the_whole_convolutions(dtype, monkeypatch)
         y_split, state_split = step(True)
         y_whole, state_whole = step(False)
     with monkeypatch.context() as m:  # the PyTorch gate (what the CPU runs)
-        m.setattr(dispatch, "fused_ops_for", lambda x: None)
+        m.setattr(dispatch, "fused_for", lambda family, x: None)
         m.setattr(dispatch, "gemv_for", lambda x: None)
         lf.bind_state(state0.clone(), torch.empty(0))
         x_ref, _ = norm(h, residual)
@@ -408,8 +422,11 @@ def kernels_everywhere(monkeypatch):
     calls: list[str] = []
 
     class Spy:
+        def __init__(self, family: str) -> None:
+            self.kernels = FUSED[family]
+
         def __getattr__(self, name):
-            attr = getattr(fused_ops, name)
+            attr = getattr(self.kernels, name)
             if name in (
                 "rms_norm",
                 "fused_add_rms_norm",
@@ -427,7 +444,7 @@ def kernels_everywhere(monkeypatch):
                 return wrapped
             return attr
 
-    monkeypatch.setattr(dispatch, "fused_ops_for", lambda x: Spy())
+    monkeypatch.setattr(dispatch, "fused_for", lambda family, x: Spy(family))
     return calls
 
 
@@ -468,10 +485,10 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     import triton
 
     from pagoda.kernels import gemv
-    from pagoda.kernels.fused_ops import _interpreting
+    from pagoda.kernels.triton_utils import interpreting
 
     gemv_calls: list[tuple[str, tuple[int, int]]] = []
-    if with_gemv and _interpreting():
+    if with_gemv and interpreting():
         product_config = gemv.gemv_config
 
         def four_programs(m: int, n: int, k: int) -> gemv.GemvConfig:
@@ -588,14 +605,14 @@ def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
     prompts = [{"prompt_token_ids": [5, 17, 301, 44, 9, 260, 88, 13, 402]}, {"prompt_token_ids": [400, 12, 97]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
-    def run(ops) -> tuple[list[list[int]], torch.Tensor]:
-        monkeypatch.setattr(dispatch, "fused_ops_for", lambda x: ops)
+    def run(ops: dict | None) -> tuple[list[list[int]], torch.Tensor]:
+        monkeypatch.setattr(dispatch, "fused_for", lambda family, x: ops and ops[family])
         captured.clear()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], torch.cat(captured)
 
     ref_tokens, ref_logits = run(None)  # the PyTorch code, on any device
-    tokens, logits = run(fused_ops)
+    tokens, logits = run(FUSED)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=0)
 
@@ -606,11 +623,11 @@ def test_quick_gelu_matches_reference(dtype):
     equal up to the sigmoid's last fp32 ulp (the interpreter's NumPy exp against PyTorch's vectorised one),
     which a 16-bit rounding hides almost always."""
     x = _randn(3, 1000 + 37, dtype=dtype, scale=4.0, seed=31)  # several programs, a ragged tail
-    out = fused_ops.quick_gelu(x)
+    out = activation_kernels.quick_gelu(x)
     ref = quick_gelu_reference(x)
     assert out.shape == x.shape and out.dtype == dtype
     tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     if dtype != torch.float32:
         assert (out == ref).float().mean() > 0.99  # rounded where the reference rounds: nearly all bits equal
-    assert fused_ops.quick_gelu(x[:0]).shape == (0, 1037)
+    assert activation_kernels.quick_gelu(x[:0]).shape == (0, 1037)

@@ -139,7 +139,7 @@ def test_rejects_bad_out_and_bias():
 def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtype):
     """One row through `gemv_silu_and_mul` equals `silu_and_mul(gemv(x, W))` bit for bit (same
     rounding points), and both agree with the PyTorch layers' path up to the matmul's rounding."""
-    from pagoda.kernels import fused_ops
+    from pagoda.kernels import activation as activation_kernels
     from pagoda.kernels.gemv import gemv_silu_and_mul
     from pagoda.layers.activation import silu_and_mul_reference
 
@@ -148,7 +148,7 @@ def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtyp
     w = (torch.randn(2 * n, k, generator=g) * 2 / k**0.5).to(DEVICE, dtype)
     fused = gemv_silu_and_mul(x, w)
     assert fused.shape == (1, n) and fused.dtype == dtype
-    assert torch.equal(fused, fused_ops.silu_and_mul(gemv(x, w)))
+    assert torch.equal(fused, activation_kernels.silu_and_mul(gemv(x, w)))
     torch.testing.assert_close(
         fused.float(), silu_and_mul_reference(F.linear(x.float(), w.float())), atol=3e-2, rtol=3e-2
     )
