@@ -75,10 +75,8 @@ def _rope_program(
     q_out_ptr,
     cos_ptr,
     sin_ptr,
-    stride_qt,
-    stride_qh,
-    stride_qot,
-    stride_qoh,
+    q_strides,  # q.stride(): (token, head, dim)
+    qo_strides,  # q_out.stride()
     stride_ct,
     stride_st,
     NUM_Q_HEADS: tl.constexpr,
@@ -103,10 +101,10 @@ def _rope_program(
     sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if b < Q_BLOCKS:
         _rope_heads(
-            q_ptr + t * stride_qt,
-            q_out_ptr + t * stride_qot,
-            stride_qh,
-            stride_qoh,
+            q_ptr + t * q_strides[0],
+            q_out_ptr + t * qo_strides[0],
+            q_strides[1],
+            qo_strides[1],
             b * BLOCK_H,
             NUM_Q_HEADS,
             cos,
@@ -131,14 +129,10 @@ def _rope_kernel(
     k_out_ptr,
     cos_ptr,
     sin_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
+    q_strides,  # q.stride(): (token, head, dim)
+    k_strides,
+    qo_strides,  # q_out.stride()
+    ko_strides,
     stride_ct,
     stride_st,
     NUM_Q_HEADS: tl.constexpr,
@@ -159,10 +153,8 @@ def _rope_kernel(
         q_out_ptr,
         cos_ptr,
         sin_ptr,
-        stride_qt,
-        stride_qh,
-        stride_qot,
-        stride_qoh,
+        q_strides,
+        qo_strides,
         stride_ct,
         stride_st,
         NUM_Q_HEADS,
@@ -177,10 +169,10 @@ def _rope_kernel(
     )
     if b >= Q_BLOCKS:
         _rope_heads(
-            k_ptr + t * stride_kt,
-            k_out_ptr + t * stride_kot,
-            stride_kh,
-            stride_koh,
+            k_ptr + t * k_strides[0],
+            k_out_ptr + t * ko_strides[0],
+            k_strides[1],
+            ko_strides[1],
             (b - Q_BLOCKS) * BLOCK_H,
             NUM_K_HEADS,
             cos,
@@ -265,14 +257,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k_out,
         cos2,
         sin2,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_out.stride(0),
-        k_out.stride(1),
+        q.stride(),
+        k.stride(),
+        q_out.stride(),
+        k_out.stride(),
         cos2.stride(0),
         sin2.stride(0),
         **shape,
@@ -297,20 +285,12 @@ def _rope_store_kv_kernel(
     sin_ptr,
     k_scale,
     v_scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_qot,
-    stride_qoh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    q_strides,  # q.stride(): (token, head, dim)
+    k_strides,
+    v_strides,
+    qo_strides,  # q_out.stride()
+    kc_strides,  # k_cache.stride(): (block, slot, head, dim)
+    vc_strides,
     stride_ct,
     stride_st,
     NUM_Q_HEADS: tl.constexpr,
@@ -336,10 +316,8 @@ def _rope_store_kv_kernel(
         q_out_ptr,
         cos_ptr,
         sin_ptr,
-        stride_qt,
-        stride_qh,
-        stride_qot,
-        stride_qoh,
+        q_strides,
+        qo_strides,
         stride_ct,
         stride_st,
         NUM_Q_HEADS,
@@ -359,10 +337,10 @@ def _rope_store_kv_kernel(
             offset = slot % CACHE_BLOCK
             head0 = (b - Q_BLOCKS) * BLOCK_H
             _rope_heads(
-                k_ptr + t * stride_kt,
-                k_cache_ptr + block * stride_kcb + offset * stride_kcs,
-                stride_kh,
-                stride_kch,
+                k_ptr + t * k_strides[0],
+                k_cache_ptr + block * kc_strides[0] + offset * kc_strides[1],
+                k_strides[1],
+                kc_strides[2],
                 head0,
                 NUM_K_HEADS,
                 cos,
@@ -379,8 +357,8 @@ def _rope_store_kv_kernel(
             offs_h = head0 + tl.arange(0, BLOCK_H)
             offs_d = tl.arange(0, BLOCK_D)
             mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HEAD_DIM)
-            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-            v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch
+            v = tl.load(v_ptr + t * v_strides[0] + offs_h[:, None] * v_strides[1] + offs_d[None, :], mask=mask)
+            v_dst = v_cache_ptr + block * vc_strides[0] + offset * vc_strides[1] + offs_h[:, None] * vc_strides[2]
             tl.store(v_dst + offs_d[None, :], store_value(v, v_scale, v_cache_ptr, FP8_CACHE, EMULATE_BF16), mask=mask)
 
 
@@ -446,20 +424,12 @@ def rotary_store_kv(
         sin2,
         float(k_scale),
         float(v_scale),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q_out.stride(),
+        k_cache.stride(),
+        v_cache.stride(),
         cos2.stride(0),
         sin2.stride(0),
         **shape,

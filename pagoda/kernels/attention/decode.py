@@ -13,7 +13,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.attention.store_kv import check_cache, is_fp8
-from pagoda.kernels.attention.tile import NEG_BIG, attend_tile, qk_scale
+from pagoda.kernels.attention.tile import NEG_BIG, attend_tile, score_scale
 from pagoda.kernels.pdl import wait_for_inputs
 from pagoda.kernels.triton_utils import dot_flags, interpreting
 
@@ -38,17 +38,11 @@ def _decode_kernel(
     counter_ptr,
     qk_scale,
     v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
+    q_strides,  # q.stride(): (token, head, dim)
+    o_strides,  # out.stride()
     stride_table,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    kc_strides,  # k_cache.stride(): (block, slot, head, dim)
+    vc_strides,
     num_splits,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -94,7 +88,7 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g  # [BLOCK_G]
     mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_G, BLOCK_D]
-    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
+    q = tl.load(q_ptr + token * q_strides[0] + heads[:, None] * q_strides[1] + offs_d[None, :], mask=mask_q, other=0.0)
 
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
@@ -117,12 +111,8 @@ def _decode_kernel(
             n0,
             end,
             0,
-            stride_kcb,
-            stride_kcs,
-            stride_kch,
-            stride_vcb,
-            stride_vcs,
-            stride_vch,
+            kc_strides,
+            vc_strides,
             HEAD_DIM,
             BLOCK_SIZE,
             BLOCK_N,
@@ -139,7 +129,7 @@ def _decode_kernel(
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row) → zeros
         tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out_ptr + token * o_strides[0] + heads[:, None] * o_strides[1] + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=mask_q,
         )
@@ -161,8 +151,8 @@ def _decode_kernel(
                 part_acc_ptr,
                 part_m_ptr,
                 part_l_ptr,
-                out_ptr + token * stride_ot,
-                stride_oh,
+                out_ptr + token * o_strides[0],
+                o_strides[1],
                 (row * NUM_HEADS + kv_head * GROUP).to(tl.int64) * num_splits,
                 kv_head * GROUP,
                 num_splits,
@@ -313,19 +303,13 @@ def paged_decode_attention(
         part_m,
         part_l,
         split_counters,
-        qk_scale(scale, k_cache, k_scale),
+        score_scale(scale, k_cache, k_scale),
         float(v_scale),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q.stride(),
+        out.stride(),
         block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        k_cache.stride(),
+        v_cache.stride(),
         num_splits,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.attention.store_kv import check_cache, is_fp8
-from pagoda.kernels.attention.tile import NEG_BIG, attend_tile, qk_scale
+from pagoda.kernels.attention.tile import NEG_BIG, attend_tile, score_scale
 from pagoda.kernels.triton_utils import dot_flags, interpreting
 
 
@@ -31,17 +31,11 @@ def _prefill_kernel(
     out_ptr,
     qk_scale,
     v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
+    q_strides,  # q.stride(): (token, head, dim)
+    o_strides,  # out.stride()
     stride_table,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    kc_strides,  # k_cache.stride(): (block, slot, head, dim)
+    vc_strides,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -72,7 +66,7 @@ def _prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_q = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
     tokens = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=mask_q, other=0.0)
+    q = tl.load(q_ptr + tokens[:, None] * q_strides[0] + head * q_strides[1] + offs_d[None, :], mask=mask_q, other=0.0)
     q_pos = ctx + offs_m  # [BLOCK_M] positions
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -95,12 +89,8 @@ def _prefill_kernel(
             n0,
             key_end,
             q_pos,
-            stride_kcb,
-            stride_kcs,
-            stride_kch,
-            stride_vcb,
-            stride_vcs,
-            stride_vch,
+            kc_strides,
+            vc_strides,
             HEAD_DIM,
             BLOCK_SIZE,
             BLOCK_N,
@@ -125,12 +115,8 @@ def _prefill_kernel(
             n0,
             key_end,
             q_pos,
-            stride_kcb,
-            stride_kcs,
-            stride_kch,
-            stride_vcb,
-            stride_vcs,
-            stride_vch,
+            kc_strides,
+            vc_strides,
             HEAD_DIM,
             BLOCK_SIZE,
             BLOCK_N,
@@ -146,7 +132,7 @@ def _prefill_kernel(
         acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out_ptr + tokens[:, None] * o_strides[0] + head * o_strides[1] + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=mask_q,
     )
@@ -247,19 +233,13 @@ def paged_prefill_attention(
         tiles.req,
         tiles.m0,
         out,
-        qk_scale(scale, k_cache, k_scale),
+        score_scale(scale, k_cache, k_scale),
         float(v_scale),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q.stride(),
+        out.stride(),
         block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        k_cache.stride(),
+        v_cache.stride(),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],

@@ -76,16 +76,10 @@ def _store_kv_kernel(
     slot_ptr,
     k_scale,
     v_scale,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    k_strides,  # k.stride(): (token, head, dim)
+    v_strides,
+    kc_strides,  # k_cache.stride(): (block, slot, head, dim)
+    vc_strides,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -106,10 +100,12 @@ def _store_kv_kernel(
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)  # [BLOCK_H, BLOCK_D]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    k = tl.load(k_ptr + t * k_strides[0] + offs_h[:, None] * k_strides[1] + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * v_strides[0] + offs_h[:, None] * v_strides[1] + offs_d[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * kc_strides[0] + offset * kc_strides[1] + offs_h[:, None] * kc_strides[2]
+    v_dst = v_cache_ptr + block * vc_strides[0] + offset * vc_strides[1] + offs_h[:, None] * vc_strides[2]
+    k_dst += offs_d[None, :]
+    v_dst += offs_d[None, :]
     tl.store(k_dst, store_value(k, k_scale, k_cache_ptr, FP8_CACHE, EMULATE_FP8), mask=mask)
     tl.store(v_dst, store_value(v, v_scale, v_cache_ptr, FP8_CACHE, EMULATE_FP8), mask=mask)
 
@@ -142,16 +138,10 @@ def store_kv(
         slot_mapping,
         float(k_scale),
         float(v_scale),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        k.stride(),
+        v.stride(),
+        k_cache.stride(),
+        v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],

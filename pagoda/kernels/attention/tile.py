@@ -46,12 +46,8 @@ def attend_tile(
     n0,
     key_end,
     q_pos,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    kc_strides,
+    vc_strides,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -66,7 +62,8 @@ def attend_tile(
 
     m_i [M] running max (log2 domain), l_i [M] running sum, acc [M, BLOCK_D] unnormalised output,
     all fp32. Each key's slot is looked up through the block table, so BLOCK_N need not relate to
-    block_size (a tile may span several cache blocks, or part of one).
+    block_size (a tile may span several cache blocks, or part of one); kc_strides / vc_strides are
+    the caches' `.stride()` (block, slot, head, dim).
     MASK_KEYS: keys >= key_end may be in this tile (masked loads, -inf scores).
     CAUSAL: row r sees only keys <= q_pos[r] (implies MASK_KEYS; q_pos is unused otherwise).
     KV_FP8: the tiles are e4m3, widened exactly to q's dtype; their scales are the caller's (k_scale
@@ -79,7 +76,7 @@ def attend_tile(
     else:
         block = tl.load(table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
     within = offs_n % BLOCK_SIZE
-    k_off = block * stride_kcb + within * stride_kcs + kv_head * stride_kch  # [BLOCK_N] int64
+    k_off = block * kc_strides[0] + within * kc_strides[1] + kv_head * kc_strides[2]  # [BLOCK_N] int64
     k = _load_kv_rows(k_cache_ptr, k_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
     if KV_FP8:
         k = k.to(q.dtype)
@@ -92,7 +89,7 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_off = block * stride_vcb + within * stride_vcs + kv_head * stride_vch
+    v_off = block * vc_strides[0] + within * vc_strides[1] + kv_head * vc_strides[2]
     v = _load_kv_rows(v_cache_ptr, v_off, offs_d, mask_n, HEAD_DIM, BLOCK_D, MASK_KEYS)  # [BLOCK_N, BLOCK_D]
     if KV_FP8:
         v = v.to(q.dtype)
@@ -100,6 +97,6 @@ def attend_tile(
     return m_new, l_i, acc
 
 
-def qk_scale(scale: float, k_cache: torch.Tensor, k_scale: float) -> float:
+def score_scale(scale: float, k_cache: torch.Tensor, k_scale: float) -> float:
     """The kernels' score multiplier: softmax scale (times an fp8 cache's k_scale) in the log2 domain."""
     return scale * (float(k_scale) if is_fp8(k_cache) else 1.0) * _LOG2E
