@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from pagoda import envs
+from pagoda.kernels import policy
 
 
 def _optional_kernels(name: str, switch: envs.Env) -> ModuleType | None:
@@ -87,15 +88,9 @@ def gemv_for(x: torch.Tensor) -> ModuleType | None:
 
 # Whether kernels launched now may use programmatic dependent launch (`pagoda/kernels/pdl.py`, which
 # also needs a Hopper GPU and PAGODA_PDL unset). The model runner allows it only for steps of at most
-# PDL_MAX_ROWS tokens (`pdl_for_rows`), captured or eager, so a kernel of a given size always launches
+# `policy.PDL_MAX_ROWS` tokens (`pdl_for_rows`), captured or eager, so a kernel of a given size always launches
 # (and is compiled at start-up) in one variant; kernels called directly (tests, benchmarks) keep it on.
 _PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
-
-# Why a row limit: PDL shortens a batch-1 decode step's kernel chain, but at batch 256 it makes the
-# decode step slower (waiting programs hold SM slots the running kernel needs). Measured by
-# benchmarks/h200.py (c=1 TPOT and the batch-256 decode step, PAGODA_PDL=0 against on); the figures
-# are in docs/performance.md.
-PDL_MAX_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -109,7 +104,7 @@ def pdl_allowed(on: bool) -> Iterator[None]:
 
 def pdl_for_rows(rows: int) -> contextlib.AbstractContextManager[None]:
     """`pdl_allowed` for a step (or graph bucket) of `rows` tokens."""
-    return pdl_allowed(rows <= PDL_MAX_ROWS)
+    return pdl_allowed(rows <= policy.PDL_MAX_ROWS)
 
 
 def pdl_is_allowed() -> bool:

@@ -1,4 +1,4 @@
-"""Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for M ≤ MAX_ROWS.
+"""Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for few rows M.
 
 Why: at decode batch 1 a step is a serial chain of weight streams, and cuBLAS picks latency-bound
 kernels for them. At M = 1 this kernel beats cuBLAS on every Yuan2-2B matmul, measured inside CUDA
@@ -7,7 +7,7 @@ graphs with the weights cycled out of L2 by `benchmarks/kernels/gemv_sweep.py` (
 attempt (`tl.dot` tiles of 16 rows, split K with a second reduce kernel) was no faster than cuBLAS:
 the gain comes from issuing all of a program's weight loads at once over very many small programs,
 in one launch. From two rows on, cuBLAS wins for most matmuls (same
-sweep), hence MAX_ROWS = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
+sweep), hence `policy.GEMV_MAX_ROWS` = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
 before waiting for the previous kernel.
 
 Shape of the work: program p owns BLOCK_N (1-2) output columns for all M rows, so each weight byte
@@ -33,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
+from pagoda.kernels import pdl, policy
 from pagoda.kernels.activation import silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
 from pagoda.kernels.triton_utils import DTYPES, interpreting, round_to
 
-MAX_ROWS = 1  # rows above this go to cuBLAS (benchmarks/kernels/gemv_sweep.py: where it stops winning)
 MAX_BLOCK_K = 4096
 
 
@@ -198,11 +197,11 @@ def supports(
     x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None, weight_scale: torch.Tensor | None = None
 ) -> bool:
     """Whether `gemv` takes this matmul: on CUDA (or the interpreter), at most max_rows (default
-    MAX_ROWS) rows of x, one dtype (or an fp8 e4m3 weight with a float32 [N] weight_scale), unit
+    `policy.GEMV_MAX_ROWS`) rows of x, one dtype (or an fp8 e4m3 weight with a float32 [N] weight_scale), unit
     inner strides, W [N, K] with K = x's last dim."""
     if x.dim() < 1:
         return False
-    max_rows = MAX_ROWS if max_rows is None else max_rows
+    max_rows = policy.GEMV_MAX_ROWS if max_rows is None else max_rows
     k = x.shape[-1]
     # rows first: the common rejection (every prefill matmul) costs one comparison on the host
     if not 0 < x.numel() <= max_rows * k:

@@ -12,7 +12,7 @@ g = g_idx[k]. With `group_size` given, the rows are in order (g = k // group_siz
 compute g instead of loading g_idx.
 
 Two kernels:
-- M ≤ MAX_ROWS: a GEMV. Program (p, s) owns BLOCK_N output columns for all M rows and split s of K
+- M ≤ `policy.INT4_GEMV_MAX_ROWS`: a GEMV. Program (p, s) owns BLOCK_N output columns for all M rows and split s of K
   (each weight byte is read once). Per K tile it loads [BLOCK_K/8, BLOCK_N] packed words, and for each
   nibble position j the [BLOCK_K/8] elements of x at rows 8r + j (L2-resident, re-read by every
   program), multiplies on the CUDA cores into one elementwise fp32 accumulator per row of x (the rows
@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
+from pagoda.kernels import pdl, policy
 from pagoda.kernels.pdl import wait_for_inputs
 from pagoda.kernels.triton_utils import DTYPES, interpreting, round_to
 
@@ -60,7 +60,6 @@ PACK = 8  # 4-bit values per int32
 # Rows up to this go to the GEMV, above it to the tensor-core GEMM. At M rows the GEMV spends about
 # four integer/fp32 operations per weight unpacking it plus M FMAs, the GEMM the unpacking plus the
 # dot; `benchmarks/kernels/int4_gemm_bench.py` times both kernels at every M to place the switch.
-MAX_ROWS = 4
 GEMV_ROWS = 4  # the most rows the GEMV kernel holds (one accumulator each, unrolled)
 _MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: OR-ing an integer below 2^23 into its mantissa adds it
 _MAGIC = tl.constexpr(8388608.0)  # 2^23
@@ -105,7 +104,7 @@ def int4_config(
     bf16 tiles). K tiles are fitted inside a group where the group size allows; K is split until there
     are about two programs per SM, as far as the partials' traffic allows. Under the interpreter: tiny
     tiles and no split."""
-    gemv = m <= min(MAX_ROWS, GEMV_ROWS)
+    gemv = m <= min(policy.INT4_GEMV_MAX_ROWS, GEMV_ROWS)
     if interpreting():
         if gemv:
             return Int4Config(True, 1, 32, _fit_block_k(64, group_size, k, 8), 1, 1, 1)

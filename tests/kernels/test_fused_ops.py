@@ -20,7 +20,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels import activation as activation_kernels
-from pagoda.kernels import dispatch
+from pagoda.kernels import dispatch, policy
 from pagoda.kernels import localized_filter as lf_kernels
 from pagoda.kernels import rms_norm as norm_kernels
 from pagoda.kernels import rotary as rotary_kernels
@@ -509,7 +509,7 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
 
             return call
 
-        monkeypatch.setattr(gemv, "MAX_ROWS", 8)
+        monkeypatch.setattr(policy, "GEMV_MAX_ROWS", 8)
         monkeypatch.setattr(
             dispatch,
             "gemv_for",

@@ -19,6 +19,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels import gemv as gemv_module
+from pagoda.kernels import policy
 from pagoda.kernels.gemv import GemvConfig, gemv, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +117,7 @@ def test_explicit_config_with_several_k_tiles():
 def test_supports_rejects_what_it_cannot_run():
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
     assert supports(torch.randn(1, 64).to(DEVICE, torch.bfloat16), w)
-    assert not supports(torch.randn(gemv_module.MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(policy.GEMV_MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)  # mixed dtypes
     assert not supports(torch.randn(1, 32).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())  # K not contiguous

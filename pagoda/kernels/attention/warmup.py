@@ -28,7 +28,7 @@ def compile_variants(
     and with several (then the in-kernel merge); prefill; store_kv. What else changes from step to
     step (row counts, block-table widths, split counts) is passed as unspecialised runtime integers.
     Each once with and once without PDL: steps (eager or captured) of more than
-    `dispatch.PDL_MAX_ROWS` tokens launch without it (`dispatch.pdl_for_rows`). cache_dtype: the
+    `policy.PDL_MAX_ROWS` tokens launch without it (`dispatch.pdl_for_rows`). cache_dtype: the
     cache's element type (None: dtype; `FP8` compiles the fp8-cache variants)."""
     for pdl_on in (True, False):
         with dispatch.pdl_allowed(pdl_on):
