@@ -2,12 +2,12 @@
 PyTorch references on a CUDA GPU, at real decoder shapes (Yuan2-2B, Qwen2-VL-2B, Llama-3-8B) and T in
 {1, 256, 4096} tokens.
 
-GPU-only: skipped without CUDA (`test_fused_ops.py` covers the same kernels at tiny shapes under the
-Triton interpreter on the CPU). Expected, and asserted: the residual sum of add+norm and RoPE bit-exact
-(0 ulps); SiLU-and-mul within 1 ulp (libdevice expf vs CUDA's expf); RMSNorm and add + RMSNorm within
-2 bf16/fp16 ulps: the fp32 mean of squares over 1.5k-4k elements is summed in another order than
-PyTorch's, which at these widths moves a rounded output by up to 2 ulps (1 at the interpreter tests'
-tiny widths); fp32 within a few fp32 ulps. Was
+GPU-only: skipped without CUDA (`test_rms_norm.py`, `test_rotary.py`, `test_activation.py` cover the
+same kernels at tiny shapes under the Triton interpreter on the CPU). Expected, and asserted: the
+residual sum of add+norm and RoPE bit-exact (0 ulps); SiLU-and-mul within 1 ulp (libdevice expf vs
+CUDA's expf); RMSNorm and add + RMSNorm within 2 bf16/fp16 ulps: the fp32 mean of squares over 1.5k-4k
+elements is summed in another order than PyTorch's, which at these widths moves a rounded output by up
+to 2 ulps (1 at the interpreter tests' tiny widths); fp32 within a few fp32 ulps. Was
 `benchmarks/fused_ops_check.py`; the kernels' speed is measured by `benchmarks/h200.py`.
 """
 
