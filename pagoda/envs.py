@@ -38,7 +38,8 @@ FUSED_OPS = Env(
     "PAGODA_FUSED_OPS",
     bool,
     True,
-    "the fused Triton norm/rotary/activation kernels (kernels/fused_ops.py); 0: the PyTorch ops",
+    "the fused Triton norm/rotary/activation/LF kernels (kernels/rms_norm.py, rotary.py, activation.py, "
+    "localized_filter.py); 0: the PyTorch ops",
 )
 GEMV = Env("PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS")
 GREEDY_KERNEL = Env(

@@ -58,9 +58,9 @@ MAX_AUTO_WORKERS = 4  # `-n auto` (addopts): one worker per core, at most this m
 LONG_FIRST = (
     "tests/e2e/",
     "tests/kernels/test_decode_graphs.py",
-    "tests/kernels/test_fused_ops.py",
+    "tests/kernels/test_fused_layers.py",
     "tests/models/test_gguf_checkpoint.py",
-    "tests/kernels/test_paged_attention.py",
+    "tests/kernels/test_attention.py",
     "tests/engine/test_structured_output_engine.py",  # with the default_llm group it joins
 )
 _TESTS = Path(__file__).resolve().parent

@@ -7,7 +7,7 @@ For each (heads, kv heads, head dim) of the benchmark shapes, batch and context 
 `paged_decode_attention` (`triton.testing.do_bench`, scattered cache blocks, block size 16) under
 every BLOCK_N x num_warps x num_stages (x split count: 1 and the one a CUDA-graph step picks), next to the memory floor
 (K and V bytes read / measured copy bandwidth) and the current default. Prints the best per case;
-the JSON holds every timing. `decode_config` in `pagoda/kernels/paged_attention.py` takes its rule
+the JSON holds every timing. `decode_config` in `pagoda/kernels/attention/decode.py` takes its rule
 from these results.
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
     import torch
     import triton.testing
 
-    from pagoda.kernels import paged_attention as pa
+    from pagoda.kernels.attention import decode as pa
 
     bandwidth = copy_bandwidth()
     default = pa.decode_config

@@ -9,7 +9,7 @@ Pagoda's bf16 path (`layers.linear.linear`: the GEMV at one row, cuBLAS above), 
 quantization + `torch._scaled_mm` with scale vectors (`w8a8_rowwise`), and the same with unit
 scales + Pagoda's scale epilogue (`w8a8`); plus `fp8_linear`, the dispatch the layers use. Each
 fp8 result's relative error against its float32 reference (`fp8_linear_reference`) is printed: the
-choice of `fp8.GEMV_MAX_ROWS` comes from this table.
+choice of `policy.FP8_GEMV_MAX_ROWS` (`pagoda/kernels/policy.py`) comes from this table.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no
 cost), cycling through enough copies of the weight that none is still in L2 (a step reads each
 layer's weights once, from HBM). Prints µs and weight-stream TB/s for cuBLAS and for the kernel at
 its rule config (`gemv_config`), and for --grid-rows the best of a small config grid too: where the
-rule loses, or where the kernel stops beating cuBLAS (`gemv.MAX_ROWS` comes from that).
+rule loses, or where the kernel stops beating cuBLAS (`policy.GEMV_MAX_ROWS` comes from that).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Each matmul is timed the way a decode step runs it (`gemv_sweep.graph_us`): capt
 cycling through enough copies of the weight that none is still in L2. Prints µs for bf16 cuBLAS and
 for the int4 kernel at its rule config (`int4_config`), their ratio, and the int4 weight stream's
 GB/s (packed words, scales and zero points). Both int4 kernels are also timed at every row count where
-both apply (the GEMV up to `GEMV_ROWS` rows), which is what places `MAX_ROWS`; --grid-rows sweeps a
+both apply (the GEMV up to `GEMV_ROWS` rows), which is what places `policy.INT4_GEMV_MAX_ROWS`; --grid-rows sweeps a
 small config grid at those row counts too. --act-order reads the groups through a permuted g_idx (an
 act-order GPTQ checkpoint) instead of computing them from the group size.
 """

@@ -36,7 +36,8 @@ def time_case(shape: str, batch: int, context: int, args: argparse.Namespace, ba
     import torch
 
     from benchmarks.kernels.gemv_sweep import graph_us
-    from pagoda.kernels import paged_attention as pa
+    from pagoda.kernels.attention import decode as pa
+    from pagoda.kernels.attention import store_kv as store
 
     heads, kv_heads, dim = SHAPES[shape]
     seq_len = context + 1  # the step's new token is stored first, then attended
@@ -58,8 +59,8 @@ def time_case(shape: str, batch: int, context: int, args: argparse.Namespace, ba
     caches = {
         "bf16": (k_bf16, v_bf16, 1.0, 1.0),
         "fp8": (
-            (k_bf16.float() / args.k_scale).clamp(-448, 448).to(pa.FP8),
-            (v_bf16.float() / args.v_scale).clamp(-448, 448).to(pa.FP8),
+            (k_bf16.float() / args.k_scale).clamp(-448, 448).to(store.FP8),
+            (v_bf16.float() / args.v_scale).clamp(-448, 448).to(store.FP8),
             args.k_scale,
             args.v_scale,
         ),
@@ -71,7 +72,7 @@ def time_case(shape: str, batch: int, context: int, args: argparse.Namespace, ba
         decode_kwargs = dict(k_scale=ks, v_scale=vs, out=out, split_counters=counters)
         store_args = (new_k, new_v, k_cache, v_cache, slots, ks, vs)
         decode_us = graph_us(lambda a=decode_args, kw=decode_kwargs: pa.paged_decode_attention(*a, **kw), 1)
-        store_us = graph_us(lambda a=store_args: pa.store_kv(*a), 1)
+        store_us = graph_us(lambda a=store_args: store.store_kv(*a), 1)
         pa.paged_decode_attention(*decode_args, **decode_kwargs)
         torch.cuda.synchronize()
         outputs[name] = out.float()

@@ -1,4 +1,5 @@
-"""When the layers use the fused Triton kernels (`pagoda/kernels/fused_ops.py`), the few-row GEMV
+"""When the layers use the fused Triton kernels (one module per family: `pagoda/kernels/rms_norm.py`,
+`rotary.py`, `activation.py`, and Yuan2's `localized_filter.py`), the few-row GEMV
 (`pagoda/kernels/gemv.py`) and the few-row greedy argmax (`pagoda/kernels/greedy.py`) instead of
 PyTorch / cuBLAS.
 
@@ -9,7 +10,7 @@ out); each is read once, like the import check.
 
 The kernels module is imported on first use, not with the layers: `@triton.jit` picks compiled vs
 interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing a layer must not fix
-that choice. Layers call `dispatch.fused_ops_for(x)` through this module, so a test can monkeypatch
+that choice. Layers call `dispatch.fused_for(family, x)` through this module, so a test can monkeypatch
 it to run the kernels on CPU tensors under the interpreter.
 """
 
@@ -25,6 +26,7 @@ from types import ModuleType
 import torch
 
 from pagoda import envs
+from pagoda.kernels import policy
 
 
 def _optional_kernels(name: str, switch: envs.Env) -> ModuleType | None:
@@ -37,15 +39,22 @@ def _optional_kernels(name: str, switch: envs.Env) -> ModuleType | None:
         return None
 
 
+# The fused kernel families the layers dispatch to, each a module `pagoda.kernels.<family>`.
+FUSED_FAMILIES = ("rms_norm", "rotary", "activation", "localized_filter")
+
+
 @functools.cache
-def fused_ops_module() -> ModuleType | None:
-    """`pagoda.kernels.fused_ops`, or None when Triton cannot be imported or PAGODA_FUSED_OPS=0."""
-    return _optional_kernels("fused_ops", envs.FUSED_OPS)
+def fused_module(family: str) -> ModuleType | None:
+    """`pagoda.kernels.<family>` (one of FUSED_FAMILIES), or None when Triton cannot be imported or
+    PAGODA_FUSED_OPS=0."""
+    if family not in FUSED_FAMILIES:
+        raise ValueError(f"unknown fused kernel family {family!r}; one of {FUSED_FAMILIES}")
+    return _optional_kernels(family, envs.FUSED_OPS)
 
 
-def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The kernels module when x lives on a CUDA device and the kernels are available, else None."""
-    return fused_ops_module() if x.is_cuda else None
+def fused_for(family: str, x: torch.Tensor) -> ModuleType | None:
+    """The family's kernels module when x lives on a CUDA device and the kernels are available, else None."""
+    return fused_module(family) if x.is_cuda else None
 
 
 @functools.cache
@@ -79,15 +88,9 @@ def gemv_for(x: torch.Tensor) -> ModuleType | None:
 
 # Whether kernels launched now may use programmatic dependent launch (`pagoda/kernels/pdl.py`, which
 # also needs a Hopper GPU and PAGODA_PDL unset). The model runner allows it only for steps of at most
-# PDL_MAX_ROWS tokens (`pdl_for_rows`), captured or eager, so a kernel of a given size always launches
+# `policy.PDL_MAX_ROWS` tokens (`pdl_for_rows`), captured or eager, so a kernel of a given size always launches
 # (and is compiled at start-up) in one variant; kernels called directly (tests, benchmarks) keep it on.
 _PDL_ALLOWED: ContextVar[bool] = ContextVar("pagoda_pdl_allowed", default=True)
-
-# Why a row limit: PDL shortens a batch-1 decode step's kernel chain, but at batch 256 it makes the
-# decode step slower (waiting programs hold SM slots the running kernel needs). Measured by
-# benchmarks/h200.py (c=1 TPOT and the batch-256 decode step, PAGODA_PDL=0 against on); the figures
-# are in docs/performance.md.
-PDL_MAX_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -101,7 +104,7 @@ def pdl_allowed(on: bool) -> Iterator[None]:
 
 def pdl_for_rows(rows: int) -> contextlib.AbstractContextManager[None]:
     """`pdl_allowed` for a step (or graph bucket) of `rows` tokens."""
-    return pdl_allowed(rows <= PDL_MAX_ROWS)
+    return pdl_allowed(rows <= policy.PDL_MAX_ROWS)
 
 
 def pdl_is_allowed() -> bool:

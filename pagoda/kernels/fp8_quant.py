@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl
-from pagoda.kernels.fused_ops import _interpreting
 from pagoda.kernels.pdl import wait_for_inputs
+from pagoda.kernels.triton_utils import interpreting
 
 # Triton reads module globals inside a kernel only as constexprs.
 FP8_MAX = tl.constexpr(448.0)
@@ -91,7 +91,7 @@ def scale_epilogue(y: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
     m, n = y.shape
     if m == 0:
         return
-    block_n = min(triton.next_power_of_2(n), 64 if _interpreting() else 1024)
+    block_n = min(triton.next_power_of_2(n), 64 if interpreting() else 1024)
     _scale_epilogue_kernel[(m, triton.cdiv(n, block_n))](
         y,
         x_scale,
@@ -101,13 +101,13 @@ def scale_epilogue(y: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
         y.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
-        num_warps=1 if _interpreting() else 4,
+        num_warps=1 if interpreting() else 4,
         **pdl.launch_args(y),
     )
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (x.is_cuda or _interpreting())
+    return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (x.is_cuda or interpreting())
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +119,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    limit = 64 if _interpreting() else 8192
+    limit = 64 if interpreting() else 8192
     block_k = min(triton.next_power_of_2(k), limit)
     _per_token_quant_kernel[(m,)](
         x,
@@ -130,7 +130,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q.stride(0),
         BLOCK_K=block_k,
         ONE_TILE=k <= block_k,
-        num_warps=1 if _interpreting() else (4 if block_k <= 2048 else 8),
+        num_warps=1 if interpreting() else (4 if block_k <= 2048 else 8),
         **pdl.launch_args(x),
     )
     return q, scale

@@ -1,4 +1,4 @@
-"""Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for M ≤ MAX_ROWS.
+"""Few-row matmul (GEMV) in Triton: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias, or + y) for few rows M.
 
 Why: at decode batch 1 a step is a serial chain of weight streams, and cuBLAS picks latency-bound
 kernels for them. At M = 1 this kernel beats cuBLAS on every Yuan2-2B matmul, measured inside CUDA
@@ -7,7 +7,7 @@ graphs with the weights cycled out of L2 by `benchmarks/kernels/gemv_sweep.py` (
 attempt (`tl.dot` tiles of 16 rows, split K with a second reduce kernel) was no faster than cuBLAS:
 the gain comes from issuing all of a program's weight loads at once over very many small programs,
 in one launch. From two rows on, cuBLAS wins for most matmuls (same
-sweep), hence MAX_ROWS = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
+sweep), hence `policy.GEMV_MAX_ROWS` = 1. With PDL (`pagoda/kernels/pdl.py`) the first weight tile is loaded
 before waiting for the previous kernel.
 
 Shape of the work: program p owns BLOCK_N (1-2) output columns for all M rows, so each weight byte
@@ -33,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
-from pagoda.kernels.fused_ops import _interpreting, _round_to, silu_mul
+from pagoda.kernels import pdl, policy
+from pagoda.kernels.activation import silu_mul
 from pagoda.kernels.pdl import wait_for_inputs
+from pagoda.kernels.triton_utils import DTYPES, interpreting, round_to
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp32: exact models on a GPU, and CPU tests
-MAX_ROWS = 1  # rows above this go to cuBLAS (benchmarks/kernels/gemv_sweep.py: where it stops winning)
 MAX_BLOCK_K = 4096
 
 
@@ -135,7 +134,7 @@ def _gemv_kernel(
         acc += tl.load(y_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptrs, _round_to(acc, y_ptr, EMULATE_BF16), mask=out_mask)
+    tl.store(y_ptrs, round_to(acc, y_ptr, EMULATE_BF16), mask=out_mask)
 
 
 @triton.jit
@@ -180,8 +179,8 @@ def _gemv_silu_and_mul_kernel(
     if HAS_SCALE:
         acc_a *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
         acc_b *= tl.load(s_ptr + N + offs_n, mask=mask_n, other=0.0)
-    a = _round_to(acc_a, y_ptr, EMULATE_BF16)
-    b = _round_to(acc_b, y_ptr, EMULATE_BF16)
+    a = round_to(acc_a, y_ptr, EMULATE_BF16)
+    b = round_to(acc_b, y_ptr, EMULATE_BF16)
     tl.store(y_ptr + offs_n, silu_mul(a, b, y_ptr, PRECISE_EXP, EMULATE_BF16), mask=mask_n)
 
 
@@ -189,7 +188,7 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Two output columns per program, K in tiles of up to 4096 (one tile for K ≤ 4096), 4 warps: in
     an H200 sweep of this loop over 5 column counts x 5 K tiles x 3 warp counts it was within noise
     of the best config for every Yuan2-2B matmul at M = 1 (`benchmarks/kernels/gemv_sweep.py --grid-rows 1`)."""
-    if _interpreting():
+    if interpreting():
         return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), 32), num_warps=1)
     return GemvConfig(block_n=2, block_k=min(triton.next_power_of_2(k), MAX_BLOCK_K), num_warps=4)
 
@@ -198,11 +197,11 @@ def supports(
     x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None, weight_scale: torch.Tensor | None = None
 ) -> bool:
     """Whether `gemv` takes this matmul: on CUDA (or the interpreter), at most max_rows (default
-    MAX_ROWS) rows of x, one dtype (or an fp8 e4m3 weight with a float32 [N] weight_scale), unit
+    `policy.GEMV_MAX_ROWS`) rows of x, one dtype (or an fp8 e4m3 weight with a float32 [N] weight_scale), unit
     inner strides, W [N, K] with K = x's last dim."""
     if x.dim() < 1:
         return False
-    max_rows = MAX_ROWS if max_rows is None else max_rows
+    max_rows = policy.GEMV_MAX_ROWS if max_rows is None else max_rows
     k = x.shape[-1]
     # rows first: the common rejection (every prefill matmul) costs one comparison on the host
     if not 0 < x.numel() <= max_rows * k:
@@ -215,7 +214,7 @@ def supports(
         return False
     if x.dtype not in DTYPES or weight.dim() != 2:
         return False
-    return weight.shape[1] == k and weight.stride(1) == 1 and (x.is_cuda or _interpreting())
+    return weight.shape[1] == k and weight.stride(1) == 1 and (x.is_cuda or interpreting())
 
 
 def gemv(
@@ -274,7 +273,7 @@ def gemv(
         ACCUMULATE=accumulate,
         EVEN_K=k % config.block_k == 0,
         EVEN_N=n % config.block_n == 0,
-        EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         **pdl.launch_args(x),
     )
@@ -316,8 +315,8 @@ def gemv_silu_and_mul(
         HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
         EVEN_N=n % block_n == 0,
-        PRECISE_EXP=not _interpreting(),
-        EMULATE_BF16=_interpreting() and x.dtype == torch.bfloat16,
+        PRECISE_EXP=not interpreting(),
+        EMULATE_BF16=interpreting() and x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
         **pdl.launch_args(x),
     )

@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fused_ops import _interpreting
+from pagoda.kernels import policy
+from pagoda.kernels.triton_utils import DTYPES, interpreting
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 8  # larger batches keep torch.argmax: its one-block-per-row reduce is then well fed
 _EMPTY = -(2**63)  # a slot no program has written yet (the kernels spell it -9223372036854775807 - 1)
 
 
@@ -55,7 +54,7 @@ def _keys_to_ids_kernel(keys_ptr, ids_ptr, rows, BLOCK: tl.constexpr):
 
 
 class GreedyArgmax:
-    """`torch.argmax(logits, dim=-1)` for at most MAX_ROWS rows. Owns the key slots (int64, one per
+    """`torch.argmax(logits, dim=-1)` for at most `policy.GREEDY_MAX_ROWS` rows. Owns the key slots (int64, one per
     row, at _EMPTY between calls); calls run in stream order on one device, as the sampler's do."""
 
     def __init__(self) -> None:
@@ -65,26 +64,26 @@ class GreedyArgmax:
     def supports(logits: torch.Tensor) -> bool:
         return (
             logits.dim() == 2
-            and 0 < logits.shape[0] <= MAX_ROWS
+            and 0 < logits.shape[0] <= policy.GREEDY_MAX_ROWS
             and logits.dtype in DTYPES
             and logits.shape[1] > 0
             and logits.stride(1) == 1
-            and (logits.is_cuda or _interpreting())
+            and (logits.is_cuda or interpreting())
         )
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         rows, vocab = logits.shape
         if not self.supports(logits):
             raise ValueError(
-                f"greedy argmax takes 1..{MAX_ROWS} rows of a float logits matrix with unit "
+                f"greedy argmax takes 1..{policy.GREEDY_MAX_ROWS} rows of a float logits matrix with unit "
                 f"column stride, got {tuple(logits.shape)} {logits.dtype}"
             )
         if self._keys is None or self._keys.device != logits.device:
-            self._keys = torch.full((MAX_ROWS,), _EMPTY, dtype=torch.int64, device=logits.device)
-        chunk = 64 if _interpreting() else 4096
+            self._keys = torch.full((policy.GREEDY_MAX_ROWS,), _EMPTY, dtype=torch.int64, device=logits.device)
+        chunk = 64 if interpreting() else 4096
         _argmax_keys_kernel[(rows, triton.cdiv(vocab, chunk))](
-            logits, self._keys, vocab, logits.stride(0), CHUNK=chunk, num_warps=1 if _interpreting() else 8
+            logits, self._keys, vocab, logits.stride(0), CHUNK=chunk, num_warps=1 if interpreting() else 8
         )
         ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
-        _keys_to_ids_kernel[(1,)](self._keys, ids, rows, BLOCK=MAX_ROWS, num_warps=1)
+        _keys_to_ids_kernel[(1,)](self._keys, ids, rows, BLOCK=policy.GREEDY_MAX_ROWS, num_warps=1)
         return ids

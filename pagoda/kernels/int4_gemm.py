@@ -12,7 +12,7 @@ g = g_idx[k]. With `group_size` given, the rows are in order (g = k // group_siz
 compute g instead of loading g_idx.
 
 Two kernels:
-- M ≤ MAX_ROWS: a GEMV. Program (p, s) owns BLOCK_N output columns for all M rows and split s of K
+- M ≤ `policy.INT4_GEMV_MAX_ROWS`: a GEMV. Program (p, s) owns BLOCK_N output columns for all M rows and split s of K
   (each weight byte is read once). Per K tile it loads [BLOCK_K/8, BLOCK_N] packed words, and for each
   nibble position j the [BLOCK_K/8] elements of x at rows 8r + j (L2-resident, re-read by every
   program), multiplies on the CUDA cores into one elementwise fp32 accumulator per row of x (the rows
@@ -52,16 +52,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
-from pagoda.kernels.fused_ops import _interpreting, _round_to
+from pagoda.kernels import pdl, policy
 from pagoda.kernels.pdl import wait_for_inputs
+from pagoda.kernels.triton_utils import DTYPES, interpreting, round_to
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PACK = 8  # 4-bit values per int32
 # Rows up to this go to the GEMV, above it to the tensor-core GEMM. At M rows the GEMV spends about
 # four integer/fp32 operations per weight unpacking it plus M FMAs, the GEMM the unpacking plus the
 # dot; `benchmarks/kernels/int4_gemm_bench.py` times both kernels at every M to place the switch.
-MAX_ROWS = 4
 GEMV_ROWS = 4  # the most rows the GEMV kernel holds (one accumulator each, unrolled)
 _MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 2^23: OR-ing an integer below 2^23 into its mantissa adds it
 _MAGIC = tl.constexpr(8388608.0)  # 2^23
@@ -106,8 +104,8 @@ def int4_config(
     bf16 tiles). K tiles are fitted inside a group where the group size allows; K is split until there
     are about two programs per SM, as far as the partials' traffic allows. Under the interpreter: tiny
     tiles and no split."""
-    gemv = m <= min(MAX_ROWS, GEMV_ROWS)
-    if _interpreting():
+    gemv = m <= min(policy.INT4_GEMV_MAX_ROWS, GEMV_ROWS)
+    if interpreting():
         if gemv:
             return Int4Config(True, 1, 32, _fit_block_k(64, group_size, k, 8), 1, 1, 1)
         return Int4Config(False, 16, 32, _fit_block_k(64, group_size, k, 16), 1, 1, 1)
@@ -253,7 +251,7 @@ def _store_result(
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offsets, _round_to(acc, y_ptr, EMULATE_BF16), mask=mask)
+        tl.store(y_ptr + offsets, round_to(acc, y_ptr, EMULATE_BF16), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +421,7 @@ def _int4_gemm_kernel(
             w = (q_magic - (_group_tile(z_ptr, g, stride_zg, offs_n, N) + _MAGIC)) * _group_tile(
                 s_ptr, g, stride_sg, offs_n, N
             )
-            acc += _dot(x, _round_to(w, x_ptr, EMULATE_BF16), DOT_FP32)
+            acc += _dot(x, round_to(w, x_ptr, EMULATE_BF16), DOT_FP32)
     _store_result(
         acc,
         offs_m,
@@ -466,7 +464,7 @@ def _split_k_sum_kernel(
         acc += tl.load(ws_ptr + s * M * N + offsets, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offsets, _round_to(acc, y_ptr, EMULATE_BF16), mask=mask)
+    tl.store(y_ptr + offsets, round_to(acc, y_ptr, EMULATE_BF16), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +479,7 @@ def supports(x: torch.Tensor, qweight: torch.Tensor) -> bool:
         return False
     if qweight.dim() != 2 or qweight.dtype != torch.int32 or qweight.stride(1) != 1:
         return False
-    return x.shape[1] == PACK * qweight.shape[0] and x.device == qweight.device and (x.is_cuda or _interpreting())
+    return x.shape[1] == PACK * qweight.shape[0] and x.device == qweight.device and (x.is_cuda or interpreting())
 
 
 def _check_groups_tensor(t: torch.Tensor, name: str, n: int) -> None:
@@ -541,7 +539,7 @@ def int4_matmul(
     k_split = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k) * config.block_k
     splits = triton.cdiv(k, k_split)
     out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    emulate_bf16 = _interpreting() and x.dtype == torch.bfloat16
+    emulate_bf16 = interpreting() and x.dtype == torch.bfloat16
     launch = pdl.launch_args(x)
     args = (
         x,
@@ -582,7 +580,7 @@ def int4_matmul(
     else:
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), splits)
         _int4_gemm_kernel[grid](
-            *args, BLOCK_M=config.block_m, DOT_FP32=_interpreting() or x.dtype == torch.float32, **common
+            *args, BLOCK_M=config.block_m, DOT_FP32=interpreting() or x.dtype == torch.float32, **common
         )
     if splits > 1:
         block = min(triton.next_power_of_2(n), 1024)

@@ -19,7 +19,7 @@ on its programs may occupy free SM slots while they wait.
 Inside a CUDA graph capture the launches become programmatic graph edges. Kernels without PDL
 (cuBLAS, PyTorch) are ordered as before. `PAGODA_PDL=0` turns it off (read once); the interpreter
 and GPUs before compute capability 9.0 never use it. The model runner uses it only for steps of
-few tokens (`dispatch.pdl_for_rows`, `dispatch.PDL_MAX_ROWS`): at batch 256 the H200's decode step
+few tokens (`dispatch.pdl_for_rows`, `policy.PDL_MAX_ROWS`): at batch 256 the H200's decode step
 is slower with it (`benchmarks/h200.py`, the decode row; docs/performance.md).
 """
 

@@ -1,6 +1,6 @@
 """SiLU-and-mul for gated MLPs whose gate and up projections are fused into one matmul; QuickGELU.
 
-On CUDA tensors one Triton launch (`pagoda/kernels/fused_ops.py`, via `pagoda/kernels/dispatch.py`);
+On CUDA tensors one Triton launch (`pagoda/kernels/activation.py`, via `pagoda/kernels/dispatch.py`);
 everywhere else `silu_and_mul_reference`, which is also the kernel's reference. `of_projection`
 also takes the gate/up matmul: at one row on CUDA both run as one GEMV launch
 (`pagoda/kernels/gemv.py`), rounded exactly as the two launches would be.
@@ -24,7 +24,7 @@ def quick_gelu_reference(x: torch.Tensor) -> torch.Tensor:
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """QuickGELU (the activation the Qwen2-VL vision tower was trained with, not the erf GELU): one Triton
     pass on CUDA, rounded where the reference rounds; `quick_gelu_reference` elsewhere."""
-    ops = dispatch.fused_ops_for(x)
+    ops = dispatch.fused_for("activation", x)
     if ops is not None and ops.supports_quick_gelu(x):
         return ops.quick_gelu(x)
     return quick_gelu_reference(x)
@@ -40,7 +40,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2 * I] laid out as [gate | up]
-        ops = dispatch.fused_ops_for(gate_up)
+        ops = dispatch.fused_for("activation", gate_up)
         if ops is not None and ops.supports_silu_and_mul(gate_up):
             return ops.silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)

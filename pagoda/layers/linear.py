@@ -18,7 +18,7 @@ slice: `LazyTensor`) and narrows it to the rank's share BEFORE reading it (`read
 reads only its share from disk. Loaders that do that carry `@reads_shards`; the model loader hands
 every other loader an already-read tensor.
 
-`linear` is the one matmul entry point: on CUDA, inputs of at most `gemv.MAX_ROWS` rows (decode at
+`linear` is the one matmul entry point: on CUDA, inputs of at most `policy.GEMV_MAX_ROWS` rows (decode at
 batch 1) go to the Triton GEMV (`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all
 others to `F.linear`.
 """

@@ -103,9 +103,9 @@ class LocalizedFilter(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm, batch: SequenceStateBatch | None
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
         """On a CUDA decode step (every row one token): the decoder layer's input norm fused with this
-        gate's state shifts (`fused_ops.lf_decode_input`). Returns (x, residual stream, decode_inputs
+        gate's state shifts (`pagoda/kernels/localized_filter.py`). Returns (x, residual stream, decode_inputs
         for `forward`), or None where the unfused path runs (CPU, prefill and mixed steps)."""
-        ops = dispatch.fused_ops_for(h) if batch is not None and batch.one_token_per_row else None
+        ops = dispatch.fused_for("localized_filter", h) if batch is not None and batch.one_token_per_row else None
         if (
             ops is None
             or not ops.supports_lf_decode(h, input_norm.weight, self.state)
@@ -131,7 +131,7 @@ class LocalizedFilter(nn.Module):
         the GEMV kernel for the convolutions' halves (`_one_token_rows` then uses the terms)."""
         if batch is None or not batch.one_token_per_row or h.dim() != 2 or h.shape[0] != 1:
             return False
-        kernels, ops = dispatch.gemv_for(h), dispatch.fused_ops_for(h)
+        kernels, ops = dispatch.gemv_for(h), dispatch.fused_for("localized_filter", h)
         half = self.hidden_size // 2
         return (
             kernels is not None
@@ -197,7 +197,7 @@ class LocalizedFilter(nn.Module):
                 o1.addmm_(in1, self.conv1.weight.t())
             o2 = linear(in2, self.conv2.weight, self.conv2.bias)  # [B, H]
         snap_index, snapshots = self._in_kernel_snapshots(batch)
-        ops = dispatch.fused_ops_for(x)
+        ops = dispatch.fused_for("localized_filter", x)
         y = ops.lf_decode_output(
             o2,
             x,

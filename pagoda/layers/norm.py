@@ -1,7 +1,7 @@
 """RMSNorm, computed in float32 like the HF reference and cast back; optionally fused with the
 residual add that precedes it in a decoder layer.
 
-On CUDA tensors the Triton kernels in `pagoda/kernels/fused_ops.py` do it in one launch (see
+On CUDA tensors the Triton kernels in `pagoda/kernels/rms_norm.py` do it in one launch (see
 `pagoda/kernels/dispatch.py`); everywhere else `rms_norm_reference` runs, which is also the
 kernels' reference.
 """
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] → normed; with `residual`, (normed(x + residual), x + residual)."""
-        ops = dispatch.fused_ops_for(x)
+        ops = dispatch.fused_for("rms_norm", x)
         if ops is not None and ops.supports_rms_norm(x, self.weight, residual):
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)

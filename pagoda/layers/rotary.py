@@ -3,7 +3,7 @@
 Positions are explicit per token ([T]), so a flattened batch of many requests at different offsets
 needs no padding. The cos/sin table is built lazily on the device of the first call; a model looks
 up its step's rows once (`cos_sin`) and every layer applies them (`apply_rotary`: on CUDA tensors one
-Triton launch for q and k, `pagoda/kernels/fused_ops.py`; elsewhere `apply_rotary_reference`, the
+Triton launch for q and k, `pagoda/kernels/rotary.py`; elsewhere `apply_rotary_reference`, the
 kernel's reference).
 
 Two variants some checkpoints need: partial rotary (only the first `rotary_dim` dims of each head
@@ -119,7 +119,7 @@ def apply_rotary(
     first R dims of each head rotate (partial rotary); the rest pass through unchanged.
     Returns new tensors; q and k may be strided views (e.g. splits of a fused qkv output)."""
     cos, sin = cos_sin
-    ops = dispatch.fused_ops_for(q)
+    ops = dispatch.fused_for("rotary", q)
     if ops is not None and ops.supports_rotary(q, k, cos, sin):
         return ops.rotary(q, k, cos, sin)
     return apply_rotary_reference(q, k, cos_sin)

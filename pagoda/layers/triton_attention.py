@@ -1,4 +1,4 @@
-"""Paged attention through Triton kernels (`pagoda/kernels/paged_attention.py`): the GPU backend.
+"""Paged attention through Triton kernels (`pagoda/kernels/attention/`): the GPU backend.
 
 `prepare` runs once per step on the host values the runner already has (query lengths, sequence
 lengths): it splits rows into decode rows (one new token) and prefill rows (a chunk of several,
@@ -13,7 +13,7 @@ such buffers (`pagoda/worker/cuda_graphs.py`).
 Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
 never read cache slots at or past a row's length, so they do not rely on blocks being zeroed. An fp8
 cache (e4m3, per-layer k_scale/v_scale) is handled inside the kernels: quantized by the store (or the
-fused RoPE store), the scales folded into the attention (`pagoda/kernels/paged_attention.py`).
+fused RoPE store), the scales folded into the attention (`pagoda/kernels/attention/store_kv.py`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,28 @@ from pagoda.layers.attention import AttentionBackend, AttentionBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 
 if TYPE_CHECKING:
-    from pagoda.kernels.paged_attention import PrefillTiles
+    from types import ModuleType
+
+    from pagoda.kernels.attention.prefill import PrefillTiles
 
 
-def _load_kernels():
+@dataclass(frozen=True)
+class _Kernels:
+    """The attention kernel modules (`pagoda/kernels/attention/`), one per family."""
+
+    store: ModuleType  # store_kv
+    decode: ModuleType  # paged_decode_attention, split-K rule, SplitCounters
+    prefill: ModuleType  # paged_prefill_attention, PrefillTiles
+    warmup: ModuleType  # compile_variants
+
+
+def _load_kernels() -> _Kernels:
     """Import the kernels on first use, not with this module: `@triton.jit` picks compiled vs
     interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing this module
     (e.g. from the model runner) must not fix that choice for a CPU-only process."""
-    from pagoda.kernels import paged_attention  # lazy: triton (see above)
+    from pagoda.kernels.attention import decode, prefill, store_kv, warmup  # lazy: triton (see above)
 
-    return paged_attention
+    return _Kernels(store_kv, decode, prefill, warmup)
 
 
 @dataclass
@@ -71,14 +83,14 @@ class TritonAttentionBackend(AttentionBackend):
     from batch size, KV heads and the longest sequence); `num_sms` overrides the device's SM count."""
 
     name = "triton"
-    needs_zeroed_blocks = False  # the kernels mask every load past seq_len (paged_attention.py)
+    needs_zeroed_blocks = False  # the kernels mask every load past seq_len (pagoda/kernels/attention/)
 
     def __init__(self, decode_splits: int | None = None, num_sms: int | None = None):
         assert decode_splits is None or decode_splits >= 1
         self._kernels = _load_kernels()  # ImportError without the `triton` package
         self.decode_splits = decode_splits
         self.num_sms = num_sms
-        self._split_counters = self._kernels.SplitCounters()  # one backend per model runner: launches in order
+        self._split_counters = self._kernels.decode.SplitCounters()  # one backend per model runner: launches in order
 
     def warm_up(
         self,
@@ -88,8 +100,9 @@ class TritonAttentionBackend(AttentionBackend):
         device: torch.device,
         cache_dtype: torch.dtype | None = None,
     ) -> None:
+        compile_variants = self._kernels.warmup.compile_variants
         for num_heads, num_kv_heads, head_dim in sorted(shapes):
-            self._kernels.compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype)
+            compile_variants(num_heads, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype)
 
     def prepare(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         device = batch.slot_mapping.device
@@ -109,8 +122,8 @@ class TritonAttentionBackend(AttentionBackend):
             decode = _DecodeRows(token_index, block_tables[rows], seq_lens[rows], int(host_seq_lens[decode_rows].max()))
         tiles = None
         if prefill_rows.size:
-            tiles = self._kernels.build_prefill_tiles(batch.query_lens, prefill_rows.tolist(), device)
-        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(device)
+            tiles = self._kernels.prefill.build_prefill_tiles(batch.query_lens, prefill_rows.tolist(), device)
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.decode.device_sm_count(device)
         return TritonAttentionMetadata(
             batch.slot_mapping, decode, tiles, block_tables, batch.query_start_loc.to(torch.int32), seq_lens, num_sms
         )
@@ -124,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode = _DecodeRows(None, block_tables, seq_lens, max_seq_len)
         rows = seq_lens.shape[0]
         query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=seq_lens.device)
-        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.decode.device_sm_count(seq_lens.device)
         return TritonAttentionMetadata(slot_mapping, decode, None, block_tables, query_start_loc, seq_lens, num_sms)
 
     def tiled_metadata(
@@ -146,9 +159,9 @@ class TritonAttentionBackend(AttentionBackend):
         the others, which only write zeros to a spare token — and the prefill kernel's fixed-length
         tile list covers the multi-token rows (unused tiles point at a row with no queries and no keys).
         max_seq_len fixes the decode split-K count for the capture."""
-        from pagoda.kernels.paged_attention import PrefillTiles  # lazy: triton (see _load_kernels)
+        from pagoda.kernels.attention.prefill import PrefillTiles  # lazy: triton (see _load_kernels)
 
-        num_sms = self.num_sms if self.num_sms is not None else self._kernels.device_sm_count(seq_lens.device)
+        num_sms = self.num_sms if self.num_sms is not None else self._kernels.decode.device_sm_count(seq_lens.device)
         decode = _DecodeRows(decode_token_index, block_tables, decode_seq_lens, max_seq_len)
         return TritonAttentionMetadata(
             slot_mapping,
@@ -173,7 +186,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         # q [T, Hq, D], k/v [T, Hkv, D] → out [T, Hq, D]; every token is a decode or a prefill row.
-        self._kernels.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        self._kernels.store.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         return self._attend(q, k_cache, v_cache, metadata, scale, k.shape[1], k_scale, v_scale)
 
     def forward_rotary(
@@ -189,8 +202,9 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        """RoPE and the KV store in one launch (`fused_ops.rotary_store_kv`) where the fused kernels run."""
-        ops = dispatch.fused_ops_for(q)
+        """RoPE and the KV store in one launch (`rotary_store_kv`, `pagoda/kernels/rotary.py`) where the
+        fused kernels run."""
+        ops = dispatch.fused_for("rotary", q)
         cos, sin = cos_sin
         if ops is None or not ops.supports_rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache):
             return super().forward_rotary(q, k, v, cos_sin, k_cache, v_cache, metadata, scale, k_scale, v_scale)
@@ -214,7 +228,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode = metadata.decode
         if decode is not None:
             counters = self._split_counters.get(decode.num_rows, num_kv_heads, q.device)
-            kernels.paged_decode_attention(
+            kernels.decode.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -229,7 +243,7 @@ class TritonAttentionBackend(AttentionBackend):
                 split_counters=counters,
             )
         if metadata.prefill_tiles is not None:
-            kernels.paged_prefill_attention(
+            kernels.prefill.paged_prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -248,7 +262,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Host arithmetic on prepare-time values only (no device reads)."""
         if self.decode_splits is not None:
             return self.decode_splits
-        return self._kernels.choose_num_splits(decode.num_rows, num_kv_heads, decode.max_seq_len, num_sms)
+        return self._kernels.decode.choose_num_splits(decode.num_rows, num_kv_heads, decode.max_seq_len, num_sms)
 
 
 def select_attention_backend(device: str) -> AttentionBackend:

@@ -35,6 +35,7 @@ from torch import nn
 from pagoda import envs
 from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
+from pagoda.kernels import policy
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import (
@@ -52,10 +53,6 @@ from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
-# Decode steps up to this many rows overlap v_proj with the LF gate: it helps at batch 1, is neutral at
-# 64 and slows the batch-256 step, where one matmul already fills the GPU (benchmarks/h200.py: c=1 TPOT
-# and the batch-256 decode step; figures in docs/performance.md).
-SIDE_STREAM_MAX_ROWS = 32
 # One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
 # stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
 # Measured by benchmarks/h200.py (c=1 TPOT, PAGODA_LF_TERMS=0 against on; docs/performance.md). Layer 0
@@ -175,7 +172,7 @@ class YuanAttention(nn.Module):
         # Values come from x, before the filter: on small decode steps (lf_inputs: the fused CUDA path)
         # v_proj runs on a side stream while conv1 → conv2 → norm → qk run (`side_stream`: there each
         # small matmul is bound by a per-kernel fixed cost, so two side by side cost little more than one).
-        v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= SIDE_STREAM_MAX_ROWS)
+        v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= policy.SIDE_STREAM_MAX_ROWS)
         y = self.lf_gate(x, step.state, lf_inputs, lf_terms)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
         return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))  # RoPE inside, as in Llama

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagoda.kernels import dispatch
+from pagoda.kernels import dispatch, policy
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.sequence_state import SequenceStateBatch
 
@@ -258,9 +258,9 @@ class DecodeGraphs:
 
 def default_token_buckets(max_tokens: int) -> list[int]:
     """Token-count buckets for mixed steps: fine steps where serving lives (a few new prompts among
-    decodes), coarser above; capped at 2048 — larger steps are prefill-heavy and their GPU time
-    hides the host's launch time anyway."""
-    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    decodes), coarser above; capped at `policy.MIXED_GRAPH_MAX_TOKENS`."""
+    steps = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    sizes = [b for b in steps if b <= policy.MIXED_GRAPH_MAX_TOKENS]
     top = next((b for b in sizes if b > max_tokens), sizes[-1])  # every step up to max_tokens fits
     return [b for b in sizes if b <= top]
 

@@ -270,7 +270,7 @@ class ModelRunner:
         self.decode_graphs.capture_all()
         if not envs.MIXED_STEP_GRAPHS.value:  # A/B switch: mixed steps eager
             return
-        from pagoda.kernels.paged_attention import prefill_block_m  # lazy: triton (fixes TRITON_INTERPRET mode)
+        from pagoda.kernels.attention.prefill import prefill_block_m  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         self.step_graphs = StepGraphs(
             self.model,
@@ -659,7 +659,7 @@ class ModelRunner:
         late: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> PendingStep:
         """A mixed step (no encoder work) through the token-bucket graphs; same inputs as eager."""
-        from pagoda.kernels.paged_attention import prefill_tile_arrays  # lazy: triton (fixes TRITON_INTERPRET mode)
+        from pagoda.kernels.attention.prefill import prefill_tile_arrays  # lazy: triton (fixes TRITON_INTERPRET mode)
 
         graphs = self.step_graphs
         # Tiles for the multi-token rows; one-token rows go through the decode kernel.

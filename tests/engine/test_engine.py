@@ -252,11 +252,11 @@ def test_repetition_penalty_matches_transformers(tiny_llama):
 
 
 def test_pdl_only_for_steps_of_few_tokens(tiny_llama, monkeypatch):
-    """Programmatic dependent launch only for steps of at most `dispatch.PDL_MAX_ROWS` tokens, eager
+    """Programmatic dependent launch only for steps of at most `policy.PDL_MAX_ROWS` tokens, eager
     or captured (so each kernel size launches, and compiles at start-up, in one variant): a long
     prompt's prefill runs without it, the decode steps after it with it; outside a step (kernels
     called directly) it stays allowed, and the context manager nests."""
-    from pagoda.kernels import dispatch
+    from pagoda.kernels import dispatch, policy
 
     llm = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=256)
     model = llm.engine.runner.model
@@ -268,7 +268,7 @@ def test_pdl_only_for_steps_of_few_tokens(tiny_llama, monkeypatch):
         return forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", spy)
-    long_prompt = list(range(1, dispatch.PDL_MAX_ROWS + 40))
+    long_prompt = list(range(1, policy.PDL_MAX_ROWS + 40))
     llm.generate([long_prompt, [5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert seen[0] == (len(long_prompt) + 2, False)
     assert seen[1:] and all(allowed for _, allowed in seen[1:]) and all(n <= 2 for n, _ in seen[1:])

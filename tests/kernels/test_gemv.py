@@ -19,6 +19,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels import gemv as gemv_module
+from pagoda.kernels import policy
 from pagoda.kernels.gemv import GemvConfig, gemv, supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +117,7 @@ def test_explicit_config_with_several_k_tiles():
 def test_supports_rejects_what_it_cannot_run():
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
     assert supports(torch.randn(1, 64).to(DEVICE, torch.bfloat16), w)
-    assert not supports(torch.randn(gemv_module.MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(policy.GEMV_MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)  # mixed dtypes
     assert not supports(torch.randn(1, 32).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())  # K not contiguous
@@ -139,7 +140,7 @@ def test_rejects_bad_out_and_bias():
 def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtype):
     """One row through `gemv_silu_and_mul` equals `silu_and_mul(gemv(x, W))` bit for bit (same
     rounding points), and both agree with the PyTorch layers' path up to the matmul's rounding."""
-    from pagoda.kernels import fused_ops
+    from pagoda.kernels import activation as activation_kernels
     from pagoda.kernels.gemv import gemv_silu_and_mul
     from pagoda.layers.activation import silu_and_mul_reference
 
@@ -148,7 +149,7 @@ def test_silu_and_mul_fused_into_the_gemv_rounds_like_the_two_kernels(n, k, dtyp
     w = (torch.randn(2 * n, k, generator=g) * 2 / k**0.5).to(DEVICE, dtype)
     fused = gemv_silu_and_mul(x, w)
     assert fused.shape == (1, n) and fused.dtype == dtype
-    assert torch.equal(fused, fused_ops.silu_and_mul(gemv(x, w)))
+    assert torch.equal(fused, activation_kernels.silu_and_mul(gemv(x, w)))
     torch.testing.assert_close(
         fused.float(), silu_and_mul_reference(F.linear(x.float(), w.float())), atol=3e-2, rtol=3e-2
     )

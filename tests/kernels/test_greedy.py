@@ -14,7 +14,8 @@ import torch
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
-from pagoda.kernels.greedy import MAX_ROWS, GreedyArgmax
+from pagoda.kernels.greedy import GreedyArgmax
+from pagoda.kernels.policy import GREEDY_MAX_ROWS as MAX_ROWS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCABS = [1, 63, 200, 1000] + ([151936, 135040] if DEVICE == "cuda" else [])

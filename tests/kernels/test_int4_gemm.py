@@ -18,7 +18,7 @@ import torch
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
-from pagoda.kernels import int4_gemm
+from pagoda.kernels import policy
 from pagoda.kernels.int4_gemm import Int4Config, int4_matmul, supports
 from pagoda.layers.quantization.int4_formats import (
     awq_to_internal,
@@ -74,7 +74,7 @@ LAYOUTS = [("groups", 192, 64), ("act_order", 192, 32), ("one_group", 200, -1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 17])  # the GEMV for up to MAX_ROWS rows, the GEMM above
+@pytest.mark.parametrize("m", [1, 3, 17])  # the GEMV for up to policy.INT4_GEMV_MAX_ROWS rows, the GEMM above
 @pytest.mark.parametrize("layout,k,group", LAYOUTS)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_exact_result(layout, k, group, m, dtype, with_bias):
@@ -86,7 +86,7 @@ def test_matches_exact_result(layout, k, group, m, dtype, with_bias):
     bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
     y = int4_matmul(x, *weights, bias, group_size=None if act_order else group)
     assert y.shape == (m, n) and y.dtype == dtype
-    gemm = m > int4_gemm.MAX_ROWS
+    gemm = m > policy.INT4_GEMV_MAX_ROWS
     assert_near_exact(y, x, weights, bias, weights_rounded=gemm and act_order)
 
 
@@ -195,4 +195,4 @@ def test_model_shapes_on_cuda(n, k):
         for m in (1, 4, 16, 100):
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             y = int4_matmul(x, *weights, bias, group_size=None if act_order else 128)
-            assert_near_exact(y, x, weights, bias, weights_rounded=act_order and m > int4_gemm.MAX_ROWS)
+            assert_near_exact(y, x, weights, bias, weights_rounded=act_order and m > policy.INT4_GEMV_MAX_ROWS)

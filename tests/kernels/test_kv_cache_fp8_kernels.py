@@ -21,18 +21,16 @@ import torch
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
-from pagoda.kernels import fused_ops
-from pagoda.kernels.paged_attention import (
-    compile_variants,
-    paged_decode_attention,
-    paged_prefill_attention,
-    store_kv,
-)
+from pagoda.kernels import rotary as rotary_kernels
+from pagoda.kernels.attention.decode import paged_decode_attention
+from pagoda.kernels.attention.prefill import paged_prefill_attention
+from pagoda.kernels.attention.store_kv import store_kv
+from pagoda.kernels.attention.warmup import compile_variants
 from pagoda.layers.attention import quantize_kv
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend
-from tests.kernels.test_paged_attention import DECODE_ONLY, MIXED, PREFILL_ONLY, TOL, Case, dense_attention, make_case
+from tests.kernels.test_attention import DECODE_ONLY, MIXED, PREFILL_ONLY, TOL, Case, dense_attention, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -147,11 +145,11 @@ def test_rotary_store_kv_fp8_is_rotary_then_store(d: int, rotary_dim: int, dtype
     slots = torch.tensor([9, -1, 0, 13], device=DEVICE)
     shape = torch.Size((5, 4, hkv, d))
     k_ref, v_ref = nan_fp8(shape), nan_fp8(shape)
-    q_ref, k_rot = fused_ops.rotary(q, k, *cos_sin)
+    q_ref, k_rot = rotary_kernels.rotary(q, k, *cos_sin)
     store_kv(k_rot, v, k_ref, v_ref, slots, K_SCALE, V_SCALE)
     k_cache, v_cache = nan_fp8(shape), nan_fp8(shape)
-    assert fused_ops.supports_rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache)
-    q_out = fused_ops.rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache, slots, K_SCALE, V_SCALE)
+    assert rotary_kernels.supports_rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache)
+    q_out = rotary_kernels.rotary_store_kv(q, k, v, *cos_sin, k_cache, v_cache, slots, K_SCALE, V_SCALE)
     assert torch.equal(q_out, q_ref)
     assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
 

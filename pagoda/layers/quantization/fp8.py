@@ -6,7 +6,7 @@ checkpoint (`--quantization fp8`) each output row is scaled so its largest magni
 per-channel scales widened to one per output row. The scales stay in float32.
 
 The matmul, by rows of x (tokens in the step):
-- at most GEMV_MAX_ROWS rows (decode at small batch): the activations stay in the model dtype and the
+- at most `policy.FP8_GEMV_MAX_ROWS` rows (decode at small batch): the activations stay in the model dtype and the
   fp8 weight is widened inside the few-row GEMV (`pagoda/kernels/gemv.py`, its scale applied to the
   fp32 sum): "W8A16", one pass over half the bytes;
 - more rows: x is quantized per token to e4m3 (a scale per row, `pagoda/kernels/fp8_quant.py`),
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import dispatch
+from pagoda.kernels import dispatch, policy
 from pagoda.layers.linear import Linear, MergedColumnParallelLinear, ParamLayout, with_layout
 
 if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
@@ -35,9 +35,6 @@ if TYPE_CHECKING:  # the config is built above the models; here only its fields 
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# Rows at or below which the activations stay unquantized (the GEMV path). Both CPU and GPU follow
-# it, so the CPU tests compute what the GPU does.
-GEMV_MAX_ROWS = 1
 _MIN_SCALE = 1e-12  # an all-zero row or channel: any scale reproduces it; avoid dividing by zero
 
 
@@ -85,9 +82,9 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: t
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if x.is_cuda:
-        if rows <= GEMV_MAX_ROWS:
+        if rows <= policy.FP8_GEMV_MAX_ROWS:  # CPU and GPU alike: the CPU tests compute what the GPU does
             gemv = dispatch.gemv_module()
-            if gemv is not None and gemv.supports(x, wq, max_rows=GEMV_MAX_ROWS, weight_scale=w_scale):
+            if gemv is not None and gemv.supports(x, wq, max_rows=policy.FP8_GEMV_MAX_ROWS, weight_scale=w_scale):
                 return gemv.gemv(x, wq, bias, weight_scale=w_scale)
         else:
             quant = dispatch.fp8_quant_module()
@@ -98,7 +95,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: t
                 y = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
                 quant.scale_epilogue(y, x_scale, w_scale, bias)
                 return y.reshape(*x.shape[:-1], wq.shape[0])
-    return fp8_linear_reference(x, wq, w_scale, bias, quantize_input=rows > GEMV_MAX_ROWS)
+    return fp8_linear_reference(x, wq, w_scale, bias, quantize_input=rows > policy.FP8_GEMV_MAX_ROWS)
 
 
 class Fp8LinearMethod:

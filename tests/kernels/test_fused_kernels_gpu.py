@@ -1,12 +1,13 @@
-"""The fused Triton kernels (pagoda/kernels/fused_ops.py) against the layers' PyTorch references on a
-CUDA GPU, at real decoder shapes (Yuan2-2B, Qwen2-VL-2B, Llama-3-8B) and T in {1, 256, 4096} tokens.
+"""The fused Triton kernels (pagoda/kernels/rms_norm.py, rotary.py, activation.py) against the layers'
+PyTorch references on a CUDA GPU, at real decoder shapes (Yuan2-2B, Qwen2-VL-2B, Llama-3-8B) and T in
+{1, 256, 4096} tokens.
 
-GPU-only: skipped without CUDA (`test_fused_ops.py` covers the same kernels at tiny shapes under the
-Triton interpreter on the CPU). Expected, and asserted: the residual sum of add+norm and RoPE bit-exact
-(0 ulps); SiLU-and-mul within 1 ulp (libdevice expf vs CUDA's expf); RMSNorm and add + RMSNorm within
-2 bf16/fp16 ulps: the fp32 mean of squares over 1.5k-4k elements is summed in another order than
-PyTorch's, which at these widths moves a rounded output by up to 2 ulps (1 at the interpreter tests'
-tiny widths); fp32 within a few fp32 ulps. Was
+GPU-only: skipped without CUDA (`test_rms_norm.py`, `test_rotary.py`, `test_activation.py` cover the
+same kernels at tiny shapes under the Triton interpreter on the CPU). Expected, and asserted: the
+residual sum of add+norm and RoPE bit-exact (0 ulps); SiLU-and-mul within 1 ulp (libdevice expf vs
+CUDA's expf); RMSNorm and add + RMSNorm within 2 bf16/fp16 ulps: the fp32 mean of squares over 1.5k-4k
+elements is summed in another order than PyTorch's, which at these widths moves a rounded output by up
+to 2 ulps (1 at the interpreter tests' tiny widths); fp32 within a few fp32 ulps. Was
 `benchmarks/fused_ops_check.py`; the kernels' speed is measured by `benchmarks/h200.py`.
 """
 
@@ -62,13 +63,17 @@ def max_ulps(outs, refs) -> int:
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
 @pytest.mark.parametrize("model", list(SHAPES))
 def test_fused_ops_match_the_references_at_model_shapes(model: str, tokens: int, dtype: torch.dtype) -> None:
-    from pagoda.kernels import dispatch, fused_ops
+    from pagoda.kernels import activation as activation_kernels
+    from pagoda.kernels import dispatch
+    from pagoda.kernels import rms_norm as norm_kernels
+    from pagoda.kernels import rotary as rotary_kernels
     from pagoda.layers.activation import silu_and_mul_reference
     from pagoda.layers.norm import rms_norm_reference
     from pagoda.layers.rotary import RotaryEmbedding, apply_rotary_reference, multimodal_cos_sin
 
     dev = torch.device("cuda")
-    assert dispatch.fused_ops_for(torch.zeros(1, device=dev)) is not None, "layers do not dispatch to the kernels"
+    on_gpu = torch.zeros(1, device=dev)
+    assert all(dispatch.fused_for(f, on_gpu) for f in dispatch.FUSED_FAMILIES), "layers do not dispatch to the kernels"
     limits = FP32_LIMITS if dtype == torch.float32 else LIMITS
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -92,14 +97,14 @@ def test_fused_ops_match_the_references_at_model_shapes(model: str, tokens: int,
         cos_sin = rope.cos_sin(positions)
     gate_up = randn(t, 2 * s.intermediate, scale=3.0)
 
-    normed, summed = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    normed, summed = norm_kernels.fused_add_rms_norm(x, residual, weight, 1e-6)
     ref_normed, ref_summed = rms_norm_reference(x, weight, 1e-6, residual)
     found = {
-        "rms_norm": max_ulps(fused_ops.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)),
+        "rms_norm": max_ulps(norm_kernels.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)),
         "add_rms_norm": max_ulps(normed, ref_normed),
         "add_rms_norm.sum": max_ulps(summed, ref_summed),
-        "rotary": max_ulps(fused_ops.rotary(q, k, *cos_sin), apply_rotary_reference(q, k, cos_sin)),
-        "silu_and_mul": max_ulps(fused_ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up)),
+        "rotary": max_ulps(rotary_kernels.rotary(q, k, *cos_sin), apply_rotary_reference(q, k, cos_sin)),
+        "silu_and_mul": max_ulps(activation_kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up)),
     }
     off = {op: n for op, n in found.items() if n > limits[op]}
     assert not off, f"{model} T={t} {dtype}: ulps over the limit {off} (limits {limits})"

@@ -21,13 +21,9 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     # The test extras install triton only on Linux x86_64; elsewhere a missing triton is expected.
     pytest.importorskip("triton")
 
-from pagoda.kernels.paged_attention import (
-    MAX_SPLITS,
-    choose_num_splits,
-    paged_decode_attention,
-    paged_prefill_attention,
-    store_kv,
-)
+from pagoda.kernels.attention.decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
+from pagoda.kernels.attention.prefill import paged_prefill_attention
+from pagoda.kernels.attention.store_kv import store_kv
 from pagoda.layers.attention import AttentionBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend, select_attention_backend
@@ -217,7 +213,7 @@ def test_decode_split_counters_are_reused_and_left_zero() -> None:
     serves launches of different row counts and split counts back to back (as a decode graph and
     the layers after it do), each matching the dense reference, and ends all zero. A counter left
     non-zero, or a merge by any split but the last, gives wrong outputs in the later launches."""
-    from pagoda.kernels.paged_attention import SplitCounters
+    from pagoda.kernels.attention.decode import SplitCounters
 
     counters = SplitCounters()
     for spec, num_heads, num_kv_heads, splits in (
@@ -331,9 +327,9 @@ def test_select_attention_backend() -> None:
 
 def _compiled_kernels() -> int:
     """How many compiled specialisations the attention kernels hold (all devices)."""
-    from pagoda.kernels import paged_attention as pa
+    from pagoda.kernels.attention import decode, prefill, store_kv
 
-    fns = (pa._store_kv_kernel, pa._decode_kernel, pa._prefill_kernel)
+    fns = (store_kv._store_kv_kernel, decode._decode_kernel, prefill._prefill_kernel)
     return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
 
 
@@ -364,6 +360,6 @@ def test_warm_up_compiles_every_step_variant(num_heads: int, num_kv_heads: int) 
 
 def test_warm_up_runs_every_variant_on_cpu() -> None:
     """The start-up launches themselves are valid calls (under the interpreter on CPU)."""
-    from pagoda.kernels.paged_attention import compile_variants
+    from pagoda.kernels.attention.warmup import compile_variants
 
     compile_variants(4, 2, 16, 4, torch.float32, DEVICE)

@@ -1,0 +1,45 @@
+"""The row thresholds that pick a kernel, in one table: below or at each bound the fast path runs, above
+it the general one. Callers read them here at call time (`policy.GEMV_MAX_ROWS`, never a copy taken at
+import), so a test can move one bound with monkeypatch. docs/performance.md ("Fast paths") quotes
+this table; the measurements behind each number are there too.
+
+Pure constants: importing this module imports neither Triton nor any kernel.
+"""
+
+from __future__ import annotations
+
+# Matmuls (`layers/linear.py`) of at most this many rows run the Triton GEMV (`kernels/gemv.py`), more
+# go to cuBLAS: at one row the GEMV beats cuBLAS on every Yuan2-2B matmul, from two rows on cuBLAS wins
+# for most (`benchmarks/kernels/gemv_sweep.py`).
+GEMV_MAX_ROWS = 1
+
+# FP8 linears (`layers/quantization/fp8.py`) of at most this many rows keep the activations in the model
+# dtype and widen the e4m3 weights inside the GEMV (W8A16); more rows quantize the activations for
+# cuBLASLt's fp8 matmul (W8A8). At two rows the fp8 GEMV is 0.74-1.2x of the bf16 one
+# (`benchmarks/kernels/fp8_linear_sweep.py`).
+FP8_GEMV_MAX_ROWS = 1
+
+# AWQ/GPTQ matmuls (`kernels/int4_gemm.py`) of at most this many rows run the dequantizing GEMV, more the
+# `tl.dot` GEMM; at most `int4_gemm.GEMV_ROWS`, the rows the GEMV kernel holds. Where the two kernels
+# cross is what `benchmarks/kernels/int4_gemm_bench.py` times.
+INT4_GEMV_MAX_ROWS = 4
+
+# All-greedy batches (`layers/sampler.py`) of at most this many rows take the Triton argmax
+# (`kernels/greedy.py`); larger batches keep torch.argmax, whose one-block-per-row reduce is then well
+# fed. A power of two: the kernel's key buffer has this many slots.
+GREEDY_MAX_ROWS = 8
+
+# Steps (eager, or a CUDA-graph bucket) of at most this many tokens launch their kernels with
+# programmatic dependent launch (`kernels/pdl.py`, `dispatch.pdl_for_rows`): it shortens a batch-1
+# step's kernel chain, but at batch 256 waiting programs hold SM slots the running kernel needs and the
+# decode step is slower (`benchmarks/h200.py`).
+PDL_MAX_ROWS = 64
+
+# Yuan2 decode steps of at most this many rows run v_proj on a side stream (`models/yuan.py`,
+# `layers/side_stream.py`): it overlaps at batch 1 and is slower at batch 256 (`benchmarks/h200.py`).
+SIDE_STREAM_MAX_ROWS = 32
+
+# Mixed steps (prefill chunks + decodes) are replayed from CUDA graphs in token buckets up to this many
+# tokens (`worker/cuda_graphs.py`); larger steps are prefill-heavy, and their GPU time hides the host's
+# launch time anyway.
+MIXED_GRAPH_MAX_TOKENS = 2048

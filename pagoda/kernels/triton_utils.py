@@ -1,0 +1,64 @@
+"""Helpers every Triton kernel family shares: whether kernels run under Triton's interpreter, rounding
+to a tensor's dtype as the GPU rounds, tensor-core products that the interpreter computes right, and
+the 2-D row view the row-wise launchers take.
+
+Kernels hand strides around as tuples (`t.stride()`, indexed inside the kernel): Triton specialises
+each element of a tuple argument as it does a scalar one (unit strides and multiples of 16 become
+constants), so one tuple argument compiles to the same code as one argument per stride.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda import envs
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the activation dtypes the kernels take
+
+
+def interpreting() -> bool:
+    """Whether `@triton.jit` kernels run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors)."""
+    return envs.TRITON_INTERPRET.value
+
+
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] as [N, H] with unit stride along H (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@triton.jit
+def round_to(x, ptr, EMULATE_BF16: tl.constexpr):
+    """fp32 x rounded to ptr's element type, to nearest even, as the GPU's `cvt.rn` and PyTorch do.
+
+    EMULATE_BF16 (the interpreter only): Triton 3.6's interpreter casts fp32 → bf16 by truncating,
+    so round the fp32 bits to nearest even by hand first; the cast that follows is then exact."""
+    if EMULATE_BF16:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty)
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, bool]:
+    """(IEEE, UPCAST) constexprs for `mma`.
+
+    IEEE: fp32 inputs use exact fp32 products, not TF32 (which would be ~1e-3 off the reference).
+    UPCAST: Triton 3.6's interpreter computes bf16 `tl.dot` wrong (it treats the raw bits as
+    integers), so under the interpreter bf16 operands are widened to fp32 first. bf16 products are
+    exact in fp32 and MMA accumulates in fp32, so this matches the GPU's numerics."""
+    return dtype == torch.float32, dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
+def mma(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a [M, K] @ b [K, N] → fp32 [M, N]."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
