@@ -24,10 +24,9 @@ import argparse
 import logging
 import sys
 
-from pagoda import envs
-from pagoda.cli.args import add_config_args, add_engine_args, engine_args_from
+from pagoda.cli.args import add_config_args, add_engine_args, config_from
 from pagoda.cli.vllm_flags import add_vllm_flags, vllm_only_flags
-from pagoda.config import EngineConfig
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.config.engine import DEFAULT_MODEL_NAME
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
@@ -56,8 +55,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_config_args(parser, ServerConfig)
     add_config_args(parser, MultiModalConfig)
-    # --timeout-keep-alive's default is VLLM_HTTP_TIMEOUT_KEEP_ALIVE's, read when the flags are built.
-    parser.set_defaults(timeout_keep_alive=float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value))
     add_vllm_flags(parser)  # last: vLLM's flags that Pagoda has are skipped there
 
 
@@ -84,9 +81,9 @@ def prepare(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     # `pagoda --help` and the other subcommands import this module too.
     from pagoda.server.api_process import ApiSetup  # lazy: torch, transformers, FastAPI (only `serve` needs them)
 
-    engine_args = engine_args_from(ns)
-    server = ServerConfig.from_args(ns)
-    multimodal = MultiModalConfig.from_namespace(ns)
+    engine_args = config_from(ns, EngineArgs)
+    server = config_from(ns, ServerConfig)
+    multimodal = config_from(ns, MultiModalConfig)
     server.check()
     config = EngineConfig.create(engine_args)
     preflight = None if server.skip_preflight else (lambda: serve_preflight(engine_args, server))

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pagoda import envs
-from pagoda.config import EngineArgs, _derived_max_model_len, text_field
+from pagoda.config import EngineArgs, derived_max_model_len, text_field
 from pagoda.config.parallel import tensor_parallel_error
 from pagoda.config.quantization import resolve_quantization
 from pagoda.config.server import ServerConfig
@@ -825,7 +825,7 @@ def _check_weights_match_model(state: _State) -> Check:
     try:
         model_class = get_model_class((cfg.get("architectures") or ["<missing>"])[0])
         with torch.device("meta"):
-            model = model_class(cfg, _derived_max_model_len(cfg))
+            model = model_class(cfg, derived_max_model_len(cfg))
         model.tie_weights()
     except PagodaError as exc:
         return Check(
