@@ -10,7 +10,7 @@ launcher (this process: no HTTP)           validates flags, preflight, tokenizer
         whichever process accepts it first), its AsyncEngine attached to the core as client i
 ```
 
-The children are started and watched by `launch.Supervisor` (they die with the launcher; metrics go through
+The children are started and watched by `processes.Supervisor` (they die with the launcher; metrics go through
 its Prometheus multiprocess directory, so /metrics sums over the processes). SIGTERM/SIGINT → SIGTERM to
 every API process (each drains its in-flight requests for `--shutdown-timeout`; those still running then end
 with a 503 error), then Shutdown to the core, exit 0. If the core dies, or stops beating (hung: then it is
@@ -31,9 +31,9 @@ from pagoda.config.engine import DEFAULT_MODEL_NAME
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError
-from pagoda.launch.sockets import listen_socket
-from pagoda.launch.supervisor import Supervisor
-from pagoda.tools.doctor import serve_preflight
+from pagoda.launch.preflight import serve_preflight
+from pagoda.processes.sockets import listen_socket
+from pagoda.processes.supervisor import Supervisor
 
 logger = logging.getLogger("pagoda")
 
