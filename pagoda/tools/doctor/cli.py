@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 from pagoda.tools.doctor.check import Check
-from pagoda.tools.doctor.run import run_checks
+from pagoda.tools.doctor.run import ENGINE_DEFAULTS, SERVER_DEFAULTS, run_checks
 
 _TAGS = {"ok": "[ ok ]", "warn": "[warn]", "FAIL": "[FAIL]"}
 
@@ -37,15 +37,16 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="same as MODEL")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     parser.add_argument("--port", type=int, default=None, help="check that the server port is free")
-    parser.add_argument("--host", default="0.0.0.0", help="address the server will bind (with --port)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    engine = ENGINE_DEFAULTS
+    parser.add_argument("--host", default=SERVER_DEFAULTS.host, help="address the server will bind (with --port)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size)
     parser.add_argument(
         "--distributed-executor-backend",
-        default="mp",
+        default=engine.distributed_executor_backend,
         choices=("mp", "ray"),
         help="ray: the ranks run on a Ray cluster, so this machine's GPU count does not limit -tp",
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--device", default=engine.device, choices=("auto", "cpu", "cuda"))
     parser.add_argument("--chat-template", default=None, help="template the server will use: a file or the text")
     parser.add_argument("--skip-tokenizer-init", action="store_true", help="the server will run without a tokenizer")
     parser.add_argument("--trust-remote-code", action="store_true")

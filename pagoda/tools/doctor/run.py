@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from pagoda.config import EngineArgs
+from pagoda.config.server import ServerConfig
 from pagoda.tools.doctor.check import Check, State, is_qwen2_vl_config, is_yuan_config
 from pagoda.tools.doctor.checksums import check_checksums
 from pagoda.tools.doctor.fit import check_weights_match_model
@@ -26,21 +28,25 @@ from pagoda.tools.doctor.model_config import (
 )
 from pagoda.tools.doctor.tokenizer import check_chat_template, check_special_tokens, check_tokenizer, check_yuan_tokens
 
+# The checks default to what `pagoda serve` would run with no flags (one place holds each default).
+ENGINE_DEFAULTS = EngineArgs()
+SERVER_DEFAULTS = ServerConfig()
+
 
 def run_checks(
     model: str | None,
     *,
     port: int | None = None,
-    tensor_parallel_size: int = 1,
-    distributed_executor_backend: str = "mp",
+    tensor_parallel_size: int = ENGINE_DEFAULTS.tensor_parallel_size,
+    distributed_executor_backend: str = ENGINE_DEFAULTS.distributed_executor_backend,
     fast: bool = False,
-    tokenizer: str | None = None,
-    host: str = "0.0.0.0",
-    device: str = "auto",
-    skip_tokenizer_init: bool = False,
-    chat_template: str | None = None,
-    trust_remote_code: bool = False,
-    load_format: str = "auto",
+    tokenizer: str | None = ENGINE_DEFAULTS.tokenizer,
+    host: str = SERVER_DEFAULTS.host,
+    device: str = ENGINE_DEFAULTS.device,
+    skip_tokenizer_init: bool = ENGINE_DEFAULTS.skip_tokenizer_init,
+    chat_template: str | None = SERVER_DEFAULTS.chat_template,
+    trust_remote_code: bool = ENGINE_DEFAULTS.trust_remote_code,
+    load_format: str = ENGINE_DEFAULTS.load_format,
     checksums: bool = True,
 ) -> list[Check]:
     """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights (which never
