@@ -10,7 +10,15 @@ import zipfile
 from typing import Any
 
 from pagoda.errors import PagodaError
-from pagoda.models.shards import BIN_INDEX, SAFETENSORS_INDEX, has_safetensors, no_weights_error, read_index, shard_set
+from pagoda.models.shards import (
+    BIN_INDEX,
+    SAFETENSORS_INDEX,
+    ShardSet,
+    has_safetensors,
+    no_weights_error,
+    read_index,
+    shard_set,
+)
 from pagoda.tools.doctor.check import Check, State, format_size, unreadable_reason
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -91,49 +99,12 @@ def check_shards(state: State) -> list[Check]:
                 f"re-download {index}",
             )
         ]
-    out: list[Check] = []
-    if shards.listed is not None:
-        if shards.missing:
-            out.append(
-                Check(
-                    "shards",
-                    "FAIL",
-                    f"{len(shards.missing)} shard(s) listed in {index} are missing: {', '.join(shards.missing)}",
-                    "re-download the model (the download is incomplete)",
-                )
-            )
-        if shards.unlisted:
-            out.append(
-                Check(
-                    "shards",
-                    "FAIL",
-                    f"shard(s) not listed in {index}: {', '.join(shards.unlisted)}",
-                    "remove them, or re-download the index (they may be a different checkpoint's)",
-                )
-            )
-        if shards.ignored:
-            out.append(
-                Check(
-                    "shards",
-                    "warn",
-                    f"{', '.join(shards.ignored)} not listed in {index}: the loader ignores them",
-                    "remove them if they are leftovers (e.g. another precision's copy)",
-                )
-            )
-        if any(c.status == "FAIL" for c in out):
-            # Still check the headers and permissions of the listed shards that are there.
-            state.weight_files = [os.path.join(folder, n) for n in shards.listed if n in shards.present]
-            return out
-    elif shards.gaps:
-        state.weight_files = [os.path.join(folder, n) for n in shards.present]
-        return [
-            Check(
-                "shards",
-                "FAIL",
-                f"no {index}, and numbered shards are missing: {', '.join(shards.gaps)}",
-                "re-download the model (the download is incomplete)",
-            )
-        ]
+    out = _index_problems(shards, index)
+    if any(c.status == "FAIL" for c in out):
+        # Still check the headers and permissions of the shards that are there.
+        listed = shards.listed if shards.listed is not None else shards.present
+        state.weight_files = [os.path.join(folder, n) for n in listed if n in shards.present]
+        return out
     try:
         state.weight_files = shards.paths()  # the loader's own choice, so the two never disagree
     except PagodaError as exc:
@@ -153,6 +124,50 @@ def check_shards(state: State) -> list[Check]:
             None,
         )
     )
+    return out
+
+
+def _index_problems(shards: ShardSet, index: str) -> list[Check]:
+    """The shard set against its index both ways, or, without an index, the gaps in its numbering."""
+    if shards.listed is None:
+        if not shards.gaps:
+            return []
+        return [
+            Check(
+                "shards",
+                "FAIL",
+                f"no {index}, and numbered shards are missing: {', '.join(shards.gaps)}",
+                "re-download the model (the download is incomplete)",
+            )
+        ]
+    out = []
+    if shards.missing:
+        out.append(
+            Check(
+                "shards",
+                "FAIL",
+                f"{len(shards.missing)} shard(s) listed in {index} are missing: {', '.join(shards.missing)}",
+                "re-download the model (the download is incomplete)",
+            )
+        )
+    if shards.unlisted:
+        out.append(
+            Check(
+                "shards",
+                "FAIL",
+                f"shard(s) not listed in {index}: {', '.join(shards.unlisted)}",
+                "remove them, or re-download the index (they may be a different checkpoint's)",
+            )
+        )
+    if shards.ignored:
+        out.append(
+            Check(
+                "shards",
+                "warn",
+                f"{', '.join(shards.ignored)} not listed in {index}: the loader ignores them",
+                "remove them if they are leftovers (e.g. another precision's copy)",
+            )
+        )
     return out
 
 
