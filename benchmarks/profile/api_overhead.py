@@ -165,7 +165,7 @@ def serve_fake_api(
 
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.core_process import CoreProcess
-    from pagoda.launch.supervisor import Supervisor
+    from pagoda.processes.supervisor import Supervisor
     from pagoda.server.app import build_app
     from pagoda.server.metrics import ServerMetrics
     from pagoda.server.serving import OpenAIServing, ServingContext

@@ -45,18 +45,15 @@ def add_config_args(parser: argparse.ArgumentParser | Any, cls: type, skip: tupl
 
 
 def config_from(ns: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
-    """The dataclass `cls` from the flags `add_config_args` added (fields without a flag keep their default)."""
-    values = {
-        f.name: getattr(ns, f.name)
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if "help" in f.metadata and hasattr(ns, f.name)
-    }
-    return cls(**{**values, **overrides})
+    """The one way a config is built from parsed flags: the dataclass `cls` from the flags `add_config_args`
+    added (fields without a flag keep their default). A config with string-spelled knobs (`cli_type=str`)
+    parses them itself, in its `from_cli`; the others are built directly."""
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]  # type: ignore[arg-type]
+    values = {f.name: getattr(ns, f.name) for f in fields if hasattr(ns, f.name)}
+    parses_strings = any(f.metadata.get("cli_type") is str for f in fields)
+    build: Any = cls.from_cli if parses_strings else cls  # type: ignore[attr-defined]
+    return build(**{**values, **overrides})  # type: ignore[no-any-return]
 
 
 def add_engine_args(parser: argparse.ArgumentParser | Any, skip: tuple[str, ...] = ()) -> None:
     add_config_args(parser, EngineArgs, skip)
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return config_from(ns, EngineArgs)

@@ -20,9 +20,10 @@ import json
 import logging
 import sys
 
-from pagoda.cli.args import add_engine_args, engine_args_from
+from pagoda.cli.args import add_engine_args, config_from
 from pagoda.cli.serve import add_serve_args, serve
 from pagoda.cli.vllm_flags import undot
+from pagoda.config import EngineArgs
 from pagoda.errors import InvalidRequest, PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, render_chat, template_folder
 from pagoda.tools.bench.cli import add_bench_args, run_bench
@@ -112,7 +113,7 @@ def _print_chat_template(ns: argparse.Namespace) -> None:
 def _run_offline(ns: argparse.Namespace) -> None:
     from pagoda import LLM, SamplingParams  # lazy: torch, the engine (the subcommand's own modules)
 
-    args = engine_args_from(ns)
+    args = config_from(ns, EngineArgs)
     llm = LLM(**{k: v for k, v in vars(args).items()})
     params = SamplingParams(
         n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens

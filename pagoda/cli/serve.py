@@ -10,7 +10,7 @@ launcher (this process: no HTTP)           validates flags, preflight, tokenizer
         whichever process accepts it first), its AsyncEngine attached to the core as client i
 ```
 
-The children are started and watched by `launch.Supervisor` (they die with the launcher; metrics go through
+The children are started and watched by `processes.Supervisor` (they die with the launcher; metrics go through
 its Prometheus multiprocess directory, so /metrics sums over the processes). SIGTERM/SIGINT → SIGTERM to
 every API process (each drains its in-flight requests for `--shutdown-timeout`; those still running then end
 with a 503 error), then Shutdown to the core, exit 0. If the core dies, or stops beating (hung: then it is
@@ -24,17 +24,16 @@ import argparse
 import logging
 import sys
 
-from pagoda import envs
-from pagoda.cli.args import add_config_args, add_engine_args, engine_args_from
+from pagoda.cli.args import add_config_args, add_engine_args, config_from
 from pagoda.cli.vllm_flags import add_vllm_flags, vllm_only_flags
-from pagoda.config import EngineConfig
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.config.engine import DEFAULT_MODEL_NAME
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError
-from pagoda.launch.sockets import listen_socket
-from pagoda.launch.supervisor import Supervisor
-from pagoda.tools.doctor import serve_preflight
+from pagoda.launch.preflight import serve_preflight
+from pagoda.processes.sockets import listen_socket
+from pagoda.processes.supervisor import Supervisor
 
 logger = logging.getLogger("pagoda")
 
@@ -56,8 +55,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_config_args(parser, ServerConfig)
     add_config_args(parser, MultiModalConfig)
-    # --timeout-keep-alive's default is VLLM_HTTP_TIMEOUT_KEEP_ALIVE's, read when the flags are built.
-    parser.set_defaults(timeout_keep_alive=float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value))
     add_vllm_flags(parser)  # last: vLLM's flags that Pagoda has are skipped there
 
 
@@ -84,9 +81,9 @@ def prepare(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     # `pagoda --help` and the other subcommands import this module too.
     from pagoda.server.api_process import ApiSetup  # lazy: torch, transformers, FastAPI (only `serve` needs them)
 
-    engine_args = engine_args_from(ns)
-    server = ServerConfig.from_args(ns)
-    multimodal = MultiModalConfig.from_namespace(ns)
+    engine_args = config_from(ns, EngineArgs)
+    server = config_from(ns, ServerConfig)
+    multimodal = config_from(ns, MultiModalConfig)
     server.check()
     config = EngineConfig.create(engine_args)
     preflight = None if server.skip_preflight else (lambda: serve_preflight(engine_args, server))

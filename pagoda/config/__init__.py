@@ -3,6 +3,7 @@ and handed to every process.
 
 - `engine.py`: `EngineArgs` (the engine knobs) resolved by `EngineConfig.create` into the model, cache,
   scheduler and device sections.
+- `knobs.py`: `knob`, one user-facing field with its default and `--flag` help (cli/args.py makes the flags).
 - `multimodal.py`: `MultiModalConfig` (image/video limits, preprocessing defaults, media URL policy).
 - `server.py`: `ServerConfig` (the serve-only flags).
 """
@@ -18,11 +19,11 @@ from pagoda.config.engine import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
-    _derived_max_model_len,
-    knob,
+    derived_max_model_len,
     resolve_kv_cache_dtype,
     text_field,
 )
+from pagoda.config.knobs import knob
 from pagoda.config.multimodal import MultiModalConfig
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
     "ModelConfig",
     "MultiModalConfig",
     "SchedulerConfig",
-    "_derived_max_model_len",
+    "derived_max_model_len",
     "knob",
     "resolve_kv_cache_dtype",
     "text_field",

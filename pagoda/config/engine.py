@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
+from pagoda.config.knobs import knob
 from pagoda.config.parallel import ParallelConfig, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
@@ -29,15 +30,6 @@ DEFAULT_CPU_KV_CACHE_GIB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The model without a `model` argument: the embedded GGUF (models/gguf_checkpoint.py), and its served name.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def knob(default: Any, help: str | None, **metadata: Any) -> Any:
-    """A user-facing config field: its default and its `--flag` help (None: a flag without help text).
-
-    Metadata read by cli/args.py: `flags=(...)` extra spellings, `choices=(...)`, `store_true=True` (a bool
-    flag without --no-), `cli_type=str` (the flag takes a string that the config's `from_cli` parses).
-    """
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass(frozen=True)
@@ -212,21 +204,13 @@ class EngineConfig:
         from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
         a = dataclasses.replace(args or EngineArgs(), **overrides)
-        utilization = a.gpu_memory_utilization
-        if utilization is None:
-            utilization = DEFAULT_GPU_MEMORY_UTILIZATION
-
         _check(
             a.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             "block_size",
             f"block_size must be a power of two in [1, 128], got {a.block_size}",
         )
         _check(a.max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {a.max_num_seqs}")
-        _check(
-            0 < utilization <= 1,
-            "gpu_memory_utilization",
-            f"gpu_memory_utilization must be in (0, 1], got {utilization}",
-        )
+        utilization = resolve_gpu_memory_utilization(a.gpu_memory_utilization)
         _check(
             a.num_gpu_blocks_override is None or a.num_gpu_blocks_override >= 2,
             "num_gpu_blocks_override",
@@ -262,23 +246,8 @@ class EngineConfig:
         )
         dtype = _resolve_dtype(a.dtype, hf_config, device)
 
-        derived_len = _derived_max_model_len(hf_config)
-        max_model_len = derived_len if a.max_model_len is None else a.max_model_len
-        _check(max_model_len >= 1, "max_model_len", f"max_model_len must be >= 1, got {max_model_len}")
-        if max_model_len > derived_len:
-            raise ConfigError(
-                f"max_model_len={max_model_len} is larger than the model's maximum context "
-                f"({derived_len} from config.json); lower --max-model-len.",
-                "max_model_len",
-            )
-        max_num_batched_tokens = a.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, a.max_num_seqs)
-        _check(
-            max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}",
-        )
+        max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
+        max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
 
         return cls(
             model=_section(
@@ -318,6 +287,38 @@ class EngineConfig:
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A new config with some cache fields changed (the original stays frozen)."""
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
+
+
+# The resolvers of the knobs whose value needs no hardware: `EngineConfig.create` and `pagoda plan` share them.
+def resolve_gpu_memory_utilization(requested: float | None) -> float:
+    utilization = DEFAULT_GPU_MEMORY_UTILIZATION if requested is None else requested
+    _check(
+        0 < utilization <= 1,
+        "gpu_memory_utilization",
+        f"gpu_memory_utilization must be in (0, 1], got {utilization}",
+    )
+    return utilization
+
+
+def resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
+    """--max-model-len, or the model's own context (config.json); never more than that."""
+    derived_len = derived_max_model_len(hf_config)
+    max_model_len = derived_len if requested is None else requested
+    _check(max_model_len >= 1, "max_model_len", f"max_model_len must be >= 1, got {max_model_len}")
+    if max_model_len > derived_len:
+        raise ConfigError(
+            f"max_model_len={max_model_len} is larger than the model's maximum context "
+            f"({derived_len} from config.json); lower --max-model-len.",
+            "max_model_len",
+        )
+    return max_model_len
+
+
+def resolve_max_num_batched_tokens(requested: int | None, max_num_seqs: int) -> int:
+    """--max-num-batched-tokens, or the default budget (at least one token per sequence of a step)."""
+    tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs) if requested is None else requested
+    _check(tokens >= 1, "max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {tokens}")
+    return tokens
 
 
 def resolve_kv_cache_dtype(choice: str) -> str:
@@ -433,7 +434,7 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
     return dtype
 
 
-def _derived_max_model_len(hf_config: dict[str, Any]) -> int:
+def derived_max_model_len(hf_config: dict[str, Any]) -> int:
     for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
         value = text_field(hf_config, key)
         if isinstance(value, int) and value > 0:

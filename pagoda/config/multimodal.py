@@ -1,10 +1,11 @@
 """Image/video settings of a vision-language model: one frozen `MultiModalConfig`, typed values only.
 
 `LLM(...)` takes the dicts directly (`limit_mm_per_prompt={"image": 4}`); the CLI's string spellings
-(JSON, or `image=4,video=1`) are parsed once, by `MultiModalConfig.from_cli`, with the flag named in
-every error. `frontend/multimodal/chat.py:multimodal_serving` turns the config into the serving state
-(it checks what needs the model: the preprocessor overrides against its preprocessor_config.json, the
-media folder). On a text-only model the config is parsed and validated, then unused.
+(JSON, or `image=4,video=1`) are parsed once, by `MultiModalConfig.from_cli` (which `cli.args.config_from`
+calls for a config with such flags), with the flag named in every error.
+`frontend/multimodal/chat.py:multimodal_serving` turns the config into the serving state (it checks what
+needs the model: the preprocessor overrides against its preprocessor_config.json, the media folder). On a
+text-only model the config is parsed and validated, then unused.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config.engine import knob
+from pagoda.config.knobs import knob
 from pagoda.errors import ConfigError
 
 DEFAULT_LIMITS: Mapping[str, int] = {"image": 16, "video": 2}  # items per prompt when not limited otherwise
+DEFAULT_MAX_VIDEO_SECONDS = 600.0  # also `frontend.multimodal.media.MediaPolicy`'s default
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class MultiModalConfig:
     limit_mm_per_prompt: dict[str, int] | None = knob(
         None,
         'most images/videos per prompt: JSON \'{"image": 4, "video": 1}\' or image=4,video=1 '
-        "(default image=16, video=2)",
+        f"(default {', '.join(f'{k}={v}' for k, v in DEFAULT_LIMITS.items())})",
         cli_type=str,
     )
     mm_processor_kwargs: dict[str, Any] | None = knob(
@@ -40,7 +42,10 @@ class MultiModalConfig:
     allow_private_media_urls: bool = knob(
         False, "allow image urls that resolve to loopback/private/link-local addresses", store_true=True
     )
-    max_video_seconds: float = knob(600.0, "longest video file a request may send, in seconds (default 600)")
+    max_video_seconds: float = knob(
+        DEFAULT_MAX_VIDEO_SECONDS,
+        f"longest video file a request may send, in seconds (default {DEFAULT_MAX_VIDEO_SECONDS:g})",
+    )
 
     def __post_init__(self) -> None:
         if self.limit_mm_per_prompt is not None:
@@ -60,47 +65,18 @@ class MultiModalConfig:
         return {**DEFAULT_LIMITS, **(self.limit_mm_per_prompt or {})}
 
     @classmethod
-    def from_cli(
-        cls,
-        limit_mm_per_prompt: str | None = None,
-        mm_processor_kwargs: str | None = None,
-        allowed_local_media_path: str | None = None,
-        allow_private_media_urls: bool = False,
-        max_video_seconds: float = 600.0,
-    ) -> MultiModalConfig:
-        """The config from the flags' strings: `--limit-mm-per-prompt` as JSON or `image=4,video=1`,
-        `--mm-processor-kwargs` as a JSON object. A bad value raises ConfigError naming the flag."""
-        limits = None
-        if limit_mm_per_prompt:
-            limits = _checked_limits(_parse_limits(limit_mm_per_prompt), repr(limit_mm_per_prompt))
-        kwargs = None
-        if mm_processor_kwargs:
-            try:
-                kwargs = json.loads(mm_processor_kwargs)
-                if not isinstance(kwargs, dict):
-                    raise ValueError("expected a JSON object")
-            except ValueError as exc:
-                raise ConfigError(
-                    f"--mm-processor-kwargs {mm_processor_kwargs!r}: {exc}", "mm_processor_kwargs"
-                ) from None
-        return cls(
-            limit_mm_per_prompt=limits,
-            mm_processor_kwargs=kwargs,
-            allowed_local_media_path=allowed_local_media_path,
-            allow_private_media_urls=bool(allow_private_media_urls),
-            max_video_seconds=max_video_seconds,
-        )
-
-    @classmethod
-    def from_namespace(cls, ns: Any) -> MultiModalConfig:
-        """`from_cli` with the flags `cli.args.add_config_args(parser, MultiModalConfig)` added to `ns`."""
-        return cls.from_cli(
-            getattr(ns, "limit_mm_per_prompt", None),
-            getattr(ns, "mm_processor_kwargs", None),
-            getattr(ns, "allowed_local_media_path", None),
-            getattr(ns, "allow_private_media_urls", False),
-            getattr(ns, "max_video_seconds", 600.0),
-        )
+    def from_cli(cls, **values: Any) -> MultiModalConfig:
+        """The config from the flags' values (`cli.args.config_from`): `--limit-mm-per-prompt` as JSON or
+        `image=4,video=1`, `--mm-processor-kwargs` as a JSON object, an empty string as not given; the other
+        knobs as given, and the dataclass's defaults for those left out. A bad value raises ConfigError
+        naming the flag."""
+        limits = values.pop("limit_mm_per_prompt", None)
+        if isinstance(limits, str):
+            limits = _checked_limits(_parse_limits(limits), repr(limits)) if limits else None
+        kwargs = values.pop("mm_processor_kwargs", None)
+        if isinstance(kwargs, str):
+            kwargs = _parse_kwargs(kwargs) if kwargs else None
+        return cls(limit_mm_per_prompt=limits, mm_processor_kwargs=kwargs, **values)
 
 
 def shown(value: Any) -> str:
@@ -118,6 +94,16 @@ def _parse_limits(value: str) -> Any:
         return {k.strip(): v for k, v in (item.split("=", 1) for item in value.split(",") if item.strip())}
     except ValueError as exc:
         raise ConfigError(f"--limit-mm-per-prompt {value!r}: {exc}", "limit_mm_per_prompt") from None
+
+
+def _parse_kwargs(value: str) -> dict[str, Any]:
+    try:
+        kwargs = json.loads(value)
+        if not isinstance(kwargs, dict):
+            raise ValueError("expected a JSON object")
+    except ValueError as exc:
+        raise ConfigError(f"--mm-processor-kwargs {value!r}: {exc}", "mm_processor_kwargs") from None
+    return kwargs
 
 
 def _checked_limits(parsed: Any, shown_value: str) -> dict[str, int]:

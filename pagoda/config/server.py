@@ -1,27 +1,28 @@
 """`pagoda serve`'s own flags (everything but the engine's and the model tag): one frozen `ServerConfig`.
 
 Each field is one flag and carries its help (`knob`); `cli/args.add_config_args(parser, ServerConfig)` generates
-the flags, `ServerConfig.from_args(ns)` builds the config once in the launcher, and that object (never the
+the flags, `cli.args.config_from(ns, ServerConfig)` builds the config once in the launcher, and that object (never the
 argparse Namespace) is what every API process and `pagoda doctor`'s serve preflight receive.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 from pagoda import envs
-from pagoda.config.engine import knob
+from pagoda.config.knobs import knob
 from pagoda.errors import ConfigError
 
-# What one request or connection may cost an API process (enforced by pagoda/server/http_limits.py).
+# What one request or connection may cost an API process (enforced by pagoda/server/http_limits.py, whose
+# `HttpLimits` takes these defaults from here).
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images travel base64-encoded inside the JSON body
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
-DEFAULT_MAX_HEADER_COUNT = 256
-DEFAULT_HEADER_TIMEOUT_S = 60.0
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx allows 32 KiB, Node 16 KiB
+DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
+DEFAULT_HEADER_TIMEOUT_S = 60.0  # nginx's client_header_timeout, Node's headersTimeout
 DEFAULT_BODY_TIMEOUT_S = 300.0
+# Long: an unused connection costs one descriptor, and clients that open connections ahead of use
+# (pools, pinned connections) must not lose them; the connection cap covers a flood of them.
 DEFAULT_IDLE_CONNECTION_TIMEOUT_S = 300.0
 METRICS_PREFIX_CHOICES = ("both", "vllm", "pagoda")
 TOOL_CALL_PARSERS = ("hermes", "qwen", "json")  # frontend/tool_calls/parsers.py
@@ -131,12 +132,6 @@ class ServerConfig:
             object.__setattr__(self, "timeout_keep_alive", float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value))
         if self.served_model_name is not None and not isinstance(self.served_model_name, tuple):
             object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
-
-    @classmethod
-    def from_args(cls, ns: argparse.Namespace, **overrides: object) -> ServerConfig:
-        """The config from the flags `add_config_args(parser, ServerConfig)` added."""
-        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
-        return cls(**{**values, **overrides})
 
     @property
     def api_key_or_env(self) -> str | None:

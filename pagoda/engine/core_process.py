@@ -15,7 +15,7 @@ all of them. The core remembers which process owns each live request id, so an a
 process (whose duplicate id the core rejected) cannot abort the owner's request.
 
 The launcher's side is `CoreProcess`: it makes the pipes' addresses, starts this process through the
-`launch.Supervisor`, waits for Ready and hands each API process its `CoreClient`. It also watches the
+`processes.Supervisor`, waits for Ready and hands each API process its `CoreClient`. It also watches the
 core's heartbeat (`CoreHeartbeat`): a core that stops beating is hung, and is ended like a dead one.
 
 `Outputs` carries each request's delta as a plain tuple (`wire_output`), not a pickled `RequestOutput`:

@@ -1,1 +1,2 @@
-"""Starting and supervising Pagoda's processes: the launcher, its children, the sockets they share."""
+"""`pagoda serve`'s launcher steps before any child starts: the preflight (doctor's fast checks of the configs).
+The children themselves are started and watched by `pagoda.processes.Supervisor`."""

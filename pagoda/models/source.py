@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import pickle
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +31,7 @@ from pagoda.models.gguf_checkpoint import (
     iter_gguf_tensors,
     read_gguf_config,
 )
-
-_SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.safetensors$")
-_BIN_SHARD_PATTERN = re.compile(r".*-\d{5}-of-\d{5}\.bin$")
-_BIN_INDEX = "pytorch_model.bin.index.json"
-_BIN_SINGLE = "pytorch_model.bin"
+from pagoda.models.shards import has_safetensors, shard_set
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +104,7 @@ class ModelSource:
         """The files `iter_weights` reads, in order (a shard set is checked against its index first)."""
         if self.kind == "gguf":
             return [self.location]
-        if has_safetensors(self.location):
-            return _shard_paths(self.location)
-        return _bin_shard_paths(self.location)
+        return shard_set(self.location).paths()
 
     def iter_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
         """Every checkpoint tensor, file by file (safetensors entries unread: `SafetensorsTensor`);
@@ -190,22 +183,9 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def has_safetensors(folder: str) -> bool:
-    """Whether the folder is a safetensors checkpoint (then any .bin files beside it are ignored)."""
-    names = os.listdir(folder)
-    return "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names)
-
-
-def _no_weights_error(folder: str) -> ModelLoadError:
-    return ModelLoadError(
-        f"No *.safetensors or pytorch_model*.bin weights found in {folder}; "
-        "Pagoda loads safetensors or PyTorch .bin checkpoints."
-    )
-
-
 def iter_safetensors(folder: str) -> Iterator[tuple[str, SafetensorsTensor]]:
     """Yield (name, unread tensor) shard by shard; a shard missing from or extra to the index is an error."""
-    for path in _shard_paths(folder):
+    for path in shard_set(folder, "safetensors").paths():
         yield from _iter_safetensors_file(path)
 
 
@@ -217,39 +197,13 @@ def _iter_safetensors_file(path: str) -> Iterator[tuple[str, SafetensorsTensor]]
             yield name, SafetensorsTensor(f, name)
 
 
-def _shard_paths(folder: str) -> list[str]:
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    present = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            listed = sorted(set(json.load(f)["weight_map"].values()))
-        for name in listed:
-            if name not in present:
-                raise ModelLoadError(
-                    f"Shard {name} is listed in model.safetensors.index.json but missing from {folder}; "
-                    "re-download the model."
-                )
-        for name in present:
-            if name not in listed and _SHARD_PATTERN.match(name):
-                raise ModelLoadError(
-                    f"Shard {name} in {folder} is not listed in model.safetensors.index.json; remove it "
-                    "or fix the index."
-                )
-        return [os.path.join(folder, n) for n in listed]
-    if "model.safetensors" in present:
-        return [os.path.join(folder, "model.safetensors")]
-    if present:
-        return [os.path.join(folder, n) for n in present]
-    raise _no_weights_error(folder)
-
-
 def iter_pytorch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from `pytorch_model*.bin` shards, one shard in memory at a time.
 
     Each tensor is popped before it is handed out and the shard dict is deleted before the next
     shard is opened, so a non-mmap (legacy format) shard is freed as the model takes it in.
     """
-    for path in _bin_shard_paths(folder):
+    for path in shard_set(folder, "bin").paths():
         yield from _iter_bin_file(path)
 
 
@@ -258,36 +212,6 @@ def _iter_bin_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in list(state):
         yield name, state.pop(name)
     del state
-
-
-def _bin_shard_paths(folder: str) -> list[str]:
-    """The .bin shards to read: those the index lists, else `pytorch_model.bin`, else every
-    `pytorch_model*.bin` (never `training_args.bin` or optimizer state, which are not weights)."""
-    present = sorted(n for n in os.listdir(folder) if n.endswith(".bin"))
-    if os.path.isfile(os.path.join(folder, _BIN_INDEX)):
-        return [os.path.join(folder, n) for n in _listed_bin_shards(folder, present)]
-    if _BIN_SINGLE in present:
-        return [os.path.join(folder, _BIN_SINGLE)]
-    weights = [n for n in present if n.startswith("pytorch_model")]
-    if weights:
-        return [os.path.join(folder, n) for n in weights]
-    raise _no_weights_error(folder)
-
-
-def _listed_bin_shards(folder: str, present: list[str]) -> list[str]:
-    """The index's shards, checked as for safetensors: listed but missing, or numbered but unlisted,
-    both mean a half-downloaded or mixed-up folder that would load wrong weights silently."""
-    with open(os.path.join(folder, _BIN_INDEX)) as f:
-        listed = sorted(set(json.load(f)["weight_map"].values()))
-    for name in listed:
-        if name not in present:
-            raise ModelLoadError(
-                f"Shard {name} is listed in {_BIN_INDEX} but missing from {folder}; re-download the model."
-            )
-    for name in present:
-        if name not in listed and _BIN_SHARD_PATTERN.match(name):
-            raise ModelLoadError(f"Shard {name} in {folder} is not listed in {_BIN_INDEX}; remove it or fix the index.")
-    return listed
 
 
 def _load_bin_shard(path: str) -> dict[str, torch.Tensor]:

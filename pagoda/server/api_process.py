@@ -60,7 +60,7 @@ class ApiSetup:
         preflight: Any = None,
     ):
         self.server, self.config = server, config
-        self.http_limits = http_limits.HttpLimits.from_args(server)  # also raises the file-descriptor limit
+        self.http_limits = http_limits.HttpLimits.from_server(server)  # also raises the file-descriptor limit
         if preflight is not None:
             preflight()  # shards, headers, tokenizer, port: fail in seconds, before the weights load
         source = resolve_model_source(config.model.model)

@@ -17,8 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.config.server import DEFAULT_MAX_REQUEST_BYTES
 from pagoda.errors import EngineDead, Overloaded, PagodaError, ShuttingDown, Unauthorized
-from pagoda.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from pagoda.server.http_limits import BodyLimitMiddleware
 from pagoda.server.metrics import HttpMetricsMiddleware
 from pagoda.server.routes import router
 from pagoda.server.serving import OpenAIServing

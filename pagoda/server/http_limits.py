@@ -29,32 +29,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda import envs
+from pagoda.config.server import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IDLE_CONNECTION_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADER_COUNT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerConfig,
+)
 from pagoda.errors import ConfigError
 
 logger = logging.getLogger("pagoda.server.http")
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # images travel base64-encoded inside the JSON body
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # request line + headers; nginx allows 32 KiB, Node 16 KiB
-DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count default
-DEFAULT_HEADER_TIMEOUT_S = 60.0  # nginx's client_header_timeout, Node's headersTimeout
-DEFAULT_BODY_TIMEOUT_S = 300.0
-# Long: an unused connection costs one descriptor, and clients that open connections ahead of use
-# (pools, pinned connections) must not lose them; the connection cap covers a flood of them.
-DEFAULT_IDLE_CONNECTION_TIMEOUT_S = 300.0
-DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+# The defaults of the limits are `ServerConfig`'s (config/server.py), the flags' own; these are the transport's.
 MAX_DEFAULT_CONNECTIONS = 65536
 LISTEN_BACKLOG = 2048  # uvicorn's default, which the serve paths keep
 NOTICE_INTERVAL_S = 10.0
 
 
 # ---- limits and process setup ---------------------------------------------------------------------
-def default_keep_alive() -> float:
-    try:
-        return float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value)
-    except ValueError:
-        return DEFAULT_KEEP_ALIVE_S
-
-
 def raise_fd_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit (allowed without privileges); returns the soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -93,22 +87,27 @@ class HttpLimits:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     idle_connection_timeout: float = DEFAULT_IDLE_CONNECTION_TIMEOUT_S
-    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_S
+    keep_alive_timeout: float = envs.HTTP_TIMEOUT_KEEP_ALIVE.default
     max_connections: int = MAX_DEFAULT_CONNECTIONS
 
     @classmethod
-    def from_args(cls, ns: Any) -> HttpLimits:
-        """From `pagoda serve`'s flags; raises the descriptor limit (the default connection cap follows it)."""
+    def from_server(cls, server: ServerConfig) -> HttpLimits:
+        """The limits `pagoda serve`'s flags set; raises the descriptor limit (the default connection cap
+        follows it)."""
         fd_limit = raise_fd_limit()
-        max_connections = ns.max_connections if ns.max_connections is not None else default_max_connections(fd_limit)
+        max_connections = server.max_connections
+        if max_connections is None:
+            max_connections = default_max_connections(fd_limit)
+        keep_alive = server.timeout_keep_alive
+        assert keep_alive is not None  # ServerConfig resolves it when it is built
         limits = cls(
-            max_request_bytes=ns.max_request_bytes,
-            max_header_bytes=ns.max_header_bytes,
-            max_header_count=ns.max_header_count,
-            header_timeout=ns.header_timeout,
-            body_timeout=ns.body_timeout,
-            idle_connection_timeout=ns.idle_connection_timeout,
-            keep_alive_timeout=ns.timeout_keep_alive,
+            max_request_bytes=server.max_request_bytes,
+            max_header_bytes=server.max_header_bytes,
+            max_header_count=server.max_header_count,
+            header_timeout=server.header_timeout,
+            body_timeout=server.body_timeout,
+            idle_connection_timeout=server.idle_connection_timeout,
+            keep_alive_timeout=keep_alive,
             max_connections=max_connections,
         )
         for flag, value in (

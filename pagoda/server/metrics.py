@@ -12,7 +12,7 @@ labels (`_Prefixed`), which costs a scrape a few hundred extra lines instead of 
 every token's histograms. `--metrics-prefix` picks one of the two instead.
 
 API processes (`--api-server-count N`, N >= 1): prometheus_client's multiprocess mode (the launcher's
-`launch.Supervisor` sets PROMETHEUS_MULTIPROC_DIR for them). Every process renders the values of all of them:
+`processes.Supervisor` sets PROMETHEUS_MULTIPROC_DIR for them). Every process renders the values of all of them:
 counters and histograms summed, the engine gauges the most recently written value (every process
 receives every change of them). The engine's running totals (preemptions, prefix-cache tokens) reach
 every process; only the first one counts them, or the sum would be N times the truth.

@@ -18,12 +18,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagoda.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    KV_CACHE_DTYPES,
-    _derived_max_model_len,
-    resolve_kv_cache_dtype,
-    text_field,
+from pagoda.config import KV_CACHE_DTYPES, EngineArgs, resolve_kv_cache_dtype, text_field
+from pagoda.config.engine import (
+    resolve_gpu_memory_utilization,
+    resolve_max_model_len,
+    resolve_max_num_batched_tokens,
 )
 from pagoda.config.parallel import tensor_parallel_error, tensor_parallel_problems, valid_tensor_parallel_sizes
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
@@ -31,6 +30,8 @@ from pagoda.errors import ConfigError
 from pagoda.worker import memory
 
 GiB = memory.GiB
+# The engine's knobs keep the engine's defaults here: `pagoda plan` plans what `pagoda serve` would run.
+ENGINE_DEFAULTS = EngineArgs()
 # Memory torch reports as total on each GPU (GiB), for --gpu presets.
 GPU_MEMORY_GIB = {
     "h200": 139.8,
@@ -147,38 +148,35 @@ def make_plan(
     model_folder: str | None = None,
     device: str = "cuda",
     memory_bytes_per_gpu: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    tensor_parallel_size: int = 1,
-    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = ENGINE_DEFAULTS.gpu_memory_utilization,
+    tensor_parallel_size: int = ENGINE_DEFAULTS.tensor_parallel_size,
+    max_model_len: int | None = ENGINE_DEFAULTS.max_model_len,
     dtype: str = "bfloat16",
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    enable_prefix_caching: bool = True,
-    cpu_kv_cache_space_gib: float = 4.0,
+    block_size: int = ENGINE_DEFAULTS.block_size,
+    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs,
+    max_num_batched_tokens: int | None = ENGINE_DEFAULTS.max_num_batched_tokens,
+    enable_prefix_caching: bool = ENGINE_DEFAULTS.enable_prefix_caching,
+    cpu_kv_cache_space_gib: float = ENGINE_DEFAULTS.cpu_kv_cache_space_gib,
     typical_len: int | None = None,
     image: tuple[int, int] | None = None,
     images_per_request: int = 1,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     quantization: QuantConfig | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = ENGINE_DEFAULTS.kv_cache_dtype,
 ) -> Plan:
+    """The plan for these knobs, resolved as `EngineConfig.create` resolves them (the same refusals)."""
     if dtype not in _DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
     cache_dtype_bytes = 1 if kv_cache_dtype == "fp8" else dtype_bytes
-    derived = _derived_max_model_len(hf_config)
-    max_model_len = max_model_len or derived
-    if max_model_len > derived:
-        raise ConfigError(
-            f"max_model_len={max_model_len} is larger than the model's maximum context ({derived}).", "max_model_len"
-        )
+    max_model_len = resolve_max_model_len(max_model_len, hf_config)
+    gpu_memory_utilization = resolve_gpu_memory_utilization(gpu_memory_utilization)
     tp = tensor_parallel_size
     if tp < 1:  # no per-GPU numbers to give
         raise ConfigError(tensor_parallel_error(hf_config, tp) or "", "tensor_parallel_size")
-    max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    max_num_batched_tokens = resolve_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs)
     model = _meta_model(hf_config, max_model_len)
     if quantization is not None:
         import torch  # lazy: torch (`pagoda plan` runs without it)
@@ -340,14 +338,15 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default=None, help=f"GPU preset: {', '.join(sorted(GPU_MEMORY_GIB))}")
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="memory per GPU instead of --gpu")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine = ENGINE_DEFAULTS
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=engine.tensor_parallel_size)
+    parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=engine.gpu_memory_utilization)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--cpu-kv-cache-space-gib", type=float, default=4.0)
+    parser.add_argument("--block-size", type=int, default=engine.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
+    parser.add_argument("--cpu-kv-cache-space-gib", type=float, default=engine.cpu_kv_cache_space_gib)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--typical-len", type=int, default=None, help="prompt + output tokens of a typical request")
     parser.add_argument("--image", default=None, help="WxH of the images a request carries (Qwen2-VL)")
@@ -355,11 +354,15 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-pixels", type=int, default=None)
     parser.add_argument("--max-pixels", type=int, default=None)
     parser.add_argument(
-        "-q", "--quantization", default=None, choices=QUANTIZATION_CHOICES, help="as `pagoda serve --quantization`"
+        "-q",
+        "--quantization",
+        default=engine.quantization,
+        choices=QUANTIZATION_CHOICES,
+        help="as `pagoda serve --quantization`",
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        default="auto",
+        default=engine.kv_cache_dtype,
         help=f"as `pagoda serve --kv-cache-dtype`: {' | '.join(KV_CACHE_DTYPES)} (fp8: 1 byte per cached element)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,4 +1,4 @@
-"""`pagoda.launch.supervisor`: the one supervisor of `pagoda serve` and `pagoda router --workers`. A dead child is
+"""`pagoda.processes.supervisor`: the one supervisor of `pagoda serve` and `pagoda router --workers`. A dead child is
 reported, a stop signal ends the watch, `stop` escalates to SIGKILL, children die with their parent, and the
 Prometheus multiprocess directory exists for the children only and is removed on close."""
 
@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from pagoda.launch.supervisor import Supervisor
+from pagoda.processes.supervisor import Supervisor
 
 
 def _exit_with(code: int) -> int:
@@ -66,7 +66,7 @@ def test_a_stop_signal_ends_the_watch() -> None:
 PARENT = """
 import time
 from test_launch_supervisor import _sleep_forever
-from pagoda.launch.supervisor import Supervisor
+from pagoda.processes.supervisor import Supervisor
 if __name__ == "__main__":
     child = Supervisor(metrics=False).start("stuck", _sleep_forever, death_signal=9)
     time.sleep(3)                                  # the child is up, past its prctl

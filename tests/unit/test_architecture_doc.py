@@ -1,8 +1,8 @@
 """docs/architecture.md's module map names every module of `pagoda/`, and only modules that exist.
 
 Pure and fast: walks the source tree and reads one Markdown file. A module is a `.py` file; an
-`__init__.py` counts only when it holds code beyond a docstring. The HTTP clients under
-`pagoda/tools/{bench,batch,router}/` are named by their folder.
+`__init__.py` counts only when it holds code beyond a docstring. The tools that are packages
+(`pagoda/tools/{bench,batch,router,doctor}/`) are named by their folder.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-FOLDERS_NAMED_WHOLE = ("pagoda/tools/bench/", "pagoda/tools/batch/", "pagoda/tools/router/")
+FOLDERS_NAMED_WHOLE = ("pagoda/tools/bench/", "pagoda/tools/batch/", "pagoda/tools/router/", "pagoda/tools/doctor/")
 PATH = re.compile(r"`(pagoda/[\w/]*?(?:\.py|/))`")
 
 

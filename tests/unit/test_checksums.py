@@ -1,4 +1,4 @@
-"""`pagoda doctor`'s shard checksums (pagoda/tools/checksums.py): a SHA256SUMS and a `.sha256` beside the files,
+"""`pagoda doctor`'s shard checksums (pagoda/tools/doctor/checksums.py): a SHA256SUMS and a `.sha256` beside the files,
 an HF-hub-cache-shaped folder whose snapshot files are symlinks into blobs/<sha256>, right and wrong; a folder
 with none known says so; progress on stderr; serve's preflight (doctor's fast subset) and --no-checksums hash
 nothing."""
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.tools import checksums, doctor
-from pagoda.tools.checksums import expected_sha256, verify
+from pagoda.tools import doctor
+from pagoda.tools.doctor import checksums
+from pagoda.tools.doctor.checksums import expected_sha256, verify
 
 A, B = b"weights of shard one" * 1000, b"shard two"
 

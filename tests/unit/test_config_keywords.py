@@ -62,3 +62,26 @@ def test_bad_cli_values_name_the_flag(flag, value, fragment):
         MultiModalConfig.from_cli(**{flag: value})
     assert fragment in str(info.value)
     assert info.value.param == flag
+
+
+def test_the_serve_flags_build_each_config_the_one_way():
+    """`cli.args.config_from` builds every config from the parsed flags: the multimodal strings parsed, the flags
+    left out at the dataclass's defaults (the same objects `LLM(...)`'s keywords give)."""
+    import argparse
+
+    from pagoda.cli.args import config_from
+    from pagoda.cli.serve import add_serve_args
+    from pagoda.config.server import ServerConfig
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    ns = parser.parse_args(["--limit-mm-per-prompt", "image=4", "--mm-processor-kwargs", '{"max_pixels": 1000}'])
+    assert config_from(ns, MultiModalConfig) == MultiModalConfig(
+        limit_mm_per_prompt={"image": 4}, mm_processor_kwargs={"max_pixels": 1000}
+    )
+    defaults = parser.parse_args([])
+    assert config_from(defaults, MultiModalConfig) == MultiModalConfig()
+    assert config_from(defaults, EngineArgs) == EngineArgs()
+    assert config_from(defaults, ServerConfig) == ServerConfig()
+    with pytest.raises(ConfigError, match="--limit-mm-per-prompt 'image=x'"):
+        config_from(parser.parse_args(["--limit-mm-per-prompt", "image=x"]), MultiModalConfig)

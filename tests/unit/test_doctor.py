@@ -14,8 +14,12 @@ import socket
 import pytest
 import torch
 
+from pagoda.launch.preflight import serve_preflight
 from pagoda.tools import doctor
 from pagoda.tools.doctor import Check, format_report, run_checks
+from pagoda.tools.doctor import run as doctor_run
+from pagoda.tools.doctor.model_config import check_tensor_parallel
+from pagoda.tools.doctor.tokenizer import check_yuan_tokens
 from tests.conftest import FIXTURES, TINY_CONFIGS, build_tiny_model
 
 TEMPLATE = (
@@ -165,7 +169,7 @@ def test_permission_check_uses_os_access(model_dir, monkeypatch):
     victim = os.path.join(model_dir, "tokenizer.json")
     real_access = os.access
     monkeypatch.setattr(
-        doctor.os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == victim else real_access(p, mode, *a, **k)
+        os, "access", lambda p, mode, *a, **k: False if os.fspath(p) == victim else real_access(p, mode, *a, **k)
     )
     line = line_of(run_checks(model_dir, fast=True, skip_tokenizer_init=True), "permissions")
     assert "tokenizer.json" in line and "not readable" in line
@@ -225,7 +229,7 @@ def test_yuan_ids_elsewhere_fail():
         def convert_tokens_to_ids(self, token):
             return 0
 
-    check = doctor._check_yuan_tokens(WrongTokenizer())
+    check = check_yuan_tokens(WrongTokenizer())
     assert check.status == "FAIL" and "<eod> → 0 (expected 77185)" in check.detail and "--tokenizer" in check.fix
 
 
@@ -364,21 +368,21 @@ def test_tensor_parallel_of_qwen2vl_ignores_the_vision_heads():
 
     # 32 does not divide the vision tower's 16 heads, but the tower is replicated: only the text model counts.
     cfg = dict(QWEN2VL_72B, vision_config=dict(QWEN2VL_72B["vision_config"], num_heads=16))
-    assert doctor._check_tensor_parallel(cfg, 32) == Check(
+    assert check_tensor_parallel(cfg, 32) == Check(
         "tensor parallel",
         "ok",
         "32 GPUs: 64 attention heads split 2 per GPU, 8 KV heads replicated (each on 4 GPUs, 1 per GPU); "
         "the vision tower is replicated on every GPU",
         None,
     )
-    assert doctor._check_tensor_parallel(cfg, 3).detail.endswith("valid sizes: 1, 2, 4, 8, 16, 32, 64.")
+    assert check_tensor_parallel(cfg, 3).detail.endswith("valid sizes: 1, 2, 4, 8, 16, 32, 64.")
 
 
 def test_a_crashing_check_becomes_a_fail_line(model_dir, monkeypatch):
     def boom(state):
         raise RuntimeError("disk exploded")
 
-    monkeypatch.setattr(doctor, "_check_disk", boom)
+    monkeypatch.setattr(doctor_run, "check_disk", boom)
     checks = run_checks(model_dir, fast=True)
     assert "unexpected error: RuntimeError: disk exploded" in line_of(checks, "disk")
     assert any(c.name == "tokenizer" and c.status == "ok" for c in checks)  # the others still ran
@@ -404,13 +408,13 @@ def test_serve_preflight_raises_with_the_fail_lines(model_dir):
     from pagoda.errors import ConfigError
 
     engine, server = EngineArgs(model=model_dir), ServerConfig(port=None)  # type: ignore[arg-type]
-    assert not fails(doctor.serve_preflight(engine, server))
+    assert not fails(serve_preflight(engine, server))
     os.remove(os.path.join(model_dir, shard_names(model_dir)[0]))
     with pytest.raises(ConfigError, match=r"\[FAIL\] shards: .*model-00001-of-00005.safetensors"):
-        doctor.serve_preflight(engine, server)
+        serve_preflight(engine, server)
     three = EngineArgs(model=model_dir, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match=r"\[FAIL\] tensor parallel: --tensor-parallel-size 3 does not fit this"):
-        doctor.serve_preflight(three, server)
+        serve_preflight(three, server)
 
 
 def test_default_gguf_model():

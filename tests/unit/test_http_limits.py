@@ -328,16 +328,22 @@ def test_accept_failures_log_one_line_without_traceback(caplog: pytest.LogCaptur
 def test_serve_flags_build_the_limits() -> None:
     import argparse
 
+    from pagoda.cli.args import config_from
     from pagoda.cli.serve import add_serve_args
+    from pagoda.config.server import ServerConfig
     from pagoda.errors import ConfigError
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    limits = HttpLimits.from_args(parser.parse_args([]))
+
+    def limits_from(flags: list[str]) -> HttpLimits:
+        return HttpLimits.from_server(config_from(parser.parse_args(flags), ServerConfig))
+
+    limits = limits_from([])
     assert limits.max_request_bytes == 32 << 20 and limits.max_header_bytes == 64 << 10
     assert limits.max_header_count == 256 and limits.keep_alive_timeout == 5
     assert limits.max_connections == default_max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    vllm_names = parser.parse_args(
+    limits = limits_from(
         [
             "--h11-max-incomplete-event-size",
             "4194304",
@@ -349,7 +355,6 @@ def test_serve_flags_build_the_limits() -> None:
             "2",
         ]
     )
-    limits = HttpLimits.from_args(vllm_names)
     assert (limits.max_header_bytes, limits.max_header_count, limits.max_connections) == (4194304, 10, 7)
     with pytest.raises(ConfigError, match="--body-timeout"):
-        HttpLimits.from_args(parser.parse_args(["--body-timeout", "0"]))
+        limits_from(["--body-timeout", "0"])

@@ -47,11 +47,12 @@ def test_engine_config_refuses_before_reading_the_model():
 
 
 def test_the_flag_reaches_the_config(tiny_llama):
-    from pagoda.cli.args import add_engine_args, engine_args_from
+    from pagoda.cli.args import add_engine_args, config_from
+    from pagoda.config import EngineArgs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = engine_args_from(parser.parse_args(["--model", tiny_llama, "--kv-cache-dtype", "fp8_e4m3"]))
+    args = config_from(parser.parse_args(["--model", tiny_llama, "--kv-cache-dtype", "fp8_e4m3"]), EngineArgs)
     config = EngineConfig.create(args, device="cpu")
     assert config.cache.kv_cache_dtype == "fp8" and config.kv_cache_dtype_name == "fp8_e4m3"
     auto = EngineConfig.create(EngineArgs(model=tiny_llama, device="cpu"))

@@ -122,6 +122,43 @@ def test_invalid_size_gives_the_reasons_and_still_the_numbers():
         make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, tensor_parallel_size=0)
 
 
+@pytest.mark.parametrize(
+    ("knobs", "refusal"),
+    [
+        (
+            {"max_model_len": 9000},
+            r"max_model_len=9000 is larger than the model's maximum context \(8192 from config.json\)",
+        ),
+        ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+    ],
+)
+def test_a_value_serve_refuses_is_refused_with_serves_line(knobs, refusal):
+    """The engine's resolvers, not a copy: what `EngineConfig.create` refuses, plan refuses in the same words."""
+    with pytest.raises(ConfigError, match=refusal) as info:
+        make_plan(YUAN2_2B, memory_bytes_per_gpu=H200, **knobs)
+    assert info.value.param == next(iter(knobs))
+
+
+def test_the_engine_flags_default_as_serve_does():
+    from pagoda.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    add_plan_args(parser)
+    ns, engine = parser.parse_args(["m"]), EngineArgs()
+    for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_space_gib"):
+        assert getattr(ns, name) == getattr(engine, name), name
+    assert (ns.tp, ns.quantization, ns.kv_cache_dtype) == (
+        engine.tensor_parallel_size,
+        engine.quantization,
+        engine.kv_cache_dtype,
+    )
+    assert ns.enable_prefix_caching == engine.enable_prefix_caching
+    plan = make_plan(YUAN2_2B, memory_bytes_per_gpu=H200)
+    assert plan.gpu_memory_utilization == 0.9 and plan.max_num_batched_tokens == 8192  # the engine's resolved defaults
+
+
 def _replicated_bytes(cfg) -> tuple[int, int]:
     """(total, replicated) weight bytes, from the per-GPU weights at TP 2 and 4: W(tp) = R + (T - R) / tp."""
     w2, w4 = (make_plan(cfg, memory_bytes_per_gpu=H200, tensor_parallel_size=tp) for tp in (2, 4))

@@ -1,4 +1,4 @@
-"""The listening socket that several processes share (`pagoda/launch/sockets.py`, used by `pagoda serve
+"""The listening socket that several processes share (`pagoda/processes/sockets.py`, used by `pagoda serve
 --api-server-count N` and `pagoda router --workers N`): a connection accepted from them must have
 TCP_NODELAY, or Nagle holds each small SSE write until the client's delayed ACK (which delays the first
 token by the ACK timer).
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from pagoda.cli.serve import _listen_socket
-from pagoda.launch.sockets import listen_socket
+from pagoda.processes.sockets import listen_socket
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP socket options as on Linux")
 

@@ -80,12 +80,12 @@ def test_no_ui_turns_the_pages_off() -> None:
 def test_the_flag_is_on_by_default_and_no_ui_turns_it_off() -> None:
     import argparse
 
-    from pagoda.cli.args import add_config_args
+    from pagoda.cli.args import add_config_args, config_from
 
     parser = argparse.ArgumentParser()
     add_config_args(parser, ServerConfig)
-    assert ServerConfig.from_args(parser.parse_args([])).ui is True
-    assert ServerConfig.from_args(parser.parse_args(["--no-ui"])).ui is False
+    assert config_from(parser.parse_args([]), ServerConfig).ui is True
+    assert config_from(parser.parse_args(["--no-ui"]), ServerConfig).ui is False
 
 
 def test_the_pages_load_only_served_assets_and_the_package_ships_them() -> None:

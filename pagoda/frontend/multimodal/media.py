@@ -30,6 +30,7 @@ from io import BytesIO
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from pagoda.config.multimodal import DEFAULT_MAX_VIDEO_SECONDS
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.multimodal.image_processor import to_rgb
 
@@ -53,7 +54,7 @@ class MediaPolicy:
     max_image_pixels: int = 64 * 2**20  # decoded width*height (decompression bomb guard)
     # Video files (multimodal/video.py): the longest duration, the most frames the file may hold (all
     # are demuxed, those up to the last sampled one decoded), the largest frame (4K UHD).
-    max_video_seconds: float = 600.0
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS
     max_video_frames: int = 36000  # 600 s at 60 fps
     max_video_frame_pixels: int = 3840 * 2160
     max_video_decode_s: float = 60.0  # wall time for demuxing + decoding one video file

@@ -15,7 +15,7 @@ to the same backend whichever worker takes the request, as long as the workers a
 available. Metrics and /usage add up all workers through prometheus_client's multiprocess mode, in a private
 temporary PROMETHEUS_MULTIPROC_DIR removed on exit (router.metrics explains the gauges).
 
-The parent does no request work. The workers are started and watched by `pagoda.launch.Supervisor` (the one
+The parent does no request work. The workers are started and watched by `pagoda.processes.Supervisor` (the one
 `pagoda serve` uses too): SIGTERM/SIGINT go to every worker (graceful: open streams get --shutdown-timeout s; a
 second signal is passed on as SIGINT, which makes uvicorn stop at once); a worker that exits on its own stops
 the others and the router exits 1 (a supervisor such as systemd restarts the whole router). Workers run in
@@ -33,8 +33,8 @@ import sys
 from typing import Any
 
 from pagoda.errors import ConfigError
-from pagoda.launch.sockets import listen_socket
-from pagoda.launch.supervisor import Supervisor
+from pagoda.processes.sockets import listen_socket
+from pagoda.processes.supervisor import Supervisor
 from pagoda.tools.router.app import make_server
 from pagoda.tools.router.config import build_config, overrides_from, parse_file
 

@@ -10,7 +10,7 @@ A file with none of these is reported as not verifiable, never as verified.
 
 Hashing reads every byte: about a minute per 100 GB on a fast disk, more on a network one. Progress goes to
 stderr, one line at most every `PROGRESS_EVERY_S` seconds, so a long run is seen to move; the report itself
-is the doctor's. `pagoda serve`'s preflight never hashes (doctor's fast subset leaves this check out).
+is `check_checksums`'s line. `pagoda serve`'s preflight never hashes (doctor's fast subset leaves this check out).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
+
+from pagoda.tools.doctor.check import Check, State
 
 SUMS_FILE = "SHA256SUMS"
 PROGRESS_EVERY_S = 5.0
@@ -116,3 +118,29 @@ def verify(paths: list[str], stream: TextIO | None = None, every_s: float = PROG
         progress.name = os.path.basename(r.path)
         r.actual = sha256_file(r.path, progress)
     return results
+
+
+def check_checksums(state: State) -> Check:
+    """Each weight file's sha256 against the one SHA256SUMS, a `.sha256` or the HF cache gives (below)."""
+    files = [p for p in state.weight_files if os.path.isfile(p) and p not in state.unreadable]
+    results = verify(files)
+    wrong = [r for r in results if r.expected is not None and not r.ok]
+    verified = [r for r in results if r.ok]
+    unknown = [os.path.basename(r.path) for r in results if r.expected is None]
+    if wrong:
+        lines = [
+            f"{os.path.basename(r.path)} has sha256 {r.actual}, not {r.expected.digest} ({r.expected.source})"
+            for r in wrong
+            if r.expected is not None
+        ]
+        return Check(
+            "checksums", "FAIL", "; ".join(lines), "re-download the file(s): the content is not what was published"
+        )
+    sources = sorted({r.expected.source for r in verified if r.expected is not None})
+    parts = [f"{len(verified)} file(s) match their sha256 ({', '.join(sources)})"] if verified else []
+    if unknown:
+        parts.append(
+            f"no expected sha256 known for {len(unknown)} file(s) (no {SUMS_FILE}, *.sha256 or HF cache "
+            "blob): not verified"
+        )
+    return Check("checksums", "ok", "; ".join(parts), None)

@@ -1,0 +1,35 @@
+"""`pagoda serve`'s preflight: `pagoda doctor`'s fast checks for the serve configs, before the model loads.
+
+A missing shard, an unreadable tokenizer or a taken port then fails in seconds with every FAIL line, instead of
+minutes into loading. The launcher runs it (`server.skip_preflight` turns it off); the checks are doctor's, so
+`pagoda doctor MODEL --fast` shows the same lines.
+"""
+
+from __future__ import annotations
+
+from pagoda.config import EngineArgs
+from pagoda.config.server import ServerConfig
+from pagoda.errors import ConfigError
+from pagoda.tools.doctor import Check, failed, format_report, run_checks
+
+
+def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
+    """The fast checks for `pagoda serve`'s configs; raises ConfigError listing every FAIL line."""
+    checks = run_checks(
+        engine.model,
+        port=server.port,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        distributed_executor_backend=engine.distributed_executor_backend,
+        fast=True,
+        tokenizer=engine.tokenizer,
+        host=server.host,
+        device=engine.device,
+        skip_tokenizer_init=engine.skip_tokenizer_init,
+        chat_template=server.chat_template,
+        trust_remote_code=engine.trust_remote_code,
+        load_format=engine.load_format,
+    )
+    bad = failed(checks)
+    if bad:
+        raise ConfigError("preflight failed (`pagoda doctor` shows every check):\n" + format_report(bad))
+    return checks
