@@ -19,7 +19,8 @@ Workloads (one model folder each, made by `models`):
   prefix             the same model, a 1,024-token prefix shared by all + 64 in, 128 out, c = 64
   mixed              the same model, vLLM's `random` dataset 1,024 in / 256 out with --random-range-ratio 0.9
                      (lengths 10 %-190 %): a closed-loop run at c = 256 measures the reference system's
-                     capacity (the first of --systems), then Poisson arrivals at --rate-fractions of it
+                     capacity (--reference, vLLM by default: run it first), then Poisson arrivals at
+                     --rate-fractions of it
   image-qwen2-vl-2b  Qwen2-VL-2B through the chat API, one 1000x750 JPEG + 20 text tokens, 128 out, c = 1, 16, 64;
                      then Poisson arrivals at 0.7x the reference's c = 64 rate of requests with 0-2 images of
                      three sizes (text-only requests interleaved)
@@ -42,6 +43,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,7 +66,6 @@ KEYS = (
     "median_itl_ms",
     "p95_itl_ms",
 )
-PORT = 8051
 
 # ---- model folders -----------------------------------------------------------------------------
 
@@ -220,8 +221,8 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
         ),
         "mixed": Workload(
             "llama-yuan2-2b-dims",
-            [Point("capacity", mixed, 1024, 8, concurrency=256)]
-            + [Point(f"rate{f:g}", mixed, 1024, 4, rate_fraction=f) for f in rate_fractions],
+            [Point("capacity", mixed, 768, 8, concurrency=256)]
+            + [Point(f"rate{f:g}", mixed, 512, 4, rate_fraction=f) for f in rate_fractions],
             capacity_point="capacity",
         ),
         "image-qwen2-vl-2b": Workload(
@@ -332,15 +333,22 @@ def run_point(url: str, model: str, point: Point, rate: float | None, seed: int)
 # ---- the servers -------------------------------------------------------------------------------
 
 
-def server_command(system: str, model: str, extra: list[str]) -> list[str]:
+def free_port() -> int:
+    """A port nothing listens on now (a server left over from a killed run would answer /health)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(system: str, model: str, port: int, extra: list[str]) -> list[str]:
     common = ["--load-format", "dummy", "--max-model-len", "4096", "--api-server-count", "4"]
-    common += ["--host", "127.0.0.1", "--port", str(PORT)]
+    common += ["--host", "127.0.0.1", "--port", str(port)]
     if system == "vllm":
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *common, *extra]
     return [sys.executable, "-m", "pagoda", "serve", model, "--dtype", "bfloat16", *common, *extra]
 
 
-def start_server(cmd: list[str], log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
+def start_server(cmd: list[str], port: int, log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
@@ -355,7 +363,7 @@ def start_server(cmd: list[str], log: Path, timeout_s: float = 400) -> subproces
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc
         except OSError:
@@ -394,36 +402,39 @@ def run(args: argparse.Namespace) -> None:
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     table = workloads(args.rate_fractions)
-    reference = args.systems[0]
     for name in args.workloads:
         wl = table[name]
         model = str(args.models / wl.model)
         for system in args.systems:
             extra = args.pagoda_args.split() if system == "pagoda" else args.vllm_args.split()
-            t0 = time.monotonic()
-            proc = start_server(server_command(system, model, extra), work / f"server_{name}_{system}.log")
+            t0, port = time.monotonic(), free_port()
+            log = work / f"server_{name}_{system}.log"
+            proc = start_server(server_command(system, model, port, extra), port, log)
             print(f"[{name} {system}] ready={proc is not None} in {time.monotonic() - t0:.0f} s", flush=True)
             if proc is None:
                 continue
             try:
                 warm = Point("warm", wl.points[0].args, 16, 1, concurrency=8)
-                run_point(f"http://127.0.0.1:{PORT}", model, warm, None, seed=9)
+                run_point(f"http://127.0.0.1:{port}", model, warm, None, seed=9)
                 for seed, point in enumerate(wl.points, start=1):
+                    if args.points and point.name not in args.points:
+                        continue
                     rate = None
                     if point.rate_fraction is not None:
-                        base = reference_rate(work, name, wl.capacity_point or "", reference)
+                        base = reference_rate(work, name, wl.capacity_point or "", args.reference)
                         if not base:
-                            print(f"  {point.name}: no {reference} capacity row yet, skipped", flush=True)
+                            print(f"  {point.name}: no {args.reference} capacity row yet, skipped", flush=True)
                             continue
                         rate = round(base * point.rate_fraction, 3)
                     row = {"workload": name, "system": system, "client": "vllm", "point": point.name}
                     row.update({"concurrency": point.concurrency} if rate is None else {"request_rate": rate})
                     if args.variant:
                         row["variant"] = args.variant
-                    row.update(run_point(f"http://127.0.0.1:{PORT}", model, point, rate, seed))
+                    row.update(run_point(f"http://127.0.0.1:{port}", model, point, rate, seed))
                     with (work / "rows.jsonl").open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print("  " + _short(row), flush=True)
+                    write_result(read_rows(work), args.out, args.gpu, args.commit, quiet=True)  # survives a kill
             finally:
                 stop_server(proc)
     write_result(read_rows(work), args.out, args.gpu, args.commit)
@@ -520,7 +531,7 @@ def ratio_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_result(rows: list[dict], out: Path, gpu: str, commit: str | None) -> None:
+def write_result(rows: list[dict], out: Path, gpu: str, commit: str | None, quiet: bool = False) -> None:
     commit = (
         commit
         or subprocess.run(
@@ -530,6 +541,8 @@ def write_result(rows: list[dict], out: Path, gpu: str, commit: str | None) -> N
     result = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    if quiet:
+        return
     print(ratio_table(rows))
     print(f"\n{len(rows)} rows -> {out}")
 
@@ -546,6 +559,8 @@ def main() -> None:
     r.add_argument("--workloads", nargs="+", choices=list(workloads([])), default=["text", "image-qwen2-vl-2b"])
     r.add_argument("--work", type=Path, default=Path("/tmp/vs_vllm"), help="rows.jsonl and server logs")
     r.add_argument("--rate-fractions", nargs="+", type=float, default=[0.5, 0.9])
+    r.add_argument("--reference", choices=("vllm", "pagoda"), default="vllm", help="whose capacity sets Poisson rates")
+    r.add_argument("--points", nargs="+", default=None, help="only these points (e.g. c16 c64 rate0.7)")
     r.add_argument("--pagoda-args", default="", help="extra `pagoda serve` flags")
     r.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     r.add_argument("--variant", default="", help="a label stored in each row (e.g. a switch under test)")
