@@ -58,6 +58,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = knob(
         None, f"token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
     )
+    max_encoder_tokens_per_step: int | None = knob(
+        None,
+        "most image/video placeholder tokens whose vision-encoder output one step computes; a prompt chunk "
+        "stops before an item that does not fit, so running decodes are not held up by many images at once "
+        "(default: no limit beyond --max-num-batched-tokens)",
+    )
     block_size: int = knob(16, "tokens per KV cache block")
     enable_prefix_caching: bool = knob(True, "reuse KV blocks across requests that share a prefix")
     kv_cache_dtype: str = knob(
@@ -168,6 +174,9 @@ class SchedulerConfig:
     max_num_seqs: int  # requests in one step
     max_num_batched_tokens: int  # token budget of one step
     max_model_len: int  # copy of ModelConfig.max_model_len for the scheduler
+    # Placeholder tokens of multimodal items a step may start encoding (None: only the token budget
+    # bounds them); an item larger than this still runs, alone in its step.
+    max_encoder_tokens_per_step: int | None = None
     # Step N+1 is scheduled and launched while step N runs on the GPU: each running request counts
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
     async_scheduling: bool
@@ -210,6 +219,11 @@ class EngineConfig:
             f"block_size must be a power of two in [1, 128], got {a.block_size}",
         )
         _check(a.max_num_seqs >= 1, "max_num_seqs", f"max_num_seqs must be >= 1, got {a.max_num_seqs}")
+        _check(
+            a.max_encoder_tokens_per_step is None or a.max_encoder_tokens_per_step >= 1,
+            "max_encoder_tokens_per_step",
+            f"max_encoder_tokens_per_step must be >= 1, got {a.max_encoder_tokens_per_step}",
+        )
         utilization = resolve_gpu_memory_utilization(a.gpu_memory_utilization)
         _check(
             a.num_gpu_blocks_override is None or a.num_gpu_blocks_override >= 2,

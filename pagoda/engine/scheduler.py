@@ -13,6 +13,13 @@ lowest `priority` value is served first, equals in arrival order, and the runnin
 when blocks run out is the one with the highest value (latest among equals), as in vLLM.
 A prompt longer than the remaining budget is prefilled in chunks over several steps, alongside
 the decodes of other requests (chunked prefill).
+
+Multimodal prompts: a step that schedules any of an image's placeholder tokens runs the vision encoder
+on the whole image (its output is cached for the chunks after). With `max_encoder_tokens_per_step`
+set, the images a step starts are bounded too: a chunk stops before the first image whose placeholder
+tokens would overflow what is left of that budget (an image larger than the whole budget runs alone
+in a step). A running request cut to nothing waits for the next step; a waiting one stops admission
+(FCFS), as a failed block allocation does.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        encoder = _EncoderBudget(self.config.max_encoder_tokens_per_step)
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
@@ -110,6 +118,11 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            if request.mm_inputs is not None and encoder.limited and computed < num_prompt:
+                num_new = encoder.fit(request, computed, num_new, fresh=False)
+                if num_new == 0:
+                    index += 1  # its next image waits for a step with encoder budget left
+                    continue
             num_blocks_before = len(request.block_ids)
             if computed + num_new > num_blocks_before * block_size:
                 while not self.block_manager.allocate(request, num_new):
@@ -140,7 +153,9 @@ class Scheduler:
             hits = self.block_manager.match_prefix(request)
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
-            if not self.block_manager.allocate(request, num_new):
+            if request.mm_inputs is not None and encoder.limited:
+                num_new = encoder.fit(request, hits, num_new, fresh=True)
+            if num_new == 0 or not self.block_manager.allocate(request, num_new):
                 self.block_manager.free(request)  # give back the prefix hits too
                 request.num_computed_tokens = 0
                 break
@@ -274,6 +289,32 @@ class Scheduler:
             self._runner_known.discard(request_id)
             self._finished_for_runner.add(request_id)
         return request
+
+
+class _EncoderBudget:
+    """Placeholder tokens of the multimodal items one step still may start encoding."""
+
+    def __init__(self, limit: int | None):
+        self.limited = limit is not None
+        self.limit = limit or 0
+        self.left = self.limit
+
+    def fit(self, request: Request, start: int, num_new: int, fresh: bool) -> int:
+        """How many of the `num_new` tokens from `start` fit, charging the items whose encoding they start.
+
+        An item that begins before `start` was encoded by an earlier chunk and is in the runner's encoder
+        cache, unless the request is `fresh` (admitted now: a prefix-cache hit may end inside an item,
+        whose encoder output is then computed in this step). Items are in prompt order."""
+        end = start + num_new
+        for item in request.mm_inputs.items:
+            if item.offset >= end:
+                break
+            if item.end <= start or (item.offset < start and not fresh):
+                continue
+            if item.length > self.left and self.left < self.limit:
+                return max(item.offset - start, 0)  # stop before it; a later step encodes it
+            self.left -= item.length  # (an item larger than the whole budget runs alone)
+        return num_new
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

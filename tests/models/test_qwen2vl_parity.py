@@ -251,3 +251,25 @@ def test_official_flat_config_and_renamed_weights_load_the_same_model(tiny_qwen2
     torch.testing.assert_close(
         engine.first_logits["r"], _hf_reference(hf_model, expanded, images, 1)[0], atol=1e-4, rtol=1e-4
     )
+
+
+def test_encoder_budget_keeps_outputs_and_bounds_each_encode(tiny_qwen2vl, hf_model):
+    """`max_encoder_tokens_per_step=24`: the requests' 24 + 4 + 24 + 4 placeholder tokens are spread over
+    several steps, no encoder call goes over 24 tokens (A's 24 alone at most), and the greedy tokens are
+    still transformers'."""
+    prompts = {name: (_prompt(b, imgs, [400, 401]), imgs) for name, (b, imgs) in CASES.items()}
+    prompts["again"] = (_prompt([305], [IMG_C, IMG_B], [402]), [IMG_C, IMG_B])
+    engine = Engine(tiny_qwen2vl, max_num_batched_tokens=256, max_encoder_tokens_per_step=24)
+    calls = []
+    encode = engine.engine.runner.model.encode
+
+    def counting(pixels, grids):
+        calls.append([t * h * w // 4 for t, h, w in grids])  # placeholder tokens (2x2 merge)
+        return encode(pixels, grids)
+
+    engine.engine.runner.model.encode = counting
+    tokens = engine.run(prompts, STEPS)
+    assert len(calls) >= 3 and all(sum(c) <= 24 for c in calls), calls
+    for name, (ids, imgs) in prompts.items():
+        expanded, _ = expand_prompt(ids, [("image", v) for v in imgs], PLACEHOLDERS, "test")
+        assert tokens[name] == _hf_reference(hf_model, expanded, imgs, STEPS)[1], name

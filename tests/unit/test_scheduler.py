@@ -17,9 +17,12 @@ from collections.abc import Callable
 
 import pytest
 
+import numpy as np
+
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.scheduler import Scheduler
+from pagoda.inputs import MultiModalInputs, MultiModalItem
 from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -99,6 +102,29 @@ class FakeRunner:
         return StepOutput(sampled)
 
 
+def naive_encoder_chunk(
+    request: Request, start: int, n_max: int, left: int, limit: int, fresh: bool
+) -> tuple[int, int]:
+    """The longest chunk [start, start + n) with n <= n_max whose newly started items fit `left`
+    placeholder tokens (or that starts a single item, when nothing was encoded yet this step), and
+    what is left after it. "Newly started": overlapping the chunk and beginning inside it, or any
+    overlapping item when the request is `fresh` (admitted now). Brute force over every n."""
+
+    def new_items(n: int) -> list:
+        return [
+            it
+            for it in request.mm_inputs.items
+            if it.offset < start + n and it.end > start and (fresh or it.offset >= start)
+        ]
+
+    for n in range(n_max, 0, -1):
+        items = new_items(n)
+        cost = sum(it.length for it in items)
+        if not items or cost <= left or (left == limit and len(items) == 1):
+            return n, left - cost
+    return 0, left
+
+
 class Harness:
     def __init__(
         self,
@@ -112,6 +138,7 @@ class Harness:
         eos=(EOS,),
         token_fn=None,
         scheduling_policy="fcfs",
+        max_encoder_tokens_per_step=None,
     ):
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -119,6 +146,7 @@ class Harness:
             max_model_len=max_model_len,
             async_scheduling=False,
             scheduling_policy=scheduling_policy,
+            max_encoder_tokens_per_step=max_encoder_tokens_per_step,
         )
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.config, self.bm, set(eos))
@@ -158,7 +186,19 @@ class Harness:
             k += 1
         P = [r for r in R if r.status is RequestStatus.PREEMPTED]
         kept = [r for r in R if r not in P]
-        assert [sched.requests[rid] for rid in S[:k]] == kept[:k]
+        # Chunk sizes of the running requests, replayed with the naive encoder-budget rule (0: skipped).
+        expected, budget, enc_left = {}, cfg.max_num_batched_tokens, cfg.max_encoder_tokens_per_step
+        for r in kept:
+            if budget <= 0:
+                break
+            computed_before, num_tokens, _ = before[r.request_id]
+            n = min(num_tokens - computed_before, budget)
+            if enc_left is not None and r.mm_inputs is not None:
+                n, enc_left = naive_encoder_chunk(r, computed_before, n, enc_left, cfg.max_encoder_tokens_per_step, False)
+            expected[r.request_id] = n
+            budget -= n
+        scheduled_running = [r for r in kept if expected.get(r.request_id, 0) > 0]
+        assert [sched.requests[rid] for rid in S[:k]] == scheduled_running
         admitted = [sched.requests[rid] for rid in S[k:]]
         assert admitted == W[: len(admitted)], "waiting requests must be admitted FCFS, after running ones"
         # Preemption: the most recently admitted running requests, then to the front of waiting.
@@ -170,7 +210,7 @@ class Harness:
             for r in P:
                 assert r.block_ids == [] and r.num_computed_tokens == 0
         assert list(sched.running) == kept + admitted
-        if k < len(kept):
+        if k < len(scheduled_running):
             assert so.total_num_scheduled_tokens == cfg.max_num_batched_tokens, "running request skipped"
         # Chunk sizes: all remaining tokens, cut to what is left of the budget.
         budget = cfg.max_num_batched_tokens
@@ -209,7 +249,12 @@ class Harness:
                 self.admission[rid] = self.counter
             starts[rid] = start
             n = so.num_scheduled_tokens[rid]
-            assert n == min(num_tokens - start, budget), f"{rid}: chunk {n} is not min(remaining, budget)"
+            want = min(num_tokens - start, budget)
+            if request in R:
+                want = expected[rid]
+            elif enc_left is not None and request.mm_inputs is not None:
+                want, enc_left = naive_encoder_chunk(request, start, want, enc_left, cfg.max_encoder_tokens_per_step, True)
+            assert n == want, f"{rid}: chunk {n} is not min(remaining, budget) cut by the encoder budget ({want})"
             budget -= n
             if start + n < request.num_prompt_tokens:
                 expect_chunks += 1
@@ -689,3 +734,110 @@ def test_priority_preempts_the_least_urgent_running_request():
     assert first_preempted is late and urgent.num_preemptions == 0
     for r in (late, urgent, mid):
         assert r.output_token_ids == [TOKEN] * 6
+
+
+# ---- the encoder budget (multimodal prompts) ------------------------------------------------------
+
+
+def mm_request(rid: str, prompt_len: int, items: list[tuple[int, int, bytes]], max_tokens: int = 3) -> Request:
+    """A prompt with multimodal items (offset, length, content) over placeholder-free token ids."""
+    request = make_request(rid, [(i * 7 + len(rid)) % 50 + 1 for i in range(prompt_len)], max_tokens)
+    request.mm_inputs = MultiModalInputs(
+        [
+            MultiModalItem("image", np.zeros(1, np.uint8), (1, 2, 2 * length), offset, length, content.ljust(16, b"."))
+            for offset, length, content in items
+        ],
+        np.zeros((3, prompt_len), np.int64),
+        0,
+    )
+    return request
+
+
+def started_items(h: Harness, so: SchedulerOutput, starts: dict[str, int]) -> list[int]:
+    """Lengths of the items whose first placeholder token is computed in this step."""
+    lengths = []
+    for rid, n in so.num_scheduled_tokens.items():
+        request = h.all_requests[rid]
+        if request.mm_inputs is not None:
+            lengths += [it.length for it in request.mm_inputs.items if starts[rid] <= it.offset < starts[rid] + n]
+    return lengths
+
+
+def run_recording_starts(h: Harness, requests: list[Request]) -> list[list[int]]:
+    for r in requests:
+        h.add(r)
+    per_step = []
+    while h.sched.has_unfinished():
+        starts = {rid: r.num_computed_tokens for rid, r in h.sched.requests.items()}
+        hits_unknown = {r.request_id for r in h.sched.waiting}
+        so = h.step()
+        for d in so.new_requests:  # admitted now: the step starts at its prefix hit
+            starts[d.request_id] = d.num_computed_tokens
+        assert all(rid not in hits_unknown or rid in starts for rid in so.num_scheduled_tokens)
+        per_step.append(started_items(h, so, starts))
+    h.drain()
+    return per_step
+
+
+def test_encoder_budget_bounds_the_images_a_step_starts():
+    requests = [mm_request(f"r{i}", 40, [(4, 12, b"a%d" % i), (20, 12, b"b%d" % i)]) for i in range(4)]
+    h = Harness(num_blocks=128, max_num_batched_tokens=128, max_encoder_tokens_per_step=24)
+    per_step = run_recording_starts(h, requests)
+    assert all(sum(step) <= 24 for step in per_step)
+    assert sorted(length for step in per_step for length in step) == [12] * 8  # every image once
+    # Without the limit the first step starts all eight (the token budget holds 3 of 4 prompts).
+    h = Harness(num_blocks=128, max_num_batched_tokens=128)
+    requests = [mm_request(f"r{i}", 40, [(4, 12, b"a%d" % i), (20, 12, b"b%d" % i)]) for i in range(4)]
+    assert sum(run_recording_starts(h, requests)[0]) > 24
+
+
+def test_an_item_larger_than_the_budget_runs_alone():
+    requests = [mm_request("big", 50, [(2, 30, b"big")]), mm_request("small", 20, [(2, 6, b"small")])]
+    h = Harness(num_blocks=128, max_num_batched_tokens=128, max_encoder_tokens_per_step=8)
+    per_step = run_recording_starts(h, requests)
+    assert [30] in per_step and [6] in per_step and all(len(step) <= 1 for step in per_step)
+
+
+def test_decodes_keep_going_while_images_wait_for_encoder_budget():
+    h = Harness(num_blocks=256, max_num_batched_tokens=256, max_encoder_tokens_per_step=16)
+    text = make_request("text", list(range(1, 9)), max_tokens=12)
+    h.add(text)
+    h.step()
+    for i in range(6):
+        h.add(mm_request(f"img{i}", 30, [(2, 16, b"i%d" % i)]))
+    while not text.status.is_finished:
+        so = h.step()
+        assert "text" in so.num_scheduled_tokens, "the running text request waited for the images"
+    h.run()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_encoder_budget_random_workloads(seed):
+    """Random prompts with images (some repeated, so prefix hits may end inside one), random limits and
+    budgets, preemption from a small pool: every step matches the naive rule (Harness.step) and every
+    request finishes with its tokens."""
+    rng = random.Random(seed)
+    limit = rng.choice([4, 10, 24, 64])
+    h = Harness(
+        num_blocks=rng.choice([24, 48, 96]),
+        block_size=4,
+        max_num_batched_tokens=rng.choice([16, 40, 96]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_encoder_tokens_per_step=limit,
+    )
+    arrivals: dict[int, list[Request]] = {}
+    for i in range(10):
+        prompt_len = rng.randint(12, 60)
+        items, pos = [], rng.randint(0, 6)
+        while pos < prompt_len - 4 and len(items) < 3:
+            length = min(rng.randint(2, 20), prompt_len - pos - 1)
+            items.append((pos, length, b"img%d" % rng.randint(0, 3)))
+            pos += length + rng.randint(0, 8)
+        request = mm_request(f"q{i}", prompt_len, items, max_tokens=rng.randint(1, 6))
+        if i % 3 == 0:  # the same prompt again: its image blocks hit the prefix cache
+            request.prompt_token_ids = list(arrivals.get(0, [request])[0].prompt_token_ids[:prompt_len])
+            request.prompt_token_ids += [1] * (prompt_len - len(request.prompt_token_ids))
+        arrivals.setdefault(rng.randint(0, 8), []).append(request)
+    h.run(arrivals)
+    for r in h.all_requests.values():
+        assert r.num_output_tokens == r.max_tokens or finish_reason(r) == "stop"
