@@ -15,9 +15,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-import pytest
-
 import numpy as np
+import pytest
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.block_manager import BlockManager
@@ -194,7 +193,9 @@ class Harness:
             computed_before, num_tokens, _ = before[r.request_id]
             n = min(num_tokens - computed_before, budget)
             if enc_left is not None and r.mm_inputs is not None:
-                n, enc_left = naive_encoder_chunk(r, computed_before, n, enc_left, cfg.max_encoder_tokens_per_step, False)
+                n, enc_left = naive_encoder_chunk(
+                    r, computed_before, n, enc_left, cfg.max_encoder_tokens_per_step, False
+                )
             expected[r.request_id] = n
             budget -= n
         scheduled_running = [r for r in kept if expected.get(r.request_id, 0) > 0]
@@ -253,7 +254,9 @@ class Harness:
             if request in R:
                 want = expected[rid]
             elif enc_left is not None and request.mm_inputs is not None:
-                want, enc_left = naive_encoder_chunk(request, start, want, enc_left, cfg.max_encoder_tokens_per_step, True)
+                want, enc_left = naive_encoder_chunk(
+                    request, start, want, enc_left, cfg.max_encoder_tokens_per_step, True
+                )
             assert n == want, f"{rid}: chunk {n} is not min(remaining, budget) cut by the encoder budget ({want})"
             budget -= n
             if start + n < request.num_prompt_tokens:
