@@ -1,9 +1,11 @@
 """Every environment variable Pagoda reads, declared once: its name, type, default and what it changes.
 
 Nothing else in the package reads `os.environ` for these names; the launcher (`pagoda/launch/`) only
-*sets* variables for its children (PROMETHEUS_MULTIPROC_DIR). Each switch is read when it is asked for
-(`envs.PDL.value`), so tests and benchmarks can flip it per process. The fast-path switches are the A/B
-switches of `docs/performance.md`'s fast-path table: each row there names the benchmark that shows its gain.
+*sets* variables for its children (PROMETHEUS_MULTIPROC_DIR). `Env.value` reads the environment each time
+it is asked, but most users of a switch ask once and keep the answer for the life of the process
+(`once=True` below: set it before the process starts; a test flips it in a subprocess or by
+monkeypatching the cached decision). The fast-path switches are the A/B switches of
+`docs/performance.md`'s fast-path table: each row there names the benchmark that shows its gain.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class Env:
     kind: type  # bool | str | float
     default: Any
     doc: str  # what it is for; for a switch, what "0" turns off
+    once: bool = False  # its users decide once per process (the first use or startup) and keep the answer
 
     @property
     def value(self) -> Any:
@@ -40,20 +43,27 @@ FUSED_OPS = Env(
     True,
     "the fused Triton norm/rotary/activation/LF kernels (kernels/rms_norm.py, rotary.py, activation.py, "
     "localized_filter.py); 0: the PyTorch ops",
+    once=True,
 )
-GEMV = Env("PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS")
+GEMV = Env(
+    "PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS", once=True
+)
 GREEDY_KERNEL = Env(
     "PAGODA_GREEDY_KERNEL",
     bool,
     True,
     "the fused greedy argmax over the vocabulary (kernels/greedy.py); 0: torch.argmax",
+    once=True,
 )
-PDL = Env("PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)")
+PDL = Env(
+    "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
+)
 MIXED_STEP_GRAPHS = Env(
     "PAGODA_MIXED_STEP_GRAPHS",
     bool,
     True,
     "CUDA graphs for steps that mix prefill chunks and decode rows (worker/cuda_graphs.py); 0: such steps run eagerly",
+    once=True,
 )
 LF_TERMS = Env(
     "PAGODA_LF_TERMS",
@@ -61,6 +71,7 @@ LF_TERMS = Env(
     True,
     "Yuan2: the LF convolutions' previous-token terms computed a layer ahead on a side stream "
     "(models/yuan.py); 0: computed in each layer",
+    once=True,
 )
 
 # ---- settings
@@ -131,6 +142,7 @@ TRITON_INTERPRET = Env(
     bool,
     False,
     "Triton's CPU interpreter: the kernels run on the CPU (tests), so GPU-only paths stay off",
+    once=True,
 )
 RAY_ADDRESS = Env("RAY_ADDRESS", str, "auto", "the Ray cluster `--distributed-executor-backend ray` joins")
 CUDA_VISIBLE_DEVICES = Env("CUDA_VISIBLE_DEVICES", str, None, "which GPUs this process sees (reported by doctor)")
