@@ -51,6 +51,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models.base import CausalLM, ModelCapabilities
 
 # Decode steps up to this many rows overlap v_proj with the LF gate: it helps at batch 1, is neutral at
 # 64 and slows the batch-256 step, where one matmul already fills the GPU (benchmarks/h200.py: c=1 TPOT
@@ -326,7 +327,7 @@ class YuanModel(nn.Module):
         return Branch(gate.previous_token_terms, step.state.slots, lane=LF_TERMS_LANE)
 
 
-class YuanForCausalLM(nn.Module):
+class YuanForCausalLM(CausalLM):
     """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; needs `step.state` (LF slots)."""
 
     packed_modules_mapping = {
@@ -340,7 +341,7 @@ class YuanForCausalLM(nn.Module):
         super().__init__()
         self.shape = YuanShape(cfg)
         # The expert loop reads the chosen experts on the host (a sync): no CUDA-graph capture for MoE.
-        self.supports_cuda_graphs = not self.shape.use_moe
+        self.capabilities = ModelCapabilities(stateful=True, cuda_graphs=not self.shape.use_moe)
         # The config class defaults to tied embeddings; the checkpoints store an identical lm_head.
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
@@ -348,21 +349,8 @@ class YuanForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], self.shape.hidden)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        return self.model(input_ids, positions, step)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def sequence_state_layers(self) -> list[LocalizedFilter]:
         """Layers that keep per-sequence state beside the KV cache (the runner binds their slots)."""
