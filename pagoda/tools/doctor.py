@@ -38,6 +38,7 @@ from pagoda.config.quantization import resolve_quantization
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError, ModelLoadError, PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template, template_folder
+from pagoda.models.families import YUAN2, family_of
 from pagoda.tools import checksums
 
 Status = Literal["ok", "warn", "FAIL"]
@@ -85,7 +86,6 @@ _OTHER_FILES = (
     _SAFETENSORS_INDEX,
     "pytorch_model.bin.index.json",
 )
-_YUAN_SPECIAL_IDS = {"<eod>": 77185, "<sep>": 77187}
 _DISK_FACTOR = 1.5
 _SHM_MIN_BYTES = 1 << 30
 _GIB = 1 << 30
@@ -986,8 +986,9 @@ def _check_special_tokens(state: _State) -> Check:
 
 
 def _check_yuan_tokens(tok: Any) -> Check:
-    got = {token: tok.convert_tokens_to_ids(token) for token in _YUAN_SPECIAL_IDS}
-    wrong = [f"{t} → {got[t]} (expected {want})" for t, want in _YUAN_SPECIAL_IDS.items() if got[t] != want]
+    expected = YUAN2.special_token_ids  # `models/families.py`
+    got = {token: tok.convert_tokens_to_ids(token) for token in expected}
+    wrong = [f"{t} → {got[t]} (expected {want})" for t, want in expected.items() if got[t] != want]
     if wrong:
         return Check(
             "yuan tokens",
@@ -1260,9 +1261,7 @@ def _positive_int(value: Any) -> bool:
 
 
 def _is_yuan(cfg: dict[str, Any]) -> bool:
-    from pagoda.frontend.tokenizer import is_yuan  # lazy: torch (`pagoda` starts without it)
-
-    return is_yuan(cfg)
+    return family_of(cfg) is YUAN2
 
 
 def _is_qwen2_vl(cfg: dict[str, Any]) -> bool:
