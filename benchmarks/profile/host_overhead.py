@@ -133,7 +133,7 @@ def instrument(engine, timer: Timer) -> None:
     engine.output_processor.process = timer.wrap("process", engine.output_processor.process)
     # The runner's step: launch() (inputs, forward, sampling queued) + PendingStep.result() (tokens read
     # back and appended); the engine calls the two, in order without async scheduling (the CPU default).
-    from pagoda.worker.model_runner import PendingStep
+    from pagoda.worker.pending_step import PendingStep
 
     runner.launch = timer.wrap("execute", runner.launch)
     original = PendingStep.__dict__.get("_unwrapped_result", PendingStep.result)  # one wrap per config
