@@ -131,3 +131,21 @@ def test_mixed_step_and_its_padding():
     ends = [2, 6, 10, 14, 18]
     assert h["snap"][0, :6].tolist() == [*ends, t] and h["snap"][1, :6].tolist() == [1, 2, 3, 4, 5, 0]
     assert (h["snap"][0, 6:] == t).all() and (h["snap"][1, 6:] == 0).all()
+
+
+def test_the_flag_reaches_the_engine_config():
+    import argparse
+
+    import pytest
+
+    from pagoda.cli.args import add_engine_args, engine_args_from
+    from pagoda.config import EngineConfig
+    from pagoda.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--max-cudagraph-capture-size", "64", "--device", "cpu"]))
+    assert EngineConfig.create(args).device.max_cudagraph_capture_size == 64
+    assert engine_args_from(parser.parse_args([])).max_cudagraph_capture_size is None  # default: no cap
+    with pytest.raises(ConfigError, match="max_cudagraph_capture_size must be >= 1"):
+        EngineConfig.create(engine_args_from(parser.parse_args(["--max-cudagraph-capture-size", "0"])))
