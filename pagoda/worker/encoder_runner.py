@@ -15,7 +15,8 @@ from torch import nn
 
 from pagoda.device_copy import to_device
 from pagoda.worker.encoder_cache import EncoderCache
-from pagoda.worker.step_inputs import RunnerRequestState, StepInputs
+from pagoda.worker.request_states import RunnerRequestState
+from pagoda.worker.step_inputs import StepInputs
 
 
 class EncoderRunner:

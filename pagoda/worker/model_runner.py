@@ -38,9 +38,9 @@ from pagoda.worker.graph_runner import GraphRunner, GraphSpec
 from pagoda.worker.kv_cache import allocate_kv_caches, log_fp8_scales, zero_blocks
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.pending_step import NO_TOKENS, PendingStep
-from pagoda.worker.request_states import RequestStates
+from pagoda.worker.request_states import RequestStates, RunnerRequestState
 from pagoda.worker.state_slots import StateSlotPool
-from pagoda.worker.step_inputs import RunnerRequestState, StepInputs, StepInputsBuilder
+from pagoda.worker.step_inputs import StepInputs, StepInputsBuilder
 
 logger = logging.getLogger(__name__)
 

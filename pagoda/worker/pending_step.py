@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.outputs import StepOutput, TokenLogprobs
-from pagoda.worker.step_inputs import RunnerRequestState
+from pagoda.worker.request_states import RunnerRequestState
 
 
 class PendingStep:

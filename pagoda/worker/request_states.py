@@ -8,12 +8,30 @@ ends it with an error and the step runs without it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from pagoda.inputs import MultiModalInputs
 from pagoda.layers.sampler import SamplingState
 from pagoda.outputs import SchedulerOutput
+from pagoda.sampling_params import SamplingParams
 from pagoda.worker.state_slots import StateSlotPool
-from pagoda.worker.step_inputs import RunnerRequestState
+
+
+@dataclass
+class RunnerRequestState:
+    token_ids: list[int]  # prompt + outputs sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None  # per-request RNG when the request has a seed
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # per-sequence state slot while running (stateful models)
+    mm_inputs: MultiModalInputs | None = None  # images/videos and M-RoPE positions (multimodal models)
+    num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
+    pending_row: int = -1  # the newest one's row in the last launched step's samples
 
 
 class RequestStates:

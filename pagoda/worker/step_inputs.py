@@ -12,29 +12,13 @@ placeholder on the device, so the host never waits for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagoda.device_copy import to_device
-from pagoda.inputs import MultiModalInputs
-from pagoda.sampling_params import SamplingParams
-
-
-@dataclass
-class RunnerRequestState:
-    token_ids: list[int]  # prompt + outputs sampled so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    generator: torch.Generator | None  # per-request RNG when the request has a seed
-    num_computed_tokens: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    state_slot: int | None = None  # per-sequence state slot while running (stateful models)
-    mm_inputs: MultiModalInputs | None = None  # images/videos and M-RoPE positions (multimodal models)
-    num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
-    pending_row: int = -1  # the newest one's row in the last launched step's samples
+from pagoda.worker.request_states import RunnerRequestState
 
 
 @dataclass

@@ -12,7 +12,8 @@ import torch
 
 from pagoda.inputs import MultiModalInputs, MultiModalItem
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.step_inputs import RunnerRequestState, StepInputsBuilder
+from pagoda.worker.request_states import RunnerRequestState
+from pagoda.worker.step_inputs import StepInputsBuilder
 
 BS = 4
 
