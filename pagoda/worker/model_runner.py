@@ -224,7 +224,12 @@ class ModelRunner:
             logits = self._run_model(inputs, states)
             for s, n in zip(states, inputs.seq_lens.tolist()):
                 s.num_computed_tokens = n
-            return self._sample(request_ids, states, inputs.sample_rows, logits)
+            if logits is None:  # no row reached the end of its known tokens
+                return PendingStep([], [], done=NO_TOKENS)
+            if len(inputs.sample_rows) < len(request_ids):
+                rows = inputs.sample_rows.tolist()
+                request_ids, states = [request_ids[i] for i in rows], [states[i] for i in rows]
+            return self._sample(request_ids, states, logits)
 
     def _prepare(self, so: SchedulerOutput) -> tuple[list[str], list[RunnerRequestState], StepInputs] | None:
         """Apply the scheduler's diff; the step's rows, their states and its inputs (None: no rows)."""
@@ -290,14 +295,8 @@ class ModelRunner:
             ids.index_copy_(0, *inputs.late_tokens)
         return self.model(ids, torch.from_numpy(inputs.positions).to(dev), attn)
 
-    def _sample(
-        self, request_ids: list[str], states: list[RunnerRequestState], rows: np.ndarray, logits: torch.Tensor | None
-    ) -> PendingStep:
-        """Sample `rows` (logits [len(rows), V]); queue their tokens' copy to the host."""
-        if logits is None:
-            return PendingStep([], [], done=NO_TOKENS)
-        if len(rows) < len(request_ids):
-            request_ids, states = [request_ids[i] for i in rows.tolist()], [states[i] for i in rows.tolist()]
+    def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
+        """Sample the rows that sample (logits [S, V]); queue their tokens' copy to the host."""
         # The batch counts tokens still in flight too (min_tokens; the penalties' device history
         # already holds them), so sampling never waits for the step before.
         if tp_world_size() > 1 and not is_driver():
