@@ -62,7 +62,7 @@ MIXED_STEP_GRAPHS = Env(
     "PAGODA_MIXED_STEP_GRAPHS",
     bool,
     True,
-    "CUDA graphs for steps that mix prefill chunks and decode rows (worker/cuda_graphs.py); 0: such steps run eagerly",
+    "CUDA graphs for steps that mix prefill chunks and decode rows (worker/graph_runner.py); 0: such steps run eagerly",
     once=True,
 )
 LF_TERMS = Env(

@@ -47,6 +47,10 @@ class SchedulerOutput:
     # Requests preempted while building this step (none of them is scheduled in it): the runner
     # frees their per-sequence state slots; they come back later as `resumed` and recompute.
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Scheduled requests whose step reaches the end of their known tokens (computed + scheduled ==
+    # prompt + outputs, pending ones included): they sample a token this step; the others are in the
+    # middle of a chunked prefill. Decided by the scheduler only; the runner samples exactly these.
+    sampling_request_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

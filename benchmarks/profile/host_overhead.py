@@ -29,7 +29,7 @@ top_p 0.95), rep+detok (greedy, repetition_penalty 1.05: Qwen2-VL's default), se
 tokenizer loaded, but requests added with detokenize=False: the server's case for requests without
 stop strings, whose text the API process decodes).
 --decode-graphs sends decode steps through the runner's CUDA-graph input path (static buffers,
-`worker/cuda_graphs.py`) with the replay stubbed by fixed random logits: prep is then the host work
+`worker/graph_runner.py`) with the replay stubbed by fixed random logits: prep is then the host work
 of a graph step as on the GPU machine.
 --profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
 compute included: read the host rows).
@@ -133,7 +133,7 @@ def instrument(engine, timer: Timer) -> None:
     engine.output_processor.process = timer.wrap("process", engine.output_processor.process)
     # The runner's step: launch() (inputs, forward, sampling queued) + PendingStep.result() (tokens read
     # back and appended); the engine calls the two, in order without async scheduling (the CPU default).
-    from pagoda.worker.model_runner import PendingStep
+    from pagoda.worker.pending_step import PendingStep
 
     runner.launch = timer.wrap("execute", runner.launch)
     original = PendingStep.__dict__.get("_unwrapped_result", PendingStep.result)  # one wrap per config
@@ -159,24 +159,24 @@ def instrument(engine, timer: Timer) -> None:
 
 
 def use_decode_graph_path(runner) -> None:
-    """Send pure decode steps through the runner's CUDA-graph input path (`worker/cuda_graphs.py`,
+    """Send pure decode steps through the runner's CUDA-graph input path (`worker/graph_runner.py`,
     static buffers, capture=False on the CPU) with the replay itself stubbed: it returns one of a few
     fixed random logits tensors, standing in for the GPU work of the captured forward. What is timed
     as prep is then exactly the host work a graph step has on the GPU machine."""
     from pagoda.layers.triton_attention import TritonAttentionBackend
 
     runner.backend = TritonAttentionBackend()  # graphs need it; no kernel runs (replay is stubbed)
-    runner.enable_decode_graphs(capture=False)
-    graphs = runner.decode_graphs
+    runner.enable_cuda_graphs(capture=False)
+    graphs = runner.graphs
     gen = torch.Generator().manual_seed(0)
-    bank = [torch.randn(graphs.max_rows, runner.vocab_size, generator=gen) * 4 for _ in range(3)]
+    bank = [torch.randn(graphs.spec.num_rows, runner.vocab_size, generator=gen) * 4 for _ in range(3)]
     calls = [0]
 
-    def replay(b, attn):
+    def replay(kind, b, attn):
         calls[0] += 1
         return bank[calls[0] % len(bank)][:b]
 
-    graphs._attention = lambda b: None  # built once at capture on the GPU, not per step
+    graphs._attention = lambda kind, b: None  # built once at capture on the GPU, not per step
     graphs._forward = replay
 
 
@@ -209,7 +209,7 @@ def run_config(
     timer = Timer()
     instrument(engine, timer)
     if decode_graphs:
-        graphs = engine.runner.decode_graphs
+        graphs = engine.runner.graphs
         graphs._forward = timer.wrap("forward", graphs._forward)
     samples: list[dict[str, float]] = []
     prof = cProfile.Profile() if profile else None

@@ -151,7 +151,7 @@ IGNORED: tuple[tuple[str, str], ...] = (
     (
         "CUDA graph capture sizes and compile levels: Pagoda captures its own decode graphs (--enforce-eager "
         "turns them off)",
-        "--compilation-config -O --cudagraph-capture-sizes+ --cuda-graph-sizes+ --max-cudagraph-capture-size "
+        "--compilation-config -O --cudagraph-capture-sizes+ --cuda-graph-sizes+ "
         "--max-seq-len-to-capture --optimization-level",
     ),
     (

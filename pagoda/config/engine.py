@@ -105,6 +105,12 @@ class EngineArgs:
     enforce_eager: bool = knob(
         False, "never capture CUDA graphs: run every decode step eagerly (slower; for debugging)"
     )
+    max_cudagraph_capture_size: int | None = knob(
+        None,
+        "largest step replayed from a CUDA graph: decode steps of up to this many requests and mixed steps needing "
+        "a graph of up to this many tokens; larger steps run eagerly, and fewer graphs are captured at startup "
+        "(default: decode steps up to --max-num-seqs, mixed steps up to 2048 tokens)",
+    )
     async_scheduling: bool | None = knob(
         None,
         "schedule and launch the next step while the GPU runs the current one (default: on with CUDA, off on the "
@@ -188,6 +194,7 @@ class DeviceConfig:
     device: str  # resolved: "cpu" or "cuda"
     attention_backend: str  # resolved: "torch" or "triton"
     cuda_graphs: bool  # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
+    max_cudagraph_capture_size: int | None  # the largest graph captured (rows / tokens); None: no cap
 
 
 S = TypeVar("S", bound="DataclassInstance")
@@ -223,6 +230,11 @@ class EngineConfig:
             a.max_encoder_tokens_per_step is None or a.max_encoder_tokens_per_step >= 1,
             "max_encoder_tokens_per_step",
             f"max_encoder_tokens_per_step must be >= 1, got {a.max_encoder_tokens_per_step}",
+        )
+        _check(
+            a.max_cudagraph_capture_size is None or a.max_cudagraph_capture_size >= 1,
+            "max_cudagraph_capture_size",
+            f"max_cudagraph_capture_size must be >= 1, got {a.max_cudagraph_capture_size}",
         )
         utilization = resolve_gpu_memory_utilization(a.gpu_memory_utilization)
         _check(
@@ -289,7 +301,7 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
             ),
-            device=_device_config(device, a.attention_backend, a.enforce_eager),
+            device=_device_config(device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size),
             parallel=_section(ParallelConfig, a),
         )
 
@@ -393,7 +405,9 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _device_config(device: str, attention_backend: str, enforce_eager: bool) -> DeviceConfig:
+def _device_config(
+    device: str, attention_backend: str, enforce_eager: bool, max_cudagraph_capture_size: int | None
+) -> DeviceConfig:
     backend = _resolve_attention_backend(attention_backend, device)
     # Graph capture needs a backend whose per-layer work has fixed shapes and no host syncs: the
     # Triton kernels (the PyTorch backend gathers a per-step number of blocks).
@@ -401,6 +415,7 @@ def _device_config(device: str, attention_backend: str, enforce_eager: bool) -> 
         device=device,
         attention_backend=backend,
         cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager,
+        max_cudagraph_capture_size=max_cudagraph_capture_size,
     )
 
 

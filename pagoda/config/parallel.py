@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_YUAN = "YuanForCausalLM"
+from pagoda.models.families import family_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,11 +45,6 @@ def _positive_int(value: Any) -> int | None:
     return value
 
 
-def _is_yuan_moe(cfg: dict[str, Any]) -> bool:
-    moe = cfg.get("moe_config") or {}
-    return bool(cfg.get("use_moe")) or int(moe.get("moe_num_experts") or 0) > 0  # models/yuan.py YuanShape
-
-
 def tensor_parallel_problems(hf_config: dict[str, Any], n: int) -> list[str]:
     """Every reason tensor parallel size `n` does not fit this model, each phrased for a user; [] when it fits.
 
@@ -61,7 +56,6 @@ def tensor_parallel_problems(hf_config: dict[str, Any], n: int) -> list[str]:
     if n == 1:
         return []
     cfg = _text_fields(hf_config)
-    architectures = hf_config.get("architectures") or []
     problems = []
     heads = _positive_int(cfg.get("num_attention_heads"))
     if heads is None:
@@ -74,14 +68,10 @@ def tensor_parallel_problems(hf_config: dict[str, Any], n: int) -> list[str]:
             problems.append(
                 f"{kv} KV heads do not divide by {n}, and {n} is not a multiple of {kv} (to replicate them)"
             )
-    if _YUAN in architectures and _is_yuan_moe(cfg):
-        ffn = _positive_int((cfg.get("moe_config") or {}).get("ffn_hidden_size"))
-        if ffn is not None and ffn % n:
-            problems.append(f"the experts' FFN size {ffn} (moe_config.ffn_hidden_size) does not divide by {n}")
-    else:
-        intermediate = _positive_int(cfg.get("intermediate_size"))
-        if intermediate is not None and intermediate % n:
-            problems.append(f"intermediate size {intermediate} does not divide by {n}")
+    size, phrase = family_of(hf_config).mlp_split(cfg)  # the MLP dimension the ranks split
+    size = _positive_int(size)
+    if size is not None and size % n:
+        problems.append(f"{phrase.format(size)} does not divide by {n}")
     vocab = _positive_int(cfg.get("vocab_size"))
     if vocab is not None and vocab % n:
         problems.append(f"vocab size {vocab} does not divide by {n}")

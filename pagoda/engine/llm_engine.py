@@ -35,7 +35,7 @@ from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import memory
-from pagoda.worker.model_runner import PendingStep
+from pagoda.worker.pending_step import PendingStep
 from pagoda.worker.tensor_parallel import make_runner
 
 logger = logging.getLogger("pagoda")
@@ -70,7 +70,7 @@ class LLMEngine:
         self.runner.initialize_kv_cache(self.kv_layout)
         self.runner.warm_up_attention()
         if config.device.cuda_graphs:
-            self.runner.enable_decode_graphs()
+            self.runner.enable_cuda_graphs()
         self.block_manager = BlockManager(
             self.kv_layout.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )

@@ -97,6 +97,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
+        sampling: set[str] = set()  # requests that sample this step
         preempted = False
         self._preempted_for_runner = set()
 
@@ -143,6 +144,7 @@ class Scheduler:
             request.num_computed_tokens = computed + num_new
             if computed + num_new == total:
                 request.num_pending += 1  # this step samples its next token
+                sampling.add(request.request_id)
             budget -= num_new
             index += 1
 
@@ -189,11 +191,14 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending += 1
+                sampling.add(request.request_id)
             budget -= num_new
 
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1
-        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner)
+        return SchedulerOutput(
+            new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling
+        )
 
     def _note_chunk(self, request: Request, num_new: int) -> None:
         if request.num_computed_tokens + num_new < request.num_prompt_tokens:

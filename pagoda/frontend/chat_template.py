@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.models.families import FAMILIES, family_of
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -200,35 +201,19 @@ def template_folder(tokenizer_path: str | None, location: str) -> str:
 
 
 def template_family(hf_config: dict[str, Any]) -> str | None:
-    """The chat format a model family is trained on, where Pagoda knows it."""
-    from pagoda.frontend.tokenizer import is_yuan  # lazy: torch (the tokenizer module loads it)
-
-    if is_yuan(hf_config):
-        return "Yuan2"
-    names = [str(hf_config.get("model_type") or "")] + [str(a) for a in hf_config.get("architectures") or []]
-    if any(name.lower().startswith("qwen") for name in names):
-        return "Qwen"
-    return None
+    """The family whose chat format the model is trained on, where Pagoda knows it (`models/families.py`)."""
+    family = family_of(hf_config)
+    return family.name if family.chat_format is not None else None
 
 
 def family_mismatch(family: str | None, rendered: str) -> str | None:
     """How `rendered` (the PROBE conversation with a generation prompt) departs from the family's
-    format, or None when it has it."""
+    format, or None when it has it (or the family's format is not known)."""
+    known = FAMILIES.get(family) if family else None
+    if known is None or known.renders_chat is None:
+        return None
     u1, a1, u2 = (m["content"] for m in PROBE)
-    if family == "Yuan2":
-        if f"{u1}<n>{a1}<n>{u2}" in rendered and rendered.endswith(f"{u2}<sep>"):
-            return None
-        return "the Yuan2 chat format (turns joined by the text <n>, the prompt ending in <sep>)"
-    if family == "Qwen":
-        if (
-            f"<|im_start|>user\n{u1}" in rendered
-            and f"<|im_start|>assistant\n{a1}" in rendered
-            and f"<|im_start|>user\n{u2}" in rendered
-            and rendered.endswith("<|im_start|>assistant\n")
-        ):
-            return None
-        return "the Qwen chat format (<|im_start|>role\\n ... <|im_end|> turns, ending in <|im_start|>assistant\\n)"
-    return None
+    return None if known.renders_chat(rendered, u1, a1, u2) else known.chat_format
 
 
 def inspect_chat_template(
@@ -274,9 +259,9 @@ def inspect_chat_template(
     fix = None
     if mismatch:
         fix = (
-            f"remove the template from {model_file} (Pagoda then uses its built-in Yuan2 format), or pass "
+            f"remove the template from {model_file} (Pagoda then uses its built-in {family} format), or pass "
             "--chat-template <file>"
-            if family == "Yuan2" and model_file
+            if family is not None and FAMILIES[family].own_tokenizer and model_file
             else f"pass --chat-template with the model's own ({family}) template"
         )
     elif not all(m["content"] in rendered for m in PROBE):

@@ -11,6 +11,7 @@ from typing import Any
 import huggingface_hub
 
 from pagoda.errors import ModelLoadError
+from pagoda.models.families import family_of
 from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
 from pagoda.models.source import ModelSource
 
@@ -28,7 +29,7 @@ class TokenizerInfo:
 def load_tokenizer(source: ModelSource, tokenizer_path: str, trust_remote_code: bool = False) -> Any:
     if source.kind == "gguf" and tokenizer_path == source.location:
         return load_gguf_tokenizer(source.location)
-    if is_yuan(source.hf_config):
+    if family_of(source.hf_config).own_tokenizer:
         return _load_yuan(tokenizer_path)
     from transformers import AutoTokenizer  # lazy: transformers
 
@@ -65,10 +66,6 @@ def _processor_chat_template(folder: str) -> str | None:
         with open(path, encoding="utf-8") as f:
             return f.read() or None
     return None
-
-
-def is_yuan(hf_config: dict[str, Any]) -> bool:
-    return hf_config.get("model_type") == "yuan" or "YuanForCausalLM" in (hf_config.get("architectures") or [])
 
 
 def _load_yuan(tokenizer_path: str) -> Any:

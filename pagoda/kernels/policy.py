@@ -40,6 +40,6 @@ PDL_MAX_ROWS = 64
 SIDE_STREAM_MAX_ROWS = 32
 
 # Mixed steps (prefill chunks + decodes) are replayed from CUDA graphs in token buckets up to this many
-# tokens (`worker/cuda_graphs.py`); larger steps are prefill-heavy, and their GPU time hides the host's
+# tokens (`worker/graph_runner.py`); larger steps are prefill-heavy, and their GPU time hides the host's
 # launch time anyway.
 MIXED_GRAPH_MAX_TOKENS = 2048

@@ -8,7 +8,7 @@ tile list. `forward` then runs per layer with no host-device sync and no Python 
 captured in a CUDA graph later; for that, fix the split count (`decode_splits`), since the rule
 depends on the step's longest sequence, and copy the step's values into static buffers (padding
 rows: seq_len 0 gives zeros, slot -1 stores nothing) — `decode_metadata` builds the metadata over
-such buffers (`pagoda/worker/cuda_graphs.py`).
+such buffers (`pagoda/worker/graph_runner.py`).
 
 Numerics match `TorchAttentionBackend` (fp32 softmax, fp32 accumulation), except that the kernels
 never read cache slots at or past a row's length, so they do not rely on blocks being zeroed. An fp8

@@ -24,6 +24,7 @@ from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -107,7 +108,7 @@ class LlamaModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; `compute_logits` → [N, V] (the
     whole vocabulary, on every tensor-parallel rank)."""
 
@@ -127,24 +128,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, positions, self.qkv_bias)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def skip_weight(self, name: str) -> bool:
-        """Checkpoint entries with no parameter here (rotary buffers, a duplicate tied head)."""
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -26,6 +26,7 @@ from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader, loader_reads_shards, read_weight
 from pagoda.layers.quantization import UNUSED_LEAVES, process_after_loading, quantize_linear_layers
+from pagoda.models.base import CausalLM
 from pagoda.models.quantized_checkpoint import tensor_quantization
 from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
@@ -127,12 +128,12 @@ class WeightRouter:
     """Checkpoint names → parameters of a model, the one routing shared by loading and by
     `pagoda doctor` (which dry-runs it on a meta-device model against the safetensors headers)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: CausalLM):
         self.model = model
         self.params = dict(model.named_parameters())
         self.modules = dict(model.named_modules())
-        self.mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
-        self.rename = getattr(model, "map_weight_name", lambda n: n)
+        self.mapping: dict[str, tuple[str, str]] = model.packed_modules_mapping  # `models/base.py`
+        self.rename = model.map_weight_name
         self.loaded: set[str] = set()
         self.quantized = any(getattr(m, "quant", None) is not None for m in self.modules.values())
 
@@ -193,7 +194,7 @@ def _set_kv_scales(model: nn.Module, scales: dict[str, dict[str, float]]) -> Non
         )
 
 
-def load_weights(model: nn.Module, source: ModelSource) -> None:
+def load_weights(model: CausalLM, source: ModelSource) -> None:
     router = WeightRouter(model)
     kv_scales: dict[str, dict[str, float]] = {}
     for name, tensor in source.iter_weights():

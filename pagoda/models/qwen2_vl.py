@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from pagoda.errors import ModelLoadError
-from pagoda.layers.attention import Attention, StepAttention
+from pagoda.layers.attention import StepAttention
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models.base import CausalLM, ModelCapabilities
 from pagoda.models.llama import LlamaDecoderLayer
 from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
 
@@ -86,12 +87,12 @@ class Qwen2VLTextModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(CausalLM):
     """input_ids [T], positions [T] (+ step.mrope_positions [3, T], step.mm_embeds) → hidden [T, H].
 
     `encode(pixel_values, grid_thw)` runs the vision tower for whole items (never a part of one)."""
 
-    uses_mrope = True
+    capabilities = ModelCapabilities(encoder=True, mrope=True)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -114,10 +115,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.lm_head = ParallelLMHead(text["vocab_size"], text["hidden_size"])
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def map_weight_name(self, name: str) -> str:
         """transformers 4.5x re-saves nest the decoder and the vision tower under `model.`."""
         if name.startswith("model.language_model."):
@@ -126,18 +123,17 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             return name[len("model.") :]
         return name
 
-    def skip_weight(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        return self.model(input_ids, positions, step)
-
     def encode(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """Whole items → [sum(t*h*w/merge**2), H] placeholder embeddings, in item order."""
         return self.visual(pixel_values.to(self.lm_head.weight.dtype), grid_thw)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def encoder_profile_input(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The vision tower's largest input for a step of up to `num_tokens` placeholder tokens, for
+        the memory profile: one image, a square grid (capped at 16384 tokens, the largest image the
+        checkpoint defaults allow)."""
+        side = max(1, int(min(num_tokens, 16384) ** 0.5))
+        grid = (1, side * self.merge_size, side * self.merge_size)
+        width = self.visual.patch_embed.proj.weight.shape[1]
+        return torch.zeros(grid[1] * grid[2], width, dtype=dtype, device=device), [grid]

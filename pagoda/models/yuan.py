@@ -52,6 +52,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models.base import CausalLM, ModelCapabilities
 
 # One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
 # stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
@@ -323,7 +324,7 @@ class YuanModel(nn.Module):
         return Branch(gate.previous_token_terms, step.state.slots, lane=LF_TERMS_LANE)
 
 
-class YuanForCausalLM(nn.Module):
+class YuanForCausalLM(CausalLM):
     """input_ids [T], positions [T] (flattened batch) → hidden [T, H]; needs `step.state` (LF slots)."""
 
     packed_modules_mapping = {
@@ -337,7 +338,7 @@ class YuanForCausalLM(nn.Module):
         super().__init__()
         self.shape = YuanShape(cfg)
         # The expert loop reads the chosen experts on the host (a sync): no CUDA-graph capture for MoE.
-        self.supports_cuda_graphs = not self.shape.use_moe
+        self.capabilities = ModelCapabilities(stateful=True, cuda_graphs=not self.shape.use_moe)
         # The config class defaults to tied embeddings; the checkpoints store an identical lm_head.
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
@@ -345,21 +346,8 @@ class YuanForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], self.shape.hidden)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        return self.model(input_ids, positions, step)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def sequence_state_layers(self) -> list[LocalizedFilter]:
         """Layers that keep per-sequence state beside the KV cache (the runner binds their slots)."""

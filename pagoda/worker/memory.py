@@ -64,7 +64,7 @@ def kv_cache_spec(
     planner and the engine share this one function). dtype_bytes: the model dtype's element size
     (the recurrent state's); cache_dtype_bytes: the KV cache's (None: the same)."""
     layers = model.attention_layers()
-    stateful = getattr(model, "sequence_state_layers", list)()
+    stateful = model.sequence_state_layers()  # `models/base.py`: [] for a model without per-sequence state
     state = sum(layer.state_width for layer in stateful) * dtype_bytes
     return KVCacheSpec(
         len(layers),

@@ -32,7 +32,8 @@ from pagoda.models.source import ModelSource
 from pagoda.outputs import SchedulerOutput
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
-from pagoda.worker.model_runner import ModelRunner, PendingStep
+from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.pending_step import PendingStep
 from pagoda.worker.rank_group import LocalRanks, RankWatch, RayRanks, free_port
 from pagoda.worker.rank_worker import STOP, share_cpu_threads
 
@@ -128,8 +129,8 @@ class TensorParallelRunner:
     def warm_up_attention(self) -> None:
         self._on_all_ranks("warm_up_attention")
 
-    def enable_decode_graphs(self) -> None:
-        self._on_all_ranks("enable_decode_graphs")
+    def enable_cuda_graphs(self) -> None:
+        self._on_all_ranks("enable_cuda_graphs")
 
     def profile_peak_memory(self, num_tokens: int) -> int:
         return self._on_all_ranks("profile_peak_memory", num_tokens)

@@ -90,13 +90,13 @@ def test_async_equals_sync_under_pressure(tiny_llama, seed):
     llm = _engine(tiny_llama, True, **tight)
     runner = llm.engine.runner
     late = {"rows": 0}
-    gather = runner._late_tokens
+    gather = runner.inputs._late_tokens
 
-    def counting(states, rows, flat_index):  # how many inputs came from the device, not the host
+    def counting(states, rows, flat_index, last_sampled):  # how many inputs came from the device, not the host
         late["rows"] += len(rows)
-        return gather(states, rows, flat_index)
+        return gather(states, rows, flat_index, last_sampled)
 
-    runner._late_tokens = counting
+    runner.inputs._late_tokens = counting
     got = _summary(llm.generate(prompts, params, use_tqdm=False))
     _assert_same(got, expected)
     stats = llm.engine.scheduler.stats

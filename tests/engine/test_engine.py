@@ -290,18 +290,18 @@ def test_late_tokens_of_a_batch_that_keeps_its_rows_need_no_copies(tiny_llama, m
     import numpy as np
     import torch
 
-    from pagoda.worker import model_runner
+    from pagoda.worker import step_inputs
 
     runner = LLM(model=tiny_llama, skip_tokenizer_init=True, num_gpu_blocks_override=16, max_model_len=64).engine.runner
     copies = []
-    real = model_runner.to_device
-    monkeypatch.setattr(model_runner, "to_device", lambda *a, **k: copies.append(a) or real(*a, **k))
-    runner._last_sampled = torch.tensor([11, 22, 33])
+    real = step_inputs.to_device
+    monkeypatch.setattr(step_inputs, "to_device", lambda *a, **k: copies.append(a) or real(*a, **k))
+    last = torch.tensor([11, 22, 33])
     states = [SimpleNamespace(num_pending=1, pending_row=r) for r in (0, 1, 2)]
-    index, values = runner._late_tokens(states, [0, 1, 2], np.array([0, 1, 2]))
+    index, values = runner.inputs._late_tokens(states, np.array([0, 1, 2]), np.array([0, 1, 2]), last)
     assert index.tolist() == [0, 1, 2] and values.tolist() == [11, 22, 33] and not copies
-    index, values = runner._late_tokens(states[:1], [0], np.array([0]))
+    index, values = runner.inputs._late_tokens(states[:1], np.array([0]), np.array([0]), last)
     assert index.tolist() == [0] and values.tolist() == [11] and not copies
     moved = [SimpleNamespace(num_pending=1, pending_row=r) for r in (2, 0)]
-    index, values = runner._late_tokens(moved + states[1:2], [0, 1], np.array([3, 7]))
+    index, values = runner.inputs._late_tokens(moved + states[1:2], np.array([0, 1]), np.array([3, 7]), last)
     assert index.tolist() == [3, 7] and values.tolist() == [33, 11] and len(copies) == 2

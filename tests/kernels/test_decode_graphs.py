@@ -1,4 +1,4 @@
-"""Decode steps through the CUDA-graph path (`pagoda/worker/cuda_graphs.py`) reproduce the Yuan2
+"""Decode steps through the CUDA-graph path (`pagoda/worker/graph_runner.py`) reproduce the Yuan2
 goldens: static buffers, padding rows (scratch LF state slot, no K/V store, null-block snapshots),
 prefix-cache snapshots written inside the graph and restored by a later request.
 
@@ -15,7 +15,7 @@ import torch
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.cuda_graphs import default_buckets, default_token_buckets
+from pagoda.worker.graph_runner import DECODE, MIXED, default_buckets, default_token_buckets
 from tests.conftest import FIXTURES
 
 CUDA = torch.cuda.is_available()
@@ -47,7 +47,7 @@ def _engine(fixture: str, **overrides) -> LLMEngine:
     )
     engine = LLMEngine(EngineConfig.create(EngineArgs(**(args | overrides))))
     if not CUDA:
-        engine.runner.enable_decode_graphs(capture=False)
+        engine.runner.enable_cuda_graphs(capture=False)
     return engine
 
 
@@ -77,10 +77,17 @@ def test_default_token_buckets():
     assert default_token_buckets(2048)[-1] == 2048  # a 2048-token step has no spare token: eager
 
 
-def _count_buckets(graphs) -> list[int]:
-    used = []
+def _count_buckets(graphs) -> dict[str, list[int]]:
+    """The buckets replayed, by kind (decode: rows; mixed: tokens)."""
+    used: dict[str, list[int]] = {DECODE: [], MIXED: []}
     run = graphs.run
-    graphs.run = lambda inputs: used.append(graphs.bucket(len(inputs.token_ids))) or run(inputs)
+
+    def counting(inputs):
+        kind, size = graphs.bucket_for(inputs)
+        used[kind].append(size)
+        return run(inputs)
+
+    graphs.run = counting
     return used
 
 
@@ -95,9 +102,9 @@ def test_yuan_goldens_through_mixed_step_graphs(async_scheduling):
     # the 8-token budget) take every path here at 3/5 of the interpreter's time; a GPU runs all five.
     cases = golden["cases"] if CUDA else [golden["cases"][i] for i in (0, 2, 4)]
     engine = _engine("yuan2-tiny", max_num_batched_tokens=8, async_scheduling=async_scheduling)
-    assert engine.runner.step_graphs.buckets == [16]
-    mixed = _count_buckets(engine.runner.step_graphs)
-    decode = _count_buckets(engine.runner.decode_graphs)
+    assert engine.runner.graphs.spec.token_buckets == (16,)
+    used = _count_buckets(engine.runner.graphs)
+    mixed, decode = used[MIXED], used[DECODE]
     for round_ in range(2):
         done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
         for i, case in enumerate(cases):
@@ -112,11 +119,9 @@ def test_yuan_goldens_through_decode_graphs(async_scheduling):
     golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     cases = golden["cases"]  # 1, 2, 7, 23 and 45 prompt tokens
     engine = _engine("yuan2-tiny", async_scheduling=async_scheduling)
-    graphs = engine.runner.decode_graphs
+    graphs = engine.runner.graphs
     assert graphs is not None
-    used = []
-    run = graphs.run
-    graphs.run = lambda inputs: used.append(graphs.bucket(len(inputs.token_ids))) or run(inputs)
+    used = _count_buckets(graphs)[DECODE]
     for round_ in range(2):  # round 1 restores LF snapshots written by graph steps
         done = _run(engine, {f"{round_}-{i}": c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
         for i, case in enumerate(cases):
@@ -133,7 +138,7 @@ def test_yuan_one_row_at_a_time_matches_golden_steps():
     """Bucket 1 and 2 (no padding / one padding row), prompts decoded alone and in a pair."""
     golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
     engine = _engine("yuan2-tiny", max_num_seqs=2)
-    assert engine.runner.decode_graphs.buckets == [1, 2]
+    assert engine.runner.graphs.spec.decode_buckets == (1, 2)
     a, b, c = golden["cases"][0], golden["cases"][2], golden["cases"][4]
     assert _run(engine, {"a": a["prompt_ids"]}, TOKENS)["a"] == a["greedy_16"][:TOKENS]
     done = _run(engine, {"b": b["prompt_ids"], "c": c["prompt_ids"]}, TOKENS)
@@ -155,6 +160,6 @@ def test_enforce_eager_and_moe_skip_graphs():
             )
         )
     )
-    assert not engine.config.device.cuda_graphs and engine.runner.decode_graphs is None
+    assert not engine.config.device.cuda_graphs and engine.runner.graphs is None
     moe = _engine("yuan2-m32-tiny")
-    assert moe.runner.decode_graphs is None  # the expert loop syncs with the host
+    assert moe.runner.graphs is None  # the expert loop syncs with the host

@@ -135,7 +135,7 @@ class Harness:
             shape = (1 + 2 * BLOCKS_PER_SEQ, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.zeros(shape), torch.zeros(shape))
         self.slots = None
-        stateful = getattr(self.model, "sequence_state_layers", list)()
+        stateful = self.model.sequence_state_layers()
         if stateful:
             from pagoda.worker.state_slots import StateSlotPool
 

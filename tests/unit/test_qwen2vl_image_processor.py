@@ -23,7 +23,7 @@ from pagoda.frontend.multimodal.image_processor import (
     preprocess_video,
     smart_resize,
 )
-from pagoda.worker.model_runner import encoder_pixels
+from pagoda.worker.encoder_runner import encoder_pixels
 
 CKPT_MAX = 12845056  # official preprocessor_config.json max_pixels
 MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)

@@ -93,6 +93,8 @@ class FakeRunner:
             for p in range(start, end):
                 self.kv[(state["blocks"][p // bs], p % bs)] = tuple(toks[: p + 1])
             state["computed"] = end
+            # The scheduler names the rows that sample; the runner samples exactly those.
+            assert (end == len(toks)) == (rid in so.sampling_request_ids), f"{rid}: sampling decided wrongly"
             if end == len(toks):
                 token = self.token_fn(state)
                 toks.append(token)

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+import pagoda.models
 from pagoda.config.parallel import (
     ParallelConfig,
     tensor_parallel_error,
@@ -165,11 +166,18 @@ def test_parallel_config_is_a_resolved_section():
         ParallelConfig(2, "mp")  # type: ignore[misc]
 
 
-def test_imports_nothing_but_the_standard_library():
-    """pagoda/config must import without torch (and config/engine.py imports this module: no pagoda imports)."""
-    import pagoda.config.parallel as module
-
+def _imports(module) -> set[str]:
     tree = ast.parse(open(module.__file__, encoding="utf-8").read())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported == {"__future__", "dataclasses", "typing"}
+    return imported | {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+
+def test_imports_nothing_but_the_standard_library():
+    """pagoda/config must import without torch (and config/engine.py imports this module): the only pagoda
+    module it reads is the model families' facts, which imports nothing but the standard library."""
+    import pagoda.config.parallel as module
+    import pagoda.models.families as families
+
+    assert _imports(module) == {"__future__", "dataclasses", "typing", "pagoda.models.families"}
+    assert _imports(families) == {"__future__", "collections.abc", "dataclasses", "typing"}
+    assert open(pagoda.models.__file__, encoding="utf-8").read().strip() == ""  # the package imports nothing

@@ -233,8 +233,8 @@ class ProcessedVisual:
 
     The normalised float32 patches are `lut[channel, level]` exactly (see `_normalize_lut`), so the
     levels plus a 3 KB table carry the same bits in a quarter of the bytes: that is what is hashed,
-    sent to the engine core and copied to the device, where one gather normalises them (the runner's
-    `encoder_pixels`). `normalized()` gives the float32 patches on the host (references, tests).
+    sent to the engine core and copied to the device, where one gather normalises them (the worker's
+    `encoder_runner.encoder_pixels`). `normalized()` gives the float32 patches on the host (references, tests).
     """
 
     pixel_values: np.ndarray  # uint8 [num_patches, 3 * T * p * p], num_patches = t*h*w

@@ -70,9 +70,9 @@ def positive_int(value: Any) -> bool:
 
 
 def is_yuan_config(cfg: dict[str, Any]) -> bool:
-    from pagoda.frontend.tokenizer import is_yuan  # lazy: torch (`pagoda` starts without it)
+    from pagoda.models.families import YUAN2, family_of
 
-    return is_yuan(cfg)
+    return family_of(cfg) is YUAN2
 
 
 def is_qwen2_vl_config(cfg: dict[str, Any]) -> bool:

@@ -8,9 +8,8 @@ from typing import Any
 from pagoda.config import text_field
 from pagoda.errors import PagodaError
 from pagoda.frontend.chat_template import inspect_chat_template, template_folder
+from pagoda.models.families import YUAN2
 from pagoda.tools.doctor.check import Check, State, positive_int
-
-_YUAN_SPECIAL_IDS = {"<eod>": 77185, "<sep>": 77187}
 
 
 def check_tokenizer(state: State, trust_remote_code: bool) -> Check:
@@ -94,8 +93,9 @@ def check_special_tokens(state: State) -> Check:
 
 
 def check_yuan_tokens(tok: Any) -> Check:
-    got = {token: tok.convert_tokens_to_ids(token) for token in _YUAN_SPECIAL_IDS}
-    wrong = [f"{t} → {got[t]} (expected {want})" for t, want in _YUAN_SPECIAL_IDS.items() if got[t] != want]
+    expected = YUAN2.special_token_ids  # models/families.py
+    got = {token: tok.convert_tokens_to_ids(token) for token in expected}
+    wrong = [f"{t} → {got[t]} (expected {want})" for t, want in expected.items() if got[t] != want]
     if wrong:
         return Check(
             "yuan tokens",

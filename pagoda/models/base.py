@@ -1,0 +1,70 @@
+"""What every causal LM here is to the runner: the shared methods, and a record of what it can do.
+
+A model class says what it is in `capabilities`, read once by the runner (`worker/model_runner.py`)
+and the cache sizing (`worker/memory.py`); nothing probes a model for attributes. The shared methods:
+`forward(input_ids [T], positions [T], step) -> hidden [T, H]` over the flattened batch,
+`compute_logits(hidden [N, H]) -> [N, V]` (the whole vocabulary on every tensor-parallel rank),
+`attention_layers()` (the runner binds their KV caches), `sequence_state_layers()` (layers that keep
+per-sequence state beside the KV cache; the runner binds their slots), and the loader's hooks
+(`packed_modules_mapping`, `map_weight_name`, `skip_weight`, `tie_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagoda.layers.attention import Attention, StepAttention
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    # Per-sequence recurrent state beside the KV cache (Yuan2's LF gate): the runner keeps a state slot
+    # per running sequence and, with prefix caching, a snapshot per block (`sequence_state_layers`).
+    stateful: bool = False
+    # A multimodal encoder: `encode(pixels, grid_thw)` gives placeholder embeddings, and
+    # `encoder_profile_input(num_tokens, dtype, device)` its largest input for the memory profile.
+    encoder: bool = False
+    # Rotary positions are (t, h, w) triples (`StepAttention.mrope_positions`).
+    mrope: bool = False
+    # The forward has fixed shapes and no host syncs, so a step can be captured in a CUDA graph.
+    cuda_graphs: bool = True
+
+
+class CausalLM(nn.Module):
+    """Subclasses build `self.model` (the decoder, called as forward is) and `self.lm_head`."""
+
+    capabilities: ModelCapabilities = ModelCapabilities()
+    # HF projection name → (our fused parameter, its shard name), for the loader.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
+    tie_word_embeddings: bool = False
+    model: nn.Module
+    lm_head: nn.Module
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def map_weight_name(self, name: str) -> str:
+        """A checkpoint name as this class names the parameter (identity unless a checkpoint differs)."""
+        return name
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint entries with no parameter here (rotary buffers, a duplicate tied head)."""
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        return self.model(input_ids, positions, step)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def sequence_state_layers(self) -> list[Any]:
+        return []

@@ -1,0 +1,82 @@
+"""The multimodal encoder's part of a step: placeholder rows from the vision tower, through the cache.
+
+One entry point, `EncoderRunner.embeds(states, inputs)`: the encoder rows for every placeholder token
+in the step and their flat token indices (`StepAttention.mm_embeds`). Every item overlapping a row's
+scheduled range needs its whole encoder output (the vision tower is never run on part of an item):
+taken from the encoder cache (`worker/encoder_cache.py`), or computed now for all missing items in
+one batched call. A chunk boundary may cut an item; each chunk takes its slice of the rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.device_copy import to_device
+from pagoda.worker.encoder_cache import EncoderCache
+from pagoda.worker.request_states import RunnerRequestState
+from pagoda.worker.step_inputs import StepInputs
+
+
+class EncoderRunner:
+    def __init__(self, model: nn.Module, device: torch.device, cache_tokens: int):
+        self.model = model
+        self.device = device
+        self.cache = EncoderCache(cache_tokens)
+
+    def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat token indices [P], encoder rows [P, H]) of the step's placeholder tokens, or None."""
+        starts, ends, query_start_loc = inputs.starts.tolist(), inputs.seq_lens.tolist(), inputs.query_start_loc
+        needed = [
+            (row, item)
+            for row, (s, a, e) in enumerate(zip(states, starts, ends))
+            if s.mm_inputs is not None
+            for item in s.mm_inputs.items
+            if item.overlaps(a, e)
+        ]
+        if not needed:
+            return None
+        outputs: dict[bytes, torch.Tensor] = {}
+        missing = []
+        for _, item in needed:
+            if item.content_hash in outputs:
+                continue
+            cached = self.cache.get(item.content_hash)
+            if cached is not None:
+                outputs[item.content_hash] = cached
+            elif all(m.content_hash != item.content_hash for m in missing):
+                missing.append(item)
+        if missing:
+            pixels = torch.cat([encoder_pixels(m.pixel_values, m.pixel_lut, self.device) for m in missing])
+            encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
+            for item, rows in zip(missing, encoded.split([m.length for m in missing])):
+                outputs[item.content_hash] = rows
+                self.cache.put(item.content_hash, rows)
+        index, embeds = [], []
+        for row, item in needed:
+            lo, hi = max(starts[row], item.offset), min(ends[row], item.end)
+            first = int(query_start_loc[row]) + lo - starts[row]
+            index.append(np.arange(first, first + hi - lo))
+            embeds.append(outputs[item.content_hash][lo - item.offset : hi - item.offset])
+        return to_device(np.concatenate(index), self.device), torch.cat(embeds)
+
+    def profile(self, num_tokens: int, dtype: torch.dtype) -> None:
+        """Run the encoder on the largest input a step of `num_tokens` placeholder tokens can bring
+        (the model says what that is), for the memory profile."""
+        pixels, grids = self.model.encoder_profile_input(num_tokens, dtype, self.device)
+        self.model.encode(pixels, grids)
+
+
+def encoder_pixels(pixel_values: np.ndarray, pixel_lut: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    """One item's encoder input on `device`, float32 [P, C * T * p * p]: uint8 levels cross to the device
+    as they are (a quarter of float32's bytes, no host-device sync) and are normalised there by a gather
+    from the per-channel table, bit for bit what the host's `normalize_levels` gives; float32 patches
+    (`pixel_lut` None) are copied as they are."""
+    if pixel_lut is None:
+        return to_device(pixel_values, device)
+    levels = to_device(pixel_values, device)  # uint8 [P, D]
+    table = to_device(pixel_lut.astype(np.float32, copy=False), device).reshape(-1)  # [C * 256]
+    channels, width = pixel_lut.shape[0], pixel_values.shape[1]
+    column_base = (torch.arange(width, device=levels.device) // (width // channels)) * 256  # [D]
+    return table[levels.long() + column_base]

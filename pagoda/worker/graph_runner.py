@@ -1,0 +1,421 @@
+"""Steps replayed as CUDA graphs: one runner, one static buffer layout, graphs per bucket.
+
+Why: a 2B model's decode step launches ~1,700 kernels; launched from Python their host time is many
+times the step's GPU work. A graph replays all of them for a small fraction of it
+(`benchmarks/profile/decode_profile.py` shows the host and GPU time per step). Steps that admit a
+prompt (prefill chunks among decodes) launch ~1,000 and come every few steps at serving concurrency,
+so they have graphs too (`benchmarks/h200.py` serve TTFT, PAGODA_MIXED_STEP_GRAPHS=0 against on).
+
+Two kinds of bucket share the buffers:
+- decode buckets (rows == tokens, b rows): every row has one token; attention through the decode
+  kernel alone (`decode_metadata`), logits for all b rows;
+- mixed buckets (b tokens, any rows): one-token rows through the decode kernel (every row is a
+  decode row of that launch; the others have context 0 and write zeros to the spare token), the
+  multi-token rows through the prefill kernel's tile list (`tiled_metadata`); a step of t < b tokens
+  (at least one spare token, so padding rows can point at it) over R = max_rows + 1 rows (the last
+  row is always padding), logits for each row's last token.
+
+Every per-step input lives in one flat int64 buffer (pinned on the host, mirrored on the device, one
+host-to-device copy per step: the fixed sections, then the step's rows of block tables):
+
+    tok    [6, T]   token id | position | cache slot | M-RoPE t | h | w
+    row    [6, R]   context length | state slot | first token | last token | decode token | decode context
+    snap   [2, S]   token | block of each state snapshot written (decode buckets: one per row, block 0
+                    when the row does not end a block)
+    qsl    [R + 1]  each row's first token (mixed buckets)
+    tiles  [2, K]   prefill tile: row | first query (mixed buckets)
+    tables [R, max_blocks]
+
+Padding: token id 0, position 0, slot -1 (stores no K/V), context length 0 (attention returns
+zeros), the state pool's scratch slot, snapshots into the null block 0 (never restored), unused tiles
+on the last padding row (zero queries). Attention must be the Triton backend: fixed launch shapes, no
+host syncs, the split-K count fixed at capture for the longest allowed context.
+
+`capture=False` runs the same buffers eagerly (each "replay" runs the forward): the CPU tests check
+padding, scratch state and layout through it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda import envs
+from pagoda.config import EngineConfig
+from pagoda.kernels import dispatch, policy
+from pagoda.layers.attention import StepAttention
+from pagoda.layers.sequence_state import SequenceStateBatch
+from pagoda.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+DECODE, MIXED = "decode", "mixed"
+# Mixed-step token buckets: fine where serving lives (a few new prompts among decodes), coarser above;
+# capped at `policy.MIXED_GRAPH_MAX_TOKENS`.
+_TOKEN_STEPS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+# ---- bucket policy (pure) -------------------------------------------------------------------------
+def default_buckets(max_rows: int) -> list[int]:
+    """Decode buckets: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows itself):
+    padding a step costs at most 7 rows of work beyond 8."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
+    return sorted(set(sizes))
+
+
+def default_token_buckets(max_tokens: int) -> list[int]:
+    """Mixed-step token buckets: every step up to max_tokens fits (each bucket keeps a spare token)."""
+    sizes = [b for b in _TOKEN_STEPS if b <= policy.MIXED_GRAPH_MAX_TOKENS]
+    top = next((b for b in sizes if b > max_tokens), sizes[-1])
+    return [b for b in sizes if b <= top]
+
+
+def capture_buckets(
+    max_num_seqs: int, max_num_batched_tokens: int, max_capture_size: int | None, mixed: bool
+) -> tuple[list[int], list[int]]:
+    """(decode buckets, mixed token buckets) to capture. `max_capture_size` (None: no cap) bounds
+    both: decode steps of more rows, and mixed steps needing a bucket of more tokens, run eagerly."""
+    cap = max_num_seqs if max_capture_size is None else min(max_num_seqs, max_capture_size)
+    tokens = default_token_buckets(max_num_batched_tokens) if mixed else []
+    if max_capture_size is not None:
+        tokens = [b for b in tokens if b <= max_capture_size]
+    return default_buckets(cap), tokens
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What a graph runner captures; its buffer sizes follow from it."""
+
+    decode_buckets: tuple[int, ...]  # rows, ascending (may be empty)
+    token_buckets: tuple[int, ...]  # tokens of mixed steps, ascending (empty: mixed steps run eagerly)
+    max_rows: int  # rows a step can have (max_num_seqs)
+    max_blocks_per_seq: int
+    block_size: int
+    block_m: int  # the prefill kernel's query tile height
+    max_seq_len: int  # the longest context (fixes the decode kernel's split-K count at capture)
+    scratch_slot: int | None  # the state pool's padding slot; None: the model keeps no per-sequence state
+    with_snapshots: bool  # state snapshots per KV block (stateful model with prefix caching)
+    uses_mrope: bool
+
+    @classmethod
+    def create(
+        cls,
+        config: EngineConfig,
+        scratch_slot: int | None,
+        with_snapshots: bool,
+        uses_mrope: bool,
+        decode_buckets: list[int] | None = None,
+        token_buckets: list[int] | None = None,
+    ) -> GraphSpec:
+        """The engine's spec: buckets from its limits (or the ones given, for tests)."""
+        sched = config.scheduler
+        decode, tokens = capture_buckets(
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            config.device.max_cudagraph_capture_size,
+            envs.MIXED_STEP_GRAPHS.value,  # A/B switch: mixed steps eager
+        )
+        return cls(
+            decode_buckets=tuple(sorted(decode_buckets or decode)),
+            token_buckets=tuple(sorted(token_buckets or tokens)) if tokens else (),
+            max_rows=sched.max_num_seqs,
+            max_blocks_per_seq=-(-config.model.max_model_len // config.cache.block_size),
+            block_size=config.cache.block_size,
+            block_m=prefill_tile_height(),
+            max_seq_len=config.model.max_model_len,
+            scratch_slot=scratch_slot,
+            with_snapshots=with_snapshots,
+            uses_mrope=uses_mrope,
+        )
+
+    @property
+    def num_tokens(self) -> int:  # T
+        return max(self.decode_buckets[-1:] + self.token_buckets[-1:], default=1)
+
+    @property
+    def num_rows(self) -> int:  # R: one more than any step has (the always-padding row)
+        return max((self.max_rows, *self.decode_buckets[-1:])) + 1
+
+    def num_tiles(self, tokens: int) -> int:
+        return -(-tokens // self.block_m) + self.num_rows
+
+    def num_snapshots(self, tokens: int) -> int:
+        return tokens // self.block_size + self.num_rows
+
+    def bucket_for(self, num_rows: int, num_tokens: int, needs_encoder: bool) -> tuple[str, int] | None:
+        """(kind, size) of the graph a step replays, or None (it runs eagerly): a pure decode step
+        takes the smallest decode bucket holding its rows, else the smallest token bucket with a
+        spare token; a step that runs the vision encoder never replays a graph."""
+        if needs_encoder:
+            return None
+        if num_tokens == num_rows and self.decode_buckets and num_rows <= self.decode_buckets[-1]:
+            return DECODE, next(b for b in self.decode_buckets if b >= num_rows)
+        size = next((b for b in self.token_buckets if b > num_tokens), None)
+        return None if size is None else (MIXED, size)
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+class GraphRunner:
+    def __init__(self, spec: GraphSpec, model: nn.Module, backend, device: torch.device, capture: bool = True):
+        self.spec, self.model, self.backend, self.device = spec, model, backend, device
+        t, r, mb = spec.num_tokens, spec.num_rows, spec.max_blocks_per_seq
+        shapes = {
+            "tok": (6, t),
+            "row": (6, r),
+            "snap": (2, spec.num_snapshots(t)),
+            "qsl": (r + 1,),
+            "tiles": (2, spec.num_tiles(t)),
+            "tables": (r, mb),
+        }
+        pin = device.type == "cuda"
+        size = sum(int(np.prod(s)) for s in shapes.values())
+        self._host_all = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._dev_all = torch.zeros(size, dtype=torch.int64, device=device)
+        self.host, self.dev, at = {}, {}, 0
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            self.host[name] = self._host_all[at : at + n].view(shape).numpy()
+            self.dev[name] = self._dev_all[at : at + n].view(shape)
+            at += n
+        self._tables_at = size - r * mb
+        self._rows = torch.arange(r, dtype=torch.int64, device=device)
+        self.capture = capture and device.type == "cuda"
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # The host buffer is rewritten each step: wait until the last step's copy has left it.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pad_all()
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return self.bucket_for(inputs) is not None
+
+    def bucket_for(self, inputs: StepInputs) -> tuple[str, int] | None:
+        return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [B, V] for each row's last token this step (`can_run(inputs)` must hold)."""
+        kind, b = self.bucket_for(inputs)
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.write(inputs, kind, b)
+        end = self._tables_at + inputs.num_rows * self.spec.max_blocks_per_seq
+        self._dev_all[:end].copy_(self._host_all[:end], non_blocking=True)
+        if inputs.late_tokens is not None:
+            self.dev["tok"][0].index_copy_(0, *inputs.late_tokens)
+        if self._copied is not None:
+            self._copied.record()
+        if self.capture:
+            graph, logits = self.graphs[kind, b]
+            graph.replay()
+            return logits[: inputs.num_rows]
+        return self._forward(kind, b, self._attention(kind, b))[: inputs.num_rows]
+
+    # ---- host buffers -----------------------------------------------------------------------
+    def write(self, x: StepInputs, kind: str, b: int) -> None:
+        """The step into the host buffer, everything the bucket reads past it as padding."""
+        spec, h = self.spec, self.host
+        t, rows = x.num_tokens, x.num_rows
+        tok, row = h["tok"], h["row"]
+        tok[0, :t], tok[1, :t], tok[2, :t] = x.token_ids, x.positions, x.slots
+        if spec.uses_mrope:
+            tok[3:6, :t] = x.mrope_positions if x.mrope_positions is not None else x.positions
+        row[0, :rows] = x.seq_lens
+        if spec.scratch_slot is not None:
+            row[1, :rows] = x.state_slots
+        h["tables"][:rows, : x.block_tables.shape[1]] = x.block_tables
+        if kind == DECODE:
+            self._pad(t, rows, b, b)
+            if spec.with_snapshots:
+                # A token that fills the last slot of its block writes that block's snapshot; the
+                # others write into the null block's snapshot, which is never read.
+                ends = x.positions % spec.block_size == spec.block_size - 1
+                h["snap"][1, :rows] = np.where(ends, x.slots // spec.block_size, 0)
+                h["snap"][1, rows:b] = 0
+            return
+        qsl = x.query_start_loc
+        self._pad(t, rows, b, spec.num_rows)
+        row[2, :rows], row[3, :rows] = qsl[:-1], qsl[1:] - 1
+        one = np.diff(qsl) == 1
+        row[4, :rows] = np.where(one, qsl[1:] - 1, t)
+        row[5, :rows] = np.where(one, x.seq_lens, 0)
+        h["qsl"][: rows + 1] = qsl
+        req, m0 = _tile_arrays(x.query_lens, spec.block_m)
+        self._set_pairs("tiles", req, m0, spec.num_rows - 1, 0)
+        if spec.with_snapshots:
+            ends = np.flatnonzero(x.positions % spec.block_size == spec.block_size - 1)
+            self._set_pairs("snap", ends, x.slots[ends] // spec.block_size, t, 0)
+
+    def _pad(self, tokens: int, rows: int, token_end: int, row_end: int) -> None:
+        """Tokens [tokens, token_end) and rows [rows, row_end) become padding; `tokens` is the spare
+        token that padding rows of a mixed bucket point at."""
+        tok, row = self.host["tok"], self.host["row"]
+        tok[:, tokens:token_end] = 0
+        tok[2, tokens:token_end] = -1  # store no K/V
+        row[0, rows:row_end] = 0  # no keys
+        row[1, rows:row_end] = self.spec.scratch_slot if self.spec.scratch_slot is not None else 0
+        row[2:5, rows:row_end] = tokens  # first, last and decode token: the spare one
+        row[5, rows:row_end] = 0  # decode context: none
+        self.host["qsl"][rows:] = tokens  # no queries
+
+    def _set_pairs(self, name: str, first: np.ndarray, second: np.ndarray, pad_first: int, pad_second: int) -> None:
+        buf, n = self.host[name], len(first)
+        buf[0, :n], buf[1, :n] = first, second
+        buf[0, n:], buf[1, n:] = pad_first, pad_second
+
+    def _pad_all(self) -> None:
+        """Every token and row padding (as while capturing: the warm-up runs then write no live KV,
+        state or snapshot), copied to the device."""
+        self._pad(0, 0, self.spec.num_tokens, self.spec.num_rows)
+        self._set_pairs("tiles", _NONE, _NONE, self.spec.num_rows - 1, 0)
+        self._set_pairs("snap", _NONE, _NONE, 0, 0)
+        self._dev_all.copy_(self._host_all)
+
+    # ---- static views -----------------------------------------------------------------------
+    def _attention(self, kind: str, b: int) -> StepAttention:
+        spec, d = self.spec, self.dev
+        mrope = d["tok"][3:6, :b] if spec.uses_mrope else None
+        if kind == DECODE:
+            meta = self.backend.decode_metadata(d["tok"][2, :b], d["tables"][:b], d["row"][0, :b], spec.max_seq_len)
+            state = None
+            if spec.scratch_slot is not None:
+                rows = self._rows[:b]
+                snaps = spec.with_snapshots
+                state = SequenceStateBatch(
+                    d["row"][1, :b],
+                    rows,
+                    rows,
+                    True,
+                    rows if snaps else None,
+                    d["snap"][1, :b] if snaps else None,
+                    snapshot_every_row=True,
+                )
+            return StepAttention(self.backend, meta, state, mrope_positions=mrope)
+        tiles = spec.num_tiles(b)
+        meta = self.backend.tiled_metadata(
+            d["tok"][2, :b],
+            d["tables"],
+            d["qsl"],
+            d["row"][0],
+            d["tiles"][0, :tiles],
+            d["tiles"][1, :tiles],
+            spec.block_m,
+            d["row"][4],
+            d["row"][5],
+            spec.max_seq_len,
+        )
+        state = None
+        if spec.scratch_slot is not None:
+            snaps = spec.num_snapshots(b)
+            with_snaps = spec.with_snapshots
+            state = SequenceStateBatch(
+                d["row"][1],
+                d["row"][2],
+                d["row"][3],
+                False,
+                d["snap"][0, :snaps] if with_snaps else None,
+                d["snap"][1, :snaps] if with_snaps else None,
+            )
+        return StepAttention(self.backend, meta, state, mrope_positions=mrope)
+
+    def _forward(self, kind: str, b: int, attn: StepAttention) -> torch.Tensor:
+        tok = self.dev["tok"]
+        hidden = self.model(tok[0, :b], tok[1, :b], attn)
+        if kind == MIXED:
+            hidden = hidden.index_select(0, self.dev["row"][3])  # each row's last token
+        return self.model.compute_logits(hidden)
+
+    # ---- capture ----------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Capture every bucket, decode buckets first; each kind largest first in one memory pool."""
+        if not self.capture:
+            return
+        for kind, buckets, what in (
+            (DECODE, self.spec.decode_buckets, "decode (batch sizes)"),
+            (MIXED, self.spec.token_buckets, "mixed-step (tokens)"),
+        ):
+            if buckets:
+                self._pad_all()
+                graphs = _capture_buckets(
+                    list(buckets),
+                    self.device,
+                    lambda b, k=kind: self._attention(k, b),
+                    lambda b, attn, k=kind: self._forward(k, b, attn),
+                    what,
+                )
+                self.graphs.update({(kind, b): g for b, g in graphs.items()})
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def prefill_tile_height() -> int:
+    """The prefill kernel's query tile height, which a mixed bucket's tile list is cut by."""
+    from pagoda.kernels.attention.prefill import prefill_block_m  # lazy: triton (fixes TRITON_INTERPRET mode)
+
+    return prefill_block_m()
+
+
+def _tile_arrays(query_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill-kernel tiles over the multi-token rows (one-token rows go through the decode kernel)."""
+    from pagoda.kernels.attention.prefill import prefill_tile_arrays  # lazy: triton (fixes TRITON_INTERPRET mode)
+
+    lens = query_lens.tolist()
+    return prefill_tile_arrays(lens, [i for i, n in enumerate(lens) if n > 1], block_m)
+
+
+def _capture_buckets(
+    buckets: list[int],
+    device: torch.device,
+    attention: Callable[[int], StepAttention],
+    forward: Callable[[int, StepAttention], torch.Tensor],
+    what: str,
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """Capture forward(b, attention(b)) for each bucket, largest first, in one memory pool (smaller
+    graphs reuse the largest one's memory); two warm-up runs first compile the Triton kernels and
+    pick cuBLAS algorithms. Returns {bucket: (graph, output tensor)}."""
+    start = time.perf_counter()
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    # No garbage collection inside a capture: a collected pinned host tensor (e.g. an earlier
+    # engine's transfer buffer) makes the host allocator query its CUDA event, which is illegal
+    # while a stream captures and invalidates the graph. So collect now, then not until the end.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in reversed(buckets):
+                with dispatch.pdl_for_rows(b):  # compiled in the warm-up runs, baked in the graph
+                    attn = attention(b)
+                    for _ in range(2):
+                        forward(b, attn)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
+                    # invalidate this capture; this thread's own illegal calls still fail loudly.
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        out = forward(b, attn)
+                    graphs[b] = (graph, out)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    logger.info(
+        "captured %d %s CUDA graphs (%d..%d) in %.1f s",
+        len(graphs),
+        what,
+        buckets[0],
+        buckets[-1],
+        time.perf_counter() - start,
+    )
+    return graphs

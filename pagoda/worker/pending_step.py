@@ -1,0 +1,73 @@
+"""A launched step's sampled tokens, read when the caller needs them (`PendingStep.result`)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.outputs import StepOutput, TokenLogprobs
+from pagoda.worker.request_states import RunnerRequestState
+
+
+class PendingStep:
+    """A launched step's sampled tokens (and logprobs): device → pinned host copies queued right
+    after sampling, an event after them. `result()` waits for that event only — not for a later
+    step queued behind it — then appends the tokens to the request states, once."""
+
+    def __init__(
+        self, request_ids: list[str], states: list[RunnerRequestState], out=None, done: StepOutput | None = None
+    ):
+        self.request_ids, self.states = request_ids, states
+        self._output = done
+        self._event = None
+        if out is None:
+            return
+        cuda = out.sampled_token_ids.is_cuda
+        tensors = (
+            out.sampled_token_ids,
+            out.sampled_logprobs,
+            out.top_logprobs,
+            out.top_token_ids,
+            out.chosen_logprobs,
+        )
+        # non_blocking device→host copies land in pinned memory; plain CPU tensors pass through.
+        self._host = [t.to("cpu", non_blocking=True) if t is not None and cuda else t for t in tensors]
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def result(self) -> StepOutput:
+        if self._output is not None:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, sampled_lp, top_lp, top_ids, chosen_lp = self._host
+        sampled = tokens.tolist()
+        result = StepOutput(dict(zip(self.request_ids, sampled)))
+        if sampled_lp is not None:
+            sampled_lp = sampled_lp.tolist()
+            top_lp = top_lp.tolist() if top_lp is not None else None
+            top_ids = top_ids.tolist() if top_ids is not None else None
+            chosen_lp = chosen_lp.tolist() if chosen_lp is not None else None
+            for row, (rid, s) in enumerate(zip(self.request_ids, self.states)):
+                k = s.sampling_params.logprobs
+                if k is None:
+                    continue
+                chosen = s.sampling_params.logprob_token_ids
+                if chosen and chosen_lp is not None:  # the request's own tokens instead of the top k
+                    top = list(zip(chosen, chosen_lp[row][: len(chosen)]))
+                else:
+                    top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
+                result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
+        for s, token in zip(self.states, sampled):
+            s.token_ids.append(token)
+            s.output_token_ids.append(token)
+            s.num_pending -= 1
+        self._output = result
+        return result
+
+
+NO_TOKENS = StepOutput({})  # a step that samples nothing
