@@ -65,14 +65,6 @@ MIXED_STEP_GRAPHS = Env(
     "CUDA graphs for steps that mix prefill chunks and decode rows (worker/graph_runner.py); 0: such steps run eagerly",
     once=True,
 )
-LF_TERMS = Env(
-    "PAGODA_LF_TERMS",
-    bool,
-    True,
-    "Yuan2: the LF convolutions' previous-token terms computed a layer ahead on a side stream "
-    "(models/yuan.py); 0: computed in each layer",
-    once=True,
-)
 
 # ---- settings
 API_KEY = Env(

@@ -80,13 +80,10 @@ class LocalizedFilter(nn.Module):
         x: torch.Tensor,
         batch: SequenceStateBatch,
         decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-        previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """decode_inputs: what `fused_decode_input` prepared for this decode step (then x is its view);
-        previous_terms: `previous_token_terms` of this step's state, computed before the step's
-        token overwrote it (used with decode_inputs only)."""
+        """decode_inputs: what `fused_decode_input` prepared for this decode step (then x is its view)."""
         if decode_inputs is not None:
-            return self._one_token_rows(x, batch, *decode_inputs, previous_terms)
+            return self._one_token_rows(x, batch, *decode_inputs)
         h = self.hidden_size
         saved = self.state.index_select(0, batch.slots)  # [B, 1.5H]
         x_prev, o1_prev = saved[:, :h], saved[:, h:]
@@ -126,42 +123,6 @@ class LocalizedFilter(nn.Module):
         )
         return in1[:, self.hidden_size :], residual, (in1, in2)
 
-    def supports_previous_token_terms(self, h: torch.Tensor, batch: SequenceStateBatch | None) -> bool:
-        """Whether a decode step can take `previous_token_terms`: one row, the fused decode path and
-        the GEMV kernel for the convolutions' halves (`_one_token_rows` then uses the terms)."""
-        if batch is None or not batch.one_token_per_row or h.dim() != 2 or h.shape[0] != 1:
-            return False
-        kernels, ops = dispatch.gemv_for(h), dispatch.fused_for("localized_filter", h)
-        half = self.hidden_size // 2
-        return (
-            kernels is not None
-            and ops is not None
-            and self.state.dtype == h.dtype
-            and self.conv1.bias.dtype == self.conv2.bias.dtype == self.conv1.weight.dtype == h.dtype
-            and kernels.supports(h, self.conv1.weight[:, : self.hidden_size])
-            and kernels.supports(h[:, :half], self.conv2.weight[:, :half])
-        )
-
-    def previous_token_terms(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The convolutions' previous-token taps with their biases, in float32, for a one-row decode
-        step, read from the row's state slot before the step's token overwrites it:
-
-            t1 = A0·x_prev + a   [1, H/2]        t2 = B0·o1_prev + b   [1, H]
-
-        so that on the layer's critical chain conv1 and conv2 each stream only their current-token
-        half of the weights (`_one_token_rows`: o1 = A1·x + t1, o2 = B1·o1 + t2, each rounded once as
-        before). Why: at batch 1 the LF chain (norm, conv1, conv2, norm, q/k) is a serial chain of
-        latency-bound weight streams; the previous-token halves depend only on the state, so
-        `YuanModel.forward` computes them a layer ahead on a side stream, off that chain."""
-        h = self.hidden_size
-        saved = self.state.index_select(0, slots)  # [1, 1.5H]
-        kernels = dispatch.gemv_for(saved)
-        t1 = torch.empty(saved.shape[0], h // 2, dtype=torch.float32, device=saved.device)
-        t2 = torch.empty(saved.shape[0], h, dtype=torch.float32, device=saved.device)
-        kernels.gemv(saved[:, :h], self.conv1.weight[:, :h], self.conv1.bias, out=t1)
-        kernels.gemv(saved[:, h:], self.conv2.weight[:, : h // 2], self.conv2.bias, out=t2)
-        return t1, t2
-
     def _in_kernel_snapshots(self, batch: SequenceStateBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(snapshot block per row, snapshots) when every row writes a snapshot (captured decode
         steps: rows completing no block write the null block's), else (None, None)."""
@@ -175,27 +136,19 @@ class LocalizedFilter(nn.Module):
         batch: SequenceStateBatch,
         in1: torch.Tensor,
         in2: torch.Tensor,
-        previous_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode step on CUDA, from `fused_decode_input`'s buffers: in1 = [x_prev | x] and
         in2 = [o1_prev | conv1 bias]. conv1 accumulates into in2's right half in place (so in2 is
         conv2's [o1_prev | o1] input with no copy), and the output norm's launch also saves o1 in
-        the state: two launches per layer fewer than a shift kernel before each convolution.
-        With previous_terms (one row, `previous_token_terms`) each convolution reads only the
-        current-token half of its weight and adds the precomputed half as its (float32) bias."""
+        the state: two launches per layer fewer than a shift kernel before each convolution."""
         h = self.hidden_size
         kernels = dispatch.gemv_for(in1)
-        if previous_terms is not None:
-            t1, t2 = previous_terms
-            o1 = kernels.gemv(x, self.conv1.weight[:, h:], t1.view(-1))  # [1, H/2]
-            o2 = kernels.gemv(o1, self.conv2.weight[:, h // 2 :], t2.view(-1))  # [1, H]
+        o1 = in2[:, h // 2 :]
+        if kernels is not None and kernels.supports(in1, self.conv1.weight):
+            kernels.gemv(in1, self.conv1.weight, out=o1, accumulate=True)  # [B, H/2] + bias
         else:
-            o1 = in2[:, h // 2 :]
-            if kernels is not None and kernels.supports(in1, self.conv1.weight):
-                kernels.gemv(in1, self.conv1.weight, out=o1, accumulate=True)  # [B, H/2] + bias
-            else:
-                o1.addmm_(in1, self.conv1.weight.t())
-            o2 = linear(in2, self.conv2.weight, self.conv2.bias)  # [B, H]
+            o1.addmm_(in1, self.conv1.weight.t())
+        o2 = linear(in2, self.conv2.weight, self.conv2.bias)  # [B, H]
         snap_index, snapshots = self._in_kernel_snapshots(batch)
         ops = dispatch.fused_for("localized_filter", x)
         y = ops.lf_decode_output(

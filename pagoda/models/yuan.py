@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda import envs
 from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.kernels import policy
@@ -54,12 +53,6 @@ from pagoda.layers.side_stream import Branch
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.base import CausalLM, ModelCapabilities
 
-# One-row decode steps compute each layer's LF previous-token terms a layer ahead, on their own side
-# stream (so they never queue behind v_proj's branch). PAGODA_LF_TERMS=0 turns it off (A/B timing).
-# Measured by benchmarks/h200.py (c=1 TPOT, PAGODA_LF_TERMS=0 against on; docs/performance.md). Layer 0
-# keeps its whole convolutions: its terms could only start with the step, and its chain waited for them.
-LF_TERMS_AHEAD = envs.LF_TERMS.value
-LF_TERMS_LANE = 1
 YUAN_ROPE_THETA = 10000.0  # never in the config: 10000 for every released model
 
 
@@ -167,14 +160,13 @@ class YuanAttention(nn.Module):
         x: torch.Tensor,
         step: StepAttention,
         lf_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-        lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         # Values come from x, before the filter: on small decode steps (lf_inputs: the fused CUDA path)
         # v_proj runs on a side stream while conv1 → conv2 → norm → qk run (`side_stream`: there each
         # small matmul is bound by a per-kernel fixed cost, so two side by side cost little more than one).
         v_branch = Branch(self.v_proj, x, enabled=lf_inputs is not None and t <= policy.SIDE_STREAM_MAX_ROWS)
-        y = self.lf_gate(x, step.state, lf_inputs, lf_terms)
+        y = self.lf_gate(x, step.state, lf_inputs)
         q, k = self.qk_proj(y).split([self.projection, self.projection], dim=-1)
         return self.o_proj(self.attn(q, k, v_branch.join(), step, rope=rope))  # RoPE inside, as in Llama
 
@@ -273,7 +265,6 @@ class YuanDecoderLayer(nn.Module):
         h: torch.Tensor,
         step: StepAttention,
         residual: torch.Tensor | None = None,
-        lf_terms: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `LlamaDecoderLayer.forward`: h is the previous layer's MLP output, not yet added to
         `residual`; returns (MLP output, residual stream) and each residual add is fused into the
@@ -287,7 +278,7 @@ class YuanDecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step, lf_inputs, lf_terms), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, step, lf_inputs), residual)
         return self.mlp(x), residual
 
 
@@ -305,23 +296,9 @@ class YuanModel(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
-        # One-row decode steps: layer i's LF previous-token terms (i >= 1) are computed on a side
-        # stream while layer i-1 runs (`LocalizedFilter.previous_token_terms`); the join sits before
-        # layer i's input norm, which overwrites the state they are read from. Layer 0 keeps whole
-        # convolutions: its terms could only start with the step, and its chain would wait for them.
-        gates = [layer.self_attn.lf_gate for layer in self.layers]
-        ahead = LF_TERMS_AHEAD and len(gates) > 1 and gates[0].supports_previous_token_terms(h, step.state)
-        pending = self._terms_branch(gates[1], step) if ahead else None
-        for i, layer in enumerate(self.layers):
-            terms = pending.join() if pending is not None and i > 0 else None
-            if terms is not None:
-                pending = self._terms_branch(gates[i + 1], step) if i + 1 < len(gates) else None
-            h, residual = layer(rope, h, step, residual, terms)
+        for layer in self.layers:
+            h, residual = layer(rope, h, step, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
-
-    @staticmethod
-    def _terms_branch(gate: LocalizedFilter, step: StepAttention) -> Branch:
-        return Branch(gate.previous_token_terms, step.state.slots, lane=LF_TERMS_LANE)
 
 
 class YuanForCausalLM(CausalLM):

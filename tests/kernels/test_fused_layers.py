@@ -97,8 +97,6 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
     matmul of at most 8 rows in the few-row GEMV kernel as well (the decode steps: LF conv1
     accumulating in place, conv2, q/k, v, o, down, lm_head), and the requests run one at a time, so
     the dense model's decode steps have one row and its MLP takes the GEMV with SiLU-and-mul fused.
-    Those one-row steps compute the LF previous-token terms a layer ahead, so the convolutions run
-    as their weights' halves (whole-weight convolutions at one row: `test_lf_previous_token_terms_...`).
     Under the interpreter each GEMV runs as four programs (BLOCK_N a quarter of N; the interpreter's own config,
     two columns a program, made this the suite's slowest test: ~750 launches of up to 256 programs, each
     interpreted one by one): the same kernels, the same K tiles (so the same numerics) and more than one
@@ -193,12 +191,12 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         "lf_decode_input",
         "lf_decode_output",
     } <= set(kernels_everywhere)
-    if with_gemv:  # the LF convolutions' halves conv1 [H/2, H] x 2 and conv2 [H, H/2] x 2, the MLP's up/gate [2I, H]
+    if with_gemv:  # the LF convolutions conv1 [H/2, 2H] and conv2 [H, H], the MLP's up/gate [2I, H]
         cfg = json.loads((FIXTURES / "yuan2-tiny" / "config.json").read_text())
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         assert {
-            ("gemv", (hidden // 2, hidden)),
-            ("gemv", (hidden, hidden // 2)),
+            ("gemv", (hidden // 2, 2 * hidden)),
+            ("gemv", (hidden, hidden)),
             ("gemv_silu_and_mul", (2 * inter, hidden)),
         } <= set(gemv_calls)
 
