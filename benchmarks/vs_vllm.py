@@ -10,7 +10,8 @@
 
 `run` starts each system on each workload's model folder (random weights, `--load-format dummy`, both with
 `--api-server-count 4` and `--max-model-len 4096`), runs the workload's points with K `vllm bench serve`
-processes started at one barrier and pools their per-request records, stops the server, and appends one
+processes started at one barrier and pools their per-request records (and, with `--clients ... pagoda`, the
+text and one-image points with `pagoda bench` as well), stops the server, and appends one
 row per point to WORK/rows.jsonl. At the end it writes `benchmarks/results/vs_vllm.json` from every row in
 WORK (so several invocations within one lease — one per device call — add up) and prints the ratio table.
 
@@ -176,6 +177,10 @@ MIXED_IMAGES = [
 ]
 
 
+PB_TEXT_40_256 = ["--endpoint", "completions", "--input-len", "40", "--output-len", "256", "--ignore-eos"]
+PB_ONE_IMAGE = ["--endpoint", "chat", "--input-len", "20", "--output-len", "128", "--ignore-eos", "--image", "1000x750"]
+
+
 @dataclass(frozen=True)
 class Point:
     name: str
@@ -184,6 +189,7 @@ class Point:
     procs: int
     concurrency: int | None = None  # closed loop
     rate_fraction: float | None = None  # Poisson at this fraction of the reference's rate (see Workload)
+    pagoda_args: list[str] | None = None  # the same workload for `pagoda bench` (None: only vLLM's client has it)
 
 
 @dataclass(frozen=True)
@@ -201,9 +207,9 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
         "text": Workload(
             "llama-yuan2-2b-dims",
             [
-                Point("c1", TEXT_40_256, 16, 1, concurrency=1),
-                Point("c64", TEXT_40_256, 512, 1, concurrency=64),
-                Point("c256", TEXT_40_256, 2048, 8, concurrency=256),
+                Point("c1", TEXT_40_256, 16, 1, concurrency=1, pagoda_args=PB_TEXT_40_256),
+                Point("c64", TEXT_40_256, 512, 1, concurrency=64, pagoda_args=PB_TEXT_40_256),
+                Point("c256", TEXT_40_256, 2048, 8, concurrency=256, pagoda_args=PB_TEXT_40_256),
             ],
         ),
         "prefix": Workload(
@@ -228,9 +234,9 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
         "image-qwen2-vl-2b": Workload(
             "qwen2-vl-2b",
             [
-                Point("c1", ONE_IMAGE, 8, 1, concurrency=1),
-                Point("c16", ONE_IMAGE, 64, 2, concurrency=16),
-                Point("c64", ONE_IMAGE, 256, 4, concurrency=64),
+                Point("c1", ONE_IMAGE, 8, 1, concurrency=1, pagoda_args=PB_ONE_IMAGE),
+                Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
+                Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
                 Point("rate0.7", MIXED_IMAGES, 384, 4, rate_fraction=0.7),
             ],
             capacity_point="c64",
@@ -238,8 +244,8 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
         "image-qwen2-vl-7b": Workload(
             "qwen2-vl-7b",
             [
-                Point("c16", ONE_IMAGE, 64, 2, concurrency=16),
-                Point("c64", ONE_IMAGE, 256, 4, concurrency=64),
+                Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
+                Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
             ],
         ),
     }
@@ -330,6 +336,25 @@ def run_point(url: str, model: str, point: Point, rate: float | None, seed: int)
     return row
 
 
+def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | None, seed: int, work: Path) -> dict:
+    """The same point through Pagoda's own client (`pagoda bench`, its own process pool): one row."""
+    assert point.pagoda_args is not None
+    out = work / f"pb_{point.name}.json"
+    load = ["--concurrency", str(point.concurrency)] if rate is None else ["--request-rate", f"{rate:g}"]
+    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, *point.pagoda_args, *load]
+    cmd += ["--num-prompts", str(point.prompts), "--client-processes", str(point.procs), "--seed", str(seed)]
+    cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0 or not out.exists():
+        return {"client_error": (done.stderr or done.stdout)[-400:]}
+    p = json.loads(out.read_text())["points"][0]
+    row = {k: p.get(k) for k in ("completed", "failed", "request_throughput", "output_throughput")}
+    row["duration_s"] = p.get("duration")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
+    return row
+
+
 # ---- the servers -------------------------------------------------------------------------------
 
 
@@ -414,8 +439,11 @@ def run(args: argparse.Namespace) -> None:
             if proc is None:
                 continue
             try:
-                warm = Point("warm", wl.points[0].args, 16, 1, concurrency=8)
-                run_point(f"http://127.0.0.1:{port}", model, warm, None, seed=9)
+                warm = Point("warm", wl.points[0].args, 16, 1, concurrency=8, pagoda_args=wl.points[0].pagoda_args)
+                if "vllm" in args.clients:
+                    run_point(f"http://127.0.0.1:{port}", model, warm, None, seed=9)
+                elif warm.pagoda_args is not None:
+                    run_point_pagoda_bench(f"http://127.0.0.1:{port}", model, warm, None, 9, work)
                 for seed, point in enumerate(wl.points, start=1):
                     if args.points and point.name not in args.points:
                         continue
@@ -426,15 +454,22 @@ def run(args: argparse.Namespace) -> None:
                             print(f"  {point.name}: no {args.reference} capacity row yet, skipped", flush=True)
                             continue
                         rate = round(base * point.rate_fraction, 3)
-                    row = {"workload": name, "system": system, "client": "vllm", "point": point.name}
-                    row.update({"concurrency": point.concurrency} if rate is None else {"request_rate": rate})
-                    if args.variant:
-                        row["variant"] = args.variant
-                    row.update(run_point(f"http://127.0.0.1:{port}", model, point, rate, seed))
-                    with (work / "rows.jsonl").open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    print("  " + _short(row), flush=True)
-                    write_result(read_rows(work), args.out, args.gpu, args.commit, quiet=True)  # survives a kill
+                    for client in args.clients:
+                        if client == "pagoda" and point.pagoda_args is None:
+                            continue
+                        row = {"workload": name, "system": system, "client": client, "point": point.name}
+                        row.update({"concurrency": point.concurrency} if rate is None else {"request_rate": rate})
+                        if args.variant:
+                            row["variant"] = args.variant
+                        url = f"http://127.0.0.1:{port}"
+                        if client == "vllm":
+                            row.update(run_point(url, model, point, rate, seed))
+                        else:
+                            row.update(run_point_pagoda_bench(url, model, point, rate, seed, work))
+                        with (work / "rows.jsonl").open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        print("  " + _short(row), flush=True)
+                        write_result(read_rows(work), args.out, args.gpu, args.commit, quiet=True)  # survives a kill
             finally:
                 stop_server(proc)
     write_result(read_rows(work), args.out, args.gpu, args.commit)
@@ -505,8 +540,9 @@ def _point_key(row: dict) -> str:
 
 
 def ratio_table(rows: list[dict]) -> str:
-    """Markdown: Pagoda / vLLM per workload and point, where both were measured (the latest row of each)."""
-    by = {(r["workload"], r["system"], r.get("variant", ""), _point_key(r)): r for r in rows}
+    """Markdown: Pagoda / vLLM per workload and point, where both were measured by vLLM's client (the latest
+    row of each); rows of `pagoda bench` are in the JSON beside them."""
+    by = {(r["workload"], r["system"], r.get("variant", ""), _point_key(r)): r for r in rows if r["client"] == "vllm"}
     lines = [
         "| workload | point | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms "
         "| TPOT p95 P / V ms | ITL p95 P / V ms |",
@@ -563,6 +599,13 @@ def main() -> None:
     r.add_argument("--points", nargs="+", default=None, help="only these points (e.g. c16 c64 rate0.7)")
     r.add_argument("--pagoda-args", default="", help="extra `pagoda serve` flags")
     r.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    r.add_argument(
+        "--clients",
+        nargs="+",
+        choices=("vllm", "pagoda"),
+        default=["vllm"],
+        help="vLLM's `bench serve` and/or `pagoda bench` (text and one-image points)",
+    )
     r.add_argument("--variant", default="", help="a label stored in each row (e.g. a switch under test)")
     r.add_argument("--out", type=Path, default=RESULT)
     r.add_argument("--gpu", default="NVIDIA H200")
