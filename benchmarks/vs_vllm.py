@@ -56,6 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from h200_shapes import SHAPES  # noqa: E402  (this folder's shapes)
 from quantization_sbs import KEYS as POOLED_NAMES  # noqa: E402  (the older pooled client's names -> vLLM's)
 
+from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig  # noqa: E402
+from pagoda.tools.bench.metrics import summarize_ms, tpot_of  # noqa: E402
+
 RESULT = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
 KEYS = (
     "output_throughput",
@@ -87,14 +90,12 @@ CHAT_TEMPLATE = (  # Qwen2-VL's chat format (docs/models.md) without the trainin
     "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+_DEFAULTS = VisionPreprocessConfig()  # the official Qwen2-VL checkpoints' preprocessor_config.json values
 PREPROCESSOR = {
-    "min_pixels": 3136,
-    "max_pixels": 12845056,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    **{k: getattr(_DEFAULTS, k) for k in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size")},
+    "merge_size": _DEFAULTS.merge_size,
+    "image_mean": list(_DEFAULTS.image_mean),
+    "image_std": list(_DEFAULTS.image_std),
     "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen2VLProcessor",
 }
@@ -269,16 +270,6 @@ def _client_process(argv: list[str], barrier, queue) -> None:
         queue.put({"error": repr(exc)[:400]})
 
 
-def _percentile(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 3)
-
-
 def pool(results: list[dict]) -> dict:
     """One row from the client processes' per-request records (start times share one host clock)."""
     reqs = [
@@ -293,19 +284,21 @@ def pool(results: list[dict]) -> dict:
         row["sample_error"] = str(errors[0])[:300]
     if not reqs:
         return row
-    span = max(s + t + sum(i) for s, t, i, _ in reqs) - min(s for s, *_ in reqs)
-    ttft = [t * 1000 for _, t, _, _ in reqs]
-    tpot = [sum(i) * 1000 / (n - 1) for _, _, i, n in reqs if n > 1]
-    itl = [d * 1000 for _, _, i, _ in reqs for d in i]
-    e2e = [(t + sum(i)) * 1000 for _, t, i, _ in reqs]
+    e2el = [t + sum(i) for _, t, i, _ in reqs]
+    span = max(s + e for (s, *_), e in zip(reqs, e2el)) - min(s for s, *_ in reqs)
+    tpot = [tpot_of(t, e, n) for (_, t, _, n), e in zip(reqs, e2el)]
     row.update(
         duration_s=round(span, 3),
         request_throughput=round(len(reqs) / span, 3),
         output_throughput=round(sum(n for *_, n in reqs) / span, 1),
     )
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        row[f"median_{name}_ms"] = _percentile(values, 50)
-        row[f"p95_{name}_ms"] = _percentile(values, 95)
+    for name, values in (
+        ("ttft", [t for _, t, _, _ in reqs]),
+        ("tpot", [x for x in tpot if x is not None]),
+        ("itl", [d for _, _, i, _ in reqs for d in i]),
+        ("e2el", e2el),
+    ):
+        row.update(summarize_ms(name, values, (95,)))
     return row
 
 
