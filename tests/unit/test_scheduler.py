@@ -774,11 +774,10 @@ def run_recording_starts(h: Harness, requests: list[Request]) -> list[list[int]]
     per_step = []
     while h.sched.has_unfinished():
         starts = {rid: r.num_computed_tokens for rid, r in h.sched.requests.items()}
-        hits_unknown = {r.request_id for r in h.sched.waiting}
         so = h.step()
-        for d in so.new_requests:  # admitted now: the step starts at its prefix hit
+        # Admitted now (new, or resumed after preemption): the step starts at its prefix hit.
+        for d in [*so.new_requests, *(c for c in so.cached_requests if c.resumed)]:
             starts[d.request_id] = d.num_computed_tokens
-        assert all(rid not in hits_unknown or rid in starts for rid in so.num_scheduled_tokens)
         per_step.append(started_items(h, so, starts))
     h.drain()
     return per_step
