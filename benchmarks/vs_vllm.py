@@ -366,7 +366,11 @@ def server_command(system: str, model: str, port: int, extra: list[str]) -> list
     return [sys.executable, "-m", "pagoda", "serve", model, "--dtype", "bfloat16", *common, *extra]
 
 
-def start_server(cmd: list[str], port: int, log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
+def launch_server(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """Start a server in its own process session (so `stop_server` takes its children too). `python -m`
+    puts the working folder first on sys.path, so `cwd` picks which `pagoda` package runs."""
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
@@ -376,19 +380,30 @@ def start_server(cmd: list[str], port: int, log: Path, timeout_s: float = 400) -
         TOKENIZERS_PARALLELISM="false",
         VLLM_HOST_IP="127.0.0.1",
         VLLM_USE_FLASHINFER_SAMPLER="0",  # flashinfer is not installed beside vLLM on the device
+        **(env or {}),
     )
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    out = log.open("w")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float = 400) -> bool:
+    """True once /health answers 200; False (and the server stopped) if it exits or times out first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc
+                    return True
         except OSError:
             pass
         time.sleep(2)
     stop_server(proc)
-    return None
+    return False
+
+
+def start_server(cmd: list[str], port: int, log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
+    proc = launch_server(cmd, log)
+    return proc if wait_healthy(proc, port, timeout_s) else None
 
 
 def stop_server(proc: subprocess.Popen) -> None:
