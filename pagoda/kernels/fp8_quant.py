@@ -44,7 +44,8 @@ def _per_token_quant_kernel(
     ONE_TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program m: row m. ONE_TILE: K ≤ BLOCK_K, the row stays in registers between the two passes."""
+    """Program m: row m. ONE_TILE: K ≤ BLOCK_K, the row stays in registers between the two passes.
+    Divisions are `div_rn` (IEEE), as torch divides: Triton's fp32 `/` is PTX's approximate `div.full.f32`."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -52,19 +53,19 @@ def _per_token_quant_kernel(
     wait_for_inputs(PDL)
     if ONE_TILE:
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+            q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_row + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row, scale)
 

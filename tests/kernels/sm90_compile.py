@@ -341,6 +341,13 @@ def main() -> int:
         cache = fn.device_caches[0][0] if 0 in fn.device_caches else {}
         if not any(kernel.asm.get("cubin") for kernel in cache.values()):
             failures.append(f"{qualified}: no variant compiled (add a launch of it to tests/kernels/sm90_compile.py)")
+        # An fp8 quantization must round torch's IEEE quotient: Triton's fp32 `/` is PTX's approximate
+        # div.full.f32 (up to 2 ulp), which flips the e4m3 rounding of values near a tie (use tl.math.div_rn).
+        for kernel in cache.values():
+            ptx = kernel.asm.get("ptx") or ""
+            if ".satfinite.e4m3" in ptx and "div.full.f32" in ptx:  # cvt to e4m3: a store
+                failures.append(f"{qualified}: an fp8 store divides with div.full.f32 (approximate): use div_rn")
+                break
     print(
         f"{len(fake.compiled)} variants of {len(functions)} kernels compiled for sm_{TARGET_ARCH} "
         f"in {time.perf_counter() - start:.0f} s"

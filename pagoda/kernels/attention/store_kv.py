@@ -57,9 +57,11 @@ def _round_to_e4m3(x):
 @triton.jit
 def store_value(x, scale, dst_ptr, FP8_CACHE: tl.constexpr, EMULATE: tl.constexpr):
     """x as a cache of dst_ptr's type stores it: unchanged, or (FP8_CACHE) e4m3(clamp(x / scale, ±448))
-    with the division in fp32. EMULATE: the interpreter's fp8 rounding fix (`_round_to_e4m3`)."""
+    with the division in fp32. EMULATE: the interpreter's fp8 rounding fix (`_round_to_e4m3`).
+    `div_rn`, not `/`: Triton lowers an fp32 `/` to PTX's approximate `div.full.f32` (up to 2 ulp), and a
+    quotient one ulp off flips the e4m3 rounding of a value near a tie, so the store would not be torch's."""
     if FP8_CACHE:
-        y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
         if EMULATE:
             y = _round_to_e4m3(y)
         return y.to(dst_ptr.dtype.element_ty)
