@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
 from pagoda.config.knobs import knob
-from pagoda.config.parallel import ParallelConfig, tensor_parallel_error
+from pagoda.config.parallel import ParallelConfig, pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
 
@@ -85,10 +85,16 @@ class EngineArgs:
         "ranks (GPUs) to shard the model over: attention heads, MLP and vocabulary split N ways; gloo on the CPU",
         flags=("-tp",),
     )
+    pipeline_parallel_size: int = knob(
+        1,
+        "pipeline stages to split the decoder layers into, each its own tensor-parallel group of ranks; "
+        "activations pass stage to stage (gloo on the CPU)",
+        flags=("-pp",),
+    )
     distributed_executor_backend: str = knob(
         "mp",
-        "how the tensor-parallel ranks run: mp (local processes) | ray (actors on a running Ray cluster, "
-        "across machines; RAY_ADDRESS names it)",
+        "how the ranks (tensor x pipeline parallel) run: mp (local processes) | ray (actors on a running Ray "
+        "cluster, across machines; RAY_ADDRESS names it)",
         choices=("mp", "ray"),
     )
     seed: int = knob(0, "random seed for requests without their own seed")
@@ -365,10 +371,13 @@ def _check(ok: bool, param: str, message: str) -> None:
 
 
 def _check_parallel(a: EngineArgs, hf_config: dict[str, Any], device: str) -> None:
-    n = a.tensor_parallel_size
-    problem = tensor_parallel_error(hf_config, n)
+    problem = tensor_parallel_error(hf_config, a.tensor_parallel_size)
     if problem is not None:
         raise ConfigError(problem, "tensor_parallel_size")
+    problem = pipeline_parallel_error(hf_config, a.pipeline_parallel_size)
+    if problem is not None:
+        raise ConfigError(problem, "pipeline_parallel_size")
+    n = a.tensor_parallel_size * a.pipeline_parallel_size
     if n == 1:
         return
     if a.distributed_executor_backend == "ray":
@@ -388,9 +397,12 @@ def _check_parallel(a: EngineArgs, hf_config: dict[str, Any], device: str) -> No
         if visible < n:
             shown = envs.CUDA_VISIBLE_DEVICES.value
             where = f"CUDA_VISIBLE_DEVICES={shown}" if shown is not None else "CUDA_VISIBLE_DEVICES is not set"
+            sizes = f"--tensor-parallel-size {a.tensor_parallel_size}"
+            if a.pipeline_parallel_size > 1:
+                sizes += f" x --pipeline-parallel-size {a.pipeline_parallel_size}"
             raise ConfigError(
-                f"--tensor-parallel-size {n} needs {n} GPUs but {visible} {'is' if visible == 1 else 'are'} "
-                f"visible ({where}); lower --tensor-parallel-size or expose more GPUs.",
+                f"{sizes} needs {n} GPUs but {visible} {'is' if visible == 1 else 'are'} "
+                f"visible ({where}); lower the parallel sizes or expose more GPUs.",
                 "tensor_parallel_size",
             )
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism: the section of the engine config, and the one rule for which sizes a model accepts.
+"""Tensor and pipeline parallelism: the section of the engine config, and the rules for which sizes a model
+accepts (`pipeline_parallel_error`: a stage needs at least one decoder layer).
 
 `tensor_parallel_problems` is the rule; `pagoda serve` (its startup refusal, `tensor_parallel_error`),
 `pagoda plan` and `pagoda doctor` all call it, so the three always agree. It reads config.json only
@@ -29,6 +30,11 @@ from pagoda.models.families import family_of
 class ParallelConfig:
     tensor_parallel_size: int  # ranks (GPUs) one model is sharded over; 1: no sharding
     distributed_executor_backend: str  # how the ranks are started: "mp" | "ray"
+    pipeline_parallel_size: int  # stages of consecutive decoder layers, each of tensor_parallel_size ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def _text_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -92,3 +98,15 @@ def tensor_parallel_error(hf_config: dict[str, Any], n: int) -> str | None:
         return None
     valid = ", ".join(str(v) for v in valid_tensor_parallel_sizes(hf_config))
     return f"--tensor-parallel-size {n} does not fit this model: {'; '.join(problems)}; valid sizes: {valid}."
+
+
+def pipeline_parallel_error(hf_config: dict[str, Any], n: int) -> str | None:
+    """The one-line startup refusal of `--pipeline-parallel-size n` (None when it fits): the decoder layers
+    are split into n stages of consecutive layers (the earlier stages one more when they do not divide),
+    so each stage needs a layer."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"--pipeline-parallel-size must be at least 1 (got {n!r})."
+    layers = _positive_int(_text_fields(hf_config).get("num_hidden_layers"))
+    if n > 1 and layers is not None and layers < n:
+        return f"--pipeline-parallel-size {n} does not fit this model: {layers} decoder layers cannot fill {n} stages."
+    return None

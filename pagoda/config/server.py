@@ -42,7 +42,6 @@ class ServerConfig:
         "the embedded model's name SmolLM2-135M-Instruct)",
     )
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
-    pipeline_parallel_size: int = knob(1, None, flags=("-pp",))
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")
     chat_template: str | None = knob(None, "Jinja chat template: a file or the template text")
     trust_request_chat_template: bool = knob(
@@ -141,8 +140,6 @@ class ServerConfig:
         """The one-line refusals of what this server does not do (ConfigError)."""
         if self.api_server_count < 1:
             raise ConfigError(f"--api-server-count must be at least 1 (got {self.api_server_count}).")
-        if self.pipeline_parallel_size != 1:
-            raise ConfigError("--pipeline-parallel-size > 1 is not supported; use 1.")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}).")
         if self.enable_chunked_prefill is False:

@@ -10,6 +10,12 @@ Two process groups over the same ranks:
   CUDA graph captures like any kernel.
 - `cpu_group` (always gloo): pickled Python objects — each step's `SchedulerOutput` and the driver's
   control calls — sent once per step from rank 0 (the driver) to the others.
+
+Pipeline parallelism (`pp_size` > 1) lays `tp_size x pp_size` ranks out stage by stage: global rank
+r is tensor-parallel rank r % tp of stage r // tp. `device_group` is then the stage's own tensor-parallel
+group; `world_device_group` spans every rank (the sampled tokens' broadcast, and the point-to-point
+sends between stages: a stage's TP rank t hands its activations to TP rank t of the next stage, and the
+last stage's TP rank 0 hands the sampling rows' logits to the driver). `cpu_group` spans every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagoda.distributed.stages import stage_layer_range
+
 DRIVER_RANK = 0
 # torch 2.13 renamed all_gather_into_tensor (same arguments); the device's torch has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,10 +37,21 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    rank: int
-    world_size: int
-    device_group: Any = None  # dist.ProcessGroup, None at world size 1
-    cpu_group: Any = None
+    rank: int  # within the stage's tensor-parallel group
+    world_size: int  # tensor-parallel size
+    device_group: Any = None  # dist.ProcessGroup of the stage's TP ranks, None at TP size 1
+    cpu_group: Any = None  # every rank (gloo)
+    pp_rank: int = 0  # this rank's pipeline stage
+    pp_size: int = 1
+    world_device_group: Any = None  # every rank (NCCL / gloo), None when there is only one
+
+    @property
+    def global_rank(self) -> int:
+        return self.pp_rank * self.world_size + self.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self.pp_size * self.world_size
 
 
 _GROUP = TensorParallelGroup(0, 1)
@@ -51,15 +70,29 @@ def tp_world_size() -> int:
 
 
 def is_driver() -> bool:
-    return _GROUP.rank == DRIVER_RANK
+    return _GROUP.global_rank == DRIVER_RANK
+
+
+def num_ranks() -> int:
+    """Every rank of the model, all stages: 1 when nothing is distributed."""
+    return _GROUP.num_ranks
+
+
+def pp_rank() -> int:
+    return _GROUP.pp_rank
+
+
+def pp_size() -> int:
+    return _GROUP.pp_size
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, device: str, timeout_s: float
+    rank: int, world_size: int, init_method: str, device: str, timeout_s: float, pipeline_size: int = 1
 ) -> TensorParallelGroup:
-    """Join the group: blocks until all `world_size` ranks have called it; raises (RuntimeError, or
-    torch's DistStoreError) when they have not met within `timeout_s`.
+    """Join the group: blocks until all `world_size * pipeline_size` ranks have called it; raises
+    (RuntimeError, or torch's DistStoreError) when they have not met within `timeout_s`.
 
+    rank: the global rank (stage-major, see above); world_size: the tensor-parallel size.
     init_method: "tcp://host:port" of rank 0. device: "cuda" (NCCL; the rank's GPU must already be the
     current device) or "cpu" (gloo)."""
     global _GROUP
@@ -72,7 +105,7 @@ def init_tensor_parallel(
         backend,
         init_method=init_method,
         rank=rank,
-        world_size=world_size,
+        world_size=world_size * pipeline_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
@@ -80,16 +113,31 @@ def init_tensor_parallel(
     # their own that could fire: the ranks wait for the driver's next step for as long as the server is
     # idle, and a hung collective is found by the driver's watch of its ranks (worker/rank_watch.py).
     forever = datetime.timedelta(days=365)
-    device_group = dist.new_group(backend=backend, timeout=forever)
+    world_device_group = dist.new_group(backend=backend, timeout=forever)
     cpu_group = dist.new_group(backend="gloo", timeout=forever)
+    stage = rank // world_size
+    device_group = world_device_group
+    if pipeline_size > 1:  # every rank creates every stage's group, in one order (torch requires it)
+        for s in range(pipeline_size):
+            group = dist.new_group(range(s * world_size, (s + 1) * world_size), backend=backend, timeout=forever)
+            if s == stage:
+                device_group = group
     dist.barrier(group=cpu_group)
-    _GROUP = TensorParallelGroup(rank, world_size, device_group, cpu_group)
+    _GROUP = TensorParallelGroup(
+        rank % world_size,
+        world_size,
+        device_group if world_size > 1 else None,
+        cpu_group,
+        stage,
+        pipeline_size,
+        world_device_group,
+    )
     return _GROUP
 
 
 def destroy_tensor_parallel() -> None:
     global _GROUP
-    if _GROUP.world_size > 1 and dist.is_initialized():
+    if _GROUP.num_ranks > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _GROUP = TensorParallelGroup(0, 1)
 
@@ -125,16 +173,49 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
-    """The driver's `x` on every rank, in place (same shape and dtype everywhere)."""
-    if _GROUP.world_size > 1:
-        dist.broadcast(x, src=DRIVER_RANK, group=_GROUP.device_group)
+    """The driver's `x` on every rank of every stage, in place (same shape and dtype everywhere)."""
+    if _GROUP.num_ranks > 1:
+        dist.broadcast(x, src=DRIVER_RANK, group=_GROUP.world_device_group)
     return x
+
+
+def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
+    """This stage's activations to the same tensor-parallel rank of the next stage."""
+    peer = _GROUP.global_rank + _GROUP.world_size
+    for t in tensors:
+        dist.send(t.contiguous(), peer, group=_GROUP.world_device_group)
+
+
+def recv_from_previous_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list:
+    """The previous stage's activations (what `send_to_next_stage` sent there), in order."""
+    peer = _GROUP.global_rank - _GROUP.world_size
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, peer, group=_GROUP.world_device_group)
+        out.append(t)
+    return out
+
+
+LOGITS_RANK_OFFSET = 0  # the last stage's tensor-parallel rank that hands the logits to the driver
+
+
+def send_logits_to_driver(logits: torch.Tensor) -> None:
+    if _GROUP.rank == LOGITS_RANK_OFFSET:
+        dist.send(logits.contiguous(), DRIVER_RANK, group=_GROUP.world_device_group)
+
+
+def recv_logits_on_driver(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    logits = torch.empty(shape, dtype=dtype, device=device)
+    last = (_GROUP.pp_size - 1) * _GROUP.world_size + LOGITS_RANK_OFFSET
+    dist.recv(logits, last, group=_GROUP.world_device_group)
+    return logits
 
 
 def broadcast_object(obj: Any = None) -> Any:
     """The driver's `obj` on every rank: one pickle, a length and a byte buffer over the gloo group (two
     broadcasts; `dist.broadcast_object_list` would add a size exchange per object)."""
-    if _GROUP.world_size == 1:
+    if _GROUP.num_ranks == 1:
         return obj
     group = _GROUP.cpu_group
     if is_driver():
@@ -152,15 +233,22 @@ def broadcast_object(obj: Any = None) -> Any:
 
 def all_reduce_max(value: float) -> float:
     """The largest of the ranks' `value` (a host scalar), on every rank."""
-    if _GROUP.world_size == 1:
+    if _GROUP.num_ranks == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GROUP.cpu_group)
     return float(t.item())
 
 
-def assume_rank(rank: int, world_size: int) -> None:
-    """Pretend to be `rank` of `world_size` without communication: builds one rank's shard of a model
-    (for shape checks and `pagoda doctor`'s dry run). Collectives must not run under it."""
+def assume_rank(rank: int, world_size: int, stage: int = 0, pipeline_size: int = 1) -> None:
+    """Pretend to be TP `rank` of `world_size` in pipeline `stage` without communication: builds one rank's
+    shard of a model (for shape checks and `pagoda doctor`'s dry run). Collectives must not run under it."""
     global _GROUP
-    _GROUP = TensorParallelGroup(rank, world_size)
+    _GROUP = TensorParallelGroup(rank, world_size, pp_rank=stage, pp_size=pipeline_size)
+
+
+def stage_layers(num_layers: int, stage: int | None = None, pipeline_size: int | None = None) -> range:
+    """The decoder layers pipeline `stage` holds (this rank's by default): `config.parallel.stage_layer_range`."""
+    stage = _GROUP.pp_rank if stage is None else stage
+    n = _GROUP.pp_size if pipeline_size is None else pipeline_size
+    return stage_layer_range(num_layers, stage, n)

@@ -19,6 +19,7 @@ def serve_preflight(engine: EngineArgs, server: ServerConfig) -> list[Check]:
         engine.model,
         port=server.port,
         tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
         distributed_executor_backend=engine.distributed_executor_backend,
         fast=True,
         tokenizer=engine.tokenizer,

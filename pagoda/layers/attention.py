@@ -133,6 +133,8 @@ class StepAttention:
     state: SequenceStateBatch | None = None
     mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) positions; None = 1-D positions
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # flat token index [K], embeddings [K, H]
+    # A pipeline stage after the first starts from the previous stage's (layer output, residual), each [T, H].
+    stage_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Attention(nn.Module):

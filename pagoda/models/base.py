@@ -6,7 +6,10 @@ and the cache sizing (`worker/memory.py`); nothing probes a model for attributes
 `compute_logits(hidden [N, H]) -> [N, V]` (the whole vocabulary on every tensor-parallel rank),
 `attention_layers()` (the runner binds their KV caches), `sequence_state_layers()` (layers that keep
 per-sequence state beside the KV cache; the runner binds their slots), and the loader's hooks
-(`packed_modules_mapping`, `map_weight_name`, `skip_weight`, `tie_weights`).
+(`packed_modules_mapping`, `map_weight_name`, `skip_weight`, `tie_weights`, `stage_weight_name`).
+
+Under pipeline parallelism the decoder (`self.model`) holds one stage's layers (`layers/pipeline.py`,
+`self.model.stage`); `forward` then returns `StageHidden` on every stage but the last.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.attention import Attention, StepAttention
+from pagoda.layers.pipeline import PipelineStage, StageHidden
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,29 @@ class CausalLM(nn.Module):
     # HF projection name → (our fused parameter, its shard name), for the loader.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
     tie_word_embeddings: bool = False
+    # Parameter prefixes only the first / the last pipeline stage holds (besides decoder layers by index).
+    first_stage_prefixes: ClassVar[tuple[str, ...]] = ("model.embed_tokens.",)
+    last_stage_prefixes: ClassVar[tuple[str, ...]] = ("model.norm.", "lm_head.")
     model: nn.Module
     lm_head: nn.Module
 
+    @property
+    def stage(self) -> PipelineStage:
+        return self.model.stage
+
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
-        if self.tie_word_embeddings:
+        """Share the embedding with the LM head (again after `to_empty`, which unties them). A last
+        pipeline stage without the embedding keeps its own head, loaded from the embedding's entry."""
+        if self.tie_word_embeddings and self.stage.whole:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def stage_weight_name(self, name: str) -> str | None:
+        """The parameter a checkpoint entry (this class's spelling) fills on this pipeline stage, or
+        None when another stage holds it."""
+        stage = self.stage
+        if self.tie_word_embeddings and stage.last and not stage.first and name == "model.embed_tokens.weight":
+            return "lm_head.weight"
+        return name if stage.holds(name, self.first_stage_prefixes, self.last_stage_prefixes) else None
 
     def map_weight_name(self, name: str) -> str:
         """A checkpoint name as this class names the parameter (identity unless a checkpoint differs)."""
@@ -57,14 +77,17 @@ class CausalLM(nn.Module):
         """Checkpoint entries with no parameter here (rotary buffers, a duplicate tied head)."""
         return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+    ) -> torch.Tensor | StageHidden:
         return self.model(input_ids, positions, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's attention layers (every layer's without pipeline parallelism)."""
+        return [layer.self_attn.attn for layer in self.stage.own(self.model.layers)]
 
     def sequence_state_layers(self) -> list[Any]:
         return []

@@ -22,6 +22,7 @@ from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.pipeline import MissingLayer, PipelineStage, StageHidden
 from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.base import CausalLM
@@ -92,19 +93,25 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        n = cfg["num_hidden_layers"]
+        self.stage = stage = PipelineStage.current(n)
+        hidden = cfg["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden) if stage.first else MissingLayer()
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta, scaling = rope_parameters(cfg)
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, theta, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qkv_bias) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.layers = stage.build(n, lambda: LlamaDecoderLayer(cfg, qkv_bias))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if stage.last else MissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention
+    ) -> torch.Tensor | StageHidden:
+        x, residual = (self.embed_tokens(input_ids), None) if self.stage.first else attn.stage_input
         rope = self.rotary_emb.cos_sin(positions)
-        residual = None
-        for layer in self.layers:
+        for layer in self.stage.own(self.layers):
             x, residual = layer(rope, x, attn, residual)
+        if not self.stage.last:
+            return StageHidden(x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -126,7 +133,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
         self.model = LlamaModel(cfg, positions, self.qkv_bias)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.stage.last else MissingLayer()
         self.tie_weights()
 
 

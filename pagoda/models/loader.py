@@ -142,6 +142,9 @@ class WeightRouter:
         name = self.rename(checkpoint_name)
         if self.model.skip_weight(name) or kv_scale_entry(name) is not None:
             return None
+        name = self.model.stage_weight_name(name)  # pipeline parallelism: None when another stage holds it
+        if name is None:
+            return None
         if self.quantized and name.rsplit(".", 1)[-1] in UNUSED_LEAVES:
             return None
         target, shard = _map_name(name, self.mapping)

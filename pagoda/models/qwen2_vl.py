@@ -26,6 +26,7 @@ from torch import nn
 from pagoda.errors import ModelLoadError
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.pipeline import MissingLayer, PipelineStage, StageHidden
 from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.base import CausalLM, ModelCapabilities
@@ -63,27 +64,33 @@ class Qwen2VLTextModel(nn.Module):
         self.sections = mrope_section(cfg)
         if 2 * sum(self.sections) != head_dim:
             raise ModelLoadError(f"mrope_section {self.sections} must sum to head_dim/2 = {head_dim // 2}.")
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden)
+        n = cfg["num_hidden_layers"]
+        self.stage = stage = PipelineStage.current(n)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], hidden) if stage.first else MissingLayer()
         # M-RoPE is plain RoPE (theta from the config, no scaling) applied per axis band.
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, rope_theta(cfg), None)
         layer_cfg = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters")}
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(layer_cfg, qkv_bias=True) for _ in range(cfg["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+        self.layers = stage.build(n, lambda: LlamaDecoderLayer(layer_cfg, qkv_bias=True))
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6)) if stage.last else MissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if step.mm_embeds is not None:
-            index, embeds = step.mm_embeds
-            x = x.index_copy(0, index, embeds.to(x.dtype))
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+    ) -> torch.Tensor | StageHidden:
+        if self.stage.first:
+            x, residual = self.embed_tokens(input_ids), None  # the layers hand the residual stream on
+            if step.mm_embeds is not None:
+                index, embeds = step.mm_embeds
+                x = x.index_copy(0, index, embeds.to(x.dtype))
+        else:
+            x, residual = step.stage_input
         if step.mrope_positions is not None:
             rope = multimodal_cos_sin(self.rotary_emb, step.mrope_positions, self.sections)
         else:
             rope = self.rotary_emb.cos_sin(positions)
-        residual = None  # the layers hand the residual stream on; each add is fused into a norm
-        for layer in self.layers:
+        for layer in self.stage.own(self.layers):
             x, residual = layer(rope, x, step, residual)
+        if not self.stage.last:
+            return StageHidden(x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -93,6 +100,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     `encode(pixel_values, grid_thw)` runs the vision tower for whole items (never a part of one)."""
 
     capabilities = ModelCapabilities(encoder=True, mrope=True)
+    first_stage_prefixes = ("model.embed_tokens.", "visual.")
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -110,9 +118,10 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         self.vision_config = vision_config_with_defaults(dict(cfg.get("vision_config") or {}), text["hidden_size"])
         self.merge_size = int(self.vision_config["spatial_merge_size"])
         positions = max(max_positions, int(text.get("max_position_embeddings", max_positions)))
-        self.visual = Qwen2VisionTransformer(self.vision_config)
         self.model = Qwen2VLTextModel(text, positions)
-        self.lm_head = ParallelLMHead(text["vocab_size"], text["hidden_size"])
+        # The vision tower feeds the embeddings: it lives on the first pipeline stage.
+        self.visual = Qwen2VisionTransformer(self.vision_config) if self.stage.first else MissingLayer()
+        self.lm_head = ParallelLMHead(text["vocab_size"], text["hidden_size"]) if self.stage.last else MissingLayer()
         self.tie_weights()
 
     def map_weight_name(self, name: str) -> str:
@@ -125,7 +134,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """Whole items → [sum(t*h*w/merge**2), H] placeholder embeddings, in item order."""
-        return self.visual(pixel_values.to(self.lm_head.weight.dtype), grid_thw)
+        return self.visual(pixel_values.to(self.visual.patch_embed.proj.weight.dtype), grid_thw)
 
     def encoder_profile_input(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device

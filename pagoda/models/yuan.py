@@ -48,6 +48,7 @@ from pagoda.layers.linear import (
 )
 from pagoda.layers.localized_filter import LocalizedFilter
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.pipeline import MissingLayer, PipelineStage, StageHidden
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.layers.side_stream import Branch
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -285,19 +286,24 @@ class YuanDecoderLayer(nn.Module):
 class YuanModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], shape: YuanShape, max_positions: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], shape.hidden)
+        n = cfg["num_hidden_layers"]
+        self.stage = stage = PipelineStage.current(n)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], shape.hidden) if stage.first else MissingLayer()
         self.rotary_emb = RotaryEmbedding(
             shape.rotary_dim, max_positions, YUAN_ROPE_THETA, None, shape.rope_table_precision
         )
-        self.layers = nn.ModuleList(YuanDecoderLayer(cfg, shape) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(shape.hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+        self.layers = stage.build(n, lambda: YuanDecoderLayer(cfg, shape))
+        self.norm = RMSNorm(shape.hidden, float(cfg.get("rms_norm_eps", 1e-6))) if stage.last else MissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+    ) -> torch.Tensor | StageHidden:
+        h, residual = (self.embed_tokens(input_ids), None) if self.stage.first else step.stage_input
         rope = self.rotary_emb.cos_sin(positions)
-        residual = None
-        for layer in self.layers:
+        for layer in self.stage.own(self.layers):
             h, residual = layer(rope, h, step, residual)
+        if not self.stage.last:
+            return StageHidden(h, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
@@ -320,7 +326,7 @@ class YuanForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
         positions = max(max_positions, int(cfg.get("max_position_embeddings", max_positions)))
         self.model = YuanModel(cfg, self.shape, positions)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], self.shape.hidden)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], self.shape.hidden) if self.stage.last else MissingLayer()
         self.tie_weights()
 
     def skip_weight(self, name: str) -> bool:
@@ -328,4 +334,4 @@ class YuanForCausalLM(CausalLM):
 
     def sequence_state_layers(self) -> list[LocalizedFilter]:
         """Layers that keep per-sequence state beside the KV cache (the runner binds their slots)."""
-        return [layer.self_attn.lf_gate for layer in self.model.layers]
+        return [layer.self_attn.lf_gate for layer in self.stage.own(self.model.layers)]

@@ -24,8 +24,14 @@ from pagoda.config.engine import (
     resolve_max_model_len,
     resolve_max_num_batched_tokens,
 )
-from pagoda.config.parallel import tensor_parallel_error, tensor_parallel_problems, valid_tensor_parallel_sizes
+from pagoda.config.parallel import (
+    pipeline_parallel_error,
+    tensor_parallel_error,
+    tensor_parallel_problems,
+    valid_tensor_parallel_sizes,
+)
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
+from pagoda.distributed.stages import stage_layer_range
 from pagoda.errors import ConfigError
 from pagoda.worker import memory
 
@@ -80,16 +86,55 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     quantization: str = "none"  # the weights' quantization (QuantConfig.describe()), "none" when unquantized
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (e4m3: kv_bytes_* count 1 byte per element)
+    pipeline_parallel_size: int = 1
+    # Per pipeline stage: its decoder layers [start, stop) and weight bytes per GPU (one entry without pp).
+    stages: list[dict[str, int]] = field(default_factory=list)
 
 
-def _meta_model(hf_config: dict[str, Any], max_model_len: int) -> Any:
+def _meta_model(hf_config: dict[str, Any], max_model_len: int, stage: int = 0, pipeline_size: int = 1) -> Any:
+    """The model on the meta device: pipeline `stage`'s layers only (all of them at pipeline_size 1)."""
     import torch  # lazy: torch (`pagoda plan` runs without it)
 
+    from pagoda.distributed import parallel_state  # lazy: torch (`pagoda plan` runs without it)
     from pagoda.models.registry import get_model_class  # lazy: torch (`pagoda plan` runs without it)
 
     architecture = (hf_config.get("architectures") or ["<missing>"])[0]
-    with torch.device("meta"):
-        return get_model_class(architecture)(hf_config, max_model_len)
+    parallel_state.assume_rank(0, 1, stage, pipeline_size)
+    try:
+        with torch.device("meta"):
+            return get_model_class(architecture)(hf_config, max_model_len)
+    finally:
+        parallel_state.assume_rank(0, 1)
+
+
+def _stage_ranges(hf_config: dict[str, Any], pipeline_size: int) -> list[range]:
+    layers = int(text_field(hf_config, "num_hidden_layers"))
+    return [stage_layer_range(layers, s, pipeline_size) for s in range(pipeline_size)]
+
+
+def _stage_footprint(
+    hf_config: dict[str, Any],
+    max_model_len: int,
+    stage: int,
+    pipeline_size: int,
+    quantization: QuantConfig | None,
+    dtype_bytes: int,
+    tp: int,
+) -> tuple[Any, int, int]:
+    """(meta model, weight bytes, weight bytes per GPU) of one pipeline stage, quantized as it would be held."""
+    model = _meta_model(hf_config, max_model_len, stage, pipeline_size)
+    if quantization is not None:
+        import torch  # lazy: torch (`pagoda plan` runs without it)
+
+        from pagoda.layers.quantization import process_after_loading, quantize_linear_layers
+
+        try:
+            quantize_linear_layers(model, quantization, torch.float32, torch.device("meta"))
+        except ValueError as exc:  # as the loader refuses it: a projection the format cannot hold
+            raise ConfigError(f"{quantization.describe()}: {exc}", "quantization") from None
+        if quantization.method == "fp8" and not quantization.serialized:
+            process_after_loading(model)  # fp8 at load: the weights as they will be held (meta: no work)
+    return (model, *_weights_bytes(model, dtype_bytes, tp))
 
 
 def _weights_bytes(model: Any, dtype_bytes: int, tp: int) -> tuple[int, int]:
@@ -150,6 +195,7 @@ def make_plan(
     memory_bytes_per_gpu: int | None = None,
     gpu_memory_utilization: float | None = ENGINE_DEFAULTS.gpu_memory_utilization,
     tensor_parallel_size: int = ENGINE_DEFAULTS.tensor_parallel_size,
+    pipeline_parallel_size: int = ENGINE_DEFAULTS.pipeline_parallel_size,
     max_model_len: int | None = ENGINE_DEFAULTS.max_model_len,
     dtype: str = "bfloat16",
     block_size: int = ENGINE_DEFAULTS.block_size,
@@ -177,20 +223,17 @@ def make_plan(
     if tp < 1:  # no per-GPU numbers to give
         raise ConfigError(tensor_parallel_error(hf_config, tp) or "", "tensor_parallel_size")
     max_num_batched_tokens = resolve_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs)
-    model = _meta_model(hf_config, max_model_len)
-    if quantization is not None:
-        import torch  # lazy: torch (`pagoda plan` runs without it)
-
-        from pagoda.layers.quantization import process_after_loading, quantize_linear_layers
-
-        try:
-            quantize_linear_layers(model, quantization, torch.float32, torch.device("meta"))
-        except ValueError as exc:  # as the loader refuses it: a projection the format cannot hold
-            raise ConfigError(f"{quantization.describe()}: {exc}", "quantization") from None
-        if quantization.method == "fp8" and not quantization.serialized:
-            process_after_loading(model)  # fp8 at load: the weights as they will be held (meta: no work)
+    pp = pipeline_parallel_size
+    problem = pipeline_parallel_error(hf_config, pp)
+    if problem is not None:
+        raise ConfigError(problem, "pipeline_parallel_size")
+    # Each pipeline stage's GPUs hold its layers: the plan is the fullest GPU's. Stage 0 holds the most
+    # layers (its KV spec sizes every stage's pool, as in the engine); the largest weights per GPU decide.
+    stages = [_stage_footprint(hf_config, max_model_len, s, pp, quantization, dtype_bytes, tp) for s in range(pp)]
+    model = stages[0][0]
     spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching, cache_dtype_bytes)
-    weights_total, weights_gpu = _weights_bytes(model, dtype_bytes, tp)
+    weights_total = sum(total for _, total, _ in stages)
+    weights_gpu = max(gpu for _, _, gpu in stages)
     problems = tensor_parallel_problems(hf_config, tp)
     notes = []
     if problems:
@@ -231,11 +274,11 @@ def make_plan(
     if not usable and device == "cpu":
         notes.append(f"a KV budget of {_size(memory_bytes_per_gpu)} holds no block: raise --cpu-kv-cache-space-gib")
     elif not usable:
-        gpus = "one GPU" if tp == 1 else f"{tp} GPUs"
+        gpus = "one GPU" if tp * pp == 1 else f"{tp * pp} GPUs"
         notes.append(
             f"the model does not fit on {gpus}: {_size(weights_gpu)} of weights per GPU leave no room for a KV "
-            f"cache in {_size(memory_bytes_per_gpu)} x {gpu_memory_utilization}; use more GPUs (--tp), quantized "
-            "weights (-q fp8) or a larger GPU"
+            f"cache in {_size(memory_bytes_per_gpu)} x {gpu_memory_utilization}; use more GPUs (--tp, --pp), "
+            "quantized weights (-q fp8) or a larger GPU"
         )
     elif not fits:
         notes.append(
@@ -285,6 +328,11 @@ def make_plan(
         notes,
         quantization.describe() if quantization is not None else "none",
         kv_cache_dtype,
+        pp,
+        [
+            {"first_layer": r.start, "last_layer": r.stop - 1, "weights_bytes_per_gpu": gpu}
+            for r, (_, _, gpu) in zip(_stage_ranges(hf_config, pp), stages, strict=True)
+        ],
     )
 
 
@@ -301,12 +349,22 @@ def format_plan(plan: Plan) -> str:
         if plan.device == "cpu"
         else f"{_size(plan.memory_bytes_per_gpu)} per GPU x {plan.gpu_memory_utilization}"
     )
+    pp = f", pp={plan.pipeline_parallel_size}" if plan.pipeline_parallel_size > 1 else ""
+    fullest = " (the fullest stage)" if pp else ""
     lines = [
-        f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}, {where}",
-        f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU",
+        f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}{pp}, {where}",
+        f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU{fullest}",
         f"KV cache per token{' (fp8 e4m3)' if plan.kv_cache_dtype == 'fp8' else ''}: "
         f"{_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
     ]
+    if pp:
+        lines.append(
+            "pipeline stages: "
+            + "; ".join(
+                f"{i}: layers {st['first_layer']}-{st['last_layer']}, {_size(st['weights_bytes_per_gpu'])} per GPU"
+                for i, st in enumerate(plan.stages)
+            )
+        )
     if plan.state_bytes_per_sequence:
         lines.append(f"LF state per sequence: {_size(plan.state_bytes_per_sequence)} (+ the same per cached block)")
     lines += [
@@ -340,6 +398,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     engine = ENGINE_DEFAULTS
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=engine.tensor_parallel_size)
+    parser.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=engine.pipeline_parallel_size)
     parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
     parser.add_argument("--gpu-memory-utilization", type=float, default=engine.gpu_memory_utilization)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
@@ -391,6 +450,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         memory_bytes_per_gpu=int(gib * GiB) if gib else None,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         tensor_parallel_size=ns.tp,
+        pipeline_parallel_size=ns.pp,
         max_model_len=ns.max_model_len,
         dtype=ns.dtype,
         block_size=ns.block_size,

@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.config.engine import text_field
 from pagoda.device_copy import to_device
-from pagoda.distributed.parallel_state import all_reduce_max, broadcast_tensor, is_driver, tp_world_size
+from pagoda.distributed.parallel_state import all_reduce_max, broadcast_tensor, is_driver, num_ranks
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
+from pagoda.layers.pipeline import StageHidden
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
@@ -38,9 +40,10 @@ from pagoda.worker.graph_runner import GraphRunner, GraphSpec
 from pagoda.worker.kv_cache import allocate_kv_caches, log_fp8_scales, zero_blocks
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.pending_step import NO_TOKENS, PendingStep
+from pagoda.worker.pipeline_link import PipelineLink
 from pagoda.worker.request_states import RequestStates, RunnerRequestState
 from pagoda.worker.state_slots import StateSlotPool
-from pagoda.worker.step_inputs import StepInputs, StepInputsBuilder
+from pagoda.worker.step_inputs import StepInputs, StepInputsBuilder, one_prompt_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +73,15 @@ class ModelRunner:
             config.model.quantization,
         )
         self.capabilities = caps = self.model.capabilities  # what the model is, read once
+        # Pipeline parallelism: this rank's stage of the decoder, and its links to the neighbouring stages.
+        hidden_size = int(text_field(source.hf_config, "hidden_size"))
+        self.link = PipelineLink(self.model.stage, hidden_size, config.model.vocab_size, self.dtype, self.device)
+        self.pipelined = self.link.active
         self.vocab_size = config.model.vocab_size
         unique = {id(p): p for p in self.model.parameters()}  # tied weights once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())  # this rank's share
-        self.backend = backend or self._make_backend(config.device.attention_backend)
+        triton = config.device.attention_backend == "triton"
+        self.backend = backend or (TritonAttentionBackend() if triton else TorchAttentionBackend())
         if self.cache_dtype == FP8_KV:
             log_fp8_scales(self.model.attention_layers())
         self.sampler = Sampler()
@@ -99,12 +107,6 @@ class ModelRunner:
         # Structured output (`frontend.structured_output.manager.GrammarManager`, set by the engine on
         # the first constrained request): fills the allowed-token bitmask of constrained rows.
         self.token_masks: Any = None
-
-    @staticmethod
-    def _make_backend(name: str) -> AttentionBackend:
-        if name == "triton":
-            return TritonAttentionBackend()
-        return TorchAttentionBackend()
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -141,6 +143,9 @@ class ModelRunner:
         if not self.capabilities.cuda_graphs:
             logger.info("%s cannot be captured in CUDA graphs: steps run eagerly", type(self.model).__name__)
             return
+        if self.pipelined:
+            logger.info("Pipeline parallelism: steps run eagerly (no CUDA graphs across stage sends)")
+            return
         scratch = self.state_pool.scratch_slot if self.state_pool is not None else None
         spec = GraphSpec.create(
             self.config, scratch, self.state_snapshots, self.capabilities.mrope, decode_buckets, token_buckets
@@ -158,13 +163,14 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size) + 1
         self.initialize_kv_cache(KVCacheLayout(num_blocks, self.block_size, 0))
         # Positions wrap at max_model_len: the step budget may exceed the model's context (RoPE table).
-        inputs = _one_prompt(num_tokens, self.block_size, self.config.model.max_model_len)
+        inputs = one_prompt_inputs(num_tokens, self.block_size, self.config.model.max_model_len)
         if self.state_pool is not None:
             inputs.state_slots = np.zeros(1, dtype=np.int64)
         with dispatch.pdl_for_rows(num_tokens):  # as an eager step of this size runs (and so compiles) them
-            hidden = self._forward_eager(inputs, [])
-            self.model.compute_logits(hidden[-1:])
-            if self.capabilities.encoder:
+            hidden = self._stage_forward(inputs, [])
+            if hidden is not None:
+                self.model.compute_logits(hidden[-1:])
+            if self.capabilities.encoder and self.link.stage.first:
                 self.encoder.profile(num_tokens, self.dtype)
         torch.cuda.synchronize()
         # Under tensor parallelism every rank sizes the same pool: the largest rank's peak decides.
@@ -185,16 +191,18 @@ class ModelRunner:
         """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence, every position, in
         one prefill over KV blocks 1.. of the cache: for accuracy checks (tests, the quantization
         accuracy benchmark) on an idle engine. Needs ceil(n / block_size) free blocks past the null one."""
-        inputs = _one_prompt(len(token_ids), self.block_size)
+        inputs = one_prompt_inputs(len(token_ids), self.block_size)
         inputs.token_ids = np.asarray(token_ids, dtype=np.int64)
         zero_blocks(self.kv_caches, inputs.block_tables[0].tolist(), self.device)  # as for every block handed out
-        return self.model.compute_logits(self._forward_eager(inputs, [])).float().cpu()
+        hidden = self._forward_eager(inputs, [])
+        assert isinstance(hidden, torch.Tensor), "prompt_logits needs the whole model in one pipeline stage"
+        return self.model.compute_logits(hidden).float().cpu()
 
     def set_token_masks(self, masks: Any) -> None:
         self.token_masks = masks
 
-    def shutdown(self) -> None:
-        """Nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)."""
+    def shutdown(self) -> None:  # nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)
+        pass
 
     def take_failures(self) -> list[tuple[str, str, Exception]]:
         return self.requests.take_failures()
@@ -224,7 +232,7 @@ class ModelRunner:
             logits = self._run_model(inputs, states)
             for s, n in zip(states, inputs.seq_lens.tolist()):
                 s.num_computed_tokens = n
-            if logits is None:  # no row reached the end of its known tokens
+            if not len(inputs.sample_rows):  # no row reached the end of its known tokens
                 return PendingStep([], [], done=NO_TOKENS)
             if len(inputs.sample_rows) < len(request_ids):
                 rows = inputs.sample_rows.tolist()
@@ -250,20 +258,30 @@ class ModelRunner:
         return request_ids, states, inputs
 
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
-        """Logits [S, V] of the rows that sample (None when none does)."""
+        """Logits [S, V] of the rows that sample (None when none does, or on a pipeline stage that
+        neither computes nor samples them)."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs)  # every row's last token
             if len(inputs.sample_rows) < inputs.num_rows:
                 logits = logits[to_device(inputs.sample_rows, logits.device)] if len(inputs.sample_rows) else None
             return logits
-        hidden = self._forward_eager(inputs, states)
+        hidden = self._stage_forward(inputs, states)
         if not len(inputs.sample_rows):
             return None
+        if hidden is None:  # a stage before the last: the driver takes the last stage's logits
+            return self.link.driver_logits(len(inputs.sample_rows))
         last_token = to_device(inputs.query_start_loc[1:][inputs.sample_rows] - 1, self.device)
-        return self.model.compute_logits(hidden[last_token])
+        logits = self.model.compute_logits(hidden[last_token])
+        self.link.logits_for_driver(logits)
+        return logits
 
-    def _forward_eager(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor:
-        """hidden [T, H] of the step, launched from Python (the PyTorch backend, or no graph fits)."""
+    def _stage_forward(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
+        """hidden [T, H] of the step (eagerly); under pipeline parallelism only the last stage's (the others
+        send their activations on)."""
+        return self.link.hand_on(self._forward_eager(inputs, states))
+
+    def _forward_eager(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | StageHidden:
+        """The model over the step, launched from Python (the PyTorch backend, or no graph fits)."""
         dev = self.device
         batch = AttentionBatch(
             query_lens=inputs.query_lens.tolist(),
@@ -288,26 +306,30 @@ class ModelRunner:
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
         if inputs.mrope_positions is not None:
             attn.mrope_positions = torch.from_numpy(inputs.mrope_positions).to(dev)
-        if inputs.needs_encoder:
+        if inputs.needs_encoder and self.link.stage.first:
             attn.mm_embeds = self.encoder.embeds(states, inputs)
+        attn.stage_input = self.link.stage_input(len(inputs.token_ids))
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:
             ids.index_copy_(0, *inputs.late_tokens)
         return self.model(ids, torch.from_numpy(inputs.positions).to(dev), attn)
 
-    def _sample(self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor) -> PendingStep:
+    def _sample(
+        self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor | None
+    ) -> PendingStep:
         """Sample the rows that sample (logits [S, V]); queue their tokens' copy to the host."""
         # The batch counts tokens still in flight too (min_tokens; the penalties' device history
         # already holds them), so sampling never waits for the step before.
-        if tp_world_size() > 1 and not is_driver():
+        if num_ranks() > 1 and not is_driver():
             # Only the driver samples; the other ranks take its tokens (they feed the next step's inputs).
-            tokens = broadcast_tensor(torch.empty(len(request_ids), dtype=torch.int64, device=logits.device))
+            tokens = broadcast_tensor(torch.empty(len(request_ids), dtype=torch.int64, device=self.device))
             out = SamplerOutput(tokens, None, None, None)
         else:
+            assert logits is not None
             batch = self.sampling.batch(request_ids)
             out = self.sampler(logits, batch, self._token_bitmask(request_ids, states))
             self.sampling.update(out.sampled_token_ids)
-            if tp_world_size() > 1:
+            if num_ranks() > 1:
                 broadcast_tensor(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1
@@ -326,18 +348,3 @@ class ModelRunner:
         if self._last_step is not None and any(s.num_pending for s in states):
             self._last_step.result()
         return masks.fill(request_ids, [s.output_token_ids for s in states])
-
-
-def _one_prompt(n: int, block_size: int, max_position: int | None = None) -> StepInputs:
-    """Inputs of one n-token prompt (ids 0) over KV blocks 1, 2, ...; positions wrap at max_position."""
-    tokens = np.arange(n, dtype=np.int64)
-    blocks = np.arange(1, -(-n // block_size) + 1, dtype=np.int64)
-    return StepInputs(
-        np.zeros(n, dtype=np.int64),
-        tokens % max_position if max_position else tokens,
-        tokens + block_size,  # blocks 1.. in order: slot = block * block_size + offset
-        np.array([0, n], dtype=np.int64),
-        np.array([n], dtype=np.int64),
-        blocks[None, :],
-        np.array([0], dtype=np.int64),
-    )

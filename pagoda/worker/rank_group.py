@@ -43,6 +43,15 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def rank_label(rank: int, tp: int, world: int) -> str:
+    """How a fault line names a rank: 'tensor-parallel rank 1', or under pipeline parallelism its stage too."""
+    if tp >= world:
+        return f"tensor-parallel rank {rank}"
+    if tp == 1:
+        return f"pipeline stage {rank} (rank {rank})"
+    return f"pipeline stage {rank // tp}, tensor-parallel rank {rank % tp} (rank {rank})"
+
+
 def _exit_text(exitcode: int) -> str:
     """How a process ended, as multiprocessing reports it (a negative exit code: the signal that killed it)."""
     if exitcode >= 0:
@@ -57,8 +66,10 @@ def _exit_text(exitcode: int) -> str:
 class LocalRanks:
     host = "127.0.0.1"
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, tp_size: int | None = None):
         self.world_size = world_size
+        self.tp = tp_size or world_size  # ranks per pipeline stage
+        self.label = lambda rank: rank_label(rank, self.tp, self.world_size)
         self.procs: list[Any] = []
         self.heartbeats: list[Any] = []
         self.errors: list[Any] = []
@@ -93,12 +104,12 @@ class LocalRanks:
                     if errors.poll():
                         reason = f": {errors.recv()}"
                 if reason:
-                    return f"tensor-parallel rank {rank} (pid {proc.pid}) failed to start{reason}"
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc.exitcode)}"
+                    return f"{self.label(rank)} (pid {proc.pid}) failed to start{reason}"
+                return f"{self.label(rank)} (pid {proc.pid}) {_exit_text(proc.exitcode)}"
             last = beat.value
             if last and now - last > stale_after:
                 return (
-                    f"tensor-parallel rank {rank} (pid {proc.pid}) is hung: no heartbeat for {now - last:.1f} s "
+                    f"{self.label(rank)} (pid {proc.pid}) is hung: no heartbeat for {now - last:.1f} s "
                     f"(PAGODA_TP_HEARTBEAT_TIMEOUT_S={stale_after:g})"
                 )
         return None
@@ -114,7 +125,9 @@ class LocalRanks:
 
 
 class RayRanks:
-    def __init__(self, world_size: int, device: str):
+    def __init__(self, world_size: int, device: str, tp_size: int | None = None):
+        self.tp = tp_size or world_size  # ranks per pipeline stage
+        self.label = lambda rank: rank_label(rank, self.tp, self.world_size)
         import ray  # lazy: ray (optional: pip install 'pagoda[ray]')
 
         self.ray = ray
@@ -149,10 +162,10 @@ class RayRanks:
             if done:
                 try:
                     ray.get(run)
-                    return f"tensor-parallel rank {rank} (Ray actor) stopped"
+                    return f"{self.label(rank)} (Ray actor) stopped"
                 except Exception as exc:  # noqa: BLE001 - what Ray says about the actor's end
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    return f"tensor-parallel rank {rank} (Ray actor) failed: {first}"
+                    return f"{self.label(rank)} (Ray actor) failed: {first}"
         return self._pings()
 
     def _pings(self) -> str | None:
@@ -175,19 +188,16 @@ class RayRanks:
                 try:
                     ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - a dead actor: the next poll of its run says more
-                    return f"tensor-parallel rank {rank} (Ray actor) is gone: {type(exc).__name__}"
+                    return f"{self.label(rank)} (Ray actor) is gone: {type(exc).__name__}"
                 self._answered[rank] = now
                 continue
             if rank in self._answered:
                 limit, name = envs.TP_HEARTBEAT_TIMEOUT_S.value, "PAGODA_TP_HEARTBEAT_TIMEOUT_S"
                 if now - at > limit:
-                    return (
-                        f"tensor-parallel rank {rank} (Ray actor) is hung: no answer to a ping within {limit:g} s "
-                        f"({name})"
-                    )
+                    return f"{self.label(rank)} (Ray actor) is hung: no answer to a ping within {limit:g} s ({name})"
             elif now - at > envs.TP_INIT_TIMEOUT_S.value:
                 return (
-                    f"tensor-parallel rank {rank} (Ray actor) did not start: no answer within "
+                    f"{self.label(rank)} (Ray actor) did not start: no answer within "
                     f"{envs.TP_INIT_TIMEOUT_S.value:g} s (PAGODA_TP_INIT_TIMEOUT_S)"
                 )
         return None

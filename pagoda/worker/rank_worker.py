@@ -40,7 +40,7 @@ def share_cpu_threads(config: EngineConfig) -> int:
     OpenMP thread per core would oversubscribe the machine N times over. Returns the previous count."""
     previous = torch.get_num_threads()
     if config.device.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
     return previous
 
 
@@ -54,6 +54,7 @@ def build_rank_runner(config: EngineConfig, rank: int, init_method: str, eos_tok
         init_method,
         config.device.device,
         envs.TP_INIT_TIMEOUT_S.value,
+        config.parallel.pipeline_parallel_size,
     )
     return ModelRunner(config, resolve_model_source(config.model.model), set(eos_token_ids))
 

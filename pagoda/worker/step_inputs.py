@@ -212,3 +212,18 @@ class StepInputsBuilder:
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def one_prompt_inputs(n: int, block_size: int, max_position: int | None = None) -> StepInputs:
+    """Inputs of one n-token prompt (ids 0) over KV blocks 1, 2, ...; positions wrap at max_position."""
+    tokens = np.arange(n, dtype=np.int64)
+    blocks = np.arange(1, -(-n // block_size) + 1, dtype=np.int64)
+    return StepInputs(
+        np.zeros(n, dtype=np.int64),
+        tokens % max_position if max_position else tokens,
+        tokens + block_size,  # blocks 1.. in order: slot = block * block_size + offset
+        np.array([0, n], dtype=np.int64),
+        np.array([n], dtype=np.int64),
+        blocks[None, :],
+        np.array([0], dtype=np.int64),
+    )

@@ -21,11 +21,13 @@ import torch
 
 from pagoda import envs
 from pagoda.config import EngineConfig
+from pagoda.config.engine import text_field
 from pagoda.distributed.parallel_state import (
     broadcast_object,
     destroy_tensor_parallel,
     init_tensor_parallel,
-    tp_world_size,
+    num_ranks,
+    stage_layers,
 )
 from pagoda.errors import ConfigError
 from pagoda.models.source import ModelSource
@@ -43,16 +45,26 @@ logger = logging.getLogger("pagoda.core")
 def make_runner(
     config: EngineConfig, source: ModelSource, eos_token_ids: set[int], on_fatal: Callable[[str], None] | None = None
 ) -> ModelRunner | TensorParallelRunner:
-    if tp_world_size() > 1:
+    if num_ranks() > 1:
         # The group is per process (the layers read it when built and when they run): one at a time.
         raise ConfigError(
-            f"This process already runs a tensor-parallel engine (size {tp_world_size()}); shut it down first "
+            f"This process already runs a parallel engine ({num_ranks()} ranks); shut it down first "
             "(LLM.shutdown()) or build the new engine in another process.",
             "tensor_parallel_size",
         )
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         return ModelRunner(config, source, eos_token_ids)
     return TensorParallelRunner(config, source, eos_token_ids, on_fatal)
+
+
+def stage_summary(num_layers: int, parallel: Any) -> str:
+    """'stage 0: layers 0-11 (ranks 0-1); stage 1: ...' for the startup log."""
+    tp, parts = parallel.tensor_parallel_size, []
+    for s in range(parallel.pipeline_parallel_size):
+        r = stage_layers(num_layers, s, parallel.pipeline_parallel_size)
+        ranks = f"rank {s * tp}" if tp == 1 else f"ranks {s * tp}-{s * tp + tp - 1}"
+        parts.append(f"stage {s}: layers {r.start}-{r.stop - 1} ({ranks})")
+    return "; ".join(parts)
 
 
 def _init_failed(exc: BaseException, init_method: str, timeout: float) -> ConfigError:
@@ -76,11 +88,11 @@ class TensorParallelRunner:
         on_fatal: Callable[[str], None] | None = None,
     ):
         parallel = config.parallel
-        n = parallel.tensor_parallel_size
+        n = parallel.world_size  # tensor x pipeline parallel ranks, stage by stage
         if parallel.distributed_executor_backend == "ray":
-            self.ranks: LocalRanks | RayRanks = RayRanks(n, config.device.device)
+            self.ranks: LocalRanks | RayRanks = RayRanks(n, config.device.device, parallel.tensor_parallel_size)
         else:
-            self.ranks = LocalRanks(n)
+            self.ranks = LocalRanks(n, parallel.tensor_parallel_size)
         init_method = f"tcp://{self.ranks.host}:{free_port(self.ranks.host)}"
         self.ranks.start(config, init_method, sorted(eos_token_ids))
         self.watch = RankWatch(self.ranks, on_fatal)
@@ -90,7 +102,14 @@ class TensorParallelRunner:
         timeout = envs.TP_INIT_TIMEOUT_S.value
         try:
             with self.watch.calling("join the tensor-parallel group"):
-                init_tensor_parallel(0, n, init_method, config.device.device, timeout)
+                init_tensor_parallel(
+                    0,
+                    parallel.tensor_parallel_size,
+                    init_method,
+                    config.device.device,
+                    timeout,
+                    parallel.pipeline_parallel_size,
+                )
         except Exception as exc:  # noqa: BLE001 - RuntimeError or DistStoreError, by torch version
             self._finalizer.detach()
             self.watch.stop()
@@ -101,12 +120,17 @@ class TensorParallelRunner:
         self._finalizer = weakref.finalize(self, _stop_group, self.ranks, self.watch, threads)
         self.local = ModelRunner(config, source, eos_token_ids)
         logger.info(
-            "Tensor parallel: %d ranks (%s backend), rank 0 here, %s: %s",
+            "Parallel: %d ranks (tensor %d x pipeline %d, %s backend), rank 0 here, %s: %s",
             n,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
             parallel.distributed_executor_backend,
             "rank 1" if n == 2 else f"ranks 1-{n - 1}",
             ", ".join(f"pid {p}" for p in self.ranks.pids()) or "Ray actors",
         )
+        if parallel.pipeline_parallel_size > 1:
+            layers = int(text_field(config.model.hf_config, "num_hidden_layers", 0))
+            logger.info("Pipeline stages (decoder layers): %s", stage_summary(layers, parallel))
 
     def _on_all_ranks(self, method: str, *args: Any) -> Any:
         """`method(*args)` on every rank. A rank killed meanwhile fails the collectives here: the watch then

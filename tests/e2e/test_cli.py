@@ -20,7 +20,8 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         # The default model has 9 attention heads over 3 KV heads: 2 splits neither (valid: 1, 3).
         (["--tensor-parallel-size", "2"], "9 attention heads do not divide by 2; 3 KV heads do not divide by 2"),
         (["-tp", "4"], "valid sizes: 1, 3."),
-        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size > 1 is not supported"),
+        # Its 30 decoder layers fill at most 30 pipeline stages.
+        (["--pipeline-parallel-size", "64"], "--pipeline-parallel-size 64 does not fit this model: 30 decoder layers"),
         (["--block-size", "3"], "block_size must be a power of two"),
         (["--model", "/no/such/model/folder"], "does not exist"),
         (["--dtype", "float8"], "dtype must be one of"),

@@ -1,7 +1,8 @@
-"""`pagoda serve -tp 2` on the CPU (gloo), and the Ray backend across a two-node Ray cluster on this machine.
+"""`pagoda serve -tp 2` and `-pp 2` on the CPU (gloo), and the Ray backend across a two-node Ray cluster on
+this machine.
 
-The reference is the TP = 1 engine in this process: the served TP = 2 model must give its text, streamed and
-not. A rank that is killed or stopped (a hang) must turn /health into 503 within a few seconds and end the
+The reference is the one-rank engine in this process: the served TP = 2 and PP = 2 models must give its text,
+streamed and not. A rank that is killed or stopped (a hang) must turn /health into 503 within a few seconds and end the
 server with a non-zero exit, and SIGTERM must stop every process: no orphan is left (checked by pid).
 """
 
@@ -26,7 +27,20 @@ from tests.conftest import FIXTURES
 
 YUAN = str(FIXTURES / "yuan2-tiny")
 TOKENIZER = str(FIXTURES / "yuan2-tokenizer")
-FLAGS = ["--model", YUAN, "--tokenizer", TOKENIZER, "--max-model-len", "256", "-tp", "2"]
+FLAGS = ["--model", YUAN, "--tokenizer", TOKENIZER, "--max-model-len", "256"]
+# How each layout is asked for, what its startup log says, and how a fault line names its rank 1.
+LAYOUTS = {
+    "tp2": (
+        ["-tp", "2"],
+        ["Parallel: 2 ranks (tensor 2 x pipeline 1, mp backend)", "per rank"],
+        "tensor-parallel rank 1",
+    ),
+    "pp2": (
+        ["-pp", "2"],
+        ["Parallel: 2 ranks (tensor 1 x pipeline 2, mp backend)", "stage 0: layers 0-0 (rank 0); stage 1: layers 1-1"],
+        "pipeline stage 1 (rank 1)",
+    ),
+}
 PROMPTS = [case["prompt_ids"] for case in json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())["cases"]]
 
 
@@ -65,12 +79,14 @@ def _health_503_within(server: ServerProcess, seconds: float) -> float:
     raise AssertionError(f"/health did not turn 503 within {seconds} s:\n{server.log_tail()}")
 
 
-def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every_rank(launch_server):
-    server = launch_server(*FLAGS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_rank_server_gives_the_one_rank_text_streamed_and_not_then_sigterm_stops_every_rank(launch_server, layout):
+    flags, logged, _ = LAYOUTS[layout]
+    server = launch_server(*FLAGS, *flags)
     ranks = _ranks(server)
     assert len(ranks) == 1, ranks
-    assert "Tensor parallel: 2 ranks (mp backend)" in server.log_tail(20000)
-    assert "per rank" in server.log_tail(20000)
+    for line in logged:
+        assert line in server.log_tail(20000)
     expected = _tp1_texts()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     extra = {"ignore_eos": True}
@@ -88,11 +104,13 @@ def test_tp2_server_gives_the_tp1_text_streamed_and_not_then_sigterm_stops_every
     assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
 
 
-@pytest.mark.parametrize("fault", ["killed mid-step", "stopped"])
-def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, fault):
+@pytest.mark.parametrize("fault, layout", [("killed mid-step", "tp2"), ("stopped", "tp2"), ("killed mid-step", "pp2")])
+def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, fault, layout):
     """Killed while the ranks step (a stream is generating), the rank shows first as a failed gloo collective
-    in the driver: still one line names it and how it died, and no traceback reaches the log."""
-    server = launch_server(*FLAGS, env={"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
+    (or send/receive between stages) in the driver: still one line names it (and its stage) and how it died,
+    and no traceback reaches the log."""
+    flags, _, label = LAYOUTS[layout]
+    server = launch_server(*FLAGS, *flags, env={"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
     (rank,) = _ranks(server)
     everything = _descendants(server.proc.pid)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -108,7 +126,7 @@ def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, faul
     waited = _health_503_within(server, 15)
     assert server.proc.wait(60) != 0
     log = server.log_tail(20000)
-    named = f"tensor-parallel rank 1 (pid {rank.pid}) " + (
+    named = f"{label} (pid {rank.pid}) " + (
         "died: killed by SIGKILL" if fault.startswith("killed") else "is hung: no heartbeat"
     )
     assert named in log, log
@@ -139,7 +157,8 @@ def ray_cluster(tmp_path):
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_ray_backend_places_rank_1_on_the_other_node_and_matches_tp1(ray_cluster, monkeypatch):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=str)
+def test_ray_backend_places_rank_1_on_the_other_node_and_matches_one_rank(ray_cluster, monkeypatch, parallel):
     import ray
 
     from pagoda import LLM, SamplingParams
@@ -151,8 +170,8 @@ def test_ray_backend_places_rank_1_on_the_other_node_and_matches_tp1(ray_cluster
         tokenizer=TOKENIZER,
         max_model_len=256,
         cpu_kv_cache_space_gib=0.05,
-        tensor_parallel_size=2,
         distributed_executor_backend="ray",
+        **parallel,
     )
     try:
         runner = llm.engine.runner

@@ -64,7 +64,7 @@ def _against_tp1(engines, model: str, tp: int) -> None:
 
 def test_a_second_engine_while_a_group_runs_is_refused(engines, tiny_llama):
     engines(tiny_llama, tensor_parallel_size=2, max_model_len=256)
-    with pytest.raises(ConfigError, match="already runs a tensor-parallel engine"):
+    with pytest.raises(ConfigError, match="already runs a parallel engine"):
         engines(tiny_llama, tensor_parallel_size=1, max_model_len=256)
 
 

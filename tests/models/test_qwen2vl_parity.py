@@ -100,14 +100,15 @@ class Engine:
             EngineConfig.create(EngineArgs(model=folder, skip_tokenizer_init=True, dtype="float32", **kw))
         )
         self.first_logits: dict[str, torch.Tensor] = {}
-        sample = self.engine.runner._sample
+        runner = getattr(self.engine.runner, "local", self.engine.runner)  # the driver's, when parallel
+        sample = runner._sample
 
         def capture(request_ids, states, logits):
             for rid, row in zip(request_ids, logits):
                 self.first_logits.setdefault(rid, row.detach().float().cpu())
             return sample(request_ids, states, logits)
 
-        self.engine.runner._sample = capture
+        runner._sample = capture
 
     def run(self, prompts: dict[str, tuple[list[int], list[RandomVisual]]], steps: int) -> dict[str, list[int]]:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
@@ -156,6 +157,24 @@ def test_batched_requests_with_different_images(tiny_qwen2vl, hf_model):
     for name, (ids, imgs) in prompts.items():
         expanded, _ = expand_prompt(ids, [("image", v) for v in imgs], PLACEHOLDERS, "test")
         assert tokens[name] == _hf_reference(hf_model, expanded, imgs, STEPS)[1], name
+
+
+def test_pipeline_stages_match_transformers_with_images(tiny_qwen2vl, hf_model):
+    """Two pipeline stages (gloo): the vision tower and the embedding on stage 0 (the driver), the LM head
+    on stage 1, which hands the logits back; images chunked across steps and batched with text."""
+    prompts = {name: (_prompt(b, imgs, [400, 401]), imgs) for name, (b, imgs) in CASES.items()}
+    engine = Engine(tiny_qwen2vl, max_num_batched_tokens=16, pipeline_parallel_size=2)
+    try:
+        model = engine.engine.runner.local.model
+        assert model.stage.first and not model.stage.last and list(model.stage.layers) == [0]
+        tokens = engine.run(prompts, STEPS)
+    finally:
+        engine.engine.shutdown()
+    for name, (ids, imgs) in prompts.items():
+        expanded, _ = expand_prompt(ids, [("image", v) for v in imgs], PLACEHOLDERS, "test")
+        ref_logits, ref_tokens = _hf_reference(hf_model, expanded, imgs, STEPS)
+        assert tokens[name] == ref_tokens, name
+        torch.testing.assert_close(engine.first_logits[name], ref_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_prefix_cache_never_shares_blocks_across_different_images(tiny_qwen2vl, hf_model):

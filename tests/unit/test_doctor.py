@@ -363,6 +363,29 @@ def test_tensor_parallel_and_shm(model_dir):
     assert tp_line(8).detail.startswith("--tensor-parallel-size 8 does not fit this model: 4 attention heads do not")
 
 
+def test_pipeline_parallel_shows_serves_split_and_refusal(model_dir):
+    from pagoda.config.parallel import pipeline_parallel_error
+
+    layers = TINY_CONFIGS["llama"]["num_hidden_layers"]
+
+    def pp_line(n: int) -> Check:
+        checks = run_checks(model_dir, fast=True, pipeline_parallel_size=n, skip_tokenizer_init=True)
+        assert any(c.name == "/dev/shm" for c in checks)
+        (c,) = [c for c in checks if c.name == "pipeline parallel"]
+        return c
+
+    assert pp_line(layers) == Check(
+        "pipeline parallel",
+        "ok",
+        f"{layers} stages: "
+        + "; ".join(f"stage {i}: layers {i}-{i}" for i in range(layers))
+        + f" (embedding on stage 0, LM head on {layers - 1})",
+        None,
+    )
+    too_many = pp_line(layers + 1)
+    assert too_many.status == "FAIL" and too_many.detail == pipeline_parallel_error(TINY_CONFIGS["llama"], layers + 1)
+
+
 def test_tensor_parallel_of_qwen2vl_ignores_the_vision_heads():
     from tests.unit.test_plan import QWEN2VL_72B
 

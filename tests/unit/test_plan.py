@@ -102,6 +102,24 @@ def test_yuan2_102b_on_8_gpus():
     assert not single.fits_one_max_len_request and single.kv_blocks == 0
 
 
+def test_yuan2_102b_as_4_gpus_by_2_stages():
+    """The same 8 GPUs as 2 pipeline stages of TP = 4: 42 layers a stage, the embedding on stage 0 and the
+    head on stage 1 (Yuan2 ties them: each stage holds its own copy), KV per GPU of the 42 layers at 4-way."""
+    tp8 = make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, tensor_parallel_size=8)
+    plan = make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, tensor_parallel_size=4, pipeline_parallel_size=2)
+    assert [(st["first_layer"], st["last_layer"]) for st in plan.stages] == [(0, 41), (42, 83)]
+    embedding = YUAN2_102B["vocab_size"] * YUAN2_102B["hidden_size"] * 2
+    assert plan.weights_bytes_total == tp8.weights_bytes_total + embedding  # the head's own copy on stage 1
+    # Half the layers on 4 GPUs is about what all the layers on 8 hold: the same weights per GPU within
+    # the replicated LF convolutions (each GPU keeps only its stage's).
+    assert abs(plan.weights_bytes_per_gpu - tp8.weights_bytes_per_gpu) < tp8.weights_bytes_per_gpu * 0.25
+    assert plan.kv_bytes_per_token_per_gpu == (2 * 42 * 64 * 128 * 2) // 4
+    assert plan.weights_bytes_per_gpu == max(st["weights_bytes_per_gpu"] for st in plan.stages)
+    assert "pipeline stages: 0: layers 0-41" in format_plan(plan) and "pp=2" in format_plan(plan)
+    with pytest.raises(ConfigError, match="85 stages"):
+        make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, pipeline_parallel_size=85)
+
+
 def test_invalid_size_gives_the_reasons_and_still_the_numbers():
     plan = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, tensor_parallel_size=7)
     assert plan.tensor_parallel_problems == [
@@ -149,8 +167,9 @@ def test_the_engine_flags_default_as_serve_does():
     ns, engine = parser.parse_args(["m"]), EngineArgs()
     for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_space_gib"):
         assert getattr(ns, name) == getattr(engine, name), name
-    assert (ns.tp, ns.quantization, ns.kv_cache_dtype) == (
+    assert (ns.tp, ns.pp, ns.quantization, ns.kv_cache_dtype) == (
         engine.tensor_parallel_size,
+        engine.pipeline_parallel_size,
         engine.quantization,
         engine.kv_cache_dtype,
     )

@@ -11,6 +11,7 @@ import pytest
 import pagoda.models
 from pagoda.config.parallel import (
     ParallelConfig,
+    pipeline_parallel_error,
     tensor_parallel_error,
     tensor_parallel_problems,
     valid_tensor_parallel_sizes,
@@ -155,15 +156,39 @@ def test_the_startup_refusal_line():
     assert "\n" not in (tensor_parallel_error(QWEN2VL_7B, 0) or "\n")
 
 
+def test_pipeline_stages_need_a_decoder_layer_each():
+    assert YUAN2_102B["num_hidden_layers"] > 2
+    layers = YUAN2_51B["num_hidden_layers"]  # 42, Qwen2-VL's text layers nested under text_config too
+    assert pipeline_parallel_error(YUAN2_51B, layers) is None and pipeline_parallel_error(YUAN2_51B, 1) is None
+    assert pipeline_parallel_error(YUAN2_51B, layers + 1) == (
+        f"--pipeline-parallel-size {layers + 1} does not fit this model: {layers} decoder layers cannot fill "
+        f"{layers + 1} stages."
+    )
+    nested = {"architectures": ["Qwen2VLForConditionalGeneration"], "text_config": {"num_hidden_layers": 3}}
+    assert "3 decoder layers cannot fill 4 stages" in (pipeline_parallel_error(nested, 4) or "")
+    assert pipeline_parallel_error(YUAN2_51B, 0) == "--pipeline-parallel-size must be at least 1 (got 0)."
+
+
+def test_stage_layers_are_balanced_with_the_extra_ones_first():
+    from pagoda.distributed.parallel_state import stage_layers
+
+    assert [list(stage_layers(7, s, 3)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [len(stage_layers(80, s, 3)) for s in range(3)] == [27, 27, 26]
+    assert [stage_layers(24, s, 1) for s in range(1)] == [range(0, 24)]
+    with pytest.raises(ValueError, match="2 decoder layers cannot be split into 3 pipeline stages"):
+        stage_layers(2, 0, 3)
+
+
 def test_parallel_config_is_a_resolved_section():
     fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
-    assert set(fields) == {"tensor_parallel_size", "distributed_executor_backend"}
+    assert set(fields) == {"tensor_parallel_size", "distributed_executor_backend", "pipeline_parallel_size"}
     assert all(f.default is dataclasses.MISSING and f.kw_only for f in fields.values())
-    cfg = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
+    cfg = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp", pipeline_parallel_size=3)
+    assert cfg.world_size == 6
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.tensor_parallel_size = 4  # type: ignore[misc]
     with pytest.raises(TypeError):
-        ParallelConfig(2, "mp")  # type: ignore[misc]
+        ParallelConfig(2, "mp", 1)  # type: ignore[misc]
 
 
 def _imports(module) -> set[str]:

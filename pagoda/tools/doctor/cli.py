@@ -40,6 +40,7 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     engine = ENGINE_DEFAULTS
     parser.add_argument("--host", default=SERVER_DEFAULTS.host, help="address the server will bind (with --port)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=engine.pipeline_parallel_size)
     parser.add_argument(
         "--distributed-executor-backend",
         default=engine.distributed_executor_backend,
@@ -66,6 +67,7 @@ def run_doctor(ns: argparse.Namespace) -> int:
         model,
         port=ns.port,
         tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         fast=ns.fast,
         tokenizer=ns.tokenizer,

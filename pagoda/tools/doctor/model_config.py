@@ -8,8 +8,9 @@ import os
 from typing import Any
 
 from pagoda.config import text_field
-from pagoda.config.parallel import tensor_parallel_error
+from pagoda.config.parallel import pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import resolve_quantization
+from pagoda.distributed.stages import stage_layer_range
 from pagoda.errors import ModelLoadError, PagodaError
 from pagoda.tools.doctor.check import (
     Check,
@@ -259,6 +260,17 @@ def check_preprocessor(state: State) -> Check:
         f"{where} (pixels {pre.min_pixels}..{pre.max_pixels}, patch {pre.patch_size}, merge {pre.merge_size})",
         None,
     )
+
+
+def check_pipeline_parallel(cfg: dict[str, Any], pp: int) -> Check:
+    """`pagoda serve`'s refusal (config/parallel.py), else each stage's decoder layers as serve splits them."""
+    error = pipeline_parallel_error(cfg, pp)
+    if error is not None:
+        return Check("pipeline parallel", "FAIL", error, "pass at most one stage per decoder layer")
+    layers = int(text_field(cfg, "num_hidden_layers"))
+    stages = [stage_layer_range(layers, s, pp) for s in range(pp)]
+    detail = "; ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(stages))
+    return Check("pipeline parallel", "ok", f"{pp} stages: {detail} (embedding on stage 0, LM head on {pp - 1})", None)
 
 
 def check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:

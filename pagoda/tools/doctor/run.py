@@ -21,6 +21,7 @@ from pagoda.tools.doctor.model_config import (
     check_architecture,
     check_config,
     check_config_fields,
+    check_pipeline_parallel,
     check_preprocessor,
     check_quantization,
     check_tensor_parallel,
@@ -38,6 +39,7 @@ def run_checks(
     *,
     port: int | None = None,
     tensor_parallel_size: int = ENGINE_DEFAULTS.tensor_parallel_size,
+    pipeline_parallel_size: int = ENGINE_DEFAULTS.pipeline_parallel_size,
     distributed_executor_backend: str = ENGINE_DEFAULTS.distributed_executor_backend,
     fast: bool = False,
     tokenizer: str | None = ENGINE_DEFAULTS.tokenizer,
@@ -85,6 +87,8 @@ def run_checks(
             run("preprocessor config", lambda: check_preprocessor(state))
         if tensor_parallel_size != 1:
             run("tensor parallel", lambda: check_tensor_parallel(state.hf_config, tensor_parallel_size))
+        if pipeline_parallel_size != 1:
+            run("pipeline parallel", lambda: check_pipeline_parallel(state.hf_config, pipeline_parallel_size))
         if load_format == "dummy":
             out.append(Check("shards", "ok", "--load-format dummy: random weights, no checkpoint is read", None))
         else:
@@ -113,9 +117,10 @@ def run_checks(
                 if not fast:
                     run("chat template", lambda: check_chat_template(state, chat_template))
     if not fast:
-        run("cuda", lambda: check_cuda(state, device, tensor_parallel_size, distributed_executor_backend))
+        ranks = tensor_parallel_size * pipeline_parallel_size  # one GPU each
+        run("cuda", lambda: check_cuda(state, device, ranks, distributed_executor_backend))
     if port is not None:
         run("port", lambda: check_port(host, port))
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size * pipeline_parallel_size > 1:
         run("/dev/shm", check_shm)
     return out

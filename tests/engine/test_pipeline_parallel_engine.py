@@ -1,0 +1,78 @@
+"""Pipeline parallelism on the CPU (gloo), through the real engine: stage 0 (the driver) here, the other
+stages' ranks spawned, activations sent stage to stage and the last stage's logits back to the driver.
+
+References: the Yuan2 goldens (dense and M32, the official modeling code's continuations and logits) and the
+single-stage engine (Llama, Qwen2): the same greedy tokens, logits within 1e-4 (fp32), through one batch,
+chunked prefill that carries each stage's LF state across chunks, prefix-cache hits that restore it from the
+stages' snapshots, and async scheduling; pipeline x tensor parallelism (2 x 2 ranks) as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.distributed.parallel_state import num_ranks
+from pagoda.errors import ConfigError
+from tests.conftest import FIXTURES
+from tests.models.test_yuan_golden import LOGIT_ATOL, CapturingEngine, _check_all, _golden
+
+
+def _prompts(name: str) -> list[list[int]]:
+    return [case["prompt_ids"] for case in _golden(name)["cases"]]
+
+
+@pytest.fixture
+def engines():
+    built: list[CapturingEngine] = []
+
+    def build(name: str, **engine_args) -> CapturingEngine:
+        built.append(CapturingEngine(name, **engine_args))
+        return built[-1]
+
+    yield build
+    for capture in built:
+        capture.engine.shutdown()
+    assert num_ranks() == 1
+
+
+@pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])
+def test_yuan_pp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
+    capture = engines(name, pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16, async_scheduling=True)
+    model = capture.engine.runner.local.model
+    held = [i for i, layer in enumerate(model.model.layers) if next(layer.parameters(), None) is not None]
+    assert held == list(model.stage.layers) and len(held) < len(model.model.layers)  # stage 0's share only
+    prompts = _prompts(name)
+    _check_all(name, capture, capture.run(prompts))
+    hits = capture.engine.stats().prefix_cache_hits
+    _check_all(name, capture, capture.run(prompts, prefix="s"), prefix="s")  # LF state from snapshots
+    assert capture.engine.stats().prefix_cache_hits > hits
+
+
+def _against_one_stage(engines, model: str, **parallel) -> None:
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    one = engines(model, block_size=4, max_model_len=256)
+    expected = one.run(prompts, max_tokens=8)
+    one.engine.shutdown()
+    split = engines(model, block_size=4, max_model_len=256, max_num_batched_tokens=16, **parallel)
+    assert split.run(prompts, max_tokens=8) == expected
+    for rid in expected:
+        for a, b in zip(split.logits[rid], one.logits[rid], strict=True):
+            torch.testing.assert_close(a, b, atol=LOGIT_ATOL, rtol=0)
+    split.engine.shutdown()
+
+
+def test_llama_pp2_matches_one_stage(engines, tiny_llama):
+    _against_one_stage(engines, tiny_llama, pipeline_parallel_size=2)
+
+
+def test_qwen2_pp2_with_tp2_matches_one_rank(engines, tiny_qwen2):
+    _against_one_stage(engines, tiny_qwen2, pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_more_stages_than_layers_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"--pipeline-parallel-size 9 does not fit this model: \d+ decoder layers"):
+        EngineConfig.create(
+            EngineArgs(model=str(FIXTURES / "yuan2-tiny"), skip_tokenizer_init=True, pipeline_parallel_size=9)
+        )
