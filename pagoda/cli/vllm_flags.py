@@ -9,7 +9,7 @@ Each entry is one feature's reason and its flags, written as `vllm serve --help`
 - `--name` takes one value; `--name+` takes one or more (`--lora-modules a=/x b=/y`);
 - `--name?` is a switch, and its `--no-name` form asks for what Pagoda does anyway, so it is accepted silently;
 - `-x` after a name is its short alias; `=a,b` lists the values that ask for what Pagoda does anyway (accepted
-  silently too: `--data-parallel-size 1`, `--cpu-offload-gb 0`).
+  silently too: `--data-parallel-size 1`, `--swap-space 0`).
 
 Flags `pagoda serve` already has are skipped when the parser is built, so Pagoda implementing one of these needs
 no edit here. vLLM's `--json-flag.key value` spelling is folded onto `--json-flag` (`undot`).
@@ -56,7 +56,11 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "--kv-transfer-config --kv-events-config",
     ),
     ("KV cache offloading to CPU memory is not supported", "--kv-offloading-size --kv-offloading-backend"),
-    ("weight offloading to CPU memory is not supported", "--cpu-offload-gb =0"),
+    (
+        "preempted requests are recomputed, not swapped to host memory (their prompt blocks stay in the prefix "
+        "cache while free, so a resumed request re-reads them): there is no swap space to size",
+        "--swap-space =0",
+    ),
     (
         "the KV cache is sized by --gpu-memory-utilization (or --num-gpu-blocks-override), not in bytes",
         "--kv-cache-memory-bytes",

@@ -77,7 +77,11 @@ class EngineArgs:
         "--cpu-kv-cache-space-gib sets the KV budget instead)",
     )
     num_gpu_blocks_override: int | None = knob(None, "exact number of KV blocks (testing)")
-    swap_space: float = knob(4, "accepted for vLLM compatibility (preemption recomputes)")
+    cpu_offload_gb: float = knob(
+        0,
+        "GiB of decoder-layer weights per GPU kept in pinned host memory and copied in as each layer runs (a "
+        "model slightly too large for the card; every step then reads them over the host link; CUDA only)",
+    )
     cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, "KV cache budget in GiB when running on the CPU")
     device: str = knob("auto", "auto | cpu | cuda")
     tensor_parallel_size: int = knob(
@@ -177,7 +181,6 @@ class CacheConfig:
     gpu_memory_utilization: float  # fraction of GPU memory for the whole engine
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
-    swap_space: float  # GiB; accepted for vLLM compatibility, preemption recomputes
     cpu_kv_cache_space_gib: float  # KV budget when running on the CPU
 
 
@@ -201,6 +204,7 @@ class DeviceConfig:
     attention_backend: str  # resolved: "torch" or "triton"
     cuda_graphs: bool  # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
     max_cudagraph_capture_size: int | None  # the largest graph captured (rows / tokens); None: no cap
+    cpu_offload_gb: float  # GiB of layer weights per GPU streamed from host memory (0: none)
 
 
 S = TypeVar("S", bound="DataclassInstance")
@@ -307,7 +311,9 @@ class EngineConfig:
                 max_model_len=max_model_len,
                 async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
             ),
-            device=_device_config(device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size),
+            device=_device_config(
+                device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size, a.cpu_offload_gb
+            ),
             parallel=_section(ParallelConfig, a),
         )
 
@@ -418,16 +424,29 @@ def _resolve_device(device: str) -> str:
 
 
 def _device_config(
-    device: str, attention_backend: str, enforce_eager: bool, max_cudagraph_capture_size: int | None
+    device: str,
+    attention_backend: str,
+    enforce_eager: bool,
+    max_cudagraph_capture_size: int | None,
+    cpu_offload_gb: float,
 ) -> DeviceConfig:
     backend = _resolve_attention_backend(attention_backend, device)
+    if cpu_offload_gb < 0:
+        raise ConfigError(f"cpu_offload_gb must be >= 0, got {cpu_offload_gb}", "cpu_offload_gb")
+    if cpu_offload_gb and device != "cuda":
+        raise ConfigError(
+            "--cpu-offload-gb moves weights from a GPU to host memory; on the CPU they are there already: drop it.",
+            "cpu_offload_gb",
+        )
     # Graph capture needs a backend whose per-layer work has fixed shapes and no host syncs: the
-    # Triton kernels (the PyTorch backend gathers a per-step number of blocks).
+    # Triton kernels (the PyTorch backend gathers a per-step number of blocks). With offloaded weights a
+    # step is bound by their copies, not its launches: eager (models/weight_offload.py).
     return DeviceConfig(
         device=device,
         attention_backend=backend,
-        cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager,
+        cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager and not cpu_offload_gb,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
+        cpu_offload_gb=cpu_offload_gb,
     )
 
 

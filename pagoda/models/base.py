@@ -50,6 +50,7 @@ class CausalLM(nn.Module):
     last_stage_prefixes: ClassVar[tuple[str, ...]] = ("model.norm.", "lm_head.")
     model: nn.Module
     lm_head: nn.Module
+    weight_streamer: Any = None  # --cpu-offload-gb: the layers whose weights stream in (models/weight_offload.py)
 
     @property
     def stage(self) -> PipelineStage:

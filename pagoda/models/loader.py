@@ -30,6 +30,7 @@ from pagoda.models.base import CausalLM
 from pagoda.models.quantized_checkpoint import tensor_quantization
 from pagoda.models.registry import get_model_class
 from pagoda.models.source import ModelSource, format_bytes
+from pagoda.models.weight_offload import offload_layers
 
 if TYPE_CHECKING:  # the config is built above the models; here only its fields are read
     from pagoda.config.quantization import QuantConfig
@@ -44,6 +45,7 @@ def load_model(
     device: str,
     load_format: str = "auto",
     quantization: QuantConfig | None = None,
+    cpu_offload_gb: float = 0.0,
 ) -> nn.Module:
     started = time.perf_counter()
     architecture = (source.hf_config.get("architectures") or ["<missing>"])[0]
@@ -88,6 +90,10 @@ def load_model(
             format_bytes(on_disk),
             str(dtype).removeprefix("torch."),
             device,
+        )
+    if cpu_offload_gb > 0:  # after loading: the weights move from where they were loaded to host memory
+        model.weight_streamer = offload_layers(
+            model.stage.own(model.model.layers), cpu_offload_gb, torch.device(device)
         )
     return model.eval()
 

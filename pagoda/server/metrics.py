@@ -129,7 +129,7 @@ def cache_config_labels(config: EngineConfig, num_gpu_blocks: int) -> dict[str, 
         "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         "num_gpu_blocks": str(num_gpu_blocks),
         "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
-        "swap_space": str(cache.swap_space),
+        "swap_space": "0",  # no swap space: preempted requests are recomputed (--swap-space is refused)
     }
 
 

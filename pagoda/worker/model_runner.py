@@ -71,14 +71,14 @@ class ModelRunner:
             config.device.device,
             config.model.load_format,
             config.model.quantization,
+            config.device.cpu_offload_gb,
         )
         self.capabilities = caps = self.model.capabilities  # what the model is, read once
         # Pipeline parallelism: this rank's stage of the decoder, and its links to the neighbouring stages.
         hidden_size = int(text_field(source.hf_config, "hidden_size"))
         self.link = PipelineLink(self.model.stage, hidden_size, config.model.vocab_size, self.dtype, self.device)
-        self.pipelined = self.link.active
         self.vocab_size = config.model.vocab_size
-        unique = {id(p): p for p in self.model.parameters()}  # tied weights once
+        unique = {p.data_ptr(): p for p in self.model.parameters()}  # tied (and offload-slot) storage once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())  # this rank's share
         triton = config.device.attention_backend == "triton"
         self.backend = backend or (TritonAttentionBackend() if triton else TorchAttentionBackend())
@@ -143,7 +143,7 @@ class ModelRunner:
         if not self.capabilities.cuda_graphs:
             logger.info("%s cannot be captured in CUDA graphs: steps run eagerly", type(self.model).__name__)
             return
-        if self.pipelined:
+        if self.link.active:
             logger.info("Pipeline parallelism: steps run eagerly (no CUDA graphs across stage sends)")
             return
         scratch = self.state_pool.scratch_slot if self.state_pool is not None else None

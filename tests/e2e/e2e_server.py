@@ -33,7 +33,7 @@ BASE_FLAGS = [
     "--disable-log-requests",
     "--enable-chunked-prefill",
     "--swap-space",
-    "4",
+    "0",
 ]  # vLLM-era flags too
 
 

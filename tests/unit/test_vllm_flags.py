@@ -33,6 +33,7 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
         (["--revision", "main"], "--revision: hub revisions are not supported"),
         (["--task", "embed"], "--task: only text generation is served"),
         (["--speculative-config.method", "ngram"], "--speculative-config: speculative decoding"),  # vLLM's dotted
+        (["--swap-space", "4"], "--swap-space: preempted requests are recomputed, not swapped to host memory"),
     ],
 )
 def test_a_vllm_only_flag_is_refused_by_its_line(argv, line, capsys):
@@ -80,7 +81,7 @@ def test_a_warning_is_logged_once_per_ignored_flag(caplog, monkeypatch):
     ]
 
 
-@pytest.mark.parametrize("argv", [["-dp", "1"], ["--no-enable-lora"], ["--max-logprobs", "20"]])
+@pytest.mark.parametrize("argv", [["-dp", "1"], ["--no-enable-lora"], ["--max-logprobs", "20"], ["--swap-space", "0"]])
 def test_what_pagoda_does_anyway_passes_silently(argv):
     assert _lines(*argv) == ([], [])
 
