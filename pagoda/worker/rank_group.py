@@ -69,7 +69,6 @@ class LocalRanks:
     def __init__(self, world_size: int, tp_size: int | None = None):
         self.world_size = world_size
         self.tp = tp_size or world_size  # ranks per pipeline stage
-        self.label = lambda rank: rank_label(rank, self.tp, self.world_size)
         self.procs: list[Any] = []
         self.heartbeats: list[Any] = []
         self.errors: list[Any] = []
@@ -90,6 +89,9 @@ class LocalRanks:
             self.procs.append(proc)
             self.heartbeats.append(heartbeat)
             self.errors.append(reader)
+
+    def label(self, rank: int) -> str:
+        return rank_label(rank, self.tp, self.world_size)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -127,7 +129,6 @@ class LocalRanks:
 class RayRanks:
     def __init__(self, world_size: int, device: str, tp_size: int | None = None):
         self.tp = tp_size or world_size  # ranks per pipeline stage
-        self.label = lambda rank: rank_label(rank, self.tp, self.world_size)
         import ray  # lazy: ray (optional: pip install 'pagoda[ray]')
 
         self.ray = ray
@@ -151,6 +152,9 @@ class RayRanks:
 
     def node_ids(self) -> list[str]:
         return list(self.ray.get([a.node_id.remote() for a in self.actors], timeout=60))
+
+    def label(self, rank: int) -> str:
+        return rank_label(rank, self.tp, self.world_size)
 
     def pids(self) -> list[int]:
         return []

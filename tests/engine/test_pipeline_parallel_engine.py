@@ -13,28 +13,10 @@ import pytest
 import torch
 
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.distributed.parallel_state import num_ranks
 from pagoda.errors import ConfigError
 from tests.conftest import FIXTURES
-from tests.models.test_yuan_golden import LOGIT_ATOL, CapturingEngine, _check_all, _golden
-
-
-def _prompts(name: str) -> list[list[int]]:
-    return [case["prompt_ids"] for case in _golden(name)["cases"]]
-
-
-@pytest.fixture
-def engines():
-    built: list[CapturingEngine] = []
-
-    def build(name: str, **engine_args) -> CapturingEngine:
-        built.append(CapturingEngine(name, **engine_args))
-        return built[-1]
-
-    yield build
-    for capture in built:
-        capture.engine.shutdown()
-    assert num_ranks() == 1
+from tests.engine.test_tensor_parallel_engine import _prompts
+from tests.models.test_yuan_golden import LOGIT_ATOL, _check_all
 
 
 @pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])

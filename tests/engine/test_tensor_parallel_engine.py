@@ -13,29 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.distributed.parallel_state import tp_world_size
 from pagoda.errors import ConfigError
 from pagoda.sampling_params import SamplingParams
-from tests.models.test_yuan_golden import LOGIT_ATOL, CapturingEngine, _check_all, _golden
+from tests.models.test_yuan_golden import LOGIT_ATOL, _check_all, _golden
 
 
 def _prompts(name: str) -> list[list[int]]:
     return [case["prompt_ids"] for case in _golden(name)["cases"]]
-
-
-@pytest.fixture
-def engines():
-    """Every engine a test builds is shut down at its end: its ranks stop, this process leaves the group."""
-    built: list[CapturingEngine] = []
-
-    def build(name: str, **engine_args) -> CapturingEngine:
-        built.append(CapturingEngine(name, **engine_args))
-        return built[-1]
-
-    yield build
-    for capture in built:
-        capture.engine.shutdown()
-    assert tp_world_size() == 1
 
 
 @pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])

@@ -50,7 +50,8 @@ def test_offloaded_layers_give_the_resident_models_tokens_and_logits(llama6, lay
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
     resident = CapturingEngine(llama6, block_size=4, max_model_len=256, max_num_batched_tokens=16)
     expected = resident.run(prompts, max_tokens=8)
-    streamed = CapturingEngine(llama6, block_size=4, max_model_len=256, max_num_batched_tokens=16)
+    # Offloaded after the engine is built, so no CUDA graph may hold the old weights' addresses (on a GPU).
+    streamed = CapturingEngine(llama6, block_size=4, max_model_len=256, max_num_batched_tokens=16, enforce_eager=True)
     _offloaded(streamed.engine, layers)
     assert streamed.run(prompts, max_tokens=8) == expected
     for rid in expected:
@@ -60,9 +61,27 @@ def test_offloaded_layers_give_the_resident_models_tokens_and_logits(llama6, lay
 
 def test_yuan_goldens_with_an_offloaded_layer():
     """Yuan2's LF layer state lives beside the weights, not in them: it is not offloaded and carries on."""
-    capture = CapturingEngine("yuan2-tiny", block_size=4, max_num_batched_tokens=16)
+    capture = CapturingEngine("yuan2-tiny", block_size=4, max_num_batched_tokens=16, enforce_eager=True)
     _offloaded(capture.engine, 1)
     _check_all("yuan2-tiny", capture, capture.run([c["prompt_ids"] for c in _golden("yuan2-tiny")["cases"]]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flag is for GPUs (refused on the CPU)")
+def test_the_flag_on_a_gpu_streams_two_layers_and_keeps_the_logits(llama6):
+    """The whole path as `--cpu-offload-gb` takes it: pinned host copies on a side stream, eager steps."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    resident = CapturingEngine(llama6, block_size=4, max_model_len=256)
+    expected = resident.run(prompts, max_tokens=8)
+    model = resident.engine.runner.model
+    per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    streamed = CapturingEngine(llama6, block_size=4, max_model_len=256, cpu_offload_gb=1.5 * per_layer / 2**30)
+    streamer = streamed.engine.runner.model.weight_streamer
+    assert len(streamer.layers) == 2 and streamer.stream is not None and streamer.host[0][0].is_pinned()
+    assert streamed.engine.runner.graphs is None  # copies, not launches, bound such a step
+    assert streamed.run(prompts, max_tokens=8) == expected
+    for rid in expected:
+        for a, b in zip(streamed.logits[rid], resident.logits[rid], strict=True):
+            torch.testing.assert_close(a, b, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_the_flag_is_refused_on_the_cpu_and_below_zero(llama6):

@@ -177,7 +177,7 @@ class FakeActor:
 def _ray_ranks(n: int) -> tuple[rank_group.RayRanks, list[FakeActor]]:
     ranks = rank_group.RayRanks.__new__(rank_group.RayRanks)  # no cluster: the fake ray stands in
     actors = [FakeActor() for _ in range(n)]
-    ranks.ray, ranks.world_size, ranks.actors = FakeRay(), n + 1, actors
+    ranks.ray, ranks.world_size, ranks.tp, ranks.actors = FakeRay(), n + 1, n + 1, actors
     ranks.runs = [FakeRef() for _ in range(n)]  # runs that have not returned
     ranks._sent, ranks._answered = {}, {}
     return ranks, actors
@@ -226,3 +226,10 @@ def test_a_ray_actor_whose_ping_fails_is_gone_and_a_returned_run_is_named():
     assert ranks.fault() == "tensor-parallel rank 1 (Ray actor) is gone: RuntimeError"
     ranks.runs[0].answer = RuntimeError("ActorDiedError: the actor died unexpectedly")
     assert ranks.fault() == "tensor-parallel rank 1 (Ray actor) failed: ActorDiedError: the actor died unexpectedly"
+
+
+def test_a_fault_line_names_the_pipeline_stage_of_its_rank():
+    assert rank_group.rank_label(1, 2, 2) == "tensor-parallel rank 1"  # no pipeline: as before
+    assert rank_group.rank_label(1, 1, 2) == "pipeline stage 1 (rank 1)"
+    assert rank_group.rank_label(3, 2, 4) == "pipeline stage 1, tensor-parallel rank 1 (rank 3)"
+    assert rank_group.rank_label(2, 2, 4) == "pipeline stage 1, tensor-parallel rank 0 (rank 2)"
