@@ -186,14 +186,11 @@ def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
         dist.send(t.contiguous(), peer, group=_GROUP.world_device_group)
 
 
-def recv_from_previous_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list:
-    """The previous stage's activations (what `send_to_next_stage` sent there), in order."""
+def recv_from_previous_stage(out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The previous stage's activations (what `send_to_next_stage` sent there), into `out`, in order."""
     peer = _GROUP.global_rank - _GROUP.world_size
-    out = []
-    for shape in shapes:
-        t = torch.empty(shape, dtype=dtype, device=device)
+    for t in out:
         dist.recv(t, peer, group=_GROUP.world_device_group)
-        out.append(t)
     return out
 
 

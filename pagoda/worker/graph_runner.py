@@ -51,7 +51,9 @@ from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.kernels import dispatch, policy
 from pagoda.layers.attention import StepAttention
+from pagoda.layers.pipeline import StageHidden
 from pagoda.layers.sequence_state import SequenceStateBatch
+from pagoda.worker.pipeline_link import PipelineLink
 from pagoda.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -163,8 +165,23 @@ class GraphSpec:
 
 # ---- the runner ---------------------------------------------------------------------------------
 class GraphRunner:
-    def __init__(self, spec: GraphSpec, model: nn.Module, backend, device: torch.device, capture: bool = True):
+    def __init__(
+        self,
+        spec: GraphSpec,
+        model: nn.Module,
+        backend,
+        device: torch.device,
+        capture: bool = True,
+        link: PipelineLink | None = None,
+    ):
         self.spec, self.model, self.backend, self.device = spec, model, backend, device
+        # Pipeline parallelism: a stage after the first starts from the previous stage's activations, received
+        # into static buffers [2, T, H] the graphs read; a stage before the last returns its own (StageHidden).
+        self.link = link
+        first = link is None or link.stage.first
+        self.stage_in = None
+        if not first:
+            self.stage_in = torch.zeros(2, spec.num_tokens, link.hidden_size, dtype=link.dtype, device=device)
         t, r, mb = spec.num_tokens, spec.num_rows, spec.max_blocks_per_seq
         shapes = {
             "tok": (6, t),
@@ -187,7 +204,7 @@ class GraphRunner:
         self._tables_at = size - r * mb
         self._rows = torch.arange(r, dtype=torch.int64, device=device)
         self.capture = capture and device.type == "cuda"
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | StageHidden]] = {}
         # The host buffer is rewritten each step: wait until the last step's copy has left it.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pad_all()
@@ -199,8 +216,9 @@ class GraphRunner:
         return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [B, V] for each row's last token this step (`can_run(inputs)` must hold)."""
+    def run(self, inputs: StepInputs) -> torch.Tensor | StageHidden:
+        """Logits [rows, V] for each row's last token this step (`can_run(inputs)` must hold); on a pipeline
+        stage before the last, its activations over the whole bucket."""
         kind, b = self.bucket_for(inputs)
         if self._copied is not None:
             self._copied.synchronize()
@@ -211,11 +229,14 @@ class GraphRunner:
             self.dev["tok"][0].index_copy_(0, *inputs.late_tokens)
         if self._copied is not None:
             self._copied.record()
+        if self.stage_in is not None:
+            self.link.receive_into(self.stage_in[:, :b])
         if self.capture:
-            graph, logits = self.graphs[kind, b]
+            graph, out = self.graphs[kind, b]
             graph.replay()
-            return logits[: inputs.num_rows]
-        return self._forward(kind, b, self._attention(kind, b))[: inputs.num_rows]
+        else:
+            out = self._forward(kind, b, self._attention(kind, b))
+        return out if isinstance(out, StageHidden) else out[: inputs.num_rows]
 
     # ---- host buffers -----------------------------------------------------------------------
     def write(self, x: StepInputs, kind: str, b: int) -> None:
@@ -296,7 +317,7 @@ class GraphRunner:
                     d["snap"][1, :b] if snaps else None,
                     snapshot_every_row=True,
                 )
-            return StepAttention(self.backend, meta, state, mrope_positions=mrope)
+            return self._with_stage_input(StepAttention(self.backend, meta, state, mrope_positions=mrope), b)
         tiles = spec.num_tiles(b)
         meta = self.backend.tiled_metadata(
             d["tok"][2, :b],
@@ -322,11 +343,18 @@ class GraphRunner:
                 d["snap"][0, :snaps] if with_snaps else None,
                 d["snap"][1, :snaps] if with_snaps else None,
             )
-        return StepAttention(self.backend, meta, state, mrope_positions=mrope)
+        return self._with_stage_input(StepAttention(self.backend, meta, state, mrope_positions=mrope), b)
 
-    def _forward(self, kind: str, b: int, attn: StepAttention) -> torch.Tensor:
+    def _with_stage_input(self, attn: StepAttention, b: int) -> StepAttention:
+        if self.stage_in is not None:
+            attn.stage_input = (self.stage_in[0, :b], self.stage_in[1, :b])
+        return attn
+
+    def _forward(self, kind: str, b: int, attn: StepAttention) -> torch.Tensor | StageHidden:
         tok = self.dev["tok"]
         hidden = self.model(tok[0, :b], tok[1, :b], attn)
+        if isinstance(hidden, StageHidden):
+            return hidden
         if kind == MIXED:
             hidden = hidden.index_select(0, self.dev["row"][3])  # each row's last token
         return self.model.compute_logits(hidden)
@@ -374,9 +402,9 @@ def _capture_buckets(
     buckets: list[int],
     device: torch.device,
     attention: Callable[[int], StepAttention],
-    forward: Callable[[int, StepAttention], torch.Tensor],
+    forward: Callable[[int, StepAttention], torch.Tensor | StageHidden],
     what: str,
-) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | StageHidden]]:
     """Capture forward(b, attention(b)) for each bucket, largest first, in one memory pool (smaller
     graphs reuse the largest one's memory); two warm-up runs first compile the Triton kernels and
     pick cuBLAS algorithms. Returns {bucket: (graph, output tensor)}."""

@@ -143,14 +143,11 @@ class ModelRunner:
         if not self.capabilities.cuda_graphs:
             logger.info("%s cannot be captured in CUDA graphs: steps run eagerly", type(self.model).__name__)
             return
-        if self.link.active:
-            logger.info("Pipeline parallelism: steps run eagerly (no CUDA graphs across stage sends)")
-            return
         scratch = self.state_pool.scratch_slot if self.state_pool is not None else None
         spec = GraphSpec.create(
             self.config, scratch, self.state_snapshots, self.capabilities.mrope, decode_buckets, token_buckets
         )
-        self.graphs = GraphRunner(spec, self.model, self.backend, self.device, capture)
+        self.graphs = GraphRunner(spec, self.model, self.backend, self.device, capture, self.link)
         self.graphs.capture_all()
 
     @torch.inference_mode()
@@ -260,18 +257,20 @@ class ModelRunner:
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
         """Logits [S, V] of the rows that sample (None when none does, or on a pipeline stage that
         neither computes nor samples them)."""
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)  # every row's last token
-            if len(inputs.sample_rows) < inputs.num_rows:
-                logits = logits[to_device(inputs.sample_rows, logits.device)] if len(inputs.sample_rows) else None
-            return logits
-        hidden = self._stage_forward(inputs, states)
+        graphed = self.graphs is not None and self.graphs.can_run(inputs)
+        # A graph gives every row's last-token logits; an eager step the hidden states; before the last
+        # pipeline stage either sends its activations on (None here).
+        out = self.link.hand_on(self.graphs.run(inputs) if graphed else self._forward_eager(inputs, states))
         if not len(inputs.sample_rows):
             return None
-        if hidden is None:  # a stage before the last: the driver takes the last stage's logits
+        if out is None:  # a stage before the last: the driver takes the last stage's logits
             return self.link.driver_logits(len(inputs.sample_rows))
-        last_token = to_device(inputs.query_start_loc[1:][inputs.sample_rows] - 1, self.device)
-        logits = self.model.compute_logits(hidden[last_token])
+        if graphed:
+            every_row = len(inputs.sample_rows) == inputs.num_rows
+            logits = out if every_row else out[to_device(inputs.sample_rows, out.device)]
+        else:
+            last_token = to_device(inputs.query_start_loc[1:][inputs.sample_rows] - 1, self.device)
+            logits = self.model.compute_logits(out[last_token])
         self.link.logits_for_driver(logits)
         return logits
 

@@ -5,6 +5,8 @@ after the first receives the previous stage's (layer output, residual), each [T,
 a stage before the last sends its own; the last stage's tensor-parallel rank 0 sends the logits of the
 rows that sample ([S, V]) to the driver, which samples them and broadcasts the tokens to every rank.
 A stage waits in `recv` for its input, so without several micro-batches in flight the stages take turns.
+A step replayed as a CUDA graph (`worker/graph_runner.py`) sends and receives its whole bucket of B >= T
+tokens (every stage picks the same bucket for the same step), into and out of the graph's static buffers.
 """
 
 from __future__ import annotations
@@ -32,9 +34,14 @@ class PipelineLink:
         """The previous stage's (layer output, residual) for a step of `num_tokens`, or None on the first stage."""
         if self.stage.first:
             return None
-        shape = (num_tokens, self.hidden_size)
-        hidden, residual = recv_from_previous_stage([shape, shape], self.dtype, self.device)
-        return hidden, residual
+        buffers = torch.empty(2, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        self.receive_into(buffers)
+        return buffers[0], buffers[1]
+
+    def receive_into(self, buffers: torch.Tensor) -> None:
+        """The previous stage's activations into `buffers` [2, T, H] (a graph's static inputs); none on the first."""
+        if not self.stage.first:
+            recv_from_previous_stage([buffers[0], buffers[1]])
 
     def hand_on(self, out: torch.Tensor | StageHidden) -> torch.Tensor | None:
         """The model's output: a stage before the last sends it on (None); the last returns its hidden states."""

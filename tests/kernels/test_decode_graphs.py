@@ -8,6 +8,8 @@ on a GPU the engine captures real CUDA graphs at startup and these tests replay 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +48,7 @@ def _engine(fixture: str, **overrides) -> LLMEngine:
         device="cuda" if CUDA else "cpu",
     )
     engine = LLMEngine(EngineConfig.create(EngineArgs(**(args | overrides))))
-    if not CUDA:
+    if not CUDA and overrides.get("pipeline_parallel_size", 1) == 1:
         engine.runner.enable_cuda_graphs(capture=False)
     return engine
 
@@ -163,3 +165,26 @@ def test_enforce_eager_and_moe_skip_graphs():
     assert not engine.config.device.cuda_graphs and engine.runner.graphs is None
     moe = _engine("yuan2-m32-tiny")
     assert moe.runner.graphs is None  # the expert loop syncs with the host
+
+
+@pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="two pipeline stages need two GPUs")
+def test_yuan_goldens_through_graphs_of_two_pipeline_stages(tmp_path, monkeypatch):
+    """PP = 2: each stage replays its own graphs (decode and mixed buckets); stage 1 receives stage 0's
+    activations over the whole bucket into its static buffers, and the last stage's logits reach the driver."""
+    if not CUDA:  # the spawned stage runs the interpreter too: give it this folder's interpreter fixes
+        (tmp_path / "sitecustomize.py").write_text("import tests.kernels.conftest  # noqa: F401\n")
+        root = str(Path(__file__).resolve().parents[2])
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = golden["cases"] if CUDA else [golden["cases"][i] for i in (0, 2, 4)]
+    engine = _engine("yuan2-tiny", max_num_batched_tokens=8, async_scheduling=True, pipeline_parallel_size=2)
+    try:
+        if not CUDA:
+            engine.runner.enable_cuda_graphs()  # every stage's runner, without capture on the CPU
+        used = _count_buckets(engine.runner.local.graphs)
+        done = _run(engine, {str(i): c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
+        for i, case in enumerate(cases):
+            assert done[str(i)] == case["greedy_16"][:TOKENS], f"case {i}"
+        assert used[MIXED] and len(used[DECODE]) >= TOKENS - 2
+    finally:
+        engine.shutdown()
