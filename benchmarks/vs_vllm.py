@@ -26,6 +26,8 @@ Workloads (one model folder each, made by `models`):
                      then Poisson arrivals at 0.7x the reference's c = 64 rate of requests with 0-2 images of
                      three sizes (text-only requests interleaved)
   image-qwen2-vl-7b  the same at the 7B shape, c = 16, 64
+  text-qwen2-vl-7b   the 7B shape's language model, 40 in / 256 out, c = 1, 64 (e.g. with --pagoda-args and
+                     --vllm-args "--cpu-offload-gb 2", --variant offload2)
 
 The JSON is {"gpu", "commit", "date", "rows": [...]}: one row per workload x system x client x point with
 `concurrency` or `request_rate` and vLLM's key names (`output_throughput`, `request_throughput`,
@@ -247,6 +249,14 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
             [
                 Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
                 Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
+            ],
+        ),
+        # The 7B shape's language model on text alone: what --cpu-offload-gb trades (c = 1 TPOT, c = 64 tok/s).
+        "text-qwen2-vl-7b": Workload(
+            "qwen2-vl-7b",
+            [
+                Point("c1", TEXT_40_256, 16, 1, concurrency=1, pagoda_args=PB_TEXT_40_256),
+                Point("c64", TEXT_40_256, 512, 1, concurrency=64, pagoda_args=PB_TEXT_40_256),
             ],
         ),
     }
