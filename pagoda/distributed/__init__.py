@@ -1,1 +1,2 @@
-"""This process's place in a tensor-parallel group, and the collectives the layers and the runner use."""
+"""This process's place among the tensor- and pipeline-parallel ranks, and the collectives and sends the layers
+and the runner use."""

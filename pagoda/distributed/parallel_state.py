@@ -1,4 +1,4 @@
-"""The tensor-parallel group this process belongs to, and the few collectives that cross it.
+"""The tensor-parallel group and pipeline stage this process belongs to, and the few collectives that cross them.
 
 One group per process, set once before the model is built (`init_tensor_parallel`) and read by the
 layers while they are constructed (`tp_rank`, `tp_world_size`): a model built without a group is the
