@@ -232,6 +232,8 @@ def make_plan(
     stages = [_stage_footprint(hf_config, max_model_len, s, pp, quantization, dtype_bytes, tp) for s in range(pp)]
     model = stages[0][0]
     spec = memory.kv_cache_spec(model, dtype_bytes, enable_prefix_caching, cache_dtype_bytes)
+    # The whole model's K and V per token: every stage's layers (stage 0's alone without pipeline stages).
+    layers_total = int(text_field(hf_config, "num_hidden_layers")) if pp > 1 else spec.num_layers
     weights_total = sum(total for _, total, _ in stages)
     weights_gpu = max(gpu for _, _, gpu in stages)
     problems = tensor_parallel_problems(hf_config, tp)
@@ -310,7 +312,7 @@ def make_plan(
         max_num_batched_tokens,
         weights_total,
         weights_gpu,
-        spec.bytes_per_token(),
+        spec.bytes_per_token() * layers_total // max(spec.num_layers, 1),
         gpu_spec.bytes_per_token(),
         spec.state_bytes_per_seq,
         activations,
@@ -330,7 +332,13 @@ def make_plan(
         kv_cache_dtype,
         pp,
         [
-            {"first_layer": r.start, "last_layer": r.stop - 1, "weights_bytes_per_gpu": gpu}
+            {
+                "first_layer": r.start,
+                "last_layer": r.stop - 1,
+                "weights_bytes_per_gpu": gpu,
+                # its layers' K and V, split (or replicated) over the stage's GPUs as for the whole model
+                "kv_bytes_per_token_per_gpu": gpu_spec.bytes_per_token() * len(r) // max(spec.num_layers, 1),
+            }
             for r, (_, _, gpu) in zip(_stage_ranges(hf_config, pp), stages, strict=True)
         ],
     )
@@ -361,7 +369,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             "pipeline stages: "
             + "; ".join(
-                f"{i}: layers {st['first_layer']}-{st['last_layer']}, {_size(st['weights_bytes_per_gpu'])} per GPU"
+                f"{i}: layers {st['first_layer']}-{st['last_layer']}, {_size(st['weights_bytes_per_gpu'])} of "
+                f"weights and {_size(st['kv_bytes_per_token_per_gpu'])} of KV per token per GPU"
                 for i, st in enumerate(plan.stages)
             )
         )

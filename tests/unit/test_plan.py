@@ -114,8 +114,14 @@ def test_yuan2_102b_as_4_gpus_by_2_stages():
     # the replicated LF convolutions (each GPU keeps only its stage's).
     assert abs(plan.weights_bytes_per_gpu - tp8.weights_bytes_per_gpu) < tp8.weights_bytes_per_gpu * 0.25
     assert plan.kv_bytes_per_token_per_gpu == (2 * 42 * 64 * 128 * 2) // 4
+    assert plan.kv_bytes_per_token == tp8.kv_bytes_per_token  # the whole model's, all 84 layers
+    assert [st["kv_bytes_per_token_per_gpu"] for st in plan.stages] == [(2 * 42 * 64 * 128 * 2) // 4] * 2
+    odd = make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, tensor_parallel_size=8, pipeline_parallel_size=5)
+    assert [st["last_layer"] - st["first_layer"] + 1 for st in odd.stages] == [17, 17, 17, 17, 16]
+    per_layer = 2 * 64 * 128 * 2 // 8  # K and V of one layer per token, 64 heads split 8 ways
+    assert [st["kv_bytes_per_token_per_gpu"] for st in odd.stages] == [17 * per_layer] * 4 + [16 * per_layer]
     assert plan.weights_bytes_per_gpu == max(st["weights_bytes_per_gpu"] for st in plan.stages)
-    assert "pipeline stages: 0: layers 0-41" in format_plan(plan) and "pp=2" in format_plan(plan)
+    assert "pipeline stages: 0: layers 0-41, " in format_plan(plan) and "pp=2" in format_plan(plan)
     with pytest.raises(ConfigError, match="85 stages"):
         make_plan(YUAN2_102B, memory_bytes_per_gpu=H200, pipeline_parallel_size=85)
 
