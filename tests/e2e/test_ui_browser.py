@@ -81,6 +81,12 @@ def browser() -> Iterator:
         browser.close()
 
 
+def card_text(card: str) -> str:
+    """A JS expression for a dashboard card's value text, '' until the first /metrics poll has built the card
+    (a predicate that threw on the missing element failed the wait, and the page, at once)."""
+    return f"(document.getElementById('value-{card}')?.textContent ?? '')"
+
+
 @pytest.fixture
 def page(browser, ui_server):
     context = browser.new_context(base_url=ui_server.url, viewport=DESKTOP)
@@ -309,11 +315,11 @@ def test_dashboard_moves_under_load(page, ui_server):
     try:
         # Output tokens/s above zero, requests running, and the TTFT percentiles of the last minute filled in.
         page.wait_for_function(
-            "parseFloat(document.getElementById('value-tokens').textContent) > 0"
-            " && parseInt(document.getElementById('value-requests').textContent) > 0"
-            " && document.getElementById('value-ttft').textContent.endsWith('ms')"
-            " && document.getElementById('value-itl').textContent.endsWith('ms')"
-            " && document.getElementById('value-step').textContent.includes('ms')",
+            "parseFloat(" + card_text("tokens") + ") > 0"
+            " && parseInt(" + card_text("requests") + ") > 0"
+            " && " + card_text("ttft") + ".endsWith('ms')"
+            " && " + card_text("itl") + ".endsWith('ms')"
+            " && " + card_text("step") + ".includes('ms')",
             timeout=TIMEOUT_MS,
         )
         chart = page.locator("#chart-tokens")
@@ -367,7 +373,7 @@ def test_dashboard_math_on_known_metrics(page):
 
     page.route("**/metrics", fulfil)
     page.goto("/dashboard")
-    page.wait_for_function("document.getElementById('value-ttft').textContent.startsWith('p50')")
+    page.wait_for_function(card_text("ttft") + ".startsWith('p50')")
     # Deltas: 20 observations a snapshot, 10 in (0.01, 0.1], 10 in (0.1, 1.0]: p50 at the top of the first
     # bucket, p90 / p99 interpolated 80 % / 98 % into the second.
     sync_api.expect(page.locator("#value-ttft")).to_have_text("p50 100.0 ms")
