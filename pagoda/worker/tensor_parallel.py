@@ -153,8 +153,8 @@ class TensorParallelRunner:
     def warm_up_attention(self) -> None:
         self._on_all_ranks("warm_up_attention")
 
-    def enable_cuda_graphs(self) -> None:
-        self._on_all_ranks("enable_cuda_graphs")
+    def enable_cuda_graphs(self, capture: bool = True) -> None:
+        self._on_all_ranks("enable_cuda_graphs", capture)
 
     def profile_peak_memory(self, num_tokens: int) -> int:
         return self._on_all_ranks("profile_peak_memory", num_tokens)
