@@ -10,13 +10,12 @@ stages' snapshots, and async scheduling; pipeline x tensor parallelism (2 x 2 ra
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import ConfigError
 from tests.conftest import FIXTURES
-from tests.engine.test_tensor_parallel_engine import _prompts
-from tests.models.test_yuan_golden import LOGIT_ATOL, _check_all
+from tests.engine.test_tensor_parallel_engine import _prompts, against_one_rank
+from tests.models.test_yuan_golden import _check_all
 
 
 @pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])
@@ -32,25 +31,12 @@ def test_yuan_pp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
     assert capture.engine.stats().prefix_cache_hits > hits
 
 
-def _against_one_stage(engines, model: str, **parallel) -> None:
-    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
-    one = engines(model, block_size=4, max_model_len=256)
-    expected = one.run(prompts, max_tokens=8)
-    one.engine.shutdown()
-    split = engines(model, block_size=4, max_model_len=256, max_num_batched_tokens=16, **parallel)
-    assert split.run(prompts, max_tokens=8) == expected
-    for rid in expected:
-        for a, b in zip(split.logits[rid], one.logits[rid], strict=True):
-            torch.testing.assert_close(a, b, atol=LOGIT_ATOL, rtol=0)
-    split.engine.shutdown()
-
-
 def test_llama_pp2_matches_one_stage(engines, tiny_llama):
-    _against_one_stage(engines, tiny_llama, pipeline_parallel_size=2)
+    against_one_rank(engines, tiny_llama, pipeline_parallel_size=2)
 
 
 def test_qwen2_pp2_with_tp2_matches_one_rank(engines, tiny_qwen2):
-    _against_one_stage(engines, tiny_qwen2, pipeline_parallel_size=2, tensor_parallel_size=2)
+    against_one_rank(engines, tiny_qwen2, pipeline_parallel_size=2, tensor_parallel_size=2)
 
 
 def test_more_stages_than_layers_is_refused_in_one_line():

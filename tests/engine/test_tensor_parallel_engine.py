@@ -34,16 +34,17 @@ def test_yuan_tp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
     assert capture.engine.stats().prefix_cache_hits > hits
 
 
-def _against_tp1(engines, model: str, tp: int) -> None:
+def against_one_rank(engines, model: str, **parallel) -> None:
+    """The model split as `parallel` says (tensor and/or pipeline sizes) gives one rank's tokens and logits."""
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
-    one = engines(model, tensor_parallel_size=1, block_size=4, max_model_len=256)
+    one = engines(model, block_size=4, max_model_len=256)
     expected = one.run(prompts, max_tokens=8)
-    split = engines(model, tensor_parallel_size=tp, block_size=4, max_model_len=256, max_num_batched_tokens=16)
+    split = engines(model, block_size=4, max_model_len=256, max_num_batched_tokens=16, **parallel)
     assert split.run(prompts, max_tokens=8) == expected
     for rid in expected:
         for a, b in zip(split.logits[rid], one.logits[rid], strict=True):
             torch.testing.assert_close(a, b, atol=LOGIT_ATOL, rtol=0)
-    split.engine.shutdown()  # one tensor-parallel group per process
+    split.engine.shutdown()  # one parallel group per process
 
 
 def test_a_second_engine_while_a_group_runs_is_refused(engines, tiny_llama):
@@ -53,12 +54,12 @@ def test_a_second_engine_while_a_group_runs_is_refused(engines, tiny_llama):
 
 
 def test_llama_tp2_splits_and_tp4_replicates_kv_heads(engines, tiny_llama):
-    _against_tp1(engines, tiny_llama, 2)
-    _against_tp1(engines, tiny_llama, 4)
+    against_one_rank(engines, tiny_llama, tensor_parallel_size=2)
+    against_one_rank(engines, tiny_llama, tensor_parallel_size=4)
 
 
 def test_qwen2_tp2_replicates_its_one_kv_head(engines, tiny_qwen2):
-    _against_tp1(engines, tiny_qwen2, 2)
+    against_one_rank(engines, tiny_qwen2, tensor_parallel_size=2)
 
 
 def test_seeded_sampling_is_the_drivers(engines, tiny_llama):
