@@ -48,13 +48,6 @@ FUSED_OPS = Env(
 GEMV = Env(
     "PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS", once=True
 )
-GREEDY_KERNEL = Env(
-    "PAGODA_GREEDY_KERNEL",
-    bool,
-    True,
-    "the fused greedy argmax over the vocabulary (kernels/greedy.py); 0: torch.argmax",
-    once=True,
-)
 PDL = Env(
     "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
 )

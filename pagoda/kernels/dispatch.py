@@ -1,12 +1,11 @@
 """When the layers use the fused Triton kernels (one module per family: `pagoda/kernels/rms_norm.py`,
-`rotary.py`, `activation.py`, and Yuan2's `localized_filter.py`), the few-row GEMV
-(`pagoda/kernels/gemv.py`) and the few-row greedy argmax (`pagoda/kernels/greedy.py`) instead of
-PyTorch / cuBLAS.
+`rotary.py`, `activation.py`, and Yuan2's `localized_filter.py`) and the few-row GEMV
+(`pagoda/kernels/gemv.py`) instead of PyTorch / cuBLAS.
 
 Only for CUDA tensors, and only when Triton imports; CPU tensors always take the PyTorch code,
 which stays bit-identical to what it was. `PAGODA_FUSED_OPS=0` turns the fused kernels off,
-`PAGODA_GEMV=0` the GEMV and `PAGODA_GREEDY_KERNEL=0` the argmax (for A/B timing or to rule them
-out); each is read once, like the import check.
+`PAGODA_GEMV=0` the GEMV (for A/B timing or to rule them out); each is read once, like the import
+check.
 
 The kernels module is imported on first use, not with the layers: `@triton.jit` picks compiled vs
 interpreted mode (TRITON_INTERPRET) when the kernels are defined, and importing a layer must not fix
@@ -73,12 +72,6 @@ def fp8_quant_module() -> ModuleType | None:
 def int4_gemm_module() -> ModuleType | None:
     """`pagoda.kernels.int4_gemm` (AWQ/GPTQ dequantizing matmuls), or None without Triton."""
     return _optional_kernels("int4_gemm", envs.FUSED_OPS)
-
-
-@functools.cache
-def greedy_module() -> ModuleType | None:
-    """`pagoda.kernels.greedy`, or None when Triton cannot be imported or PAGODA_GREEDY_KERNEL=0."""
-    return _optional_kernels("greedy", envs.GREEDY_KERNEL)
 
 
 def gemv_for(x: torch.Tensor) -> ModuleType | None:

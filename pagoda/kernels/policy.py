@@ -24,11 +24,6 @@ FP8_GEMV_MAX_ROWS = 1
 # cross is what `benchmarks/kernels/int4_gemm_bench.py` times.
 INT4_GEMV_MAX_ROWS = 4
 
-# All-greedy batches (`layers/sampler.py`) of at most this many rows take the Triton argmax
-# (`kernels/greedy.py`); larger batches keep torch.argmax, whose one-block-per-row reduce is then well
-# fed. A power of two: the kernel's key buffer has this many slots.
-GREEDY_MAX_ROWS = 8
-
 # Steps (eager, or a CUDA-graph bucket) of at most this many tokens launch their kernels with
 # programmatic dependent launch (`kernels/pdl.py`, `dispatch.pdl_for_rows`): it shortens a batch-1
 # step's kernel chain, but at batch 256 waiting programs hold SM slots the running kernel needs and the

@@ -52,8 +52,13 @@ FP8_KV_MAX = 448.0  # its largest finite value: stores saturate there
 
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x (any float dtype) → the e4m3 values an fp8 cache stores: x / scale in fp32, clamped to ±448,
-    rounded to nearest even. The reference the Triton stores match bit for bit."""
-    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
+    rounded to nearest even. The reference the Triton stores match bit for bit.
+
+    The divisor is a tensor on x's device: PyTorch's CUDA division by a Python (CPU) scalar multiplies by
+    the scalar's reciprocal, which is off by one fp32 ulp on some quotients — enough to move a value near
+    an e4m3 rounding tie to the neighbouring step. A device tensor divides with IEEE rounding everywhere."""
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
 
 
 def dequantize_kv(q: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from pagoda.device_copy import to_device
-from pagoda.kernels import dispatch
 from pagoda.layers.token_mask import apply_token_bitmask
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
@@ -519,21 +518,7 @@ def _exponential_noise(shape: tuple[int, int], batch: SamplingBatch, device: tor
 
 
 class Sampler(nn.Module):
-    """Stateless: all per-request state arrives in the `SamplingBatch` (the greedy kernel keeps only
-    scratch slots that are reset after every call)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._greedy = None  # `kernels.greedy.GreedyArgmax`, made on the first CUDA call
-
-    def _argmax(self, logits: Tensor) -> Tensor:
-        """torch.argmax(logits, dim=-1); few CUDA rows through the Triton kernel (`kernels/greedy.py`)."""
-        kernels = dispatch.greedy_module() if logits.is_cuda else None
-        if kernels is not None and kernels.GreedyArgmax.supports(logits):
-            if self._greedy is None:
-                self._greedy = kernels.GreedyArgmax()
-            return self._greedy(logits)
-        return logits.argmax(dim=-1)
+    """Stateless: all per-request state arrives in the `SamplingBatch`."""
 
     def forward(
         self, logits: Tensor, batch: SamplingBatch, token_bitmask: tuple[Tensor, list[int]] | None = None
@@ -548,7 +533,7 @@ class Sampler(nn.Module):
             # Widening to float32 is exact and order-preserving, so the argmax (first maximum on
             # ties) is the same without the [B, V] float32 copy of a 135k vocabulary at B=256, the
             # plain greedy/ignore-eos benchmark case (benchmarks/h200.py).
-            return SamplerOutput(self._argmax(logits), None, None, None)
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
         greedy_ids = penalised.argmax(dim=-1)

@@ -111,7 +111,7 @@ def install() -> CompileOnlyDriver:
     GPU's: the few host-side checks that ask for a CUDA tensor are patched here, not in pagoda."""
     from triton.runtime import driver as triton_driver
 
-    from pagoda.kernels import dispatch, greedy, pdl
+    from pagoda.kernels import dispatch, pdl
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: under the interpreter nothing is compiled")
@@ -120,8 +120,6 @@ def install() -> CompileOnlyDriver:
     # PDL is for a CUDA tensor on a Hopper GPU; here for whatever `dispatch.pdl_allowed` says, so both
     # the PDL and the plain variant of each kernel compile.
     pdl.enabled = lambda t: dispatch.pdl_is_allowed()
-    # The argmax refuses tensors that are neither on CUDA nor interpreted; the inputs below are valid.
-    greedy.GreedyArgmax.supports = staticmethod(lambda logits: True)  # type: ignore[method-assign]
     return fake
 
 
@@ -269,14 +267,8 @@ def _matmuls() -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
-def _sampling() -> list[tuple[str, Callable[[], object]]]:
-    from pagoda.kernels.greedy import GreedyArgmax
-
-    return [("greedy argmax bf16", lambda: GreedyArgmax()(_bf16(2, 151936)))]
-
-
 def launches() -> list[tuple[str, Callable[[], object]]]:
-    return _attention() + _row_kernels() + _matmuls() + _sampling()
+    return _attention() + _row_kernels() + _matmuls()
 
 
 def kernel_functions() -> dict[str, Any]:
