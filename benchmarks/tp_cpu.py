@@ -7,9 +7,10 @@ Usage:
 
 Each round builds the one-rank engine, then the N x P one (ranks over gloo, each on its share of the cores),
 and times one `LLM.generate` of the same seeded random prompts (greedy, ignore_eos) after a warm-up; rounds
-alternate so a drift of the machine hits both. On a machine with few cores TP = N is expected to be slower
-(the ranks split the same cores and add a collective per layer; pipeline stages take turns with one
-micro-batch in flight): this measures the cost, it is no target.
+alternate so a drift of the machine hits both. With --pp > 1 a third engine runs the same stages with one
+micro-batch in flight (PAGODA_PP_MICRO_BATCHES=0), the stages taking turns, against the default of one
+micro-batch per stage. On a machine with few cores TP = N is expected to be slower (the ranks split the
+same cores and add a collective per layer): this measures the cost, it is no target.
 The default model (SmolLM2-135M: 9 heads, 3 KV heads) accepts N = 3 only.
 """
 
@@ -24,11 +25,12 @@ import time
 
 
 def _run(
-    model: str | None, layout: tuple[int, int], prompts: list[list[int]], output_len: int
+    model: str | None, layout: tuple[int, int, bool], prompts: list[list[int]], output_len: int
 ) -> tuple[float, list[list[int]]]:
     from pagoda import LLM, SamplingParams
 
-    tp, pp = layout
+    tp, pp, micro_batches = layout
+    os.environ["PAGODA_PP_MICRO_BATCHES"] = "1" if micro_batches else "0"  # read when the config is built
     llm = LLM(
         model,
         tensor_parallel_size=tp,
@@ -60,22 +62,27 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     rows = []
-    one, split = (1, 1), (args.tp, args.pp)
+    one, split = (1, 1, True), (args.tp, args.pp, True)
+    layouts = [one, split] + ([(args.tp, args.pp, False)] if args.pp > 1 else [])
+    rates: dict[tuple[int, int, bool], list[float]] = {}
     for round_index in range(args.rounds):
         tokens = {}
-        for layout in (one, split):
+        for layout in layouts if round_index % 2 == 0 else layouts[::-1]:
             tok_s, tokens[layout] = _run(args.model, layout, prompts, args.output_len)
-            rows.append({"round": round_index + 1, "tp": layout[0], "pp": layout[1], "output_tok_s": round(tok_s, 1)})
-            print(f"round {round_index + 1} tp={layout[0]} pp={layout[1]}: {tok_s:.1f} output tok/s", flush=True)
-        same = sum(a == b for a, b in zip(tokens[one], tokens[split]))
-        print(f"round {round_index + 1}: {same}/{len(prompts)} outputs identical to one rank", flush=True)
-    mean = {
-        layout: sum(r["output_tok_s"] for r in rows if (r["tp"], r["pp"]) == layout) / args.rounds
-        for layout in (one, split)
-    }
-    print("\n| tp | pp | mean output tok/s | vs one rank |\n| ---: | ---: | ---: | ---: |")
-    for layout in (one, split):
-        print(f"| {layout[0]} | {layout[1]} | {mean[layout]:.1f} | {mean[layout] / mean[one]:.2f}x |")
+            tp, pp, micro = layout
+            label = f"tp={tp} pp={pp}" + ("" if pp == 1 else f" micro-batches={pp if micro else 1}")
+            rows.append({"round": round_index + 1, "tp": tp, "pp": pp, "micro_batches": pp if micro else 1})
+            rows[-1]["output_tok_s"] = round(tok_s, 1)
+            rates.setdefault(layout, []).append(tok_s)
+            print(f"round {round_index + 1} {label}: {tok_s:.1f} output tok/s", flush=True)
+        for layout in layouts[1:]:
+            same = sum(a == b for a, b in zip(tokens[one], tokens[layout]))
+            print(f"round {round_index + 1} {layout}: {same}/{len(prompts)} outputs identical to one rank", flush=True)
+    mean = {layout: sum(runs) / len(runs) for layout, runs in rates.items()}
+    print("\n| tp | pp | micro-batches | mean output tok/s | vs one rank |\n| ---: | ---: | ---: | ---: | ---: |")
+    for tp, pp, micro in layouts:
+        m = mean[tp, pp, micro]
+        print(f"| {tp} | {pp} | {pp if micro else 1} | {m:.1f} | {m / mean[one]:.2f}x |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         result = {

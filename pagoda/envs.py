@@ -51,6 +51,14 @@ GEMV = Env(
 PDL = Env(
     "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
 )
+PP_MICRO_BATCHES = Env(
+    "PAGODA_PP_MICRO_BATCHES",
+    bool,
+    True,
+    "several micro-batches in flight through CPU pipeline stages (config.engine.resolve_micro_batches); 0: one "
+    "step at a time",
+    once=True,
+)
 MIXED_STEP_GRAPHS = Env(
     "PAGODA_MIXED_STEP_GRAPHS",
     bool,

@@ -196,6 +196,9 @@ class SchedulerConfig:
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
     async_scheduling: bool
     scheduling_policy: str  # "fcfs" | "priority"
+    # Steps in flight through the pipeline stages at once, each over requests no other in-flight step
+    # holds (`Scheduler`, `worker/pipeline_link.py`): pipeline_parallel_size on the CPU, else 1.
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,6 +313,7 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
+                micro_batches=resolve_micro_batches(a.pipeline_parallel_size, device),
             ),
             device=_device_config(
                 device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size, a.cpu_offload_gb
@@ -328,6 +332,14 @@ class EngineConfig:
 
 
 # The resolvers of the knobs whose value needs no hardware: `EngineConfig.create` and `pagoda plan` share them.
+def resolve_micro_batches(pipeline_parallel_size: int, device: str) -> int:
+    """One micro-batch per pipeline stage on the CPU (gloo), so that the stages compute at once. On CUDA
+    one: several have not been measured on two GPUs yet. PAGODA_PP_MICRO_BATCHES=0 keeps one anywhere."""
+    if device != "cpu" or not envs.PP_MICRO_BATCHES.value:
+        return 1
+    return pipeline_parallel_size
+
+
 def resolve_gpu_memory_utilization(requested: float | None) -> float:
     utilization = DEFAULT_GPU_MEMORY_UTILIZATION if requested is None else requested
     _check(

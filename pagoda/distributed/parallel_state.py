@@ -9,7 +9,13 @@ Two process groups over the same ranks:
   broadcast of each step's sampled tokens. On CUDA these are NCCL calls on the current stream, which a
   CUDA graph captures like any kernel.
 - `cpu_group` (always gloo): pickled Python objects — each step's `SchedulerOutput` and the driver's
-  control calls — sent once per step from rank 0 (the driver) to the others.
+  control calls — posted once per step from rank 0 (the driver) to each other rank (`post_to_ranks`).
+
+Point-to-point sends are posted (`isend`) and the sending host never waits on them: the receiver's
+blocking `recv` is the only wait (on CUDA the sender's stream waits for its NCCL send, as with `send`).
+A sender that blocked until its receiver arrived could close a cycle once several micro-batches are in
+flight through the stages (a stage sending step N's logits while the driver sends step N+1's
+activations); posted sends cannot. `_Outbox` keeps each posted tensor alive until its send has completed.
 
 Pipeline parallelism (`pp_size` > 1) lays `tp_size x pp_size` ranks out stage by stage: global rank
 r is tensor-parallel rank r % tp of stage r // tp. `device_group` is then the stage's own tensor-parallel
@@ -31,6 +37,8 @@ import torch.distributed as dist
 from pagoda.distributed.stages import stage_layer_range
 
 DRIVER_RANK = 0
+# Tags keep the kinds of message between one pair of ranks apart (each kind is received in posting order).
+_TAG_CALL, _TAG_ACTIVATIONS, _TAG_LOGITS, _TAG_TOKENS = 1, 2, 3, 4
 # torch 2.13 renamed all_gather_into_tensor (same arguments); the device's torch has only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -135,8 +143,32 @@ def init_tensor_parallel(
     return _GROUP
 
 
+class _Outbox:
+    """Posted sends not yet known to be complete, with the tensors they read (alive until then)."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[Any, torch.Tensor]] = []
+
+    def post(self, tensor: torch.Tensor, peer: int, group: Any, tag: int) -> None:
+        # gloo reads the tensor when the receiver is ready, which may be after the caller reuses it (a
+        # graph runner's static buffers): it sends a copy.
+        tensor = tensor.contiguous() if tensor.is_cuda else tensor.clone(memory_format=torch.contiguous_format)
+        work = dist.isend(tensor, peer, group=group, tag=tag)
+        if tensor.is_cuda:
+            # NCCL: the current stream waits for the send (the host does not), so a kernel queued after it
+            # cannot overwrite the tensor (a graph's static buffers) before the send has read it.
+            work.wait()
+        self.posted.append((work, tensor))
+        if len(self.posted) > 64:  # a few steps' worth: drop what has gone
+            self.posted = [(w, t) for w, t in self.posted if not w.is_completed()]
+
+
+_OUTBOX = _Outbox()
+
+
 def destroy_tensor_parallel() -> None:
     global _GROUP
+    _OUTBOX.posted.clear()
     if _GROUP.num_ranks > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _GROUP = TensorParallelGroup(0, 1)
@@ -180,17 +212,17 @@ def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
-    """This stage's activations to the same tensor-parallel rank of the next stage."""
+    """This stage's activations to the same tensor-parallel rank of the next stage (posted)."""
     peer = _GROUP.global_rank + _GROUP.world_size
     for t in tensors:
-        dist.send(t.contiguous(), peer, group=_GROUP.world_device_group)
+        _OUTBOX.post(t, peer, _GROUP.world_device_group, _TAG_ACTIVATIONS)
 
 
 def recv_from_previous_stage(out: list[torch.Tensor]) -> list[torch.Tensor]:
     """The previous stage's activations (what `send_to_next_stage` sent there), into `out`, in order."""
     peer = _GROUP.global_rank - _GROUP.world_size
     for t in out:
-        dist.recv(t, peer, group=_GROUP.world_device_group)
+        dist.recv(t, peer, group=_GROUP.world_device_group, tag=_TAG_ACTIVATIONS)
     return out
 
 
@@ -199,32 +231,44 @@ LOGITS_RANK_OFFSET = 0  # the last stage's tensor-parallel rank that hands the l
 
 def send_logits_to_driver(logits: torch.Tensor) -> None:
     if _GROUP.rank == LOGITS_RANK_OFFSET:
-        dist.send(logits.contiguous(), DRIVER_RANK, group=_GROUP.world_device_group)
+        _OUTBOX.post(logits, DRIVER_RANK, _GROUP.world_device_group, _TAG_LOGITS)
 
 
 def recv_logits_on_driver(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     logits = torch.empty(shape, dtype=dtype, device=device)
     last = (_GROUP.pp_size - 1) * _GROUP.world_size + LOGITS_RANK_OFFSET
-    dist.recv(logits, last, group=_GROUP.world_device_group)
+    dist.recv(logits, last, group=_GROUP.world_device_group, tag=_TAG_LOGITS)
     return logits
 
 
-def broadcast_object(obj: Any = None) -> Any:
-    """The driver's `obj` on every rank: one pickle, a length and a byte buffer over the gloo group (two
-    broadcasts; `dist.broadcast_object_list` would add a size exchange per object)."""
-    if _GROUP.num_ranks == 1:
-        return obj
-    group = _GROUP.cpu_group
-    if is_driver():
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        dist.broadcast(length, src=DRIVER_RANK, group=group)
-        dist.broadcast(payload, src=DRIVER_RANK, group=group)
-        return obj
+def send_tokens_to_ranks(tokens: torch.Tensor) -> None:
+    """The driver's sampled tokens to every other rank, posted (the micro-batch path; see `recv_tokens`)."""
+    for peer in range(1, _GROUP.num_ranks):
+        _OUTBOX.post(tokens, peer, _GROUP.world_device_group, _TAG_TOKENS)
+
+
+def recv_tokens(out: torch.Tensor) -> torch.Tensor:
+    """On a rank other than the driver: the tokens `send_tokens_to_ranks` posted, into `out`."""
+    dist.recv(out, DRIVER_RANK, group=_GROUP.world_device_group, tag=_TAG_TOKENS)
+    return out
+
+
+def post_to_ranks(obj: Any) -> None:
+    """The driver's `obj` to every other rank, in posting order: one pickle, its length and its bytes over the
+    gloo group, posted (the driver runs on while the ranks catch up; they take calls in order)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    for peer in range(1, _GROUP.num_ranks):
+        _OUTBOX.post(length, peer, _GROUP.cpu_group, _TAG_CALL)
+        _OUTBOX.post(payload, peer, _GROUP.cpu_group, _TAG_CALL)
+
+
+def receive_from_driver() -> Any:
+    """On a rank other than the driver: the next object `post_to_ranks` posted (blocks until it comes)."""
     length = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(length, src=DRIVER_RANK, group=group)
+    dist.recv(length, DRIVER_RANK, group=_GROUP.cpu_group, tag=_TAG_CALL)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src=DRIVER_RANK, group=group)
+    dist.recv(payload, DRIVER_RANK, group=_GROUP.cpu_group, tag=_TAG_CALL)
     return pickle.loads(payload.numpy().tobytes())
 
 

@@ -3,7 +3,8 @@
 `step()` = schedule → run the model → update request state → turn tokens into outputs. With async
 scheduling (the default on CUDA) `step()` schedules and launches step N+1 first and only then reads
 step N's tokens: the host work of each step (update, detokenize, send, schedule, input prep) runs
-while the GPU computes the next one.
+while the GPU computes the next one. With pipeline micro-batches (`SchedulerConfig.micro_batches` = P)
+up to P steps of disjoint requests are launched before the oldest is read, so every stage has work.
 Startup sizes the KV pool (from a GPU profile or the CPU budget), logs it, and refuses to start
 when one max_model_len request could not fit.
 """
@@ -35,7 +36,7 @@ from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import memory
-from pagoda.worker.pending_step import PendingStep
+from pagoda.worker.pending_step import LaunchedStep
 from pagoda.worker.tensor_parallel import make_runner
 
 logger = logging.getLogger("pagoda")
@@ -76,7 +77,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet read
+        # Launched, not yet read, oldest first; a step is read once this many are unread after a launch.
+        self._inflight: collections.deque[tuple[SchedulerOutput, LaunchedStep]] = collections.deque()
+        scheduler = config.scheduler
+        self._max_unread = scheduler.micro_batches if scheduler.micro_batches > 1 else 1 + scheduler.async_scheduling
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
         # Tokens of each step since the last `stats()` (EngineStats); bounded, as offline nobody asks.
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
@@ -257,7 +261,7 @@ class LLMEngine:
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move constrained requests whose grammar is ready into the scheduler; refuse those whose grammar
         failed or ran out of time. With nothing else to run, wait a little for a compile rather than spin."""
-        if not self.scheduler.has_unfinished() and self._inflight is None:
+        if not self.scheduler.has_unfinished() and not self._inflight:
             cf.wait([f for f, _, _ in self._awaiting_grammar.values()], timeout=0.005, return_when=cf.FIRST_COMPLETED)
         outputs = []
         now = time.monotonic()
@@ -295,10 +299,8 @@ class LLMEngine:
     def _in_flight(self, request_id: str, n: int) -> bool:
         """Whether a finished request of this id is still in the launched, unread step (its token
         would land on the new request)."""
-        if self._inflight is None:
-            return False
-        scheduled = self._inflight[0].num_scheduled_tokens
-        return any(child_request_id(request_id, i, n) in scheduled for i in range(n))
+        children = [child_request_id(request_id, i, n) for i in range(n)]
+        return any(c in so.num_scheduled_tokens for so, _ in self._inflight for c in children)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         # The output processor knows each user request's samples: no scan over every live request.
@@ -345,7 +347,7 @@ class LLMEngine:
             self._grammars.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -357,25 +359,27 @@ class LLMEngine:
         failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
         if refused:
             failed = refused + failed
-        if not self.config.scheduler.async_scheduling:
+        if self._max_unread == 1:
             return failed + self._process(scheduler_output, launched)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
         # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
         # `Scheduler.update` (the request is gone); max_tokens stops are not scheduled at all.
-        previous = self._inflight
-        self._inflight = None if scheduler_output.is_empty else (scheduler_output, launched)
-        outputs = self._process(*previous) if previous is not None else []
+        # (Micro-batches never schedule a request an unread step owes a token.)
+        if not scheduler_output.is_empty:
+            self._inflight.append((scheduler_output, launched))
+        outputs = []
+        if self._inflight and (len(self._inflight) >= self._max_unread or scheduler_output.is_empty):
+            outputs = self._process(*self._inflight.popleft())
         self._settle_if_idle()
         return failed + outputs if failed else outputs
 
     def _settle_if_idle(self) -> None:
         """With no request left, a launched step only holds tokens of finished ones (an EOS
         overshoot, an abort): read and drop it now, so an idle engine has nothing in flight."""
-        if self._inflight is not None and not self.scheduler.has_unfinished():
-            previous, self._inflight = self._inflight, None
-            self._process(*previous)
+        while self._inflight and not self.scheduler.has_unfinished():
+            self._process(*self._inflight.popleft())
 
-    def _process(self, scheduler_output: SchedulerOutput, launched: PendingStep) -> list[RequestOutput]:
+    def _process(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         started = time.perf_counter()
         step_output = launched.result()  # waits for the device (the step's sampled tokens)
         self._device_wait_s += time.perf_counter() - started

@@ -14,6 +14,14 @@ when blocks run out is the one with the highest value (latest among equals), as 
 A prompt longer than the remaining budget is prefilled in chunks over several steps, alongside
 the decodes of other requests (chunked prefill).
 
+Pipeline micro-batches (`micro_batches` = P > 1): up to P steps are in flight through the stages at once,
+and a step may not hold a request whose sampled token an unread step still owes (`num_pending`): it could
+not know its input. So each step takes only requests with nothing pending, and at most
+ceil((running + waiting) / P) of them, which splits a steady set of decodes into P even micro-batches. A
+prefill chunk owes no token, so the next chunk may follow in the next micro-batch: every stage runs the
+steps in launch order, so its KV cache holds the chunk before. A preempted request still owed a token is
+not admitted again until that token is read.
+
 Multimodal prompts: a step that schedules any of an image's placeholder tokens runs the vision encoder
 on the whole image (its output is cached for the chunks after). With `max_encoder_tokens_per_step`
 set, the images a step starts are bounded too: a chunk stops before the first image whose placeholder
@@ -100,6 +108,8 @@ class Scheduler:
         sampling: set[str] = set()  # requests that sample this step
         preempted = False
         self._preempted_for_runner = set()
+        exclusive = self.config.micro_batches > 1  # see the module docstring
+        rows_left = -(-(len(self.running) + len(self.waiting)) // self.config.micro_batches)
 
         # Runs for every running request every step: attribute reads are hoisted and the common
         # decode (one token that fits in the last block) skips the allocator altogether.
@@ -107,8 +117,11 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         running = self.running
         index = 0
-        while index < len(running) and budget > 0:
+        while index < len(running) and budget > 0 and rows_left > 0:
             request = running[index]
+            if exclusive and request.num_pending:
+                index += 1  # an unread step owes its token
+                continue
             computed = request.num_computed_tokens
             num_prompt = len(request.prompt_token_ids)
             num_output = len(request.output_token_ids) + request.num_pending
@@ -146,10 +159,13 @@ class Scheduler:
                 request.num_pending += 1  # this step samples its next token
                 sampling.add(request.request_id)
             budget -= num_new
+            rows_left -= 1
             index += 1
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if rows_left <= 0 or (exclusive and request.num_pending):
+                break
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
             hits = self.block_manager.match_prefix(request)
@@ -193,6 +209,7 @@ class Scheduler:
                 request.num_pending += 1
                 sampling.add(request.request_id)
             budget -= num_new
+            rows_left -= 1
 
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1

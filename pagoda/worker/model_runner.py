@@ -15,6 +15,7 @@ N's sample takes it from step N's device tensor (`_last_sampled`, see `worker/st
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -22,9 +23,8 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.config.engine import text_field
 from pagoda.device_copy import to_device
-from pagoda.distributed.parallel_state import all_reduce_max, broadcast_tensor, is_driver, num_ranks
+from pagoda.distributed.parallel_state import all_reduce_max, is_driver
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.pipeline import StageHidden
@@ -39,7 +39,7 @@ from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.graph_runner import GraphRunner, GraphSpec
 from pagoda.worker.kv_cache import allocate_kv_caches, log_fp8_scales, zero_blocks
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
-from pagoda.worker.pending_step import NO_TOKENS, PendingStep
+from pagoda.worker.pending_step import NO_TOKENS, LaunchedStep, PendingStep
 from pagoda.worker.pipeline_link import PipelineLink
 from pagoda.worker.request_states import RequestStates, RunnerRequestState
 from pagoda.worker.state_slots import StateSlotPool
@@ -74,9 +74,8 @@ class ModelRunner:
             config.device.cpu_offload_gb,
         )
         self.capabilities = caps = self.model.capabilities  # what the model is, read once
-        # Pipeline parallelism: this rank's stage of the decoder, and its links to the neighbouring stages.
-        hidden_size = int(text_field(source.hf_config, "hidden_size"))
-        self.link = PipelineLink(self.model.stage, hidden_size, config.model.vocab_size, self.dtype, self.device)
+        # This rank's links to the others: pipeline stages' activations and logits, the sampled tokens.
+        self.link = PipelineLink(self.model.stage, config, self.dtype, self.device)
         self.vocab_size = config.model.vocab_size
         unique = {p.data_ptr(): p for p in self.model.parameters()}  # tied (and offload-slot) storage once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())  # this rank's share
@@ -201,6 +200,9 @@ class ModelRunner:
     def shutdown(self) -> None:  # nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)
         pass
 
+    def finish_step(self) -> None:  # a rank's oldest deferred step takes the driver's tokens (micro-batches)
+        self.link.finish_oldest()
+
     def take_failures(self) -> list[tuple[str, str, Exception]]:
         return self.requests.take_failures()
 
@@ -217,7 +219,7 @@ class ModelRunner:
         return self.launch(so).result()
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> PendingStep:
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device. At most one earlier step may still be unread (its
         tokens feed this one's pending rows on the device). Eager kernels use PDL as a captured
         graph of the same size would (`dispatch.pdl_for_rows`); graphs have theirs baked in."""
@@ -234,6 +236,8 @@ class ModelRunner:
             if len(inputs.sample_rows) < len(request_ids):
                 rows = inputs.sample_rows.tolist()
                 request_ids, states = [request_ids[i] for i in rows], [states[i] for i in rows]
+            if self.link.deferred:  # micro-batches: sample when the step is read (`worker/pipeline_link.py`)
+                return self.link.defer(functools.partial(self._sample, request_ids, states), logits, len(request_ids))
             return self._sample(request_ids, states, logits)
 
     def _prepare(self, so: SchedulerOutput) -> tuple[list[str], list[RunnerRequestState], StepInputs] | None:
@@ -263,8 +267,8 @@ class ModelRunner:
         out = self.link.hand_on(self.graphs.run(inputs) if graphed else self._forward_eager(inputs, states))
         if not len(inputs.sample_rows):
             return None
-        if out is None:  # a stage before the last: the driver takes the last stage's logits
-            return self.link.driver_logits(len(inputs.sample_rows))
+        if out is None:  # a stage before the last: the driver takes the last stage's logits (now, or when read)
+            return None if self.link.deferred else self.link.driver_logits(len(inputs.sample_rows))
         if graphed:
             every_row = len(inputs.sample_rows) == inputs.num_rows
             logits = out if every_row else out[to_device(inputs.sample_rows, out.device)]
@@ -319,17 +323,14 @@ class ModelRunner:
         """Sample the rows that sample (logits [S, V]); queue their tokens' copy to the host."""
         # The batch counts tokens still in flight too (min_tokens; the penalties' device history
         # already holds them), so sampling never waits for the step before.
-        if num_ranks() > 1 and not is_driver():
-            # Only the driver samples; the other ranks take its tokens (they feed the next step's inputs).
-            tokens = broadcast_tensor(torch.empty(len(request_ids), dtype=torch.int64, device=self.device))
-            out = SamplerOutput(tokens, None, None, None)
+        if not is_driver():  # only the driver samples; the others take its tokens (their next inputs)
+            out = SamplerOutput(self.link.driver_tokens(len(request_ids)), None, None, None)
         else:
             assert logits is not None
             batch = self.sampling.batch(request_ids)
             out = self.sampler(logits, batch, self._token_bitmask(request_ids, states))
             self.sampling.update(out.sampled_token_ids)
-            if num_ranks() > 1:
-                broadcast_tensor(out.sampled_token_ids)
+            self.link.share_tokens(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row

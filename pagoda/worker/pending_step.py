@@ -1,6 +1,9 @@
-"""A launched step's sampled tokens, read when the caller needs them (`PendingStep.result`)."""
+"""A launched step's sampled tokens, read when the caller needs them (`PendingStep.result`); a step whose
+sampling itself waits until then (`DeferredStep`, pipeline micro-batches: `worker/pipeline_link.py`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -70,4 +73,25 @@ class PendingStep:
         return result
 
 
+class DeferredStep:
+    """A launched step whose sampling waits for `result()` (the micro-batch path). `read` runs the sampling
+    (the driver's tensor-parallel runner replaces it: it posts `finish_step` to the ranks first, and a rank
+    lost meanwhile is named by its watch)."""
+
+    def __init__(self, sample: Callable[[], PendingStep]):
+        self._sample = sample
+        self._step: PendingStep | None = None
+        self.read: Callable[[Callable[[], PendingStep]], PendingStep] = lambda sample: sample()
+
+    @property
+    def done(self) -> bool:
+        return self._step is not None and self._step.done
+
+    def result(self) -> StepOutput:
+        if self._step is None:
+            self._step = self.read(self._sample)
+        return self._step.result()
+
+
+LaunchedStep = PendingStep | DeferredStep  # what `ModelRunner.launch` returns
 NO_TOKENS = StepOutput({})  # a step that samples nothing

@@ -1,11 +1,12 @@
 """A tensor-parallel rank other than the driver: its own shard of the model, driven by rank 0's calls.
 
-The driver (rank 0, in the engine core) broadcasts every call it makes on its own `ModelRunner` — each
+The driver (rank 0, in the engine core) posts every call it makes on its own `ModelRunner` — each
 step's `launch(SchedulerOutput)` and the startup calls (profile, KV cache, graphs) — as one pickled
 `(method, args)` over the gloo group; each rank makes the same call on its shard, in the same order, so
-the collectives inside line up. Only the driver samples: a rank gets each step's tokens by the broadcast
+the collectives inside line up. Only the driver samples: a rank gets each step's tokens from the driver
 inside `ModelRunner._sample`, and appends them to its request states one launch later (as the driver
-does with async scheduling), so its host work for step N+1 never waits for step N's GPU work.
+does with async scheduling), so its host work for step N+1 never waits for step N's GPU work. With
+pipeline micro-batches a step's tokens come at the driver's later `finish_step` call instead.
 
 Two ways to run one: `run_rank_process` (a local process the engine core spawns: the `mp` backend) and
 `RankActor` (a Ray actor, possibly on another machine: the `ray` backend).
@@ -25,7 +26,7 @@ import torch
 from pagoda import envs
 from pagoda.child_process import die_with_parent
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from pagoda.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, receive_from_driver
 from pagoda.models.source import resolve_model_source
 from pagoda.worker.model_runner import ModelRunner
 
@@ -63,7 +64,7 @@ def serve_driver(runner: ModelRunner) -> None:
     """Make every call the driver makes, in its order, until it sends STOP."""
     pending = None  # the last launched step, read after the next launch (as the driver does)
     while True:
-        call = broadcast_object()
+        call = receive_from_driver()
         if call is STOP:
             break
         method, args = call
@@ -73,7 +74,8 @@ def serve_driver(runner: ModelRunner) -> None:
                 logger.debug("request %s left out (%s): %s", request_id, stage, exc)
             if pending is not None:
                 pending.result()
-            pending = result
+            # A deferred step (micro-batches) takes its tokens at the driver's `finish_step` call instead.
+            pending = None if runner.link.deferred else result
     if pending is not None:
         pending.result()
 

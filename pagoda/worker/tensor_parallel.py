@@ -1,9 +1,11 @@
 """The engine's model runner under tensor parallelism: rank 0 of N, driving the other N-1.
 
 `make_runner` gives the engine a plain `ModelRunner` at TP = 1 and a `TensorParallelRunner` above: the
-same calls, each first broadcast to the ranks (`rank_worker.serve_driver` makes it on each shard) and then
+same calls, each first posted to the ranks (`rank_worker.serve_driver` makes it on each shard) and then
 made on the driver's own shard. The scheduler and the block manager run once, in the engine; a step
-crosses to the ranks as one pickled `SchedulerOutput`; the driver alone samples and returns tokens.
+crosses to the ranks as one pickled `SchedulerOutput`; the driver alone samples and returns tokens. Under
+pipeline parallelism with several micro-batches in flight, a step's sampling waits until the engine reads it
+(`PendingStep.result`), and reading it posts `finish_step` to the ranks, which take its tokens then.
 
 Startup order: start ranks 1..N-1 (local processes or Ray actors), join the group as rank 0 (every rank
 meets at the driver's tcp:// address), then every rank builds its shard and reads its slices of the
@@ -23,10 +25,10 @@ from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.config.engine import text_field
 from pagoda.distributed.parallel_state import (
-    broadcast_object,
     destroy_tensor_parallel,
     init_tensor_parallel,
     num_ranks,
+    post_to_ranks,
     stage_layers,
 )
 from pagoda.errors import ConfigError
@@ -35,7 +37,7 @@ from pagoda.outputs import SchedulerOutput
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
 from pagoda.worker.model_runner import ModelRunner
-from pagoda.worker.pending_step import PendingStep
+from pagoda.worker.pending_step import DeferredStep, LaunchedStep
 from pagoda.worker.rank_group import LocalRanks, RankWatch, RayRanks, free_port
 from pagoda.worker.rank_worker import STOP, share_cpu_threads
 
@@ -132,20 +134,24 @@ class TensorParallelRunner:
             layers = int(text_field(config.model.hf_config, "num_hidden_layers", 0))
             logger.info("Pipeline stages (decoder layers): %s", stage_summary(layers, parallel))
 
-    def _on_all_ranks(self, method: str, *args: Any) -> Any:
-        """`method(*args)` on every rank. A rank killed meanwhile fails the collectives here: the watch then
-        ends the core with the line that names the rank (`RankWatch.fail_call`)."""
+    def _on_all_ranks(self, method: str, *args: Any, local: Callable[..., Any] | None = None) -> Any:
+        """`method(*args)` on every rank (here `local(*args)` instead, if given). A rank killed meanwhile fails
+        the collectives here: the watch then ends the core with the line that names the rank
+        (`RankWatch.fail_call`)."""
         with self.watch.calling(method):
             try:
-                broadcast_object((method, args))
-                return getattr(self.local, method)(*args)
+                post_to_ranks((method, args))
+                return (local or getattr(self.local, method))(*args)
             except Exception as exc:
                 self.watch.fail_call(method, exc)
                 raise
 
     # ---- what the engine calls (ModelRunner's surface) -----------------------------------------
-    def launch(self, so: SchedulerOutput) -> PendingStep:
-        return self._on_all_ranks("launch", so)
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        step = self._on_all_ranks("launch", so)
+        if isinstance(step, DeferredStep):  # micro-batches: the ranks take its tokens as the engine reads it
+            step.read = lambda sample: self._on_all_ranks("finish_step", local=sample)
+        return step
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
         self._on_all_ranks("initialize_kv_cache", layout)
@@ -205,7 +211,7 @@ def _stop_ranks(ranks: LocalRanks | RayRanks, watch: RankWatch) -> None:
 def _stop_group(ranks: LocalRanks | RayRanks, watch: RankWatch, threads: int) -> None:
     watch.stop()
     try:
-        broadcast_object(STOP)
+        post_to_ranks(STOP)
     except Exception:  # noqa: BLE001 - a rank already gone: stop the others by force
         logger.warning("a tensor-parallel rank did not take the stop call; ending the ranks")
     ranks.stop(timeout=10)

@@ -124,7 +124,7 @@ def test_async_abort_mid_flight(tiny_qwen2):
     for _ in range(6):
         for out in engine.step():
             seen[out.request_id] += out.outputs[0].token_ids
-    assert engine._inflight is not None  # a step is on the device right now
+    assert engine._inflight  # a step is on the device right now
     aborted = engine.abort_request(["a"])
     assert [o.request_id for o in aborted] == ["a"] and aborted[0].finished
     # "a" is still in the launched step: reusing its id now would hand it that step's token.
@@ -143,6 +143,6 @@ def test_async_abort_mid_flight(tiny_qwen2):
         .outputs[0]
         .token_ids[: len(seen["a"])]
     )
-    assert engine._inflight is None  # idle: nothing left on the device
+    assert not engine._inflight  # idle: nothing left on the device
     engine.step()
     assert not engine.runner.states and engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

@@ -44,3 +44,30 @@ def test_more_stages_than_layers_is_refused_in_one_line():
         EngineConfig.create(
             EngineArgs(model=str(FIXTURES / "yuan2-tiny"), skip_tokenizer_init=True, pipeline_parallel_size=9)
         )
+
+
+def test_micro_batches_overlap_and_one_at_a_time_gives_the_same_tokens(engines, tiny_llama, monkeypatch):
+    """On the CPU two stages keep two micro-batches in flight: a step is launched while the other is unread,
+    never with a request that step owes a token; with PAGODA_PP_MICRO_BATCHES=0 the stages take turns (no
+    step launched beside an unread one) and the tokens are the same."""
+    prompts = [[(5 * i + 2 * j) % 400 + 3 for j in range(4 + 3 * i)] for i in range(6)]
+    results, overlaps = [], []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PAGODA_PP_MICRO_BATCHES", switch)
+        split = engines(tiny_llama, block_size=4, max_model_len=256, pipeline_parallel_size=2)
+        engine, launch = split.engine, split.engine.runner.launch
+        assert engine.config.scheduler.micro_batches == (2 if switch == "1" else 1)
+        beside: list[int] = []
+
+        def spy(so, engine=engine, launch=launch, beside=beside):
+            owed = {rid for unread, _ in engine._inflight for rid in unread.sampling_request_ids}
+            assert not owed & set(so.num_scheduled_tokens), "a step holds a request an unread step owes"
+            beside.append(len(engine._inflight))
+            return launch(so)
+
+        monkeypatch.setattr(engine.runner, "launch", spy)
+        results.append(split.run(prompts, max_tokens=10))
+        overlaps.append(max(beside))
+        engine.shutdown()  # one parallel group per process
+    assert overlaps == [1, 0]
+    assert results[0] == results[1]
