@@ -1,0 +1,17 @@
+"""Speculative decoding: propose several next tokens cheaply, verify them in one forward pass of the model.
+
+Pieces, each usable and tested on its own:
+- `config.py`: `SpeculativeConfig`, parsed from vLLM's `--speculative-config` JSON (same keys), refusing the
+  methods and keys not implemented in one line naming what is.
+- `ngram.py`: prompt lookup — the longest suffix of a request's tokens (prompt + output) seen earlier in
+  them proposes the tokens that followed it there. No model, no state beyond the tokens.
+- `rejection.py`: verification. Greedy rows keep the proposals up to the first that differs from the
+  model's argmax, then the model's token; sampled rows use the standard rejection scheme (accept a proposal
+  x with probability min(1, p(x) / q(x)), else draw from the normalised max(p - q, 0)), so the output
+  distribution is exactly the model's. Proposers without a distribution (n-gram, suffix) count as q = one-hot.
+
+Where the rest plugs in: a draft model or an EAGLE/MTP head is another proposer with the n-gram proposer's
+surface (`propose(tokens) -> list[int]`, plus its draft probabilities), run by the worker after a step's
+sampling on the hidden states it already holds; the scheduler schedules 1 + k tokens for a row with k
+proposals and the runner verifies them with `rejection.py`.
+"""

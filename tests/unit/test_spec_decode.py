@@ -1,0 +1,151 @@
+"""Speculative decoding's pieces against naive references: the n-gram proposer against a brute-force search,
+greedy verification against a per-row loop, rejection sampling against the target distribution itself
+(statistically, on a tiny vocabulary), and `--speculative-config` parsing by its messages."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.errors import ConfigError
+from pagoda.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.spec_decode.rejection import rejection_sample, verify_greedy
+
+
+# ---- n-gram proposals ----------------------------------------------------------------------------
+def naive_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ngram_matches_the_brute_force_search(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5, 50])
+    min_n = rng.randrange(1, 4)
+    max_n = rng.randrange(min_n, 6)
+    proposer = NgramProposer(rng.randrange(1, 8), min_n, max_n)
+    for _ in range(30):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        k = rng.randrange(0, 9)
+        assert proposer.propose(tokens, k) == naive_propose(tokens, k, min_n, max_n), tokens
+
+
+def test_ngram_copies_the_span_that_follows_the_longest_match():
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 0, 9, 1, 2, 3, 4]
+    # [1, 2, 3, 4] (n=4) occurs at 0, followed by 5 6 7; [2, 3, 4] alone would pick the later 0 9 1.
+    assert NgramProposer(3, 1, 4).propose(context) == [5, 6, 7]
+    assert NgramProposer(3, 1, 3).propose(context) == [0, 9, 1]
+    assert NgramProposer(3, 5, 6).propose(context) == []  # no 5-gram repeats
+    assert NgramProposer(4, 1, 2).propose([7]) == []  # nothing before the suffix
+
+
+# ---- greedy verification -------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_verify_greedy_keeps_the_prefix_that_matches_then_the_models_token(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, k, vocab = 64, 4, 3
+    target = torch.randint(vocab, (rows, k + 1), generator=g)
+    drafts = torch.randint(vocab, (rows, k), generator=g)
+    num = torch.randint(0, k + 1, (rows,), generator=g)
+    tokens, count = verify_greedy(target, drafts, num)
+    for r in range(rows):
+        want = []
+        for j in range(num[r]):
+            if drafts[r, j] != target[r, j]:
+                break
+            want.append(int(drafts[r, j]))
+        want.append(int(target[r, len(want)]))
+        assert count[r] == len(want) and tokens[r, : len(want)].tolist() == want
+        assert (tokens[r, len(want) :] == -1).all()
+
+
+# ---- rejection sampling --------------------------------------------------------------------------
+def _close_to(samples: torch.Tensor, p: torch.Tensor) -> None:
+    """The empirical distribution of `samples` equals p within 5 standard errors in every bin."""
+    n = len(samples)
+    assert n > 2000
+    counts = torch.bincount(samples, minlength=len(p)).double() / n
+    sigma = torch.sqrt(p * (1 - p) / n).clamp_min(1 / n)
+    assert ((counts - p).abs() <= 5 * sigma + 1e-9).all(), (counts, p)
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True], ids=["one-hot q", "draft model q"])
+def test_rejection_sampling_gives_the_target_distribution_at_every_position(with_draft_probs):
+    """Per position j the target p_j does not depend on earlier tokens here, so the j-th output token of
+    every row that reaches it must be distributed as p_j, whatever was proposed."""
+    g = torch.Generator().manual_seed(3)
+    rows, k, vocab = 200_000, 3, 5
+    p = torch.distributions.Dirichlet(torch.ones(vocab)).sample((k + 1,)).double()
+    target = p.expand(rows, k + 1, vocab)
+    if with_draft_probs:
+        q = torch.distributions.Dirichlet(torch.ones(vocab)).sample((k,)).double()
+        drafts = torch.stack([torch.multinomial(q[j], rows, replacement=True, generator=g) for j in range(k)], 1)
+        draft_probs = q.expand(rows, k, vocab)
+    else:
+        drafts = p[:k].argmax(dim=1).expand(rows, k).contiguous()  # a fixed guess, as n-grams make
+        draft_probs = None
+    tokens, count = rejection_sample(target, drafts, torch.full((rows,), k), draft_probs, generator=g)
+    assert ((count >= 1) & (count <= k + 1)).all()
+    for j in range(k + 1):
+        reached = count > j
+        _close_to(tokens[reached, j], p[j])
+    if not with_draft_probs:  # the first proposal survives with probability p_0(proposal)
+        accepted = (count > 1).double().mean()
+        assert math.isclose(accepted, p[0, drafts[0, 0]], abs_tol=5 * math.sqrt(0.25 / rows))
+
+
+def test_rejection_sampling_respects_each_rows_number_of_proposals():
+    g = torch.Generator().manual_seed(0)
+    rows, k, vocab = 50_000, 2, 4
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    target = p.expand(rows, k + 1, vocab)
+    drafts = torch.full((rows, k), 3)
+    num = torch.tensor([0, 1, 2]).repeat(rows // 3 + 1)[:rows]
+    tokens, count = rejection_sample(target, drafts, num, generator=g)
+    assert (count <= num + 1).all()
+    _close_to(tokens[num == 0, 0], p)  # no proposal: one plain sample
+    no_draft = rejection_sample(target[:, :1], drafts[:, :0], torch.zeros(rows, dtype=torch.int64), generator=g)
+    _close_to(no_draft[0][:, 0], p)
+
+
+# ---- the config ----------------------------------------------------------------------------------
+def test_config_parses_vllms_json_and_refuses_what_is_not_built():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert cfg == SpeculativeConfig("ngram", 4, 1, 3, None)
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 7}) == (
+        SpeculativeConfig("ngram", 2, 7, 7, None)
+    )
+    assert parse_speculative_config(None) is None
+    refusals = {
+        "{bad": "not valid JSON",
+        "[1]": "must be a JSON object",
+        '{"num_speculative_tokens": 3}': 'needs "method"',
+        '{"method": "eagle", "num_speculative_tokens": 3}': "vLLM's method 'eagle' is not supported; supported: ngram",
+        '{"method": "magic", "num_speculative_tokens": 3}': "method 'magic' is not supported",
+        '{"method": "ngram"}': 'needs "num_speculative_tokens"',
+        '{"method": "ngram", "num_speculative_tokens": 0}': "num_speculative_tokens must be a positive integer",
+        '{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}': "keys not supported",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}': "<=",
+    }
+    for text, message in refusals.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            parse_speculative_config(text)
+
+
+def test_ngram_on_a_long_context_is_fast_enough_to_run_every_step():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32000, 32768).tolist()
+    tokens += tokens[1000:1006]  # the end repeats a span from the start
+    assert NgramProposer(4, 1, 5).propose(tokens) == tokens[1006:1010]
