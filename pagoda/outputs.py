@@ -51,6 +51,9 @@ class SchedulerOutput:
     # prompt + outputs, pending ones included): they sample a token this step; the others are in the
     # middle of a chunked prefill. Decided by the scheduler only; the runner samples exactly these.
     sampling_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request id → the proposals scheduled after its last known token (the row's
+    # last len(proposals) tokens); the runner verifies them and returns how many held.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -75,6 +78,8 @@ class StepOutput:
     # a request in the middle of a chunked prefill samples nothing.
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+    # Speculative rows: the proposals that held, in order; the sampled token follows them.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,3 +143,9 @@ class EngineStats:
     # Tokens scheduled in each step since the previous snapshot (the core takes one per loop pass, and a
     # pass that steps changes `num_steps`, so every API process receives each step's count once).
     step_tokens: tuple[int, ...] = ()
+    # Speculative decoding totals (vLLM's spec_decode metrics): rows that carried proposals, proposals,
+    # the ones accepted, and accepted ones by position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -81,6 +81,13 @@ class Request:
     # share no prefix-cache blocks.
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the priority scheduling policy
+    # Speculative decoding: tokens proposed to follow the known ones, verified by the next step (none: the
+    # step decodes one token). Set after each step's update (`engine/speculation.py`).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_window: int = 0  # how many to propose next (0: the configured number); `engine/speculation.py`
+    # Tokens the last update appended (1, or up to 1 + the proposals a step verified): the output path
+    # reads them.
+    num_new_tokens: int = 1
 
     @property
     def priority_key(self) -> tuple[int, float]:

@@ -29,7 +29,6 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "--enable-lora? --lora-modules+ --max-loras --max-lora-rank --lora-extra-vocab-size --lora-dtype "
         "--max-cpu-loras --fully-sharded-loras? --default-mm-loras",
     ),
-    ("speculative decoding is not supported yet", "--speculative-config"),
     (
         "data parallelism is not supported: run one server per replica behind `pagoda router`",
         "--data-parallel-size -dp =1 --data-parallel-rank -dpn --data-parallel-start-rank -dpr "

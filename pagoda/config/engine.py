@@ -17,6 +17,8 @@ from pagoda.config.knobs import knob
 from pagoda.config.parallel import ParallelConfig, pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
+from pagoda.models.families import family_of
+from pagoda.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -121,6 +123,11 @@ class EngineArgs:
         "a graph of up to this many tokens; larger steps run eagerly, and fewer graphs are captured at startup "
         "(default: decode steps up to --max-num-seqs, mixed steps up to 2048 tokens)",
     )
+    speculative_config: str | dict | None = knob(
+        None,
+        'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
+        "also prompt_lookup_min/max, disable_by_batch_size); greedy outputs stay token for token the same",
+    )
     async_scheduling: bool | None = knob(
         None,
         "schedule and launch the next step while the GPU runs the current one (default: on with CUDA, off on the "
@@ -196,6 +203,8 @@ class SchedulerConfig:
     # its not-yet-seen token as pending, and the runner feeds it from the GPU (see llm_engine.step).
     async_scheduling: bool
     scheduling_policy: str  # "fcfs" | "priority"
+    # Speculative decoding (`pagoda/spec_decode/`): proposals per request per step, verified by the model.
+    speculative: SpeculativeConfig | None = None
     # Steps in flight through the pipeline stages at once, each over requests no other in-flight step
     # holds (`Scheduler`, `worker/pipeline_link.py`): pipeline_parallel_size on the CPU, else 1.
     micro_batches: int = 1
@@ -286,6 +295,7 @@ class EngineConfig:
         dtype = _resolve_dtype(a.dtype, hf_config, device)
 
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
+        speculative = resolve_speculative(a, hf_config)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
 
         return cls(
@@ -312,8 +322,11 @@ class EngineConfig:
                 a,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
-                async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
+                async_scheduling=(device == "cuda" and speculative is None)
+                if a.async_scheduling is None
+                else a.async_scheduling,
                 micro_batches=resolve_micro_batches(a.pipeline_parallel_size, device),
+                speculative=speculative,
             ),
             device=_device_config(
                 device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size, a.cpu_offload_gb
@@ -329,6 +342,24 @@ class EngineConfig:
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A new config with some cache fields changed (the original stays frozen)."""
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
+
+
+def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any]) -> SpeculativeConfig | None:
+    """The parsed --speculative-config, refused in one line where this version cannot verify proposals."""
+    spec = parse_speculative_config(a.speculative_config)
+    if spec is None:
+        return None
+    problem = None
+    if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
+        problem = "with tensor or pipeline parallelism"
+    elif a.async_scheduling:
+        problem = "with --async-scheduling (a step's proposals depend on the tokens of the step before)"
+    elif family_of(hf_config).sequence_state:
+        name = family_of(hf_config).name
+        problem = f"for {name} (its per-sequence state would need rolling back over rejected proposals)"
+    if problem:
+        raise ConfigError(f"--speculative-config is not supported {problem} yet.", "speculative_config")
+    return spec
 
 
 # The resolvers of the knobs whose value needs no hardware: `EngineConfig.create` and `pagoda plan` share them.

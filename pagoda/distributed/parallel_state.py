@@ -154,6 +154,7 @@ class _Outbox:
         # graph runner's static buffers): it sends a copy.
         tensor = tensor.contiguous() if tensor.is_cuda else tensor.clone(memory_format=torch.contiguous_format)
         work = dist.isend(tensor, peer, group=group, tag=tag)
+        assert work is not None  # None only for a rank outside the group; every sender is in its group
         if tensor.is_cuda:
             # NCCL: the current stream waits for the send (the host does not), so a kernel queued after it
             # cannot overwrite the tensor (a graph's static buffers) before the send has read it.

@@ -26,6 +26,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.speculation import Speculator
 from pagoda.engine.validation import check_priority, validate_request
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
@@ -77,6 +78,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
+        speculative = config.scheduler.speculative
+        self.speculator = Speculator(speculative, config.device.device) if speculative is not None else None
         # Launched, not yet read, oldest first; a step is read once this many are unread after a launch.
         self._inflight: collections.deque[tuple[SchedulerOutput, LaunchedStep]] = collections.deque()
         scheduler = config.scheduler
@@ -338,6 +341,7 @@ class LLMEngine:
             mm_cache_queries=encoder_cache.hits + encoder_cache.misses,
             mm_cache_hits=encoder_cache.hits,
             step_tokens=step_tokens,
+            **(self.speculator.stats_fields() if self.speculator is not None else {}),
         )
 
     def shutdown(self) -> None:
@@ -385,6 +389,9 @@ class LLMEngine:
         self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
         outputs = self.output_processor.process(updated, step_output.logprobs, self._finish)
+        if self.speculator is not None:  # the next step's proposals, from the tokens known now
+            self.speculator.record(scheduler_output, step_output, self.scheduler.requests)
+            self.speculator.propose(self.scheduler.running)
         if self.scheduler.failures:
             outputs += self._fail_all(self.scheduler.take_failures())
         if self.output_processor.failures:

@@ -113,9 +113,12 @@ class OutputProcessor:
                     lp = logprobs.get(request.request_id)
                     if lp is not None:
                         self._append_logprobs(sample, token, lp)
+                n = request.num_new_tokens  # 1 but after verified speculative proposals
+                if n != 1:
+                    request.num_new_tokens = 1
                 detok = sample.detokenizer
                 if detok is not None:
-                    stop = detok.update_one(token)
+                    stop = detok.update_one(token) if n == 1 else _update_tokens(detok, request, n)
                     if stop is not None:
                         if request.status.is_finished:  # e.g. hit max_tokens on the same token
                             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
@@ -337,3 +340,16 @@ class OutputProcessor:
             parent.num_cached_tokens,
             parent.queue_time if done else None,
         )
+
+
+def _update_tokens(detok: Any, request: Request, n: int) -> str | None:
+    """The last `n` tokens of the request, appended in one step (verified proposals), fed one by one; on a
+    stop string the tokens after the one that completed it are dropped from the request."""
+    output = request.output_token_ids
+    first = len(output) - n
+    for i, token in enumerate(output[first:]):
+        stop = detok.update_one(token)
+        if stop is not None:
+            del output[first + i + 1 :]
+            return stop
+    return None

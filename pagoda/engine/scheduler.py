@@ -22,6 +22,12 @@ prefill chunk owes no token, so the next chunk may follow in the next micro-batc
 steps in launch order, so its KV cache holds the chunk before. A preempted request still owed a token is
 not admitted again until that token is read.
 
+Speculative decoding: a decoding request with proposals (`Request.spec_token_ids`) computes its last known
+token and up to k proposals after it in one step (each verified by the model's output at the position
+before it), as far as the budget, max_tokens and max_model_len leave room. `update` takes the proposals
+that held and the sampled token, and moves `num_computed_tokens` back over the ones that did not (their
+KV slots are written over later).
+
 Multimodal prompts: a step that schedules any of an image's placeholder tokens runs the vision encoder
 on the whole image (its output is cached for the chunks after). With `max_encoder_tokens_per_step`
 set, the images a step starts are bounded too: a chunk stops before the first image whose placeholder
@@ -103,6 +109,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         encoder = _EncoderBudget(self.config.max_encoder_tokens_per_step)
         num_scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}  # proposals scheduled this step
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         sampling: set[str] = set()  # requests that sample this step
@@ -132,6 +139,12 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            proposals = request.spec_token_ids
+            if proposals and num_new == 1:
+                room = min(len(proposals), budget - 1, request.max_tokens - num_output - 1, max_model_len - total - 1)
+                if room > 0:
+                    spec[request.request_id] = proposals[:room]
+                    num_new += room
             if request.mm_inputs is not None and encoder.limited and computed < num_prompt:
                 num_new = encoder.fit(request, computed, num_new, fresh=False)
                 if num_new == 0:
@@ -155,7 +168,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             cached_requests.append(CachedRequestData(request.request_id, new_block_ids, False, computed))
             request.num_computed_tokens = computed + num_new
-            if computed + num_new == total:
+            if computed + num_new >= total:  # (past it by the proposals, if any)
                 request.num_pending += 1  # this step samples its next token
                 sampling.add(request.request_id)
             budget -= num_new
@@ -214,7 +227,7 @@ class Scheduler:
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1
         return SchedulerOutput(
-            new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling
+            new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling, spec
         )
 
     def _note_chunk(self, request: Request, num_new: int) -> None:
@@ -239,6 +252,7 @@ class Scheduler:
         scheduling the next step may be scheduled (and a request preempted) before this runs."""
         updated = []
         requests, sampled = self.requests, step_output.sampled_token_ids
+        proposed, held = scheduler_output.spec_token_ids, step_output.accepted_token_ids
         block_manager = self.block_manager
         caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
@@ -249,6 +263,18 @@ class Scheduler:
             token = sampled.get(request_id)
             if token is not None:
                 request.num_pending -= 1
+                if request_id in proposed:
+                    accepted = held.get(request_id, [])
+                    request.num_computed_tokens -= len(proposed[request_id]) - len(accepted)
+                    if accepted:
+                        try:
+                            token = self._append_accepted(request, accepted, token)
+                        except Exception as exc:  # noqa: BLE001 - this request fails, the step goes on
+                            self.failures.append((request_id, "checking its stop conditions", exc))
+                            continue
+                        if token is None:  # it stopped on one of them
+                            updated.append(request)
+                            continue
                 request.output_token_ids.append(token)
             # A block is full once its tokens are computed and known (a pending token is not).
             if (
@@ -278,6 +304,20 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(request_id, status)
         return updated
+
+    def _append_accepted(self, request: Request, accepted: list[int], token: int) -> int | None:
+        """Append the proposals that held, stopping at the first one that ends the request (the rest are
+        dropped). Returns the sampled token still to append, or None when the request stopped. Sets
+        `num_new_tokens`, which the output path reads and sets back to 1."""
+        request.num_new_tokens = len(accepted) + 1
+        for i, t in enumerate(accepted):
+            request.output_token_ids.append(t)
+            status = self._check_stop(request, t)
+            if status is not None:
+                request.num_new_tokens = i + 1
+                self.finish_request(request.request_id, status)
+                return None
+        return token
 
     def take_failures(self) -> list[tuple[str, str, Exception]]:
         """(request id, stage, exception) of the requests whose stop check raised since the last

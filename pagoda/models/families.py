@@ -51,6 +51,9 @@ class ModelFamily:
     own_tokenizer: bool = False
     # (size, phrase with {} for it) of the MLP dimension the tensor-parallel ranks split.
     mlp_split: Callable[[dict[str, Any]], tuple[Any, str]] = _plain_mlp
+    # Layers carry a state per sequence from token to token (Yuan2's LF convolution): a step cannot take
+    # back tokens it computed (speculative proposals that fail) without restoring that state.
+    sequence_state: bool = False
 
 
 YUAN2 = ModelFamily(
@@ -60,6 +63,7 @@ YUAN2 = ModelFamily(
     special_token_ids={"<eod>": 77185, "<sep>": 77187},
     own_tokenizer=True,
     mlp_split=_yuan_mlp,
+    sequence_state=True,
 )
 QWEN = ModelFamily(
     "Qwen",

@@ -144,6 +144,9 @@ def _engine_totals(stats) -> tuple[float, ...]:
         stats.cpu_seconds,
         stats.mm_cache_queries,
         stats.mm_cache_hits,
+        stats.spec_num_drafts,
+        stats.spec_num_draft_tokens,
+        stats.spec_num_accepted_tokens,
     )
 
 
@@ -204,6 +207,12 @@ class ServerMetrics:
             "mm_cache_queries", "Images and videos looked up in the encoder cache (once per step that needs one)"
         ).labels(*ours)
         self.mm_hits = counter("mm_cache_hits", "Images and videos found in the encoder cache").labels(*ours)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative rows verified (rows with proposals)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative proposals verified")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative proposals accepted")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Speculative proposals accepted, by position", ["position"]
+        )
         # Pagoda's own (no vLLM name): where the engine core's time goes, to tell a host-bound core
         # from a GPU-bound one under load (`pagoda bench` reports them per point, per step).
         self.engine_steps = counter("engine_steps", "Engine steps run").labels(*ours)
@@ -261,8 +270,12 @@ class ServerMetrics:
             self.engine_cpu,
             self.mm_queries,
             self.mm_hits,
+            self.spec_drafts.labels(*ours),
+            self.spec_draft_tokens.labels(*ours),
+            self.spec_accepted.labels(*ours),
         )
         self._last: tuple[float, ...] = (0,) * len(self._total_counters)
+        self._last_per_pos: tuple[int, ...] = ()
         self._deferred = 0  # the core's last count of requests waiting for their grammar
         self._cache_info: Gauge | None = None
 
@@ -313,6 +326,12 @@ class ServerMetrics:
             if total > last:
                 counter.inc(total - last)
         self._last = totals
+        per_pos, last_pos = stats.spec_accepted_per_pos, self._last_per_pos
+        for position, total in enumerate(per_pos):
+            before = last_pos[position] if position < len(last_pos) else 0
+            if total > before:
+                self.spec_accepted_per_pos.labels(self.model_name, ENGINE_INDEX, str(position)).inc(total - before)
+        self._last_per_pos = per_pos
 
     def on_request_finished(
         self,

@@ -210,7 +210,8 @@ class GraphRunner:
         self._pad_all()
 
     def can_run(self, inputs: StepInputs) -> bool:
-        return self.bucket_for(inputs) is not None
+        """A graph fits (and the step needs only each row's last logits: not a speculative step)."""
+        return inputs.spec is None and self.bucket_for(inputs) is not None
 
     def bucket_for(self, inputs: StepInputs) -> tuple[str, int] | None:
         return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)

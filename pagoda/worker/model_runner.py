@@ -35,6 +35,7 @@ from pagoda.layers.triton_attention import TritonAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
 from pagoda.outputs import SchedulerOutput, StepOutput
+from pagoda.worker import spec_rows
 from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.graph_runner import GraphRunner, GraphSpec
 from pagoda.worker.kv_cache import allocate_kv_caches, log_fp8_scales, zero_blocks
@@ -238,7 +239,7 @@ class ModelRunner:
                 request_ids, states = [request_ids[i] for i in rows], [states[i] for i in rows]
             if self.link.deferred:  # micro-batches: sample when the step is read (`worker/pipeline_link.py`)
                 return self.link.defer(functools.partial(self._sample, request_ids, states), logits, len(request_ids))
-            return self._sample(request_ids, states, logits)
+            return self._sample(request_ids, states, logits, inputs.spec)
 
     def _prepare(self, so: SchedulerOutput) -> tuple[list[str], list[RunnerRequestState], StepInputs] | None:
         """Apply the scheduler's diff; the step's rows, their states and its inputs (None: no rows)."""
@@ -253,14 +254,11 @@ class ModelRunner:
             return None
         request_ids = list(scheduled)
         states = [self.states[rid] for rid in request_ids]
-        inputs = self.inputs.build(
-            request_ids, states, list(scheduled.values()), so.sampling_request_ids, self._last_sampled
-        )
+        inputs = spec_rows.build_inputs(self.inputs, scheduled, states, so, self._last_sampled)
         return request_ids, states, inputs
 
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
-        """Logits [S, V] of the rows that sample (None when none does, or on a pipeline stage that
-        neither computes nor samples them)."""
+        """Logits [S (+ proposals), V] of the rows that sample (None: no row, or a stage that does not sample)."""
         graphed = self.graphs is not None and self.graphs.can_run(inputs)
         # A graph gives every row's last-token logits; an eager step the hidden states; before the last
         # pipeline stage either sends its activations on (None here).
@@ -273,8 +271,7 @@ class ModelRunner:
             every_row = len(inputs.sample_rows) == inputs.num_rows
             logits = out if every_row else out[to_device(inputs.sample_rows, out.device)]
         else:
-            last_token = to_device(inputs.query_start_loc[1:][inputs.sample_rows] - 1, self.device)
-            logits = self.model.compute_logits(out[last_token])
+            logits = self.model.compute_logits(out[to_device(spec_rows.logits_positions(inputs), self.device)])
         self.link.logits_for_driver(logits)
         return logits
 
@@ -318,24 +315,26 @@ class ModelRunner:
         return self.model(ids, torch.from_numpy(inputs.positions).to(dev), attn)
 
     def _sample(
-        self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor | None
+        self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor | None, spec=None
     ) -> PendingStep:
-        """Sample the rows that sample (logits [S, V]); queue their tokens' copy to the host."""
-        # The batch counts tokens still in flight too (min_tokens; the penalties' device history
-        # already holds them), so sampling never waits for the step before.
+        """Sample the rows that sample (logits [S, V]; more with proposals); queue their tokens' copy to the host.
+        The batch counts tokens in flight too (min_tokens, penalties), so sampling never waits for the last step."""
         if not is_driver():  # only the driver samples; the others take its tokens (their next inputs)
-            out = SamplerOutput(self.link.driver_tokens(len(request_ids)), None, None, None)
+            out, verified = SamplerOutput(self.link.driver_tokens(len(request_ids)), None, None, None), None
         else:
             assert logits is not None
-            batch = self.sampling.batch(request_ids)
-            out = self.sampler(logits, batch, self._token_bitmask(request_ids, states))
+            masks = self._token_bitmask(request_ids, states)
+            if spec is None:
+                out, verified = self.sampler(logits, self.sampling.batch(request_ids), masks), None
+            else:  # proposal rows are verified (`worker/spec_rows.py`)
+                out, verified = spec_rows.sample(self.sampler, self.sampling, logits, request_ids, spec, masks)
             self.sampling.update(out.sampled_token_ids)
             self.link.share_tokens(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row
         self._last_sampled = out.sampled_token_ids
-        self._last_step = PendingStep(request_ids, states, out)
+        self._last_step = PendingStep(request_ids, states, out, verified=verified)
         return self._last_step
 
     def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequestState]) -> Any:

@@ -17,11 +17,18 @@ class PendingStep:
     step queued behind it — then appends the tokens to the request states, once."""
 
     def __init__(
-        self, request_ids: list[str], states: list[RunnerRequestState], out=None, done: StepOutput | None = None
+        self,
+        request_ids: list[str],
+        states: list[RunnerRequestState],
+        out=None,
+        done: StepOutput | None = None,
+        verified=None,
     ):
+        """verified: a speculative step's `worker.spec_rows.Verified` (its rows' proposals that held)."""
         self.request_ids, self.states = request_ids, states
         self._output = done
         self._event = None
+        self._proposals = None if verified is None else verified.num_proposals
         if out is None:
             return
         cuda = out.sampled_token_ids.is_cuda
@@ -31,6 +38,8 @@ class PendingStep:
             out.top_logprobs,
             out.top_token_ids,
             out.chosen_logprobs,
+            None if verified is None else verified.tokens,
+            None if verified is None else verified.counts,
         )
         # non_blocking device→host copies land in pinned memory; plain CPU tensors pass through.
         self._host = [t.to("cpu", non_blocking=True) if t is not None and cuda else t for t in tensors]
@@ -47,7 +56,7 @@ class PendingStep:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        tokens, sampled_lp, top_lp, top_ids, chosen_lp = self._host
+        tokens, sampled_lp, top_lp, top_ids, chosen_lp, verified, counts = self._host
         sampled = tokens.tolist()
         result = StepOutput(dict(zip(self.request_ids, sampled)))
         if sampled_lp is not None:
@@ -65,12 +74,26 @@ class PendingStep:
                 else:
                     top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
                 result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
+        if self._proposals is not None:
+            self._take_verified(result, verified.tolist(), counts.tolist())
         for s, token in zip(self.states, sampled):
             s.token_ids.append(token)
             s.output_token_ids.append(token)
             s.num_pending -= 1
         self._output = result
         return result
+
+    def _take_verified(self, result: StepOutput, tokens: list[list[int]], counts: list[int]) -> None:
+        """Rows whose proposals held: those tokens go before the row's own. (The computed count moves back over
+        the rest with the scheduler's, which the next step's diff carries.)"""
+        assert self._proposals is not None
+        for row, (rid, s) in enumerate(zip(self.request_ids, self.states)):
+            accepted = counts[row] - 1
+            if accepted > 0:
+                held = tokens[row][:accepted]
+                s.token_ids.extend(held)
+                s.output_token_ids.extend(held)
+                result.accepted_token_ids[rid] = held
 
 
 class DeferredStep:

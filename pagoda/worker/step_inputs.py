@@ -22,6 +22,14 @@ from pagoda.worker.request_states import RunnerRequestState
 
 
 @dataclass
+class SpecRows:
+    """The proposals of a step's sampling rows, in sample-row order."""
+
+    counts: np.ndarray  # [S] proposals per sampling row (0: an ordinary row)
+    proposals: list[list[int]]  # [S] the proposals themselves
+
+
+@dataclass
 class StepInputs:
     """One step of B rows and T tokens, host side."""
 
@@ -37,6 +45,7 @@ class StepInputs:
     # (flat token index, token id) device tensors for tokens the host has not seen yet.
     late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     needs_encoder: bool = False  # a row's scheduled range covers part of an image or video
+    spec: SpecRows | None = None  # speculative proposals of the sampling rows (`worker/spec_rows.py`)
 
     @property
     def num_rows(self) -> int:

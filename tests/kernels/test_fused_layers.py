@@ -163,10 +163,10 @@ def test_yuan_goldens_through_the_fused_kernels(kernels_everywhere, monkeypatch,
         runner, captured = engine.runner, {}
         sample = runner._sample
 
-        def capture(request_ids, states, logits, sample=sample, captured=captured):
+        def capture(request_ids, states, logits, spec=None, sample=sample, captured=captured):
             for rid, row in zip(request_ids, logits):
                 captured.setdefault(rid, []).append(row.detach().float().cpu())
-            return sample(request_ids, states, logits)
+            return sample(request_ids, states, logits, spec)
 
         runner._sample = capture
         cases = golden["cases"][:3]
@@ -221,7 +221,9 @@ def test_bf16_qwen2_through_the_fused_kernels(tiny_qwen2, monkeypatch):
     monkeypatch.setattr(
         runner,
         "_sample",
-        lambda ids, states, logits: captured.append(logits.float().cpu()) or sample(ids, states, logits),
+        lambda ids, states, logits, spec=None: (
+            captured.append(logits.float().cpu()) or sample(ids, states, logits, spec)
+        ),
     )
     prompts = [{"prompt_token_ids": [5, 17, 301, 44, 9, 260, 88, 13, 402]}, {"prompt_token_ids": [400, 12, 97]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -43,7 +43,9 @@ def test_prefill_and_greedy_decode_match_transformers(kind, request):
     captured: list[torch.Tensor] = []
     runner = llm.engine.runner
     sample = runner._sample
-    runner._sample = lambda ids, states, logits: captured.append(logits.detach().clone()) or sample(ids, states, logits)
+    runner._sample = lambda ids, states, logits, spec=None: (
+        captured.append(logits.detach().clone()) or sample(ids, states, logits, spec)
+    )
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     runner._sample = sample

@@ -103,10 +103,10 @@ class Engine:
         runner = getattr(self.engine.runner, "local", self.engine.runner)  # the driver's, when parallel
         sample = runner._sample
 
-        def capture(request_ids, states, logits):
+        def capture(request_ids, states, logits, spec=None):
             for rid, row in zip(request_ids, logits):
                 self.first_logits.setdefault(rid, row.detach().float().cpu())
-            return sample(request_ids, states, logits)
+            return sample(request_ids, states, logits, spec)
 
         runner._sample = capture
 

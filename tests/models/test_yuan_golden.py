@@ -41,10 +41,11 @@ class CapturingEngine:
         runner = getattr(self.engine.runner, "local", self.engine.runner)  # rank 0's, under tensor parallelism
         sample = runner._sample
 
-        def capture(request_ids, states, logits):
+        def capture(request_ids, states, logits, spec=None):
+            assert spec is None, "a step with speculative proposals has more logits rows than requests"
             for rid, row in zip(request_ids, logits):
                 self.logits.setdefault(rid, []).append(row.detach().float().cpu())
-            return sample(request_ids, states, logits)
+            return sample(request_ids, states, logits, spec)
 
         runner._sample = capture
 

@@ -32,12 +32,13 @@ M = (("engine", "0"), ("model_name", "m"))  # every engine metric's labels, as v
 
 def feed(metrics: ServerMetrics) -> None:
     """One core report (3 running, 2 waiting of which 1 for its grammar; a 12-token step; 5 encoder-cache
-    lookups, 3 hits) finishing a request with 4 prompt tokens (2 from the prefix cache), then that request's
-    end in the API process: n=3 choices, 2 tokens, scheduled 0.01 s after it was sent, first token 0.5 s and
-    last 1.5 s after it arrived."""
+    lookups, 3 hits; 4 speculative rows, 10 proposals, 6 accepted: 4 at position 0, 2 at 1) finishing a
+    request with 4 prompt tokens (2 from the prefix cache), then that request's end in the API process: n=3
+    choices, 2 tokens, scheduled 0.01 s after it was sent, first token 0.5 s and last 1.5 s after it arrived."""
     stats = EngineStats(
         3, 2, 0.25, 1, 40, 16, 7, 0.002, 0.01, 0.009, num_waiting_deferred=1, mm_cache_queries=5, mm_cache_hits=3,
-        step_tokens=(12,),
+        step_tokens=(12,), spec_num_drafts=4, spec_num_draft_tokens=10, spec_num_accepted_tokens=6,
+        spec_accepted_per_pos=(4, 2, 0),
     )  # fmt: skip
     metrics.on_engine_outputs(Outputs([("r", True, [(0, "x", [5, 6], "stop", None, None, None)], 4, 2, 0.01)], stats))
     metrics.ttft.observe(0.03)
@@ -150,6 +151,10 @@ VLLM_NAMES = [
     "num_requests_waiting_by_reason",
     "mm_cache_queries_total",
     "mm_cache_hits_total",
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total",
 ]
 
 
@@ -206,6 +211,10 @@ def test_the_vllm_families_labels_and_buckets() -> None:
     assert value("num_requests_waiting_by_reason", reason="capacity") == 1
     assert value("num_requests_waiting_by_reason", reason="deferred") == 1
     assert value("mm_cache_queries_total") == 5 and value("mm_cache_hits_total") == 3
+    assert value("spec_decode_num_drafts_total") == 4 and value("spec_decode_num_draft_tokens_total") == 10
+    assert value("spec_decode_num_accepted_tokens_total") == 6
+    per_pos = [value("spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(2)]
+    assert per_pos == [4, 2]
     # The API side's estimate while the core's report is stale: the extra ones wait for capacity.
     page = by_prefix(samples(metrics.render(waiting_estimate=6).decode()), "vllm")
     assert page[("num_requests_waiting_by_reason", tuple(sorted({**dict(M), "reason": "capacity"}.items())))] == 5

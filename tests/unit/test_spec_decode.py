@@ -123,7 +123,10 @@ def test_rejection_sampling_respects_each_rows_number_of_proposals():
 # ---- the config ----------------------------------------------------------------------------------
 def test_config_parses_vllms_json_and_refuses_what_is_not_built():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
-    assert cfg == SpeculativeConfig("ngram", 4, 1, 3, None)
+    assert cfg == SpeculativeConfig("ngram", 4, 2, 3, None)
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 1}') == (
+        SpeculativeConfig("ngram", 1, 1, 1, None)
+    )
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 7}) == (
         SpeculativeConfig("ngram", 2, 7, 7, None)
     )
@@ -149,3 +152,88 @@ def test_ngram_on_a_long_context_is_fast_enough_to_run_every_step():
     tokens = rng.integers(0, 32000, 32768).tolist()
     tokens += tokens[1000:1006]  # the end repeats a span from the start
     assert NgramProposer(4, 1, 5).propose(tokens) == tokens[1006:1010]
+
+
+# ---- the scheduler with proposals ----------------------------------------------------------------
+def _decoding_scheduler(max_tokens: int = 10, budget: int = 64, max_model_len: int = 256, prompt_len: int = 6):
+    from pagoda.config import SchedulerConfig
+    from pagoda.engine.block_manager import BlockManager
+    from pagoda.engine.scheduler import Scheduler
+    from pagoda.outputs import StepOutput
+    from pagoda.request import Request
+    from pagoda.sampling_params import SamplingParams
+
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        async_scheduling=False,
+        scheduling_policy="fcfs",
+    )
+    sched = Scheduler(config, BlockManager(64, 4, True), {0})
+    request = Request("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens)
+    sched.add_request(request)
+    so = sched.schedule()  # the prompt
+    sched.update(so, StepOutput({"r": 50}))
+    return sched, request
+
+
+def test_scheduler_schedules_proposals_within_every_limit():
+    sched, request = _decoding_scheduler(max_tokens=5)
+    request.spec_token_ids = [7, 8, 9, 10, 11]
+    so = sched.schedule()
+    # One output so far, max_tokens 5: at most 3 proposals (the step yields up to 4 tokens).
+    assert so.spec_token_ids == {"r": [7, 8, 9]} and so.num_scheduled_tokens == {"r": 4}
+    assert "r" in so.sampling_request_ids and request.num_computed_tokens == 6 + 1 + 3
+    sched, request = _decoding_scheduler(budget=3, prompt_len=3)
+    request.spec_token_ids = [7, 8, 9]
+    assert sched.schedule().spec_token_ids == {"r": [7, 8]}  # the token budget
+    sched, request = _decoding_scheduler(max_model_len=10)
+    request.spec_token_ids = [7, 8, 9]
+    assert sched.schedule().spec_token_ids == {"r": [7, 8]}  # 7 tokens known, 10 the limit: 3 more at most
+    sched, request = _decoding_scheduler(max_model_len=8)
+    request.spec_token_ids = [7, 8, 9]
+    assert sched.schedule().spec_token_ids == {}  # one more token at most: no proposal
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3])
+def test_scheduler_update_takes_the_accepted_proposals_and_moves_back_over_the_rest(accepted):
+    from pagoda.outputs import StepOutput
+
+    sched, request = _decoding_scheduler()
+    request.spec_token_ids = [7, 8, 9]
+    so = sched.schedule()
+    updated = sched.update(so, StepOutput({"r": 60}, accepted_token_ids={"r": [7, 8, 9][:accepted]}))
+    assert updated == [request] and request.num_new_tokens == accepted + 1
+    assert request.output_token_ids == [50, *[7, 8, 9][:accepted], 60]
+    assert request.num_computed_tokens == request.num_tokens - 1  # the last token is the next step's input
+
+
+def test_scheduler_stops_on_an_accepted_eos_and_drops_what_follows():
+    from pagoda.outputs import StepOutput
+    from pagoda.request import RequestStatus
+
+    sched, request = _decoding_scheduler()
+    request.spec_token_ids = [7, 0, 9]  # 0 is EOS here
+    so = sched.schedule()
+    sched.update(so, StepOutput({"r": 60}, accepted_token_ids={"r": [7, 0, 9]}))
+    assert request.output_token_ids == [50, 7, 0] and request.status is RequestStatus.FINISHED_STOPPED
+    assert request.num_new_tokens == 2
+
+
+def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(tiny_llama):
+    from pagoda.config import EngineArgs, EngineConfig
+    from tests.conftest import FIXTURES
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    cases = {
+        "for Yuan2 (its per-sequence state": dict(model=str(FIXTURES / "yuan2-tiny")),
+        "with tensor or pipeline parallelism": dict(model=tiny_llama, tensor_parallel_size=2),
+        "with --async-scheduling": dict(model=tiny_llama, async_scheduling=True),
+    }
+    for message, args in cases.items():
+        with pytest.raises(ConfigError, match=f"--speculative-config is not supported {message}".replace("(", r"\(")):
+            EngineConfig.create(EngineArgs(skip_tokenizer_init=True, speculative_config=spec, **args))
+    config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
+    assert config.scheduler.speculative == SpeculativeConfig("ngram", 3, 2, 5, None)
+    assert not config.scheduler.async_scheduling

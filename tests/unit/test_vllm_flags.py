@@ -24,7 +24,6 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
     [
         (["--enable-lora"], "--enable-lora: LoRA adapters are not supported yet"),
         (["--lora-modules", "a=/x", "b=/y"], "--lora-modules: LoRA adapters are not supported yet"),
-        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: speculative decoding"),
         (["-dp", "2"], "--data-parallel-size: data parallelism is not supported"),
         (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not supported"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config: disaggregated prefill"),
@@ -32,7 +31,7 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser: reasoning parsers are not supported yet"),
         (["--revision", "main"], "--revision: hub revisions are not supported"),
         (["--task", "embed"], "--task: only text generation is served"),
-        (["--speculative-config.method", "ngram"], "--speculative-config: speculative decoding"),  # vLLM's dotted
+        (["--kv-transfer-config.kv_connector", "X"], "--kv-transfer-config: disaggregated prefill"),  # vLLM's dotted
         (["--swap-space", "4"], "--swap-space: preempted requests are recomputed, not swapped to host memory"),
     ],
 )

@@ -1,0 +1,94 @@
+"""Speculative proposals for the next step, made on the host after each step's update, and their counts.
+
+A decoding request gets up to k proposals (`Request.spec_token_ids`) from the n-gram proposer over its
+prompt and output; the scheduler schedules them after its last known token and the runner verifies them
+(`pagoda/spec_decode/`). Requests whose sampling reads more than the model's distribution at one position —
+penalties (they depend on the tokens before, proposals included), logprobs, a grammar, a seed (its random
+stream would differ from decoding without proposals), min_tokens not yet reached — get none and decode one
+token a step. So do all requests in a step of at least `disable_by_batch_size` running ones: verifying
+proposals costs compute that a large batch already uses. Its default is 32 on a GPU, where a decode step of
+a few rows reads every weight from memory and the extra positions are nearly free, and 2 on the CPU, where a
+step's cost grows with its tokens: one request alone gained (1.43x on copying), eight at once lost (0.79x)
+(`benchmarks/spec_decode_cpu.py`).
+
+Each request's proposal length adapts to what its last verification kept: one more than the proposals that
+held, up to k (so text that copies its context climbs to k proposals, open text stays near one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.outputs import SchedulerOutput, StepOutput
+from pagoda.request import Request
+from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.spec_decode.ngram import NgramProposer
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 2}
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Totals since startup, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int = 0  # rows that carried proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: proposals accepted at each position
+
+
+def may_speculate(request: Request) -> bool:
+    params = request.sampling_params
+    return (
+        request.num_computed_tokens == request.num_tokens - 1  # decoding (its prompt is computed)
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and params.seed is None
+        and request.num_output_tokens >= params.min_tokens
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, device: str):
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
+        self.counts = SpecDecodeCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set every running request's proposals for the next step (none where it may not speculate)."""
+        off = len(running) >= self.limit
+        for request in running:
+            if off or not may_speculate(request):
+                request.spec_token_ids = []
+            else:
+                tokens = request.prompt_token_ids + request.output_token_ids
+                request.spec_token_ids = self.proposer.propose(tokens, request.spec_window or self.proposer.k)
+
+    def stats_fields(self) -> dict:
+        """`EngineStats`' speculative-decoding totals."""
+        c = self.counts
+        return dict(
+            spec_num_drafts=c.num_drafts,
+            spec_num_draft_tokens=c.num_draft_tokens,
+            spec_num_accepted_tokens=c.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(c.accepted_per_pos),
+        )
+
+    def record(self, scheduler_output: SchedulerOutput, step_output: StepOutput, requests: dict[str, Request]) -> None:
+        """Count the step's verifications and set each request's next proposal length."""
+        counts, held, k = self.counts, step_output.accepted_token_ids, self.proposer.k
+        for request_id, proposals in scheduler_output.spec_token_ids.items():
+            if request_id not in step_output.sampled_token_ids:
+                continue  # aborted while the step ran
+            accepted = len(held.get(request_id, ()))
+            if (request := requests.get(request_id)) is not None:
+                request.spec_window = min(k, accepted + 1)
+            counts.num_drafts += 1
+            counts.num_draft_tokens += len(proposals)
+            counts.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                counts.accepted_per_pos[pos] += 1

@@ -1,0 +1,141 @@
+"""A step's speculative rows in the runner: inputs that carry each row's proposals, the logits positions
+that verify them, and the verification itself (`pagoda/spec_decode/rejection.py`).
+
+A row with d proposals computes 1 + d tokens: its last known token, then the proposals. The model's output
+at those 1 + d positions checks proposal 0 .. d - 1 and gives one token more. Rows without proposals in the
+same step sample as always (`Sampler`, with grammar masks, logprobs and seeds); only proposal rows go
+through verification, which the engine allows only for rows without penalties, logprobs, grammar or seed
+(`engine/speculation.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.device_copy import to_device
+from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState, apply_filters
+from pagoda.outputs import SchedulerOutput
+from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS
+from pagoda.spec_decode.rejection import rejection_sample, verify_greedy
+from pagoda.worker.request_states import RunnerRequestState
+from pagoda.worker.step_inputs import SpecRows, StepInputs, StepInputsBuilder
+
+
+@dataclass
+class Verified:
+    """A speculative step's tokens per sampling row: the proposals that held, then the row's own token."""
+
+    num_proposals: np.ndarray  # [S] (host)
+    tokens: torch.Tensor  # [S, K + 1] int64, -1 past each row's count
+    counts: torch.Tensor  # [S] tokens per row: 1 + the proposals that held
+
+
+def build_inputs(
+    builder: StepInputsBuilder,
+    scheduled: dict[str, int],
+    states: list[RunnerRequestState],
+    so: SchedulerOutput,
+    last_sampled: torch.Tensor | None,
+) -> StepInputs:
+    """The step's inputs (rows: `scheduled`'s requests, its token counts; `states` theirs, in order); a row
+    with proposals has them after its known tokens (appended to its state's tokens only while the inputs
+    are built: they are not known tokens)."""
+    request_ids, query_lens = list(scheduled), list(scheduled.values())
+    spec = so.spec_token_ids
+    if not spec:
+        return builder.build(request_ids, states, query_lens, so.sampling_request_ids, last_sampled)
+    by_id = dict(zip(request_ids, states))
+    for request_id, proposals in spec.items():
+        by_id[request_id].token_ids.extend(proposals)
+    try:
+        inputs = builder.build(request_ids, states, query_lens, so.sampling_request_ids, last_sampled)
+    finally:
+        for request_id, proposals in spec.items():
+            del by_id[request_id].token_ids[-len(proposals) :]
+    rows = [request_ids[i] for i in inputs.sample_rows.tolist()]
+    proposals = [spec.get(rid, []) for rid in rows]
+    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals)
+    return inputs
+
+
+def logits_positions(inputs: StepInputs) -> np.ndarray:
+    """Flat token indices whose logits the step needs: each sampling row's last token, and for a row with d
+    proposals its last 1 + d tokens (in order)."""
+    ends = inputs.query_start_loc[1:][inputs.sample_rows]
+    if inputs.spec is None:
+        return ends - 1
+    counts = inputs.spec.counts + 1
+    starts = np.repeat(ends - counts, counts)
+    return starts + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def sample(
+    sampler: Sampler,
+    sampling: SamplingState,
+    logits: torch.Tensor,
+    request_ids: list[str],
+    spec: SpecRows,
+    token_bitmask,
+) -> tuple[SamplerOutput, Verified]:
+    """logits [sum(1 + d), V] in `logits_positions` order. Returns the SamplerOutput of every row's last token
+    ([S]; logprobs only for ordinary rows), and the rows' verified tokens (`Verified`)."""
+    device = logits.device
+    counts = spec.counts
+    if token_bitmask is not None:  # constrained rows are ordinary rows: their mask rows, renumbered
+        mask, masked = token_bitmask
+        position = {row: i for i, row in enumerate(np.flatnonzero(counts == 0).tolist())}
+        token_bitmask = (mask[torch.from_numpy(np.flatnonzero(counts == 0))], [position[r] for r in masked])
+    rows, k = len(counts), int(counts.max())
+    first = np.cumsum(counts + 1) - (counts + 1)  # each row's first logits row
+    index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])  # [S, K + 1], last repeated
+    grid = logits[to_device(index.reshape(-1), device)].view(rows, k + 1, -1)
+    plain = np.flatnonzero(counts == 0)
+    speculative = np.flatnonzero(counts > 0)
+    last = torch.empty(rows, dtype=torch.int64, device=device)
+    out = None
+    if len(plain):  # ordinary rows: the sampler over their one position
+        plain_ids = [request_ids[i] for i in plain.tolist()]
+        out = sampler(grid[to_device(plain, device), 0], sampling.batch(plain_ids), token_bitmask)
+        last[to_device(plain, device)] = out.sampled_token_ids
+    tokens = torch.full((rows, k + 1), -1, dtype=torch.int64, device=device)
+    num = torch.ones(rows, dtype=torch.int64, device=device)
+    tokens[:, 0] = last
+    spec_rows = to_device(speculative, device)
+    spec_ids = [request_ids[i] for i in speculative.tolist()]
+    drafts = torch.tensor(
+        [spec.proposals[i] + [-1] * (k - len(spec.proposals[i])) for i in speculative.tolist()], device=device
+    )
+    n_drafts = to_device(counts[speculative], device)
+    g = grid[spec_rows]  # [R, K + 1, V]
+    t, n = verify_greedy(g.argmax(dim=-1), drafts, n_drafts)
+    batch = sampling.batch([rid for rid in spec_ids for _ in range(k + 1)])
+    greedy = batch.temperature.view(-1, k + 1)[:, 0] < GREEDY_TEMPERATURE_EPS
+    if not bool(greedy.all()):
+        probs = apply_filters(g.reshape(len(spec_ids) * (k + 1), -1), batch).softmax(dim=-1).view_as(g)
+        ts, ns = rejection_sample(probs, drafts, n_drafts)
+        t, n = torch.where(greedy[:, None], t, ts), torch.where(greedy, n, ns)
+    tokens[spec_rows], num[spec_rows] = t, n
+    last[spec_rows] = t.gather(1, (n - 1)[:, None]).squeeze(1)
+    sampling.batch(request_ids)  # `update` records every row's last token
+    return _with_plain_logprobs(out, last, plain, rows), Verified(spec.counts, tokens, num)
+
+
+def _with_plain_logprobs(out: SamplerOutput | None, last: torch.Tensor, plain: np.ndarray, rows: int) -> SamplerOutput:
+    """Every row's token; the ordinary rows' logprobs at their rows (proposal rows never ask for them)."""
+    if out is None or out.sampled_logprobs is None:
+        return SamplerOutput(last, None, None, None)
+    idx = to_device(plain, last.device)
+
+    def widen(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        full = t.new_zeros((rows, *t.shape[1:]))
+        full[idx] = t
+        return full
+
+    return SamplerOutput(
+        last, widen(out.sampled_logprobs), widen(out.top_logprobs), widen(out.top_token_ids), widen(out.chosen_logprobs)
+    )

@@ -1,0 +1,80 @@
+"""Speculative decoding (n-gram proposals) through the real engine with real weights (the embedded
+SmolLM2-135M): greedy outputs token for token those of decoding without it — through chunked prefill,
+prefix-cache hits, stop strings that end inside accepted proposals and max_tokens — while copy-heavy
+prompts accept most proposals; sampled requests run too (their exactness is tests/unit/test_spec_decode.py's
+rejection-sampling check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+DOC = (
+    "The Pagoda engine serves Yuan2 and Qwen2-VL models. It keeps a paged KV cache with prefix caching, rebuilds "
+    "its batch every step, prefills long prompts in chunks and preempts requests when memory runs out. "
+)
+COPY = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{DOC}"}]
+PROMPTS = [
+    f"Read this and repeat it exactly.\n\n{DOC}\n\nRepeat it:",
+    "Count: one two three four five six seven eight nine ten one two three four five six seven eight",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    llm = LLM(
+        max_model_len=2048,
+        cpu_kv_cache_space_gib=0.25,
+        seed=0,
+        max_num_batched_tokens=64,  # the long prompts prefill in chunks
+        # proposals in batches too (the CPU default proposes only for a request running alone)
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "disable_by_batch_size": 64,
+        },
+    )
+    yield llm
+    llm.shutdown()
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_greedy_outputs_are_unchanged_and_copying_accepts_proposals(default_llm, spec_llm):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = _tokens(default_llm, params)
+    counts = spec_llm.engine.speculator.counts
+    assert _tokens(spec_llm, params) == expected
+    again = counts.num_drafts
+    assert _tokens(spec_llm, params) == expected  # the prompts now hit the prefix cache
+    assert counts.num_drafts > again > 0
+    # The chat model copying a document: most proposals hold.
+    drafted, accepted = counts.num_draft_tokens, counts.num_accepted_tokens
+    copy = SamplingParams(temperature=0, max_tokens=32)
+    want = default_llm.chat([COPY], copy, use_tqdm=False)[0].outputs[0]
+    got = spec_llm.chat([COPY], copy, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text.startswith(DOC[:60])
+    assert counts.num_accepted_tokens - accepted >= 0.7 * (counts.num_draft_tokens - drafted) > 0, counts
+    short = SamplingParams(temperature=0, max_tokens=5)
+    assert _tokens(spec_llm, short) == _tokens(default_llm, short)
+
+
+def test_a_stop_string_inside_accepted_proposals_ends_the_text_where_it_would(default_llm, spec_llm):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["prefix caching"])
+    want = default_llm.chat([COPY], params, use_tqdm=False)[0].outputs[0]
+    got = spec_llm.chat([COPY], params, use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop", want.text  # the model copies the document up to the stop string
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_sampled_requests_run_with_proposals(spec_llm):
+    params = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, n=2)
+    outputs = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(c.token_ids) == 16 for o in outputs for c in o.outputs)
