@@ -302,6 +302,8 @@ class LLMEngine:
     def _in_flight(self, request_id: str, n: int) -> bool:
         """Whether a finished request of this id is still in the launched, unread step (its token
         would land on the new request)."""
+        if not self._inflight:
+            return False
         children = [child_request_id(request_id, i, n) for i in range(n)]
         return any(c in so.num_scheduled_tokens for so, _ in self._inflight for c in children)
 

@@ -28,7 +28,7 @@ class PendingStep:
         self.request_ids, self.states = request_ids, states
         self._output = done
         self._event = None
-        self._proposals = None if verified is None else verified.num_proposals
+        self._verified = verified is not None
         if out is None:
             return
         cuda = out.sampled_token_ids.is_cuda
@@ -74,7 +74,7 @@ class PendingStep:
                 else:
                     top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
                 result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
-        if self._proposals is not None:
+        if self._verified:
             self._take_verified(result, verified.tolist(), counts.tolist())
         for s, token in zip(self.states, sampled):
             s.token_ids.append(token)
@@ -86,7 +86,6 @@ class PendingStep:
     def _take_verified(self, result: StepOutput, tokens: list[list[int]], counts: list[int]) -> None:
         """Rows whose proposals held: those tokens go before the row's own. (The computed count moves back over
         the rest with the scheduler's, which the next step's diff carries.)"""
-        assert self._proposals is not None
         for row, (rid, s) in enumerate(zip(self.request_ids, self.states)):
             accepted = counts[row] - 1
             if accepted > 0:
@@ -105,10 +104,6 @@ class DeferredStep:
         self._sample = sample
         self._step: PendingStep | None = None
         self.read: Callable[[Callable[[], PendingStep]], PendingStep] = lambda sample: sample()
-
-    @property
-    def done(self) -> bool:
-        return self._step is not None and self._step.done
 
     def result(self) -> StepOutput:
         if self._step is None:

@@ -63,7 +63,17 @@ def _exit_text(exitcode: int) -> str:
     return f"died: killed by {name}"
 
 
-class LocalRanks:
+class _Ranks:
+    """What both rank launchers share: a rank's name in messages (`rank_label`)."""
+
+    world_size: int
+    tp: int  # ranks per pipeline stage
+
+    def label(self, rank: int) -> str:
+        return rank_label(rank, self.tp, self.world_size)
+
+
+class LocalRanks(_Ranks):
     host = "127.0.0.1"
 
     def __init__(self, world_size: int, tp_size: int | None = None):
@@ -89,9 +99,6 @@ class LocalRanks:
             self.procs.append(proc)
             self.heartbeats.append(heartbeat)
             self.errors.append(reader)
-
-    def label(self, rank: int) -> str:
-        return rank_label(rank, self.tp, self.world_size)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -126,7 +133,7 @@ class LocalRanks:
                 proc.join(5)
 
 
-class RayRanks:
+class RayRanks(_Ranks):
     def __init__(self, world_size: int, device: str, tp_size: int | None = None):
         self.tp = tp_size or world_size  # ranks per pipeline stage
         import ray  # lazy: ray (optional: pip install 'pagoda[ray]')
@@ -152,9 +159,6 @@ class RayRanks:
 
     def node_ids(self) -> list[str]:
         return list(self.ray.get([a.node_id.remote() for a in self.actors], timeout=60))
-
-    def label(self, rank: int) -> str:
-        return rank_label(rank, self.tp, self.world_size)
 
     def pids(self) -> list[int]:
         return []

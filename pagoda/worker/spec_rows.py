@@ -28,7 +28,6 @@ from pagoda.worker.step_inputs import SpecRows, StepInputs, StepInputsBuilder
 class Verified:
     """A speculative step's tokens per sampling row: the proposals that held, then the row's own token."""
 
-    num_proposals: np.ndarray  # [S] (host)
     tokens: torch.Tensor  # [S, K + 1] int64, -1 past each row's count
     counts: torch.Tensor  # [S] tokens per row: 1 + the proposals that held
 
@@ -55,9 +54,11 @@ def build_inputs(
     finally:
         for request_id, proposals in spec.items():
             del by_id[request_id].token_ids[-len(proposals) :]
-    rows = [request_ids[i] for i in inputs.sample_rows.tolist()]
-    proposals = [spec.get(rid, []) for rid in rows]
-    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals)
+    rows = inputs.sample_rows.tolist()
+    proposals = [spec.get(request_ids[i], []) for i in rows]
+    temperatures = np.fromiter((states[i].sampling_params.temperature for i in rows), np.float64, len(rows))
+    greedy = temperatures < GREEDY_TEMPERATURE_EPS
+    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy)
     return inputs
 
 
@@ -84,22 +85,21 @@ def sample(
     ([S]; logprobs only for ordinary rows), and the rows' verified tokens (`Verified`)."""
     device = logits.device
     counts = spec.counts
+    plain, speculative = np.flatnonzero(counts == 0), np.flatnonzero(counts > 0)
     if token_bitmask is not None:  # constrained rows are ordinary rows: their mask rows, renumbered
         mask, masked = token_bitmask
-        position = {row: i for i, row in enumerate(np.flatnonzero(counts == 0).tolist())}
-        token_bitmask = (mask[torch.from_numpy(np.flatnonzero(counts == 0))], [position[r] for r in masked])
+        position = {row: i for i, row in enumerate(plain.tolist())}
+        token_bitmask = (mask[torch.from_numpy(plain)], [position[r] for r in masked])
     rows, k = len(counts), int(counts.max())
     first = np.cumsum(counts + 1) - (counts + 1)  # each row's first logits row
     index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])  # [S, K + 1], last repeated
     grid = logits[to_device(index.reshape(-1), device)].view(rows, k + 1, -1)
-    plain = np.flatnonzero(counts == 0)
-    speculative = np.flatnonzero(counts > 0)
     last = torch.empty(rows, dtype=torch.int64, device=device)
     out = None
     if len(plain):  # ordinary rows: the sampler over their one position
-        plain_ids = [request_ids[i] for i in plain.tolist()]
-        out = sampler(grid[to_device(plain, device), 0], sampling.batch(plain_ids), token_bitmask)
-        last[to_device(plain, device)] = out.sampled_token_ids
+        plain_rows = to_device(plain, device)
+        out = sampler(grid[plain_rows, 0], sampling.batch([request_ids[i] for i in plain.tolist()]), token_bitmask)
+        last[plain_rows] = out.sampled_token_ids
     tokens = torch.full((rows, k + 1), -1, dtype=torch.int64, device=device)
     num = torch.ones(rows, dtype=torch.int64, device=device)
     tokens[:, 0] = last
@@ -111,16 +111,17 @@ def sample(
     n_drafts = to_device(counts[speculative], device)
     g = grid[spec_rows]  # [R, K + 1, V]
     t, n = verify_greedy(g.argmax(dim=-1), drafts, n_drafts)
-    batch = sampling.batch([rid for rid in spec_ids for _ in range(k + 1)])
-    greedy = batch.temperature.view(-1, k + 1)[:, 0] < GREEDY_TEMPERATURE_EPS
-    if not bool(greedy.all()):
+    greedy = spec.greedy[speculative]
+    if not greedy.all():  # sampled rows: their distribution at every position (each row's knobs repeated)
+        batch = sampling.batch([rid for rid in spec_ids for _ in range(k + 1)])
         probs = apply_filters(g.reshape(len(spec_ids) * (k + 1), -1), batch).softmax(dim=-1).view_as(g)
         ts, ns = rejection_sample(probs, drafts, n_drafts)
-        t, n = torch.where(greedy[:, None], t, ts), torch.where(greedy, n, ns)
+        on_device = to_device(greedy, device)
+        t, n = torch.where(on_device[:, None], t, ts), torch.where(on_device, n, ns)
     tokens[spec_rows], num[spec_rows] = t, n
     last[spec_rows] = t.gather(1, (n - 1)[:, None]).squeeze(1)
     sampling.batch(request_ids)  # `update` records every row's last token
-    return _with_plain_logprobs(out, last, plain, rows), Verified(spec.counts, tokens, num)
+    return _with_plain_logprobs(out, last, plain, rows), Verified(tokens, num)
 
 
 def _with_plain_logprobs(out: SamplerOutput | None, last: torch.Tensor, plain: np.ndarray, rows: int) -> SamplerOutput:
