@@ -35,6 +35,14 @@ def engine_is_idle(http: httpx.Client) -> bool:
     )
 
 
+def gauges(http: httpx.Client, server) -> str:
+    """What a failed wait prints: the engine's gauges and the server log's tail, not the whole exposition."""
+    samples = scrape(http)
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "generation_tokens_total")
+    values = {name: metric(samples, f"pagoda:{name}") for name in names}
+    return f"{values}\n--- server log ---\n{server.log_tail(3000)}"
+
+
 def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
 
@@ -173,7 +181,7 @@ def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:
     assert delta(before, after, "pagoda:prefix_cache_hits_total") >= 32
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_kv(http: httpx.Client) -> None:
+def test_client_disconnect_mid_stream_aborts_and_frees_kv(server, http: httpx.Client) -> None:
     assert wait_until(lambda: engine_is_idle(http)), "engine busy before the test"
     before = scrape(http)
     body = {
@@ -196,13 +204,14 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(http: httpx.Client) ->
         # (and the running count can move in a report before the KV usage does): read both from one scrape.
         def running_with_kv(samples: dict) -> bool:
             return (
-                metric(samples, "pagoda:num_requests_running") == 1
+                metric(samples, "pagoda:num_requests_running") >= 1
                 and metric(samples, "pagoda:kv_cache_usage_perc") > 0
             )
 
-        assert wait_until(lambda: running_with_kv(scrape(http)), timeout=5), scrape(http)
+        # A busy CI machine can starve the server for seconds: the bound is generous, the check is not.
+        assert wait_until(lambda: running_with_kv(scrape(http)), timeout=20), gauges(http, server)
     # Closing the response drops the connection: the server must abort the request promptly.
-    assert wait_until(lambda: engine_is_idle(http), timeout=5), scrape(http)
+    assert wait_until(lambda: engine_is_idle(http), timeout=10), gauges(http, server)
     after = scrape(http)
     assert delta(before, after, "pagoda:request_success_total", finished_reason="abort") == 1
     assert delta(before, after, "pagoda:request_success_total", finished_reason="length") == 0
