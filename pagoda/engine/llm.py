@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs, EngineConfig, MultiModalConfig
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.offline_metrics import Metric, OfflineTotals, metrics_list
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
 from pagoda.outputs import RequestOutput
@@ -66,6 +67,7 @@ class LLM:
         self.config = EngineConfig.create(EngineArgs(model=model, **engine_kwargs))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        self._totals = OfflineTotals()
         source = self.engine.source
         # Images/videos (vision-language models): the same settings and pipeline as the server's.
         self._multimodal = multimodal_serving(
@@ -74,6 +76,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """As vLLM's: the engine's counters and gauges under their `vllm:` names (`engine/offline_metrics.py`);
+        with speculative decoding, its drafts, draft tokens and accepted tokens (per position a `Vector`)."""
+        return metrics_list(self.engine.stats(), self._totals, self.config.model.model)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks now (they also stop when this object is collected or the process
@@ -210,6 +217,7 @@ class LLM:
             for output in self.engine.step():
                 if output.finished:
                     results[output.request_id] = output
+                    self._totals.add(output)
                     if progress is not None:
                         progress.update(1)
         if progress is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -337,7 +338,8 @@ def test_dashboard_moves_under_load(page, ui_server):
 def canned_metrics(k: int) -> str:
     """The k-th /metrics snapshot of a made-up server, under the `pagoda:` prefix only (--metrics-prefix pagoda):
     every second 10 first tokens at <= 100 ms and 10 more at <= 1 s, 10 steps of 50 ms busy of which 20 ms
-    waiting on the device, 10 prefix-cache queries of which 5 hit, two GPUs 90 % and 50 % busy."""
+    waiting on the device, 10 prefix-cache queries of which 5 hit, two GPUs 90 % and 50 % busy, 10 speculative
+    rows with 40 proposals of which 20 held."""
     label = 'model_name="m"'
     lines = [
         f"pagoda:num_requests_running{{{label}}} 3",
@@ -355,6 +357,9 @@ def canned_metrics(k: int) -> str:
         f"pagoda:engine_core_device_wait_seconds_total{{{label}}} {0.2 * k}",
         f'pagoda:gpu_utilization_perc{{gpu="0",tp_rank="0",{label}}} 0.9',
         f'pagoda:gpu_utilization_perc{{gpu="1",tp_rank="1",{label}}} 0.5',
+        f"pagoda:spec_decode_num_drafts_total{{{label}}} {10 * k}",
+        f"pagoda:spec_decode_num_draft_tokens_total{{{label}}} {40 * k}",
+        f"pagoda:spec_decode_num_accepted_tokens_total{{{label}}} {20 * k}",
     ]
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         for le, count in (("0.01", 0), ("0.1", 10 * k), ("1.0", 20 * k), ("+Inf", 20 * k)):
@@ -384,6 +389,9 @@ def test_dashboard_math_on_known_metrics(page):
     sync_api.expect(page.locator("#value-kv")).to_have_text("25.0 %")
     sync_api.expect(page.locator("#value-gpu")).to_have_text("70 %")  # the mean of the two GPUs
     sync_api.expect(page.locator("#sub-gpu")).to_have_text("GPU 0: 90 % · GPU 1: 50 %")
+    sync_api.expect(page.locator("#value-spec")).to_have_text("3.00 tokens")  # 1 + 20 accepted / 10 rows
+    rows = re.compile(r"proposals accepted: 50 % · rows verified: [1-9]\d*0$")  # 10 a snapshot over the window
+    sync_api.expect(page.locator("#sub-spec")).to_have_text(rows)
     sync_api.expect(page.locator("#value-requests")).to_have_text("3 / 1")
     sync_api.expect(page.locator("#value-preemptions")).to_have_text("4")
     sync_api.expect(page.locator("#sub-preemptions")).to_have_text("aborted requests: 2")

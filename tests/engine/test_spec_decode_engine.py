@@ -78,3 +78,25 @@ def test_sampled_requests_run_with_proposals(spec_llm):
     params = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, n=2)
     outputs = spec_llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(len(c.token_ids) == 16 for o in outputs for c in o.outputs)
+
+
+def test_get_metrics_counts_as_vllms_reader_does(spec_llm):
+    def read() -> dict:
+        return {(m.name, m.labels.get("finished_reason")): m for m in spec_llm.get_metrics()}
+
+    before = read()
+    out = spec_llm.chat([COPY], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    after = read()
+
+    def grew(name: str, reason: str | None = None) -> int:
+        key = (f"vllm:{name}", reason)
+        return after[key].value - (before[key].value if key in before else 0)
+
+    assert grew("generation_tokens") == 16 and grew("prompt_tokens") == len(out.prompt_token_ids)
+    assert grew("request_success", "length") == 1
+    assert after[("vllm:num_requests_running", None)].value == 0
+    drafts, accepted = grew("spec_decode_num_drafts"), grew("spec_decode_num_accepted_tokens")
+    assert drafts > 0 and 0 < accepted <= grew("spec_decode_num_draft_tokens")
+    per_pos = after[("vllm:spec_decode_num_accepted_tokens_per_pos", None)].values
+    assert len(per_pos) == 4 and sum(per_pos) == after[("vllm:spec_decode_num_accepted_tokens", None)].value
+    assert all(m.labels["engine"] == "0" for m in after.values())

@@ -366,6 +366,32 @@ def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
     assert server_metrics_summary(vllm_like, vllm_like, [])["engine_cpu_ms_per_step"] is None
 
 
+def test_acceptance_length_from_the_servers_own_spec_decode_counters() -> None:
+    """The engine's speculative totals → the rendered page → bench's acceptance length (vLLM's definition:
+    1 + accepted / drafts) and rate over a point; a server without speculation shows neither."""
+    from pagoda.engine.core_process import Outputs
+    from pagoda.outputs import EngineStats
+    from pagoda.server.metrics import ServerMetrics
+    from pagoda.tools.bench.report import format_table
+
+    metrics = ServerMetrics("m")
+
+    def feed(drafts: int, drafted: int, accepted: int) -> dict:
+        stats = EngineStats(1, 0, 0.1, 0, 0, 0, drafts, spec_num_drafts=drafts, spec_num_draft_tokens=drafted)
+        stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = accepted, (accepted, 0, 0, 0)
+        metrics.on_engine_outputs(Outputs([], stats, {}))
+        return parse_prometheus(metrics.render().decode())
+
+    before = feed(5, 20, 4)
+    after = feed(45, 180, 124)  # 40 rows, 160 proposals, 120 accepted
+    summary = server_metrics_summary(before, after, [])
+    assert summary["spec_acceptance_length"] == pytest.approx(4.0)
+    assert summary["spec_acceptance_rate"] == pytest.approx(0.75)
+    assert "accept len" in format_table([{"concurrency": 1, "server_metrics": summary}])
+    plain = server_metrics_summary(feed(45, 180, 124), feed(45, 180, 124), [])
+    assert plain["spec_acceptance_length"] is None and plain["spec_acceptance_rate"] is None
+
+
 # ---- the SSE client on a mock transport -----------------------------------------------------------------
 
 

@@ -94,6 +94,15 @@ function render() {
   const hitRate = queries ? (100 * hits) / queries : null;
   update("prefix", "Prefix-cache hit rate (last minute)", [hitRate], fmt(hitRate, 1, " %"), "tokens looked up: " + fmt(queries, 0));
 
+  // Only once speculative decoding has verified proposals: vLLM's acceptance length, the tokens one
+  // verified row yields (the proposals it kept and the model's own token), over the last minute.
+  if (now.total("spec_decode_num_drafts_total")) {
+    const drafts = windowDelta("spec_decode_num_drafts_total"), drafted = windowDelta("spec_decode_num_draft_tokens_total");
+    const accepted = windowDelta("spec_decode_num_accepted_tokens_total");
+    const length = drafts ? 1 + accepted / drafts : null, kept = drafted ? (100 * accepted) / drafted : null;
+    update("spec", "Speculative decoding: acceptance length (last minute)", [length], fmt(length, 2, " tokens"), "proposals accepted: " + fmt(kept, 0, " %") + " · rows verified: " + fmt(drafts, 0));
+  }
+
   // Per step over the last second: host time is the busy time less the wait for the device's tokens.
   const steps = rate("engine_steps_total"), busy = rate("engine_core_busy_seconds_total"), wait = rate("engine_core_device_wait_seconds_total");
   let host = null, device = null;

@@ -191,6 +191,10 @@ COUNTERS = {
     "engine_busy_seconds": ("engine_core_busy_seconds_total",),
     "engine_device_wait_seconds": ("engine_core_device_wait_seconds_total",),
     "engine_cpu_seconds": ("engine_core_cpu_seconds_total",),
+    # Speculative decoding (both engines): rows verified with proposals, the proposals, the ones accepted.
+    "spec_drafts": ("spec_decode_num_drafts_total",),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens_total",),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens_total",),
 }
 # mean key -> (sum counter, count counter), in milliseconds
 MEANS_MS = {
@@ -274,4 +278,11 @@ def server_metrics_summary(before: dict | None, after: dict | None, samples: lis
     # The core thread's CPU time per step: well under the host ms means it waited for a free core.
     cpu = out["engine_cpu_seconds_delta"]
     out["engine_cpu_ms_per_step"] = 1e3 * cpu / steps if steps and cpu is not None else None
+    # vLLM's acceptance length: tokens a speculative row yields per verification (its accepted proposals
+    # plus the model's own token), and the fraction of proposals accepted.
+    drafts, drafted, accepted = (
+        out[f"{k}_delta"] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    )
+    out["spec_acceptance_length"] = 1 + accepted / drafts if drafts and accepted is not None else None
+    out["spec_acceptance_rate"] = accepted / drafted if drafted and accepted is not None else None
     return out

@@ -32,6 +32,8 @@ COLUMNS = [  # (header, key in the point or server_metrics, format)
     ("host ms/step", "sm:engine_host_ms_per_step", "{:.2f}"),
     ("GPU wait ms/step", "sm:engine_wait_ms_per_step", "{:.2f}"),
     ("core CPU ms/step", "sm:engine_cpu_ms_per_step", "{:.2f}"),
+    ("accept len", "sm:spec_acceptance_length", "{:.2f}"),
+    ("accept %", "sm:spec_acceptance_rate", "{:.0%}"),
     ("SLO", "slo_pass", "{}"),
 ]
 CSV_SERVER_KEYS = (
@@ -48,6 +50,8 @@ CSV_SERVER_KEYS = (
     "engine_host_ms_per_step",
     "engine_wait_ms_per_step",
     "engine_cpu_ms_per_step",
+    "spec_acceptance_length",
+    "spec_acceptance_rate",
 )
 
 
