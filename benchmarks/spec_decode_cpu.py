@@ -1,11 +1,13 @@
-"""Speculative decoding (n-gram proposals) on the CPU with real weights (the embedded SmolLM2-135M): output
+"""Speculative decoding (n-gram or suffix proposals) on the CPU with real weights (the embedded SmolLM2-135M): output
 tokens/s with and without, same prompts, same run, and how many tokens a step yields where proposals ran.
 
 Usage:
-    python benchmarks/spec_decode_cpu.py [--k 4] [--max-tokens 64] [--rounds 2] [--json FILE]
+    python benchmarks/spec_decode_cpu.py [--method ngram|suffix] [--k 4] [--max-tokens 64] [--rounds 2] [--json FILE]
 
-Two tasks, greedy: `copy` (the chat model repeats or quotes a given passage: answers that copy spans of their
-context, the case prompt lookup is for) and `chat` (open questions: little to copy). Each round builds both
+Three tasks, greedy: `copy` (the chat model repeats or quotes a given passage: answers that copy spans of their
+context, the case prompt lookup is for), `chat` (open questions: little to copy) and `chat_again` (the same
+questions asked again: suffix decoding finds the earlier answers among finished outputs; prompt lookup has
+nothing more to copy than the first time). Each round builds both
 engines (speculation off, then on; the order reversed in the second round) and times one `LLM.chat` of each
 task's prompts after a warm-up, all at once (c = 8) or, with --one-at-a-time, one after another (c = 1).
 Every output must be identical with and without (greedy).
@@ -75,14 +77,15 @@ def _run(spec: dict | None, tasks: dict[str, list[str]], max_tokens: int, one_at
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--method", choices=("ngram", "suffix"), default="ngram")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--one-at-a-time", action="store_true", help="requests one after another (c = 1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    tasks = {"copy": COPY, "chat": CHAT}
+    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    tasks = {"copy": COPY, "chat": CHAT, "chat_again": CHAT}
     rows = []
     for round_index in range(args.rounds):
         order = [None, spec] if round_index % 2 == 0 else [spec, None]

@@ -126,7 +126,8 @@ class EngineArgs:
     speculative_config: str | dict | None = knob(
         None,
         'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
-        "also prompt_lookup_min/max, disable_by_batch_size); greedy outputs stay token for token the same",
+        'also prompt_lookup_min/max, disable_by_batch_size) or {"method": "suffix"} (the prompt, the output and '
+        "finished requests' outputs; vLLM's suffix_decoding_* keys); greedy outputs stay token for token the same",
     )
     async_scheduling: bool | None = knob(
         None,

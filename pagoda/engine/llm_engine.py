@@ -393,7 +393,7 @@ class LLMEngine:
         outputs = self.output_processor.process(updated, step_output.logprobs, self._finish)
         if self.speculator is not None:  # the next step's proposals, from the tokens known now
             self.speculator.record(scheduler_output, step_output, self.scheduler.requests)
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.scheduler.requests)
         if self.scheduler.failures:
             outputs += self._fail_all(self.scheduler.take_failures())
         if self.output_processor.failures:

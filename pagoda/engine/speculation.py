@@ -11,8 +11,10 @@ a few rows reads every weight from memory and the extra positions are nearly fre
 step's cost grows with its tokens: one request alone gained (1.43x on copying), eight at once lost (0.79x)
 (`benchmarks/spec_decode_cpu.py`).
 
-Each request's proposal length adapts to what its last verification kept: one more than the proposals that
-held, up to k (so text that copies its context climbs to k proposals, open text stays near one).
+With n-gram proposals, each request's proposal length adapts to what its last verification kept: one more
+than the proposals that held, up to k (so text that copies its context climbs to k proposals, open text stays
+near one). Suffix proposals size themselves (the match length and the draft's estimated probability,
+`spec_decode/suffix.py`), and finished requests' outputs join the cache that later requests search.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.spec_decode.suffix import SuffixProposer
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 2}
 
@@ -54,19 +57,41 @@ def may_speculate(request: Request) -> bool:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, device: str):
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.k = k = config.num_speculative_tokens
+        self.ngram = self.suffix = None
+        if config.suffix is not None:
+            self.suffix = SuffixProposer(k, config.suffix)
+        else:
+            self.ngram = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
         self.counts = SpecDecodeCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._seen: dict[str, Request] = {}  # suffix: requests that ran, until their output is cached
 
-    def propose(self, running: list[Request]) -> None:
-        """Set every running request's proposals for the next step (none where it may not speculate)."""
+    def propose(self, running: list[Request], unfinished: dict[str, Request]) -> None:
+        """Set every running request's proposals for the next step (none where it may not speculate);
+        `unfinished`: the scheduler's requests (the ones seen before and gone from it have finished)."""
         off = len(running) >= self.limit
         for request in running:
             if off or not may_speculate(request):
                 request.spec_token_ids = []
+                continue
+            tokens = request.prompt_token_ids + request.output_token_ids
+            if self.suffix is not None:
+                request.spec_token_ids = self.suffix.propose(tokens, shared=request.cache_salt is None)
             else:
-                tokens = request.prompt_token_ids + request.output_token_ids
-                request.spec_token_ids = self.proposer.propose(tokens, request.spec_window or self.proposer.k)
+                assert self.ngram is not None
+                request.spec_token_ids = self.ngram.propose(tokens, request.spec_window or self.k)
+        if self.suffix is not None:
+            self._cache_finished(running, unfinished)
+
+    def _cache_finished(self, running: list[Request], unfinished: dict[str, Request]) -> None:
+        assert self.suffix is not None
+        for request in running:
+            self._seen[request.request_id] = request
+        for request_id in [rid for rid in self._seen if rid not in unfinished]:
+            request = self._seen.pop(request_id)
+            if request.cache_salt is None:
+                self.suffix.finish(request_id, request.output_token_ids)
 
     def stats_fields(self) -> dict:
         """`EngineStats`' speculative-decoding totals."""
@@ -80,7 +105,7 @@ class Speculator:
 
     def record(self, scheduler_output: SchedulerOutput, step_output: StepOutput, requests: dict[str, Request]) -> None:
         """Count the step's verifications and set each request's next proposal length."""
-        counts, held, k = self.counts, step_output.accepted_token_ids, self.proposer.k
+        counts, held, k = self.counts, step_output.accepted_token_ids, self.k
         for request_id, proposals in scheduler_output.spec_token_ids.items():
             if request_id not in step_output.sampled_token_ids:
                 continue  # aborted while the step ran

@@ -5,6 +5,8 @@ Pieces, each usable and tested on its own:
   methods and keys not implemented in one line naming what is.
 - `ngram.py`: prompt lookup — the longest suffix of a request's tokens (prompt + output) seen earlier in
   them proposes the tokens that followed it there. No model, no state beyond the tokens.
+- `suffix.py`: suffix decoding — the continuation most occurrences of the longest matching suffix agree on,
+  in the request's own tokens or in finished requests' outputs (a bigram-indexed store, oldest evicted).
 - `rejection.py`: verification. Greedy rows keep the proposals up to the first that differs from the
   model's argmax, then the model's token; sampled rows use the standard rejection scheme (accept a proposal
   x with probability min(1, p(x) / q(x)), else draw from the normalised max(p - q, 0)), so the output

@@ -11,11 +11,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.errors import ConfigError
+from pagoda.spec_decode.suffix import SuffixParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # vLLM's other methods, refused by name (with what is supported) rather than as unknown words.
-KNOWN_ELSEWHERE = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+KNOWN_ELSEWHERE = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+_KEYS = {
+    "ngram": _COMMON | {"prompt_lookup_min", "prompt_lookup_max"},
+    "suffix": _COMMON
+    | {
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    },
+}
+# vLLM's suffix defaults; num_speculative_tokens defaults to the tree depth there too.
+SUFFIX_DEFAULTS = SuffixParams(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0, min_token_prob=0.1)
 PARAM = "speculative_config"
 
 
@@ -26,6 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int  # n-gram lengths tried, longest first
     prompt_lookup_max: int
     disable_by_batch_size: int | None  # no proposals in steps with at least this many running requests
+    suffix: SuffixParams | None = None  # method "suffix"
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -49,13 +63,19 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         raise ConfigError(
             f"--speculative-config {known}{method!r} is not supported; supported: {', '.join(METHODS)}.", PARAM
         )
-    unknown = sorted(set(value) - _KEYS)
+    unknown = sorted(set(value) - _KEYS[method])
     if unknown:
         raise ConfigError(
             f"--speculative-config keys not supported for {method!r}: {', '.join(unknown)} "
-            f"(supported: {', '.join(sorted(_KEYS))}).",
+            f"(supported: {', '.join(sorted(_KEYS[method]))}).",
             PARAM,
         )
+    disable = _positive_int(value, "disable_by_batch_size", None)
+    if method == "suffix":
+        suffix = _suffix_params(value)
+        k = _positive_int(value, "num_speculative_tokens", suffix.max_tree_depth)
+        assert k is not None
+        return SpeculativeConfig(method, k, 0, 0, disable, suffix)
     k = _positive_int(value, "num_speculative_tokens", None)
     if k is None:
         raise ConfigError('--speculative-config needs "num_speculative_tokens" (proposals per step, e.g. 4).', PARAM)
@@ -68,8 +88,32 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     high = given_high or max(5, low)
     if low > high:
         raise ConfigError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high}).", PARAM)
-    disable = _positive_int(value, "disable_by_batch_size", None)
     return SpeculativeConfig(method, k, low, high, disable)
+
+
+def _suffix_params(value: dict[str, Any]) -> SuffixParams:
+    d = SUFFIX_DEFAULTS
+    depth = _positive_int(value, "suffix_decoding_max_tree_depth", d.max_tree_depth)
+    cached = value.get("suffix_decoding_max_cached_requests", d.max_cached_requests)
+    if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+        raise ConfigError(
+            f"--speculative-config suffix_decoding_max_cached_requests must be an integer >= 0 (0: no cache), "
+            f"got {cached!r}.",
+            PARAM,
+        )
+    factor = _number(value, "suffix_decoding_max_spec_factor", d.max_spec_factor, "a number > 0", lambda x: x > 0)
+    prob = _number(
+        value, "suffix_decoding_min_token_prob", d.min_token_prob, "a number in [0, 1]", lambda x: 0 <= x <= 1
+    )
+    assert depth is not None
+    return SuffixParams(depth, cached, factor, prob)
+
+
+def _number(value: dict[str, Any], key: str, default: float, what: str, ok: Any) -> float:
+    got = value.get(key, default)
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not ok(got):
+        raise ConfigError(f"--speculative-config {key} must be {what}, got {got!r}.", PARAM)
+    return float(got)
 
 
 def _positive_int(value: dict[str, Any], key: str, default: int | None) -> int | None:

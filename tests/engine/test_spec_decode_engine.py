@@ -100,3 +100,28 @@ def test_get_metrics_counts_as_vllms_reader_does(spec_llm):
     per_pos = after[("vllm:spec_decode_num_accepted_tokens_per_pos", None)].values
     assert len(per_pos) == 4 and sum(per_pos) == after[("vllm:spec_decode_num_accepted_tokens", None)].value
     assert all(m.labels["engine"] == "0" for m in after.values())
+
+
+def test_suffix_proposals_keep_greedy_outputs_and_reuse_finished_answers(default_llm):
+    """Suffix decoding: outputs as without speculation; an answer given before is proposed from the cache of
+    finished outputs when the same question comes again (its own prompt does not contain the answer)."""
+    llm = LLM(
+        max_model_len=2048,
+        cpu_kv_cache_space_gib=0.25,
+        seed=0,
+        speculative_config={"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 64},
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24)
+        assert _tokens(llm, params) == _tokens(default_llm, params)
+        counts = llm.engine.speculator.counts
+        question = [{"role": "user", "content": "Write a short poem about a lighthouse keeper."}]
+        first = llm.chat([question], params, use_tqdm=False)[0].outputs[0]
+        drafted, accepted = counts.num_draft_tokens, counts.num_accepted_tokens
+        again = llm.chat([question], params, use_tqdm=False)[0].outputs[0]
+        want = default_llm.chat([question], params, use_tqdm=False)[0].outputs[0]
+        assert again.token_ids == first.token_ids == want.token_ids
+        # Without the cache its own text proposes little (1 of 9 proposals held when measured).
+        assert counts.num_accepted_tokens - accepted >= 0.7 * (counts.num_draft_tokens - drafted) >= 0.7 * 16, counts
+    finally:
+        llm.shutdown()
