@@ -1,9 +1,9 @@
 """Speculative proposals for the next step, made on the host after each step's update, and their counts.
 
-A decoding request gets up to k proposals (`Request.spec_token_ids`) from the n-gram proposer over its
-prompt and output; the scheduler schedules them after its last known token and the runner verifies them
-(`pagoda/spec_decode/`). Requests whose sampling reads more than the model's distribution at one position —
-penalties (they depend on the tokens before, proposals included), logprobs, a grammar, a seed (its random
+A decoding request gets up to k proposals (`Request.spec_token_ids`) from the n-gram or suffix proposer;
+the scheduler schedules them after its last known token and the runner verifies them (`pagoda/spec_decode/`;
+penalties apply at each verified position with the proposals before it in the history). Requests whose
+sampling reads more than the model's distribution at one position — logprobs, a grammar, a seed (its random
 stream would differ from decoding without proposals), min_tokens not yet reached — get none and decode one
 token a step. So do all requests in a step of at least `disable_by_batch_size` running ones: verifying
 proposals costs compute that a large batch already uses. Its default is 32 on a GPU, where a decode step of
@@ -44,9 +44,6 @@ def may_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (
         request.num_computed_tokens == request.num_tokens - 1  # decoding (its prompt is computed)
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
         and params.logprobs is None
         and params.structured_outputs is None
         and params.seed is None

@@ -398,11 +398,23 @@ class SamplingState:
         self._last_rows, self._last_rows_np = rows, rows_np
         return batch
 
-    def update(self, sampled_token_ids: Tensor) -> None:
-        """Record the tokens just sampled for the rows of the last `batch()` ([B] int64, on the device)."""
+    def update(self, sampled_token_ids: Tensor, earlier: tuple[Tensor, Tensor] | None = None) -> None:
+        """Record the tokens just sampled for the rows of the last `batch()` ([B] int64, on the device).
+        `earlier`: tokens a row produced this step before its last one (accepted speculative proposals),
+        [B, J] int64 with [B, J] bool saying which are real: they join the penalties' histories. They are
+        not counted for min_tokens (a row only speculates once min_tokens is met)."""
         rows_np = self._last_rows_np
         assert rows_np is not None and sampled_token_ids.shape == (len(rows_np),), "update() needs the last batch()"
         self._num_output[rows_np] += 1
+        if earlier is not None and (self._seen is not None or self._counts is not None):
+            tokens, keep = earlier
+            # Padding points at the row's last token, which is recorded below anyway (and counts 0 here).
+            tokens = torch.where(keep, tokens, sampled_token_ids[:, None])
+            rows = to_device(rows_np, self.device)[:, None].expand_as(tokens)
+            if self._seen is not None:
+                self._seen[rows, tokens] = True
+            if self._counts is not None:
+                self._counts.index_put_((rows, tokens), keep.to(torch.int32), accumulate=True)
         if self._seen is not None:
             self._seen[self._last_rows, sampled_token_ids] = True
         if self._counts is not None:

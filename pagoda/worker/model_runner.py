@@ -328,7 +328,7 @@ class ModelRunner:
                 out, verified = self.sampler(logits, self.sampling.batch(request_ids), masks), None
             else:  # proposal rows are verified (`worker/spec_rows.py`)
                 out, verified = spec_rows.sample(self.sampler, self.sampling, logits, request_ids, spec, masks)
-            self.sampling.update(out.sampled_token_ids)
+            self.sampling.update(out.sampled_token_ids, verified.earlier if verified is not None else None)
             self.link.share_tokens(out.sampled_token_ids)
         for row, s in enumerate(states):
             s.num_pending += 1

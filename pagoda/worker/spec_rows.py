@@ -4,8 +4,9 @@ that verify them, and the verification itself (`pagoda/spec_decode/rejection.py`
 A row with d proposals computes 1 + d tokens: its last known token, then the proposals. The model's output
 at those 1 + d positions checks proposal 0 .. d - 1 and gives one token more. Rows without proposals in the
 same step sample as always (`Sampler`, with grammar masks, logprobs and seeds); only proposal rows go
-through verification, which the engine allows only for rows without penalties, logprobs, grammar or seed
-(`engine/speculation.py`).
+through verification, which the engine allows only for rows without logprobs, grammar or seed
+(`engine/speculation.py`). Penalties apply at every verified position with the history that position
+would have had decoding one token a step: the proposals before it count as output there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from pagoda.device_copy import to_device
-from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState, apply_filters
+from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingState, apply_filters, apply_penalties
 from pagoda.outputs import SchedulerOutput
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS
 from pagoda.spec_decode.rejection import rejection_sample, verify_greedy
@@ -30,6 +31,14 @@ class Verified:
 
     tokens: torch.Tensor  # [S, K + 1] int64, -1 past each row's count
     counts: torch.Tensor  # [S] tokens per row: 1 + the proposals that held
+
+    @property
+    def earlier(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tokens before their last one ([S, K]) and which are real ([S, K] bool): what
+        `SamplingState.update` adds to the penalties' histories besides the last tokens."""
+        k = self.tokens.shape[1] - 1
+        keep = torch.arange(k, device=self.tokens.device)[None, :] < (self.counts - 1)[:, None]
+        return self.tokens[:, :k], keep
 
 
 def build_inputs(
@@ -56,9 +65,13 @@ def build_inputs(
             del by_id[request_id].token_ids[-len(proposals) :]
     rows = inputs.sample_rows.tolist()
     proposals = [spec.get(request_ids[i], []) for i in rows]
-    temperatures = np.fromiter((states[i].sampling_params.temperature for i in rows), np.float64, len(rows))
-    greedy = temperatures < GREEDY_TEMPERATURE_EPS
-    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy)
+    params = [states[i].sampling_params for i in rows]
+    greedy = np.array([p.temperature < GREEDY_TEMPERATURE_EPS for p in params], dtype=bool)
+    penalized = np.array(
+        [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params],
+        dtype=bool,
+    )
+    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy, penalized)
     return inputs
 
 
@@ -110,10 +123,17 @@ def sample(
     )
     n_drafts = to_device(counts[speculative], device)
     g = grid[spec_rows]  # [R, K + 1, V]
-    t, n = verify_greedy(g.argmax(dim=-1), drafts, n_drafts)
-    greedy = spec.greedy[speculative]
-    if not greedy.all():  # sampled rows: their distribution at every position (each row's knobs repeated)
+    greedy, penalized = spec.greedy[speculative], bool(spec.penalized[speculative].any())
+    batch = None
+    if penalized or not greedy.all():  # every position with its row's knobs (each row's repeated)
         batch = sampling.batch([rid for rid in spec_ids for _ in range(k + 1)])
+    if penalized:
+        assert batch is not None
+        _count_earlier_proposals(batch, [spec.proposals[i] for i in speculative.tolist()], k)
+        g = apply_penalties(g.reshape(len(spec_ids) * (k + 1), -1), batch).view_as(g)
+    t, n = verify_greedy(g.argmax(dim=-1), drafts, n_drafts)
+    if not greedy.all():  # sampled rows: their distribution at every position
+        assert batch is not None
         probs = apply_filters(g.reshape(len(spec_ids) * (k + 1), -1), batch).softmax(dim=-1).view_as(g)
         ts, ns = rejection_sample(probs, drafts, n_drafts)
         on_device = to_device(greedy, device)
@@ -122,6 +142,28 @@ def sample(
     last[spec_rows] = t.gather(1, (n - 1)[:, None]).squeeze(1)
     sampling.batch(request_ids)  # `update` records every row's last token
     return _with_plain_logprobs(out, last, plain, rows), Verified(tokens, num)
+
+
+def _count_earlier_proposals(batch: SamplingBatch, proposals: list[list[int]], k: int) -> None:
+    """Position j of a row (row-major [R, K + 1] batch rows) decodes after the row's proposals 0 .. j - 1:
+    add them to that position's penalty history (the batch's own copies of the rows' masks and counts)."""
+    flat, toks = [], []
+    for r, row in enumerate(proposals):
+        for j in range(1, len(row) + 1):
+            flat += [r * (k + 1) + j] * j
+            toks += row[:j]
+    if not flat:
+        return
+    mask, counts = batch.prompt_or_output_mask, batch.output_token_counts
+    some = mask if mask is not None else counts
+    if some is None:
+        return
+    device = some.device
+    index = (to_device(flat, device, torch.int64), to_device(toks, device, torch.int64))
+    if mask is not None:
+        mask[index] = True
+    if counts is not None:
+        counts.index_put_(index, torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
 
 
 def _with_plain_logprobs(out: SamplerOutput | None, last: torch.Tensor, plain: np.ndarray, rows: int) -> SamplerOutput:

@@ -28,6 +28,7 @@ class SpecRows:
     counts: np.ndarray  # [S] proposals per sampling row (0: an ordinary row)
     proposals: list[list[int]]  # [S] the proposals themselves
     greedy: np.ndarray  # [S] bool: the row samples greedily (temperature 0)
+    penalized: np.ndarray  # [S] bool: the row has a repetition, frequency or presence penalty
 
 
 @dataclass

@@ -74,6 +74,23 @@ def test_a_stop_string_inside_accepted_proposals_ends_the_text_where_it_would(de
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
+@pytest.mark.parametrize(
+    "penalties",
+    [{"repetition_penalty": 1.05}, {"frequency_penalty": 0.4, "presence_penalty": 0.2}],
+    ids=["repetition", "frequency+presence"],
+)
+def test_penalised_greedy_outputs_are_unchanged(default_llm, spec_llm, penalties):
+    """Each verified position is penalised with the proposals before it in its history, and the accepted
+    ones join the history of later steps: the outputs are those of decoding one token a step."""
+    params = SamplingParams(temperature=0, max_tokens=32, **penalties)
+    counts = spec_llm.engine.speculator.counts
+    accepted = counts.num_accepted_tokens
+    want = [o.outputs[0].token_ids for o in default_llm.chat([COPY] * 2, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec_llm.chat([COPY] * 2, params, use_tqdm=False)] == want
+    assert _tokens(spec_llm, params) == _tokens(default_llm, params)
+    assert counts.num_accepted_tokens - accepted >= 20, counts  # proposals held, so histories mattered
+
+
 def test_sampled_requests_run_with_proposals(spec_llm):
     params = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, n=2)
     outputs = spec_llm.generate(PROMPTS, params, use_tqdm=False)
