@@ -80,6 +80,7 @@ class StepOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
     # Speculative rows: the proposals that held, in order; the sampled token follows them.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # theirs, where asked
 
 
 @dataclass

@@ -390,7 +390,9 @@ class LLMEngine:
         step_output = launched.result()  # waits for the device (the step's sampled tokens)
         self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
-        outputs = self.output_processor.process(updated, step_output.logprobs, self._finish)
+        outputs = self.output_processor.process(
+            updated, step_output.logprobs, self._finish, step_output.accepted_logprobs
+        )
         if self.speculator is not None:  # the next step's proposals, from the tokens known now
             self.speculator.record(scheduler_output, step_output, self.scheduler.requests)
             self.speculator.propose(self.scheduler.running, self.scheduler.requests)

@@ -94,6 +94,7 @@ class OutputProcessor:
         updated: list[Request],
         logprobs: dict[str, TokenLogprobs],
         finish_fn: Callable[[str, RequestStatus, str], None],
+        accepted_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestOutput]:
         """Handle the requests that got a token this step; returns outputs to hand to callers.
 
@@ -109,13 +110,10 @@ class OutputProcessor:
                 continue
             try:  # free unless it raises; inline, not a call per request (every step, every request)
                 token = request.output_token_ids[-1]
-                if sample.logprobs is not None:
-                    lp = logprobs.get(request.request_id)
-                    if lp is not None:
-                        self._append_logprobs(sample, token, lp)
                 n = request.num_new_tokens  # 1 but after verified speculative proposals
                 if n != 1:
                     request.num_new_tokens = 1
+                first = len(request.output_token_ids) - n  # this step's tokens start here
                 detok = sample.detokenizer
                 if detok is not None:
                     stop = detok.update_one(token) if n == 1 else _update_tokens(detok, request, n)
@@ -124,6 +122,14 @@ class OutputProcessor:
                             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                         else:
                             finish_fn(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                if sample.logprobs is not None:
+                    lp = logprobs.get(request.request_id)
+                    earlier = accepted_logprobs.get(request.request_id) if accepted_logprobs else None
+                    if lp is not None and earlier is None:
+                        self._append_logprobs(sample, token, lp)
+                    elif lp is not None and earlier is not None:  # verified proposals, then the row's own
+                        for new, entry in zip(request.output_token_ids[first:], [*earlier, lp]):  # as many as kept
+                            self._append_logprobs(sample, new, entry)
                 if request.status.is_finished:
                     self._finish_sample(sample, request)
                 parent = sample.parent

@@ -40,6 +40,7 @@ class PendingStep:
             out.chosen_logprobs,
             None if verified is None else verified.tokens,
             None if verified is None else verified.counts,
+            *(verified.logprobs if verified is not None and verified.logprobs is not None else (None, None, None)),
         )
         # non_blocking device→host copies land in pinned memory; plain CPU tensors pass through.
         self._host = [t.to("cpu", non_blocking=True) if t is not None and cuda else t for t in tensors]
@@ -56,7 +57,7 @@ class PendingStep:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        tokens, sampled_lp, top_lp, top_ids, chosen_lp, verified, counts = self._host
+        tokens, sampled_lp, top_lp, top_ids, chosen_lp, verified, counts, *spec_lp = self._host
         sampled = tokens.tolist()
         result = StepOutput(dict(zip(self.request_ids, sampled)))
         if sampled_lp is not None:
@@ -75,7 +76,7 @@ class PendingStep:
                     top = list(zip(top_ids[row][:k], top_lp[row][:k])) if top_ids is not None and k else []
                 result.logprobs[rid] = TokenLogprobs(sampled_lp[row], top)
         if self._verified:
-            self._take_verified(result, verified.tolist(), counts.tolist())
+            self._take_verified(result, verified.tolist(), counts.tolist(), spec_lp)
         for s, token in zip(self.states, sampled):
             s.token_ids.append(token)
             s.output_token_ids.append(token)
@@ -83,9 +84,11 @@ class PendingStep:
         self._output = result
         return result
 
-    def _take_verified(self, result: StepOutput, tokens: list[list[int]], counts: list[int]) -> None:
-        """Rows whose proposals held: those tokens go before the row's own. (The computed count moves back over
-        the rest with the scheduler's, which the next step's diff carries.)"""
+    def _take_verified(self, result: StepOutput, tokens: list[list[int]], counts: list[int], logprobs: list) -> None:
+        """Rows whose proposals held: those tokens (and their logprobs, for rows that asked) go before the row's
+        own. (The computed count moves back over the rest with the scheduler's, which the next step's diff
+        carries.)"""
+        chosen, top_lp, top_ids = logprobs
         for row, (rid, s) in enumerate(zip(self.request_ids, self.states)):
             accepted = counts[row] - 1
             if accepted > 0:
@@ -93,6 +96,12 @@ class PendingStep:
                 s.token_ids.extend(held)
                 s.output_token_ids.extend(held)
                 result.accepted_token_ids[rid] = held
+                k = s.sampling_params.logprobs
+                if k is not None and chosen is not None:
+                    lps, tops, ids = chosen[row].tolist(), top_lp[row].tolist(), top_ids[row].tolist()
+                    result.accepted_logprobs[rid] = [
+                        TokenLogprobs(lps[j], list(zip(ids[j][:k], tops[j][:k]))) for j in range(accepted)
+                    ]
 
 
 class DeferredStep:

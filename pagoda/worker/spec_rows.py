@@ -4,9 +4,11 @@ that verify them, and the verification itself (`pagoda/spec_decode/rejection.py`
 A row with d proposals computes 1 + d tokens: its last known token, then the proposals. The model's output
 at those 1 + d positions checks proposal 0 .. d - 1 and gives one token more. Rows without proposals in the
 same step sample as always (`Sampler`, with grammar masks, logprobs and seeds); only proposal rows go
-through verification, which the engine allows only for rows without logprobs, grammar or seed
-(`engine/speculation.py`). Penalties apply at every verified position with the history that position
-would have had decoding one token a step: the proposals before it count as output there.
+through verification, which the engine allows only for rows without a grammar, a seed or
+logprob_token_ids (`engine/speculation.py`). A proposal row that asks for logprobs gets them for every token
+it keeps, from the model's raw distribution at that token's position, as the sampler gives them. Penalties
+apply at every verified position with the history that position would have had decoding one token a step:
+the proposals before it count as output there.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class Verified:
 
     tokens: torch.Tensor  # [S, K + 1] int64, -1 past each row's count
     counts: torch.Tensor  # [S] tokens per row: 1 + the proposals that held
+    # Rows that asked for logprobs: each position's token logprob [S, K + 1], top logprobs and ids
+    # [S, K + 1, W] (W: the most any row asked for); None when no proposal row asked.
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def earlier(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +76,8 @@ def build_inputs(
         [p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params],
         dtype=bool,
     )
-    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy, penalized)
+    wanted = np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64)
+    inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy, penalized, wanted)
     return inputs
 
 
@@ -141,7 +147,8 @@ def sample(
     tokens[spec_rows], num[spec_rows] = t, n
     last[spec_rows] = t.gather(1, (n - 1)[:, None]).squeeze(1)
     sampling.batch(request_ids)  # `update` records every row's last token
-    return _with_plain_logprobs(out, last, plain, rows), Verified(tokens, num)
+    logprobs = _position_logprobs(grid, t, spec_rows, spec.logprobs[speculative], rows)
+    return _with_logprobs(out, last, plain, logprobs, num), Verified(tokens, num, logprobs)
 
 
 def _count_earlier_proposals(batch: SamplingBatch, proposals: list[list[int]], k: int) -> None:
@@ -166,19 +173,63 @@ def _count_earlier_proposals(batch: SamplingBatch, proposals: list[list[int]], k
         counts.index_put_(index, torch.ones_like(index[0], dtype=torch.int32), accumulate=True)
 
 
-def _with_plain_logprobs(out: SamplerOutput | None, last: torch.Tensor, plain: np.ndarray, rows: int) -> SamplerOutput:
-    """Every row's token; the ordinary rows' logprobs at their rows (proposal rows never ask for them)."""
-    if out is None or out.sampled_logprobs is None:
-        return SamplerOutput(last, None, None, None)
-    idx = to_device(plain, last.device)
-
-    def widen(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        full = t.new_zeros((rows, *t.shape[1:]))
-        full[idx] = t
-        return full
-
-    return SamplerOutput(
-        last, widen(out.sampled_logprobs), widen(out.top_logprobs), widen(out.top_token_ids), widen(out.chosen_logprobs)
+def _position_logprobs(
+    grid: torch.Tensor, t: torch.Tensor, spec_rows: torch.Tensor, wanted: np.ndarray, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Logprobs (raw distribution, as the sampler's) of the proposal rows' tokens at every position, laid out
+    over all S rows; None when no proposal row asked for any. wanted: [R] each proposal row's count, -1: none."""
+    if not len(wanted) or wanted.max() < 0:
+        return None
+    width = int(wanted.max())
+    raw = grid[spec_rows].float().log_softmax(dim=-1)  # [R, K + 1, V]
+    chosen = raw.gather(2, t.clamp(min=0)[..., None]).squeeze(2)
+    top_lp, top_ids = raw.topk(width, dim=-1, sorted=True)
+    positions = grid.shape[1]
+    full = (
+        chosen.new_zeros(rows, positions),
+        top_lp.new_zeros(rows, positions, width),
+        top_ids.new_zeros(rows, positions, width),
     )
+    for tensor, part in zip(full, (chosen, top_lp, top_ids)):
+        tensor[spec_rows] = part
+    return full
+
+
+def _with_logprobs(
+    out: SamplerOutput | None,
+    last: torch.Tensor,
+    plain: np.ndarray,
+    spec_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    num: torch.Tensor,
+) -> SamplerOutput:
+    """Every row's token and, where rows asked, the logprobs of that token: the ordinary rows' from the
+    sampler, the proposal rows' at their last kept position."""
+    plain_lp = out is not None and out.sampled_logprobs is not None
+    if not plain_lp and spec_logprobs is None:
+        return SamplerOutput(last, None, None, None)
+    rows = len(last)
+    width = max(
+        out.top_logprobs.shape[1] if plain_lp and out.top_logprobs is not None else 0,  # type: ignore[union-attr]
+        spec_logprobs[1].shape[2] if spec_logprobs is not None else 0,
+    )
+    sampled = torch.zeros(rows, dtype=torch.float32, device=last.device)
+    top_lp = torch.zeros(rows, width, dtype=torch.float32, device=last.device)
+    top_ids = torch.zeros(rows, width, dtype=torch.int64, device=last.device)
+    chosen = None
+    if spec_logprobs is not None:  # every row's last position (ordinary rows: overwritten below)
+        at = (num - 1)[:, None]
+        sampled = spec_logprobs[0].gather(1, at).squeeze(1)
+        w = spec_logprobs[1].shape[2]
+        top_lp[:, :w] = spec_logprobs[1].gather(1, at[..., None].expand(-1, 1, w)).squeeze(1)
+        top_ids[:, :w] = spec_logprobs[2].gather(1, at[..., None].expand(-1, 1, w)).squeeze(1)
+    if plain_lp:
+        assert out is not None and out.sampled_logprobs is not None
+        idx = to_device(plain, last.device)
+        sampled[idx] = out.sampled_logprobs
+        if out.top_logprobs is not None and out.top_token_ids is not None:
+            w = out.top_logprobs.shape[1]
+            top_lp[idx, :w], top_ids[idx, :w] = out.top_logprobs, out.top_token_ids
+        if out.chosen_logprobs is not None:
+            chosen = out.chosen_logprobs.new_zeros((rows, *out.chosen_logprobs.shape[1:]))
+            chosen[idx] = out.chosen_logprobs
+    return SamplerOutput(last, sampled, top_lp, top_ids, chosen)

@@ -29,6 +29,7 @@ class SpecRows:
     proposals: list[list[int]]  # [S] the proposals themselves
     greedy: np.ndarray  # [S] bool: the row samples greedily (temperature 0)
     penalized: np.ndarray  # [S] bool: the row has a repetition, frequency or presence penalty
+    logprobs: np.ndarray  # [S] int64: the row's SamplingParams.logprobs, -1 for None
 
 
 @dataclass

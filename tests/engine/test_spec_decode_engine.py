@@ -91,6 +91,29 @@ def test_penalised_greedy_outputs_are_unchanged(default_llm, spec_llm, penalties
     assert counts.num_accepted_tokens - accepted >= 20, counts  # proposals held, so histories mattered
 
 
+def test_logprobs_are_given_for_every_kept_token(default_llm, spec_llm):
+    """Rows that ask for logprobs speculate too: each kept token (proposals included) has its logprob and the
+    top alternatives from the model's distribution at its position, as decoding one token a step gives them
+    (to float tolerance: the step's batch shape differs); a stop string inside the kept tokens cuts both."""
+    counts = spec_llm.engine.speculator.counts
+    accepted = counts.num_accepted_tokens
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2, stop=["prefix caching"]),
+    ):
+        want = default_llm.chat([COPY], params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.chat([COPY], params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert len(got.logprobs) == len(got.token_ids)
+        for token, mine, theirs in zip(got.token_ids, got.logprobs, want.logprobs):
+            assert mine.keys() == theirs.keys() and token in mine
+            for tid in mine:
+                assert mine[tid].logprob == pytest.approx(theirs[tid].logprob, abs=2e-3)
+                assert mine[tid].rank == theirs[tid].rank
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=2e-2)
+    assert counts.num_accepted_tokens - accepted >= 20, counts
+
+
 def test_sampled_requests_run_with_proposals(spec_llm):
     params = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, n=2)
     outputs = spec_llm.generate(PROMPTS, params, use_tqdm=False)

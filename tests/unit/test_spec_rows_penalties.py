@@ -58,7 +58,8 @@ def test_penalised_rows_verify_as_one_token_at_a_time(seed):
         logits_rows.append(logits[: d + 1])
         rows.append((params, prompt, output))
     counts = np.array([len(p) for p in proposals])
-    spec = SpecRows(counts, proposals, np.ones(len(ids), dtype=bool), np.array([bool(p) for p in PENALTIES]))
+    penalized, no_logprobs = np.array([bool(p) for p in PENALTIES]), np.full(len(ids), -1)
+    spec = SpecRows(counts, proposals, np.ones(len(ids), dtype=bool), penalized, no_logprobs)
     out, verified = sample(Sampler(), state, torch.cat(logits_rows), ids, spec, None)
     got = [verified.tokens[r, : int(verified.counts[r])].tolist() for r in range(len(ids))]
     assert got == want
