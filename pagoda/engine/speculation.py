@@ -1,15 +1,15 @@
 """Speculative proposals for the next step, made on the host after each step's update, and their counts.
 
-A decoding request gets up to k proposals (`Request.spec_token_ids`) from the n-gram or suffix proposer;
-the scheduler schedules them after its last known token and the runner verifies them (`pagoda/spec_decode/`;
+A decoding request gets up to k proposals (`Request.spec_token_ids`) from the n-gram or suffix proposer; the
+scheduler schedules them after its last known token and the runner verifies them (`pagoda/spec_decode/`;
 penalties apply at each verified position with the proposals before it in the history). Requests whose
-sampling needs more than the model's distribution at one position — a grammar, a seed (its random stream
-would differ from decoding without proposals), logprob_token_ids, min_tokens not yet reached — get none and
-decode one token a step (logprobs are given for every kept token). So do all requests in a step of at least
-`disable_by_batch_size` running ones: verifying proposals costs compute that a large batch already uses. Its
-default is 32 on a GPU, where a decode step of a few rows reads every weight from memory and the extra
-positions are nearly free, and 2 on the CPU, where a step's cost grows with its tokens: one request alone
-gained (1.43x on copying), eight at once lost (0.79x)
+sampling needs more than the model's distribution at one position — a seed (a seed promises the same output
+whatever else runs, and proposals depend on the batch), logprob_token_ids, min_tokens not yet reached — get
+none and decode one token a step (logprobs are given for every kept token; a grammar masks every position). So
+do all requests in a step of at least `disable_by_batch_size` running ones: verifying proposals costs compute
+that a large batch already uses. Its default is 32 on a GPU, where a decode step of a few rows reads every
+weight from memory and the extra positions are nearly free, and 2 on the CPU, where a step's cost grows with
+its tokens: one request alone gained (1.43x on copying), eight at once lost (0.79x)
 (`benchmarks/spec_decode_cpu.py`).
 
 With n-gram proposals, each request's proposal length adapts to what its last verification kept: one more
@@ -46,7 +46,6 @@ def may_speculate(request: Request) -> bool:
     return (
         request.num_computed_tokens == request.num_tokens - 1  # decoding (its prompt is computed)
         and not params.logprob_token_ids
-        and params.structured_outputs is None
         and params.seed is None
         and request.num_output_tokens >= params.min_tokens
     )

@@ -323,7 +323,7 @@ class ModelRunner:
             out, verified = SamplerOutput(self.link.driver_tokens(len(request_ids)), None, None, None), None
         else:
             assert logits is not None
-            masks = self._token_bitmask(request_ids, states)
+            masks = self._token_bitmask(request_ids, states, spec)
             if spec is None:
                 out, verified = self.sampler(logits, self.sampling.batch(request_ids), masks), None
             else:  # proposal rows are verified (`worker/spec_rows.py`)
@@ -337,13 +337,14 @@ class ModelRunner:
         self._last_step = PendingStep(request_ids, states, out, verified=verified)
         return self._last_step
 
-    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequestState]) -> Any:
-        """Constrained rows' allowed tokens, or None. Runs after the step's forward pass is queued, so
-        the grammar work overlaps it on a GPU; a row still waiting for the last step's token (async
-        scheduling) makes this wait for that step's samples, which the grammar must see first."""
+    def _token_bitmask(self, request_ids: list[str], states: list[RunnerRequestState], spec=None) -> Any:
+        """Constrained rows' allowed tokens (with proposals: at each proposal's position), or None. Runs after the
+        step's forward pass is queued, so the grammar work overlaps it on a GPU; a row still waiting for the last
+        step's token (async scheduling) makes this wait for that step's samples, which the grammar must see
+        first."""
         masks = self.token_masks
         if masks is None or not masks.any_constrained(request_ids):
             return None
         if self._last_step is not None and any(s.num_pending for s in states):
             self._last_step.result()
-        return masks.fill(request_ids, [s.output_token_ids for s in states])
+        return masks.fill(request_ids, [s.output_token_ids for s in states], spec and spec.proposals)

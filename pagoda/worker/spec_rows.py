@@ -1,14 +1,15 @@
 """A step's speculative rows in the runner: inputs that carry each row's proposals, the logits positions
 that verify them, and the verification itself (`pagoda/spec_decode/rejection.py`).
 
-A row with d proposals computes 1 + d tokens: its last known token, then the proposals. The model's output
-at those 1 + d positions checks proposal 0 .. d - 1 and gives one token more. Rows without proposals in the
-same step sample as always (`Sampler`, with grammar masks, logprobs and seeds); only proposal rows go
-through verification, which the engine allows only for rows without a grammar, a seed or
-logprob_token_ids (`engine/speculation.py`). A proposal row that asks for logprobs gets them for every token
-it keeps, from the model's raw distribution at that token's position, as the sampler gives them. Penalties
-apply at every verified position with the history that position would have had decoding one token a step:
-the proposals before it count as output there.
+A row with d proposals computes 1 + d tokens: its last known token, then the proposals. The model's output at
+those 1 + d positions checks proposal 0 .. d - 1 and gives one token more. Rows without proposals in the same
+step sample as always (`Sampler`, with grammar masks, logprobs and seeds); only proposal rows go through
+verification, which the engine allows only for rows without a seed or logprob_token_ids
+(`engine/speculation.py`). A constrained row's positions are masked with what its grammar allows after the
+proposals before each (`GrammarManager.fill` with proposals), so a proposal the grammar refuses is rejected. A
+proposal row that asks for logprobs gets them for every token it keeps, from the model's raw distribution at
+that token's position, as the sampler gives them. Penalties apply at every verified position with the history
+that position would have had decoding one token a step: the proposals before it count as output there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from pagoda.device_copy import to_device
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingState, apply_filters, apply_penalties
+from pagoda.layers.token_mask import apply_token_bitmask
 from pagoda.outputs import SchedulerOutput
 from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS
 from pagoda.spec_decode.rejection import rejection_sample, verify_greedy
@@ -105,11 +107,20 @@ def sample(
     device = logits.device
     counts = spec.counts
     plain, speculative = np.flatnonzero(counts == 0), np.flatnonzero(counts > 0)
-    if token_bitmask is not None:  # constrained rows are ordinary rows: their mask rows, renumbered
-        mask, masked = token_bitmask
-        position = {row: i for i, row in enumerate(plain.tolist())}
-        token_bitmask = (mask[torch.from_numpy(plain)], [position[r] for r in masked])
     rows, k = len(counts), int(counts.max())
+    spec_mask = None
+    if token_bitmask is not None:  # [S * (K + 1)] positions' masks: the plain rows' first, renumbered
+        mask, masked = token_bitmask
+        constrained = set(masked)
+        plain_first = plain * (k + 1)
+        token_bitmask = (
+            mask[torch.from_numpy(plain_first)],
+            [i for i, f in enumerate(plain_first.tolist()) if f in constrained],
+        )
+        flat = (speculative[:, None] * (k + 1) + np.arange(k + 1)[None, :]).reshape(-1)
+        spec_masked = [i for i, f in enumerate(flat.tolist()) if f in constrained]
+        if spec_masked:
+            spec_mask = (mask[torch.from_numpy(flat)], spec_masked)
     first = np.cumsum(counts + 1) - (counts + 1)  # each row's first logits row
     index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])  # [S, K + 1], last repeated
     grid = logits[to_device(index.reshape(-1), device)].view(rows, k + 1, -1)
@@ -129,6 +140,8 @@ def sample(
     )
     n_drafts = to_device(counts[speculative], device)
     g = grid[spec_rows]  # [R, K + 1, V]
+    if spec_mask is not None:  # a grammar: each position allows what follows the proposals before it
+        g = apply_token_bitmask(g.reshape(len(speculative) * (k + 1), -1), *spec_mask).view_as(g)
     greedy, penalized = spec.greedy[speculative], bool(spec.penalized[speculative].any())
     batch = None
     if penalized or not greedy.all():  # every position with its row's knobs (each row's repeated)
@@ -147,7 +160,7 @@ def sample(
     tokens[spec_rows], num[spec_rows] = t, n
     last[spec_rows] = t.gather(1, (n - 1)[:, None]).squeeze(1)
     sampling.batch(request_ids)  # `update` records every row's last token
-    logprobs = _position_logprobs(grid, t, spec_rows, spec.logprobs[speculative], rows)
+    logprobs = _position_logprobs(grid, t, spec_rows, spec.logprobs[speculative], rows)  # unmasked, as the sampler
     return _with_logprobs(out, last, plain, logprobs, num), Verified(tokens, num, logprobs)
 
 

@@ -6,9 +6,13 @@ rejection-sampling check)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import StructuredOutputsParams
 
 DOC = (
     "The Pagoda engine serves Yuan2 and Qwen2-VL models. It keeps a paged KV cache with prefix caching, rebuilds "
@@ -112,6 +116,38 @@ def test_logprobs_are_given_for_every_kept_token(default_llm, spec_llm):
                 assert mine[tid].rank == theirs[tid].rank
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=2e-2)
     assert counts.num_accepted_tokens - accepted >= 20, counts
+
+
+def test_constrained_outputs_are_unchanged_and_refused_proposals_are_rejected(default_llm, spec_llm):
+    """A grammar masks every verified position with what it allows after the proposals before it: a JSON
+    answer copying names from its prompt keeps proposals, and proposals copied from a prompt the regex
+    forbids are all refused; the outputs are those of decoding one token a step."""
+    record = "Name: Alice Margaret Smith. City: Lyon. Street: 14 Rue de la Republique. Phone: 0472 55 61 20."
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "street": {"type": "string"}},
+        "required": ["name", "city", "street"],
+    }
+    cases = [
+        (f"Extract this record as JSON.\n\n{record}", StructuredOutputsParams(json=schema)),
+        # "Code:" is followed by letters in the prompt: the proposals copied from there are refused.
+        ("Code: ABCD. Code: ABCD. Code: WXYZ.\nWrite one more code.", StructuredOutputsParams(regex=r"Code: [0-9]{4}")),
+    ]
+    counts = spec_llm.engine.speculator.counts
+    for prompt, constraint in cases:
+        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint)
+        drafted, accepted = counts.num_draft_tokens, counts.num_accepted_tokens
+        chat = [[{"role": "user", "content": prompt}]]
+        want = default_llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text) == (want.token_ids, want.text)
+        if constraint.json is not None:
+            assert json.loads(got.text)["city"] == "Lyon"
+            assert counts.num_accepted_tokens - accepted >= 5, counts
+        else:
+            assert re.fullmatch(r"Code: [0-9]{4}", got.text), got.text
+            refused = (counts.num_draft_tokens - drafted) - (counts.num_accepted_tokens - accepted)
+            assert refused >= 2, counts
 
 
 def test_sampled_requests_run_with_proposals(spec_llm):

@@ -222,3 +222,44 @@ def test_a_checked_constraint_is_not_checked_again_but_a_bad_one_always_is(monke
         with pytest.raises(InvalidRequest, match="invalid JSON schema"):
             grammars.check_structured_outputs(StructuredOutputsParams(json=bad))
     assert len(calls) == 3
+
+
+def test_masks_at_each_proposal_equal_a_fresh_matcher_fed_the_proposals_before_it(qwen_tokenizer) -> None:
+    """`fill` with proposals: position j's mask is what a matcher that was fed the output and proposals
+    0 .. j - 1 allows; the positions stop at the first proposal the grammar refuses (its mask refuses it), and
+    the matcher is back where the output left it (the next fill is unchanged)."""
+    from pagoda.frontend.structured_output.manager import GrammarManager
+
+    vocab, eos = 151936, 151645
+    manager = GrammarManager(qwen_tokenizer, vocab, [eos])
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    compiled = manager.compile(StructuredOutputsParams(json=schema)).result(timeout=60)
+    document = qwen_tokenizer.encode('{"city": "Lyon"}')
+    bad = qwen_tokenizer.encode("}")[0]  # refused where the value must start
+    assert qwen_tokenizer.decode(document[:3]) == '{"city":'
+    cases = {"good": (document[:2], document[2:6]), "bad": (document[:3], [bad, document[3]])}
+    for name in cases:
+        manager.start(name, compiled, "json")
+    names = ["plain", *cases]
+    outputs = [[], *(cases[n][0] for n in cases)]
+    proposals = [[], *(cases[n][1] for n in cases)]
+    bitmask, rows = manager.fill(names, outputs, proposals)
+    positions = 1 + max(map(len, proposals))
+    assert bitmask.shape == (3 * positions, vocab // 32)
+    for index, name in enumerate(cases, start=1):
+        output, ahead = cases[name]
+        refused = next((j for j, t in enumerate(ahead) if t == bad), None)
+        reached = len(ahead) if refused is None else refused
+        assert [r - index * positions for r in rows if r // positions == index] == list(range(reached + 1))
+        for j in range(reached + 1):
+            fresh = GrammarManager.__new__(GrammarManager)  # the reference: a new matcher fed it all
+            fresh.__dict__.update(manager.__dict__, _matchers={})
+            fresh.start("x", compiled, "json")
+            want, _ = fresh.fill(["x"], [output + ahead[:j]])
+            assert allowed(bitmask, index * positions + j, vocab) == allowed(want, 0, vocab), (name, j)
+        if refused is not None:
+            assert bad not in allowed(bitmask, index * positions + refused, vocab)
+    again, _ = manager.fill(names, outputs)
+    for index in (1, 2):
+        assert allowed(again, index, vocab) == allowed(bitmask, index * positions, vocab)
+    manager.shutdown()

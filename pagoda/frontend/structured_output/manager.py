@@ -161,10 +161,17 @@ class GrammarManager:
     def num_sequences(self) -> int:
         return len(self._matchers)
 
-    def fill(self, request_ids: list[str], outputs: list[list[int]]) -> tuple[torch.Tensor, list[int]] | None:
+    def fill(
+        self, request_ids: list[str], outputs: list[list[int]], proposals: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of each constrained row: (bitmask int32 [B, ceil(V/32)], constrained row
         indices), None when no row is constrained. Unconstrained rows are all ones (every token allowed).
         `outputs[i]`: row i's output tokens so far (all of them sampled and on the host).
+
+        `proposals[i]`: row i's speculative proposals (K the longest). The bitmask then has K + 1 rows per
+        row (row i's position j at i * (K + 1) + j): the tokens allowed after its output and its proposals
+        0 .. j - 1, up to the first proposal the grammar refuses (that position's mask refuses it; the
+        positions after it are never reached). The matcher is rolled back over the proposals afterwards.
 
         The rows are filled one after another on this thread: xgrammar's own batch fill
         (BatchGrammarMatcher, on its threads) measured several times slower per row than this loop, on
@@ -179,33 +186,58 @@ class GrammarManager:
             matchers.append(state)
         if not rows:
             return None
+        positions = 1 + max(map(len, proposals), default=0) if proposals is not None else 1
         words = -(-self.vocab_size // 32)
-        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
-        bounded = []
+        bitmask = torch.full((len(request_ids) * positions, words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+        bounded: list[int] = []
+        filled: list[int] = []
         for row, s in zip(rows, matchers):
-            if s.broken or s.matcher.is_terminated():
-                self._only_eos(bitmask, row)
-                continue
-            s.matcher.fill_next_token_bitmask(bitmask, row)
-            if s.trailing_whitespace >= MAX_JSON_WHITESPACE and s.json_whitespace:
-                bounded.append(row)
+            ahead = proposals[row] if proposals is not None else []
+            saved_whitespace, taken = s.trailing_whitespace, 0
+            for j in range(len(ahead) + 1):
+                flat = row * positions + j
+                filled.append(flat)
+                self._fill_one(bitmask, flat, s, bounded)
+                if j == len(ahead) or s.broken or s.matcher.is_terminated():
+                    break
+                if not self._accept(s, ahead[j]):
+                    break  # this position's mask refuses it: verification stops here
+                taken += 1
+            if taken:
+                s.matcher.rollback(taken)
+                s.trailing_whitespace = saved_whitespace
         if bounded:
             self._end_whitespace(bitmask, bounded)
-        return bitmask, rows
+        return bitmask, filled
+
+    def _fill_one(self, bitmask: torch.Tensor, flat: int, s: _Matcher, bounded: list[int]) -> None:
+        if s.broken or s.matcher.is_terminated():
+            self._only_eos(bitmask, flat)
+            return
+        s.matcher.fill_next_token_bitmask(bitmask, flat)
+        if s.trailing_whitespace >= MAX_JSON_WHITESPACE and s.json_whitespace:
+            bounded.append(flat)
+
+    def _accept(self, state: _Matcher, token: int) -> bool:
+        """Feed one token to the matcher (False, the matcher unchanged, if the grammar refuses it) and
+        track the whitespace the output ends in."""
+        if not state.matcher.accept_token(token):
+            return False
+        whitespace = self._whitespace
+        if whitespace is not None and state.json_whitespace and token < self.vocab_size:
+            trailing = whitespace.trailing[token]
+            state.trailing_whitespace = trailing + state.trailing_whitespace if whitespace.only[token] else trailing
+        return True
 
     def _advance(self, request_id: str, state: _Matcher, output: list[int]) -> None:
-        whitespace = self._whitespace
         while state.accepted < len(output) and not state.broken:
             token = output[state.accepted]
             state.accepted += 1
             if state.matcher.is_terminated():
                 continue  # tokens after EOS (dropped by the scheduler): nothing left to match
-            if not state.matcher.accept_token(token):
+            if not self._accept(state, token):
                 logger.error("Request %s: the grammar did not accept sampled token %d; it ends now.", request_id, token)
                 state.broken = True
-            elif whitespace is not None and state.json_whitespace and token < self.vocab_size:
-                trailing = whitespace.trailing[token]
-                state.trailing_whitespace = trailing + state.trailing_whitespace if whitespace.only[token] else trailing
 
     def _end_whitespace(self, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Forbid the whitespace-only tokens in `rows`, except in a row where they are all the grammar
