@@ -126,8 +126,10 @@ class EngineArgs:
     speculative_config: str | dict | None = knob(
         None,
         'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
-        'also prompt_lookup_min/max, disable_by_batch_size) or {"method": "suffix"} (the prompt, the output and '
-        "finished requests' outputs; vLLM's suffix_decoding_* keys); greedy outputs stay token for token the same",
+        'also prompt_lookup_min/max, disable_by_batch_size), {"method": "suffix"} (the prompt, the output and '
+        "finished requests' outputs; vLLM's suffix_decoding_* keys) or "
+        '{"method": "draft_model", "model": ...} (a smaller model of the same tokenizer; CPU only); greedy '
+        "outputs stay token for token the same",
     )
     async_scheduling: bool | None = knob(
         None,
@@ -296,7 +298,7 @@ class EngineConfig:
         dtype = _resolve_dtype(a.dtype, hf_config, device)
 
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
-        speculative = resolve_speculative(a, hf_config)
+        speculative = resolve_speculative(a, hf_config, device)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
 
         return cls(
@@ -345,11 +347,13 @@ class EngineConfig:
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache, **changes))
 
 
-def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any]) -> SpeculativeConfig | None:
+def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = "cpu") -> SpeculativeConfig | None:
     """The parsed --speculative-config, refused in one line where this version cannot verify proposals."""
     spec = parse_speculative_config(a.speculative_config)
     if spec is None:
         return None
+    if spec.draft_model is not None:
+        _check_draft_model(spec.draft_model, hf_config, device)
     problem = None
     if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
         problem = "with tensor or pipeline parallelism"
@@ -361,6 +365,32 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any]) -> Speculative
     if problem:
         raise ConfigError(f"--speculative-config is not supported {problem} yet.", "speculative_config")
     return spec
+
+
+def _check_draft_model(draft: str, hf_config: dict[str, Any], device: str) -> None:
+    """A draft model runs beside the target only where its memory is accounted for, and must share its vocabulary."""
+    param = "speculative_config"
+    if device != "cpu":
+        raise ConfigError(
+            "--speculative-config method 'draft_model' runs on the CPU only in this version (on a GPU the draft's "
+            "memory is not set aside from the target's KV cache yet); use method 'ngram' or 'suffix' there.",
+            param,
+        )
+    from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
+
+    draft_config = resolve_model_source(draft).hf_config
+    theirs, ours = _vocab_size(draft_config), _vocab_size(hf_config)
+    if theirs != ours:
+        raise ConfigError(
+            f"--speculative-config draft model {draft!r} has a vocabulary of {theirs} tokens, the target {ours}: "
+            "a draft must use the target's tokenizer.",
+            param,
+        )
+
+
+def _vocab_size(hf_config: dict[str, Any]) -> int | None:
+    text = hf_config.get("text_config")
+    return hf_config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 # The resolvers of the knobs whose value needs no hardware: `EngineConfig.create` and `pagoda plan` share them.

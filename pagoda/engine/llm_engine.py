@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from pagoda import envs
-from pagoda.config import EngineConfig
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config.engine import derived_max_model_len
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.scheduler import Scheduler
@@ -79,7 +80,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         speculative = config.scheduler.speculative
-        self.speculator = Speculator(speculative, config.device.device) if speculative is not None else None
+        self.speculator, self.draft = None, None
+        if speculative is not None:
+            self.draft = self._draft_engine(speculative.draft_model) if speculative.draft_model else None
+            self.speculator = Speculator(speculative, config.device.device, self.draft)
         # Launched, not yet read, oldest first; a step is read once this many are unread after a launch.
         self._inflight: collections.deque[tuple[SchedulerOutput, LaunchedStep]] = collections.deque()
         scheduler = config.scheduler
@@ -346,11 +350,34 @@ class LLMEngine:
             **(self.speculator.stats_fields() if self.speculator is not None else {}),
         )
 
+    def _draft_engine(self, model: str) -> LLMEngine:
+        """The draft model of speculative decoding, as an engine of its own (its KV cache, prefix caching,
+        chunked prefill) on the target's device, lengths (at most its own context) and step sizes; it reads
+        token ids only."""
+        c = self.config
+        # A draft with a shorter context proposes for the requests that fit in it (`DraftModelProposer`).
+        context = derived_max_model_len(resolve_model_source(model).hf_config)
+        args = EngineArgs(
+            model=model,
+            skip_tokenizer_init=True,
+            dtype=c.model.dtype,
+            device=c.device.device,
+            max_model_len=min(c.model.max_model_len, context),
+            max_num_seqs=c.scheduler.max_num_seqs,
+            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+            cpu_kv_cache_space_gib=c.cache.cpu_kv_cache_space_gib,
+            seed=c.model.seed,
+        )
+        logger.info("Speculative decoding: loading the draft model %s", model)
+        return LLMEngine(EngineConfig.create(args))
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any, and the grammar compiler's threads."""
+        """Stop the tensor-parallel ranks, if any, the grammar compiler's threads and the draft engine."""
         self.runner.shutdown()
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self.draft is not None:
+            self.draft.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)

@@ -20,10 +20,13 @@ near one). Suffix proposals size themselves (the match length and the draft's es
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.suffix import SuffixProposer
@@ -51,13 +54,43 @@ def may_speculate(request: Request) -> bool:
     )
 
 
+class DraftModelProposer:
+    """Greedy proposals from a smaller model of the same vocabulary, run as an engine of its own (`draft`:
+    an `LLMEngine`). Each step every proposing request is asked of it anew as a prompt of its known tokens:
+    its prefix cache holds what it computed before (the known tokens up to the last full block), so a step
+    costs it a short prefill and one decode step per proposal, batched over the requests. A greedy draft is
+    a one-hot proposal distribution, so rejection sampling keeps sampled requests exact too."""
+
+    def __init__(self, draft: Any, max_model_len: int):
+        self.draft, self.max_model_len = draft, max_model_len
+        self._ids = itertools.count()
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> None:
+        """Set each request's proposals: up to its count of the draft's greedy tokens after its known ones."""
+        asked: dict[str, Request] = {}
+        for request, k in wanted:
+            tokens = request.prompt_token_ids + request.output_token_ids
+            k = min(k, self.max_model_len - len(tokens) - 1)
+            request.spec_token_ids = []
+            if k > 0:
+                draft_id = f"draft-{next(self._ids)}"
+                self.draft.add_request(draft_id, tokens, SamplingParams(temperature=0, max_tokens=k), detokenize=False)
+                asked[draft_id] = request
+        while asked and self.draft.has_unfinished_requests():
+            for output in self.draft.step():
+                if output.finished and output.request_id in asked:
+                    asked.pop(output.request_id).spec_token_ids = list(output.outputs[0].token_ids)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, device: str):
+    def __init__(self, config: SpeculativeConfig, device: str, draft: Any = None):
         self.config = config
         self.k = k = config.num_speculative_tokens
-        self.ngram = self.suffix = None
+        self.ngram = self.suffix = self.draft = None
         if config.suffix is not None:
             self.suffix = SuffixProposer(k, config.suffix)
+        elif draft is not None:
+            self.draft = DraftModelProposer(draft, draft.config.model.max_model_len)
         else:
             self.ngram = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
@@ -68,16 +101,22 @@ class Speculator:
         """Set every running request's proposals for the next step (none where it may not speculate);
         `unfinished`: the scheduler's requests (the ones seen before and gone from it have finished)."""
         off = len(running) >= self.limit
+        drafting: list[tuple[Request, int]] = []
         for request in running:
             if off or not may_speculate(request):
                 request.spec_token_ids = []
-                continue
-            tokens = request.prompt_token_ids + request.output_token_ids
-            if self.suffix is not None:
+            elif self.draft is not None:
+                drafting.append((request, request.spec_window or self.k))
+            elif self.suffix is not None:
+                tokens = request.prompt_token_ids + request.output_token_ids
                 request.spec_token_ids = self.suffix.propose(tokens, shared=request.cache_salt is None)
             else:
                 assert self.ngram is not None
+                tokens = request.prompt_token_ids + request.output_token_ids
                 request.spec_token_ids = self.ngram.propose(tokens, request.spec_window or self.k)
+        if drafting:
+            assert self.draft is not None
+            self.draft.propose(drafting)
         if self.suffix is not None:
             self._cache_finished(running, unfinished)
 

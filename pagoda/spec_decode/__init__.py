@@ -12,8 +12,9 @@ Pieces, each usable and tested on its own:
   x with probability min(1, p(x) / q(x)), else draw from the normalised max(p - q, 0)), so the output
   distribution is exactly the model's. Proposers without a distribution (n-gram, suffix) count as q = one-hot.
 
-Where the rest plugs in: a draft model or an EAGLE/MTP head is another proposer with the n-gram proposer's
-surface (`propose(tokens) -> list[int]`, plus its draft probabilities), run by the worker after a step's
-sampling on the hidden states it already holds; the scheduler schedules 1 + k tokens for a row with k
-proposals and the runner verifies them with `rejection.py`.
+A draft model (`engine/speculation.py: DraftModelProposer`) runs as an engine of its own and answers each
+request's known tokens with its greedy continuation. Where EAGLE/MTP heads would plug in: a proposer run by
+the worker after a step's sampling on the hidden states it already holds, its proposals returned with the
+step's tokens into `Request.spec_token_ids`; the scheduler schedules 1 + k tokens for a row with k proposals
+and the runner verifies them with `rejection.py` (passing the head's probabilities as `draft_probs`).
 """

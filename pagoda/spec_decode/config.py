@@ -13,9 +13,9 @@ from typing import Any
 from pagoda.errors import ConfigError
 from pagoda.spec_decode.suffix import SuffixParams
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's other methods, refused by name (with what is supported) rather than as unknown words.
-KNOWN_ELSEWHERE = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+KNOWN_ELSEWHERE = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _KEYS = {
     "ngram": _COMMON | {"prompt_lookup_min", "prompt_lookup_max"},
@@ -26,6 +26,7 @@ _KEYS = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     },
+    "draft_model": _COMMON | {"model", "draft_tensor_parallel_size"},
 }
 # vLLM's suffix defaults; num_speculative_tokens defaults to the tree depth there too.
 SUFFIX_DEFAULTS = SuffixParams(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0, min_token_prob=0.1)
@@ -40,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     disable_by_batch_size: int | None  # no proposals in steps with at least this many running requests
     suffix: SuffixParams | None = None  # method "suffix"
+    draft_model: str | None = None  # method "draft_model": the draft's folder, hub id or .gguf
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -79,6 +81,15 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     k = _positive_int(value, "num_speculative_tokens", None)
     if k is None:
         raise ConfigError('--speculative-config needs "num_speculative_tokens" (proposals per step, e.g. 4).', PARAM)
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(
+                '--speculative-config method "draft_model" needs "model": the draft model\'s folder or hub id.', PARAM
+            )
+        if value.get("draft_tensor_parallel_size", 1) != 1:
+            raise ConfigError("--speculative-config draft_tensor_parallel_size: only 1 is supported.", PARAM)
+        return SpeculativeConfig(method, k, 0, 0, disable, draft_model=model)
     # Our defaults: n-grams of 2 to 5 tokens (one repeated token is weak evidence: on open chat it proposed
     # 3x the tokens for a third more accepted, benchmarks/spec_decode_cpu.py); a lone bound keeps the other at
     # its default unless that would cross it (a max of 1 tries 1; a min of 7 tries just 7).

@@ -201,3 +201,40 @@ def test_suffix_proposals_keep_greedy_outputs_and_reuse_finished_answers(default
         assert counts.num_accepted_tokens - accepted >= 0.7 * (counts.num_draft_tokens - drafted) >= 0.7 * 16, counts
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["same", "random"])
+def test_draft_model_proposals_keep_greedy_and_sampled_outputs(default_llm, tmp_path, draft):
+    """A draft model of the target's vocabulary proposes greedily from its own engine. The target drafting
+    for itself: every proposal holds. A random-weight draft (a tiny Llama of SmolLM2's vocabulary): most
+    are rejected. Either way the greedy outputs are those without speculation, and sampled requests run."""
+    from pagoda.models.source import default_gguf_path
+    from tests.conftest import build_tiny_model
+
+    model = default_gguf_path() if draft == "same" else build_tiny_model("llama", str(tmp_path), vocab_size=49152)
+    llm = LLM(
+        max_model_len=2048,
+        cpu_kv_cache_space_gib=0.25,
+        seed=0,
+        speculative_config={
+            "method": "draft_model",
+            "model": model,
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64,
+        },
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        prompts = PROMPTS if draft == "same" else PROMPTS[:2]
+        want = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        counts = llm.engine.speculator.counts
+        assert counts.num_draft_tokens > 0
+        if draft == "same":
+            assert counts.num_accepted_tokens == counts.num_draft_tokens, counts
+        else:
+            assert counts.num_accepted_tokens < 0.5 * counts.num_draft_tokens, counts
+        sampled = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, n=2)
+        assert all(len(c.token_ids) == 8 for o in llm.generate(prompts[:2], sampled, use_tqdm=False) for c in o.outputs)
+    finally:
+        llm.shutdown()

@@ -237,3 +237,33 @@ def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(ti
     config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
     assert config.scheduler.speculative == SpeculativeConfig("ngram", 3, 2, 5, None)
     assert not config.scheduler.async_scheduling
+
+
+def test_a_draft_model_needs_a_folder_one_rank_the_targets_vocabulary_and_the_cpu(tiny_llama, tmp_path):
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.config.engine import _check_draft_model
+    from pagoda.models.source import resolve_model_source
+    from tests.conftest import build_tiny_model
+
+    for text, message in {
+        '{"method": "draft_model", "num_speculative_tokens": 3}': 'needs "model"',
+        '{"method": "draft_model", "model": "", "num_speculative_tokens": 3}': 'needs "model"',
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}': (
+            "only 1 is supported"
+        ),
+        '{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}': (
+            "keys not supported for 'draft_model'"
+        ),
+    }.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_speculative_config(text)
+    wider = build_tiny_model("llama", str(tmp_path), vocab_size=1024)
+    spec = {"method": "draft_model", "model": wider, "num_speculative_tokens": 2}
+    target = resolve_model_source(tiny_llama).hf_config
+    with pytest.raises(ConfigError, match="vocabulary of 1024 tokens, the target 512: a draft must use"):
+        EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        _check_draft_model(tiny_llama, target, "cuda")
+    spec["model"] = tiny_llama
+    config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
+    assert config.scheduler.speculative is not None and config.scheduler.speculative.draft_model == tiny_llama
