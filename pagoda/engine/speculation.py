@@ -21,6 +21,7 @@ near one). Suffix proposals size themselves (the match length and the draft's es
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.suffix import SuffixProposer
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 2}
+logger = logging.getLogger("pagoda")
 
 
 @dataclass
@@ -76,10 +78,16 @@ class DraftModelProposer:
                 draft_id = f"draft-{next(self._ids)}"
                 self.draft.add_request(draft_id, tokens, SamplingParams(temperature=0, max_tokens=k), detokenize=False)
                 asked[draft_id] = request
-        while asked and self.draft.has_unfinished_requests():
-            for output in self.draft.step():
-                if output.finished and output.request_id in asked:
-                    asked.pop(output.request_id).spec_token_ids = list(output.outputs[0].token_ids)
+        try:
+            while asked and self.draft.has_unfinished_requests():
+                for output in self.draft.step():
+                    if output.finished and output.request_id in asked:
+                        asked.pop(output.request_id).spec_token_ids = list(output.outputs[0].token_ids)
+        except Exception:  # noqa: BLE001 - proposals are optional: the target decodes on without them
+            logger.exception("The draft model failed; these requests decode this step without proposals.")
+            self.draft.abort_request(list(asked))
+            for request in asked.values():
+                request.spec_token_ids = []
 
 
 class Speculator:

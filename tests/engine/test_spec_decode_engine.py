@@ -234,6 +234,17 @@ def test_draft_model_proposals_keep_greedy_and_sampled_outputs(default_llm, tmp_
             assert counts.num_accepted_tokens == counts.num_draft_tokens, counts
         else:
             assert counts.num_accepted_tokens < 0.5 * counts.num_draft_tokens, counts
+        if draft == "random":  # a draft that fails costs proposals, never the request or the engine
+            real = llm.engine.draft.step
+
+            def broken():
+                real()
+                raise RuntimeError("draft down")
+
+            llm.engine.draft.step = broken
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+            llm.engine.draft.step = real
+            assert not llm.engine.draft.has_unfinished_requests()
         sampled = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, n=2)
         assert all(len(c.token_ids) == 8 for o in llm.generate(prompts[:2], sampled, use_tqdm=False) for c in o.outputs)
     finally:
