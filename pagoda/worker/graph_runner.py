@@ -13,7 +13,10 @@ Two kinds of bucket share the buffers:
   decode row of that launch; the others have context 0 and write zeros to the spare token), the
   multi-token rows through the prefill kernel's tile list (`tiled_metadata`); a step of t < b tokens
   (at least one spare token, so padding rows can point at it) over R = max_rows + 1 rows (the last
-  row is always padding), logits for each row's last token.
+  row is always padding). The graph ends at the hidden states [b, H]: the logits are taken after the
+  replay at the positions the step asks for (each sampling row's last token, or a speculative row's
+  last 1 + d tokens), so verification steps replay the same graphs and no step computes logits for
+  rows that do not sample.
 
 Every per-step input lives in one flat int64 buffer (pinned on the host, mirrored on the device, one
 host-to-device copy per step: the fixed sections, then the step's rows of block tables):
@@ -49,6 +52,7 @@ from torch import nn
 
 from pagoda import envs
 from pagoda.config import EngineConfig
+from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch, policy
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.pipeline import StageHidden
@@ -210,16 +214,15 @@ class GraphRunner:
         self._pad_all()
 
     def can_run(self, inputs: StepInputs) -> bool:
-        """A graph fits (and the step needs only each row's last logits: not a speculative step)."""
-        return inputs.spec is None and self.bucket_for(inputs) is not None
+        return self.bucket_for(inputs) is not None
 
     def bucket_for(self, inputs: StepInputs) -> tuple[str, int] | None:
         return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | StageHidden:
-        """Logits [rows, V] for each row's last token this step (`can_run(inputs)` must hold); on a pipeline
-        stage before the last, its activations over the whole bucket."""
+    def run(self, inputs: StepInputs, positions: np.ndarray) -> torch.Tensor | StageHidden:
+        """Logits [len(positions), V] at those token indices of the step (`can_run(inputs)` must hold); on a
+        pipeline stage before the last, its activations over the whole bucket."""
         kind, b = self.bucket_for(inputs)
         if self._copied is not None:
             self._copied.synchronize()
@@ -237,7 +240,13 @@ class GraphRunner:
             graph.replay()
         else:
             out = self._forward(kind, b, self._attention(kind, b))
-        return out if isinstance(out, StageHidden) else out[: inputs.num_rows]
+        if isinstance(out, StageHidden):
+            return out
+        n = len(positions)
+        if kind == DECODE:  # a decode bucket's output is already every row's logits (a row is a token)
+            every_row = n == inputs.num_rows and (n == 0 or positions[-1] == n - 1)
+            return out[:n] if every_row else out[to_device(positions, out.device)]
+        return self.model.compute_logits(out.index_select(0, to_device(positions, out.device)))
 
     # ---- host buffers -----------------------------------------------------------------------
     def write(self, x: StepInputs, kind: str, b: int) -> None:
@@ -354,10 +363,8 @@ class GraphRunner:
     def _forward(self, kind: str, b: int, attn: StepAttention) -> torch.Tensor | StageHidden:
         tok = self.dev["tok"]
         hidden = self.model(tok[0, :b], tok[1, :b], attn)
-        if isinstance(hidden, StageHidden):
+        if isinstance(hidden, StageHidden) or kind == MIXED:
             return hidden
-        if kind == MIXED:
-            hidden = hidden.index_select(0, self.dev["row"][3])  # each row's last token
         return self.model.compute_logits(hidden)
 
     # ---- capture ----------------------------------------------------------------------------

@@ -259,19 +259,17 @@ class ModelRunner:
 
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
         """Logits [S (+ proposals), V] of the rows that sample (None: no row, or a stage that does not sample)."""
+        positions = spec_rows.logits_positions(inputs)
         graphed = self.graphs is not None and self.graphs.can_run(inputs)
-        # A graph gives every row's last-token logits; an eager step the hidden states; before the last
+        # A graph gives the logits at `positions`; an eager step the hidden states; before the last
         # pipeline stage either sends its activations on (None here).
-        out = self.link.hand_on(self.graphs.run(inputs) if graphed else self._forward_eager(inputs, states))
+        out = self.graphs.run(inputs, positions) if graphed else self._forward_eager(inputs, states)
+        out = self.link.hand_on(out)
         if not len(inputs.sample_rows):
             return None
         if out is None:  # a stage before the last: the driver takes the last stage's logits (now, or when read)
             return None if self.link.deferred else self.link.driver_logits(len(inputs.sample_rows))
-        if graphed:
-            every_row = len(inputs.sample_rows) == inputs.num_rows
-            logits = out if every_row else out[to_device(inputs.sample_rows, out.device)]
-        else:
-            logits = self.model.compute_logits(out[to_device(spec_rows.logits_positions(inputs), self.device)])
+        logits = out if graphed else self.model.compute_logits(out[to_device(positions, self.device)])
         self.link.logits_for_driver(logits)
         return logits
 

@@ -38,7 +38,7 @@ SCHEDULING = [False, True] if CUDA else [True]
 
 def _engine(fixture: str, **overrides) -> LLMEngine:
     args = dict(
-        model=str(FIXTURES / fixture),
+        model=str(FIXTURES / fixture),  # overridden by `model` for a model that is not a fixture
         skip_tokenizer_init=True,
         dtype="float32",
         attention_backend="triton",
@@ -80,14 +80,17 @@ def test_default_token_buckets():
 
 
 def _count_buckets(graphs) -> dict[str, list[int]]:
-    """The buckets replayed, by kind (decode: rows; mixed: tokens)."""
-    used: dict[str, list[int]] = {DECODE: [], MIXED: []}
+    """The buckets replayed, by kind (decode: rows; mixed: tokens), and under "verify" the proposals that
+    replayed steps verified."""
+    used: dict[str, list[int]] = {DECODE: [], MIXED: [], "verify": []}
     run = graphs.run
 
-    def counting(inputs):
+    def counting(inputs, positions):
         kind, size = graphs.bucket_for(inputs)
         used[kind].append(size)
-        return run(inputs)
+        if inputs.spec is not None:
+            used["verify"].append(int(inputs.spec.counts.sum()))
+        return run(inputs, positions)
 
     graphs.run = counting
     return used
@@ -186,3 +189,21 @@ def test_yuan_goldens_through_graphs_of_two_pipeline_stages(tmp_path, monkeypatc
         assert used[MIXED] and len(used[DECODE]) >= TOKENS - 2
     finally:
         engine.shutdown()
+
+
+def test_speculative_steps_replay_mixed_graphs_with_outputs_unchanged(tiny_llama):
+    """Verification steps (rows of 1 + d tokens) replay the mixed-step graphs and take their logits after
+    the replay at every verified position: greedy outputs equal the same engine's without speculation.
+    Suffix proposals make the second round's proposals right by construction (the first round's outputs,
+    same prompts), so most are kept — a wrong position would change a kept token or the token after it."""
+    prompts = {"a": [5, 6, 7, 8, 9, 10], "b": [40, 41, 40, 41, 40, 41, 40], "c": [3, 77, 12, 90]}
+    overrides = dict(model=tiny_llama, max_model_len=256, max_num_seqs=4)
+    expected = _run(_engine("", **overrides), prompts, 12)
+    spec = {"method": "suffix", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    engine = _engine("", **overrides, speculative_config=spec)
+    used = _count_buckets(engine.runner.graphs)
+    for _ in range(2):
+        assert _run(engine, prompts, 12) == expected
+    counts = engine.speculator.counts
+    assert counts.num_drafts >= 6 and counts.num_accepted_tokens >= 0.75 * counts.num_draft_tokens
+    assert sum(used["verify"]) == counts.num_draft_tokens  # every verification step replayed a graph
