@@ -28,7 +28,7 @@ from pagoda.distributed.parallel_state import all_reduce_max, is_driver
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
 from pagoda.layers.pipeline import StageHidden
-from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingState
+from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend
@@ -318,7 +318,7 @@ class ModelRunner:
         """Sample the rows that sample (logits [S, V]; more with proposals); queue their tokens' copy to the host.
         The batch counts tokens in flight too (min_tokens, penalties), so sampling never waits for the last step."""
         if not is_driver():  # only the driver samples; the others take its tokens (their next inputs)
-            out, verified = SamplerOutput(self.link.driver_tokens(len(request_ids)), None, None, None), None
+            out, verified = spec_rows.driver_tokens(self.link, len(request_ids), spec)
         else:
             assert logits is not None
             masks = self._token_bitmask(request_ids, states, spec)
@@ -327,7 +327,7 @@ class ModelRunner:
             else:  # proposal rows are verified (`worker/spec_rows.py`)
                 out, verified = spec_rows.sample(self.sampler, self.sampling, logits, request_ids, spec, masks)
             self.sampling.update(out.sampled_token_ids, verified.earlier if verified is not None else None)
-            self.link.share_tokens(out.sampled_token_ids)
+            self.link.share_tokens(spec_rows.shared_tokens(out, verified))
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row

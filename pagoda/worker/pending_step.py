@@ -49,6 +49,10 @@ class PendingStep:
             self._event.record()
 
     @property
+    def speculative(self) -> bool:  # it verified proposals: the rows' kept ones are appended by `result()`
+        return self._verified
+
+    @property
     def done(self) -> bool:
         return self._output is not None
 

@@ -80,13 +80,16 @@ class PipelineLink:
 
     # ---- sampled tokens ------------------------------------------------------------------------
     def share_tokens(self, tokens: torch.Tensor) -> None:
-        """On the driver: its sampled tokens [S] to every other rank (they feed the ranks' next inputs)."""
+        """On the driver: its sampled tokens [S] (or [S, W]: a speculative step's, `spec_rows.shared_tokens`)
+        to every other rank (they feed the ranks' next inputs)."""
         if num_ranks() > 1:
-            send_tokens_to_ranks(tokens) if self.deferred else broadcast_tensor(tokens)
+            send_tokens_to_ranks(tokens) if self.deferred else broadcast_tensor(tokens.contiguous())
 
-    def driver_tokens(self, num_rows: int) -> torch.Tensor:
-        """On a rank other than the driver: the driver's tokens of this step's `num_rows` sampling rows."""
-        out = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+    def driver_tokens(self, num_rows: int, width: int | None = None) -> torch.Tensor:
+        """On a rank other than the driver: the driver's tokens of this step's `num_rows` sampling rows ([S], or
+        [S, width] as shared)."""
+        shape = (num_rows,) if width is None else (num_rows, width)
+        out = torch.empty(shape, dtype=torch.int64, device=self.device)
         return recv_tokens(out) if self.deferred else broadcast_tensor(out)
 
     # ---- micro-batches -------------------------------------------------------------------------

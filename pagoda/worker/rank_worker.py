@@ -68,6 +68,12 @@ def serve_driver(runner: ModelRunner) -> None:
         if call is STOP:
             break
         method, args = call
+        if method == "launch" and pending is not None and (pending.speculative or args[0].spec_token_ids):
+            # Proposals go after a row's known tokens, and a step's kept ones are known tokens of the next: both
+            # need the last step's tokens first (the driver has read them: speculation runs without async
+            # scheduling).
+            pending.result()
+            pending = None
         result = getattr(runner, method)(*args)
         if method == "launch":
             for request_id, stage, exc in runner.take_failures():  # the driver reports them to the client

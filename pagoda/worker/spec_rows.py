@@ -15,6 +15,7 @@ that position would have had decoding one token a step: the proposals before it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from pagoda.sampling_params import GREEDY_TEMPERATURE_EPS
 from pagoda.spec_decode.rejection import rejection_sample, verify_greedy
 from pagoda.worker.request_states import RunnerRequestState
 from pagoda.worker.step_inputs import SpecRows, StepInputs, StepInputsBuilder
+
+if TYPE_CHECKING:
+    from pagoda.worker.pipeline_link import PipelineLink
 
 
 @dataclass
@@ -162,6 +166,22 @@ def sample(
     sampling.batch(request_ids)  # `update` records every row's last token
     logprobs = _position_logprobs(grid, t, spec_rows, spec.logprobs[speculative], rows)  # unmasked, as the sampler
     return _with_logprobs(out, last, plain, logprobs, num), Verified(tokens, num, logprobs)
+
+
+def shared_tokens(out: SamplerOutput, verified: Verified | None) -> torch.Tensor:
+    """What the driver sends the other ranks of a step: the sampled tokens [S]; with proposals [S, K + 3] (the
+    last token, the row's count, its verified tokens), so that every rank keeps the tokens that held."""
+    if verified is None:
+        return out.sampled_token_ids
+    return torch.cat([out.sampled_token_ids[:, None], verified.counts[:, None], verified.tokens], dim=1)
+
+
+def driver_tokens(link: PipelineLink, rows: int, spec: SpecRows | None) -> tuple[SamplerOutput, Verified | None]:
+    """On a rank other than the driver: the step's tokens as the driver shared them (`shared_tokens`)."""
+    if spec is None:
+        return SamplerOutput(link.driver_tokens(rows), None, None, None), None
+    got = link.driver_tokens(rows, int(spec.counts.max()) + 3)
+    return SamplerOutput(got[:, 0], None, None, None), Verified(got[:, 2:], got[:, 1])
 
 
 def _count_earlier_proposals(batch: SamplingBatch, proposals: list[list[int]], k: int) -> None:

@@ -47,6 +47,20 @@ def against_one_rank(engines, model: str, **parallel) -> None:
     split.engine.shutdown()  # one parallel group per process
 
 
+def test_speculation_under_tp2_gives_every_rank_the_tokens_that_held(engines, tiny_llama):
+    """Suffix proposals at TP = 2: the driver verifies them and sends every rank the tokens that held, which each
+    rank feeds to its next inputs. The second round's proposals are the first round's answers (right by
+    construction), so most hold; greedy tokens equal one rank's without speculation in both rounds."""
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    expected = list(engines(tiny_llama, block_size=4, max_model_len=256).run(prompts, max_tokens=12).values())
+    spec = {"method": "suffix", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    split = engines(tiny_llama, block_size=4, max_model_len=256, tensor_parallel_size=2, speculative_config=spec)
+    for round_ in "ab":
+        assert list(split.run(prompts, max_tokens=12, prefix=round_).values()) == expected, round_
+    counts = split.engine.speculator.counts
+    assert counts.num_drafts >= 4 and counts.num_accepted_tokens >= 0.75 * counts.num_draft_tokens
+
+
 def test_a_second_engine_while_a_group_runs_is_refused(engines, tiny_llama):
     engines(tiny_llama, tensor_parallel_size=2, max_model_len=256)
     with pytest.raises(ConfigError, match="already runs a parallel engine"):

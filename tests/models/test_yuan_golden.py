@@ -42,9 +42,9 @@ class CapturingEngine:
         sample = runner._sample
 
         def capture(request_ids, states, logits, spec=None):
-            assert spec is None, "a step with speculative proposals has more logits rows than requests"
-            for rid, row in zip(request_ids, logits):
-                self.logits.setdefault(rid, []).append(row.detach().float().cpu())
+            if spec is None:  # (a step with proposals has more logits rows than requests: not recorded)
+                for rid, row in zip(request_ids, logits):
+                    self.logits.setdefault(rid, []).append(row.detach().float().cpu())
             return sample(request_ids, states, logits, spec)
 
         runner._sample = capture
