@@ -325,9 +325,7 @@ class EngineConfig:
                 a,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
-                async_scheduling=(device == "cuda" and speculative is None)
-                if a.async_scheduling is None
-                else a.async_scheduling,
+                async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
                 micro_batches=resolve_micro_batches(a.pipeline_parallel_size, device),
                 speculative=speculative,
             ),
@@ -355,10 +353,8 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = 
     if spec.draft_model is not None:
         _check_draft_model(spec.draft_model, hf_config, device)
     problem = None
-    if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
-        problem = "with tensor or pipeline parallelism"
-    elif a.async_scheduling:
-        problem = "with --async-scheduling (a step's proposals depend on the tokens of the step before)"
+    if a.pipeline_parallel_size > 1:
+        problem = "with pipeline parallelism (its micro-batches would each need their own proposals)"
     elif family_of(hf_config).sequence_state:
         name = family_of(hf_config).name
         problem = f"for {name} (its per-sequence state would need rolling back over rejected proposals)"

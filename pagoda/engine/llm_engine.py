@@ -385,14 +385,16 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         refused = self._admit_compiled() if self._awaiting_grammar else []
+        read = self._read_for_proposals() if self._inflight and self.speculator is not None else []
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
             self._step_tokens.append(scheduler_output.total_num_scheduled_tokens)
         launched = self.runner.launch(scheduler_output)
         failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
-        if refused:
-            failed = refused + failed
-        if self._max_unread == 1:
+        if refused or read:
+            failed = refused + read + failed
+        if self._max_unread == 1 or scheduler_output.spec_token_ids:
+            # A step with proposals gives a row any number of tokens: it is read before the next is scheduled.
             return failed + self._process(scheduler_output, launched)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
         # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
@@ -405,6 +407,19 @@ class LLMEngine:
             outputs = self._process(*self._inflight.popleft())
         self._settle_if_idle()
         return failed + outputs if failed else outputs
+
+    def _read_for_proposals(self) -> list[RequestOutput]:
+        """Async scheduling with speculation: proposals need every token, so when the last read step left some
+        (made from the tokens known then: one step behind), the steps in flight are read first and the
+        proposals made again from them; when it left none, the next step goes out without reading (and without
+        proposals) — so a batch past `disable_by_batch_size`, or text with nothing to copy, keeps the
+        overlap of async scheduling."""
+        if not any(request.spec_token_ids for request in self.scheduler.running):
+            return []
+        outputs = []
+        while self._inflight:
+            outputs += self._process(*self._inflight.popleft())
+        return outputs
 
     def _settle_if_idle(self) -> None:
         """With no request left, a launched step only holds tokens of finished ones (an EOS

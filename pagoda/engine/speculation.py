@@ -12,6 +12,9 @@ weight from memory and the extra positions are nearly free, and 2 on the CPU, wh
 its tokens: one request alone gained (1.43x on copying), eight at once lost (0.79x)
 (`benchmarks/spec_decode_cpu.py`).
 
+Under async scheduling a step with proposals is read before the next is scheduled, and proposals made while
+a step was in flight only tell the engine to read it and propose again (`LLMEngine._read_for_proposals`).
+
 With n-gram proposals, each request's proposal length adapts to what its last verification kept: one more
 than the proposals that held, up to k (so text that copies its context climbs to k proposals, open text stays
 near one). Suffix proposals size themselves (the match length and the draft's estimated probability,
@@ -49,7 +52,9 @@ class SpecDecodeCounts:
 def may_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (
-        request.num_computed_tokens == request.num_tokens - 1  # decoding (its prompt is computed)
+        # decoding: its prompt is computed (under async scheduling its next token may be in flight: such
+        # proposals only tell the engine to read that step first and propose again, `LLMEngine.step`)
+        request.num_computed_tokens >= request.num_tokens - 1
         and not params.logprob_token_ids
         and params.seed is None
         and request.num_output_tokens >= params.min_tokens

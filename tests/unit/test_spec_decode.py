@@ -228,8 +228,7 @@ def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(ti
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     cases = {
         "for Yuan2 (its per-sequence state": dict(model=str(FIXTURES / "yuan2-tiny")),
-        "with tensor or pipeline parallelism": dict(model=tiny_llama, tensor_parallel_size=2),
-        "with --async-scheduling": dict(model=tiny_llama, async_scheduling=True),
+        "with pipeline parallelism": dict(model=tiny_llama, pipeline_parallel_size=2),
     }
     for message, args in cases.items():
         with pytest.raises(ConfigError, match=f"--speculative-config is not supported {message}".replace("(", r"\(")):
