@@ -14,7 +14,8 @@ that side's process). Two tasks, greedy, one request at a time (c = 1), `--max-t
   itself. Prompt lookup has nothing more to copy than the first time.
 TPOT = (time of a `--max-tokens` request - time of a 1-token request of the same prompt) / (max_tokens - 1),
 averaged over the prompts. The floor is the model's weight bytes over the bandwidth of a device-to-device copy
-measured in the same process. Every side's outputs must equal the `off` side's (greedy).
+(bytes read and written per second) measured in the same process. Every side's outputs must equal the `off`
+side's (greedy).
 """
 
 from __future__ import annotations
@@ -146,9 +147,9 @@ def main() -> None:
     if base is None:
         raise SystemExit("the `off` side failed: no reference")
     rate = base["copy_bytes_per_s"]
-    floor = 1000 * base["weights_bytes"] / (rate / 2) if rate else float("nan")
+    floor = 1000 * base["weights_bytes"] / rate if rate else float("nan")  # HBM bandwidth serves reads and writes
     gib = base["weights_bytes"] / 2**30
-    print(f"\nweights {gib:.2f} GiB; floor (weights over the copy's read rate) {floor:.3f} ms")
+    print(f"\nweights {gib:.2f} GiB; floor (weights over the copy's bytes per second) {floor:.3f} ms")
     print("| side | task | TPOT ms | off / side | vs floor | accept len | accepted / drafted | identical |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in results:
