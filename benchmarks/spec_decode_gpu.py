@@ -6,7 +6,8 @@ Usage:
         [--side off] [--side ngram:4] [--side "suffix:8"] [--side "ngram:4|PAGODA_MIXED_STEP_GRAPHS=0"] [--json FILE]
 
 A side is `METHOD[:K][|NAME=VALUE ...]` (METHOD `off`, `ngram` or `suffix`; the environment variables set for
-that side's process). Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored:
+that side's process). Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with
+`--batch`, one task instead: every prompt at once, output tokens/s):
 - `first`: each prompt once. With random weights only what the model repeats of its own output can be proposed;
   with real weights and `--chat`, the copy-heavy prompts of `spec_decode_cpu.py` (quote a passage).
 - `again`: the same prompts again. Suffix decoding proposes the first answers (kept in its store of finished
@@ -93,15 +94,21 @@ def _side(args) -> dict:
     run(prompts[0], 8)  # warm-up
     counts = llm.engine.speculator.counts if spec else None
     result = {"side": args.run_side, "weights_bytes": weights, "copy_bytes_per_s": _copy_bandwidth(), "tasks": {}}
-    for task in ("first", "again"):
+    for task in ("batch",) if args.batch else ("first", "again"):
         before = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) if counts else (0, 0, 0)
-        tpots, tokens = [], []
-        for prompt in prompts:
-            full, ids = run(prompt, args.max_tokens)
-            one, _ = run(prompt, 1)
-            tpots.append((full - one) / (args.max_tokens - 1))
-            tokens.append(ids)
-        row = {"tpot_ms": 1000 * sum(tpots) / len(tpots), "tokens": tokens}
+        if args.batch:  # every prompt at once: output tokens/s
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+            started = time.perf_counter()
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            row = {"tok_s": sum(map(len, tokens)) / (time.perf_counter() - started), "tokens": tokens}
+        else:
+            tpots, tokens = [], []
+            for prompt in prompts:
+                full, ids = run(prompt, args.max_tokens)
+                one, _ = run(prompt, 1)
+                tpots.append((full - one) / (args.max_tokens - 1))
+                tokens.append(ids)
+            row = {"tpot_ms": 1000 * sum(tpots) / len(tpots), "tokens": tokens}
         if counts:
             drafts = counts.num_drafts - before[0]
             row["drafted"] = counts.num_draft_tokens - before[1]
@@ -119,6 +126,7 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="real weights: the copy-heavy chat prompts")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch", action="store_true", help="all prompts at once: output tokens/s instead of TPOT")
     parser.add_argument("--side", action="append", default=None, help="METHOD[:K][|NAME=VALUE ...]")
     parser.add_argument("--json", default=None)
     parser.add_argument("--run-side", default=None, help=argparse.SUPPRESS)
@@ -150,7 +158,8 @@ def main() -> None:
     floor = 1000 * base["weights_bytes"] / rate if rate else float("nan")  # HBM bandwidth serves reads and writes
     gib = base["weights_bytes"] / 2**30
     print(f"\nweights {gib:.2f} GiB; floor (weights over the copy's bytes per second) {floor:.3f} ms")
-    print("| side | task | TPOT ms | off / side | vs floor | accept len | accepted / drafted | identical |")
+    unit = "tok/s" if args.batch else "TPOT ms"
+    print(f"| side | task | {unit} | side / off (speed) | TPOT / floor | accept len | accepted / drafted | identical |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in results:
         for task, row in r["tasks"].items():
@@ -159,10 +168,13 @@ def main() -> None:
             row["identical"] = f"{same}/{len(ref['tokens'])}"
             acc = f"{row['accepted']} / {row['drafted']}" if "accepted" in row else "-"
             alen = f"{row['accept_len']:.2f}" if row.get("accept_len") else "-"
-            print(
-                f"| {r['side']} | {task} | {row['tpot_ms']:.3f} | {ref['tpot_ms'] / row['tpot_ms']:.2f}x | "
-                f"{row['tpot_ms'] / floor:.2f} | {alen} | {acc} | {row['identical']} |"
-            )
+            if args.batch:
+                value, ratio, vs_floor = f"{row['tok_s']:.0f}", row["tok_s"] / ref["tok_s"], "-"
+            else:
+                value, ratio = f"{row['tpot_ms']:.3f}", ref["tpot_ms"] / row["tpot_ms"]
+                vs_floor = f"{row['tpot_ms'] / floor:.2f}"
+            cells = [r["side"], task, value, f"{ratio:.2f}x", vs_floor, alen, acc, row["identical"]]
+            print("| " + " | ".join(cells) + " |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         for r in results:
