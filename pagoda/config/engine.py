@@ -17,7 +17,6 @@ from pagoda.config.knobs import knob
 from pagoda.config.parallel import ParallelConfig, pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
-from pagoda.models.families import family_of
 from pagoda.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -352,14 +351,12 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = 
         return None
     if spec.draft_model is not None:
         _check_draft_model(spec.draft_model, hf_config, device)
-    problem = None
     if a.pipeline_parallel_size > 1:
-        problem = "with pipeline parallelism (its micro-batches would each need their own proposals)"
-    elif family_of(hf_config).sequence_state:
-        name = family_of(hf_config).name
-        problem = f"for {name} (its per-sequence state would need rolling back over rejected proposals)"
-    if problem:
-        raise ConfigError(f"--speculative-config is not supported {problem} yet.", "speculative_config")
+        raise ConfigError(
+            "--speculative-config is not supported with pipeline parallelism (its micro-batches would each need "
+            "their own proposals) yet.",
+            "speculative_config",
+        )
     return spec
 
 

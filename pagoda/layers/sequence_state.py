@@ -44,15 +44,19 @@ class SequenceStateBatch:
         block_size: int,
         with_snapshots: bool,
         device: torch.device,
+        extra: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SequenceStateBatch:
-        """Indices for one step, computed on the host from the runner's numpy inputs (no device sync)."""
+        """Indices for one step, computed on the host from the runner's numpy inputs (no device sync).
+        extra: more (flat token, snapshot entry) pairs to write (a verification step's positions)."""
         one_each = int(query_start_loc[-1]) == len(slots)
         snap_tokens = snap_blocks = None
-        if with_snapshots:
-            ends = np.flatnonzero(positions % block_size == block_size - 1)
-            if ends.size:
-                snap_tokens = torch.from_numpy(ends).to(device)
-                snap_blocks = torch.from_numpy(slot_mapping[ends] // block_size).to(device)
+        ends = np.flatnonzero(positions % block_size == block_size - 1) if with_snapshots else np.zeros(0, np.int64)
+        entries = slot_mapping[ends] // block_size
+        if extra is not None:
+            ends, entries = np.concatenate([ends, extra[0]]), np.concatenate([entries, extra[1]])
+        if ends.size:
+            snap_tokens = torch.from_numpy(ends).to(device)
+            snap_blocks = torch.from_numpy(entries).to(device)
         starts = torch.from_numpy(np.asarray(query_start_loc, dtype=np.int64)).to(device)
         return cls(
             torch.tensor(slots, dtype=torch.long, device=device),

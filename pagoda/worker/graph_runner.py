@@ -24,7 +24,8 @@ host-to-device copy per step: the fixed sections, then the step's rows of block 
     tok    [6, T]   token id | position | cache slot | M-RoPE t | h | w
     row    [6, R]   context length | state slot | first token | last token | decode token | decode context
     snap   [2, S]   token | block of each state snapshot written (decode buckets: one per row, block 0
-                    when the row does not end a block)
+                    when the row does not end a block; mixed buckets with speculation: also the state
+                    kept at each position of a verification row, `StepInputs.state_writes`)
     qsl    [R + 1]  each row's first token (mixed buckets)
     tiles  [2, K]   prefill tile: row | first query (mixed buckets)
     tables [R, max_blocks]
@@ -109,6 +110,7 @@ class GraphSpec:
     scratch_slot: int | None  # the state pool's padding slot; None: the model keeps no per-sequence state
     with_snapshots: bool  # state snapshots per KV block (stateful model with prefix caching)
     uses_mrope: bool
+    spec_states: bool = False  # a stateful model's verification steps keep a state per position (speculation)
 
     @classmethod
     def create(
@@ -139,6 +141,7 @@ class GraphSpec:
             scratch_slot=scratch_slot,
             with_snapshots=with_snapshots,
             uses_mrope=uses_mrope,
+            spec_states=scratch_slot is not None and sched.speculative is not None,
         )
 
     @property
@@ -153,7 +156,7 @@ class GraphSpec:
         return -(-tokens // self.block_m) + self.num_rows
 
     def num_snapshots(self, tokens: int) -> int:
-        return tokens // self.block_size + self.num_rows
+        return tokens // self.block_size + self.num_rows + (tokens if self.spec_states else 0)
 
     def bucket_for(self, num_rows: int, num_tokens: int, needs_encoder: bool) -> tuple[str, int] | None:
         """(kind, size) of the graph a step replays, or None (it runs eagerly): a pure decode step
@@ -279,9 +282,14 @@ class GraphRunner:
         h["qsl"][: rows + 1] = qsl
         req, m0 = _tile_arrays(x.query_lens, spec.block_m)
         self._set_pairs("tiles", req, m0, spec.num_rows - 1, 0)
-        if spec.with_snapshots:
-            ends = np.flatnonzero(x.positions % spec.block_size == spec.block_size - 1)
-            self._set_pairs("snap", ends, x.slots[ends] // spec.block_size, t, 0)
+        if spec.with_snapshots or spec.spec_states:
+            ends = _NONE
+            if spec.with_snapshots:
+                ends = np.flatnonzero(x.positions % spec.block_size == spec.block_size - 1)
+            entries = x.slots[ends] // spec.block_size
+            if x.state_writes is not None:
+                ends, entries = np.concatenate([ends, x.state_writes[0]]), np.concatenate([entries, x.state_writes[1]])
+            self._set_pairs("snap", ends, entries, t, 0)
 
     def _pad(self, tokens: int, rows: int, token_end: int, row_end: int) -> None:
         """Tokens [tokens, token_end) and rows [rows, row_end) become padding; `tokens` is the spare
@@ -344,7 +352,7 @@ class GraphRunner:
         state = None
         if spec.scratch_slot is not None:
             snaps = spec.num_snapshots(b)
-            with_snaps = spec.with_snapshots
+            with_snaps = spec.with_snapshots or spec.spec_states
             state = SequenceStateBatch(
                 d["row"][1],
                 d["row"][2],

@@ -9,7 +9,8 @@ Block 0 is reserved as the null block, so `num_blocks` usable blocks need `num_b
 
 Models with per-sequence recurrent state (Yuan2's LF gate: 1.5·hidden values per layer) also need
 `state_bytes_per_seq` for each of the max_num_seqs state slots, reserved before blocks are counted,
-and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_block`). That state is
+and, with prefix caching, one state snapshot per block (`snapshot_bytes_per_block`); with speculative
+decoding, 1 + k more states per sequence (a verification step's, to roll back to). That state is
 not KV cache: it stays in the model dtype whatever the cache dtype.
 """
 
@@ -29,12 +30,17 @@ class KVCacheSpec:
     dtype_bytes: int  # bytes per cached K/V element (1 for an fp8 cache)
     state_bytes_per_seq: int = 0  # per-sequence recurrent state, all layers (0: none)
     snapshot_bytes_per_block: int = 0  # state snapshot stored with each block (prefix caching)
+    spec_positions: int = 0  # speculative decoding on a stateful model: 1 + k state entries per sequence
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     def state_pool_bytes(self, max_num_seqs: int) -> int:
-        return self.state_bytes_per_seq * max_num_seqs
+        return self.state_bytes_per_seq * max_num_seqs + self.spec_state_bytes(max_num_seqs)
+
+    def spec_state_bytes(self, max_num_seqs: int) -> int:
+        """The states a verification step keeps per position, to roll back to (`worker/state_slots.py`)."""
+        return self.state_bytes_per_seq * max_num_seqs * self.spec_positions
 
 
 @dataclass(frozen=True)
@@ -58,11 +64,16 @@ class KVCacheLayout:
 
 
 def kv_cache_spec(
-    model: Any, dtype_bytes: int, enable_prefix_caching: bool, cache_dtype_bytes: int | None = None
+    model: Any,
+    dtype_bytes: int,
+    enable_prefix_caching: bool,
+    cache_dtype_bytes: int | None = None,
+    spec_positions: int = 0,
 ) -> KVCacheSpec:
     """The cache shape a model needs, read from its modules (works on a meta-device model, so the
     planner and the engine share this one function). dtype_bytes: the model dtype's element size
-    (the recurrent state's); cache_dtype_bytes: the KV cache's (None: the same)."""
+    (the recurrent state's); cache_dtype_bytes: the KV cache's (None: the same); spec_positions: 1 + k
+    with speculative decoding (used only by a model with per-sequence state)."""
     layers = model.attention_layers()
     stateful = model.sequence_state_layers()  # `models/base.py`: [] for a model without per-sequence state
     state = sum(layer.state_width for layer in stateful) * dtype_bytes
@@ -73,6 +84,7 @@ def kv_cache_spec(
         dtype_bytes if cache_dtype_bytes is None else cache_dtype_bytes,
         state_bytes_per_seq=state,
         snapshot_bytes_per_block=state if enable_prefix_caching else 0,
+        spec_positions=spec_positions if stateful else 0,
     )
 
 
@@ -107,7 +119,7 @@ def gpu_num_blocks(
     block_size: int,
 ) -> int:
     """GPU pool: what is left of utilization * total after the profiled peak of a worst-case step
-    (weights + activations + state slots, all allocated while profiling) and memory held outside
-    PyTorch (CUDA context, NCCL...)."""
+    (weights + activations + state slots and the speculative states, all allocated while profiling) and
+    memory held outside PyTorch (CUDA context, NCCL...)."""
     budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
     return num_blocks_for_budget(budget, spec, block_size)

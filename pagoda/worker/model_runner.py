@@ -91,7 +91,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         max_seqs = config.scheduler.max_num_seqs
         stateful = self.model.sequence_state_layers() if caps.stateful else []
-        self.state_pool = StateSlotPool(stateful, max_seqs, self.dtype, self.device) if stateful else None
+        spec = config.scheduler.speculative
+        self.spec_positions = n = 1 + spec.num_speculative_tokens if spec else 0  # states a verified row keeps
+        self.state_pool = StateSlotPool(stateful, max_seqs, self.dtype, self.device, n) if stateful else None
         # Snapshots per block make prefix-cache hits exact for stateful models.
         self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching
         self.requests = RequestStates(self.block_size, self.device, self.sampling, self.state_pool)
@@ -104,9 +106,7 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None  # set by `enable_cuda_graphs`
         self._last_sampled: torch.Tensor | None = None  # its token ids, on the device
         self._last_step: PendingStep | None = None  # the last launched step's samples
-        # Structured output (`frontend.structured_output.manager.GrammarManager`, set by the engine on
-        # the first constrained request): fills the allowed-token bitmask of constrained rows.
-        self.token_masks: Any = None
+        self.token_masks: Any = None  # structured output's `GrammarManager`, set by the engine on first use
 
     # ---- KV cache -----------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -115,15 +115,16 @@ class ModelRunner:
             torch.tensor([], dtype=self.dtype).element_size(),
             self.config.cache.enable_prefix_caching,
             torch.tensor([], dtype=self.cache_dtype).element_size(),
+            self.spec_positions,
         )
 
     def initialize_kv_cache(self, layout: KVCacheLayout) -> None:
-        """Allocate the KV cache (`worker/kv_cache.py`) and, with prefix caching, the state snapshots."""
+        """Allocate the KV cache (`worker/kv_cache.py`) and the state snapshots (prefix caching, speculation)."""
         self.kv_caches = allocate_kv_caches(
             self.model.attention_layers(), layout.num_blocks, layout.block_size, self.cache_dtype, self.device
         )
-        if self.state_snapshots:
-            self.state_pool.allocate_snapshots(layout.num_blocks)
+        if self.state_pool is not None:
+            self.state_pool.allocate_snapshots(layout.num_blocks if self.state_snapshots else 0)
 
     def warm_up_attention(self) -> None:
         """Let the attention backend compile its kernels for this model's attention shapes now, before
@@ -152,8 +153,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
-        """Run one worst-case step (num_tokens prompt tokens, a throwaway cache) and return the
-        peak bytes PyTorch allocated on the GPU, weights included."""
+        """One worst-case step (num_tokens prompt tokens, a throwaway cache): PyTorch's peak GPU bytes, weights in."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         spec = self.kv_cache_spec()
@@ -185,9 +185,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence, every position, in
-        one prefill over KV blocks 1.. of the cache: for accuracy checks (tests, the quantization
-        accuracy benchmark) on an idle engine. Needs ceil(n / block_size) free blocks past the null one."""
+        """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence in one prefill over KV blocks 1..,
+        for accuracy checks on an idle engine (tests, the quantization benchmark); ceil(n / block_size) blocks."""
         inputs = one_prompt_inputs(len(token_ids), self.block_size)
         inputs.token_ids = np.asarray(token_ids, dtype=np.int64)
         zero_blocks(self.kv_caches, inputs.block_tables[0].tolist(), self.device)  # as for every block handed out
@@ -254,7 +253,7 @@ class ModelRunner:
             return None
         request_ids = list(scheduled)
         states = [self.states[rid] for rid in request_ids]
-        inputs = spec_rows.build_inputs(self.inputs, scheduled, states, so, self._last_sampled)
+        inputs = spec_rows.build_inputs(self.inputs, scheduled, states, so, self._last_sampled, self.state_pool)
         return request_ids, states, inputs
 
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
@@ -300,6 +299,7 @@ class ModelRunner:
                 self.block_size,
                 self.state_snapshots,
                 dev,
+                inputs.state_writes,
             )
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
         if inputs.mrope_positions is not None:
@@ -328,6 +328,8 @@ class ModelRunner:
                 out, verified = spec_rows.sample(self.sampler, self.sampling, logits, request_ids, spec, masks)
             self.sampling.update(out.sampled_token_ids, verified.earlier if verified is not None else None)
             self.link.share_tokens(spec_rows.shared_tokens(out, verified))
+        if verified is not None and self.state_pool is not None:  # each row's state after its last kept token
+            spec_rows.roll_back_states(self.state_pool, states, spec, verified)
         for row, s in enumerate(states):
             s.num_pending += 1
             s.pending_row = row

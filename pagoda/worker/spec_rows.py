@@ -31,6 +31,7 @@ from pagoda.worker.step_inputs import SpecRows, StepInputs, StepInputsBuilder
 
 if TYPE_CHECKING:
     from pagoda.worker.pipeline_link import PipelineLink
+    from pagoda.worker.state_slots import StateSlotPool
 
 
 @dataclass
@@ -58,10 +59,12 @@ def build_inputs(
     states: list[RunnerRequestState],
     so: SchedulerOutput,
     last_sampled: torch.Tensor | None,
+    state_pool: StateSlotPool | None = None,
 ) -> StepInputs:
     """The step's inputs (rows: `scheduled`'s requests, its token counts; `states` theirs, in order); a row
     with proposals has them after its known tokens (appended to its state's tokens only while the inputs
-    are built: they are not known tokens)."""
+    are built: they are not known tokens). A stateful model keeps the state after each position of a
+    proposal row (`state_writes`), to roll back to (`roll_back_states`)."""
     request_ids, query_lens = list(scheduled), list(scheduled.values())
     spec = so.spec_token_ids
     if not spec:
@@ -84,7 +87,26 @@ def build_inputs(
     )
     wanted = np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64)
     inputs.spec = SpecRows(np.fromiter(map(len, proposals), np.int64, len(rows)), proposals, greedy, penalized, wanted)
+    if state_pool is not None and state_pool.spec_positions:
+        counts = inputs.spec.counts + 1
+        with_proposals = np.repeat(inputs.spec.counts > 0, counts)  # rows without proposals keep their own write
+        sample_row = np.repeat(np.arange(len(rows)), counts)
+        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids = state_pool.spec_ids(sample_row, offset)
+        inputs.state_writes = (logits_positions(inputs)[with_proposals], ids[with_proposals])
     return inputs
+
+
+def roll_back_states(pool: StateSlotPool, states: list[RunnerRequestState], spec: SpecRows, verified: Verified) -> None:
+    """Each proposal row's state slot back to the state after its last kept token (entry `counts - 1` of the
+    row's positions; `states`: the sampling rows')."""
+    rows = np.flatnonzero(spec.counts > 0)
+    if not len(rows):
+        return
+    device = verified.counts.device
+    slots = to_device([states[i].state_slot for i in rows.tolist()], device, torch.int64)
+    kept = verified.counts[to_device(rows, device)] - 1
+    pool.roll_back(slots, to_device(pool.spec_ids(rows, np.zeros_like(rows)), device) + kept)
 
 
 def logits_positions(inputs: StepInputs) -> np.ndarray:

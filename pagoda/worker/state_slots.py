@@ -5,7 +5,10 @@
   are exactly the state before a sequence's first token — or filled from a prefix-cache snapshot.
 - `snapshots` [num_layers, num_blocks, width]: the state after the last token of each KV block,
   written by the layers while they compute that token; allocated with the KV cache, only when
-  prefix caching is on.
+  prefix caching is on. With speculative decoding, `spec_positions` (1 + k) more per slot past them
+  (`spec_base` on): a verification step writes the state after every position of its proposal rows
+  there, and each row rolls its slot back to the position of its last kept token (`roll_back`). Entry 0
+  is always the null block's, which padding writes into.
 Slots are handed out by the model runner, keyed by request, and freed when a request finishes or
 is preempted (recompute restarts from zero state or from a snapshot).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -24,7 +28,14 @@ class StatefulLayer(Protocol):
 
 
 class StateSlotPool:
-    def __init__(self, layers: list[StatefulLayer], num_slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layers: list[StatefulLayer],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        spec_positions: int = 0,
+    ):
         widths = {layer.state_width for layer in layers}
         assert len(widths) == 1, f"stateful layers must share one state width, got {widths}"
         self.layers = layers
@@ -35,6 +46,7 @@ class StateSlotPool:
         self.state = torch.zeros(len(layers), num_slots + 1, self.width, dtype=dtype, device=device)
         self.snapshots = torch.empty(len(layers), 0, self.width, dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.spec_positions, self.spec_base = spec_positions, 0
         self._bind()
 
     @property
@@ -46,11 +58,23 @@ class StateSlotPool:
             layer.bind_state(self.state[index], self.snapshots[index])
 
     def allocate_snapshots(self, num_blocks: int) -> None:
-        # Uninitialised: a snapshot is only read for a block whose last token wrote it first.
-        self.snapshots = torch.empty(
-            len(self.layers), num_blocks, self.width, dtype=self.state.dtype, device=self.state.device
-        )
+        """num_blocks: 0 without prefix caching (then only the null entry and the speculative ones, if any)."""
+        if self.spec_positions:
+            num_blocks = max(num_blocks, 1)
+        self.spec_base = num_blocks
+        total = num_blocks + self.spec_positions * self.scratch_slot
+        # Uninitialised: a snapshot is only read for a block (or position) whose token wrote it first.
+        state = self.state
+        self.snapshots = torch.empty(len(self.layers), total, self.width, dtype=state.dtype, device=state.device)
         self._bind()
+
+    def spec_ids(self, rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """The entries of sampling row `rows[i]`'s position `offsets[i]` in a verification step."""
+        return self.spec_base + rows * self.spec_positions + offsets
+
+    def roll_back(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """state[slots[i]] = the state at entry ids[i] (device indices: no host sync)."""
+        self.state.index_copy_(1, slots, self.snapshots.index_select(1, ids))
 
     def drop_snapshots(self) -> None:
         self.snapshots = self.snapshots[:, :0]

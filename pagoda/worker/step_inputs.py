@@ -49,6 +49,8 @@ class StepInputs:
     late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     needs_encoder: bool = False  # a row's scheduled range covers part of an image or video
     spec: SpecRows | None = None  # speculative proposals of the sampling rows (`worker/spec_rows.py`)
+    # (flat token index, snapshot entry) [2 x N]: states a verification step keeps to roll back to (stateful models)
+    state_writes: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_rows(self) -> int:

@@ -207,3 +207,22 @@ def test_speculative_steps_replay_mixed_graphs_with_outputs_unchanged(tiny_llama
     counts = engine.speculator.counts
     assert counts.num_drafts >= 6 and counts.num_accepted_tokens >= 0.75 * counts.num_draft_tokens
     assert sum(used["verify"]) == counts.num_draft_tokens  # every verification step replayed a graph
+
+
+def test_yuan_verification_steps_roll_lf_state_back_inside_graphs():
+    """Yuan2 verification steps replay mixed graphs that also keep the LF state after every proposal position
+    (beside the prefix-cache snapshots); rows roll back to their last kept token. Proposals: the golden
+    answer's next two tokens, then a wrong one (tests/models/test_yuan_speculation.py runs it eagerly)."""
+    from tests.models.test_yuan_speculation import SPEC, _golden_proposer
+
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())
+    cases = golden["cases"] if CUDA else [golden["cases"][i] for i in (0, 2)]
+    engine = _engine("yuan2-tiny", max_num_batched_tokens=8, speculative_config=SPEC)
+    engine.speculator.ngram.propose = _golden_proposer("yuan2-tiny")
+    used = _count_buckets(engine.runner.graphs)
+    done = _run(engine, {str(i): c["prompt_ids"] for i, c in enumerate(cases)}, TOKENS)
+    for i, case in enumerate(cases):
+        assert done[str(i)] == case["greedy_16"][:TOKENS], f"case {i}"
+    counts = engine.speculator.counts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert sum(used["verify"]) == counts.num_draft_tokens  # every verification replayed a graph
