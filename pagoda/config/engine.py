@@ -127,7 +127,7 @@ class EngineArgs:
         'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup; '
         'also prompt_lookup_min/max, disable_by_batch_size), {"method": "suffix"} (the prompt, the output and '
         "finished requests' outputs; vLLM's suffix_decoding_* keys) or "
-        '{"method": "draft_model", "model": ...} (a smaller model of the same tokenizer; CPU only); greedy '
+        '{"method": "draft_model", "model": ...} (a smaller model of the same tokenizer); greedy '
         "outputs stay token for token the same",
     )
     async_scheduling: bool | None = knob(
@@ -350,7 +350,7 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = 
     if spec is None:
         return None
     if spec.draft_model is not None:
-        _check_draft_model(spec.draft_model, hf_config, device)
+        _check_draft_model(spec.draft_model, hf_config)
     if a.pipeline_parallel_size > 1:
         raise ConfigError(
             "--speculative-config is not supported with pipeline parallelism (its micro-batches would each need "
@@ -360,15 +360,9 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = 
     return spec
 
 
-def _check_draft_model(draft: str, hf_config: dict[str, Any], device: str) -> None:
-    """A draft model runs beside the target only where its memory is accounted for, and must share its vocabulary."""
+def _check_draft_model(draft: str, hf_config: dict[str, Any]) -> None:
+    """A draft model must share the target's vocabulary."""
     param = "speculative_config"
-    if device != "cpu":
-        raise ConfigError(
-            "--speculative-config method 'draft_model' runs on the CPU only in this version (on a GPU the draft's "
-            "memory is not set aside from the target's KV cache yet); use method 'ngram' or 'suffix' there.",
-            param,
-        )
     from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
     draft_config = resolve_model_source(draft).hf_config

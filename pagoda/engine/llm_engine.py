@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from pagoda import envs
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineConfig
 from pagoda.config.engine import derived_max_model_len
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.output_processor import OutputProcessor, child_request_id
 from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.speculation import Speculator
+from pagoda.engine.speculation import Speculator, draft_engine_args
 from pagoda.engine.validation import check_priority, validate_request
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
@@ -68,6 +68,10 @@ class LLMEngine:
                 sorted(self.token_info.eos_token_ids),
                 pin_memory=config.device.device == "cuda",
             )
+        speculative = config.scheduler.speculative
+        # The draft model first: on a GPU its weights, KV cache and graphs are then memory the target's profiling
+        # finds in use, so the target's KV cache is sized from what the draft leaves.
+        self.draft = self._draft_engine(speculative.draft_model) if speculative and speculative.draft_model else None
         self.runner = make_runner(config, self.source, set(self.token_info.eos_token_ids), on_fatal)
         self.kv_layout = self._size_kv_cache()
         self.runner.initialize_kv_cache(self.kv_layout)
@@ -79,11 +83,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
-        speculative = config.scheduler.speculative
-        self.speculator, self.draft = None, None
-        if speculative is not None:
-            self.draft = self._draft_engine(speculative.draft_model) if speculative.draft_model else None
-            self.speculator = Speculator(speculative, config.device.device, self.draft)
+        self.speculator = Speculator(speculative, config.device.device, self.draft) if speculative else None
         # Launched, not yet read, oldest first; a step is read once this many are unread after a launch.
         self._inflight: collections.deque[tuple[SchedulerOutput, LaunchedStep]] = collections.deque()
         scheduler = config.scheduler
@@ -354,22 +354,10 @@ class LLMEngine:
         """The draft model of speculative decoding, as an engine of its own (its KV cache, prefix caching,
         chunked prefill) on the target's device, lengths (at most its own context) and step sizes; it reads
         token ids only."""
-        c = self.config
         # A draft with a shorter context proposes for the requests that fit in it (`DraftModelProposer`).
         context = derived_max_model_len(resolve_model_source(model).hf_config)
-        args = EngineArgs(
-            model=model,
-            skip_tokenizer_init=True,
-            dtype=c.model.dtype,
-            device=c.device.device,
-            max_model_len=min(c.model.max_model_len, context),
-            max_num_seqs=c.scheduler.max_num_seqs,
-            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-            cpu_kv_cache_space_gib=c.cache.cpu_kv_cache_space_gib,
-            seed=c.model.seed,
-        )
         logger.info("Speculative decoding: loading the draft model %s", model)
-        return LLMEngine(EngineConfig.create(args))
+        return LLMEngine(EngineConfig.create(draft_engine_args(self.config, model, context)))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any, the grammar compiler's threads and the draft engine."""

@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.config import EngineArgs, EngineConfig
 from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -93,6 +94,32 @@ class DraftModelProposer:
             self.draft.abort_request(list(asked))
             for request in asked.values():
                 request.spec_token_ids = []
+
+
+def draft_engine_args(target: EngineConfig, model: str, context: int) -> EngineArgs:
+    """The draft engine's arguments: the target's device, dtype, step sizes and lengths (at most the draft's own
+    `context`), no tokenizer. It proposes only while fewer than `disable_by_batch_size` requests run, so on a GPU
+    its KV cache holds that many requests of its longest length (a fixed pool: sized from free memory it would
+    take the target's share); on the CPU it has the target's budget."""
+    spec = target.scheduler.speculative
+    assert spec is not None
+    device = target.device.device
+    max_len = min(target.model.max_model_len, context)
+    seqs = min(target.scheduler.max_num_seqs, spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device])
+    block = target.cache.block_size
+    return EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype=target.model.dtype,
+        device=device,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=target.scheduler.max_num_batched_tokens,
+        block_size=block,
+        cpu_kv_cache_space_gib=target.cache.cpu_kv_cache_space_gib,
+        num_gpu_blocks_override=seqs * -(-max_len // block) + 1 if device == "cuda" else None,
+        seed=target.model.seed,
+    )
 
 
 class Speculator:

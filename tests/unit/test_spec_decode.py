@@ -233,7 +233,7 @@ def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(ti
     assert not config.scheduler.async_scheduling
 
 
-def test_a_draft_model_needs_a_folder_one_rank_the_targets_vocabulary_and_the_cpu(tiny_llama, tmp_path):
+def test_a_draft_model_needs_a_folder_one_rank_and_the_targets_vocabulary(tiny_llama, tmp_path):
     from pagoda.config import EngineArgs, EngineConfig
     from pagoda.config.engine import _check_draft_model
     from pagoda.models.source import resolve_model_source
@@ -256,8 +256,26 @@ def test_a_draft_model_needs_a_folder_one_rank_the_targets_vocabulary_and_the_cp
     target = resolve_model_source(tiny_llama).hf_config
     with pytest.raises(ConfigError, match="vocabulary of 1024 tokens, the target 512: a draft must use"):
         EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
-    with pytest.raises(ConfigError, match="runs on the CPU only"):
-        _check_draft_model(tiny_llama, target, "cuda")
+    _check_draft_model(tiny_llama, target)  # the same vocabulary: accepted
     spec["model"] = tiny_llama
     config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
     assert config.scheduler.speculative is not None and config.scheduler.speculative.draft_model == tiny_llama
+
+
+def test_a_draft_on_a_gpu_gets_a_kv_pool_for_the_requests_it_can_be_asked_for(tiny_llama):
+    """On a GPU a pool sized from free memory would take the target's share: the draft gets one for as many
+    full-length requests as may get proposals (below disable_by_batch_size), at most its own context each."""
+    import dataclasses
+
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.engine.speculation import draft_engine_args
+
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2, "disable_by_batch_size": 8}
+    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, max_model_len=1000)
+    target = EngineConfig.create(args)
+    on_cpu = draft_engine_args(target, tiny_llama, context=600)
+    assert (on_cpu.max_model_len, on_cpu.max_num_seqs, on_cpu.num_gpu_blocks_override) == (600, 8, None)
+    gpu = dataclasses.replace(target, device=dataclasses.replace(target.device, device="cuda"))
+    on_gpu = draft_engine_args(gpu, tiny_llama, context=4096)
+    assert on_gpu.max_model_len == 1000 and on_gpu.max_num_seqs == 8
+    assert on_gpu.num_gpu_blocks_override == 8 * -(-1000 // target.cache.block_size) + 1
