@@ -89,3 +89,17 @@ def test_seeded_sampling_is_the_drivers(engines, tiny_llama):
                     results.append(out.outputs[0].token_ids)
         engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_yuan_speculation_under_tp2_rolls_every_ranks_lf_state_back(engines):
+    """Yuan2 at TP = 2 with proposals that keep two tokens and miss the third: every rank rolls its LF state slots
+    back to the last kept token (the counts come with the driver's tokens); the goldens hold."""
+    from tests.models.test_yuan_speculation import SPEC, _golden_proposer
+
+    capture = engines("yuan2-tiny", tensor_parallel_size=2, block_size=4, speculative_config=SPEC)
+    capture.engine.speculator.ngram.propose = _golden_proposer("yuan2-tiny")
+    cases = _golden("yuan2-tiny")["cases"]
+    tokens = capture.run([c["prompt_ids"] for c in cases])
+    assert [tokens[f"r{i}"] for i in range(len(cases))] == [c["greedy_16"] for c in cases]
+    counts = capture.engine.speculator.counts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
