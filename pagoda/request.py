@@ -80,6 +80,7 @@ class Request:
     # Enters the hash of the first block (and so of every block after it): requests with different salts
     # share no prefix-cache blocks.
     cache_salt: str | None = None
+    lora_request: Any = None  # lora.request.LoRARequest: the adapter this request runs with (None: the base model)
     priority: int = 0  # lower runs first under the priority scheduling policy
     # Speculative decoding: tokens proposed to follow the known ones, verified by the next step (none: the
     # step decodes one token). Set after each step's update (`engine/speculation.py`).
@@ -88,6 +89,18 @@ class Request:
     # Tokens the last update appended (1, or up to 1 + the proposals a step verified): the output path
     # reads them.
     num_new_tokens: int = 1
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What the first block's hash takes besides its tokens: the cache salt and the adapter (KV computed
+        under one adapter is not another's)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}:{self.lora_request.lora_path}"
 
     @property
     def priority_key(self) -> tuple[int, float]:

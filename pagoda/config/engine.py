@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
 from pagoda.config.knobs import knob
+from pagoda.config.lora import LoRAConfig, resolve_lora
 from pagoda.config.parallel import ParallelConfig, pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
@@ -143,6 +144,12 @@ class EngineArgs:
         flags=("-q",),
         choices=QUANTIZATION_CHOICES,
     )
+    # LoRA adapters (`pagoda/lora/`), vLLM's names; offline (`LLM(enable_lora=True)`) only for now: no flags yet.
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read on the host (default: max_loras)
+    lora_dtype: str = "auto"
 
 
 # The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`
@@ -210,6 +217,7 @@ class SchedulerConfig:
     # Steps in flight through the pipeline stages at once, each over requests no other in-flight step
     # holds (`Scheduler`, `worker/pipeline_link.py`): pipeline_parallel_size on the CPU, else 1.
     micro_batches: int = 1
+    max_loras_per_step: int = 0  # distinct LoRA adapters among running requests (max_loras; 0: adapters off)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +245,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     parallel: ParallelConfig
+    lora: LoRAConfig | None = None  # None: adapters off
 
     @classmethod
     def create(cls, args: EngineArgs | None = None, **overrides: Any) -> EngineConfig:
@@ -299,6 +308,14 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
         speculative = resolve_speculative(a, hf_config, device)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
+        lora = resolve_lora(
+            a.enable_lora,
+            a.max_loras,
+            a.max_lora_rank,
+            a.max_cpu_loras,
+            a.lora_dtype,
+            (a.tensor_parallel_size, a.pipeline_parallel_size),
+        )
 
         return cls(
             model=_section(
@@ -327,11 +344,17 @@ class EngineConfig:
                 async_scheduling=device == "cuda" if a.async_scheduling is None else a.async_scheduling,
                 micro_batches=resolve_micro_batches(a.pipeline_parallel_size, device),
                 speculative=speculative,
+                max_loras_per_step=lora.max_loras if lora else 0,
             ),
             device=_device_config(
-                device, a.attention_backend, a.enforce_eager, a.max_cudagraph_capture_size, a.cpu_offload_gb
+                device,
+                a.attention_backend,
+                a.enforce_eager or lora is not None,  # adapters run eagerly (no graphs) for now
+                a.max_cudagraph_capture_size,
+                a.cpu_offload_gb,
             ),
             parallel=_section(ParallelConfig, a),
+            lora=lora,
         )
 
     @property

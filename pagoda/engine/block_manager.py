@@ -103,7 +103,7 @@ class BlockManager:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
             extra = request.mm_inputs.block_extra_key(i * bs, (i + 1) * bs) if request.mm_inputs else b""
-            salt = request.cache_salt if i == 0 else None  # chained: every later block inherits it
+            salt = request.prefix_salt if i == 0 else None  # chained: every later block inherits it
             request.block_hashes.append(hash_block(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra, salt))
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -21,6 +21,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.offline_metrics import Metric, OfflineTotals, metrics_list
 from pagoda.errors import InvalidRequest
 from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -82,6 +83,10 @@ class LLM:
         with speculative decoding, its drafts, draft tokens and accepted tokens (per position a `Vector`)."""
         return metrics_list(self.engine.stats(), self._totals, self.config.model.model)
 
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name for it (`llm.llm_engine.add_lora(...)`)
+        return self.engine
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks now (they also stop when this object is collected or the process
         exits); a process runs one tensor-parallel engine at a time."""
@@ -93,9 +98,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """As vLLM's: `priority`, one per prompt, needs scheduling_policy="priority"; a prompt dict's
-        "cache_salt" keeps its prefix-cache blocks to prompts of the same salt."""
+        "cache_salt" keeps its prefix-cache blocks to prompts of the same salt; `lora_request`, one for every
+        prompt or a list with one per prompt (None: the base model), needs enable_lora=True."""
         batch: list[PromptType]
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             batch = [cast(PromptType, prompts)]  # one prompt: a string, a prompt dict or one list of token ids
@@ -107,15 +114,31 @@ class LLM:
             raise InvalidRequest(
                 f"Got {len(priorities)} priorities for {len(batch)} prompts; pass one per prompt.", "priority"
             )
+        loras: list[LoRARequest | None] = (
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else [cast(LoRARequest | None, lora_request)] * len(batch)
+        )
+        if len(loras) != len(batch):
+            raise InvalidRequest(
+                f"Got {len(loras)} LoRA requests for {len(batch)} prompts; pass one, or one per prompt.", "lora_request"
+            )
         ids = []
-        for prompt, params, rank in zip(batch, params_list, priorities):
+        for prompt, params, rank, lora in zip(batch, params_list, priorities, loras):
             text, token_ids, mm_inputs = self._parse_prompt(prompt)
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise InvalidRequest("cache_salt must be a non-empty string.", "cache_salt")
             request_id = str(next(self._ids))
             self.engine.add_request(
-                request_id, token_ids, params, prompt=text, mm_inputs=mm_inputs, cache_salt=salt, priority=rank
+                request_id,
+                token_ids,
+                params,
+                prompt=text,
+                mm_inputs=mm_inputs,
+                cache_salt=salt,
+                priority=rank,
+                lora_request=lora,
             )
             ids.append(request_id)
         return self._run(ids, use_tqdm)

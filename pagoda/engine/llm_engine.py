@@ -33,6 +33,8 @@ from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
 from pagoda.frontend.structured_output.manager import GrammarManager
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
+from pagoda.lora.manager import LoRAManager
+from pagoda.lora.request import LoRARequest
 from pagoda.models.source import resolve_model_source
 from pagoda.outputs import EngineStats, RequestOutput, SchedulerOutput
 from pagoda.request import Request, RequestStatus
@@ -93,6 +95,7 @@ class LLMEngine:
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
+        self._loras: dict[int, LoRARequest] = {}  # adapters read by the runner, by id
         self.vocab_size = self.runner.vocab_size
         if self._grammars is not None:
             self.runner.set_token_masks(self._grammars)
@@ -204,6 +207,7 @@ class LLMEngine:
         detokenize: bool = True,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
@@ -211,9 +215,12 @@ class LLMEngine:
         detokenize=False: outputs carry token ids and empty text (the caller decodes them), unless the
         request has stop strings, which need the text here. cache_salt: prefix-cache blocks are shared only
         with requests of the same salt. priority: lower runs first under the priority scheduling policy
-        (under fcfs only 0 is accepted, as in vLLM)."""
+        (under fcfs only 0 is accepted, as in vLLM). lora_request: the adapter it runs with (read and checked
+        now if new: `add_lora`)."""
         if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         max_tokens = validate_request(
             prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size, self.tokenizer is not None
         )
@@ -244,6 +251,7 @@ class LLMEngine:
                 mm_inputs=mm_inputs,
                 cache_salt=cache_salt,
                 priority=priority,
+                lora_request=lora_request,
             )
             if arrival_time is not None:
                 child.arrival_time = arrival_time
@@ -358,6 +366,35 @@ class LLMEngine:
         context = derived_max_model_len(resolve_model_source(model).hf_config)
         logger.info("Speculative decoding: loading the draft model %s", model)
         return LLMEngine(EngineConfig.create(draft_engine_args(self.config, model, context)))
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter (once per id and folder); raises InvalidRequest naming what is wrong."""
+        if self.config.lora is None:
+            raise InvalidRequest(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but adapters are off: start with "
+                "enable_lora=True.",
+                "lora_request",
+            )
+        if self._loras.get(lora_request.lora_int_id) != lora_request:
+            self._lora_manager().add(lora_request)
+            self._loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (requests already queued with it finish with it)."""
+        if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
+            raise InvalidRequest(f"LoRA adapter {lora_id} still has requests; remove it when they finish.", "lora_id")
+        self._lora_manager().remove(lora_id)
+        return self._loras.pop(lora_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self._loras)
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self.runner.lora  # the runner's adapters (`lora/manager.py`)
+        assert manager is not None, "enable_lora builds it"
+        return manager
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any, the grammar compiler's threads and the draft engine."""

@@ -181,6 +181,8 @@ class Scheduler:
                 break
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
+            if request.lora_id and not self._adapter_fits(request.lora_id):
+                break  # max_loras adapters run already: it waits for one of them to finish
             hits = self.block_manager.match_prefix(request)
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
@@ -215,6 +217,7 @@ class Scheduler:
                         list(request.block_ids),
                         request.num_computed_tokens,
                         request.mm_inputs,
+                        request.lora_id,
                     )
                 )
             request.num_computed_tokens += num_new
@@ -229,6 +232,11 @@ class Scheduler:
         return SchedulerOutput(
             new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling, spec
         )
+
+    def _adapter_fits(self, adapter_id: int) -> bool:
+        """Whether a request of this adapter may run beside the running ones (at most max_loras adapters a step)."""
+        running = {r.lora_id for r in self.running} - {0}
+        return adapter_id in running or len(running) < self.config.max_loras_per_step
 
     def _note_chunk(self, request: Request, num_new: int) -> None:
         if request.num_computed_tokens + num_new < request.num_prompt_tokens:

@@ -158,6 +158,7 @@ class Linear(nn.Module):
     model; it replaces `weight` with its own parameters and does the matmul."""
 
     quant: QuantMethod | None = None
+    lora: Any = None  # lora.layers.LoRASlots: the adapters added to this layer's output (`pagoda/lora/`)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -172,13 +173,16 @@ class Linear(nn.Module):
 
     def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """What a fused GEMV (`kernels/gemv.py`) multiplies by in place of this layer's matmul:
-        (weight, None) unquantized, (fp8 weight, its row scales) for fp8, None when it cannot (int4)."""
+        (weight, None) unquantized, (fp8 weight, its row scales) for fp8, None when it cannot (int4, adapters)."""
+        if self.lora is not None:
+            return None
         if self.quant is not None:
             return self.quant.gemv_operands(self)
         return self.weight, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ColumnParallelLinear(Linear):
@@ -312,7 +316,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
+            return super().forward(x)
         out = self.matmul(x, None)
         if not self.reduce_results:
             return out

@@ -32,6 +32,7 @@ from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.layers.triton_attention import TritonAttentionBackend
+from pagoda.lora.manager import LoRAManager
 from pagoda.models.loader import load_model
 from pagoda.models.source import ModelSource
 from pagoda.outputs import SchedulerOutput, StepOutput
@@ -85,22 +86,21 @@ class ModelRunner:
         if self.cache_dtype == FP8_KV:
             log_fp8_scales(self.model.attention_layers())
         self.sampler = Sampler()
-        # Per-request sampling rows kept across steps: a step's batch is a gather, and the penalties'
-        # token history lives on the device (updated with each step's samples, no host round trip).
-        self.sampling = SamplingState(config.scheduler.max_num_seqs, self.vocab_size, self.device, self.eos_token_ids)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         max_seqs = config.scheduler.max_num_seqs
+        # Per-request sampling rows kept across steps: a step's batch is a gather; penalty histories on the device.
+        self.sampling = SamplingState(max_seqs, self.vocab_size, self.device, self.eos_token_ids)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         stateful = self.model.sequence_state_layers() if caps.stateful else []
         spec = config.scheduler.speculative
         self.spec_positions = n = 1 + spec.num_speculative_tokens if spec else 0  # states a verified row keeps
         self.state_pool = StateSlotPool(stateful, max_seqs, self.dtype, self.device, n) if stateful else None
-        # Snapshots per block make prefix-cache hits exact for stateful models.
-        self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching
+        self.state_snapshots = self.state_pool is not None and config.cache.enable_prefix_caching  # exact hits
         self.requests = RequestStates(self.block_size, self.device, self.sampling, self.state_pool)
         self.inputs = StepInputsBuilder(
             self.block_size, self.device, stateful=bool(stateful), uses_mrope=caps.mrope, has_encoder=caps.encoder
         )
         self.accepts_multimodal = caps.encoder
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
         self.encoder = EncoderRunner(self.model, self.device, max(32768, 4 * config.scheduler.max_num_batched_tokens))
         self.encoder_cache = self.encoder.cache
         self.graphs: GraphRunner | None = None  # set by `enable_cuda_graphs`
@@ -185,8 +185,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence in one prefill over KV blocks 1..,
-        for accuracy checks on an idle engine (tests, the quantization benchmark); ceil(n / block_size) blocks."""
+        """Teacher-forced logits [n, V] (float32, CPU) of one text-only sequence in one prefill over KV blocks 1..."""
         inputs = one_prompt_inputs(len(token_ids), self.block_size)
         inputs.token_ids = np.asarray(token_ids, dtype=np.int64)
         zero_blocks(self.kv_caches, inputs.block_tables[0].tolist(), self.device)  # as for every block handed out
@@ -220,9 +219,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
-        """Queue one step on the device. At most one earlier step may still be unread (its
-        tokens feed this one's pending rows on the device). Eager kernels use PDL as a captured
-        graph of the same size would (`dispatch.pdl_for_rows`); graphs have theirs baked in."""
+        """Queue one step on the device. At most one earlier step may still be unread (its tokens feed this one's
+        pending rows on the device). Eager kernels use PDL as a graph of the same size would (`pdl_for_rows`)."""
         with dispatch.pdl_for_rows(so.total_num_scheduled_tokens):
             step = self._prepare(so)
             if step is None:
@@ -307,6 +305,8 @@ class ModelRunner:
         if inputs.needs_encoder and self.link.stage.first:
             attn.mm_embeds = self.encoder.embeds(states, inputs)
         attn.stage_input = self.link.stage_input(len(inputs.token_ids))
+        if self.lora is not None:  # each token's adapter (`lora/manager.py`; none while profiling)
+            self.lora.prepare(np.repeat([s.lora_id for s in states] or 0, inputs.query_lens))
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:
             ids.index_copy_(0, *inputs.late_tokens)

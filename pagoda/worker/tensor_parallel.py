@@ -82,6 +82,8 @@ def _init_failed(exc: BaseException, init_method: str, timeout: float) -> Config
 class TensorParallelRunner:
     """Rank 0's `ModelRunner`, whose every state-changing call is made on all ranks."""
 
+    lora: Any = None  # LoRA adapters run on one rank only (enable_lora refuses parallelism)
+
     def __init__(
         self,
         config: EngineConfig,

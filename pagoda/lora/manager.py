@@ -1,0 +1,118 @@
+"""The worker's adapters: read ones kept on the host, the step's ones in device slots.
+
+`attach_lora` gives every adaptable linear layer of the decoder (`Linear.lora`, see `layers/linear.py`) its
+slots. `LoRAManager.add` reads a PEFT folder once (checked against the layers; the host keeps the last
+`max_cpu_loras` used, least recently used dropped first, read again from disk if asked for later);
+`prepare(token_adapter_ids)` puts the step's adapters in slots (an adapter already in a slot stays; a
+slot whose adapter this step does not use is reused, least recently used first) and sets the step's
+mapping every layer reads.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.config.lora import LoRAConfig
+from pagoda.device_copy import to_device
+from pagoda.layers.linear import Linear, MergedColumnParallelLinear
+from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
+from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
+from pagoda.lora.request import LoRARequest
+
+
+def _parts(layer: Linear) -> list[LoRAPart]:
+    if isinstance(layer, MergedColumnParallelLinear):
+        offsets = np.cumsum([0, *layer.output_sizes[:-1]]).tolist()
+        return [LoRAPart(n, o, s) for n, o, s in zip(layer.shard_names, offsets, layer.output_sizes)]
+    return [LoRAPart(None, 0, layer.output_size)]
+
+
+def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
+    """Slots on every linear layer of the decoder's layers (not the embedding, LM head, vision tower or MoE
+    experts); returns them by module name."""
+    step = LoRAStep()
+    layers: dict[str, LoRASlots] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or ".layers." not in f".{name}" or "visual" in name or "experts" in name:
+            continue
+        rank = config.max_lora_rank
+        slots = LoRASlots(module.input_size, _parts(module), config.max_loras, rank, dtype, device, step)
+        module.lora = slots
+        layers[name] = slots
+    return layers
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+        self.model, self.config, self.device = model, config, device
+        self.dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        self.layers = attach_lora(model, config, self.dtype, device)
+        self.step = next(iter(self.layers.values())).step if self.layers else LoRAStep()
+        self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # LRU last
+        self._requests: dict[int, LoRARequest] = {}
+        self._slots: list[int | None] = [None] * config.max_loras  # adapter id in each slot
+        self._slot_used: list[int] = [0] * config.max_loras  # step count of each slot's last use
+        self._steps = 0
+
+    # ---- adapters on the host --------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> None:
+        """Read (and check) the adapter now; raises InvalidRequest naming what is wrong with it."""
+        known = self._requests.get(request.lora_int_id)
+        if known is not None and known != request:
+            # A new folder under a known id: the old one's slot and host copy must not be used for it.
+            self.remove(request.lora_int_id)
+        self._host_copy(request)
+        self._requests[request.lora_int_id] = request
+
+    def remove(self, adapter_id: int) -> bool:
+        self._host.pop(adapter_id, None)
+        for i, held in enumerate(self._slots):
+            if held == adapter_id:
+                self._slots[i] = None
+        return self._requests.pop(adapter_id, None) is not None
+
+    def list(self) -> list[int]:
+        return list(self._requests)
+
+    def _host_copy(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = self._host.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_peft_adapter(request, self.model, self.layers, self.config.max_lora_rank, self.dtype)
+            self._host[request.lora_int_id] = adapter
+            while len(self._host) > self.config.host_capacity:
+                self._host.popitem(last=False)
+        self._host.move_to_end(request.lora_int_id)
+        return adapter
+
+    # ---- the step -------------------------------------------------------------------------------
+    def prepare(self, token_adapter_ids: np.ndarray) -> None:
+        """The step's mapping from each token's adapter id ([T], 0: the base model); at most max_loras ids."""
+        self._steps += 1
+        ids = [int(i) for i in np.unique(token_adapter_ids) if i]
+        if len(ids) > self.config.max_loras:
+            raise RuntimeError(f"{len(ids)} adapters in one step, more than max_loras {self.config.max_loras}")
+        slots = {i: self._slot_for(i, ids) for i in ids}
+        active = []
+        for adapter_id, slot in slots.items():
+            tokens = np.flatnonzero(token_adapter_ids == adapter_id)
+            active.append((slot, to_device(tokens, self.device)))
+        self.step.active = active
+
+    def _slot_for(self, adapter_id: int, needed: list[int]) -> int:
+        if adapter_id in self._slots:
+            slot = self._slots.index(adapter_id)
+        else:
+            free = [i for i, held in enumerate(self._slots) if held is None or held not in needed]
+            slot = min(free, key=lambda i: (self._slots[i] is not None, self._slot_used[i]))
+            adapter = self._host_copy(self._requests[adapter_id])
+            for name, weights in adapter.by_layer().items():
+                self.layers[name].set(slot, weights)
+            for name in self.layers.keys() - adapter.by_layer().keys():
+                self.layers[name].set(slot, {})
+            self._slots[slot] = adapter_id
+        self._slot_used[slot] = self._steps
+        return slot

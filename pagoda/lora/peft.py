@@ -1,0 +1,145 @@
+"""A PEFT LoRA folder read onto this model's adaptable layers.
+
+The folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_modules`, ...) and
+`adapter_model.safetensors` with, per adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and
+`.lora_B.weight` [out, r]. The scale s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A
+projection the model fuses (`q_proj` into `qkv_proj`, through the model's `packed_modules_mapping`) becomes
+that part of the fused layer. What Pagoda cannot serve exactly is refused by name: DoRA, per-module ranks or
+alphas, trained biases, `modules_to_save`, a rank above `--max-lora-rank`, a target that is not one of the
+model's adaptable linear layers, shapes that differ from the base model's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagoda.errors import InvalidRequest
+from pagoda.lora.layers import LoRASlots
+from pagoda.lora.request import LoRARequest
+
+_PREFIXES = ("base_model.model.",)
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter on the host: {(layer name, part name): (A [r, in], s·B [out_part, r])}."""
+
+    request: LoRARequest
+    rank: int
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def id(self) -> int:
+        return self.request.lora_int_id
+
+    def by_layer(self) -> dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor]]]:
+        out: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, part), pair in self.weights.items():
+            out.setdefault(layer, {})[part] = pair
+        return out
+
+
+def _fail(request: LoRARequest, why: str) -> InvalidRequest:
+    return InvalidRequest(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {why}", "lora_request")
+
+
+def _config(request: LoRARequest, folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise _fail(request, "no adapter_config.json there (a PEFT LoRA folder is expected)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _fail(request, f"adapter_config.json is not readable JSON ({exc})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _fail(request, f"peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": "DoRA",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "modules_to_save": "fully trained modules (modules_to_save)",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            raise _fail(request, f"{what} are not supported")
+    if config.get("bias", "none") != "none":
+        raise _fail(request, f"trained biases (bias={config['bias']!r}) are not supported")
+    return config
+
+
+def _module_of(name: str) -> tuple[str, str] | None:
+    """(module path, 'A' or 'B') of a PEFT tensor name, without the PEFT prefix; None for other entries."""
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    for which in ("A", "B"):
+        suffix = f".lora_{which}.weight"
+        if name.endswith(suffix):
+            return name[: -len(suffix)], which
+    return None
+
+
+def load_peft_adapter(
+    request: LoRARequest,
+    model: torch.nn.Module,
+    layers: Mapping[str, LoRASlots],
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoRAAdapter:
+    """The adapter of `request` for `model`, whose adaptable layers are `layers` (module name → slots)."""
+    from safetensors import safe_open  # lazy: only where adapters are served
+
+    folder = Path(request.lora_path).expanduser()
+    if not folder.is_dir():
+        raise _fail(request, "no such folder")
+    config = _config(request, folder)
+    rank = int(config.get("r", 0))
+    if rank < 1:
+        raise _fail(request, f"rank r={rank} in adapter_config.json is not positive")
+    if rank > max_rank:
+        raise _fail(request, f"its rank {rank} is above --max-lora-rank {max_rank}; raise --max-lora-rank")
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        found = "adapter_model.bin (convert it to safetensors)" if (folder / "adapter_model.bin").is_file() else "none"
+        raise _fail(request, f"no adapter_model.safetensors there (found: {found})")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_file), framework="pt") as f:
+        for name in f.keys():
+            parsed = _module_of(name)
+            if parsed is None:
+                raise _fail(request, f"tensor {name!r} is not a LoRA A or B weight (unsupported adapter content)")
+            module, which = parsed
+            halves.setdefault(module, {})[which] = f.get_tensor(name)
+    packed = getattr(model, "packed_modules_mapping", {})
+    mapper = getattr(model, "map_weight_name", lambda n: n)
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise _fail(request, f"{module} has lora_{next(iter(pair))} without its other half")
+        path = mapper(module + ".weight")[: -len(".weight")]
+        parent, _, leaf = path.rpartition(".")
+        layer, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (path, None)
+        slots = layers.get(layer)
+        if slots is None or all(p.name != part for p in slots.parts):
+            raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
+        a, b = pair["A"], pair["B"]
+        target = slots.parts[slots.part_index(part)]
+        expected_a = (rank, slots.a[0].shape[-1])
+        if tuple(a.shape) != expected_a or tuple(b.shape) != (target.size, rank):
+            raise _fail(
+                request,
+                f"{module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this base model needs "
+                f"A {expected_a} and B {(target.size, rank)} (an adapter of another base model?)",
+            )
+        weights[(layer, part)] = (a.to(dtype), (b.float() * scale).to(dtype))
+    if not weights:
+        raise _fail(request, "it holds no LoRA weights")
+    return LoRAAdapter(request, rank, weights)

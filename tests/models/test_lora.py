@@ -1,0 +1,230 @@
+"""LoRA adapters (`pagoda/lora/`) against PEFT: adapters made with `peft` on a tiny random Llama (and Qwen2), each
+compared with PEFT's merged model (transformers, fp32): the greedy tokens and each token's logprob (1e-4), with
+three adapters and the base model in one batch, fewer adapter slots than adapters (the scheduler holds requests
+back), a host cache smaller than the adapters (read again after eviction), and prefix caching that must not
+share KV between adapters. Every malformed adapter is refused by its message, and the engine carries on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import InvalidRequest
+from pagoda.lora.request import LoRARequest
+from tests.conftest import build_tiny_model
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
+    "attn": (8, 16, ATTENTION, False),
+    "mlp": (4, 8, MLP, True),
+    "all": (16, 8, ATTENTION + MLP, False),
+}
+PROMPTS = [[5, 17, 99, 230, 7, 41], [300, 2, 64, 128, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+MAX_TOKENS = 6
+
+
+def _hf(folder: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def _make_adapter(base: str, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int) -> str:
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    model = peft.get_peft_model(_hf(base), config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero: an adapter that changes nothing would prove nothing
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def _reference(base: str, adapter: str | None, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """PEFT's merged model: greedy tokens and each one's logprob, per prompt."""
+    model = _hf(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.generation_config.eos_token_id = None  # the engine side ignores EOS: run to MAX_TOKENS here too
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = gen.sequences[0, len(prompt) :].tolist()
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, tokens)]
+        out.append((tokens, logprobs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = build_tiny_model("llama", str(root / "base"))
+    adapters = {
+        name: _make_adapter(base, root / name, rank, alpha, targets, rslora, seed)
+        for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items())
+    }
+    refs = {name: _reference(base, path) for name, path in adapters.items()} | {None: _reference(base, None)}
+    return base, adapters, refs
+
+
+def _requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())}
+
+
+def _llm(base: str, **kw) -> LLM:
+    return LLM(base, skip_tokenizer_init=True, dtype="float32", enable_lora=True, **{"max_lora_rank": 16, **kw})
+
+
+def _check(outputs, expected) -> None:
+    for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens
+        got = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
+        assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def test_three_adapters_and_the_base_in_one_batch_equal_peft_merged(lora_setup):
+    base, adapters, refs = lora_setup
+    requests = _requests(adapters)
+    llm = _llm(base, max_loras=3)
+    names = [*ADAPTERS, None]
+    prompts = [p for _ in names for p in PROMPTS]
+    loras = [requests[n] if n else None for n in names for _ in PROMPTS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False, lora_request=loras)
+    for i, name in enumerate(names):
+        _check(outputs[i * len(PROMPTS) : (i + 1) * len(PROMPTS)], refs[name])
+
+
+def test_fewer_slots_and_host_copies_than_adapters(lora_setup, monkeypatch):
+    """max_loras=1: requests of a second adapter wait until the first adapter's finish (no step has two);
+    max_cpu_loras=1: an adapter evicted from the host is read again when asked for."""
+    import pagoda.lora.manager as manager
+
+    base, adapters, refs = lora_setup
+    requests = _requests(adapters)
+    reads = []
+    real = manager.load_peft_adapter
+    monkeypatch.setattr(manager, "load_peft_adapter", lambda r, *a: reads.append(r.lora_name) or real(r, *a))
+    llm = _llm(base, max_loras=1, max_cpu_loras=1)
+    per_step = []
+    prepare = llm.engine.runner.lora.prepare
+    llm.engine.runner.lora.prepare = lambda ids: per_step.append(set(ids.tolist()) - {0}) or prepare(ids)
+    for _ in range(2):
+        for name in ("attn", "mlp"):
+            outputs = llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False, lora_request=requests[name]
+            )
+            _check(outputs, refs[name])
+    both = [*ADAPTERS]
+    outputs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * 3, _params(), use_tqdm=False, lora_request=[requests[n] for n in both]
+    )
+    for out, name in zip(outputs, both):
+        _check([out], refs[name][:1])
+    assert max(len(s) for s in per_step) == 1
+    assert reads.count("attn") >= 2 and reads.count("mlp") >= 2  # evicted by the other, read again
+
+
+def test_prefix_cache_is_not_shared_between_adapters(lora_setup):
+    base, adapters, _ = lora_setup
+    requests = _requests(adapters)
+    llm = _llm(base, max_loras=2)
+    long = [[(7 * i + j) % 500 + 3 for j in range(40)] for i in range(2)]  # two full 16-token blocks each
+    refs = {name: _reference(base, adapters.get(name), long) for name in ("all", "attn", None)}
+    params = [{"prompt_token_ids": p} for p in long]
+    _check(llm.generate(params, _params(), use_tqdm=False, lora_request=requests["all"]), refs["all"])
+    hits = llm.engine.block_manager.prefix_hits
+    _check(llm.generate(params, _params(), use_tqdm=False), refs[None])  # the same prompts, no adapter
+    _check(llm.generate(params, _params(), use_tqdm=False, lora_request=requests["attn"]), refs["attn"])
+    assert llm.engine.block_manager.prefix_hits == hits  # no block computed under one adapter reused by another
+    _check(llm.generate(params, _params(), use_tqdm=False, lora_request=requests["all"]), refs["all"])
+    assert llm.engine.block_manager.prefix_hits > hits  # the same adapter again: its own blocks
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, tmp_path):
+    base, adapters, refs = lora_setup
+    llm = _llm(base, max_lora_rank=8)
+    good = Path(adapters["attn"])
+
+    def copy(name: str, **changes) -> str:
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        if changes:
+            _edit_config(folder, **changes)
+        return str(folder)
+
+    missing_weights = copy("no_weights")
+    (Path(missing_weights) / "adapter_model.safetensors").unlink()
+    no_config = copy("no_config")
+    (Path(no_config) / "adapter_config.json").unlink()
+    other = build_tiny_model("llama", str(tmp_path / "wider_base"), hidden_size=96)
+    wider = _make_adapter(other, tmp_path / "wider", 4, 8, ["q_proj"], False, 7)
+    head = _make_adapter(base, tmp_path / "head", 4, 8, ["lm_head"], False, 8)
+    tensors = safetensors.torch.load_file(f"{head}/adapter_model.safetensors")  # (PEFT adds the tied head itself)
+    safetensors.torch.save_file({k: v for k, v in tensors.items() if "lora_" in k}, f"{head}/adapter_model.safetensors")
+    cases = {
+        str(tmp_path / "nowhere"): "no such folder",
+        no_config: "no adapter_config.json",
+        missing_weights: "no adapter_model.safetensors",
+        adapters["all"]: "rank 16 is above --max-lora-rank 8",
+        copy("dora", use_dora=True): "DoRA",
+        copy("bias", bias="all"): "trained biases",
+        copy("saved", modules_to_save=["lm_head"]): "modules_to_save",
+        wider: "an adapter of another base model",
+        head: "lm_head, which is not an adaptable linear layer",
+    }
+    for i, (path, message) in enumerate(cases.items()):
+        with pytest.raises(InvalidRequest, match=message):
+            llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}],
+                _params(),
+                use_tqdm=False,
+                lora_request=LoRARequest(f"bad{i}", 100 + i, path),
+            )
+    with pytest.raises(InvalidRequest, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, adapters["attn"])
+    ok = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        _params(),
+        use_tqdm=False,
+        lora_request=LoRARequest("attn", 1, adapters["attn"]),
+    )
+    _check(ok, refs["attn"])
+    assert llm.llm_engine.list_loras() == {1} and llm.llm_engine.remove_lora(1) and not llm.llm_engine.list_loras()
+    plain = LLM(base, skip_tokenizer_init=True, dtype="float32")
+    with pytest.raises(InvalidRequest, match="start with enable_lora=True"):
+        plain.generate(
+            [{"prompt_token_ids": PROMPTS[0]}],
+            _params(),
+            use_tqdm=False,
+            lora_request=LoRARequest("attn", 1, adapters["attn"]),
+        )
