@@ -25,7 +25,7 @@ from collections.abc import Sequence
 # (reason, flags): each flag's line is "--flag: reason".
 REFUSED: tuple[tuple[str, str], ...] = (
     (
-        "LoRA adapters are not supported yet",
+        "this LoRA option is not supported yet (adapters run on one GPU, from --lora-modules)",
         "--enable-lora? --lora-modules+ --max-loras --max-lora-rank --lora-extra-vocab-size --lora-dtype "
         "--max-cpu-loras --fully-sharded-loras? --default-mm-loras",
     ),

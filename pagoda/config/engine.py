@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagoda import envs
 from pagoda.config.knobs import knob
-from pagoda.config.lora import LoRAConfig, resolve_lora
+from pagoda.config.lora import LORA_DTYPES, LoRAConfig, resolve_lora
 from pagoda.config.parallel import ParallelConfig, pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
 from pagoda.errors import ConfigError
@@ -144,12 +144,11 @@ class EngineArgs:
         flags=("-q",),
         choices=QUANTIZATION_CHOICES,
     )
-    # LoRA adapters (`pagoda/lora/`), vLLM's names; offline (`LLM(enable_lora=True)`) only for now: no flags yet.
-    enable_lora: bool = False
-    max_loras: int = 1  # adapters in one step
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept read on the host (default: max_loras)
-    lora_dtype: str = "auto"
+    enable_lora: bool = knob(False, "serve LoRA adapters beside the base model (--lora-modules; docs/lora.md)")
+    max_loras: int = knob(1, "LoRA adapters in one step (requests of others wait)")
+    max_lora_rank: int = knob(16, "the largest LoRA rank an adapter may have (1-512)")
+    max_cpu_loras: int | None = knob(None, "LoRA adapters kept read in host memory, LRU (default: --max-loras)")
+    lora_dtype: str = knob("auto", "dtype of the adapters' weights (auto: the model's)", choices=LORA_DTYPES)
 
 
 # The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`

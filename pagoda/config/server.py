@@ -41,6 +41,11 @@ class ServerConfig:
         "names clients use in 'model' (default: MODEL as given, e.g. a hub id or folder path; with no MODEL, "
         "the embedded model's name SmolLM2-135M-Instruct)",
     )
+    lora_modules: tuple[str, ...] | None = knob(
+        None,
+        'LoRA adapters clients name in \'model\': name=path (a PEFT folder) or JSON {"name": ..., "path": ...}, '
+        "several after one flag; needs --enable-lora",
+    )
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")
     chat_template: str | None = knob(None, "Jinja chat template: a file or the template text")
@@ -131,6 +136,8 @@ class ServerConfig:
             object.__setattr__(self, "timeout_keep_alive", float(envs.HTTP_TIMEOUT_KEEP_ALIVE.value))
         if self.served_model_name is not None and not isinstance(self.served_model_name, tuple):
             object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if self.lora_modules is not None and not isinstance(self.lora_modules, tuple):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
     @property
     def api_key_or_env(self) -> str | None:

@@ -186,12 +186,13 @@ class AsyncEngine:
         admission: Admission | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, but each wake-up yields every output that has arrived since the last one (in order;
         the last batch ends with the `finished` output): a consumer that fell behind by several engine
         steps catches up in one pass (and, streaming, in one write). `admission`: the room `admit` took
-        for this request, handed over to the sent count when it is sent. `cache_salt` and `priority`: as
-        `LLMEngine.add_request` takes them."""
+        for this request, handed over to the sent count when it is sent. `cache_salt`, `priority` and
+        `lora_request`: as `LLMEngine.add_request` takes them."""
         if self.is_dead:
             raise EngineDead(f"The engine is not running: {self.dead_reason}")
         if self._closed is not None:
@@ -236,6 +237,7 @@ class AsyncEngine:
                     detokenize=stream.detokenizers is None,
                     cache_salt=cache_salt,
                     priority=priority,
+                    lora_request=lora_request,
                 )
             )
             while not finished:

@@ -66,6 +66,7 @@ class AddRequest:
     detokenize: bool = True
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     priority: int = 0  # lower first under --scheduling-policy priority
+    lora_request: Any = None  # lora.request.LoRARequest: the adapter it runs with
 
 
 @dataclass
@@ -425,6 +426,7 @@ def _add(engine, message: AddRequest) -> str | None:
             detokenize=message.detokenize,
             cache_salt=message.cache_salt,
             priority=message.priority,
+            lora_request=message.lora_request,
         )
     except PagodaError as exc:
         return exc.message

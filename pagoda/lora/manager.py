@@ -75,9 +75,6 @@ class LoRAManager:
                 self._slots[i] = None
         return self._requests.pop(adapter_id, None) is not None
 
-    def list(self) -> list[int]:
-        return list(self._requests)
-
     def _host_copy(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self._host.get(request.lora_int_id)
         if adapter is None:

@@ -85,16 +85,8 @@ def _module_of(name: str) -> tuple[str, str] | None:
     return None
 
 
-def load_peft_adapter(
-    request: LoRARequest,
-    model: torch.nn.Module,
-    layers: Mapping[str, LoRASlots],
-    max_rank: int,
-    dtype: torch.dtype,
-) -> LoRAAdapter:
-    """The adapter of `request` for `model`, whose adaptable layers are `layers` (module name → slots)."""
-    from safetensors import safe_open  # lazy: only where adapters are served
-
+def check_adapter_folder(request: LoRARequest, max_rank: int) -> tuple[Path, int, float]:
+    """(folder, rank, scale) of an adapter's config, checked without the model (a server's startup check)."""
     folder = Path(request.lora_path).expanduser()
     if not folder.is_dir():
         raise _fail(request, "no such folder")
@@ -105,7 +97,20 @@ def load_peft_adapter(
     if rank > max_rank:
         raise _fail(request, f"its rank {rank} is above --max-lora-rank {max_rank}; raise --max-lora-rank")
     alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return folder, rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def load_peft_adapter(
+    request: LoRARequest,
+    model: torch.nn.Module,
+    layers: Mapping[str, LoRASlots],
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoRAAdapter:
+    """The adapter of `request` for `model`, whose adaptable layers are `layers` (module name → slots)."""
+    from safetensors import safe_open  # lazy: only where adapters are served
+
+    folder, rank, scale = check_adapter_folder(request, max_rank)
     weights_file = folder / "adapter_model.safetensors"
     if not weights_file.is_file():
         found = "adapter_model.bin (convert it to safetensors)" if (folder / "adapter_model.bin").is_file() else "none"

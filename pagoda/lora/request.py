@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from pagoda.errors import InvalidRequest
+from pagoda.errors import ConfigError, InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -38,3 +39,26 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def parse_lora_modules(items: tuple[str, ...] | list[str] | None) -> dict[str, LoRARequest]:
+    """`--lora-modules` as vLLM spells it: `name=path` or `{"name": ..., "path": ...}` (its `base_model_name` is
+    accepted; the base is this server's model). Ids are 1, 2, ... in the order given."""
+    modules: dict[str, LoRARequest] = {}
+    for item in items or ():
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    f'--lora-modules {item!r}: expected name=path or {{"name": ..., "path": ...}}', "lora_modules"
+                ) from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {item!r}: expected name=path", "lora_modules")
+        if name in modules:
+            raise ConfigError(f"--lora-modules names {name!r} twice", "lora_modules")
+        modules[name] = LoRARequest(name, len(modules) + 1, path)
+    return modules

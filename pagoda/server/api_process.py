@@ -27,10 +27,12 @@ from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.core_process import CoreClient, Ready
-from pagoda.errors import ConfigError
+from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, template_folder
 from pagoda.frontend.multimodal.chat import multimodal_serving
 from pagoda.frontend.tokenizer import load_tokenizer
+from pagoda.lora.peft import check_adapter_folder
+from pagoda.lora.request import parse_lora_modules
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
 from pagoda.server.app import build_app
@@ -71,6 +73,14 @@ class ApiSetup:
         if not config.model.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
         self.names = list(server.served_model_name or [config.model.name])
+        self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
+        if self.loras and config.lora is None:
+            raise ConfigError("--lora-modules needs --enable-lora", "lora_modules")
+        for lora in self.loras.values():  # the folder and its config now; the shapes when the engine reads it
+            try:
+                check_adapter_folder(lora, config.lora.max_lora_rank if config.lora else 0)
+            except InvalidRequest as exc:
+                raise ConfigError(f"--lora-modules: {exc.message}", "lora_modules") from None
         self.chat_template = load_chat_template(server.chat_template)
         if check and self.tokenizer is not None:
             check_chat_template(self.tokenizer, source, server.chat_template, config.model.tokenizer)
@@ -97,6 +107,7 @@ class ApiSetup:
             enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
             scheduling_policy=config.scheduler.scheduling_policy,
+            lora_modules=self.loras,
         )
         engine.add_listener(ctx.metrics.on_engine_outputs)
         # Token ids → text where there is CPU to spare. With several API processes, here: off the engine

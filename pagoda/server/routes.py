@@ -72,12 +72,16 @@ async def models(request: Request) -> p.ModelList:
     if ctx.engine.is_dead:  # as /health: a load balancer listing models must not route here
         raise EngineDead(f"The engine is not running: {ctx.engine.dead_reason}")
     created = p.now()
-    return p.ModelList(
-        data=[
-            p.ModelCard(id=name, created=created, root=ctx.served_model_names[0], max_model_len=ctx.max_model_len)
-            for name in ctx.served_model_names
-        ]
-    )
+    base = ctx.served_model_names[0]
+    cards = [
+        p.ModelCard(id=name, created=created, root=base, max_model_len=ctx.max_model_len)
+        for name in ctx.served_model_names
+    ]
+    cards += [  # LoRA adapters, as vLLM lists them: their folder as root, the base model as parent
+        p.ModelCard(id=name, created=created, root=lora.lora_path, parent=base, max_model_len=ctx.max_model_len)
+        for name, lora in ctx.lora_modules.items()
+    ]
+    return p.ModelList(data=cards)
 
 
 @router.get("/health", responses=_errors(503))

@@ -73,6 +73,7 @@ class ServingContext:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     tool_call_parser: str | None = None  # --tool-call-parser
     scheduling_policy: str = "fcfs"  # --scheduling-policy: a request's priority needs "priority"
+    lora_modules: dict[str, Any] = field(default_factory=dict)  # --lora-modules: name → lora.request.LoRARequest
 
     @property
     def model_name(self) -> str:
@@ -96,11 +97,13 @@ class OpenAIServing:
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.ctx.served_model_names:
-            raise ModelNotFound(
-                f"The model `{_clip(name)}` does not exist. Served models: {', '.join(self.ctx.served_model_names)}.",
-                "model",
-            )
+        """A served name of the base model or of a LoRA adapter (`--lora-modules`), or no name."""
+        if name is not None and name not in self.ctx.served_model_names and name not in self.ctx.lora_modules:
+            served = ", ".join([*self.ctx.served_model_names, *self.ctx.lora_modules])
+            raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: {served}.", "model")
+
+    def _options(self, req: Any) -> RequestOptions:
+        return request_options(req, self.ctx.scheduling_policy, self.ctx.lora_modules)
 
     def check_capacity(self, count: int = 1) -> Admission | None:
         """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
@@ -338,7 +341,7 @@ class OpenAIServing:
         return data
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
-        opts = request_options(req, self.ctx.scheduling_policy)
+        opts = self._options(req)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
@@ -373,14 +376,14 @@ class OpenAIServing:
         return p.ChatCompletionResponse(
             id=opts.response_id("chatcmpl"),
             created=p.now(),
-            model=self.ctx.model_name,
+            model=opts.model or self.ctx.model_name,
             choices=choices,
             usage=_usage(len(ids), sum(token_counts)),
             prompt_token_ids=ids if opts.return_token_ids else None,
         )
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
-        opts = request_options(req, self.ctx.scheduling_policy)
+        opts = self._options(req)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
         admission = self.check_capacity()
         return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission, tool_plan, opts)
@@ -397,8 +400,8 @@ class OpenAIServing:
         tool_plan: ToolPlan | None = None,
         opts: RequestOptions | None = None,
     ) -> AsyncIterator[str | bytes]:
-        opts = opts or request_options(req, self.ctx.scheduling_policy)
-        chunk_id, created, name = opts.response_id("chatcmpl"), p.now(), self.ctx.model_name
+        opts = opts or self._options(req)
+        chunk_id, created, name = opts.response_id("chatcmpl"), p.now(), opts.model or self.ctx.model_name
         # With tools, each sample's text goes through its tool-call parser: content deltas and tool_calls deltas.
         calls = [ToolCallStream(tool_plan.parser) for _ in range(params.n)] if tool_plan is not None else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -546,7 +549,7 @@ class OpenAIServing:
         return prepared
 
     async def completion(self, req: p.CompletionRequest, arrival: float) -> p.CompletionResponse:
-        opts = request_options(req, self.ctx.scheduling_policy)
+        opts = self._options(req)
         prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         n = req.n
@@ -587,13 +590,13 @@ class OpenAIServing:
         return p.CompletionResponse(
             id=opts.response_id("cmpl"),
             created=p.now(),
-            model=self.ctx.model_name,
+            model=opts.model or self.ctx.model_name,
             choices=choices,
             usage=_usage(prompt_tokens, sum(counts)),
         )
 
     async def completion_stream(self, req: p.CompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
-        opts = request_options(req, self.ctx.scheduling_policy)
+        opts = self._options(req)
         prepared = await self.prepare_completion(req)
         admission = self.check_capacity(len(prepared))
         return self._completion_stream(req, prepared, arrival, admission, opts)
@@ -606,8 +609,8 @@ class OpenAIServing:
         admission: Admission | None = None,
         opts: RequestOptions | None = None,
     ) -> AsyncIterator[str | bytes]:
-        opts = opts or request_options(req, self.ctx.scheduling_policy)
-        chunk_id, created, name, n = opts.response_id("cmpl"), p.now(), self.ctx.model_name, req.n
+        opts = opts or self._options(req)
+        chunk_id, created, name, n = opts.response_id("cmpl"), p.now(), opts.model or self.ctx.model_name, req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         completion_tokens = 0
         echoed: set[int] = set()

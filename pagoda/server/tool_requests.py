@@ -50,6 +50,8 @@ class RequestOptions:
     priority: int = 0
     return_token_ids: bool = False
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    lora_request: Any = None  # lora.request.LoRARequest of the adapter the request's `model` names
+    model: str | None = None  # the name responses carry when it is not the base model's (an adapter's)
 
     def response_id(self, prefix: str) -> str:
         return f"{prefix}-{self.base_id}"
@@ -67,18 +69,26 @@ class RequestOptions:
             kwargs["cache_salt"] = self.cache_salt
         if self.priority:
             kwargs["priority"] = self.priority
+        if self.lora_request is not None:
+            kwargs["lora_request"] = self.lora_request
         return kwargs
 
 
-def request_options(req: p._SamplingFields, scheduling_policy: str) -> RequestOptions:
-    """The request's options, checked: a priority other than 0 needs --scheduling-policy priority."""
+def request_options(
+    req: p._SamplingFields, scheduling_policy: str, lora_modules: dict[str, Any] | None = None
+) -> RequestOptions:
+    """The request's options, checked: a priority other than 0 needs --scheduling-policy priority; a `model`
+    that names an adapter of `lora_modules` runs with it."""
     check_priority(req.priority, scheduling_policy)
+    lora = (lora_modules or {}).get(req.model or "")
     return RequestOptions(
         base_id=req.request_id or uuid.uuid4().hex,
         cache_salt=req.cache_salt,
         priority=req.priority,
         return_token_ids=bool(req.return_token_ids),
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        lora_request=lora,
+        model=lora.lora_name if lora is not None else None,
     )
 
 

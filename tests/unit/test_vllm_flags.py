@@ -22,8 +22,8 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize(
     "argv, line",
     [
-        (["--enable-lora"], "--enable-lora: LoRA adapters are not supported yet"),
-        (["--lora-modules", "a=/x", "b=/y"], "--lora-modules: LoRA adapters are not supported yet"),
+        (["--fully-sharded-loras"], "--fully-sharded-loras: this LoRA option is not supported yet"),
+        (["--default-mm-loras", "{}"], "--default-mm-loras: this LoRA option is not supported yet"),
         (["-dp", "2"], "--data-parallel-size: data parallelism is not supported"),
         (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not supported"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config: disaggregated prefill"),
@@ -42,11 +42,11 @@ def test_a_vllm_only_flag_is_refused_by_its_line(argv, line, capsys):
 
 
 def test_every_flag_given_gets_its_line_grouped_by_feature(capsys):
-    argv = ["--enable-lora", "--ssl-keyfile", "k", "--max-loras", "4", "--uds", "/tmp/s", "--max-lora-rank", "8"]
-    assert main(["serve", *argv, "/models/x"]) == 2
+    argv = ["--fully-sharded-loras", "--ssl-keyfile", "k", "--lora-extra-vocab-size", "4", "--uds", "/tmp/s"]
+    assert main(["serve", *argv, "--default-mm-loras", "{}", "/models/x"]) == 2
     flags = [line.split(": ")[2] for line in capsys.readouterr().err.splitlines()]
     # One line per flag; LoRA's three together, then TLS, then the socket (the table's order).
-    assert flags == ["--enable-lora", "--max-loras", "--max-lora-rank", "--ssl-keyfile", "--uds"]
+    assert flags == ["--lora-extra-vocab-size", "--fully-sharded-loras", "--default-mm-loras", "--ssl-keyfile", "--uds"]
 
 
 def test_internal_tuning_is_accepted_with_one_warning_each_and_the_model_stays_the_model():

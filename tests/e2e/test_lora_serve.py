@@ -1,0 +1,87 @@
+"""`pagoda serve --enable-lora --lora-modules ...`: a request's `model` picks the adapter (vLLM's interface).
+
+Two PEFT adapters on a tiny random Llama (one given as name=path, one in vLLM's JSON form); completions
+through each and through the base model in one server equal PEFT's merged models token for token
+(`tests/models/test_lora.py` makes them); `/v1/models` lists the adapters with the base as parent; responses
+carry the adapter's name; an unknown name is a 404. A bad `--lora-modules` stops the server in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from e2e_server import ServerProcess
+
+from tests.conftest import build_tiny_model
+from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter, _reference
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_serve")
+    base = build_tiny_model("llama", str(root / "base"))
+    adapters = {}
+    for seed, name in enumerate(("attn", "mlp")):
+        rank, alpha, targets, rslora = ADAPTERS[name]
+        adapters[name] = _make_adapter(base, root / name, rank, alpha, targets, rslora, seed)
+    modules = [f"attn={adapters['attn']}", json.dumps({"name": "mlp", "path": adapters["mlp"]})]
+    flags = ["--model", base, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256"]
+    flags += ["--cpu-kv-cache-space-gib", "0.25", "--host", "127.0.0.1", "--enable-lora", "--max-loras", "2"]
+    server = ServerProcess(root / "serve.log", ["--lora-modules", *modules], base_flags=flags)
+    try:
+        server.wait_healthy()
+        yield server, base, adapters
+    finally:
+        server.stop()
+
+
+def _complete(client: httpx.Client, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    response = client.post("/v1/completions", json=body | {"ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_model_field_picks_the_adapter(lora_server):
+    server, base, adapters = lora_server
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+        assert cards["attn"]["parent"] == cards["mlp"]["parent"] == base and cards["attn"]["root"] == adapters["attn"]
+        assert cards[base]["parent"] is None
+        for name, model in (("attn", "attn"), ("mlp", "mlp"), (None, base)):
+            expected = _reference(base, adapters.get(name))
+            for prompt, (tokens, _) in zip(PROMPTS, expected):
+                answer = _complete(client, model, prompt)
+                assert answer["choices"][0]["token_ids"] == tokens, name
+                assert answer["model"] == model
+        missing = client.post("/v1/completions", json={"model": "nope", "prompt": [5, 6], "max_tokens": 2})
+        assert missing.status_code == 404 and "attn" in missing.json()["error"]["message"]
+
+
+def test_lora_modules_without_enable_lora_is_one_line(lora_server):
+    _, base, adapters = lora_server
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagoda",
+            "serve",
+            "--model",
+            base,
+            "--skip-tokenizer-init",
+            "--skip-preflight",
+            "--lora-modules",
+            f"attn={adapters['attn']}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode != 0 and "--lora-modules needs --enable-lora" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
