@@ -46,6 +46,12 @@ class ServerConfig:
         'LoRA adapters clients name in \'model\': name=path (a PEFT folder) or JSON {"name": ..., "path": ...}, '
         "several after one flag; needs --enable-lora",
     )
+    allow_runtime_lora_updating: bool = knob(
+        False,
+        "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); "
+        "needs --enable-lora and one API process",
+        store_true=True,
+    )
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' (or set PAGODA_API_KEY)")
     enable_chunked_prefill: bool = knob(True, "always on; accepted for vLLM compatibility")
     chat_template: str | None = knob(None, "Jinja chat template: a file or the template text")

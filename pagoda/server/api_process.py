@@ -76,6 +76,15 @@ class ApiSetup:
         self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
         if self.loras and config.lora is None:
             raise ConfigError("--lora-modules needs --enable-lora", "lora_modules")
+        self.runtime_lora = server.allow_runtime_lora_updating or os.environ.get(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", ""
+        ).lower() in ("1", "true")
+        if self.runtime_lora and (config.lora is None or server.api_server_count > 1):
+            raise ConfigError(
+                "--allow-runtime-lora-updating needs --enable-lora and --api-server-count 1 (each API process keeps "
+                "its own adapter names)",
+                "allow_runtime_lora_updating",
+            )
         for lora in self.loras.values():  # the folder and its config now; the shapes when the engine reads it
             try:
                 check_adapter_folder(lora, config.lora.max_lora_rank if config.lora else 0)
@@ -107,7 +116,9 @@ class ApiSetup:
             enable_auto_tool_choice=server.enable_auto_tool_choice,
             tool_call_parser=server.tool_call_parser,
             scheduling_policy=config.scheduler.scheduling_policy,
-            lora_modules=self.loras,
+            lora_modules=dict(self.loras),
+            max_lora_rank=config.lora.max_lora_rank if config.lora else 0,
+            runtime_lora_updating=self.runtime_lora,
         )
         engine.add_listener(ctx.metrics.on_engine_outputs)
         # Token ids → text where there is CPU to spare. With several API processes, here: off the engine

@@ -312,6 +312,22 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body (with --allow-runtime-lora-updating)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 # ---- responses ------------------------------------------------------------------------------
 def make_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -84,6 +84,16 @@ async def models(request: Request) -> p.ModelList:
     return p.ModelList(data=cards)
 
 
+@router.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404))
+async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request) -> Response:
+    return Response(_serving(request).load_lora(body.lora_name, body.lora_path), media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))
+async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest, request: Request) -> Response:
+    return Response(_serving(request).unload_lora(body.lora_name, body.lora_int_id), media_type="text/plain")
+
+
 @router.get("/health", responses=_errors(503))
 async def health(request: Request) -> Response:
     engine = _serving(request).ctx.engine

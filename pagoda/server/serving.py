@@ -23,6 +23,8 @@ from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_promp
 from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
+from pagoda.lora.peft import check_adapter_folder
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
@@ -74,6 +76,8 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser
     scheduling_policy: str = "fcfs"  # --scheduling-policy: a request's priority needs "priority"
     lora_modules: dict[str, Any] = field(default_factory=dict)  # --lora-modules: name → lora.request.LoRARequest
+    max_lora_rank: int = 0  # --max-lora-rank (0: adapters off)
+    runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: /v1/load_lora_adapter and unload
 
     @property
     def model_name(self) -> str:
@@ -94,6 +98,7 @@ class OpenAIServing:
         self.ctx = ctx
         # Tokenizing and rendering: the character bound, large texts off the event loop (`PromptWork`).
         self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
+        self._next_lora_id = 1  # (an unloaded adapter's id is not given to the next one)
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -101,6 +106,38 @@ class OpenAIServing:
         if name is not None and name not in self.ctx.served_model_names and name not in self.ctx.lora_modules:
             served = ", ".join([*self.ctx.served_model_names, *self.ctx.lora_modules])
             raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: {served}.", "model")
+
+    # ---- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----------
+    def load_lora(self, name: str, path: str) -> str:
+        """Serve a PEFT folder under `name` from now on: its folder and config checked now, its weights when a
+        request first names it (as --lora-modules). Ids are never reused."""
+        ctx = self._runtime_lora()
+        if name in ctx.lora_modules or name in ctx.served_model_names:
+            raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
+        next_id = max((lora.lora_int_id for lora in ctx.lora_modules.values()), default=0) + 1
+        lora = LoRARequest(name, max(next_id, self._next_lora_id), path)
+        check_adapter_folder(lora, ctx.max_lora_rank)
+        ctx.lora_modules[name] = lora
+        self._next_lora_id = lora.lora_int_id + 1
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora(self, name: str, lora_id: int | None) -> str:
+        """Stop serving `name` (requests already running with it finish with it)."""
+        ctx = self._runtime_lora()
+        lora = ctx.lora_modules.get(name)
+        if lora is None or (lora_id is not None and lora.lora_int_id != lora_id):
+            raise ModelNotFound(f"The lora adapter '{_clip(name)}' cannot be found.", "lora_name")
+        del ctx.lora_modules[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _runtime_lora(self) -> ServingContext:
+        if not self.ctx.runtime_lora_updating:
+            raise ModelNotFound(
+                "Loading and unloading LoRA adapters at run time is off: start the server with "
+                "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) and --enable-lora.",
+                "lora_name",
+            )
+        return self.ctx
 
     def _options(self, req: Any) -> RequestOptions:
         return request_options(req, self.ctx.scheduling_policy, self.ctx.lora_modules)

@@ -26,13 +26,14 @@ def lora_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_serve")
     base = build_tiny_model("llama", str(root / "base"))
     adapters = {}
-    for seed, name in enumerate(("attn", "mlp")):
+    for seed, name in enumerate(("attn", "mlp", "all")):
         rank, alpha, targets, rslora = ADAPTERS[name]
         adapters[name] = _make_adapter(base, root / name, rank, alpha, targets, rslora, seed)
     modules = [f"attn={adapters['attn']}", json.dumps({"name": "mlp", "path": adapters["mlp"]})]
     flags = ["--model", base, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256"]
     flags += ["--cpu-kv-cache-space-gib", "0.25", "--host", "127.0.0.1", "--enable-lora", "--max-loras", "2"]
-    server = ServerProcess(root / "serve.log", ["--lora-modules", *modules], base_flags=flags)
+    extra = ["--lora-modules", *modules, "--allow-runtime-lora-updating"]
+    server = ServerProcess(root / "serve.log", extra, base_flags=flags)
     try:
         server.wait_healthy()
         yield server, base, adapters
@@ -61,6 +62,27 @@ def test_the_model_field_picks_the_adapter(lora_server):
                 assert answer["model"] == model
         missing = client.post("/v1/completions", json={"model": "nope", "prompt": [5, 6], "max_tokens": 2})
         assert missing.status_code == 404 and "attn" in missing.json()["error"]["message"]
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server):
+    server, base, adapters = lora_server
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        load = client.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": adapters["all"]})
+        assert load.status_code == 200 and "added successfully" in load.text
+        assert "all" in {card["id"] for card in client.get("/v1/models").json()["data"]}
+        for prompt, (tokens, _) in zip(PROMPTS, _reference(base, adapters["all"])):
+            assert _complete(client, "all", prompt)["choices"][0]["token_ids"] == tokens
+        again = client.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": adapters["all"]})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
+        assert bad.status_code == 400 and "no such folder" in bad.json()["error"]["message"]
+        extra = client.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "/p", "other": 1})
+        assert extra.status_code == 400
+        unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
+        assert unload.status_code == 200 and "removed successfully" in unload.text
+        gone = client.post("/v1/completions", json={"model": "all", "prompt": [5, 6], "max_tokens": 2})
+        assert gone.status_code == 404
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 404
 
 
 def test_lora_modules_without_enable_lora_is_one_line(lora_server):

@@ -228,3 +228,16 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
             use_tqdm=False,
             lora_request=LoRARequest("attn", 1, adapters["attn"]),
         )
+
+
+def test_qwen2_with_biased_qkv_equals_peft_merged(tmp_path):
+    """Qwen2's q/k/v carry biases: the adapter adds to the biased projection, the fused parts stay aligned."""
+    base = build_tiny_model("qwen2", str(tmp_path / "base"))
+    rank, alpha, targets, rslora = ADAPTERS["all"]
+    adapter = _make_adapter(base, tmp_path / "all", rank, alpha, targets, rslora, 11)
+    llm = _llm(base, max_loras=1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    request = LoRARequest("all", 1, adapter)
+    outputs = llm.generate(prompts + prompts, _params(), use_tqdm=False, lora_request=[request] * 3 + [None] * 3)
+    _check(outputs[:3], _reference(base, adapter))
+    _check(outputs[3:], _reference(base, None))
