@@ -151,3 +151,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): adapters in one step at most, and the names of the running and the
+    # waiting requests' adapters (sorted; max_lora 0: adapters off).
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()

@@ -356,6 +356,19 @@ class LLMEngine:
             mm_cache_hits=encoder_cache.hits,
             step_tokens=step_tokens,
             **(self.speculator.stats_fields() if self.speculator is not None else {}),
+            **(self._lora_stats() if self.config.lora is not None else {}),
+        )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        assert self.config.lora is not None
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+        return dict(
+            max_lora=self.config.lora.max_loras,
+            running_lora_adapters=names(self.scheduler.running),
+            waiting_lora_adapters=names(self.scheduler.waiting),
         )
 
     def _draft_engine(self, model: str) -> LLMEngine:

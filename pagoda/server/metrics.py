@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, Summary, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from pagoda.engine.core_process import Outputs
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
+    from pagoda.outputs import EngineStats
     from pagoda.sampling_params import SamplingParams
 
 # vLLM's label for the engine core's index: one core per server, so always "0" (vLLM 0.26 labels every
@@ -213,6 +216,10 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Speculative proposals accepted, by position", ["position"]
         )
+        # vLLM's LoRA gauge, read at scrape time from this process's last report (one series, not one per
+        # combination ever seen; a multiprocess gauge could not drop the old ones). Only with --enable-lora.
+        self.lora_info = LoRAInfo()
+        self._collectors = (*self._collectors, self.lora_info)
         # Pagoda's own (no vLLM name): where the engine core's time goes, to tell a host-bound core
         # from a GPU-bound one under load (`pagoda bench` reports them per point, per step).
         self.engine_steps = counter("engine_steps", "Engine steps run").labels(*ours)
@@ -300,6 +307,8 @@ class ServerMetrics:
 
     def on_engine_outputs(self, message: Outputs) -> None:
         stats = message.stats
+        if stats.max_lora:
+            self.lora_info.update(stats)
         self.running.set(stats.num_running)
         self._deferred = stats.num_waiting_deferred
         self._set_waiting(stats.num_waiting)
@@ -380,6 +389,34 @@ class ServerMetrics:
             if self._process_collector is not None:
                 self._render_registry.register(self._process_collector)
         return generate_latest(self._render_registry)
+
+
+class LoRAInfo:
+    """`pagoda:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}` = when the engine last
+    reported them (vLLM's gauge: adapter names comma-separated, sorted)."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] | None = None
+        self.reported = 0.0
+
+    def update(self, stats: EngineStats) -> None:
+        waiting, running = ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
+        self.labels, self.reported = [str(stats.max_lora), waiting, running], time.time()
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.labels is None:
+            return
+        labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+        family = GaugeMetricFamily(
+            "pagoda:lora_requests_info",
+            "LoRA adapters of the running and the waiting requests (labels); the value is when they were reported",
+            labels=labels,
+        )
+        family.add_metric(self.labels, self.reported)
+        yield family
 
 
 @dataclass

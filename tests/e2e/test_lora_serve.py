@@ -64,6 +64,21 @@ def test_the_model_field_picks_the_adapter(lora_server):
         assert missing.status_code == 404 and "attn" in missing.json()["error"]["message"]
 
 
+def test_metrics_name_the_running_adapters(lora_server):
+    """vLLM's lora_requests_info: while a request of `attn` streams, its labels name it as running."""
+    server, _, _ = lora_server
+    body = {"model": "attn", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            text = client.get("/metrics").text
+            for _ in lines:  # to the end
+                pass
+        info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters="attn"' in info[0], info
+
+
 def test_adapters_load_and_unload_at_run_time(lora_server):
     server, base, adapters = lora_server
     with httpx.Client(base_url=server.url, timeout=120) as client:

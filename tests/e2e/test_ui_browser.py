@@ -339,7 +339,7 @@ def canned_metrics(k: int) -> str:
     """The k-th /metrics snapshot of a made-up server, under the `pagoda:` prefix only (--metrics-prefix pagoda):
     every second 10 first tokens at <= 100 ms and 10 more at <= 1 s, 10 steps of 50 ms busy of which 20 ms
     waiting on the device, 10 prefix-cache queries of which 5 hit, two GPUs 90 % and 50 % busy, 10 speculative
-    rows with 40 proposals of which 20 held."""
+    rows with 40 proposals of which 20 held, two LoRA adapters running and one waiting."""
     label = 'model_name="m"'
     lines = [
         f"pagoda:num_requests_running{{{label}}} 3",
@@ -360,6 +360,7 @@ def canned_metrics(k: int) -> str:
         f"pagoda:spec_decode_num_drafts_total{{{label}}} {10 * k}",
         f"pagoda:spec_decode_num_draft_tokens_total{{{label}}} {40 * k}",
         f"pagoda:spec_decode_num_accepted_tokens_total{{{label}}} {20 * k}",
+        'pagoda:lora_requests_info{max_lora="4",waiting_lora_adapters="sql",running_lora_adapters="chat,support"} 1',
     ]
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         for le, count in (("0.01", 0), ("0.1", 10 * k), ("1.0", 20 * k), ("+Inf", 20 * k)):
@@ -392,6 +393,8 @@ def test_dashboard_math_on_known_metrics(page):
     sync_api.expect(page.locator("#value-spec")).to_have_text("3.00 tokens")  # 1 + 20 accepted / 10 rows
     rows = re.compile(r"proposals accepted: 50 % · rows verified: [1-9]\d*0$")  # 10 a snapshot over the window
     sync_api.expect(page.locator("#sub-spec")).to_have_text(rows)
+    sync_api.expect(page.locator("#value-lora")).to_have_text("2")  # two adapters running, of 4 a step
+    sync_api.expect(page.locator("#sub-lora")).to_have_text("running: chat,support · waiting: sql")
     sync_api.expect(page.locator("#value-requests")).to_have_text("3 / 1")
     sync_api.expect(page.locator("#value-preemptions")).to_have_text("4")
     sync_api.expect(page.locator("#sub-preemptions")).to_have_text("aborted requests: 2")

@@ -103,6 +103,14 @@ function render() {
     update("spec", "Speculative decoding: acceptance length (last minute)", [length], fmt(length, 2, " tokens"), "proposals accepted: " + fmt(kept, 0, " %") + " · rows verified: " + fmt(drafts, 0));
   }
 
+  // Only with --enable-lora (vLLM's lora_requests_info): the adapters of the running and the waiting requests.
+  const lora = now.samples("lora_requests_info")[0];
+  if (lora) {
+    const names = (list) => (list ? list.split(",").length : 0);
+    const run = lora.labels.running_lora_adapters, wait = lora.labels.waiting_lora_adapters;
+    update("lora", "LoRA adapters running (of " + lora.labels.max_lora + " a step)", [names(run)], String(names(run)), "running: " + (run || "none") + " · waiting: " + (wait || "none"));
+  }
+
   // Per step over the last second: host time is the busy time less the wait for the device's tokens.
   const steps = rate("engine_steps_total"), busy = rate("engine_core_busy_seconds_total"), wait = rate("engine_core_device_wait_seconds_total");
   let host = null, device = null;
