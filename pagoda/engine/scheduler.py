@@ -175,6 +175,7 @@ class Scheduler:
             rows_left -= 1
             index += 1
 
+        skipped: list[Request] = []  # waiting for a LoRA slot: passed over this step, in their order
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if rows_left <= 0 or (exclusive and request.num_pending):
@@ -182,7 +183,8 @@ class Scheduler:
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
             if request.lora_id and not self._adapter_fits(request.lora_id):
-                break  # max_loras adapters run already: it waits for one of them to finish
+                skipped.append(self.waiting.popleft())  # max_loras adapters run: later requests may still fit
+                continue
             hits = self.block_manager.match_prefix(request)
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
@@ -227,6 +229,7 @@ class Scheduler:
             budget -= num_new
             rows_left -= 1
 
+        self.waiting.extendleft(reversed(skipped))  # back at the front, as they were
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1
         return SchedulerOutput(
