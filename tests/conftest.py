@@ -27,6 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Under Triton's interpreter on a CPU-only machine. Set here, before any test module is collected: Triton reads
+# the variable when it is first imported, and a library a test imports (peft does) can import it before
+# tests/kernels/conftest.py would set it, which left every kernel compiled for a GPU there is not.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The golden fixtures, inside the repository (tests/fixtures, README.md in each folder says where it
 # comes from): tiny Yuan2 checkpoints with the official code's goldens, and the Yuan2 tokenizer.
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
