@@ -24,7 +24,7 @@ class NewRequestData:
     block_ids: list[int]  # the whole block table so far
     num_computed_tokens: int  # > 0 when the prefix cache already holds the start of the prompt
     mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs: images/videos, M-RoPE positions
-    lora_id: int = 0  # the adapter it runs with (0: the base model)
+    lora_request: Any = None  # lora.request.LoRARequest: the adapter it runs with (None: the base model)
 
 
 @dataclass

@@ -41,9 +41,8 @@ def resolve_lora(
         raise ConfigError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", "max_cpu_loras")
     if lora_dtype not in LORA_DTYPES:
         raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}; got {lora_dtype!r}", "lora_dtype")
-    if parallel_sizes != (1, 1):
+    if parallel_sizes[1] != 1:
         raise ConfigError(
-            "enable_lora is not supported with tensor or pipeline parallelism yet; use one GPU per engine.",
-            "enable_lora",
+            "enable_lora is not supported with pipeline parallelism yet; use tensor parallelism.", "enable_lora"
         )
     return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=cpu, lora_dtype=lora_dtype)

@@ -219,7 +219,7 @@ class Scheduler:
                         list(request.block_ids),
                         request.num_computed_tokens,
                         request.mm_inputs,
-                        request.lora_id,
+                        request.lora_request,
                     )
                 )
             request.num_computed_tokens += num_new

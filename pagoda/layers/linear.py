@@ -318,6 +318,8 @@ class RowParallelLinear(Linear):
         if self.tp_size == 1:
             return super().forward(x)
         out = self.matmul(x, None)
+        if self.lora is not None:  # this rank's share of the adapters' terms: the all-reduce sums them too
+            out = self.lora.add(x, out)
         if not self.reduce_results:
             return out
         parallel_state.all_reduce(out)

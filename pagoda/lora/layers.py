@@ -28,8 +28,10 @@ class LoRAStep:
 @dataclass(frozen=True)
 class LoRAPart:
     name: str | None  # the checkpoint's projection this part is (None: the layer is not fused)
-    offset: int  # its first output feature in the layer's output
-    size: int  # its output features
+    offset: int  # its first output feature in the layer's output (this rank's)
+    size: int  # its output features on this rank
+    start: int = 0  # under tensor parallelism: this rank's first row of the whole part (B is cut the same way)
+    full: int = 0  # the whole part's rows (0: size)
 
 
 class LoRASlots:
@@ -37,7 +39,7 @@ class LoRASlots:
 
     def __init__(
         self,
-        input_size: int,
+        input_range: tuple[int, int, int],
         parts: list[LoRAPart],
         max_loras: int,
         max_rank: int,
@@ -45,7 +47,11 @@ class LoRASlots:
         device: torch.device,
         step: LoRAStep,
     ):
-        self.parts, self.step = parts, step
+        """input_range: (this rank's first input feature, its count, all input features): a row-parallel layer
+        takes a share of the input, so its A is cut by columns the same way (its partial outputs, adapters
+        included, are summed over the ranks by the layer's all-reduce: (Σ x_r·A_rᵀ)·Bᵀ = (x·Aᵀ)·Bᵀ)."""
+        self.parts, self.step, self.input_range = parts, step, input_range
+        input_size = input_range[1]
         self.a = [torch.zeros(max_loras, max_rank, input_size, dtype=dtype, device=device) for _ in parts]
         self.b = [torch.zeros(max_loras, p.size, max_rank, dtype=dtype, device=device) for p in parts]
 

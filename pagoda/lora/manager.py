@@ -18,17 +18,32 @@ from torch import nn
 
 from pagoda.config.lora import LoRAConfig
 from pagoda.device_copy import to_device
-from pagoda.layers.linear import Linear, MergedColumnParallelLinear
+from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
 from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
 from pagoda.lora.request import LoRARequest
 
 
 def _parts(layer: Linear) -> list[LoRAPart]:
+    """The layer's output parts, each with this rank's rows of the whole part (tensor parallelism)."""
     if isinstance(layer, MergedColumnParallelLinear):
         offsets = np.cumsum([0, *layer.output_sizes[:-1]]).tolist()
-        return [LoRAPart(n, o, s) for n, o, s in zip(layer.shard_names, offsets, layer.output_sizes)]
-    return [LoRAPart(None, 0, layer.output_size)]
+        ranges, fulls = layer.part_ranges, layer.full_output_sizes
+        return [
+            LoRAPart(name, offset, size, start, full)
+            for name, offset, size, (start, _), full in zip(
+                layer.shard_names, offsets, layer.output_sizes, ranges, fulls
+            )
+        ]
+    if isinstance(layer, ColumnParallelLinear):
+        return [LoRAPart(None, 0, layer.output_size, layer.output_start, layer.full_output_size)]
+    return [LoRAPart(None, 0, layer.output_size, 0, layer.output_size)]
+
+
+def _input_range(layer: Linear) -> tuple[int, int, int]:
+    if isinstance(layer, RowParallelLinear):
+        return layer.input_start, layer.input_size, layer.full_input_size
+    return 0, layer.input_size, layer.input_size
 
 
 def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
@@ -40,7 +55,7 @@ def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
         if not isinstance(module, Linear) or ".layers." not in f".{name}" or "visual" in name or "experts" in name:
             continue
         rank = config.max_lora_rank
-        slots = LoRASlots(module.input_size, _parts(module), config.max_loras, rank, dtype, device, step)
+        slots = LoRASlots(_input_range(module), _parts(module), config.max_loras, rank, dtype, device, step)
         module.lora = slots
         layers[name] = slots
     return layers
@@ -86,9 +101,16 @@ class LoRAManager:
         return adapter
 
     # ---- the step -------------------------------------------------------------------------------
-    def prepare(self, token_adapter_ids: np.ndarray) -> None:
-        """The step's mapping from each token's adapter id ([T], 0: the base model); at most max_loras ids."""
+    def prepare(self, requests: list[LoRARequest | None], query_lens: np.ndarray) -> None:
+        """The step's mapping: row i's adapter (None: the base model) for its query_lens[i] tokens; at most max_loras
+        adapters. An adapter this rank has not read yet is read now (the other tensor-parallel ranks read an
+        adapter when its first request reaches them; the driver's engine read it at `add`)."""
         self._steps += 1
+        for request in {r.lora_int_id: r for r in requests if r is not None}.values():
+            if self._requests.get(request.lora_int_id) != request:
+                self.add(request)
+        ids_per_row = [0 if r is None else r.lora_int_id for r in requests] or [0] * len(query_lens)
+        token_adapter_ids = np.repeat(np.asarray(ids_per_row, dtype=np.int64), query_lens)
         ids = [int(i) for i in np.unique(token_adapter_ids) if i]
         if len(ids) > self.config.max_loras:
             raise RuntimeError(f"{len(ids)} adapters in one step, more than max_loras {self.config.max_loras}")

@@ -137,13 +137,16 @@ def load_peft_adapter(
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
         target = slots.parts[slots.part_index(part)]
-        expected_a = (rank, slots.a[0].shape[-1])
-        if tuple(a.shape) != expected_a or tuple(b.shape) != (target.size, rank):
+        in_start, in_size, in_full = slots.input_range
+        expected_a, expected_b = (rank, in_full), (target.full or target.size, rank)
+        if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise _fail(
                 request,
                 f"{module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this base model needs "
-                f"A {expected_a} and B {(target.size, rank)} (an adapter of another base model?)",
+                f"A {expected_a} and B {expected_b} (an adapter of another base model?)",
             )
+        # This rank's share (tensor parallelism): A's input columns as the layer's, B's rows as the part's.
+        a, b = a[:, in_start : in_start + in_size], b[target.start : target.start + target.size]
         weights[(layer, part)] = (a.to(dtype), (b.float() * scale).to(dtype))
     if not weights:
         raise _fail(request, "it holds no LoRA weights")

@@ -305,8 +305,8 @@ class ModelRunner:
         if inputs.needs_encoder and self.link.stage.first:
             attn.mm_embeds = self.encoder.embeds(states, inputs)
         attn.stage_input = self.link.stage_input(len(inputs.token_ids))
-        if self.lora is not None:  # each token's adapter (`lora/manager.py`; none while profiling)
-            self.lora.prepare(np.repeat([s.lora_id for s in states] or 0, inputs.query_lens))
+        if self.lora is not None:  # each row's adapter (`lora/manager.py`; none while profiling)
+            self.lora.prepare([s.lora_request for s in states], inputs.query_lens)
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:
             ids.index_copy_(0, *inputs.late_tokens)

@@ -9,6 +9,7 @@ ends it with an error and the step runs without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class RunnerRequestState:
     mm_inputs: MultiModalInputs | None = None  # images/videos and M-RoPE positions (multimodal models)
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
     pending_row: int = -1  # the newest one's row in the last launched step's samples
-    lora_id: int = 0  # its LoRA adapter (0: the base model)
+    lora_request: Any = None  # lora.request.LoRARequest: its adapter (None: the base model)
 
 
 class RequestStates:
@@ -78,7 +79,7 @@ class RequestStates:
                 generator,
                 new.num_computed_tokens,
                 mm_inputs=new.mm_inputs,
-                lora_id=new.lora_id,
+                lora_request=new.lora_request,
             )
             self._acquire_slot(state)
         for cached in so.cached_requests:

@@ -82,7 +82,11 @@ def _init_failed(exc: BaseException, init_method: str, timeout: float) -> Config
 class TensorParallelRunner:
     """Rank 0's `ModelRunner`, whose every state-changing call is made on all ranks."""
 
-    lora: Any = None  # LoRA adapters run on one rank only (enable_lora refuses parallelism)
+    @property
+    def lora(self) -> Any:
+        """The driver's adapters (`lora/manager.py`): the engine reads and checks an adapter there; each other
+        rank reads it when the adapter's first request reaches it."""
+        return self.local.lora
 
     def __init__(
         self,

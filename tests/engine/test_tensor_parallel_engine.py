@@ -103,3 +103,31 @@ def test_yuan_speculation_under_tp2_rolls_every_ranks_lf_state_back(engines):
     assert [tokens[f"r{i}"] for i in range(len(cases))] == [c["greedy_16"] for c in cases]
     counts = capture.engine.speculator.counts
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
+    """LoRA at TP = 2: each rank holds its share of every adapter (A by input columns on row-parallel layers, B by
+    output rows on column-parallel ones, KV heads split); two adapters and the base in one batch give PEFT's
+    merged models' greedy tokens. The other rank reads each adapter when its first request reaches it."""
+    pytest.importorskip("peft")
+    from pagoda.lora.request import LoRARequest
+    from tests.conftest import build_tiny_model
+    from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter, _reference
+
+    base = build_tiny_model("llama", str(tmp_path / "base"))
+    paths = {name: _make_adapter(base, tmp_path / name, *ADAPTERS[name], seed) for seed, name in enumerate(ADAPTERS)}
+    capture = engines(base, tensor_parallel_size=2, max_model_len=256, enable_lora=True, max_loras=3)
+    engine = capture.engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = {}
+    for i, name in enumerate([*ADAPTERS, None]):
+        lora = LoRARequest(name, i + 1, paths[name]) if name else None
+        for j, prompt in enumerate(PROMPTS):
+            engine.add_request(f"{name}-{j}", prompt, params, lora_request=lora)
+            expected[f"{name}-{j}"] = _reference(base, paths.get(name))[j][0]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == expected

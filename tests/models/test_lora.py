@@ -130,7 +130,9 @@ def test_fewer_slots_and_host_copies_than_adapters(lora_setup, monkeypatch):
     llm = _llm(base, max_loras=1, max_cpu_loras=1)
     per_step = []
     prepare = llm.engine.runner.lora.prepare
-    llm.engine.runner.lora.prepare = lambda ids: per_step.append(set(ids.tolist()) - {0}) or prepare(ids)
+    llm.engine.runner.lora.prepare = lambda rows, lens: (
+        per_step.append({r.lora_int_id for r in rows if r}) or prepare(rows, lens)
+    )
     for _ in range(2):
         for name in ("attn", "mlp"):
             outputs = llm.generate(

@@ -31,7 +31,7 @@ def test_a_request_over_max_loras_is_passed_over_and_keeps_its_place():
     out = sched.schedule()
     assert list(out.num_scheduled_tokens) == ["a", "c", "d"]
     assert [r.request_id for r in sched.waiting] == ["b", "e"]  # in their order, at the front
-    assert [new.lora_id for new in out.new_requests] == [1, 0, 1]
+    assert [new.lora_request and new.lora_request.lora_int_id for new in out.new_requests] == [1, None, 1]
     for rid in ("a", "d"):
         sched.finish_request(rid, RequestStatus.FINISHED_ABORTED, "test")
     out = sched.schedule()
