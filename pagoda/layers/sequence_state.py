@@ -50,10 +50,7 @@ class SequenceStateBatch:
         extra: more (flat token, snapshot entry) pairs to write (a verification step's positions)."""
         one_each = int(query_start_loc[-1]) == len(slots)
         snap_tokens = snap_blocks = None
-        ends = np.flatnonzero(positions % block_size == block_size - 1) if with_snapshots else np.zeros(0, np.int64)
-        entries = slot_mapping[ends] // block_size
-        if extra is not None:
-            ends, entries = np.concatenate([ends, extra[0]]), np.concatenate([entries, extra[1]])
+        ends, entries = snapshot_pairs(positions, slot_mapping, block_size, with_snapshots, extra)
         if ends.size:
             snap_tokens = torch.from_numpy(ends).to(device)
             snap_blocks = torch.from_numpy(entries).to(device)
@@ -66,3 +63,19 @@ class SequenceStateBatch:
             snap_tokens,
             snap_blocks,
         )
+
+
+def snapshot_pairs(
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    block_ends: bool,
+    extra: tuple[np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(flat token, snapshot entry) of every state snapshot a step writes: with `block_ends`, each token that
+    completes a KV block into that block's entry; then the `extra` pairs (a verification step's positions)."""
+    ends = np.flatnonzero(positions % block_size == block_size - 1) if block_ends else np.zeros(0, np.int64)
+    entries = slot_mapping[ends] // block_size
+    if extra is not None:
+        ends, entries = np.concatenate([ends, extra[0]]), np.concatenate([entries, extra[1]])
+    return ends, entries

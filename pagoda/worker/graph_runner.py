@@ -57,7 +57,7 @@ from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch, policy
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.pipeline import StageHidden
-from pagoda.layers.sequence_state import SequenceStateBatch
+from pagoda.layers.sequence_state import SequenceStateBatch, snapshot_pairs
 from pagoda.worker.pipeline_link import PipelineLink
 from pagoda.worker.step_inputs import StepInputs
 
@@ -283,12 +283,7 @@ class GraphRunner:
         req, m0 = _tile_arrays(x.query_lens, spec.block_m)
         self._set_pairs("tiles", req, m0, spec.num_rows - 1, 0)
         if spec.with_snapshots or spec.spec_states:
-            ends = _NONE
-            if spec.with_snapshots:
-                ends = np.flatnonzero(x.positions % spec.block_size == spec.block_size - 1)
-            entries = x.slots[ends] // spec.block_size
-            if x.state_writes is not None:
-                ends, entries = np.concatenate([ends, x.state_writes[0]]), np.concatenate([entries, x.state_writes[1]])
+            ends, entries = snapshot_pairs(x.positions, x.slots, spec.block_size, spec.with_snapshots, x.state_writes)
             self._set_pairs("snap", ends, entries, t, 0)
 
     def _pad(self, tokens: int, rows: int, token_end: int, row_end: int) -> None:

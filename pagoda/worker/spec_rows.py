@@ -90,9 +90,7 @@ def build_inputs(
     if state_pool is not None and state_pool.spec_positions:
         counts = inputs.spec.counts + 1
         with_proposals = np.repeat(inputs.spec.counts > 0, counts)  # rows without proposals keep their own write
-        sample_row = np.repeat(np.arange(len(rows)), counts)
-        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        ids = state_pool.spec_ids(sample_row, offset)
+        ids = state_pool.spec_ids(np.repeat(np.arange(len(rows)), counts), _offsets_in_rows(counts))
         inputs.state_writes = (logits_positions(inputs)[with_proposals], ids[with_proposals])
     return inputs
 
@@ -116,8 +114,12 @@ def logits_positions(inputs: StepInputs) -> np.ndarray:
     if inputs.spec is None:
         return ends - 1
     counts = inputs.spec.counts + 1
-    starts = np.repeat(ends - counts, counts)
-    return starts + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(ends - counts, counts) + _offsets_in_rows(counts)
+
+
+def _offsets_in_rows(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., counts[0] - 1, 0, 1, ..., counts[1] - 1, ...: each position's place in its row."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def sample(
