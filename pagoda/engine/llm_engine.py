@@ -452,7 +452,8 @@ class LLMEngine:
         proposals made again from them; when it left none, the next step goes out without reading (and without
         proposals) — so a batch past `disable_by_batch_size`, or text with nothing to copy, keeps the
         overlap of async scheduling."""
-        if not any(request.spec_token_ids for request in self.scheduler.running):
+        assert self.speculator is not None
+        if not self.speculator.proposed:
             return []
         outputs = []
         while self._inflight:

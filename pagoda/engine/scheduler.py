@@ -176,13 +176,15 @@ class Scheduler:
             index += 1
 
         skipped: list[Request] = []  # waiting for a LoRA slot: passed over this step, in their order
+        adapters = {r.lora_id for r in self.running} - {0} if self.config.max_loras_per_step else set()
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if rows_left <= 0 or (exclusive and request.num_pending):
                 break
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
-            if request.lora_id and not self._adapter_fits(request.lora_id):
+            lora = request.lora_id
+            if lora and lora not in adapters and len(adapters) >= self.config.max_loras_per_step:
                 skipped.append(self.waiting.popleft())  # max_loras adapters run: later requests may still fit
                 continue
             hits = self.block_manager.match_prefix(request)
@@ -198,6 +200,8 @@ class Scheduler:
                 request.num_cached_tokens = hits
                 request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
+            if lora:
+                adapters.add(lora)
             if self._by_priority:
                 bisect.insort_right(self.running, request, key=_priority_key)
             else:
@@ -235,11 +239,6 @@ class Scheduler:
         return SchedulerOutput(
             new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling, spec
         )
-
-    def _adapter_fits(self, adapter_id: int) -> bool:
-        """Whether a request of this adapter may run beside the running ones (at most max_loras adapters a step)."""
-        running = {r.lora_id for r in self.running} - {0}
-        return adapter_id in running or len(running) < self.config.max_loras_per_step
 
     def _note_chunk(self, request: Request, num_new: int) -> None:
         if request.num_computed_tokens + num_new < request.num_prompt_tokens:

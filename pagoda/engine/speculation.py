@@ -136,6 +136,7 @@ class Speculator:
         self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
         self.counts = SpecDecodeCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._seen: dict[str, Request] = {}  # suffix: requests that ran, until their output is cached
+        self.proposed = False  # the last `propose` left some request proposals
 
     def propose(self, running: list[Request], unfinished: dict[str, Request]) -> None:
         """Set every running request's proposals for the next step (none where it may not speculate);
@@ -157,6 +158,8 @@ class Speculator:
         if drafting:
             assert self.draft is not None
             self.draft.propose(drafting)
+        # Read by the engine before every step under async scheduling (`LLMEngine._read_for_proposals`).
+        self.proposed = not off and any(request.spec_token_ids for request in running)
         if self.suffix is not None:
             self._cache_finished(running, unfinished)
 
