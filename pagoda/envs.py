@@ -82,6 +82,12 @@ GGUF_CONVERSION_CACHE = Env(
 OPENAI_API_KEY = Env(
     "OPENAI_API_KEY", str, None, "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)"
 )
+ALLOW_RUNTIME_LORA_UPDATING = Env(
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    bool,
+    False,
+    "vLLM's name for --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter",
+)
 HTTP_TIMEOUT_KEEP_ALIVE = Env(
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0, "vLLM's name for --timeout-keep-alive's default, in seconds"
 )

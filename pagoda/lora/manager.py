@@ -22,6 +22,7 @@ from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParal
 from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
 from pagoda.lora.request import LoRARequest
+from pagoda.models.base import CausalLM
 
 
 def _parts(layer: Linear) -> list[LoRAPart]:
@@ -62,7 +63,7 @@ def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
         self.model, self.config, self.device = model, config, device
         self.dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         self.layers = attach_lora(model, config, self.dtype, device)

@@ -22,6 +22,7 @@ import torch
 from pagoda.errors import InvalidRequest
 from pagoda.lora.layers import LoRASlots
 from pagoda.lora.request import LoRARequest
+from pagoda.models.base import CausalLM
 
 _PREFIXES = ("base_model.model.",)
 
@@ -102,7 +103,7 @@ def check_adapter_folder(request: LoRARequest, max_rank: int) -> tuple[Path, int
 
 def load_peft_adapter(
     request: LoRARequest,
-    model: torch.nn.Module,
+    model: CausalLM,
     layers: Mapping[str, LoRASlots],
     max_rank: int,
     dtype: torch.dtype,
@@ -123,13 +124,12 @@ def load_peft_adapter(
                 raise _fail(request, f"tensor {name!r} is not a LoRA A or B weight (unsupported adapter content)")
             module, which = parsed
             halves.setdefault(module, {})[which] = f.get_tensor(name)
-    packed = getattr(model, "packed_modules_mapping", {})
-    mapper = getattr(model, "map_weight_name", lambda n: n)
+    packed = model.packed_modules_mapping
     weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise _fail(request, f"{module} has lora_{next(iter(pair))} without its other half")
-        path = mapper(module + ".weight")[: -len(".weight")]
+        path = model.map_weight_name(module + ".weight")[: -len(".weight")]
         parent, _, leaf = path.rpartition(".")
         layer, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (path, None)
         slots = layers.get(layer)

@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
@@ -76,9 +77,7 @@ class ApiSetup:
         self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
         if self.loras and config.lora is None:
             raise ConfigError("--lora-modules needs --enable-lora", "lora_modules")
-        self.runtime_lora = server.allow_runtime_lora_updating or os.environ.get(
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", ""
-        ).lower() in ("1", "true")
+        self.runtime_lora = server.allow_runtime_lora_updating or envs.ALLOW_RUNTIME_LORA_UPDATING.value
         if self.runtime_lora and (config.lora is None or server.api_server_count > 1):
             raise ConfigError(
                 "--allow-runtime-lora-updating needs --enable-lora and --api-server-count 1 (each API process keeps "

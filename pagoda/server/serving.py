@@ -98,7 +98,8 @@ class OpenAIServing:
         self.ctx = ctx
         # Tokenizing and rendering: the character bound, large texts off the event loop (`PromptWork`).
         self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
-        self._next_lora_id = 1  # (an unloaded adapter's id is not given to the next one)
+        # The next runtime adapter's id: past --lora-modules', never an unloaded adapter's again.
+        self._next_lora_id = max((lora.lora_int_id for lora in ctx.lora_modules.values()), default=0) + 1
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -114,8 +115,7 @@ class OpenAIServing:
         ctx = self._runtime_lora()
         if name in ctx.lora_modules or name in ctx.served_model_names:
             raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
-        next_id = max((lora.lora_int_id for lora in ctx.lora_modules.values()), default=0) + 1
-        lora = LoRARequest(name, max(next_id, self._next_lora_id), path)
+        lora = LoRARequest(name, self._next_lora_id, path)
         check_adapter_folder(lora, ctx.max_lora_rank)
         ctx.lora_modules[name] = lora
         self._next_lora_id = lora.lora_int_id + 1

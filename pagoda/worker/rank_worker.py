@@ -70,8 +70,8 @@ def serve_driver(runner: ModelRunner) -> None:
         method, args = call
         if method == "launch" and pending is not None and (pending.speculative or args[0].spec_token_ids):
             # Proposals go after a row's known tokens, and a step's kept ones are known tokens of the next: both
-            # need the last step's tokens first (the driver has read them: speculation runs without async
-            # scheduling).
+            # need the last step's tokens first (the driver read that step before scheduling this one:
+            # `LLMEngine.step` reads a step with proposals at once and the steps in flight before proposing).
             pending.result()
             pending = None
         result = getattr(runner, method)(*args)
