@@ -18,8 +18,6 @@ from e2e_server import ServerProcess
 from tests.conftest import build_tiny_model
 from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter, _reference
 
-pytest.importorskip("peft")
-
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):

@@ -109,7 +109,6 @@ def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
     """LoRA at TP = 2: each rank holds its share of every adapter (A by input columns on row-parallel layers, B by
     output rows on column-parallel ones, KV heads split); two adapters and the base in one batch give PEFT's
     merged models' greedy tokens. The other rank reads each adapter when its first request reaches it."""
-    pytest.importorskip("peft")
     from pagoda.lora.request import LoRARequest
     from tests.conftest import build_tiny_model
     from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter, _reference

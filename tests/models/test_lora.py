@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import peft  # a test dependency (pyproject's `test` extra): missing, these tests fail rather than skip
 import pytest
 import safetensors.torch
 import torch
@@ -18,8 +19,6 @@ from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequest
 from pagoda.lora.request import LoRARequest
 from tests.conftest import build_tiny_model
-
-peft = pytest.importorskip("peft")
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
