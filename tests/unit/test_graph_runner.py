@@ -133,7 +133,7 @@ def test_mixed_step_and_its_padding():
     assert (h["snap"][0, 6:] == t).all() and (h["snap"][1, 6:] == 0).all()
 
 
-def test_the_flag_reaches_the_engine_config():
+def test_the_flag_reaches_the_engine_config(tiny_llama):
     import argparse
 
     import pytest
@@ -144,8 +144,9 @@ def test_the_flag_reaches_the_engine_config():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = config_from(parser.parse_args(["--max-cudagraph-capture-size", "64", "--device", "cpu"]), EngineArgs)
+    model = ["--model", tiny_llama, "--skip-tokenizer-init"]  # a folder: the embedded model need not be installed
+    args = config_from(parser.parse_args(["--max-cudagraph-capture-size", "64", "--device", "cpu", *model]), EngineArgs)
     assert EngineConfig.create(args).device.max_cudagraph_capture_size == 64
     assert config_from(parser.parse_args([]), EngineArgs).max_cudagraph_capture_size is None  # default: no cap
     with pytest.raises(ConfigError, match="max_cudagraph_capture_size must be >= 1"):
-        EngineConfig.create(config_from(parser.parse_args(["--max-cudagraph-capture-size", "0"]), EngineArgs))
+        EngineConfig.create(config_from(parser.parse_args(["--max-cudagraph-capture-size", "0", *model]), EngineArgs))

@@ -226,9 +226,12 @@ def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(ti
 
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     with pytest.raises(ConfigError, match="--speculative-config is not supported with pipeline parallelism"):
-        args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, pipeline_parallel_size=2)
+        args = EngineArgs(
+            model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, pipeline_parallel_size=2, device="cpu"
+        )
         EngineConfig.create(args)
-    config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
+    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, device="cpu")
+    config = EngineConfig.create(args)
     assert config.scheduler.speculative == SpeculativeConfig("ngram", 3, 2, 5, None)
     assert not config.scheduler.async_scheduling
 
@@ -271,7 +274,9 @@ def test_a_draft_on_a_gpu_gets_a_kv_pool_for_the_requests_it_can_be_asked_for(ti
     from pagoda.engine.speculation import draft_engine_args
 
     spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2, "disable_by_batch_size": 8}
-    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, max_model_len=1000)
+    args = EngineArgs(
+        model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, max_model_len=1000, device="cpu"
+    )
     target = EngineConfig.create(args)
     on_cpu = draft_engine_args(target, tiny_llama, context=600)
     assert (on_cpu.max_model_len, on_cpu.max_num_seqs, on_cpu.num_gpu_blocks_override) == (600, 8, None)
