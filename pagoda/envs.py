@@ -51,6 +51,13 @@ GEMV = Env(
 PDL = Env(
     "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
 )
+LORA_KERNELS = Env(
+    "PAGODA_LORA_KERNELS",
+    bool,
+    True,
+    "the Triton shrink/expand pair for LoRA adapters (kernels/lora.py); 0: the PyTorch reference (no CUDA graphs)",
+    once=True,
+)
 PP_MICRO_BATCHES = Env(
     "PAGODA_PP_MICRO_BATCHES",
     bool,

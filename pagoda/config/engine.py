@@ -348,7 +348,7 @@ class EngineConfig:
             device=_device_config(
                 device,
                 a.attention_backend,
-                a.enforce_eager or lora is not None,  # adapters run eagerly (no graphs) for now
+                a.enforce_eager or (lora is not None and not envs.LORA_KERNELS.value),  # the reference: eager
                 a.max_cudagraph_capture_size,
                 a.cpu_offload_gb,
             ),

@@ -74,6 +74,17 @@ def int4_gemm_module() -> ModuleType | None:
     return _optional_kernels("int4_gemm", envs.FUSED_OPS)
 
 
+@functools.cache
+def lora_module() -> ModuleType | None:
+    """`pagoda.kernels.lora` (the adapters' shrink/expand pair), or None without Triton or PAGODA_LORA_KERNELS=0."""
+    return _optional_kernels("lora", envs.LORA_KERNELS)
+
+
+def lora_for(x: torch.Tensor) -> ModuleType | None:
+    """The LoRA kernels when x lives on a CUDA device and they are available, else None (the reference path)."""
+    return lora_module() if x.is_cuda else None
+
+
 def gemv_for(x: torch.Tensor) -> ModuleType | None:
     """The GEMV module when x lives on a CUDA device and Triton is available, else None."""
     return gemv_module() if x.is_cuda else None

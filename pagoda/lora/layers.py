@@ -3,26 +3,74 @@
 Each adapted layer holds its adapters in `max_loras` slots, per output part (q/k/v of a fused qkv projection,
 gate/up of a fused MLP projection each have their own A and B):
 
-    A [max_loras, max_rank, in]    B [max_loras, out_part, max_rank]    (B already scaled by s)
+    A [parts, max_loras, max_rank, in]    B [max_loras, out, max_rank]   (B's parts side by side, scaled by s)
 
 An adapter of rank r < max_rank fills the first r rows of A and columns of B; the rest stay zero, which adds
-exactly nothing. A step's rows each name a slot (or none: the base model); `LoRAStep` holds, for every slot in
-use, the flat indices of its tokens, and `LoRASlots.add` multiplies each slot's tokens by its A and B (a gather,
-two small matmuls and an index-add per slot in use: the reference path).
+exactly nothing. A step's tokens each belong to a slot, or to none (the base model). `LoRAStep` holds that
+mapping twice: per slot in use the token indices (the PyTorch reference path: a gather, two small matmuls and
+an index-add per slot and part), and as one int32 device buffer the Triton kernels read (`kernels/lora.py`:
+tiles of at most TILE_TOKENS tokens of one slot, then the tokens grouped by slot). The buffer is allocated
+once and written in place each step, so CUDA graphs captured over the kernels replay with any step's mapping.
+
+On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); elsewhere the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from pagoda.kernels import dispatch
+
+# Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many.
+TILE_TOKENS = 64
 
 
 @dataclass
 class LoRAStep:
-    """The step's adapters: (slot, flat token indices [n] on the device) for every slot in use."""
+    """The step's adapters, shared by every adapted layer.
 
+    meta: int32 on the device, written by `write` (the kernels' mapping): (slot, first place, tokens) per tile
+    for up to `max_tiles` tiles, then from `order_at` the adapted tokens grouped by slot;
+    active: (slot, its tokens: a view of meta) for every slot in use (the reference path)."""
+
+    max_loras: int = 1
+    max_tokens: int = 0
+    device: torch.device = torch.device("cpu")
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    meta: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A graph bucket may pad a step past max_tokens; its grid has cdiv(bucket, TILE_TOKENS) + max_loras tiles.
+        self.max_tiles = -(-2 * self.max_tokens // TILE_TOKENS) + self.max_loras
+        self.order_at = 3 * self.max_tiles
+        self.meta = torch.zeros(self.order_at + self.max_tokens, dtype=torch.int32, device=self.device)
+
+    def write(self, token_slots: np.ndarray) -> None:
+        """The step's mapping from token_slots [T] (each token's slot, -1: the base model)."""
+        if len(token_slots) > self.max_tokens:
+            raise RuntimeError(f"a step of {len(token_slots)} tokens, more than the {self.max_tokens} LoRA sized for")
+        adapted = np.flatnonzero(token_slots >= 0)
+        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+        counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        tiles = np.zeros((self.max_tiles, 3), dtype=np.int64)  # tiles past the step's hold 0 tokens
+        i = 0
+        for slot in np.flatnonzero(counts).tolist():
+            for first in range(0, int(counts[slot]), TILE_TOKENS):
+                tiles[i] = slot, starts[slot] + first, min(TILE_TOKENS, counts[slot] - first)
+                i += 1
+        host = np.concatenate((tiles.reshape(-1), order)).astype(np.int32)
+        if self.device.type == "cuda":
+            self.meta[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        else:
+            self.meta[: len(host)].copy_(torch.from_numpy(host))
+        in_order = self.meta[self.order_at :]
+        self.active = [
+            (slot, in_order[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n
+        ]
 
 
 @dataclass(frozen=True)
@@ -50,32 +98,41 @@ class LoRASlots:
         """input_range: (this rank's first input feature, its count, all input features): a row-parallel layer
         takes a share of the input, so its A is cut by columns the same way (its partial outputs, adapters
         included, are summed over the ranks by the layer's all-reduce: (Σ x_r·A_rᵀ)·Bᵀ = (x·Aᵀ)·Bᵀ)."""
+        ends = np.cumsum([p.size for p in parts]).tolist()
+        if [p.offset for p in parts] != [0, *ends[:-1]]:
+            raise ValueError("a layer's adapted parts must tile its output in order")
         self.parts, self.step, self.input_range = parts, step, input_range
-        input_size = input_range[1]
-        self.a = [torch.zeros(max_loras, max_rank, input_size, dtype=dtype, device=device) for _ in parts]
-        self.b = [torch.zeros(max_loras, p.size, max_rank, dtype=dtype, device=device) for p in parts]
+        self.a = torch.zeros(len(parts), max_loras, max_rank, input_range[1], dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, ends[-1], max_rank, dtype=dtype, device=device)
+        self.bounds = torch.tensor([0, *ends], dtype=torch.int32, device=device)
 
     def part_index(self, name: str | None) -> int:
         return next(i for i, p in enumerate(self.parts) if p.name == name)
 
     def set(self, slot: int, weights: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` ← an adapter's {part: (A [r, in], B [out_part, r], scaled)}; parts it leaves out add zero."""
-        for a, b in zip(self.a, self.b):
-            a[slot].zero_()
-            b[slot].zero_()
+        self.a[:, slot].zero_()
+        self.b[slot].zero_()
         for name, (a, b) in weights.items():
             i = self.part_index(name)
-            rank = a.shape[0]
-            self.a[i][slot, :rank].copy_(a)
-            self.b[i][slot, :, :rank].copy_(b)
+            rank, part = a.shape[0], self.parts[i]
+            self.a[i, slot, :rank].copy_(a)
+            self.b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] plus each row's adapter applied to x [T, in] (y itself when no row has one)."""
-        if not self.step.active:
-            return y
+        """y [T, out] plus each token's adapter applied to x [T, in] (y itself when no token has one)."""
+        kernels = dispatch.lora_for(x)
+        if kernels is not None and (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
+            step = self.step
+            return kernels.add_lora(x, y, self.a, self.b, self.bounds, step.meta, step.order_at, TILE_TOKENS)
+        return self.add_reference(x, y)
+
+    def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for slot, tokens in self.step.active:
-            xs = x.index_select(0, tokens)
-            for part, a, b in zip(self.parts, self.a, self.b):
-                delta = (xs @ a[slot].t()) @ b[slot].t()  # [n, out_part]
+            xs = x.index_select(0, tokens).to(self.a.dtype)
+            for i, part in enumerate(self.parts):
+                b = self.b[slot, part.offset : part.offset + part.size]
+                delta = (xs @ self.a[i, slot].t()) @ b.t()  # [n, out_part]
                 y[:, part.offset : part.offset + part.size].index_add_(0, tokens, delta.to(y.dtype))
         return y

@@ -3,8 +3,8 @@
 `attach_lora` gives every adaptable linear layer of the decoder (`Linear.lora`, see `layers/linear.py`) its
 slots. `LoRAManager.add` reads a PEFT folder once (checked against the layers; the host keeps the last
 `max_cpu_loras` used, least recently used dropped first, read again from disk if asked for later);
-`prepare(token_adapter_ids)` puts the step's adapters in slots (an adapter already in a slot stays; a
-slot whose adapter this step does not use is reused, least recently used first) and sets the step's
+`prepare(requests, query_lens)` puts the step's adapters in slots (an adapter already in a slot stays; a
+slot whose adapter this step does not use is reused, least recently used first) and writes the step's
 mapping every layer reads.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagoda.config import EngineConfig
 from pagoda.config.lora import LoRAConfig
-from pagoda.device_copy import to_device
 from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
 from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
@@ -47,10 +47,12 @@ def _input_range(layer: Linear) -> tuple[int, int, int]:
     return 0, layer.input_size, layer.input_size
 
 
-def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> dict[str, LoRASlots]:
+def attach_lora(
+    model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device, max_tokens: int
+) -> dict[str, LoRASlots]:
     """Slots on every linear layer of the decoder's layers (not the embedding, LM head, vision tower or MoE
-    experts); returns them by module name."""
-    step = LoRAStep()
+    experts), sharing one step mapping for steps of up to max_tokens; returns them by module name."""
+    step = LoRAStep(config.max_loras, max_tokens, device)
     layers: dict[str, LoRASlots] = {}
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or ".layers." not in f".{name}" or "visual" in name or "experts" in name:
@@ -63,11 +65,18 @@ def attach_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
 
 
 class LoRAManager:
-    def __init__(self, model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: CausalLM, engine: EngineConfig, dtype: torch.dtype, device: torch.device):
+        assert engine.lora is not None
+        config = engine.lora
         self.model, self.config, self.device = model, config, device
+        # The most tokens one step carries: the budget, and speculative proposals beyond it.
+        spec = engine.scheduler.speculative
+        max_tokens = engine.scheduler.max_num_batched_tokens + engine.scheduler.max_num_seqs * (
+            1 + (spec.num_speculative_tokens if spec else 0)
+        )
         self.dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
-        self.layers = attach_lora(model, config, self.dtype, device)
-        self.step = next(iter(self.layers.values())).step if self.layers else LoRAStep()
+        self.layers = attach_lora(model, config, self.dtype, device, max_tokens)
+        self.step = next(iter(self.layers.values())).step if self.layers else LoRAStep(config.max_loras, max_tokens)
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # LRU last
         self._requests: dict[int, LoRARequest] = {}
         self._slots: list[int | None] = [None] * config.max_loras  # adapter id in each slot
@@ -115,12 +124,10 @@ class LoRAManager:
         ids = [int(i) for i in np.unique(token_adapter_ids) if i]
         if len(ids) > self.config.max_loras:
             raise RuntimeError(f"{len(ids)} adapters in one step, more than max_loras {self.config.max_loras}")
-        slots = {i: self._slot_for(i, ids) for i in ids}
-        active = []
-        for adapter_id, slot in slots.items():
-            tokens = np.flatnonzero(token_adapter_ids == adapter_id)
-            active.append((slot, to_device(tokens, self.device)))
-        self.step.active = active
+        token_slots = np.full(len(token_adapter_ids), -1, dtype=np.int64)
+        for adapter_id in ids:
+            token_slots[token_adapter_ids == adapter_id] = self._slot_for(adapter_id, ids)
+        self.step.write(token_slots)
 
     def _slot_for(self, adapter_id: int, needed: list[int]) -> int:
         if adapter_id in self._slots:

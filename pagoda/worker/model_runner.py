@@ -100,7 +100,7 @@ class ModelRunner:
             self.block_size, self.device, stateful=bool(stateful), uses_mrope=caps.mrope, has_encoder=caps.encoder
         )
         self.accepts_multimodal = caps.encoder
-        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
+        self.lora = LoRAManager(self.model, config, self.dtype, self.device) if config.lora else None
         self.encoder = EncoderRunner(self.model, self.device, max(32768, 4 * config.scheduler.max_num_batched_tokens))
         self.encoder_cache = self.encoder.cache
         self.graphs: GraphRunner | None = None  # set by `enable_cuda_graphs`
@@ -257,6 +257,8 @@ class ModelRunner:
     def _run_model(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
         """Logits [S (+ proposals), V] of the rows that sample (None: no row, or a stage that does not sample)."""
         positions = spec_rows.logits_positions(inputs)
+        if self.lora is not None:  # each row's adapter (`lora/manager.py`), for the eager path and the graphs alike
+            self.lora.prepare([s.lora_request for s in states], inputs.query_lens)
         graphed = self.graphs is not None and self.graphs.can_run(inputs)
         # A graph gives the logits at `positions`; an eager step the hidden states; before the last
         # pipeline stage either sends its activations on (None here).
@@ -305,8 +307,6 @@ class ModelRunner:
         if inputs.needs_encoder and self.link.stage.first:
             attn.mm_embeds = self.encoder.embeds(states, inputs)
         attn.stage_input = self.link.stage_input(len(inputs.token_ids))
-        if self.lora is not None:  # each row's adapter (`lora/manager.py`; none while profiling)
-            self.lora.prepare([s.lora_request for s in states], inputs.query_lens)
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:
             ids.index_copy_(0, *inputs.late_tokens)

@@ -89,7 +89,9 @@ def _requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
 
 
 def _llm(base: str, **kw) -> LLM:
-    return LLM(base, skip_tokenizer_init=True, dtype="float32", enable_lora=True, **{"max_lora_rank": 16, **kw})
+    # A fixed KV pool: on a GPU an engine sized from free memory would count the earlier tests' engines as used.
+    kw = {"max_lora_rank": 16, "num_gpu_blocks_override": 256, **kw}
+    return LLM(base, skip_tokenizer_init=True, dtype="float32", enable_lora=True, **kw)
 
 
 def _check(outputs, expected) -> None:

@@ -1,0 +1,194 @@
+"""Many adapters on one linear layer in two Triton launches: shrink h = x·Aᵀ, then expand y += h·Bᵀ, each
+token by the adapter in its slot (the segmented "shrink/expand" pair of multi-LoRA serving).
+
+Operands (the layout of `pagoda/lora/layers.py`, whose `LoRASlots.add_reference` is the PyTorch reference):
+
+    x [T, in]                 the layer's input          y [T, out]   its output, added to in place
+    A [P, L, R, in]           per output part p and slot l (rank r < R: rows past r are zero)
+    B [L, out, R]             the parts side by side along out, already scaled by alpha/r
+    bounds [P + 1] int32      part p owns y's columns [bounds[p], bounds[p + 1])
+    meta int32                first (slot, first place in order, tokens) per tile of at most `tile_tokens`
+                              tokens of one slot, tiles of 0 tokens past the step's; from order_at on,
+                              order: the step's adapted tokens grouped by slot
+
+The grids depend on T, L and the shapes only, never on device values: a CUDA graph captured for a bucket
+replays with any mapping the step writes into `meta`. A step of T tokens has at most cdiv(T, tile_tokens) + L
+tiles (each slot's last tile may be partial); programs past the last tile return at once.
+
+Shrink, grid (tiles, SPLIT_K): program (i, s) multiplies tile i's tokens by every part's A at once (the P·R
+rows of the slot's A read as one [P·R, in] operand, so x is read once) over its share s of `in`, and writes
+the partial sums h[s, place, p·R + r] (fp32; a token's place in `order`, so h is dense). Few tokens (decode)
+leave few programs, so the input dimension is split over SPLIT_K programs; expand adds the partials in a
+fixed order (deterministic, no atomics).
+
+Expand, grid (tiles · cdiv(out, BLOCK_N)): the partials summed and rounded to B's dtype (the reference rounds
+x·Aᵀ to the adapter dtype too), times a [P·R, BLOCK_N] operand that holds B's rank columns in the rows of
+each column's own part and zeros elsewhere (so one product serves columns of several parts), added to y in
+fp32 and rounded once to y's dtype (the reference rounds the term first, then the sum: bf16 results may
+differ by an ulp). Every (token, column) of y is written by one program: a token is in one tile.
+
+Launchers check shapes and dtypes and launch; they never read device values on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.triton_utils import DTYPES, dot_flags, interpreting, mma, round_to
+
+_BLOCK_N = 64  # expand: output columns per program
+_BLOCK_K = 64  # shrink: input features per loop iteration
+
+
+def split_k(num_tokens: int, input_size: int) -> int:
+    """Shrink programs per tile: enough to spread a decode step's few tiles over the SMs, each still looping
+    over at least 512 input features."""
+    if num_tokens > 128:
+        return 1
+    return max(1, min(8, input_size // 512))
+
+
+@triton.jit
+def _tile(meta_ptr, ORDER_AT, BLOCK_M: tl.constexpr):
+    """Tile program_id(0)'s (slot, its tokens' places in `order`, their token indices, row mask, tokens)."""
+    entry = meta_ptr + 3 * tl.program_id(0)
+    first = tl.load(entry + 1)
+    count = tl.load(entry + 2)
+    rows = tl.arange(0, BLOCK_M)
+    valid = rows < count
+    place = first + rows
+    token = tl.load(meta_ptr + ORDER_AT + place, mask=valid, other=0).to(tl.int64)
+    return tl.load(entry), place, token, valid, count
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    a_ptr,
+    h_ptr,
+    meta_ptr,
+    stride_x,
+    stride_a,  # A's 4 strides
+    stride_h,  # h's 3 strides
+    ORDER_AT,
+    K,
+    K_PER_SPLIT,
+    R,
+    NUM_PARTS,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_PR: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    slot, place, token, valid, count = _tile(meta_ptr, ORDER_AT, BLOCK_M)
+    if count > 0:
+        j = tl.arange(0, BLOCK_PR)  # part j // R, rank row j % R
+        in_j = j < NUM_PARTS * R
+        a_rows = a_ptr + (j // R) * stride_a[0] + slot * stride_a[1] + (j % R) * stride_a[2]
+        acc = tl.zeros((BLOCK_M, BLOCK_PR), dtype=tl.float32)
+        k_start = tl.program_id(1) * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            in_k = k < k_end
+            xt = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
+            at = tl.load(a_rows[None, :] + k[:, None] * stride_a[3], mask=in_j[None, :] & in_k[:, None], other=0.0)
+            acc += mma(xt.to(at.dtype), at, IEEE, UPCAST)  # [BLOCK_M, BLOCK_PR]
+        h = h_ptr + tl.program_id(1) * stride_h[0] + place[:, None] * stride_h[1] + j[None, :] * stride_h[2]
+        tl.store(h, acc, mask=valid[:, None] & in_j[None, :])
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr,
+    b_ptr,
+    y_ptr,
+    meta_ptr,
+    bounds_ptr,
+    stride_h,  # h's 3 strides
+    stride_b,  # B's 3 strides
+    stride_y,
+    ORDER_AT,
+    OUT,
+    R,
+    NUM_PARTS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_PR: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    nb = tl.program_id(1)
+    slot, place, token, valid, count = _tile(meta_ptr, ORDER_AT, BLOCK_M)
+    if count > 0:
+        j = tl.arange(0, BLOCK_PR)
+        in_j = j < NUM_PARTS * R
+        hsum = tl.zeros((BLOCK_M, BLOCK_PR), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            h = h_ptr + s * stride_h[0] + place[:, None] * stride_h[1] + j[None, :] * stride_h[2]
+            hsum += tl.load(h, mask=valid[:, None] & in_j[None, :], other=0.0)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = n < OUT
+        part = tl.zeros((BLOCK_N,), dtype=tl.int32)  # each column's part
+        for p in tl.static_range(1, NUM_PARTS):
+            part += (n >= tl.load(bounds_ptr + p)).to(tl.int32)
+        own = ((j // R)[:, None] == part[None, :]) & in_j[:, None] & in_n[None, :]
+        b = b_ptr + slot * stride_b[0] + n[None, :] * stride_b[1] + (j % R)[:, None] * stride_b[2]
+        bt = tl.load(b, mask=own, other=0.0)  # [BLOCK_PR, BLOCK_N]: Bᵀ of each column's part, zero elsewhere
+        term = mma(round_to(hsum, b_ptr, EMULATE_BF16), bt, IEEE, UPCAST)
+        y = y_ptr + token[:, None] * stride_y + n[None, :]
+        mask = valid[:, None] & in_n[None, :]
+        out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + term
+        tl.store(y, round_to(out, y_ptr, EMULATE_BF16), mask=mask)
+
+
+def add_lora(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    meta: torch.Tensor,
+    order_at: int,
+    tile_tokens: int,
+) -> torch.Tensor:
+    """y [T, out] += each token's slot's (x·Aᵀ)·Bᵀ, in place (see the module docstring); returns y."""
+    num_parts, num_slots, rank, k = a.shape
+    t, out = y.shape[0], y.shape[-1]
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != t or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} do not fit A {tuple(a.shape)}")
+    if b.shape != (num_slots, out, rank) or bounds.numel() != num_parts + 1:
+        raise ValueError(
+            f"B {tuple(b.shape)} / bounds {bounds.numel()} do not fit A {tuple(a.shape)}, y {tuple(y.shape)}"
+        )
+    if x.dtype not in DTYPES or y.dtype not in DTYPES or a.dtype != b.dtype or a.dtype not in DTYPES:
+        raise ValueError(f"dtypes x {x.dtype}, y {y.dtype}, A {a.dtype}, B {b.dtype}")
+    tiles = triton.cdiv(t, tile_tokens) + num_slots
+    if meta.dtype != torch.int32 or bounds.dtype != torch.int32 or order_at < 3 * tiles or meta.numel() < order_at:
+        raise ValueError("meta and bounds are int32; meta holds the tiles of a step this size, then the order")
+    if x.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("x and y need unit stride along their features")
+    if t == 0:
+        return y
+    block_pr = max(16, triton.next_power_of_2(num_parts * rank))  # tl.dot needs 16 along every dimension
+    splits = split_k(t, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
+    h = torch.empty(splits, t, num_parts * rank, dtype=torch.float32, device=x.device)
+    ieee, upcast = dot_flags(a.dtype)
+    _shrink_kernel[(tiles, splits)](
+        x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
+        SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=_BLOCK_K, IEEE=ieee, UPCAST=upcast,
+    )  # fmt: skip
+    n_blocks = triton.cdiv(out, _BLOCK_N)
+    _expand_kernel[(tiles, n_blocks)](
+        h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank,
+        NUM_PARTS=num_parts, SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_N=_BLOCK_N, BLOCK_PR=block_pr,
+        IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
+    )  # fmt: skip
+    return y

@@ -1,0 +1,163 @@
+"""The LoRA shrink/expand kernels (`pagoda/kernels/lora.py`) against a per-token float64 product and the
+PyTorch reference path (`LoRASlots.add_reference`), through the layer's own slots and step mapping; then a
+whole engine through them and the step graphs against PEFT's merged models (`tests/models/test_lora.py`).
+On CPU the kernels run under the Triton interpreter (`conftest.py`), so shapes stay tiny."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.importorskip("triton")
+
+from pagoda.kernels import dispatch
+from pagoda.kernels import lora as lora_kernels
+from pagoda.lora.layers import TILE_TOKENS, LoRAPart, LoRASlots, LoRAStep
+from tests.models import test_lora as peft_cases
+
+lora_setup = peft_cases.lora_setup  # the fixture: adapters made with peft, and PEFT's merged outputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _layer(sizes, in_features, max_loras, max_rank, dtype, max_tokens=512, seed=0):
+    """Slots of a fused layer with output parts `sizes`, each slot holding an adapter of a different rank."""
+    parts, offset = [], 0
+    for i, size in enumerate(sizes):
+        parts.append(LoRAPart(f"p{i}" if len(sizes) > 1 else None, offset, size))
+        offset += size
+    step = LoRAStep(max_loras, max_tokens, DEVICE)
+    slots = LoRASlots((0, in_features, in_features), parts, max_loras, max_rank, dtype, DEVICE, step)
+    g = torch.Generator().manual_seed(seed)
+    for slot in range(max_loras):
+        rank = max(1, max_rank >> slot)  # ranks below the slot width leave zero rows and columns
+        weights = {
+            p.name: (torch.randn(rank, in_features, generator=g) / 4, torch.randn(p.size, rank, generator=g) / 4)
+            for p in parts
+            if slot != 1 or p.name != "p1"  # slot 1 leaves a part out: it must add nothing there
+        }
+        slots.set(slot, {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in weights.items()})
+    return slots
+
+
+def _naive(slots: LoRASlots, x, y, token_slots):
+    """y + each token's (x·Aᵀ)·Bᵀ in float64, one token at a time."""
+    out = y.double().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        for i, p in enumerate(slots.parts):
+            a = slots.a[i, slot].double().cpu()
+            b = slots.b[slot, p.offset : p.offset + p.size].double().cpu()
+            out[t, p.offset : p.offset + p.size] += (x[t].double() @ a.t()) @ b.t()
+    return out
+
+
+def _run(slots, x, y, token_slots):
+    slots.step.write(np.asarray(token_slots, dtype=np.int64))
+    step = slots.step
+    return lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, step.meta, step.order_at, TILE_TOKENS)
+
+
+CASES = [
+    # (output parts, in, tokens, slots, rank)
+    ([40, 16, 16], 48, 7, 3, 8),  # decode-sized: one token block per slot, q/k/v parts of different widths
+    ([24, 24], 40, 150, 3, 16),  # prefill-sized: 64-token blocks, gate/up
+    ([70], 33, 19, 2, 4),  # one part wider than a column block, an input that is no multiple of the K block
+    ([20, 12], 24, 150, 1, 8),  # one slot's ~75 tokens: two tiles, the second partial
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sizes,in_features,tokens,max_loras,rank", CASES)
+def test_kernels_match_the_per_token_product(sizes, in_features, tokens, max_loras, rank, dtype):
+    slots = _layer(sizes, in_features, max_loras, rank, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, in_features, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(tokens, sum(sizes), generator=g).to(dtype).to(DEVICE)
+    token_slots = torch.randint(-1, max_loras, (tokens,), generator=g).numpy()
+    token_slots[0], token_slots[-1] = -1, max_loras - 1
+    out = _run(slots, x, y, token_slots)
+    want = _naive(slots, x.cpu(), y.cpu(), token_slots)
+    base = token_slots < 0
+    assert torch.equal(out.cpu()[base], y.cpu()[base])  # the base model's tokens are left alone, bit for bit
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    else:  # h rounded to bf16 between the two products, the sum rounded once
+        torch.testing.assert_close(out.cpu().double(), want, rtol=2e-2, atol=3e-2)
+    ref = y.clone()
+    slots.add_reference(x, ref)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 3e-2}
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_split_input_partials_sum_to_the_whole(monkeypatch):
+    """Decode-sized steps split the input dimension over programs; the last split may be empty."""
+    monkeypatch.setattr(lora_kernels, "split_k", lambda tokens, k: 3)
+    slots = _layer([20, 12], 200, 2, 8, torch.float32)  # 200 features → splits of 128: [0, 128), [128, 200), ∅
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(5, 200, generator=g).to(DEVICE), torch.randn(5, 32, generator=g).to(DEVICE)
+    token_slots = np.array([1, 0, -1, 1, 0])
+    out = _run(slots, x, y, token_slots)
+    torch.testing.assert_close(out.cpu().double(), _naive(slots, x.cpu(), y.cpu(), token_slots), rtol=1e-5, atol=1e-5)
+
+
+def test_one_launch_serves_any_mapping_written_into_the_step(monkeypatch):
+    """What a CUDA graph relies on: the same layer, call after call, reads each step's mapping from `meta`
+    (slots unused, all tokens on the base model, then every token adapted), through `LoRASlots.add`."""
+    monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
+    slots = _layer([16, 8, 8], 24, 4, 8, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(9, 24, generator=g).to(DEVICE), torch.randn(9, 32, generator=g).to(DEVICE)
+    for token_slots in ([3, 3, -1, 0, 0, 0, 3, -1, 0], [-1] * 9, [2, 1, 0, 3, 2, 1, 0, 3, 2]):
+        token_slots = np.asarray(token_slots)
+        slots.step.write(token_slots)
+        out = slots.add(x, y.clone())
+        want = _naive(slots, x.cpu(), y.cpu(), token_slots)
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_setup, monkeypatch):
+    """The same mixed batch through the Triton shrink/expand kernels inside the graph runner's static buffers
+    (on the CPU: the interpreter and the graph path without capture; on a GPU: captured CUDA graphs), chunked
+    prefill mixing adapters' prompts with decodes. Every step must replay a bucket."""
+    from pagoda.worker.graph_runner import DECODE, MIXED
+
+    base, adapters, refs = lora_setup
+    if not CUDA:
+        monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
+    requests = peft_cases._requests(adapters)
+    llm = peft_cases._llm(base, max_loras=3, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=8)
+    runner = llm.llm_engine.runner
+    if not CUDA:
+        runner.enable_cuda_graphs(capture=False)
+    used: list[str] = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda inputs, positions: (
+        used.append(runner.graphs.bucket_for(inputs)[0]) or run(inputs, positions)
+    )
+    names = [*peft_cases.ADAPTERS, None]
+    prompts = [p for _ in names for p in peft_cases.PROMPTS]
+    loras = [requests[n] if n else None for n in names for _ in peft_cases.PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(prompts, peft_cases._params(), use_tqdm=False, lora_request=loras)
+    for i, name in enumerate(names):
+        n = len(peft_cases.PROMPTS)
+        peft_cases._check(outputs[i * n : (i + 1) * n], refs[name])
+    assert MIXED in used and DECODE in used
+
+
+def test_launcher_refuses_operands_that_do_not_fit():
+    slots = _layer([8, 8], 16, 2, 4, torch.float32)
+    x, y = torch.zeros(3, 16, device=DEVICE), torch.zeros(3, 16, device=DEVICE)
+    step = slots.step
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_kernels.add_lora(x[:, :8], y, slots.a, slots.b, slots.bounds, step.meta, step.order_at, TILE_TOKENS)
+    with pytest.raises(ValueError, match="int32"):
+        lora_kernels.add_lora(x, y, slots.a, slots.b, slots.bounds, step.meta.long(), step.order_at, TILE_TOKENS)
