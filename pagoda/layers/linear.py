@@ -180,6 +180,11 @@ class Linear(nn.Module):
             return self.quant.gemv_operands(self)
         return self.weight, None
 
+    def lora_row_maps(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None:
+        """For a layer whose checkpoint projections interleave in its output rows (not side by side):
+        {projection: (its rows, the local output rows they land on, its full rows)}; None for the others."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora.add(x, y)

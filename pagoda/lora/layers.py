@@ -102,6 +102,7 @@ class LoRASlots:
         if [p.offset for p in parts] != [0, *ends[:-1]]:
             raise ValueError("a layer's adapted parts must tile its output in order")
         self.parts, self.step, self.input_range = parts, step, input_range
+        self.row_maps: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None  # see Linear.lora_row_maps
         self.a = torch.zeros(len(parts), max_loras, max_rank, input_range[1], dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, ends[-1], max_rank, dtype=dtype, device=device)
         self.bounds = torch.tensor([0, *ends], dtype=torch.int32, device=device)

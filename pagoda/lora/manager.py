@@ -57,8 +57,11 @@ def attach_lora(
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or ".layers." not in f".{name}" or "visual" in name or "experts" in name:
             continue
-        rank = config.max_lora_rank
-        slots = LoRASlots(_input_range(module), _parts(module), config.max_loras, rank, dtype, device, step)
+        rank, parts, row_maps = config.max_lora_rank, _parts(module), module.lora_row_maps()
+        if row_maps:  # interleaved projections: one part, their adapters' ranks stacked (`lora/peft.py`)
+            rank, parts = rank * len(row_maps), [LoRAPart(None, 0, module.output_size)]
+        slots = LoRASlots(_input_range(module), parts, config.max_loras, rank, dtype, device, step)
+        slots.row_maps = row_maps
         module.lora = slots
         layers[name] = slots
     return layers

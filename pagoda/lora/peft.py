@@ -126,6 +126,7 @@ def load_peft_adapter(
             halves.setdefault(module, {})[which] = f.get_tensor(name)
     packed = model.packed_modules_mapping
     weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
+    interleaved: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise _fail(request, f"{module} has lora_{next(iter(pair))} without its other half")
@@ -133,21 +134,48 @@ def load_peft_adapter(
         parent, _, leaf = path.rpartition(".")
         layer, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (path, None)
         slots = layers.get(layer)
-        if slots is None or all(p.name != part for p in slots.parts):
+        if slots is None or part not in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts]):
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
-        target = slots.parts[slots.part_index(part)]
         in_start, in_size, in_full = slots.input_range
-        expected_a, expected_b = (rank, in_full), (target.full or target.size, rank)
+        if slots.row_maps:
+            full_rows = slots.row_maps[str(part)][2]
+        else:
+            target = slots.parts[slots.part_index(part)]
+            full_rows = target.full or target.size
+        expected_a, expected_b = (rank, in_full), (full_rows, rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise _fail(
                 request,
                 f"{module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this base model needs "
                 f"A {expected_a} and B {expected_b} (an adapter of another base model?)",
             )
+        if slots.row_maps:
+            interleaved.setdefault(layer, {})[str(part)] = (a, b.float() * scale)
+            continue
         # This rank's share (tensor parallelism): A's input columns as the layer's, B's rows as the part's.
         a, b = a[:, in_start : in_start + in_size], b[target.start : target.start + target.size]
         weights[(layer, part)] = (a.to(dtype), (b.float() * scale).to(dtype))
+    for layer, shards in interleaved.items():
+        weights[(layer, None)] = _stacked(layers[layer], shards, rank, dtype)
     if not weights:
         raise _fail(request, "it holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _stacked(
+    slots: LoRASlots, shards: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (A, s·B) of rank n·r for a layer whose n projections interleave in its rows (Yuan2's q/k): A stacks
+    the projections' A; projection i's B rows land where its weight rows do, in rank columns [i·r, (i+1)·r),
+    zero elsewhere, so (x·Aᵀ)·Bᵀ is the sum of the projections' terms, each on its own rows."""
+    assert slots.row_maps is not None
+    n = len(slots.row_maps)
+    a_all = torch.zeros(n * rank, slots.input_range[1])
+    b_all = torch.zeros(slots.parts[0].size, n * rank)
+    for i, (shard, (source, target, _)) in enumerate(slots.row_maps.items()):
+        if shard in shards:
+            a, b = shards[shard]
+            a_all[i * rank : (i + 1) * rank] = a.float()
+            b_all[target, i * rank : (i + 1) * rank] = b[source]
+    return a_all.to(dtype), b_all.to(dtype)

@@ -118,29 +118,40 @@ class YuanQKProjection(Linear):
         self.first_row = 2 * first * head_dim
         super().__init__(hidden, 2 * self.num_heads * head_dim)
 
+    def shard_rows(self, shard_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the checkpoint's q_proj or k_proj [P, H], the local fused rows they land on) for this rank.
+
+        This tensor's rows in fused-row numbering, [offset, offset + P), meet this rank's rows
+        [first_row, first_row + 2·P_r) in one contiguous range (empty on ranks whose heads all sit in the other
+        half). Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key; on
+        this rank it is local row g - first_row of local head (g - first_row) // 2D."""
+        d, projection = self.head_dim, self.total_heads * self.head_dim
+        offset = 0 if shard_id == "q" else projection
+        local = self.num_heads * d
+        start = max(offset, self.first_row)
+        end = max(start, min(offset + projection, self.first_row + 2 * local))
+        fused_rows = torch.arange(start, end) - self.first_row
+        head, within = fused_rows // (2 * d), fused_rows % (2 * d)
+        target = torch.where(within < d, head * d + within, local + head * d + within - d)
+        return torch.arange(start, end) - offset, target
+
+    def lora_row_maps(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None:
+        """The checkpoint's q_proj and k_proj interleave into this layer's rows: an adapter's B rows land as
+        its weight rows do (`lora/peft.py` stacks the two adapters' ranks into one)."""
+        return {shard: (*self.shard_rows(shard), self.total_heads * self.head_dim) for shard in ("q", "k")}
+
     @reads_shards
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: object = None) -> None:
-        d, projection = self.head_dim, self.total_heads * self.head_dim
+        projection = self.total_heads * self.head_dim
         if tuple(loaded.shape) != (projection, param.shape[1]):
             raise ValueError(
                 f"shape mismatch for {shard_id}_proj: expected {(projection, param.shape[1])}, "
                 f"got {tuple(loaded.shape)}"
             )
-        # This tensor's rows in fused-row numbering, [offset, offset + P), meet this rank's rows
-        # [first_row, first_row + 2·P_r) in one contiguous range (empty on ranks whose heads all sit
-        # in the other half): only that range is read.
-        offset = 0 if shard_id == "q" else projection
-        local = param.shape[0] // 2
-        start = max(offset, self.first_row)
-        end = min(offset + projection, self.first_row + 2 * local)
-        if end <= start:
+        source, target = self.shard_rows(str(shard_id))
+        if not len(source):  # only the contiguous range of this rank's rows is read
             return
-        rows = read_weight(loaded.narrow(0, start - offset, end - start), param.dtype)
-        # Row g of the fused [q_proj; k_proj] belongs to head g // 2D: query if g % 2D < D, else key;
-        # on this rank it is local row g - first_row of local head (g - first_row) // 2D.
-        fused_rows = torch.arange(start, end) - self.first_row
-        head, within = fused_rows // (2 * d), fused_rows % (2 * d)
-        target = torch.where(within < d, head * d + within, local + head * d + within - d)
+        rows = read_weight(loaded.narrow(0, int(source[0]), len(source)), param.dtype)
         param.data[target.to(param.device)] = rows.to(param.device)
 
 

@@ -130,3 +130,24 @@ def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert done == expected
+
+
+def test_yuan2_lora_under_tp2_equals_the_merged_checkpoint(engines, tmp_path):
+    """Yuan2's fused qk rows under TP = 2: each rank takes its heads' interleaved q/k rows of the adapter's B, as
+    of the weights; the adapter's greedy tokens equal the merged checkpoint's at one rank."""
+    from pagoda.lora.request import LoRARequest
+    from tests.models.test_lora import MAX_TOKENS, yuan_adapter_and_merged
+
+    adapter, merged = yuan_adapter_and_merged(tmp_path)
+    prompts = _prompts("yuan2-tiny")
+    expected = engines(merged).run(prompts, max_tokens=MAX_TOKENS)
+    engine = engines("yuan2-tiny", tensor_parallel_size=2, enable_lora=True, max_loras=1, max_lora_rank=4).engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, lora_request=LoRARequest("yuan", 1, adapter))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == expected

@@ -18,7 +18,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequest
 from pagoda.lora.request import LoRARequest
-from tests.conftest import build_tiny_model
+from tests.conftest import FIXTURES, build_tiny_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -244,3 +244,95 @@ def test_qwen2_with_biased_qkv_equals_peft_merged(tmp_path):
     outputs = llm.generate(prompts + prompts, _params(), use_tqdm=False, lora_request=[request] * 3 + [None] * 3)
     _check(outputs[:3], _reference(base, adapter))
     _check(outputs[3:], _reference(base, None))
+
+
+def test_qwen2_vl_language_model_equals_peft_merged(tmp_path):
+    """Qwen2-VL: PEFT's target names reach the language model under transformers' nesting
+    (`model.language_model.layers...`), and the vision tower, whose projections have other names, is untouched."""
+    import transformers
+
+    from tests.conftest import tiny_qwen2vl_config
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(tiny_qwen2vl_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # random init leaves logits flat; sharpen them so greedy is robust
+        model.lm_head.weight.mul_(30)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION + MLP, lora_dropout=0.0)
+    adapted = peft.get_peft_model(transformers.Qwen2VLForConditionalGeneration.from_pretrained(base), config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                assert "visual" not in name
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload().eval()
+    merged.generation_config.eos_token_id = None
+    expected = []
+    for prompt in PROMPTS:
+        gen = merged.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = gen.sequences[0, len(prompt) :].tolist()
+        expected.append((tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, tokens)]))
+    llm = _llm(str(base), max_loras=1)
+    request = LoRARequest("vl", 1, str(tmp_path / "adapter"))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), expected)
+
+
+YUAN_TARGETS = ATTENTION + ["up_proj", "gate_proj", "down_proj"]
+
+
+def yuan_adapter_and_merged(out: Path, rank: int = 4, alpha: int = 8, seed: int = 0) -> tuple[str, str]:
+    """A PEFT folder on the tiny Yuan2 (all its linear projections) and the checkpoint with the adapter merged
+    into the weights, W + (alpha / r)·B·A in the checkpoint's own q_proj/k_proj rows (no modeling code is
+    shipped for PEFT to load Yuan2 itself)."""
+    base = FIXTURES / "yuan2-tiny"
+    weights = safetensors.torch.load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    adapter, merged = {}, dict(weights)
+    for name, w in weights.items():
+        module = name[: -len(".weight")]
+        if ".layers." in name and name.endswith(".weight") and module.rpartition(".")[2] in YUAN_TARGETS:
+            a = torch.randn(rank, w.shape[1], generator=g) * 0.3
+            b = torch.randn(w.shape[0], rank, generator=g) * 0.3
+            adapter[f"base_model.model.{module}.lora_A.weight"] = a
+            adapter[f"base_model.model.{module}.lora_B.weight"] = b
+            merged[name] = w + (alpha / rank) * b @ a
+    (out / "adapter").mkdir(parents=True)
+    safetensors.torch.save_file(adapter, str(out / "adapter" / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": YUAN_TARGETS}
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    shutil.copytree(base, out / "merged", ignore=shutil.ignore_patterns("*.safetensors"))
+    safetensors.torch.save_file(merged, str(out / "merged" / "model.safetensors"))
+    return str(out / "adapter"), str(out / "merged")
+
+
+def test_yuan2_fused_qk_equals_the_merged_checkpoint(tmp_path):
+    """Yuan2's q_proj and k_proj rows interleave by head in its fused qk projection: an adapter's B rows land
+    there as the weights' rows do (the two ranks stacked). Against the merged checkpoint (greedy tokens and
+    logprobs), with the base model in the same batch giving the goldens."""
+    adapter, merged = yuan_adapter_and_merged(tmp_path)
+    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())["cases"]
+    prompts = [{"prompt_token_ids": c["prompt_ids"]} for c in golden]
+    plain = LLM(merged, skip_tokenizer_init=True, dtype="float32")
+    expected = [
+        (o.outputs[0].token_ids, [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        for o in plain.generate(prompts, _params(), use_tqdm=False)
+    ]
+    llm = _llm(str(FIXTURES / "yuan2-tiny"), max_loras=1, max_lora_rank=4)
+    request = LoRARequest("yuan", 1, adapter)
+    outputs = llm.generate(
+        prompts + prompts, _params(), use_tqdm=False, lora_request=[request] * len(prompts) + [None] * len(prompts)
+    )
+    _check(outputs[: len(prompts)], expected)
+    assert [o.outputs[0].token_ids for o in outputs[len(prompts) :]] == [c["greedy_16"][:MAX_TOKENS] for c in golden]
+    assert [t for t, _ in expected] != [c["greedy_16"][:MAX_TOKENS] for c in golden]  # the adapter changes them
