@@ -307,14 +307,7 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
         speculative = resolve_speculative(a, hf_config, device)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
-        lora = resolve_lora(
-            a.enable_lora,
-            a.max_loras,
-            a.max_lora_rank,
-            a.max_cpu_loras,
-            a.lora_dtype,
-            (a.tensor_parallel_size, a.pipeline_parallel_size),
-        )
+        lora = resolve_lora(a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras, a.lora_dtype)
 
         return cls(
             model=_section(

@@ -27,7 +27,6 @@ def resolve_lora(
     max_lora_rank: int,
     max_cpu_loras: int | None,
     lora_dtype: str,
-    parallel_sizes: tuple[int, int],
 ) -> LoRAConfig | None:
     """None without enable_lora; else the checked knobs (max_cpu_loras defaults to max_loras)."""
     if not enable_lora:
@@ -41,8 +40,4 @@ def resolve_lora(
         raise ConfigError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", "max_cpu_loras")
     if lora_dtype not in LORA_DTYPES:
         raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}; got {lora_dtype!r}", "lora_dtype")
-    if parallel_sizes[1] != 1:
-        raise ConfigError(
-            "enable_lora is not supported with pipeline parallelism yet; use tensor parallelism.", "enable_lora"
-        )
     return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=cpu, lora_dtype=lora_dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from pagoda.lora.request import LoRARequest
 from pagoda.models.base import CausalLM
 
 _PREFIXES = ("base_model.model.",)
+_LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 
 
 @dataclass
@@ -133,7 +135,10 @@ def load_peft_adapter(
         path = model.map_weight_name(module + ".weight")[: -len(".weight")]
         parent, _, leaf = path.rpartition(".")
         layer, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (path, None)
-        slots = layers.get(layer)
+        held = model.stage_weight_name(path + ".weight") is not None
+        # A decoder layer another pipeline stage holds: checked against the same layer of one this stage
+        # holds (decoder layers share their shapes), then left to that stage.
+        slots = layers.get(layer if held else _LAYER_INDEX.sub(f".layers.{model.stage.layers[0]}.", layer, 1))
         if slots is None or part not in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts]):
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
@@ -150,6 +155,8 @@ def load_peft_adapter(
                 f"{module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this base model needs "
                 f"A {expected_a} and B {expected_b} (an adapter of another base model?)",
             )
+        if not held:
+            continue
         if slots.row_maps:
             interleaved.setdefault(layer, {})[str(part)] = (a, b.float() * scale)
             continue
@@ -158,7 +165,7 @@ def load_peft_adapter(
         weights[(layer, part)] = (a.to(dtype), (b.float() * scale).to(dtype))
     for layer, shards in interleaved.items():
         weights[(layer, None)] = _stacked(layers[layer], shards, rank, dtype)
-    if not weights:
+    if not halves:
         raise _fail(request, "it holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
 

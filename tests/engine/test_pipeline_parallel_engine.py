@@ -14,7 +14,12 @@ import pytest
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import ConfigError
 from tests.conftest import FIXTURES
-from tests.engine.test_tensor_parallel_engine import _prompts, against_one_rank
+from tests.engine.test_tensor_parallel_engine import (
+    _prompts,
+    against_one_rank,
+    lora_against_peft,
+    yuan2_lora_against_merged,
+)
 from tests.models.test_yuan_golden import _check_all
 
 
@@ -37,6 +42,16 @@ def test_llama_pp2_matches_one_stage(engines, tiny_llama):
 
 def test_qwen2_pp2_with_tp2_matches_one_rank(engines, tiny_qwen2):
     against_one_rank(engines, tiny_qwen2, pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_lora_adapters_at_pp2_equal_peft_merged(engines, tmp_path):
+    """Each stage holds the adapters' terms of its own layers (the driver checks the others' against a layer it
+    holds); three adapters and the base in one batch give PEFT's merged models' greedy tokens."""
+    lora_against_peft(engines, tmp_path, pipeline_parallel_size=2)
+
+
+def test_yuan2_lora_at_pp2_equals_the_merged_checkpoint(engines, tmp_path):
+    yuan2_lora_against_merged(engines, tmp_path, pipeline_parallel_size=2)
 
 
 def test_more_stages_than_layers_is_refused_in_one_line():

@@ -108,15 +108,19 @@ def test_yuan_speculation_under_tp2_rolls_every_ranks_lf_state_back(engines):
 def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
     """LoRA at TP = 2: each rank holds its share of every adapter (A by input columns on row-parallel layers, B by
     output rows on column-parallel ones, KV heads split); two adapters and the base in one batch give PEFT's
-    merged models' greedy tokens. The other rank reads each adapter when its first request reaches it."""
+    merged models' greedy tokens. The other rank reads each adapter when its first request reaches them."""
+    lora_against_peft(engines, tmp_path, tensor_parallel_size=2)
+
+
+def lora_against_peft(engines, tmp_path, **parallel) -> None:
+    """Three adapters and the base model in one batch on a split tiny Llama: PEFT's merged models' greedy tokens."""
     from pagoda.lora.request import LoRARequest
     from tests.conftest import build_tiny_model
     from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter, _reference
 
     base = build_tiny_model("llama", str(tmp_path / "base"))
     paths = {name: _make_adapter(base, tmp_path / name, *ADAPTERS[name], seed) for seed, name in enumerate(ADAPTERS)}
-    capture = engines(base, tensor_parallel_size=2, max_model_len=256, enable_lora=True, max_loras=3)
-    engine = capture.engine
+    engine = engines(base, max_model_len=256, enable_lora=True, max_loras=3, **parallel).engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = {}
     for i, name in enumerate([*ADAPTERS, None]):
@@ -124,30 +128,33 @@ def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
         for j, prompt in enumerate(PROMPTS):
             engine.add_request(f"{name}-{j}", prompt, params, lora_request=lora)
             expected[f"{name}-{j}"] = _reference(base, paths.get(name))[j][0]
+    assert _finish(engine) == expected
+
+
+def _finish(engine) -> dict[str, list[int]]:
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    assert done == expected
+    return done
 
 
 def test_yuan2_lora_under_tp2_equals_the_merged_checkpoint(engines, tmp_path):
     """Yuan2's fused qk rows under TP = 2: each rank takes its heads' interleaved q/k rows of the adapter's B, as
     of the weights; the adapter's greedy tokens equal the merged checkpoint's at one rank."""
+    yuan2_lora_against_merged(engines, tmp_path, tensor_parallel_size=2)
+
+
+def yuan2_lora_against_merged(engines, tmp_path, **parallel) -> None:
     from pagoda.lora.request import LoRARequest
     from tests.models.test_lora import MAX_TOKENS, yuan_adapter_and_merged
 
     adapter, merged = yuan_adapter_and_merged(tmp_path)
     prompts = _prompts("yuan2-tiny")
     expected = engines(merged).run(prompts, max_tokens=MAX_TOKENS)
-    engine = engines("yuan2-tiny", tensor_parallel_size=2, enable_lora=True, max_loras=1, max_lora_rank=4).engine
+    engine = engines("yuan2-tiny", enable_lora=True, max_loras=1, max_lora_rank=4, **parallel).engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, lora_request=LoRARequest("yuan", 1, adapter))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert done == expected
+    assert _finish(engine) == expected
