@@ -23,23 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from h200_shapes import SHAPES as MODEL_SHAPES  # noqa: E402  (this folder's shapes)
+
+LLAMA3_8B = MODEL_SHAPES["llama-3-8b"]
 # A smoke-test shape for a CPU (`--shape tiny`): the same code path in seconds.
 TINY = LLAMA3_8B | {
     "hidden_size": 64,
@@ -73,22 +60,19 @@ ADAPTERS = 16
 PROMPT_LEN = 128
 
 
-def write_inputs(work: Path, rank: int, shape: str) -> tuple[Path, list[Path]]:
-    """The base folder and ADAPTERS adapter folders under work (kept if already there)."""
+def write_adapters(root: Path, cfg: dict, rank: int, count: int = ADAPTERS) -> list[Path]:
+    """`count` random rank-`rank` PEFT folders root/a{i} on every linear layer of a model of config `cfg` (kept if
+    already there)."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = SHAPES[shape]
-    base = work / f"{shape}-shape"
-    base.mkdir(parents=True, exist_ok=True)
-    (base / "config.json").write_text(json.dumps(cfg))
     folders = []
-    for i in range(ADAPTERS):
-        folder = work / f"{shape}-adapter{i}"
+    for i in range(count):
+        folder = root / f"a{i}"
         folders.append(folder)
         if (folder / "adapter_model.safetensors").is_file():
             continue
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         g = torch.Generator(dev).manual_seed(i)
         tensors = {}
@@ -103,8 +87,17 @@ def write_inputs(work: Path, rank: int, shape: str) -> tuple[Path, list[Path]]:
                 )
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets(cfg))}
-        (folder / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": str(base)}))
-    return base, folders
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folders
+
+
+def write_inputs(work: Path, rank: int, shape: str) -> tuple[Path, list[Path]]:
+    """The base folder and ADAPTERS adapter folders under work (kept if already there)."""
+    cfg = SHAPES[shape]
+    base = work / f"{shape}-shape"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "config.json").write_text(json.dumps(cfg))
+    return base, write_adapters(work / f"{shape}-adapters", cfg, rank)
 
 
 def run_side(base: str, adapters: list[str], side: str, batches: list[int], max_tokens: int, rank: int) -> dict:

@@ -28,6 +28,10 @@ Workloads (one model folder each, made by `models`):
   image-qwen2-vl-7b  the same at the 7B shape, c = 16, 64
   text-qwen2-vl-7b   the 7B shape's language model, 40 in / 256 out, c = 1, 64 (e.g. with --pagoda-args and
                      --vllm-args "--cpu-offload-gb 2", --variant offload2)
+  lora               a Llama-3-8B shape with 16 random rank-16 adapters on every linear layer (written beside the
+                     model folder on first use), 128 in / 128 out, c = 64 and 256 with requests spread over 1, 4
+                     and 16 adapters (point c64-a4: the client gives requests 4 adapters in turn)
+  lora-base          the same model and points served without adapters (c64, c256)
 
 The JSON is {"gpu", "commit", "date", "rows": [...]}: one row per workload x system x client x point with
 `concurrency` or `request_rate` and vLLM's key names (`output_throughput`, `request_throughput`,
@@ -110,7 +114,8 @@ def model_configs() -> dict[str, dict]:
     vl7 = dict(vl2, **_QWEN2VL_7B, vision_config=dict(vl2["vision_config"], hidden_size=3584))
     for cfg in (vl2, vl7):
         cfg.update(architectures=["Qwen2VLForConditionalGeneration"], vision_token_id=151654)
-    return {"llama-yuan2-2b-dims": text, "qwen2-vl-2b": vl2, "qwen2-vl-7b": vl7}
+    llama8b = dict(SHAPES["llama-3-8b"], vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
+    return {"llama-yuan2-2b-dims": text, "qwen2-vl-2b": vl2, "qwen2-vl-7b": vl7, "llama-3-8b": llama8b}
 
 
 def write_models(out: Path, tokenizer_dir: Path | None) -> None:
@@ -180,6 +185,29 @@ MIXED_IMAGES = [
 ]
 
 
+LORA_ADAPTERS, LORA_RANK = 16, 16
+LORA_NAMES = [f"a{i}" for i in range(LORA_ADAPTERS)]
+LORA_ARGS = [*TEXT_ARGS, "--random-input-len", "128", "--random-output-len", "128", "--random-range-ratio", "0"]
+
+
+def lora_server_args(model: Path) -> list[str]:
+    """vLLM's LoRA flags (both servers take them) over the adapters written beside `model` on first use."""
+    from lora_gpu import write_adapters  # this folder's LoRA benchmark
+
+    cfg = json.loads((model / "config.json").read_text())
+    folders = write_adapters(model.parent / f"{model.name}-adapters", cfg, LORA_RANK, LORA_ADAPTERS)
+    modules = [f"{name}={folder}" for name, folder in zip(LORA_NAMES, folders, strict=True)]
+    return [
+        "--enable-lora",
+        "--max-loras",
+        str(LORA_ADAPTERS),
+        "--max-lora-rank",
+        str(LORA_RANK),
+        "--lora-modules",
+        *modules,
+    ]
+
+
 PB_TEXT_40_256 = ["--endpoint", "completions", "--input-len", "40", "--output-len", "256", "--ignore-eos"]
 PB_ONE_IMAGE = ["--endpoint", "chat", "--input-len", "20", "--output-len", "128", "--ignore-eos", "--image", "1000x750"]
 
@@ -202,6 +230,9 @@ class Workload:
     # For Poisson points: the reference system's rate is taken from this point's request throughput.
     capacity_point: str | None = None
     notes: dict = field(default_factory=dict)
+    # Both servers get LORA_ADAPTERS random adapters (written beside the model folder on first use) and vLLM's
+    # LoRA flags; points give requests adapters in turn with the client's own --lora-modules.
+    lora: bool = False
 
 
 def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
@@ -250,6 +281,27 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
                 Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
                 Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
             ],
+        ),
+        # Requests spread over 1, 4 or 16 adapters of a Llama-3-8B shape (rank 16 on every linear layer), and
+        # the base model served without adapters at the same points.
+        "lora": Workload(
+            "llama-3-8b",
+            [
+                Point(
+                    f"c{c}-a{n}",
+                    [*LORA_ARGS, "--lora-assignment", "round-robin", "--lora-modules", *LORA_NAMES[:n]],
+                    2 * c if c > 64 else 512,
+                    c // 64,
+                    concurrency=c,
+                )
+                for c in (64, 256)
+                for n in (1, 4, 16)
+            ],
+            lora=True,
+        ),
+        "lora-base": Workload(
+            "llama-3-8b",
+            [Point(f"c{c}", LORA_ARGS, 2 * c if c > 64 else 512, c // 64, concurrency=c) for c in (64, 256)],
         ),
         # The 7B shape's language model on text alone: what --cpu-offload-gb trades (c = 1 TPOT, c = 64 tok/s).
         "text-qwen2-vl-7b": Workload(
@@ -450,6 +502,7 @@ def run(args: argparse.Namespace) -> None:
         model = str(args.models / wl.model)
         for system in args.systems:
             extra = args.pagoda_args.split() if system == "pagoda" else args.vllm_args.split()
+            extra += lora_server_args(args.models / wl.model) if wl.lora else []
             t0, port = time.monotonic(), free_port()
             log = work / f"server_{name}_{system}.log"
             proc = start_server(server_command(system, model, port, extra), port, log)
