@@ -85,6 +85,11 @@ class EngineArgs:
         "model slightly too large for the card; every step then reads them over the host link; CUDA only)",
     )
     cpu_kv_cache_space_gib: float = knob(DEFAULT_CPU_KV_CACHE_GIB, "KV cache budget in GiB when running on the CPU")
+    cpu_threads: int | None = knob(
+        None,
+        "threads each engine rank computes with on the CPU (default: the cores this process may run on, shared "
+        "among the ranks; served, the API processes take one each for their own work)",
+    )
     device: str = knob("auto", "auto | cpu | cuda")
     tensor_parallel_size: int = knob(
         1,
@@ -226,6 +231,7 @@ class DeviceConfig:
     cuda_graphs: bool  # decode steps replay CUDA graphs (cuda + triton, not enforce_eager)
     max_cudagraph_capture_size: int | None  # the largest graph captured (rows / tokens); None: no cap
     cpu_offload_gb: float  # GiB of layer weights per GPU streamed from host memory (0: none)
+    cpu_threads: int | None = None  # --cpu-threads (None: the available cores shared among the ranks)
 
 
 S = TypeVar("S", bound="DataclassInstance")
@@ -344,6 +350,7 @@ class EngineConfig:
                 a.enforce_eager or (lora is not None and not envs.LORA_KERNELS.value),  # the reference: eager
                 a.max_cudagraph_capture_size,
                 a.cpu_offload_gb,
+                a.cpu_threads,
             ),
             parallel=_section(ParallelConfig, a),
             lora=lora,
@@ -505,8 +512,11 @@ def _device_config(
     enforce_eager: bool,
     max_cudagraph_capture_size: int | None,
     cpu_offload_gb: float,
+    cpu_threads: int | None = None,
 ) -> DeviceConfig:
     backend = _resolve_attention_backend(attention_backend, device)
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ConfigError(f"cpu_threads must be >= 1, got {cpu_threads}", "cpu_threads")
     if cpu_offload_gb < 0:
         raise ConfigError(f"cpu_offload_gb must be >= 0, got {cpu_offload_gb}", "cpu_offload_gb")
     if cpu_offload_gb and device != "cuda":
@@ -523,6 +533,7 @@ def _device_config(
         cuda_graphs=device == "cuda" and backend == "triton" and not enforce_eager and not cpu_offload_gb,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
         cpu_offload_gb=cpu_offload_gb,
+        cpu_threads=cpu_threads,
     )
 
 

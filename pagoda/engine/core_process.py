@@ -334,6 +334,7 @@ def run_engine_core(
     `client_addresses[AddRequest.client_index]` (CoreDied to them too). `heartbeat`: the shared doubles
     of `CoreHeartbeat`, beaten from the time it is Ready."""
     from pagoda.engine.llm_engine import LLMEngine  # lazy: torch and the model code (only the core process loads them)
+    from pagoda.worker.rank_worker import share_cpu_threads
 
     # Ctrl-C reaches the whole process group, and SIGTERM may reach the whole group or cgroup (`timeout`,
     # systemd): the launcher stops the API processes first (they drain), then this one (Shutdown, or
@@ -367,6 +368,8 @@ def run_engine_core(
         own.term()
 
     try:
+        if config.parallel.world_size == 1:  # served, the core computes on every core it may use (or --cpu-threads)
+            share_cpu_threads(config)
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
         engine = LLMEngine(config, on_fatal)
     except PagodaError as exc:

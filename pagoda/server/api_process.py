@@ -20,6 +20,7 @@ import socket
 import sys
 from typing import Any
 
+import torch
 import uvicorn
 
 from pagoda import envs
@@ -222,6 +223,9 @@ def run_api_server(
     """Process entry point (started by the launcher's Supervisor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # Its own work (HTTP, tokens, text, image preprocessing) is not parallel math: one thread, so that the
+    # engine core's threads keep the cores (each OpenMP thread per core here would compete with them).
+    torch.set_num_threads(1)
     asyncio.run(serve_api(server, config, multimodal, client, sock))
 
 

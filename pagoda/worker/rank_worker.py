@@ -37,12 +37,32 @@ STOP = None  # the call that ends a rank's loop
 
 
 def share_cpu_threads(config: EngineConfig) -> int:
-    """On the CPU, each of the N ranks computes on its share of the cores: N processes each running one
-    OpenMP thread per core would oversubscribe the machine N times over. Returns the previous count."""
+    """On the CPU, each of the N ranks computes on its share of the cores this process may run on (N processes
+    each running one OpenMP thread per core would oversubscribe the machine N times over), or on
+    --cpu-threads. Returns the previous count."""
     previous = torch.get_num_threads()
     if config.device.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
+        threads = cpu_threads_per_rank(config)
+        torch.set_num_threads(threads)
+        how = "--cpu-threads" if config.device.cpu_threads is not None else f"{config.parallel.world_size} rank(s)"
+        logger.info(
+            "CPU threads: %d per rank (%d cores available to this process; %s)", threads, available_cores(), how
+        )
     return previous
+
+
+def cpu_threads_per_rank(config: EngineConfig) -> int:
+    if config.device.cpu_threads is not None:
+        return config.device.cpu_threads
+    return max(1, available_cores() // config.parallel.world_size)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def build_rank_runner(config: EngineConfig, rank: int, init_method: str, eos_token_ids: list[int]) -> ModelRunner:

@@ -55,6 +55,8 @@ def make_runner(
             "tensor_parallel_size",
         )
     if config.parallel.world_size == 1:
+        if config.device.cpu_threads is not None:  # offline the default stays the user's process's own
+            share_cpu_threads(config)
         return ModelRunner(config, source, eos_token_ids)
     return TensorParallelRunner(config, source, eos_token_ids, on_fatal)
 

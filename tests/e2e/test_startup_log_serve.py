@@ -49,6 +49,8 @@ def test_serve_output_has_the_engine_core_load_lines(sharded, tmp_path):
         str(_free_port()),
         "--gpu-memory-utilization",
         "0.5",
+        "--cpu-threads",
+        "1",
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -78,3 +80,4 @@ def test_serve_output_has_the_engine_core_load_lines(sharded, tmp_path):
     assert "Serving on" in out, out
     assert "loading shard 5/5 (model-00005-of-00005.safetensors" in out, out
     assert LOADED.search(out) and out.count(CPU_UTILIZATION) == 1, out
+    assert "CPU threads: 1 per rank" in out and "--cpu-threads" in out, out  # the flag reached the engine core

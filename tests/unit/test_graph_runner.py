@@ -150,3 +150,28 @@ def test_the_flag_reaches_the_engine_config(tiny_llama):
     assert config_from(parser.parse_args([]), EngineArgs).max_cudagraph_capture_size is None  # default: no cap
     with pytest.raises(ConfigError, match="max_cudagraph_capture_size must be >= 1"):
         EngineConfig.create(config_from(parser.parse_args(["--max-cudagraph-capture-size", "0", *model]), EngineArgs))
+
+
+def test_cpu_threads_default_to_the_available_cores_shared_among_ranks(tiny_llama, monkeypatch):
+    import pytest
+    import torch
+
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.errors import ConfigError
+    from pagoda.worker import rank_worker
+
+    def config(**kw):
+        return EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, device="cpu", **kw))
+
+    monkeypatch.setattr(rank_worker, "available_cores", lambda: 6)
+    assert rank_worker.cpu_threads_per_rank(config()) == 6
+    assert rank_worker.cpu_threads_per_rank(config(tensor_parallel_size=4)) == 1  # 6 // 4
+    assert rank_worker.cpu_threads_per_rank(config(cpu_threads=3, tensor_parallel_size=2)) == 3
+    before = torch.get_num_threads()
+    try:
+        assert rank_worker.share_cpu_threads(config(cpu_threads=1)) == before
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="cpu_threads must be >= 1"):
+        config(cpu_threads=0)
