@@ -22,17 +22,16 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from vs_vllm import free_port, stop_server, wait_healthy  # noqa: E402  (this folder's server helpers)
+
 CONTEXT_PER_SLOT = 512  # llama-server's context is shared by its slots: 128 in + 128 out fits with room
 
 
@@ -55,25 +54,6 @@ def find_llama_server(path: str | None, build: str | None) -> str:
     if found is None:
         sys.exit("no llama-server: pass --llama-server PATH or --build LLAMA_CPP_SOURCE (benchmarks/README.md)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 300) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1)
-    return False
 
 
 def session_rss_mib(pid: int) -> float:
@@ -108,18 +88,6 @@ def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c
         cmd += ["-c", str(max_c * CONTEXT_PER_SLOT)]
     out = log.open("w")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def bench_point(port: int, c: int, work: Path, seed: int) -> dict:
@@ -167,7 +135,7 @@ def main() -> None:
             port = free_port()
             proc = start(system, llama_server, gguf, port, work / f"{system}.log", max(args.concurrency))
             try:
-                if not wait_ready(proc, port):
+                if not wait_healthy(proc, port, timeout_s=300):
                     print(f"{system}: did not start; see {work / (system + '.log')}", flush=True)
                     continue
                 for c in args.concurrency:
@@ -180,7 +148,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             finally:
-                stop(proc)
+                stop_server(proc)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     result = {"cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
     result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "rows": rows}

@@ -54,6 +54,10 @@ def _reference(base: str, adapter: str | None, prompts=PROMPTS) -> list[tuple[li
     model = _hf(base)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return _greedy(model, prompts)
+
+
+def _greedy(model, prompts) -> list[tuple[list[int], list[float]]]:
     model.generation_config.eos_token_id = None  # the engine side ignores EOS: run to MAX_TOKENS here too
     out = []
     for prompt in prompts:
@@ -268,20 +272,7 @@ def test_qwen2_vl_language_model_equals_peft_merged(tmp_path):
                 assert "visual" not in name
                 param.copy_(torch.randn(param.shape, generator=g) * 0.2)
     adapted.save_pretrained(tmp_path / "adapter")
-    merged = adapted.merge_and_unload().eval()
-    merged.generation_config.eos_token_id = None
-    expected = []
-    for prompt in PROMPTS:
-        gen = merged.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        tokens = gen.sequences[0, len(prompt) :].tolist()
-        expected.append((tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, tokens)]))
+    expected = _greedy(adapted.merge_and_unload().eval(), PROMPTS)
     llm = _llm(str(base), max_loras=1)
     request = LoRARequest("vl", 1, str(tmp_path / "adapter"))
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
