@@ -135,6 +135,18 @@ def run_side(base: str, adapters: list[str], side: str, batches: list[int], max_
     return rows
 
 
+def write_json(path: Path, args: argparse.Namespace, results: dict) -> None:
+    import datetime
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    out = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "shape": args.shape}
+    out |= {"rank": args.rank, "max_tokens": args.max_tokens, "sides": results}
+    path.write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work")
@@ -164,6 +176,9 @@ def main() -> None:
             print(f"{side}: failed\n{proc.stderr[-3000:]}")
             continue
         results[side] = {int(k): v for k, v in json.loads(line[5:]).items()}
+        print(f"{side}: {json.dumps(results[side])}", flush=True)  # each side as it ends: a cut-off run keeps these
+        if args.json:
+            write_json(Path(args.json), args, results)
     ref = results.get("base", {})
     print(f"{'side':<34}" + "".join(f"{'c=' + str(b) + ' tok/s':>16}{'/ base':>9}" for b in args.batch))
     for side, rows in results.items():
@@ -174,16 +189,7 @@ def main() -> None:
             cells += f"{tok:>16,.0f}{ratio:>9}"
         print(f"{side:<34}{cells}")
     if args.json:
-        import datetime
-
-        import torch
-
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        out = {"gpu": gpu, "commit": commit, "date": datetime.date.today().isoformat(), "shape": args.shape}
-        out |= {"rank": args.rank, "max_tokens": args.max_tokens, "sides": results}
-        Path(args.json).write_text(json.dumps(out, indent=1))
-
+        write_json(Path(args.json), args, results)
 
 if __name__ == "__main__":
     main()

@@ -227,7 +227,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
     )
     _check(ok, refs["attn"])
     assert llm.llm_engine.list_loras() == {1} and llm.llm_engine.remove_lora(1) and not llm.llm_engine.list_loras()
-    plain = LLM(base, skip_tokenizer_init=True, dtype="float32")
+    plain = LLM(base, skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=256)
     with pytest.raises(InvalidRequest, match="start with enable_lora=True"):
         plain.generate(
             [{"prompt_token_ids": PROMPTS[0]}],
