@@ -191,5 +191,6 @@ def main() -> None:
     if args.json:
         write_json(Path(args.json), args, results)
 
+
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ already knows each request's prompt; `AsyncEngine` rebuilds `RequestOutput`s fro
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import signal
@@ -223,9 +224,9 @@ class CoreHeartbeat:
 class CoreProcess:
     """Start the engine core through `supervisor` for `api_count` API processes; `wait_ready`, then give
     API process i `clients[i]`. `target`: the core's entry point (benchmarks pass a fake core); it gets
-    `run_engine_core`'s arguments."""
+    `run_engine_core`'s arguments. `loras`: the `--lora-modules` adapters, read by the core before it is ready."""
 
-    def __init__(self, supervisor: Any, config: EngineConfig, api_count: int, target: Any = None):
+    def __init__(self, supervisor: Any, config: EngineConfig, api_count: int, target: Any = None, loras: tuple = ()):
         self.folder = tempfile.mkdtemp(prefix="pagoda-")
         self.input_address = f"ipc://{self.folder}/in"
         self.control_address = f"ipc://{self.folder}/control"
@@ -239,7 +240,7 @@ class CoreProcess:
         self.hung: str | None = None  # the line, once the core was found hung (and killed)
         self.child = supervisor.start(
             "pagoda-engine-core",
-            target or run_engine_core,
+            target or functools.partial(run_engine_core, loras=loras),
             (config, self.input_address, self.control_address, self.client_addresses, self.heartbeat.shared),
             death_signal=signal.SIGKILL,
             daemon=False,  # it starts the tensor-parallel rank processes
@@ -328,11 +329,14 @@ def run_engine_core(
     control_address: str,
     client_addresses: list[str],
     heartbeat: Any = None,
+    loras: tuple = (),
 ) -> None:
     """Process entry point. Binds the input pipe (every API process pushes into it), reports Ready /
     StartupFailed / CoreDied on the launcher's control pipe, and pushes each API process's outputs to
     `client_addresses[AddRequest.client_index]` (CoreDied to them too). `heartbeat`: the shared doubles
-    of `CoreHeartbeat`, beaten from the time it is Ready."""
+    of `CoreHeartbeat`, beaten from the time it is Ready. `loras`: LoRARequests read (and checked against
+    the model) before Ready: a first request does not wait for its adapter's file (while the host cache holds
+    it), and a bad adapter stops the start with one line."""
     from pagoda.engine.llm_engine import LLMEngine  # lazy: torch and the model code (only the core process loads them)
     from pagoda.worker.rank_worker import share_cpu_threads
 
@@ -372,6 +376,7 @@ def run_engine_core(
             share_cpu_threads(config)
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
         engine = LLMEngine(config, on_fatal)
+        _read_adapters(engine, loras)
     except PagodaError as exc:
         control.send_pyobj(StartupFailed(exc.message))
         return
@@ -399,6 +404,21 @@ def run_engine_core(
         for box in [control, *clients]:
             box.close(linger=1000)
         inbox.close(linger=0)
+
+
+def _read_adapters(engine, loras: tuple) -> None:
+    if not loras or engine.config.lora is None:
+        return
+    for lora in loras:  # each one checked; the host cache keeps the last --max-cpu-loras of them
+        try:
+            engine.add_lora(lora)
+        except PagodaError as exc:
+            raise ConfigError(f"--lora-modules {lora.lora_name}: {exc.message}", "lora_modules") from None
+    kept = engine.config.lora.max_cpu_loras
+    later = ""
+    if len(loras) > kept:
+        later = f" (the host keeps {kept}: --max-cpu-loras; the others are read again when asked for)"
+    logger.info("LoRA adapters read: %s%s", ", ".join(lora.lora_name for lora in loras), later)
 
 
 def _receive(engine, inbox) -> list | None:

@@ -120,3 +120,23 @@ def test_lora_modules_without_enable_lora_is_one_line(lora_server):
     )
     assert result.returncode != 0 and "--lora-modules needs --enable-lora" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_lora_modules_are_read_at_startup_and_a_wrong_base_stops_it_in_one_line(lora_server, tmp_path):
+    server, base, adapters = lora_server
+    # The fixture's server read both --lora-modules adapters before it reported ready.
+    assert "LoRA adapters read: attn, mlp" in server.log_path.read_text()
+    other = build_tiny_model("llama", str(tmp_path / "wider_base"), hidden_size=96)
+    wider = _make_adapter(other, tmp_path / "wider", 4, 8, ["q_proj"], False, 7)
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda", "serve", "--model", base, "--skip-tokenizer-init", "--skip-preflight"]
+        + ["--dtype", "float32", "--max-model-len", "256", "--cpu-kv-cache-space-gib", "0.25"]
+        + ["--enable-lora", "--lora-modules", f"attn={adapters['attn']}", f"wide={wider}", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode != 0, result.stderr[-2000:]
+    assert "--lora-modules wide: " in result.stderr and "another base model" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
