@@ -51,6 +51,13 @@ GEMV = Env(
 PDL = Env(
     "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
 )
+CPU_INT4 = Env(
+    "PAGODA_CPU_INT4",
+    bool,
+    True,
+    "on the CPU, a GGUF model's 4-bit linear layers stay 4-bit (layers/quantization/cpu_int4.py); 0: float32",
+    once=True,
+)
 LORA_KERNELS = Env(
     "PAGODA_LORA_KERNELS",
     bool,

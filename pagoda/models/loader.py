@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagoda import envs
 from pagoda.distributed import parallel_state
 from pagoda.errors import ModelLoadError
 from pagoda.layers.linear import default_weight_loader, loader_reads_shards, read_weight
@@ -78,6 +79,8 @@ def load_model(
     else:
         load_weights(model, source)
         process_after_loading(model)
+        if device == "cpu" and source.kind == "gguf" and quantization is None:
+            _keep_gguf_int4(model)
         if device == "cuda":
             torch.cuda.synchronize()  # the copies are queued: the time must include them
         files = source.weight_files()
@@ -96,6 +99,27 @@ def load_model(
             model.stage.own(model.model.layers), cpu_offload_gb, torch.device(device)
         )
     return model.eval()
+
+
+def _keep_gguf_int4(model: nn.Module) -> None:
+    """The GGUF's 4-bit layers back to 4 bits (`layers/quantization/cpu_int4.py`), and one line saying so."""
+    from pagoda.layers.quantization import cpu_int4
+
+    if not envs.CPU_INT4.value:
+        logger.info("CPU weights: float32 (PAGODA_CPU_INT4=0)")
+        return
+    if not cpu_int4.available():
+        logger.info("CPU weights: float32 (this torch has no CPU int4 kernel)")
+        return
+    packed, kept = cpu_int4.pack_int4_layers(model)
+    logger.info(
+        "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32",
+        packed,
+        cpu_int4.GROUP,
+        cpu_int4.DECODE_ROWS,
+        "bf16" if cpu_int4.native_bf16() else "float32",
+        kept,
+    )
 
 
 def _param_bytes(model: nn.Module) -> int:

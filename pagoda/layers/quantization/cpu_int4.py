@@ -1,0 +1,158 @@
+"""4-bit weights on the CPU: the linear layers of a GGUF checkpoint stored as 4-bit blocks stay 4-bit.
+
+The GGUF reader (`models/gguf_checkpoint.py`) dequantizes every tensor to float32, and the model loads
+those like any checkpoint. A Q4_1 block is 32 consecutive input values w = q·d + m of one output row,
+q in 0..15; llama.cpp's quantizer sets m to the block's minimum and d to (max − min)/15, so q = 0 and
+q = 15 both occur and the block's own minimum and maximum give m and d back: (w − m)/d rounds to q.
+A Q4_0 block is w = (q − 8)·d, its value of largest magnitude at q = 0, which gives d back. `find_int4_grid`
+tries both for every [row, 32 columns] block of a loaded weight and accepts the layer only when q·d + m
+gives every loaded value back to float32 rounding, so nothing is lost in going back to 4 bits. Layers
+with a block on neither grid (Q8_0, K-quants, float tensors) keep their float weight.
+
+A 4-bit layer's matmul:
+- up to `DECODE_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
+  (`aten._weight_int4pack_mm_for_cpu`, group 32, bf16 activations: its float32 path is ~60x slower):
+  each weight is read as half a byte, where a decode step of a float32 model reads four;
+- more rows (prefill): the weight dequantized to bf16 for that one matmul (where the CPU multiplies
+  bf16 natively; float32 elsewhere), since that kernel's cost grows with the rows faster than a
+  dense matmul's.
+The kernel's scales and zero points are one [K/32, N, 2] bf16 tensor, w = (q − 8)·scale + zero, so
+zero = m + 8·d. `int4_reference` (the float32 weight rebuilt from q, d, m, then F.linear) is what the
+tests hold both paths to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers.linear import Linear
+
+GROUP = 32  # GGUF's block: 32 input values per scale and minimum
+# At most this many rows: the int4 kernel; above, a bf16 (or float32) dequantized matmul. The dequantization
+# costs as much as the kernel does at ~50-60 rows (the embedded model, 2 cores: batch 32 went 132 → 240 tok/s
+# from a bound of 16 to 64, batch 16 unchanged).
+DECODE_ROWS = 64
+
+
+def available() -> bool:
+    """This torch build has the CPU int4 kernel."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _levels(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, whether q·d + m gives each [.., 32] block back to float32 rounding) for blocks w [R, G, 32]."""
+    safe = torch.where(d != 0, d, torch.ones_like(d))  # a constant block: every q is 0
+    q = torch.round((w - m) / safe).clamp_(0, 15)
+    tolerance = 4 * torch.finfo(torch.float32).eps * w.abs().amax(-1, keepdim=True)
+    return q, ((q * d + m - w).abs() <= tolerance).all(-1, keepdim=True)
+
+
+def find_int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K], d [N, K/32], m [N, K/32]) with weight == q·d + m to float32 rounding, or None when
+    some block is on neither 4-bit grid: Q4_1's (m = the block's minimum, d = (max − min)/15) or Q4_0's
+    (w = (q − 8)·d, with d = −x/8 for the block's value x of largest magnitude, which llama.cpp puts at q = 0)."""
+    n, k = weight.shape
+    if k % GROUP:
+        return None
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d1 = (high - low) / 15
+    q1, fits1 = _levels(w, d1, low)
+    extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    d0 = -extreme / 8
+    q0, fits0 = _levels(w, d0, extreme)
+    if not bool((fits1 | fits0).all()):
+        return None
+    q, d, m = torch.where(fits1, q1, q0), torch.where(fits1, d1, d0), torch.where(fits1, low, extreme)
+    return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), m.squeeze(-1)
+
+
+def int4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None):
+    """x · Wᵀ (+ bias) with W = q·d + m rebuilt in float32: [T, K] → [T, N]."""
+    n, k = q.shape
+    weight = (q.float().reshape(n, k // GROUP, GROUP) * d[..., None] + m[..., None]).reshape(n, k)
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+class CpuInt4Method:
+    """`Linear.quant` of one layer whose weight went back to 4 bits (`pack_int4_layers`)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        n, k = q.shape
+        self.shape = (n, k)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        # [K/32, N, 2]: the kernel's (scale, zero) per group and column, w = (q − 8)·scale + zero.
+        self.scales_zeros = torch.stack((d, m + 8 * d), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        # For the many-row path: the levels two to a byte (low nibble first) and the group (d, m).
+        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        self.prefill_dtype = torch.bfloat16 if native_bf16() else torch.float32
+        self.d = d.to(self.prefill_dtype)[..., None]
+        self.m = m.to(self.prefill_dtype)[..., None]
+
+    def dequantized(self) -> torch.Tensor:
+        """The [N, K] weight in `prefill_dtype` (exact levels; d and m rounded to it)."""
+        n, k = self.shape
+        q = torch.empty(n, k, dtype=torch.uint8)
+        torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
+        torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
+        levels = q.reshape(n, k // GROUP, GROUP).to(self.prefill_dtype)
+        return torch.addcmul(self.m, levels, self.d).reshape(n, k)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= DECODE_ROWS:
+            kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        else:
+            y = F.linear(rows.to(self.prefill_dtype), self.dequantized())
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+        return y if bias is None else y + bias
+
+    def gemv_operands(self, layer: Linear) -> None:
+        return None  # the GPU's GEMV kernels read float weights
+
+
+def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int]:
+    """Give every plain linear layer whose float32 weight is on a 4-bit grid a `CpuInt4Method` (its float
+    weight dropped). Returns (layers packed, linear layers left as they were)."""
+    packed = kept = 0
+    for module in model.modules():
+        if not isinstance(module, Linear) or module.quant is not None or module.lora is not None:
+            continue
+        weight = getattr(module, "weight", None)
+        grid = None
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu":
+            grid = find_int4_grid(weight)
+        if grid is None:
+            kept += 1
+            continue
+        try:
+            module.quant = CpuInt4Method(*grid)
+        except RuntimeError:  # a shape the kernel's packing refuses
+            kept += 1
+            continue
+        del module.weight
+        packed += 1
+    if packed:
+        _return_freed_memory()
+    return packed, kept
+
+
+def _return_freed_memory() -> None:
+    """Hand the float32 weights' freed heap back to the system (glibc keeps it otherwise: ~100 MB of
+    resident memory for the embedded model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
