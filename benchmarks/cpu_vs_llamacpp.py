@@ -11,7 +11,8 @@ warm-up of c requests. A sampling thread records the server's resident memory (e
 during each point. Rows go to `--json` (default benchmarks/results/cpu_vs_llamacpp.json) as
 {"cpu", "commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
 `median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's
-means over llama.cpp's.
+means over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third
+system, the A/B of the 4-bit CPU layers in the same run.
 """
 
 from __future__ import annotations
@@ -81,13 +82,14 @@ class RssPeak(threading.Thread):
 
 
 def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c: int) -> subprocess.Popen:
-    if system == "pagoda":
+    env = os.environ | ({"PAGODA_CPU_INT4": "0"} if system == "pagoda-float32" else {})
+    if system.startswith("pagoda"):
         cmd = [sys.executable, "-m", "pagoda", "serve", gguf, "--host", "127.0.0.1", "--port", str(port)]
     else:
         cmd = [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(max_c)]
         cmd += ["-c", str(max_c * CONTEXT_PER_SLOT)]
     out = log.open("w")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env)
 
 
 def bench_point(port: int, c: int, work: Path, seed: int) -> dict:
@@ -120,6 +122,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default="/tmp/cpu_vs_llamacpp")
+    ap.add_argument(
+        "--pagoda-float32", action="store_true", help="also Pagoda with float32 weights (PAGODA_CPU_INT4=0)"
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = ap.parse_args()
     from pagoda.models.gguf_checkpoint import default_gguf_path
@@ -129,7 +134,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    systems = ["pagoda", "llama.cpp"]
+    systems = ["pagoda", "llama.cpp"] + (["pagoda-float32"] if args.pagoda_float32 else [])
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates
             port = free_port()
@@ -153,18 +158,20 @@ def main() -> None:
     result = {"cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
     result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "rows": rows}
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"\n{'c':>3} {'tok/s P / L':>20} {'ratio':>7} {'TPOT ratio':>11} {'TTFT ratio':>11} {'RSS MiB P / L':>16}")
-    for c in args.concurrency:
+    header = f"{'system':<15} {'c':>3} {'tok/s P / L':>20} {'ratio':>7} {'TPOT ratio':>11} {'TTFT ratio':>11}"
+    print(f"\n{header} {'RSS MiB P / L':>16}")
+    for system in (s for s in systems if s != "llama.cpp"):
+        for c in args.concurrency:
 
-        def mean(system: str, key: str, c: int = c) -> float:
-            values = [r[key] for r in rows if r["system"] == system and r["concurrency"] == c and r.get(key)]
-            return statistics.fmean(values) if values else float("nan")
+            def mean(system: str, key: str, c: int = c) -> float:
+                values = [r[key] for r in rows if r["system"] == system and r["concurrency"] == c and r.get(key)]
+                return statistics.fmean(values) if values else float("nan")
 
-        p, q = mean("pagoda", "output_throughput"), mean("llama.cpp", "output_throughput")
-        tpot = mean("pagoda", "median_tpot_ms") / mean("llama.cpp", "median_tpot_ms")
-        ttft = mean("pagoda", "median_ttft_ms") / mean("llama.cpp", "median_ttft_ms")
-        rss = f"{mean('pagoda', 'rss_mib'):,.0f} / {mean('llama.cpp', 'rss_mib'):,.0f}"
-        print(f"{c:>3} {p:>9,.1f} / {q:>8,.1f} {p / q:>6.2f}x {tpot:>10.2f}x {ttft:>10.2f}x {rss:>16}")
+            p, q = mean(system, "output_throughput"), mean("llama.cpp", "output_throughput")
+            tpot = mean(system, "median_tpot_ms") / mean("llama.cpp", "median_tpot_ms")
+            ttft = mean(system, "median_ttft_ms") / mean("llama.cpp", "median_ttft_ms")
+            rss = f"{mean(system, 'rss_mib'):,.0f} / {mean('llama.cpp', 'rss_mib'):,.0f}"
+            print(f"{system:<15} {c:>3} {p:>9,.1f} / {q:>8,.1f} {p / q:>6.2f}x {tpot:>10.2f}x {ttft:>10.2f}x {rss:>16}")
 
 
 if __name__ == "__main__":

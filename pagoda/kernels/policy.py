@@ -24,6 +24,12 @@ FP8_GEMV_MAX_ROWS = 1
 # cross is what `benchmarks/kernels/int4_gemm_bench.py` times.
 INT4_GEMV_MAX_ROWS = 4
 
+# A GGUF's 4-bit layers on the CPU (`layers/quantization/cpu_int4.py`): matmuls of at most this many rows
+# run PyTorch's CPU int4 kernel, more dequantize the layer to bf16 for one dense matmul. The dequantization
+# costs about what the int4 kernel does at 50-60 rows (the embedded model on 2 cores: batch 32 went
+# 132 → 240 tok/s when this bound went from 16 to 64, batch 16 unchanged).
+CPU_INT4_MAX_ROWS = 64
+
 # Steps (eager, or a CUDA-graph bucket) of at most this many tokens launch their kernels with
 # programmatic dependent launch (`kernels/pdl.py`, `dispatch.pdl_for_rows`): it shortens a batch-1
 # step's kernel chain, but at batch 256 waiting programs hold SM slots the running kernel needs and the

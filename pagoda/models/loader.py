@@ -103,6 +103,7 @@ def load_model(
 
 def _keep_gguf_int4(model: nn.Module) -> None:
     """The GGUF's 4-bit layers back to 4 bits (`layers/quantization/cpu_int4.py`), and one line saying so."""
+    from pagoda.kernels import policy
     from pagoda.layers.quantization import cpu_int4
 
     if not envs.CPU_INT4.value:
@@ -116,7 +117,7 @@ def _keep_gguf_int4(model: nn.Module) -> None:
         "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32",
         packed,
         cpu_int4.GROUP,
-        cpu_int4.DECODE_ROWS,
+        policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",
         kept,
     )

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from pagoda.kernels import policy
 from pagoda.layers.quantization import cpu_int4
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 kernel")
@@ -56,7 +57,7 @@ def _linear(weight: torch.Tensor, bias: bool = False):
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 7, cpu_int4.DECODE_ROWS, cpu_int4.DECODE_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 7, policy.CPU_INT4_MAX_ROWS, policy.CPU_INT4_MAX_ROWS + 1, 300])
 def test_both_matmul_paths_equal_the_float_matmul(rows):
     weight = _gguf_blocks(192, 320, GGMLQuantizationType.Q4_1, seed=rows)
     layer = _linear(weight, bias=True)

@@ -10,7 +10,7 @@ gives every loaded value back to float32 rounding, so nothing is lost in going b
 with a block on neither grid (Q8_0, K-quants, float tensors) keep their float weight.
 
 A 4-bit layer's matmul:
-- up to `DECODE_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
+- up to `policy.CPU_INT4_MAX_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
   (`aten._weight_int4pack_mm_for_cpu`, group 32, bf16 activations: its float32 path is ~60x slower):
   each weight is read as half a byte, where a decode step of a float32 model reads four;
 - more rows (prefill): the weight dequantized to bf16 for that one matmul (where the CPU multiplies
@@ -28,13 +28,10 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels import policy
 from pagoda.layers.linear import Linear
 
 GROUP = 32  # GGUF's block: 32 input values per scale and minimum
-# At most this many rows: the int4 kernel; above, a bf16 (or float32) dequantized matmul. The dequantization
-# costs as much as the kernel does at ~50-60 rows (the embedded model, 2 cores: batch 32 went 132 → 240 tok/s
-# from a bound of 16 to 64, batch 16 unchanged).
-DECODE_ROWS = 64
 
 
 def available() -> bool:
@@ -111,7 +108,7 @@ class CpuInt4Method:
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= DECODE_ROWS:
+        if rows.shape[0] <= policy.CPU_INT4_MAX_ROWS:
             kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
             y = kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         else:
