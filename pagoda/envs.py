@@ -157,6 +157,9 @@ TRITON_INTERPRET = Env(
     "Triton's CPU interpreter: the kernels run on the CPU (tests), so GPU-only paths stay off",
     once=True,
 )
+OMP_NUM_THREADS = Env(
+    "OMP_NUM_THREADS", int, None, "threads per engine process on the CPU when --cpu-threads is not given (OpenMP's)"
+)
 RAY_ADDRESS = Env("RAY_ADDRESS", str, "auto", "the Ray cluster `--distributed-executor-backend ray` joins")
 CUDA_VISIBLE_DEVICES = Env("CUDA_VISIBLE_DEVICES", str, None, "which GPUs this process sees (reported by doctor)")
 

@@ -39,12 +39,16 @@ STOP = None  # the call that ends a rank's loop
 def share_cpu_threads(config: EngineConfig) -> int:
     """On the CPU, each of the N ranks computes on its share of the cores this process may run on (N processes
     each running one OpenMP thread per core would oversubscribe the machine N times over), or on
-    --cpu-threads. Returns the previous count."""
+    --cpu-threads or OMP_NUM_THREADS. Returns the previous count."""
     previous = torch.get_num_threads()
     if config.device.device == "cpu":
         threads = cpu_threads_per_rank(config)
         torch.set_num_threads(threads)
-        how = "--cpu-threads" if config.device.cpu_threads is not None else f"{config.parallel.world_size} rank(s)"
+        how = f"{config.parallel.world_size} rank(s)"
+        if config.device.cpu_threads is not None:
+            how = "--cpu-threads"
+        elif envs.OMP_NUM_THREADS.value:
+            how = "OMP_NUM_THREADS"
         logger.info(
             "CPU threads: %d per rank (%d cores available to this process; %s)", threads, available_cores(), how
         )
@@ -52,8 +56,12 @@ def share_cpu_threads(config: EngineConfig) -> int:
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
+    """--cpu-threads; else OMP_NUM_THREADS as set for the process (a machine or a test runner sharing its cores
+    among several servers says so there); else an equal share of the available cores."""
     if config.device.cpu_threads is not None:
         return config.device.cpu_threads
+    if envs.OMP_NUM_THREADS.value and envs.OMP_NUM_THREADS.value > 0:
+        return envs.OMP_NUM_THREADS.value
     return max(1, available_cores() // config.parallel.world_size)
 
 

@@ -164,6 +164,9 @@ def test_cpu_threads_default_to_the_available_cores_shared_among_ranks(tiny_llam
         return EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, device="cpu", **kw))
 
     monkeypatch.setattr(rank_worker, "available_cores", lambda: 6)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # set for the process (this suite sets it for its servers): kept
+    assert rank_worker.cpu_threads_per_rank(config()) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
     assert rank_worker.cpu_threads_per_rank(config()) == 6
     assert rank_worker.cpu_threads_per_rank(config(tensor_parallel_size=4)) == 1  # 6 // 4
     assert rank_worker.cpu_threads_per_rank(config(cpu_threads=3, tensor_parallel_size=2)) == 3
