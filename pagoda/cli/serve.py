@@ -108,12 +108,11 @@ class _Launch:
 
     def _run(self) -> int:
         from pagoda.engine.core_process import CoreProcess  # lazy: torch, the engine (see `prepare`)
-        from pagoda.lora.request import parse_lora_modules
         from pagoda.server.api_process import run_api_server  # lazy: torch, FastAPI (see `prepare`)
 
         server, supervisor = self.server, self.supervisor
         supervisor.catch_signals()
-        loras = tuple(parse_lora_modules(server.lora_modules).values())  # the API processes number them alike
+        loras = tuple(self.setup.loras.values())  # parsed and checked by `prepare`; the API processes number them alike
         self.core = core = CoreProcess(supervisor, self.setup.config, server.api_server_count, loras=loras)
         ready = core.wait_ready(stop=lambda: supervisor.stopping)
         if ready is None:  # SIGTERM/SIGINT while the model loaded

@@ -44,15 +44,19 @@ def share_cpu_threads(config: EngineConfig) -> int:
     if config.device.device == "cpu":
         threads = cpu_threads_per_rank(config)
         torch.set_num_threads(threads)
-        how = f"{config.parallel.world_size} rank(s)"
-        if config.device.cpu_threads is not None:
-            how = "--cpu-threads"
-        elif envs.OMP_NUM_THREADS.value:
-            how = "OMP_NUM_THREADS"
+        how = _thread_source(config) or f"{config.parallel.world_size} rank(s)"
         logger.info(
             "CPU threads: %d per rank (%d cores available to this process; %s)", threads, available_cores(), how
         )
     return previous
+
+
+def _thread_source(config: EngineConfig) -> str | None:
+    """Which setting fixes the thread count: "--cpu-threads", "OMP_NUM_THREADS", or None (the cores are shared)."""
+    if config.device.cpu_threads is not None:
+        return "--cpu-threads"
+    omp = envs.OMP_NUM_THREADS.value
+    return "OMP_NUM_THREADS" if omp and omp > 0 else None
 
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
@@ -60,8 +64,8 @@ def cpu_threads_per_rank(config: EngineConfig) -> int:
     among several servers says so there); else an equal share of the available cores."""
     if config.device.cpu_threads is not None:
         return config.device.cpu_threads
-    if envs.OMP_NUM_THREADS.value and envs.OMP_NUM_THREADS.value > 0:
-        return envs.OMP_NUM_THREADS.value
+    if _thread_source(config) == "OMP_NUM_THREADS":
+        return int(envs.OMP_NUM_THREADS.value)
     return max(1, available_cores() // config.parallel.world_size)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.sampling_params import StructuredOutputsParams
+from tests.conftest import build_default_llm
 
 DOC = (
     "The Pagoda engine serves Yuan2 and Qwen2-VL models. It keeps a paged KV cache with prefix caching, rebuilds "
@@ -40,7 +41,7 @@ def float_weights():
 
 @pytest.fixture(scope="module")
 def default_llm(float_weights):
-    llm = LLM(max_model_len=2048, cpu_kv_cache_space_gib=0.25, seed=0)
+    llm = build_default_llm()
     yield llm
     llm.shutdown()
 

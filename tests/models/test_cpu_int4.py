@@ -15,8 +15,6 @@ from gguf.quants import dequantize, quantize
 from pagoda.kernels import policy
 from pagoda.layers.quantization import cpu_int4
 
-pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 kernel")
-
 
 def _gguf_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
     """A [rows, cols] float32 weight as llama.cpp's quantizer stores it in `qtype`, dequantized by gguf."""
@@ -74,7 +72,8 @@ def test_both_matmul_paths_equal_the_float_matmul(rows):
 
 
 def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, monkeypatch, caplog):
-    from pagoda import LLM, SamplingParams
+    from pagoda import SamplingParams
+    from tests.conftest import build_default_llm
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at"]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
@@ -82,7 +81,7 @@ def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, mo
     assert isinstance(layers[0].mlp.down_proj.quant, cpu_int4.CpuInt4Method)  # the default is 4-bit
     fast = default_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("PAGODA_CPU_INT4", "0")
-    reference = LLM(max_model_len=2048, cpu_kv_cache_space_gib=0.25, seed=0).generate(prompts, params, use_tqdm=False)
+    reference = build_default_llm().generate(prompts, params, use_tqdm=False)
     for got, want in zip(fast, reference, strict=True):
         got, want = got.outputs[0], want.outputs[0]
         assert got.token_ids == want.token_ids, (got.text, want.text)

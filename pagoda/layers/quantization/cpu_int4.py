@@ -24,6 +24,7 @@ tests hold both paths to.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ def available() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
+@functools.cache
 def native_bf16() -> bool:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -125,7 +127,7 @@ def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int]:
     weight dropped). Returns (layers packed, linear layers left as they were)."""
     packed = kept = 0
     for module in model.modules():
-        if not isinstance(module, Linear) or module.quant is not None or module.lora is not None:
+        if not isinstance(module, Linear) or module.quant is not None:
             continue
         weight = getattr(module, "weight", None)
         grid = None
