@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from qwen2vl_image_throughput import IMAGE_PAD, VIDEO_PAD, free_gpu, make_engine, make_requests, sync, write_config  # noqa: E402
 
 
-def profile(folder: str, requests, concurrency: int, output_len: int) -> dict:
+def profile(folder: str, requests, concurrency: int, output_len: int, kernels: int = 0) -> dict:
     from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
     from pagoda.sampling_params import SamplingParams
 
@@ -89,9 +89,29 @@ def profile(folder: str, requests, concurrency: int, output_len: int) -> dict:
 
     drive(prepared[:2], 2, "warm")
     encoder_s[0], encoded[0] = 0.0, 0
-    total, rows = drive(prepared, concurrency, "q")
+    if not kernels:
+        total, rows = drive(prepared, concurrency, "q")
+    else:
+        # Which GPU kernels the run's time goes to: the tower's and the language model's side by side.
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            total, rows = drive(prepared, concurrency, "q")
+        print_kernels(prof, total, kernels)
     engine = model = None  # the closures above hold both: free_gpu() collects the cycle
     return {"total_s": total, "rows": rows, "images": len(prepared), "encoder_s": encoder_s[0]}
+
+
+def print_kernels(prof, total_s: float, top: int) -> None:
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"\nGPU kernels: {busy_us / 1e6:.2f} s busy of {total_s:.2f} s ({busy_us / 1e6 / total_s:.0%})")
+    print("| kernel | calls | total ms | share of busy | mean us |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        t = e.self_device_time_total
+        print(f"| {name} | {e.count} | {t / 1000:.1f} | {t / busy_us:.1%} | {t / max(e.count, 1):.1f} |")
 
 
 def main() -> None:
@@ -100,13 +120,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--text-len", type=int, default=20)
+    parser.add_argument("--kernels", type=int, default=0, help="print the N costliest GPU kernels of the run")
     args = parser.parse_args()
     import tempfile
 
     folder = write_config(tempfile.mkdtemp(prefix="qwen2vl-profile-"), args.shape)
     for c in args.concurrency:
         requests, prep_s = make_requests(max(2 * c, 8), args.text_len, seed=c)
-        result = profile(folder, requests, c, args.output_len)
+        result = profile(folder, requests, c, args.output_len, args.kernels)
         free_gpu()  # the next concurrency's engine sizes its KV pool from the free memory
         rows, total = result["rows"], result["total_s"]
         print(f"\nC={c}: {result['images']} images in {total:.2f} s; preprocessing {prep_s * 1000:.1f} ms/image (CPU)")

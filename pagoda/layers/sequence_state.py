@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda.device_copy import to_device
+
 
 @dataclass
 class SequenceStateBatch:
@@ -52,11 +54,11 @@ class SequenceStateBatch:
         snap_tokens = snap_blocks = None
         ends, entries = snapshot_pairs(positions, slot_mapping, block_size, with_snapshots, extra)
         if ends.size:
-            snap_tokens = torch.from_numpy(ends).to(device)
-            snap_blocks = torch.from_numpy(entries).to(device)
-        starts = torch.from_numpy(np.asarray(query_start_loc, dtype=np.int64)).to(device)
+            snap_tokens = to_device(ends, device)
+            snap_blocks = to_device(entries, device)
+        starts = to_device(np.asarray(query_start_loc, dtype=np.int64), device)
         return cls(
-            torch.tensor(slots, dtype=torch.long, device=device),
+            to_device(np.asarray(slots, dtype=np.int64), device),
             starts[:-1],
             starts[1:] - 1,
             one_each,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import AttentionBackend, AttentionBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
@@ -117,7 +118,7 @@ class TritonAttentionBackend(AttentionBackend):
         if decode_rows.size == batch.num_reqs:  # all decode: row i is token i, tables as they are
             decode = _DecodeRows(None, block_tables, seq_lens, int(host_seq_lens.max()))
         elif decode_rows.size:
-            rows = torch.from_numpy(decode_rows).to(device)
+            rows = to_device(decode_rows, device)
             token_index = batch.query_start_loc[rows].to(torch.int32)
             decode = _DecodeRows(token_index, block_tables[rows], seq_lens[rows], int(host_seq_lens[decode_rows].max()))
         tiles = None

@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.device_copy import to_device
 from pagoda.errors import ModelLoadError
 from pagoda.layers.activation import quick_gelu
 from pagoda.layers.linear import Linear
@@ -317,6 +319,6 @@ def _segments(grids: list[Grid], device: torch.device) -> list[tuple[int, torch.
             starts_by_len.setdefault(h * w, []).append(offset)
             offset += h * w
     return [
-        (length, torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device))
+        (length, to_device(np.asarray(starts, dtype=np.int64), device)[:, None] + torch.arange(length, device=device))
         for length, starts in starts_by_len.items()
     ]

@@ -283,10 +283,10 @@ class ModelRunner:
         batch = AttentionBatch(
             query_lens=inputs.query_lens.tolist(),
             seq_lens=inputs.seq_lens.tolist(),
-            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(dev),
-            seq_lens_tensor=torch.from_numpy(inputs.seq_lens).to(dev),
-            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
-            slot_mapping=torch.from_numpy(inputs.slots).to(dev),
+            query_start_loc=to_device(inputs.query_start_loc, dev),
+            seq_lens_tensor=to_device(inputs.seq_lens, dev),
+            block_tables=to_device(inputs.block_tables, dev),
+            slot_mapping=to_device(inputs.slots, dev),
             block_size=self.block_size,
         )
         state = None
@@ -303,14 +303,14 @@ class ModelRunner:
             )
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
         if inputs.mrope_positions is not None:
-            attn.mrope_positions = torch.from_numpy(inputs.mrope_positions).to(dev)
+            attn.mrope_positions = to_device(inputs.mrope_positions, dev)
         if inputs.needs_encoder and self.link.stage.first:
             attn.mm_embeds = self.encoder.embeds(states, inputs)
         attn.stage_input = self.link.stage_input(len(inputs.token_ids))
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:
             ids.index_copy_(0, *inputs.late_tokens)
-        return self.model(ids, torch.from_numpy(inputs.positions).to(dev), attn)
+        return self.model(ids, to_device(inputs.positions, dev), attn)
 
     def _sample(
         self, request_ids: list[str], states: list[RunnerRequestState], logits: torch.Tensor | None, spec=None

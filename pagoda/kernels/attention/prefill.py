@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.device_copy import to_device
 from pagoda.kernels.attention.store_kv import check_cache, is_fp8
 from pagoda.kernels.attention.tile import NEG_BIG, attend_tile, score_scale
 from pagoda.kernels.triton_utils import dot_flags, interpreting
@@ -164,7 +165,7 @@ def build_prefill_tiles(
     """Tiles for requests `rows` (indices into query_lens), each cut into ceil(q_len / block_m) tiles."""
     block_m = block_m or prefill_block_m()
     req, m0 = prefill_tile_arrays(query_lens, rows, block_m)
-    return PrefillTiles(torch.from_numpy(req).to(device), torch.from_numpy(m0).to(device), block_m)
+    return PrefillTiles(to_device(req, device), to_device(m0, device), block_m)
 
 
 def prefill_tile_arrays(query_lens: Sequence[int], rows: Sequence[int], block_m: int) -> tuple[np.ndarray, np.ndarray]:
