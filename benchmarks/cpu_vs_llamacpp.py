@@ -12,7 +12,8 @@ session) during each point. Rows go to `--json` (default benchmarks/results/cpu_
 "commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
 `median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's means
 over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third system, the
-A/B of the 4-bit CPU layers in the same run.
+A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its LM head in float32
+(`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_vllm import free_port, stop_server, wait_healthy  # noqa: E402  (this folder's server helpers)
 
+# The A/B systems beside `pagoda`: the same server with one CPU fast path switched off.
+SYSTEM_ENV = {"pagoda-float32": {"PAGODA_CPU_INT4": "0"}, "pagoda-f32head": {"PAGODA_CPU_BF16_LM_HEAD": "0"}}
 CONTEXT_PER_SLOT = 512  # llama-server's context is shared by its slots: 128 in + 128 out fits with room
 
 
@@ -95,7 +98,7 @@ class RssPeak(threading.Thread):
 
 
 def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c: int) -> subprocess.Popen:
-    env = os.environ | ({"PAGODA_CPU_INT4": "0"} if system == "pagoda-float32" else {})
+    env = os.environ | SYSTEM_ENV.get(system, {})
     if system.startswith("pagoda"):
         cmd = [sys.executable, "-m", "pagoda", "serve", gguf, "--host", "127.0.0.1", "--port", str(port)]
     else:
@@ -138,6 +141,9 @@ def main() -> None:
     ap.add_argument(
         "--pagoda-float32", action="store_true", help="also Pagoda with float32 weights (PAGODA_CPU_INT4=0)"
     )
+    ap.add_argument(
+        "--pagoda-f32head", action="store_true", help="also Pagoda with a float32 LM head (PAGODA_CPU_BF16_LM_HEAD=0)"
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = ap.parse_args()
     from pagoda.models.gguf_checkpoint import default_gguf_path
@@ -148,6 +154,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     systems = ["pagoda", "llama.cpp"] + (["pagoda-float32"] if args.pagoda_float32 else [])
+    systems += ["pagoda-f32head"] if args.pagoda_f32head else []
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates
             port = free_port()

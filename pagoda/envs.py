@@ -58,6 +58,14 @@ CPU_INT4 = Env(
     "on the CPU, a GGUF model's 4-bit linear layers stay 4-bit (layers/quantization/cpu_int4.py); 0: float32",
     once=True,
 )
+CPU_BF16_LM_HEAD = Env(
+    "PAGODA_CPU_BF16_LM_HEAD",
+    bool,
+    True,
+    "on a CPU with native bf16, a GGUF model with 4-bit layers multiplies its LM head by a bf16 copy of the "
+    "float32 weight (layers/quantization/cpu_int4.py); 0: float32",
+    once=True,
+)
 LORA_KERNELS = Env(
     "PAGODA_LORA_KERNELS",
     bool,

@@ -30,6 +30,11 @@ INT4_GEMV_MAX_ROWS = 4
 # 132 → 240 tok/s when this bound went from 16 to 64, batch 16 unchanged).
 CPU_INT4_MAX_ROWS = 64
 
+# The bf16 LM head beside those layers (`cpu_int4.Bf16LMHead`) recomputes this many of each row's largest
+# logits in float32: greedy decoding and the top log-probabilities read only those, and bf16's rounding
+# moves a logit by far less than the gap between the first and the eighth candidate.
+CPU_BF16_HEAD_EXACT = 8
+
 # Steps (eager, or a CUDA-graph bucket) of at most this many tokens launch their kernels with
 # programmatic dependent launch (`kernels/pdl.py`, `dispatch.pdl_for_rows`): it shortens a batch-1
 # step's kernel chain, but at batch 256 waiting programs hold SM slots the running kernel needs and the

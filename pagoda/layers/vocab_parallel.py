@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed import parallel_state
-from pagoda.layers.linear import Weight, linear, read_weight, reads_shards
+from pagoda.layers.linear import QuantMethod, Weight, linear, read_weight, reads_shards
 
 
 class _VocabRows(nn.Module):
@@ -50,8 +50,13 @@ class VocabParallelEmbedding(_VocabRows):
 
 
 class ParallelLMHead(_VocabRows):
-    """hidden [N, H] → logits [N, V] (the full vocabulary on every rank)."""
+    """hidden [N, H] → logits [N, V] (the full vocabulary on every rank).
+
+    quant: a method that multiplies in place of `weight` (the CPU's bf16 head, `layers/quantization/cpu_int4.py`);
+    `weight` stays, since a tied embedding looks its rows up."""
+
+    quant: QuantMethod | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight) if self.quant is None else self.quant.apply(self, hidden, None)
         return logits if self.tp_size == 1 else parallel_state.all_gather(logits, dim=-1)

@@ -113,13 +113,16 @@ def _keep_gguf_int4(model: nn.Module) -> None:
         logger.info("CPU weights: float32 (this torch has no CPU int4 kernel)")
         return
     packed, kept = cpu_int4.pack_int4_layers(model)
+    heads = cpu_int4.bf16_lm_heads(model) if packed and envs.CPU_BF16_LM_HEAD.value else 0
     logger.info(
-        "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32",
+        "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32"
+        "; LM head %s",
         packed,
         cpu_int4.GROUP,
         policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",
         kept,
+        "bf16 (PAGODA_CPU_BF16_LM_HEAD)" if heads else "float32",
     )
 
 

@@ -1,7 +1,7 @@
 """A GGUF's 4-bit layers kept 4-bit on the CPU (`layers/quantization/cpu_int4.py`), against references:
 the `gguf` package's own quantizer and dequantizer for the blocks, a float32 matmul over the weight it
-dequantizes for both matmul paths, and the embedded model loaded with float32 weights
-(PAGODA_CPU_INT4=0) for greedy tokens and their log-probabilities."""
+dequantizes for both matmul paths and for the bf16 LM head, and the embedded model loaded with float32
+weights (PAGODA_CPU_INT4=0) for greedy tokens and their log-probabilities."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def test_both_matmul_paths_equal_the_float_matmul(rows):
     assert torch.allclose(reference, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_bf16_lm_head_is_within_bf16_rounding_of_the_float_head(rows, monkeypatch):
+    from pagoda.layers.vocab_parallel import ParallelLMHead
+
+    monkeypatch.setattr(cpu_int4, "native_bf16", lambda: True)  # the CPU's bf16 speed is not what is tested
+    head = ParallelLMHead(1000, 64)
+    head.weight.data = _gguf_blocks(1000, 64, GGMLQuantizationType.Q8_0, seed=rows)
+    hidden = torch.randn(rows, 64)
+    expected = F.linear(hidden, head.weight)
+    assert cpu_int4.bf16_lm_heads(torch.nn.Sequential(head)) == 1
+    got = head(hidden)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 weights and activations
+    assert not torch.equal(got, expected)  # it is the bf16 copy that multiplied
+    best = expected.argmax(-1, keepdim=True)  # the largest logits are the float32 head's own
+    assert torch.equal(got.argmax(-1, keepdim=True), best)
+    assert torch.allclose(got.gather(-1, best), expected.gather(-1, best), rtol=1e-5, atol=1e-5)
+    assert head.weight.dtype == torch.float32  # kept: a tied embedding looks its rows up
+
+
 def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, monkeypatch, caplog):
     from pagoda import SamplingParams
     from tests.conftest import build_default_llm
@@ -79,6 +99,8 @@ def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, mo
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
     layers = default_llm.llm_engine.runner.model.model.layers
     assert isinstance(layers[0].mlp.down_proj.quant, cpu_int4.CpuInt4Method)  # the default is 4-bit
+    head = default_llm.llm_engine.runner.model.lm_head
+    assert isinstance(head.quant, cpu_int4.Bf16LMHead) == cpu_int4.native_bf16()  # and so is the bf16 head
     fast = default_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("PAGODA_CPU_INT4", "0")
     reference = build_default_llm().generate(prompts, params, use_tqdm=False)

@@ -19,6 +19,13 @@ A 4-bit layer's matmul:
 The kernel's scales and zero points are one [K/32, N, 2] bf16 tensor, w = (q − 8)·scale + zero, so
 zero = m + 8·d. `int4_reference` (the float32 weight rebuilt from q, d, m, then F.linear) is what the
 tests hold both paths to.
+
+The LM head of such a model (the embedded one ties it to its Q8_0 embedding, 49,152 x 576) is the largest
+matrix a decode step reads: as float32 it is ~40 % of the layers' bytes together. Where the CPU multiplies bf16
+natively, `Bf16LMHead` multiplies by a bf16 copy of it (half the bytes, and the bf16 GEMM scales with the rows
+where the float32 one does not), then recomputes each row's largest logits in float32, so greedy tokens and the
+top log-probabilities stay the float32 head's; the float32 weight stays for the embedding's lookups. Switch:
+`PAGODA_CPU_BF16_LM_HEAD=0`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels import policy
 from pagoda.layers.linear import Linear
+from pagoda.layers.vocab_parallel import ParallelLMHead
 
 GROUP = 32  # GGUF's block: 32 input values per scale and minimum
 
@@ -146,6 +154,45 @@ def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int]:
     if packed:
         _return_freed_memory()
     return packed, kept
+
+
+class Bf16LMHead:
+    """An LM head multiplied by a bf16 copy of its weight, then the `policy.CPU_BF16_HEAD_EXACT` largest logits of
+    each row recomputed in float32 from the float weight: the bf16 rounding moves every logit a little, enough to
+    swap two nearly tied candidates, so the ones greedy decoding and the reported log-probabilities look at are
+    the float32 head's own."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.float_weight = weight  # shared with a tied embedding: not a copy
+        self.weight = weight.detach().to(torch.bfloat16)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        top = y.topk(min(policy.CPU_BF16_HEAD_EXACT, y.shape[-1]), dim=-1).indices  # [N, k]
+        exact = torch.einsum("nh,nkh->nk", x.float(), self.float_weight[top]).to(y.dtype)  # [N, k]
+        if bias is not None:
+            exact = exact + bias[top]
+        return y.scatter_(-1, top, exact)
+
+    def gemv_operands(self, layer: Linear) -> None:
+        return None
+
+
+def bf16_lm_heads(model: torch.nn.Module) -> int:
+    """Give every float32 CPU LM head a `Bf16LMHead`; returns how many. Only where bf16 is native (elsewhere a
+    bf16 matmul is slower than float32's)."""
+    if not native_bf16():
+        return 0
+    heads = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, ParallelLMHead) and isinstance(weight, torch.Tensor) and module.quant is None:
+            if weight.dtype == torch.float32 and weight.device.type == "cpu":
+                module.quant = Bf16LMHead(weight)
+                heads += 1
+    return heads
 
 
 def _return_freed_memory() -> None:
