@@ -13,7 +13,8 @@ session) during each point. Rows go to `--json` (default benchmarks/results/cpu_
 `median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's means
 over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third system, the
 A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its LM head in float32
-(`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head.
+(`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head; `--pagoda-freshkv` Pagoda handing out never-used KV blocks
+first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_vllm import free_port, stop_server, wait_healthy  # noqa: E402  (this folder's server helpers)
 
 # The A/B systems beside `pagoda`: the same server with one CPU fast path switched off.
-SYSTEM_ENV = {"pagoda-float32": {"PAGODA_CPU_INT4": "0"}, "pagoda-f32head": {"PAGODA_CPU_BF16_LM_HEAD": "0"}}
+SYSTEM_ENV = {
+    "pagoda-float32": {"PAGODA_CPU_INT4": "0"},
+    "pagoda-f32head": {"PAGODA_CPU_BF16_LM_HEAD": "0"},
+    "pagoda-freshkv": {"PAGODA_CPU_KV_REUSE_FIRST": "0"},
+}
 CONTEXT_PER_SLOT = 512  # llama-server's context is shared by its slots: 128 in + 128 out fits with room
 
 
@@ -144,6 +149,11 @@ def main() -> None:
     ap.add_argument(
         "--pagoda-f32head", action="store_true", help="also Pagoda with a float32 LM head (PAGODA_CPU_BF16_LM_HEAD=0)"
     )
+    ap.add_argument(
+        "--pagoda-freshkv",
+        action="store_true",
+        help="also Pagoda handing out never-used KV blocks first (PAGODA_CPU_KV_REUSE_FIRST=0)",
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = ap.parse_args()
     from pagoda.models.gguf_checkpoint import default_gguf_path
@@ -155,6 +165,7 @@ def main() -> None:
     rows: list[dict] = []
     systems = ["pagoda", "llama.cpp"] + (["pagoda-float32"] if args.pagoda_float32 else [])
     systems += ["pagoda-f32head"] if args.pagoda_f32head else []
+    systems += ["pagoda-freshkv"] if args.pagoda_freshkv else []
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates
             port = free_port()

@@ -66,6 +66,14 @@ CPU_BF16_LM_HEAD = Env(
     "float32 weight (layers/quantization/cpu_int4.py); 0: float32",
     once=True,
 )
+CPU_KV_REUSE_FIRST = Env(
+    "PAGODA_CPU_KV_REUSE_FIRST",
+    bool,
+    True,
+    "on the CPU, the KV pool hands out freed blocks before never-used ones, so its resident memory follows the "
+    "peak in use (engine/block_manager.py); 0: never-used first, as on a GPU",
+    once=True,
+)
 LORA_KERNELS = Env(
     "PAGODA_LORA_KERNELS",
     bool,

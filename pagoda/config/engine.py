@@ -202,6 +202,9 @@ class CacheConfig:
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
     cpu_kv_cache_space_gib: float  # KV budget when running on the CPU
+    # Hand out freed blocks before never-used ones (the CPU: the pool's pages become resident memory when first
+    # written, so the resident part follows the peak in use; see engine/block_manager.py).
+    reuse_freed_blocks_first: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,6 +336,7 @@ class EngineConfig:
                 kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=utilization,
                 gpu_memory_utilization_given=a.gpu_memory_utilization is not None,
+                reuse_freed_blocks_first=device == "cpu" and envs.CPU_KV_REUSE_FIRST.value,
             ),
             scheduler=_section(
                 SchedulerConfig,

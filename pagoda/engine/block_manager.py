@@ -4,9 +4,16 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
 
 - Block 0 is the null block (pads block tables); ids 1..num_blocks-1 are usable.
 - A block is *in use* while ref_count > 0 (several requests can share a cached prefix block).
-- Free blocks wait in `_free` in LRU order (oldest first). A free block may still carry the hash of
-  the full block it last held, so a later request with the same prefix revives it; it is evicted
-  (hash forgotten) only when handed out for new content.
+- Blocks never handed out wait in `_fresh` (in id order); freed blocks wait in `_free` in LRU order
+  (oldest first). A free block may still carry the hash of the full block it last held, so a later
+  request with the same prefix revives it; it is evicted (hash forgotten) only when handed out for
+  new content.
+- Which comes first is the pool's memory policy. `reuse_first=False` (GPU: the pool's memory is
+  committed at start): fresh blocks first, so cached prefixes live until the whole pool has cycled.
+  `reuse_first=True` (CPU: a page of the pool becomes resident memory when first written): freed
+  blocks first, oldest cached prefix evicted first, and a fresh block only when none is free, so the
+  resident pool follows the peak number of blocks in use rather than every block ever handed out;
+  the prefix cache then holds what fits beside the running requests in that part.
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
   whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
   salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
@@ -16,6 +23,7 @@ Invariant (check_integrity): every usable block is either free (ref 0, in `_free
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -39,14 +47,16 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"", s
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, reuse_first: bool = False):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reuse_first = reuse_first
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._fresh: collections.deque[int] = collections.deque(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         # Prefix-cache statistics, in tokens (for metrics and tests).
         self.prefix_queries = 0
@@ -59,7 +69,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._fresh)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks handed out at least once (on the CPU: the part of the pool that is resident memory)."""
+        return self.num_usable_blocks - len(self._fresh)
 
     @property
     def usage(self) -> float:
@@ -135,8 +150,11 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block, _ = self._free.popitem(last=False)  # least recently freed first
-            self._evict(block)
+            if self._free and (self.reuse_first or not self._fresh):
+                block, _ = self._free.popitem(last=False)  # least recently freed first
+                self._evict(block)
+            else:
+                block = self._fresh.popleft()
             self.ref_count[block] = 1
             request.block_ids.append(block)
         return True
@@ -174,6 +192,7 @@ class BlockManager:
     def check_integrity(self, requests: list[Request]) -> None:
         """Raise RuntimeError if the bookkeeping is inconsistent with the given live requests."""
         refs = [0] * self.num_blocks
+        fresh = set(self._fresh)
         for request in requests:
             if len(set(request.block_ids)) != len(request.block_ids):
                 raise RuntimeError(f"request {request.request_id} lists a block twice")
@@ -184,9 +203,11 @@ class BlockManager:
         for block in range(1, self.num_blocks):
             if refs[block] != self.ref_count[block]:
                 raise RuntimeError(f"block {block}: ref_count {self.ref_count[block]} but {refs[block]} holders")
-            if (refs[block] == 0) != (block in self._free):
+            if (refs[block] == 0) != (block in self._free or block in fresh):
                 raise RuntimeError(f"block {block}: free-list membership disagrees with ref_count")
-        if NULL_BLOCK in self._free or self.ref_count[NULL_BLOCK] != 0:
+            if block in self._free and block in fresh:
+                raise RuntimeError(f"block {block} is both fresh and freed")
+        if NULL_BLOCK in self._free or NULL_BLOCK in fresh or self.ref_count[NULL_BLOCK] != 0:
             raise RuntimeError("the null block was handed out")
         for h, block in self._cached.items():
             if self.hash_of[block] != h:

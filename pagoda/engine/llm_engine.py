@@ -80,8 +80,9 @@ class LLMEngine:
         self.runner.warm_up_attention()
         if config.device.cuda_graphs:
             self.runner.enable_cuda_graphs()
+        cache = config.cache
         self.block_manager = BlockManager(
-            self.kv_layout.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.kv_layout.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.reuse_freed_blocks_first
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)

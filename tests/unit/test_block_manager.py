@@ -56,9 +56,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]) | st.integers(1, 8),
         prefix_caching=st.sampled_from([True, True, True, False]),
         bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2),
+        reuse_first=st.booleans(),
     )
-    def setup(self, num_blocks, block_size, prefix_caching, bases):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, reuse_first=reuse_first)
         self.bs = block_size
         self.bases = bases
         self.live: list[Request] = []  # hold blocks
@@ -475,7 +476,7 @@ def test_check_integrity_detects_corruption():
         bm.check_integrity([a])
     bm.ref_count[held] -= 1
     bm.check_integrity([a])
-    free_block = next(iter(bm._free))
+    free_block = next(iter(bm._fresh))  # a never-used free block
     bm.ref_count[free_block] = 1
     with pytest.raises(RuntimeError):
         bm.check_integrity([a])
@@ -513,3 +514,47 @@ def test_cache_salt_separates_prefix_caches() -> None:
     assert admit("n1", None) == 0
     assert admit("n2", None) == 12
     assert admit("b2", "tenant-b") == 12
+
+
+# ------------------------------------------------------------------------------------------------
+# The pool's memory policy: fresh blocks first (GPU) or freed blocks first (CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reuse_first", [False, True])
+def test_blocks_ever_handed_out_follow_the_policy(reuse_first):
+    """Two requests at a time, 40 in all, 3 blocks each: reusing freed blocks first keeps the blocks ever
+    handed out (the CPU pool's resident part) at the peak in use; fresh-first walks the whole pool."""
+    bm = BlockManager(201, 2, reuse_first=reuse_first)
+    handed_out: set[int] = set()
+    live: list[Request] = []
+    for i in range(40):
+        r = make_request([i % 7 + 1, i, i + 1, i + 2, i + 3, i + 4])  # distinct content: no prefix hits
+        compute_all(bm, r)
+        handed_out.update(r.block_ids)
+        live.append(r)
+        if len(live) == 2:
+            bm.free(live.pop(0))
+        bm.check_integrity(live)
+    assert bm.num_touched_blocks == len(handed_out)
+    assert len(handed_out) == (6 if reuse_first else 120)
+
+
+def test_reusing_freed_blocks_first_evicts_the_oldest_cached_prefix_first():
+    bm = BlockManager(32, 2, reuse_first=True)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    a = make_request(shared)
+    compute_all(bm, a)
+    bm.free(a)  # its 4 blocks are free and cached; the tail ones freed first
+    b = make_request([1, 2, 3, 4])
+    compute_all(bm, b)  # takes two of a's freed blocks, not fresh ones
+    assert set(b.block_ids) <= {*a.block_ids, *range(1, 5)} and bm.num_touched_blocks == 4
+    c = make_request([*shared[:4], 99, 98, 97])
+    assert bm.match_prefix(c) == 4  # the prefix's head blocks were the last to go: still cached
+    bm.check_integrity([b, c])
+
+
+def test_the_cpu_engine_config_reuses_freed_blocks_first():
+    from pagoda.config import EngineArgs, EngineConfig
+
+    assert EngineConfig.create(EngineArgs(device="cpu")).cache.reuse_freed_blocks_first
