@@ -202,8 +202,9 @@ class CacheConfig:
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
     cpu_kv_cache_space_gib: float  # KV budget when running on the CPU
-    # Hand out freed blocks before never-used ones (the CPU: the pool's pages become resident memory when first
-    # written, so the resident part follows the peak in use; see engine/block_manager.py).
+    # Hand out freed blocks before never-used ones once a context's worth of them waits (the CPU: the pool's pages
+    # become resident memory when first written, so the resident part follows the peak in use plus that reserve
+    # of cached prefixes; see engine/block_manager.py).
     reuse_freed_blocks_first: bool
 
 

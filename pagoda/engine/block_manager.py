@@ -10,10 +10,10 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
   new content.
 - Which comes first is the pool's memory policy. `reuse_first=False` (GPU: the pool's memory is
   committed at start): fresh blocks first, so cached prefixes live until the whole pool has cycled.
-  `reuse_first=True` (CPU: a page of the pool becomes resident memory when first written): freed
-  blocks first, oldest cached prefix evicted first, and a fresh block only when none is free, so the
-  resident pool follows the peak number of blocks in use rather than every block ever handed out;
-  the prefix cache then holds what fits beside the running requests in that part.
+  `reuse_first=True` (CPU: a page of the pool becomes resident memory when first written): once more
+  than `keep_free` blocks wait freed, the oldest of them is handed out (its cached prefix evicted)
+  before a fresh one, so the resident pool follows the peak number of blocks in use plus `keep_free`
+  blocks of cached prefixes, rather than every block ever handed out.
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
   whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
   salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
@@ -47,12 +47,20 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"", s
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, reuse_first: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reuse_first: bool = False,
+        keep_free: int = 0,
+    ):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.reuse_first = reuse_first
+        self.keep_free = keep_free  # with reuse_first: freed blocks (cached prefixes) kept before reusing one
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self._fresh: collections.deque[int] = collections.deque(range(1, num_blocks))
@@ -150,7 +158,8 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            if self._free and (self.reuse_first or not self._fresh):
+            reuse = self.reuse_first and len(self._free) > self.keep_free
+            if self._free and (reuse or not self._fresh):
                 block, _ = self._free.popitem(last=False)  # least recently freed first
                 self._evict(block)
             else:

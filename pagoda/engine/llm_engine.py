@@ -82,7 +82,12 @@ class LLMEngine:
             self.runner.enable_cuda_graphs()
         cache = config.cache
         self.block_manager = BlockManager(
-            self.kv_layout.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.reuse_freed_blocks_first
+            self.kv_layout.num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            reuse_first=cache.reuse_freed_blocks_first,
+            # cached prefixes kept before a freed block is reused: one whole context's worth
+            keep_free=-(-config.model.max_model_len // cache.block_size),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)

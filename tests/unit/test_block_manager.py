@@ -57,9 +57,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prefix_caching=st.sampled_from([True, True, True, False]),
         bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2),
         reuse_first=st.booleans(),
+        keep_free=st.integers(0, 6),
     )
-    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching, reuse_first=reuse_first)
+    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, reuse_first=reuse_first, keep_free=keep_free)
         self.bs = block_size
         self.bases = bases
         self.live: list[Request] = []  # hold blocks
@@ -521,11 +522,12 @@ def test_cache_salt_separates_prefix_caches() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reuse_first", [False, True])
-def test_blocks_ever_handed_out_follow_the_policy(reuse_first):
+@pytest.mark.parametrize(("reuse_first", "keep_free"), [(False, 0), (True, 0), (True, 10)])
+def test_blocks_ever_handed_out_follow_the_policy(reuse_first, keep_free):
     """Two requests at a time, 40 in all, 3 blocks each: reusing freed blocks first keeps the blocks ever
-    handed out (the CPU pool's resident part) at the peak in use; fresh-first walks the whole pool."""
-    bm = BlockManager(201, 2, reuse_first=reuse_first)
+    handed out (the CPU pool's resident part) at the peak in use plus the `keep_free` cached blocks;
+    fresh-first walks the whole pool."""
+    bm = BlockManager(201, 2, reuse_first=reuse_first, keep_free=keep_free)
     handed_out: set[int] = set()
     live: list[Request] = []
     for i in range(40):
@@ -537,7 +539,27 @@ def test_blocks_ever_handed_out_follow_the_policy(reuse_first):
             bm.free(live.pop(0))
         bm.check_integrity(live)
     assert bm.num_touched_blocks == len(handed_out)
-    assert len(handed_out) == (6 if reuse_first else 120)
+    if reuse_first:
+        assert 6 + keep_free <= len(handed_out) <= 6 + keep_free + 3
+    else:
+        assert len(handed_out) == 120
+
+
+def test_kept_free_blocks_outlive_a_request_between_two_with_one_prefix():
+    """A request of other content between two that share a prefix: with a context's worth of freed blocks kept,
+    the prefix is still cached for the second (with none kept, the middle request took its blocks)."""
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    for keep_free, expected in ((4, 8), (0, 0)):
+        bm = BlockManager(32, 2, reuse_first=True, keep_free=keep_free)
+        a = make_request([*shared, 1])
+        compute_all(bm, a)
+        bm.free(a)
+        b = make_request([20, 21, 22, 23, 24, 25, 26, 27, 28])
+        compute_all(bm, b)
+        bm.free(b)
+        c = make_request([*shared, 2])
+        assert bm.match_prefix(c) == expected, keep_free
+        bm.check_integrity([c])
 
 
 def test_reusing_freed_blocks_first_evicts_the_oldest_cached_prefix_first():
