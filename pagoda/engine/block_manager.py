@@ -8,12 +8,12 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
   (oldest first). A free block may still carry the hash of the full block it last held, so a later
   request with the same prefix revives it; it is evicted (hash forgotten) only when handed out for
   new content.
-- Which comes first is the pool's memory policy. `reuse_first=False` (GPU: the pool's memory is
+- Which comes first is the pool's memory policy. `keep_free_tokens=None` (GPU: the pool's memory is
   committed at start): fresh blocks first, so cached prefixes live until the whole pool has cycled.
-  `reuse_first=True` (CPU: a page of the pool becomes resident memory when first written): once more
-  than `keep_free` blocks wait freed, the oldest of them is handed out (its cached prefix evicted)
-  before a fresh one, so the resident pool follows the peak number of blocks in use plus `keep_free`
-  blocks of cached prefixes, rather than every block ever handed out.
+  A number (CPU: a page of the pool becomes resident memory when first written): once more freed blocks
+  wait than hold that many tokens, the oldest of them is handed out (its cached prefix evicted) before
+  a fresh one, so the resident pool follows the peak number of blocks in use plus that reserve of
+  cached prefixes, rather than every block ever handed out.
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
   whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
   salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
@@ -52,15 +52,14 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        reuse_first: bool = False,
-        keep_free: int = 0,
+        keep_free_tokens: int | None = None,
     ):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.reuse_first = reuse_first
-        self.keep_free = keep_free  # with reuse_first: freed blocks (cached prefixes) kept before reusing one
+        # Freed blocks (cached prefixes) kept before the oldest is reused ahead of a fresh one; None: fresh first.
+        self.keep_free = None if keep_free_tokens is None else self.blocks_needed(keep_free_tokens)
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self._fresh: collections.deque[int] = collections.deque(range(1, num_blocks))
@@ -158,7 +157,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            reuse = self.reuse_first and len(self._free) > self.keep_free
+            reuse = self.keep_free is not None and len(self._free) > self.keep_free
             if self._free and (reuse or not self._fresh):
                 block, _ = self._free.popitem(last=False)  # least recently freed first
                 self._evict(block)

@@ -85,9 +85,8 @@ class LLMEngine:
             self.kv_layout.num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            reuse_first=cache.reuse_freed_blocks_first,
             # cached prefixes kept before a freed block is reused: one whole context's worth
-            keep_free=-(-config.model.max_model_len // cache.block_size),
+            keep_free_tokens=config.model.max_model_len if cache.reuse_freed_blocks_first else None,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)

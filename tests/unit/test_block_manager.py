@@ -60,7 +60,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         keep_free=st.integers(0, 6),
     )
     def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching, reuse_first=reuse_first, keep_free=keep_free)
+        keep_free_tokens = keep_free * block_size if reuse_first else None
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, keep_free_tokens=keep_free_tokens)
         self.bs = block_size
         self.bases = bases
         self.live: list[Request] = []  # hold blocks
@@ -527,7 +528,7 @@ def test_blocks_ever_handed_out_follow_the_policy(reuse_first, keep_free):
     """Two requests at a time, 40 in all, 3 blocks each: reusing freed blocks first keeps the blocks ever
     handed out (the CPU pool's resident part) at the peak in use plus the `keep_free` cached blocks;
     fresh-first walks the whole pool."""
-    bm = BlockManager(201, 2, reuse_first=reuse_first, keep_free=keep_free)
+    bm = BlockManager(201, 2, keep_free_tokens=2 * keep_free if reuse_first else None)
     handed_out: set[int] = set()
     live: list[Request] = []
     for i in range(40):
@@ -550,7 +551,7 @@ def test_kept_free_blocks_outlive_a_request_between_two_with_one_prefix():
     the prefix is still cached for the second (with none kept, the middle request took its blocks)."""
     shared = [5, 6, 7, 8, 9, 10, 11, 12]
     for keep_free, expected in ((4, 8), (0, 0)):
-        bm = BlockManager(32, 2, reuse_first=True, keep_free=keep_free)
+        bm = BlockManager(32, 2, keep_free_tokens=2 * keep_free)
         a = make_request([*shared, 1])
         compute_all(bm, a)
         bm.free(a)
@@ -563,7 +564,7 @@ def test_kept_free_blocks_outlive_a_request_between_two_with_one_prefix():
 
 
 def test_reusing_freed_blocks_first_evicts_the_oldest_cached_prefix_first():
-    bm = BlockManager(32, 2, reuse_first=True)
+    bm = BlockManager(32, 2, keep_free_tokens=0)
     shared = [5, 6, 7, 8, 9, 10, 11, 12]
     a = make_request(shared)
     compute_all(bm, a)
