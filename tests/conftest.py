@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,6 +221,22 @@ def build_tiny_model(kind: str, folder: str, max_shard_size: str | None = None, 
 
 
 QWEN2VL_SPECIAL_IDS = (151655, 151656, 151652, 151653)  # image pad, video pad, vision start, vision end
+QWEN2VL_PATCH_WIDTH = 3 * 2 * 14 * 14  # channels x temporal patch x 14 x 14: one patch row
+
+
+@dataclass
+class RandomVisual:
+    """A preprocessed image as `expand_prompt` takes it: float32 patches, or uint8 levels with the per-channel
+    normalising table (`pixel_lut` [3, 256]), as the API processes send them."""
+
+    pixel_values: np.ndarray  # [t·h·w, QWEN2VL_PATCH_WIDTH]
+    grid_thw: tuple[int, int, int]
+    pixel_lut: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4
 
 
 def tiny_qwen2vl_config(

@@ -14,8 +14,6 @@ copies.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -24,33 +22,19 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.sampling_params import SamplingParams
-from tests.conftest import QWEN2VL_SPECIAL_IDS, build_tiny_model, tiny_qwen2vl_config
+from tests.conftest import QWEN2VL_PATCH_WIDTH, QWEN2VL_SPECIAL_IDS, RandomVisual, build_tiny_model, tiny_qwen2vl_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation needs a GPU")
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = QWEN2VL_SPECIAL_IDS
-PATCH_WIDTH = 3 * 2 * 14 * 14
 
 
-@dataclass
-class LevelsVisual:
+def levels_visual(grid: tuple[int, int, int], seed: int) -> RandomVisual:
     """An image as the API processes send it: uint8 levels and the per-channel normalising table."""
-
-    pixel_values: np.ndarray  # uint8 [P, PATCH_WIDTH]
-    pixel_lut: np.ndarray  # float32 [3, 256]
-    grid_thw: tuple[int, int, int]
-
-    @property
-    def num_tokens(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // 4
-
-
-def levels_visual(grid: tuple[int, int, int], seed: int) -> LevelsVisual:
     rng = np.random.default_rng(seed)
-    levels = rng.integers(0, 256, (grid[0] * grid[1] * grid[2], PATCH_WIDTH), dtype=np.uint8)
+    levels = rng.integers(0, 256, (grid[0] * grid[1] * grid[2], QWEN2VL_PATCH_WIDTH), dtype=np.uint8)
     lut = ((np.arange(256, dtype=np.float32) / 255 - 0.5) / 0.25)[None, :].repeat(3, 0)
-    return LevelsVisual(levels, lut, grid)
+    return RandomVisual(levels, grid, lut)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ cache are the real engine paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -17,23 +15,12 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 from pagoda.sampling_params import SamplingParams
-from tests.conftest import tiny_qwen2vl_config
+from tests.conftest import QWEN2VL_PATCH_WIDTH as PATCH_WIDTH
+from tests.conftest import RandomVisual, tiny_qwen2vl_config
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 VOCAB = 151936
 PLACEHOLDERS = PlaceholderIds(IMAGE_PAD, VIDEO_PAD)
-PATCH_WIDTH = 3 * 2 * 14 * 14
-
-
-@dataclass
-class RandomVisual:
-    pixel_values: np.ndarray
-    grid_thw: tuple[int, int, int]
-
-    @property
-    def num_tokens(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // 4
 
 
 def random_visual(grid: tuple[int, int, int], seed: int) -> RandomVisual:

@@ -33,7 +33,7 @@ from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
 from pagoda.models.loader import load_model
 from pagoda.models.source import resolve_model_source
-from tests.conftest import FIXTURES, TINY_CONFIGS, build_tiny_model, tiny_qwen2vl_config
+from tests.conftest import FIXTURES, QWEN2VL_PATCH_WIDTH, TINY_CONFIGS, build_tiny_model, tiny_qwen2vl_config
 
 BLOCK_SIZE = 4
 BLOCKS_PER_SEQ = 16  # room for 64 tokens per sequence
@@ -43,7 +43,6 @@ LOGIT_ATOL = 1e-4
 # A small vocabulary (the real one has 151,936 rows): the special ids are whatever config.json says.
 QWEN2VL_VOCAB = 1024
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1000, 1001, 1002, 1003
-PATCH_WIDTH = 3 * 2 * 14 * 14
 IMAGE_GRID = (1, 4, 8)  # 8 placeholder tokens after the 2x2 merge
 
 
@@ -100,7 +99,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def _image() -> tuple[np.ndarray, tuple[int, int, int]]:
     rng = np.random.default_rng(7)
     t, h, w = IMAGE_GRID
-    return rng.standard_normal((t * h * w, PATCH_WIDTH)).astype(np.float32), IMAGE_GRID
+    return rng.standard_normal((t * h * w, QWEN2VL_PATCH_WIDTH)).astype(np.float32), IMAGE_GRID
 
 
 def _prompts(kind: str) -> tuple[list[list[int]], Any]:

@@ -167,13 +167,10 @@ class Bf16LMHead:
         self.weight = weight.detach().to(torch.bfloat16)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert bias is None, "an LM head has no bias"
         y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        if bias is not None:
-            y = y + bias
         top = y.topk(min(policy.CPU_BF16_HEAD_EXACT, y.shape[-1]), dim=-1).indices  # [N, k]
-        exact = torch.einsum("nh,nkh->nk", x.float(), self.float_weight[top]).to(y.dtype)  # [N, k]
-        if bias is not None:
-            exact = exact + bias[top]
+        exact = torch.einsum("nh,nkh->nk", x, self.float_weight[top]).to(y.dtype)  # [N, k]
         return y.scatter_(-1, top, exact)
 
     def gemv_operands(self, layer: Linear) -> None:
