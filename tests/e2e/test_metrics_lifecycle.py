@@ -193,8 +193,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(server, http: httpx.Cl
     }
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
+        # Hold the line iterator: a generator dropped by `break` is closed at once, and closing it closes the
+        # connection, so the request would be aborted before the gauges below could see it run.
+        lines = response.iter_lines()
         events = 0
-        for line in response.iter_lines():
+        for line in lines:
             if line.startswith("data:"):
                 events += 1
                 if events == 2:
