@@ -16,15 +16,20 @@ import torch
 
 
 def to_device(
-    data: np.ndarray | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
+    data: np.ndarray | torch.Tensor | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """`data` (a numpy array or a list of numbers) as a tensor on `device`, with no host-device sync."""
+    """`data` (a numpy array, a host tensor or a list of numbers) as a tensor on `device`, with no host-device
+    sync. A tensor already in pinned memory (`worker/pixel_stager.py`) is copied from where it is."""
     if isinstance(data, np.ndarray):
         host = torch.from_numpy(np.ascontiguousarray(data))
-        if dtype is not None:
-            host = host.to(dtype)
+    elif isinstance(data, torch.Tensor):
+        host = data
     else:
         host = torch.tensor(data, dtype=dtype)
+    if dtype is not None:
+        host = host.to(dtype)
     if torch.device(device).type != "cuda":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
