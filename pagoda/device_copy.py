@@ -16,20 +16,15 @@ import torch
 
 
 def to_device(
-    data: np.ndarray | torch.Tensor | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
+    data: np.ndarray | Sequence, device: torch.device | str, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """`data` (a numpy array, a host tensor or a list of numbers) as a tensor on `device`, with no host-device
-    sync. A tensor already in pinned memory (`worker/pixel_stager.py`) is copied from where it is."""
+    """`data` (a numpy array or a list of numbers) as a tensor on `device`, with no host-device sync."""
     if isinstance(data, np.ndarray):
         host = torch.from_numpy(np.ascontiguousarray(data))
-    elif isinstance(data, torch.Tensor):
-        host = data
+        if dtype is not None:
+            host = host.to(dtype)
     else:
         host = torch.tensor(data, dtype=dtype)
-    if dtype is not None:
-        host = host.to(dtype)
     if torch.device(device).type != "cuda":
         return host
-    if not host.is_pinned():
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -74,21 +74,6 @@ CPU_KV_REUSE_FIRST = Env(
     "peak in use (engine/block_manager.py); 0: never-used first, as on a GPU",
     once=True,
 )
-PIXEL_STAGING = Env(
-    "PAGODA_PIXEL_STAGING",
-    bool,
-    True,
-    "on a GPU, an image's pixels are pinned on a helper thread when its request arrives, not inside the step "
-    "that encodes it (worker/pixel_stager.py); 0: inside the step",
-    once=True,
-)
-PIXEL_STAGING_MAX_MB = Env(
-    "PAGODA_PIXEL_STAGING_MAX_MB",
-    int,
-    1024,
-    "the most pinned memory (MiB) that pixels staged ahead of their step may hold; the oldest are dropped first",
-    once=True,
-)
 LORA_KERNELS = Env(
     "PAGODA_LORA_KERNELS",
     bool,

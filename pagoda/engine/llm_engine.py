@@ -242,8 +242,6 @@ class LLMEngine:
                 f"Model {self.config.model.model} ({self.config.model.architecture}) does not accept images or video.",
                 "messages",
             )
-        if mm_inputs is not None and mm_inputs.items:
-            self.runner.encoder.prefetch(mm_inputs)
         children = []
         for index in range(params.n):
             child_params = params

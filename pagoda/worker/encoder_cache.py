@@ -39,8 +39,5 @@ class EncoderCache:
             _, evicted = self._entries.popitem(last=False)
             self._tokens -= evicted.shape[0]
 
-    def __contains__(self, key: bytes) -> bool:  # a look that is neither a hit nor a miss
-        return key in self._entries
-
     def __len__(self) -> int:
         return len(self._entries)

@@ -13,11 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagoda import envs
 from pagoda.device_copy import to_device
-from pagoda.inputs import MultiModalInputs, MultiModalItem
 from pagoda.worker.encoder_cache import EncoderCache
-from pagoda.worker.pixel_stager import PixelStager
 from pagoda.worker.request_states import RunnerRequestState
 from pagoda.worker.step_inputs import StepInputs
 
@@ -27,20 +24,6 @@ class EncoderRunner:
         self.model = model
         self.device = device
         self.cache = EncoderCache(cache_tokens)
-        self.stager = None
-        if device.type == "cuda" and envs.PIXEL_STAGING.value:
-            self.stager = PixelStager(envs.PIXEL_STAGING_MAX_MB.value << 20, self.cache.__contains__)
-
-    def prefetch(self, mm_inputs: MultiModalInputs) -> None:
-        """At admission: start pinning the items' pixels (`pixel_stager.py`); the step that encodes them
-        then only queues their copy to the GPU."""
-        if self.stager is not None:
-            self.stager.stage(mm_inputs.items)
-
-    def _pixels(self, item: MultiModalItem) -> torch.Tensor:
-        if self.stager is None:
-            return encoder_pixels(item.pixel_values, item.pixel_lut, self.device)
-        return encoder_pixels(*self.stager.take(item), self.device)
 
     def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat token indices [P], encoder rows [P, H]) of the step's placeholder tokens, or None."""
@@ -65,7 +48,7 @@ class EncoderRunner:
             elif all(m.content_hash != item.content_hash for m in missing):
                 missing.append(item)
         if missing:
-            pixels = torch.cat([self._pixels(m) for m in missing])
+            pixels = torch.cat([encoder_pixels(m.pixel_values, m.pixel_lut, self.device) for m in missing])
             encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
             for item, rows in zip(missing, encoded.split([m.length for m in missing])):
                 outputs[item.content_hash] = rows
@@ -85,17 +68,15 @@ class EncoderRunner:
         self.model.encode(pixels, grids)
 
 
-def encoder_pixels(
-    pixel_values: np.ndarray | torch.Tensor, pixel_lut: np.ndarray | torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
+def encoder_pixels(pixel_values: np.ndarray, pixel_lut: np.ndarray | None, device: torch.device) -> torch.Tensor:
     """One item's encoder input on `device`, float32 [P, C * T * p * p]: uint8 levels cross to the device
     as they are (a quarter of float32's bytes, no host-device sync) and are normalised there by a gather
     from the per-channel table, bit for bit what the host's `normalize_levels` gives; float32 patches
-    (`pixel_lut` None) are copied as they are. Host arrays or tensors (pinned ones are copied in place)."""
+    (`pixel_lut` None) are copied as they are."""
     if pixel_lut is None:
         return to_device(pixel_values, device)
     levels = to_device(pixel_values, device)  # uint8 [P, D]
-    table = to_device(pixel_lut, device, torch.float32).reshape(-1)  # [C * 256]
+    table = to_device(pixel_lut.astype(np.float32, copy=False), device).reshape(-1)  # [C * 256]
     channels, width = pixel_lut.shape[0], pixel_values.shape[1]
     column_base = (torch.arange(width, device=levels.device) // (width // channels)) * 256  # [D]
     return table[levels.long() + column_base]

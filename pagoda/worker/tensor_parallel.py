@@ -35,7 +35,6 @@ from pagoda.errors import ConfigError
 from pagoda.models.source import ModelSource
 from pagoda.outputs import SchedulerOutput
 from pagoda.worker.encoder_cache import EncoderCache
-from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.pending_step import DeferredStep, LaunchedStep
@@ -195,10 +194,6 @@ class TensorParallelRunner:
     @property
     def accepts_multimodal(self) -> bool:
         return self.local.accepts_multimodal
-
-    @property
-    def encoder(self) -> EncoderRunner:  # the first stage's, on rank 0
-        return self.local.encoder
 
     @property
     def weight_bytes(self) -> int:
