@@ -8,6 +8,7 @@ live in separate result objects (`worker.memory.KVCacheLayout`, `frontend.tokeni
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -502,13 +503,23 @@ def _check_parallel(a: EngineArgs, hf_config: dict[str, Any], device: str) -> No
 
 
 def _resolve_device(device: str) -> str:
-    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
-
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+        return "cuda" if _cuda_available() else "cpu"
+    if device == "cuda" and not _cuda_available():
         raise ConfigError("device='cuda' was requested but no CUDA GPU is visible; use --device cpu.", "device")
     return device
+
+
+def _cuda_available() -> bool:
+    # Without the driver's library no GPU can be visible, whatever torch was built with: answered without
+    # importing torch, so that `pagoda serve`'s launcher and API processes on a CPU machine never load it.
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
+
+    return torch.cuda.is_available()
 
 
 def _device_config(
@@ -570,8 +581,6 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
 
 
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
-    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
-
     aliases = {"half": "float16", "float": "float32"}
     dtype = aliases.get(dtype, dtype)
     if dtype == "auto":
@@ -581,9 +590,15 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
         config_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
         config_dtype = config_dtype.replace("torch.", "")
         dtype = config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
-    if dtype == "bfloat16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+    if dtype == "bfloat16" and device == "cuda" and not _cuda_bf16():
         raise ConfigError("This GPU does not support bfloat16; use --dtype float16.", "dtype")
     return dtype
+
+
+def _cuda_bf16() -> bool:
+    import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
+
+    return torch.cuda.is_bf16_supported()
 
 
 def derived_max_model_len(hf_config: dict[str, Any]) -> int:

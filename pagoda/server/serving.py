@@ -23,7 +23,7 @@ from pagoda.frontend.multimodal.chat import MultiModalServing, render_chat_promp
 from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
-from pagoda.lora.peft import check_adapter_folder
+from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams

@@ -85,7 +85,16 @@ def test_the_readme_commands_answer(tmp_path):
         asked = json.loads(body)["model"]
         models = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == [asked]  # the name the README asks for, not the GGUF's path
+
+        # Only the engine core holds torch (~250 MB resident each): the launcher and the API processes
+        # tokenize, template and serve HTTP without it (docs/serving.md, memory).
+        with_torch = {pid for pid in [server.proc.pid, server.engine_pid(), *server.api_pids()] if _maps_torch(pid)}
+        assert with_torch == {server.engine_pid()}, (with_torch, server.engine_pid(), server.api_pids())
     finally:
         server.stop()
     served = [line for line in server.log_tail(200_000).splitlines() if " served as " in line]
     assert len(served) == 1 and served[0].split(" served as ")[1].startswith(f"{asked} "), served
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()

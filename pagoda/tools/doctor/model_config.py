@@ -105,7 +105,7 @@ def check_gguf_config(state: State) -> Check:
 
 
 def check_architecture(hf_config: dict[str, Any]) -> Check:
-    from pagoda.models.registry import supported_architectures  # lazy: torch (`pagoda` starts without it)
+    from pagoda.models.registry import supported_architectures  # lazy: the model table
 
     archs = hf_config.get("architectures")
     supported = supported_architectures()
