@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 # --kv-cache-dtype: the spellings accepted, and what each resolves to ("fp8" is e4m3, as in vLLM).
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "fp8_e4m3": "fp8"}
 # Defaults that "None"/"auto" knobs resolve to in `EngineConfig.create` (also read by `pagoda plan`).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
@@ -71,7 +71,8 @@ class EngineArgs:
     enable_prefix_caching: bool = knob(True, "reuse KV blocks across requests that share a prefix")
     kv_cache_dtype: str = knob(
         "auto",
-        "auto (the model dtype) | fp8 (= fp8_e4m3: FP8 e4m3 K/V with a per-layer scale from the checkpoint's "
+        "auto (the model dtype) | bfloat16 (on the CPU beside float32 weights: half the KV memory, attention "
+        "still computed in float32) | fp8 (= fp8_e4m3: FP8 e4m3 K/V with a per-layer scale from the checkpoint's "
         "k_scale/v_scale, else 1.0; about twice the blocks in the same memory)",
     )
     gpu_memory_utilization: float | None = knob(
@@ -198,7 +199,7 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
 class CacheConfig:
     block_size: int  # tokens per KV block
     enable_prefix_caching: bool
-    kv_cache_dtype: str  # "auto" (the model dtype) | "fp8" (e4m3; "fp8_e4m3" resolves to it)
+    kv_cache_dtype: str  # "auto" (the model dtype) | "bfloat16" (beside a float32 model) | "fp8" (e4m3)
     gpu_memory_utilization: float  # fraction of GPU memory for the whole engine
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
@@ -314,6 +315,7 @@ class EngineConfig:
             a.quantization, source.location, source.kind, hf_config, read_tensor_names=a.load_format != "dummy"
         )
         dtype = _resolve_dtype(a.dtype, hf_config, device)
+        kv_cache_dtype = _bf16_cache_beside(kv_cache_dtype, dtype, device)
 
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
         speculative = resolve_speculative(a, hf_config, device)
@@ -364,8 +366,9 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype_name(self) -> str:
-        """What the KV cache holds, as logs and /metrics name it: "fp8_e4m3" or the model dtype."""
-        return "fp8_e4m3" if self.cache.kv_cache_dtype == "fp8" else self.model.dtype
+        """What the KV cache holds, as logs and /metrics name it: "fp8_e4m3", "bfloat16" or the model dtype."""
+        names = {"fp8": "fp8_e4m3", "bfloat16": "bfloat16"}
+        return names.get(self.cache.kv_cache_dtype, self.model.dtype)
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A new config with some cache fields changed (the original stays frozen)."""
@@ -446,6 +449,20 @@ def resolve_max_num_batched_tokens(requested: int | None, max_num_seqs: int) -> 
     tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs) if requested is None else requested
     _check(tokens >= 1, "max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {tokens}")
     return tokens
+
+
+def _bf16_cache_beside(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """A bfloat16 cache is a CPU choice beside float32 weights (the PyTorch attention widens what it reads);
+    beside bfloat16 weights it is the model's own cache ("auto")."""
+    if kv_cache_dtype != "bfloat16" or dtype == "bfloat16":
+        return "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
+    if device != "cpu":
+        raise ConfigError(
+            f"--kv-cache-dtype bfloat16 beside --dtype {dtype} is for the CPU; on a GPU serve --dtype bfloat16 "
+            "(its cache is bfloat16 then) or use --kv-cache-dtype fp8.",
+            "kv_cache_dtype",
+        )
+    return kv_cache_dtype
 
 
 def resolve_kv_cache_dtype(choice: str) -> str:

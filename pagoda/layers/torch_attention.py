@@ -91,8 +91,10 @@ class TorchAttentionBackend(AttentionBackend):
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hkv, D]
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         fp8 = k_cache.dtype == FP8_KV
-        flat_k[metadata.slot_mapping] = quantize_kv(k, k_scale) if fp8 else k
-        flat_v[metadata.slot_mapping] = quantize_kv(v, v_scale) if fp8 else v
+        # A cache narrower than the model (fp8, or bf16 beside float32 weights) stores rounded values; the
+        # gathers below widen them back to q's dtype.
+        flat_k[metadata.slot_mapping] = quantize_kv(k, k_scale) if fp8 else k.to(flat_k.dtype)
+        flat_v[metadata.slot_mapping] = quantize_kv(v, v_scale) if fp8 else v.to(flat_v.dtype)
         if fp8:
             scale = scale * k_scale
         else:
@@ -123,6 +125,6 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     """cache [num_blocks, bs, Hkv, D], blocks [rows * nblk] → [rows, Hkv, nblk * bs, D] of `dtype` (a
-    strided view of one contiguous gathered copy; e4m3 widens exactly)."""
+    strided view of one contiguous gathered copy; e4m3 and bf16 widen exactly)."""
     gathered = torch.index_select(cache, 0, blocks).to(dtype)  # [rows * nblk, bs, Hkv, D]
     return gathered.view(num_rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

@@ -18,7 +18,7 @@ receives every change of them). The engine's running totals (preemptions, prefix
 every process; only the first one counts them, or the sum would be N times the truth.
 
 `cache_config_info` is vLLM's info metric for the KV cache: value 1, the settings as labels
-(`cache_dtype` "auto" or "fp8", `num_gpu_blocks`, `block_size`, ...), published once the engine core
+(`cache_dtype` "auto", "bfloat16" or "fp8", `num_gpu_blocks`, `block_size`, ...), published once the engine core
 has sized the cache (`publish_cache_config`).
 
 Labels and buckets are vLLM 0.26's: `model_name` and `engine` ("0") on every engine metric, and its bucket

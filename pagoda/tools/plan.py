@@ -85,7 +85,7 @@ class Plan:
     image_tokens_per_request: int | None = None
     notes: list[str] = field(default_factory=list)
     quantization: str = "none"  # the weights' quantization (QuantConfig.describe()), "none" when unquantized
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (e4m3: kv_bytes_* count 1 byte per element)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" (2 bytes) | "fp8" (e4m3: 1 byte per element)
     pipeline_parallel_size: int = 1
     # Per pipeline stage: its decoder layers [start, stop) and weight bytes per GPU (one entry without pp).
     stages: list[dict[str, int]] = field(default_factory=list)
@@ -216,7 +216,7 @@ def make_plan(
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-    cache_dtype_bytes = 1 if kv_cache_dtype == "fp8" else dtype_bytes
+    cache_dtype_bytes = {"fp8": 1, "bfloat16": 2}.get(kv_cache_dtype, dtype_bytes)
     max_model_len = resolve_max_model_len(max_model_len, hf_config)
     gpu_memory_utilization = resolve_gpu_memory_utilization(gpu_memory_utilization)
     tp = tensor_parallel_size
@@ -362,7 +362,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"{plan.architecture}, {plan.dtype}, tp={plan.tensor_parallel_size}{pp}, {where}",
         f"weights: {_size(plan.weights_bytes_total)} total, {_size(plan.weights_bytes_per_gpu)} per GPU{fullest}",
-        f"KV cache per token{' (fp8 e4m3)' if plan.kv_cache_dtype == 'fp8' else ''}: "
+        f"KV cache per token{_cache_note(plan.kv_cache_dtype)}: "
         f"{_size(plan.kv_bytes_per_token)} ({_size(plan.kv_bytes_per_token_per_gpu)} per GPU)",
     ]
     if pp:
@@ -479,3 +479,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))
     return 0 if plan.fits_one_max_len_request and not plan.tensor_parallel_problems else 1
+
+
+def _cache_note(kv_cache_dtype: str) -> str:
+    return {"fp8": " (fp8 e4m3)", "bfloat16": " (bfloat16)"}.get(kv_cache_dtype, "")

@@ -63,7 +63,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device.device)
         self.dtype = _DTYPES[config.model.dtype]
-        self.cache_dtype = FP8_KV if config.cache.kv_cache_dtype == "fp8" else self.dtype  # "auto": the model's
+        self.cache_dtype = {"fp8": FP8_KV, "bfloat16": torch.bfloat16}.get(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.model = load_model(

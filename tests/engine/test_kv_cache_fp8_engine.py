@@ -1,5 +1,6 @@
 """`LLM(kv_cache_dtype="fp8")` end to end on the CPU: the cache is e4m3, the same budget holds twice
-the blocks of a bf16 cache, and greedy decoding mostly keeps the bf16 cache's tokens.
+the blocks of a bf16 cache, and greedy decoding mostly keeps the bf16 cache's tokens. The same for a bf16
+cache beside float32 weights (`kv_cache_dtype="bfloat16"`), last.
 
 e4m3 keeps 3 mantissa bits, so an fp8 cache is not exact: the question is how far it moves a model.
 The tiny llama here has weights of std 0.05, not the shared fixture's 0.3: with 0.3 every attention
@@ -33,13 +34,13 @@ def calm_llama(tmp_path_factory) -> str:
     return build_tiny_model("llama", str(tmp_path_factory.mktemp("kv-fp8")), initializer_range=0.05)
 
 
-def _llm(folder: str, kv_cache_dtype: str) -> LLM:
+def _llm(folder: str, kv_cache_dtype: str, dtype: str = "bfloat16") -> LLM:
     return LLM(
         model=folder,
         skip_tokenizer_init=True,
         max_model_len=128,
         device="cpu",
-        dtype="bfloat16",
+        dtype=dtype,
         cpu_kv_cache_space_gib=0.001,
         kv_cache_dtype=kv_cache_dtype,
     )
@@ -103,3 +104,20 @@ def test_checkpoint_kv_scales_reach_every_layer(calm_llama, tmp_path):
     reference = _llm(calm_llama, "auto").generate(_prompts(), PARAMS, use_tqdm=False)
     agree, worst = _compare(reference, fp8.generate(_prompts(), PARAMS, use_tqdm=False))
     assert agree >= 0.8 and worst < 0.1, (agree, worst)
+
+
+def test_bf16_cache_beside_float32_weights_halves_the_memory_and_stays_close(calm_llama):
+    """The CPU's float32 model with a bfloat16 cache (llama.cpp keeps f16): twice the blocks in the same budget,
+    attention still in float32 over the widened values. 7 mantissa bits move the first token's logprobs far
+    less than e4m3's 3: measured here, every greedy token kept and the first token's top-5 logprobs within
+    0.002; the bounds leave room for one early split and a 5x larger move, not for a wrong store or read."""
+    auto, bf16 = _llm(calm_llama, "auto", "float32"), _llm(calm_llama, "bfloat16", "float32")
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in bf16.engine.runner.kv_caches)
+    assert all(k.dtype == torch.float32 for k, _ in auto.engine.runner.kv_caches)
+    assert bf16.engine.kv_layout.num_blocks >= 1.9 * auto.engine.kv_layout.num_blocks  # same 1 MiB budget
+    assert bf16.engine.config.kv_cache_dtype_name == "bfloat16"
+
+    agree, worst = _compare(
+        auto.generate(_prompts(), PARAMS, use_tqdm=False), bf16.generate(_prompts(), PARAMS, use_tqdm=False)
+    )
+    assert agree >= 0.95 and worst < 0.01, (agree, worst)

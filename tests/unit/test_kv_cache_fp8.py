@@ -29,15 +29,16 @@ from tests.unit.test_plan import H200, YUAN2_2B
 
 
 def test_spellings_resolve_and_the_rest_are_refused_in_one_line():
-    assert [resolve_kv_cache_dtype(c) for c in ("auto", "fp8", "fp8_e4m3")] == ["auto", "fp8", "fp8"]
+    spellings = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+    assert [resolve_kv_cache_dtype(c) for c in spellings] == ["auto", "bfloat16", "fp8", "fp8"]
     with pytest.raises(ConfigError) as e5m2:
         resolve_kv_cache_dtype("fp8_e5m2")
     assert str(e5m2.value) == "kv_cache_dtype fp8_e5m2 is not supported; use fp8 (e4m3)"
-    for bad in ("int8", "bfloat16", "FP8"):
+    for bad in ("int8", "bf16", "FP8"):
         with pytest.raises(ConfigError) as info:
             resolve_kv_cache_dtype(bad)
         message = str(info.value)
-        assert "\n" not in message and "auto, fp8, fp8_e4m3" in message and repr(bad) in message
+        assert "\n" not in message and "auto, bfloat16, fp8, fp8_e4m3" in message and repr(bad) in message
 
 
 def test_engine_config_refuses_before_reading_the_model():
@@ -57,6 +58,11 @@ def test_the_flag_reaches_the_config(tiny_llama):
     assert config.cache.kv_cache_dtype == "fp8" and config.kv_cache_dtype_name == "fp8_e4m3"
     auto = EngineConfig.create(EngineArgs(model=tiny_llama, device="cpu"))
     assert auto.cache.kv_cache_dtype == "auto" and auto.kv_cache_dtype_name == "float32"
+    # bfloat16: a cache narrower than float32 weights; beside bfloat16 weights it is their own cache
+    bf16 = EngineConfig.create(EngineArgs(model=tiny_llama, device="cpu", kv_cache_dtype="bfloat16"))
+    assert bf16.cache.kv_cache_dtype == "bfloat16" and bf16.kv_cache_dtype_name == "bfloat16"
+    same = EngineConfig.create(EngineArgs(model=tiny_llama, device="cpu", dtype="bfloat16", kv_cache_dtype="bfloat16"))
+    assert same.cache.kv_cache_dtype == "auto" and same.kv_cache_dtype_name == "bfloat16"
 
     labels = cache_config_labels(config, 1234)
     assert labels["cache_dtype"] == "fp8" and labels["num_gpu_blocks"] == "1234" and labels["block_size"] == "16"
@@ -207,3 +213,15 @@ def test_torch_backend_fp8_against_the_model_dtype_cache(dtype):
     error = (fp8_out.double() - auto_out.double()).abs()
     # Measured: max 0.088, mean 0.012 (fp32 and bf16 alike), for outputs of mean magnitude 0.40.
     assert error.max() < 0.2 and error.mean() < 0.03, (error.max(), error.mean())
+
+
+def test_a_bf16_cache_beside_float32_weights_is_refused_on_a_gpu_in_one_line():
+    from pagoda.config.engine import _bf16_cache_beside
+
+    assert _bf16_cache_beside("bfloat16", "float32", "cpu") == "bfloat16"
+    assert _bf16_cache_beside("bfloat16", "bfloat16", "cuda") == "auto"
+    assert _bf16_cache_beside("fp8", "float32", "cuda") == "fp8"
+    with pytest.raises(ConfigError) as info:
+        _bf16_cache_beside("bfloat16", "float16", "cuda")
+    message = str(info.value)
+    assert info.value.param == "kv_cache_dtype" and "\n" not in message and "--dtype bfloat16" in message
