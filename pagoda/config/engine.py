@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 # --kv-cache-dtype: the spellings accepted, and what each resolves to ("fp8" is e4m3, as in vLLM).
 KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+# What a resolved --kv-cache-dtype other than "auto" stores: its name (logs, /metrics) and bytes per element.
+KV_CACHE_STORAGE = {"fp8": ("fp8_e4m3", 1), "bfloat16": ("bfloat16", 2)}
 # Defaults that "None"/"auto" knobs resolve to in `EngineConfig.create` (also read by `pagoda plan`).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
@@ -367,8 +369,7 @@ class EngineConfig:
     @property
     def kv_cache_dtype_name(self) -> str:
         """What the KV cache holds, as logs and /metrics name it: "fp8_e4m3", "bfloat16" or the model dtype."""
-        names = {"fp8": "fp8_e4m3", "bfloat16": "bfloat16"}
-        return names.get(self.cache.kv_cache_dtype, self.model.dtype)
+        return KV_CACHE_STORAGE.get(self.cache.kv_cache_dtype, (self.model.dtype, 0))[0]
 
     def replace_cache(self, **changes: Any) -> EngineConfig:
         """A new config with some cache fields changed (the original stays frozen)."""
@@ -454,8 +455,10 @@ def resolve_max_num_batched_tokens(requested: int | None, max_num_seqs: int) -> 
 def _bf16_cache_beside(kv_cache_dtype: str, dtype: str, device: str) -> str:
     """A bfloat16 cache is a CPU choice beside float32 weights (the PyTorch attention widens what it reads);
     beside bfloat16 weights it is the model's own cache ("auto")."""
-    if kv_cache_dtype != "bfloat16" or dtype == "bfloat16":
-        return "auto" if kv_cache_dtype == "bfloat16" else kv_cache_dtype
+    if kv_cache_dtype != "bfloat16":
+        return kv_cache_dtype
+    if dtype == "bfloat16":
+        return "auto"
     if device != "cpu":
         raise ConfigError(
             f"--kv-cache-dtype bfloat16 beside --dtype {dtype} is for the CPU; on a GPU serve --dtype bfloat16 "

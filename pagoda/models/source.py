@@ -93,8 +93,9 @@ class SafetensorsTensor:
         return self._handle.get_slice(self.name)[tuple(slice(a, b) for a, b in self._ranges)]
 
 
-# What `iter_weights` yields: a plain tensor (GGUF, .bin) or an unread safetensors entry.
-CheckpointTensor = "torch.Tensor | SafetensorsTensor"
+if TYPE_CHECKING:  # annotations only: this module runs without torch until tensors are read
+    # What `iter_weights` yields: a plain tensor (GGUF, .bin) or an unread safetensors entry.
+    CheckpointTensor = torch.Tensor | SafetensorsTensor
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagoda.config import KV_CACHE_DTYPES, EngineArgs, resolve_kv_cache_dtype, text_field
+from pagoda.config import KV_CACHE_DTYPES, KV_CACHE_STORAGE, EngineArgs, resolve_kv_cache_dtype, text_field
 from pagoda.config.engine import (
     resolve_gpu_memory_utilization,
     resolve_max_model_len,
@@ -216,7 +216,7 @@ def make_plan(
         raise ConfigError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}; got {dtype!r}", "dtype")
     dtype_bytes = _DTYPE_BYTES[dtype]
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
-    cache_dtype_bytes = {"fp8": 1, "bfloat16": 2}.get(kv_cache_dtype, dtype_bytes)
+    cache_dtype_bytes = KV_CACHE_STORAGE[kv_cache_dtype][1] if kv_cache_dtype in KV_CACHE_STORAGE else dtype_bytes
     max_model_len = resolve_max_model_len(max_model_len, hf_config)
     gpu_memory_utilization = resolve_gpu_memory_utilization(gpu_memory_utilization)
     tp = tensor_parallel_size
