@@ -135,17 +135,31 @@ def _param_bytes(model: nn.Module) -> int:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Small random values in every parameter (`--load-format dummy`): speed depends on shapes only,
-    and a config.json is all a benchmark then needs, not gigabytes of checkpoint."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    and a config.json is all a benchmark then needs, not gigabytes of checkpoint. Values are drawn where
+    the parameter lives, by that device's generator: drawing a GPU model's billions of values on the host
+    and copying them over made startup scale with the host's speed."""
+    generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if getattr(param, "optional", False):
             continue  # already holds its default (a GPTQ g_idx: rows in order)
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        generator = generators[device]
         if not param.dtype.is_floating_point:  # packed 4-bit weights and zero points: any bits
-            bits = torch.randint(-(2**31), 2**31 - 1, param.shape, generator=generator, dtype=torch.int64)
+            bits = torch.randint(
+                -(2**31), 2**31 - 1, param.shape, generator=generator, dtype=torch.int64, device=device
+            )
             param.copy_(bits.to(param.dtype))
             continue
-        values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2e-3 - 1e-3
-        param.copy_(values.to(param.dtype))
+        if device.type == "cpu":  # drawn in float32 and rounded: the values CPU tests were written against
+            values = torch.rand(param.shape, generator=generator, dtype=torch.float32) * 2e-3 - 1e-3
+            param.copy_(values.to(param.dtype))
+        elif param.element_size() > 1:
+            param.uniform_(-1e-3, 1e-3, generator=generator)
+        else:  # fp8: no uniform_ kernel, drawn in bf16
+            draws = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
+            param.copy_(draws.uniform_(-1e-3, 1e-3, generator=generator))
 
 
 @dataclass
