@@ -93,8 +93,13 @@ class LoRAManager:
         if known is not None and known != request:
             # A new folder under a known id: the old one's slot and host copy must not be used for it.
             self.remove(request.lora_int_id)
-        self._host_copy(request)
+        adapter = self._host_copy(request)
         self._requests[request.lora_int_id] = request
+        if None in self._slots:
+            # A free device slot takes it now, so the first step asking for it copies nothing: the adapters
+            # named at startup are on the device before the server reports ready (their first requests'
+            # steps used to wait while every layer's A and B were copied from host memory).
+            self._place(self._slots.index(None), request.lora_int_id, adapter)
 
     def remove(self, adapter_id: int) -> bool:
         self._host.pop(adapter_id, None)
@@ -138,11 +143,14 @@ class LoRAManager:
         else:
             free = [i for i, held in enumerate(self._slots) if held is None or held not in needed]
             slot = min(free, key=lambda i: (self._slots[i] is not None, self._slot_used[i]))
-            adapter = self._host_copy(self._requests[adapter_id])
-            for name, weights in adapter.by_layer().items():
-                self.layers[name].set(slot, weights)
-            for name in self.layers.keys() - adapter.by_layer().keys():
-                self.layers[name].set(slot, {})
-            self._slots[slot] = adapter_id
+            self._place(slot, adapter_id, self._host_copy(self._requests[adapter_id]))
         self._slot_used[slot] = self._steps
         return slot
+
+    def _place(self, slot: int, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Device slot `slot` <- the adapter's A and B in every layer (zeros where it adds nothing)."""
+        for name, weights in adapter.by_layer().items():
+            self.layers[name].set(slot, weights)
+        for name in self.layers.keys() - adapter.by_layer().keys():
+            self.layers[name].set(slot, {})
+        self._slots[slot] = adapter_id

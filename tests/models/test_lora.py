@@ -154,6 +154,32 @@ def test_fewer_slots_and_host_copies_than_adapters(lora_setup, monkeypatch):
     assert reads.count("attn") >= 2 and reads.count("mlp") >= 2  # evicted by the other, read again
 
 
+def test_adapters_added_ahead_are_on_the_device_before_their_first_step(lora_setup, monkeypatch):
+    """Adapters read before any request (the server's --lora-modules) fill the free device slots at once; one
+    beyond the slots is copied to the device when its first step comes. Outputs equal PEFT's either way."""
+    from pagoda.lora.layers import LoRASlots
+
+    base, adapters, refs = lora_setup
+    requests = _requests(adapters)
+    llm = _llm(base, max_loras=2)
+    for request in requests.values():
+        llm.llm_engine.add_lora(request)
+    copies = []
+    real = LoRASlots.set
+    monkeypatch.setattr(LoRASlots, "set", lambda self, slot, w: copies.append(slot) or real(self, slot, w))
+    for name in ("attn", "mlp"):
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False, lora_request=requests[name]
+        )
+        _check(outputs, refs[name])
+    assert copies == []
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False, lora_request=requests["all"]
+    )
+    _check(outputs, refs["all"])
+    assert copies  # the third adapter had no slot until its step
+
+
 def test_prefix_cache_is_not_shared_between_adapters(lora_setup):
     base, adapters, _ = lora_setup
     requests = _requests(adapters)
