@@ -1,7 +1,8 @@
 """Sweep the paged decode kernel's launch configuration on the GPU, per attention shape.
 
     python benchmarks/kernels/decode_kernel_sweep.py [--shapes yuan2-2b,qwen2-vl-2b] [--cases 64x168,512x640]
-        [--layouts token,head] [--block-n 16,32,64,128] [--warps 1,2,4] [--stages 1,2,3] [--out sweep.json]
+        [--layouts token,head] [--block-n 16,32,64,128] [--warps 1,2,4] [--stages 1,2,3] [--splits 2,4,8]
+        [--max-model-len 2048] [--out sweep.json]
 
 For each (heads, kv heads, head dim) of the benchmark shapes, batch and context length, times
 `paged_decode_attention` (`triton.testing.do_bench`, scattered cache blocks, block size 16) under
@@ -22,7 +23,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: h200_shapes
 from h200_shapes import copy_bandwidth  # noqa: E402
 
-ATTENTION_SHAPES = {"yuan2-2b": (32, 32, 64), "qwen2-vl-2b": (12, 2, 128), "llama-3-8b": (32, 8, 128)}
+ATTENTION_SHAPES = {
+    "yuan2-2b": (32, 32, 64),
+    "qwen2-vl-2b": (12, 2, 128),
+    "qwen2-vl-7b": (28, 4, 128),
+    "llama-3-8b": (32, 8, 128),
+}
 CASES = "1x168,64x168,256x168,256x512,512x640"
 
 
@@ -39,6 +45,8 @@ def main() -> None:
     ap.add_argument("--block-n", default="16,32,64,128")
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--splits", default="", help="split counts to try beside 1 and the graph's (e.g. 2,4,8)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="what a CUDA-graph step sizes its splits by")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
@@ -72,15 +80,17 @@ def main() -> None:
             seq_lens = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
             q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
             floor_us = 2 * batch * (context + 1) * kv_heads * dim * 2 / bandwidth * 1e6
-            # The split count a CUDA-graph decode step uses (max_seq_len = a 2048 max_model_len).
-            graph_splits = pa.choose_num_splits(batch, kv_heads, 2048, pa.device_sm_count("cuda"))
-            splits_options = sorted({1, graph_splits})
+            # The split count a CUDA-graph decode step uses (max_seq_len = the max_model_len).
+            graph_splits = pa.choose_num_splits(batch, kv_heads, args.max_model_len, pa.device_sm_count("cuda"))
+            splits_options = sorted({1, graph_splits, *(ints(args.splits) if args.splits else [])})
 
             def run(cfg, splits, args=(q, k_cache, v_cache, tables, seq_lens, dim**-0.5)):
                 pa.decode_config = lambda head_dim, cfg=cfg: cfg
                 try:
-                    return 1e3 * triton.testing.do_bench(
-                        lambda: pa.paged_decode_attention(*args, splits), warmup=5, rep=30
+                    # In a CUDA graph, as decode steps run it: a per-call timing of a ~50 us kernel
+                    # measures the host's launch path instead.
+                    return 1e3 * triton.testing.do_bench_cudagraph(
+                        lambda: pa.paged_decode_attention(*args, splits), rep=30
                     )
                 finally:
                     pa.decode_config = default

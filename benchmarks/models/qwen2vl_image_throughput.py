@@ -40,6 +40,16 @@ SHAPES = {
         vocab_size=151936,
         vision=dict(depth=32, embed_dim=1280, num_heads=16),
     ),
+    "7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        vision=dict(depth=32, embed_dim=1280, num_heads=16),
+    ),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -56,6 +66,7 @@ IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 def write_config(folder: str, shape: str) -> str:
     dims = dict(SHAPES[shape])
     vision = dims.pop("vision")
+    tied = dims.pop("tie_word_embeddings", True)  # the 2B ties its LM head to the embedding, the 7B does not
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
     section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # [16, 24, 24] for 128
     config = dict(
@@ -66,7 +77,7 @@ def write_config(folder: str, shape: str) -> str:
         rms_norm_eps=1e-6,
         rope_theta=1e6,
         hidden_act="silu",
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         torch_dtype="bfloat16",
         bos_token_id=151643,
         eos_token_id=151645,
