@@ -10,6 +10,8 @@ both are the single-device layers: parameter `weight` [V, H], one lookup / one m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,14 +40,22 @@ class _VocabRows(nn.Module):
 
 
 class VocabParallelEmbedding(_VocabRows):
-    """input_ids [T] → embeddings [T, H]."""
+    """input_ids [T] → embeddings [T, H].
+
+    rows: what looks the rows up in place of `weight` (then dropped): a CPU GGUF's Q8_0 levels widened per
+    lookup (`layers/quantization/cpu_int4.py`)."""
+
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.rows is None else self.rows(ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight).masked_fill_(~mine.unsqueeze(-1), 0)
+        out = self._lookup(local).masked_fill_(~mine.unsqueeze(-1), 0)
         return parallel_state.all_reduce(out)
 
 
@@ -53,7 +63,7 @@ class ParallelLMHead(_VocabRows):
     """hidden [N, H] → logits [N, V] (the full vocabulary on every rank).
 
     quant: a method that multiplies in place of `weight` (the CPU's bf16 head, `layers/quantization/cpu_int4.py`);
-    `weight` stays, since a tied embedding looks its rows up."""
+    `weight` stays while a tied embedding looks its rows up in it."""
 
     quant: QuantMethod | None = None
 

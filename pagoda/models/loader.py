@@ -114,15 +114,17 @@ def _keep_gguf_int4(model: nn.Module) -> None:
         return
     packed, kept = cpu_int4.pack_int4_layers(model)
     heads = cpu_int4.bf16_lm_heads(model) if packed and envs.CPU_BF16_LM_HEAD.value else 0
+    embeddings = cpu_int4.int8_embeddings(model) if packed else 0
     logger.info(
         "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32"
-        "; LM head %s",
+        "; LM head %s; embedding %s",
         packed,
         cpu_int4.GROUP,
         policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",
         kept,
         "bf16 (PAGODA_CPU_BF16_LM_HEAD)" if heads else "float32",
+        "int8 (its Q8_0 levels)" if embeddings else "float32",
     )
 
 

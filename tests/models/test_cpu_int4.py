@@ -55,14 +55,19 @@ def _linear(weight: torch.Tensor, bias: bool = False):
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 7, policy.CPU_INT4_MAX_ROWS, policy.CPU_INT4_MAX_ROWS + 1, 300])
-def test_both_matmul_paths_equal_the_float_matmul(rows):
-    weight = _gguf_blocks(192, 320, GGMLQuantizationType.Q4_1, seed=rows)
+# 192 outputs: whole blocks of the int4 kernel's 64 columns; 96 and 80: a narrower last block.
+SHAPES = [(1, 192), (7, 192), (policy.CPU_INT4_MAX_ROWS, 192), (policy.CPU_INT4_MAX_ROWS + 1, 192), (300, 192)]
+
+
+@pytest.mark.parametrize("rows, outputs", [*SHAPES, (300, 96), (65, 80)])
+def test_both_matmul_paths_equal_the_float_matmul(rows, outputs):
+    weight = _gguf_blocks(outputs, 320, GGMLQuantizationType.Q4_1, seed=rows)
     layer = _linear(weight, bias=True)
     x = torch.randn(rows, 320)
     expected = F.linear(x, weight, layer.bias)  # float32, over gguf's own dequantization
     assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
     assert not hasattr(layer, "weight") or layer.weight is None
+    assert layer.quant.nibbles is None  # the many-row path reads the kernel's own packed levels
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # bf16 activations and scales: within bf16's rounding of the output scale, not exact.
@@ -91,6 +96,46 @@ def test_bf16_lm_head_is_within_bf16_rounding_of_the_float_head(rows, monkeypatc
     assert head.weight.dtype == torch.float32  # kept: a tied embedding looks its rows up
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.F32])
+def test_q8_0_embedding_rows_come_back_exactly(qtype):
+    from pagoda.layers.vocab_parallel import VocabParallelEmbedding
+
+    weight = _gguf_blocks(300, 96, qtype) if qtype != GGMLQuantizationType.F32 else torch.randn(300, 96)
+    embedding = VocabParallelEmbedding(300, 96)
+    embedding.weight.data = weight.clone()
+    ids = torch.tensor([[0, 299, 5], [17, 17, 150]])
+    expected = F.embedding(ids, weight)
+    grid = cpu_int4.find_int8_grid(weight, chunk=64)  # several chunks
+    if qtype != GGMLQuantizationType.Q8_0:
+        assert grid is None and cpu_int4.int8_embeddings(torch.nn.Sequential(embedding)) == 0
+        return
+    assert grid is not None and grid[0].dtype == torch.int8
+    assert cpu_int4.int8_embeddings(torch.nn.Sequential(embedding)) == 1
+    assert not hasattr(embedding, "weight")
+    assert torch.equal(embedding(ids), expected)  # bit for bit gguf's dequantization
+
+
+@pytest.mark.parametrize("bf16_head", [True, False])
+def test_tied_q8_0_embedding_drops_its_float_matrix_only_beside_the_bf16_head(bf16_head, monkeypatch):
+    from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+    monkeypatch.setattr(cpu_int4, "native_bf16", lambda: bf16_head)
+    embedding, head = VocabParallelEmbedding(1000, 64), ParallelLMHead(1000, 64)
+    embedding.weight.data = _gguf_blocks(1000, 64, GGMLQuantizationType.Q8_0, seed=3)
+    head.weight = embedding.weight  # tied
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head})
+    hidden = torch.randn(5, 64)
+    float_head = F.linear(hidden, embedding.weight)
+    assert cpu_int4.bf16_lm_heads(model) == int(bf16_head)
+    before = head(hidden)
+    assert cpu_int4.int8_embeddings(model) == int(bf16_head)
+    assert hasattr(head, "weight") != bf16_head  # a float32 head still multiplies by the float matrix
+    after = head(hidden)
+    assert torch.equal(after, before)  # the exact top logits come from the int8 rows, bit for bit
+    best = float_head.argmax(-1, keepdim=True)
+    assert torch.equal(after.gather(-1, best), before.gather(-1, best))
+
+
 def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, monkeypatch, caplog):
     from pagoda import SamplingParams
     from tests.conftest import build_default_llm
@@ -101,6 +146,8 @@ def test_embedded_model_keeps_its_greedy_tokens_with_4bit_layers(default_llm, mo
     assert isinstance(layers[0].mlp.down_proj.quant, cpu_int4.CpuInt4Method)  # the default is 4-bit
     head = default_llm.llm_engine.runner.model.lm_head
     assert isinstance(head.quant, cpu_int4.Bf16LMHead) == cpu_int4.native_bf16()  # and so is the bf16 head
+    embedding = default_llm.llm_engine.runner.model.model.embed_tokens
+    assert isinstance(embedding.rows, cpu_int4.Int8Rows) == cpu_int4.native_bf16()  # its Q8_0 levels beside it
     fast = default_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("PAGODA_CPU_INT4", "0")
     reference = build_default_llm().generate(prompts, params, use_tqdm=False)

@@ -20,25 +20,36 @@ The kernel's scales and zero points are one [K/32, N, 2] bf16 tensor, w = (q −
 zero = m + 8·d. `int4_reference` (the float32 weight rebuilt from q, d, m, then F.linear) is what the
 tests hold both paths to.
 
+The kernel's packed levels are the layer's only copy of them: the many-row path unpacks them
+(`_unpack_levels`, checked against the levels when the layer is packed; a torch whose packing differs keeps
+a second, plain copy instead).
+
 The LM head of such a model (the embedded one ties it to its Q8_0 embedding, 49,152 x 576) is the largest
 matrix a decode step reads: as float32 it is ~40 % of the layers' bytes together. Where the CPU multiplies bf16
 natively, `Bf16LMHead` multiplies by a bf16 copy of it (half the bytes, and the bf16 GEMM scales with the rows
 where the float32 one does not), then recomputes each row's largest logits in float32, so greedy tokens and the
-top log-probabilities stay the float32 head's; the float32 weight stays for the embedding's lookups. Switch:
-`PAGODA_CPU_BF16_LM_HEAD=0`.
+top log-probabilities stay the float32 head's. Switch: `PAGODA_CPU_BF16_LM_HEAD=0`.
+
+A Q8_0 embedding (32 values w = q·d per block, q an int8 in −127..127, d the block's largest magnitude / 127)
+goes back to its levels and scales the same way (`find_int8_grid`: every value given back exactly, or the
+tensor stays float). `Int8Rows` widens the rows a step looks up, and the bf16 head's exact recomputation reads
+its rows from it, so the float32 matrix (a quarter of the embedded model's resident weights) is dropped: the
+float32 products q·d are the values the GGUF's own dequantization gives, bit for bit. With a tied head that
+multiplies in float32 (no native bf16) the float matrix is needed anyway and the embedding stays float.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import policy
 from pagoda.layers.linear import Linear
-from pagoda.layers.vocab_parallel import ParallelLMHead
+from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 GROUP = 32  # GGUF's block: 32 input values per scale and minimum
 
@@ -92,6 +103,20 @@ def int4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.T
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
 
 
+def _unpack_levels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The levels q uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s bytes: blocks of 64 output
+    columns, each [K, 32] bytes whose low nibble is column j of the block and high nibble column j + 32; a last
+    block of fewer columns (N is a multiple of 16) is [K, width / 2] bytes holding columns 2j and 2j + 1."""
+    flat = packed.reshape(-1)
+    full = n // 64 * 64
+    blocks = flat[: full * k // 2].reshape(full // 64, k, 32)
+    q = torch.cat((blocks & 15, blocks >> 4), -1).transpose(1, 2).reshape(full, k)
+    if full == n:
+        return q
+    tail = flat[full * k // 2 :].reshape(k, (n - full) // 2).t()  # [width / 2, K]
+    return torch.cat((q, torch.stack((tail & 15, tail >> 4), 1).reshape(n - full, k)))
+
+
 class CpuInt4Method:
     """`Linear.quant` of one layer whose weight went back to 4 bits (`pack_int4_layers`)."""
 
@@ -101,8 +126,10 @@ class CpuInt4Method:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
         # [K/32, N, 2]: the kernel's (scale, zero) per group and column, w = (q − 8)·scale + zero.
         self.scales_zeros = torch.stack((d, m + 8 * d), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        # For the many-row path: the levels two to a byte (low nibble first) and the group (d, m).
-        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        # For the many-row path: the levels come from `packed`, unless this torch packs them another way;
+        # then a plain copy, two to a byte (low nibble first).
+        same = torch.equal(_unpack_levels(self.packed, n, k), q)
+        self.nibbles = None if same else (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         self.prefill_dtype = torch.bfloat16 if native_bf16() else torch.float32
         self.d = d.to(self.prefill_dtype)[..., None]
         self.m = m.to(self.prefill_dtype)[..., None]
@@ -110,9 +137,12 @@ class CpuInt4Method:
     def dequantized(self) -> torch.Tensor:
         """The [N, K] weight in `prefill_dtype` (exact levels; d and m rounded to it)."""
         n, k = self.shape
-        q = torch.empty(n, k, dtype=torch.uint8)
-        torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
-        torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
+        if self.nibbles is None:
+            q = _unpack_levels(self.packed, n, k)
+        else:
+            q = torch.empty(n, k, dtype=torch.uint8)
+            torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
+            torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
         levels = q.reshape(n, k // GROUP, GROUP).to(self.prefill_dtype)
         return torch.addcmul(self.m, levels, self.d).reshape(n, k)
 
@@ -163,14 +193,16 @@ class Bf16LMHead:
     the float32 head's own."""
 
     def __init__(self, weight: torch.Tensor):
-        self.float_weight = weight  # shared with a tied embedding: not a copy
+        # The float32 rows by vocabulary index: the weight itself (shared with a tied embedding, not a copy),
+        # or a tied Q8_0 embedding's `Int8Rows` once that replaces it (`int8_embeddings`).
+        self.exact_rows: Callable[[torch.Tensor], torch.Tensor] = weight.__getitem__
         self.weight = weight.detach().to(torch.bfloat16)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert bias is None, "an LM head has no bias"
         y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
         top = y.topk(min(policy.CPU_BF16_HEAD_EXACT, y.shape[-1]), dim=-1).indices  # [N, k]
-        exact = torch.einsum("nh,nkh->nk", x, self.float_weight[top]).to(y.dtype)  # [N, k]
+        exact = torch.einsum("nh,nkh->nk", x, self.exact_rows(top)).to(y.dtype)  # [N, k]
         return y.scatter_(-1, top, exact)
 
     def gemv_operands(self, layer: Linear) -> None:
@@ -190,6 +222,69 @@ def bf16_lm_heads(model: torch.nn.Module) -> int:
                 module.quant = Bf16LMHead(weight)
                 heads += 1
     return heads
+
+
+def find_int8_grid(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q int8 [V, H], d float32 [V, H/32]) with weight == q·d exactly, d = the block's largest magnitude / 127
+    (Q8_0's), or None when some block is not on that grid. Checked `chunk` rows at a time: the check's float
+    temporaries stay a few MB beside a ~100 MB matrix."""
+    v, h = weight.shape
+    if h % GROUP:
+        return None
+    levels = torch.empty(v, h, dtype=torch.int8)
+    scales = torch.empty(v, h // GROUP, dtype=torch.float32)
+    for r0 in range(0, v, chunk):
+        w = weight[r0 : r0 + chunk].detach().float().reshape(-1, h // GROUP, GROUP)
+        d = w.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(w / torch.where(d != 0, d, torch.ones_like(d))).clamp_(-127, 127)
+        if not torch.equal(q * d, w):
+            return None
+        levels[r0 : r0 + chunk] = q.reshape(-1, h).to(torch.int8)
+        scales[r0 : r0 + chunk] = d.squeeze(-1)
+    return levels, scales
+
+
+class Int8Rows:
+    """An embedding kept as its Q8_0 levels and scales: `rows(ids)` [..] → the float32 rows [.., H], bit for bit
+    the GGUF's dequantized values."""
+
+    def __init__(self, levels: torch.Tensor, scales: torch.Tensor):
+        self.levels, self.scales = levels, scales  # int8 [V, H], float32 [V, H/32]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.levels.shape[1]
+        rows = self.levels[ids].reshape(-1, h // GROUP, GROUP).float() * self.scales[ids].reshape(-1, h // GROUP, 1)
+        return rows.reshape(*ids.shape, h)
+
+
+def int8_embeddings(model: torch.nn.Module) -> int:
+    """Give every float32 CPU embedding on the Q8_0 grid `Int8Rows` and drop its float matrix (from a tied LM head
+    too, whose `Bf16LMHead` then reads its exact rows there); returns how many. An embedding tied to a head that
+    multiplies by the float matrix stays float."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    done = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, VocabParallelEmbedding) or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            continue
+        tied = [head for head in heads if getattr(head, "weight", None) is weight]
+        if any(not isinstance(head.quant, Bf16LMHead) for head in tied):
+            continue
+        grid = find_int8_grid(weight)
+        if grid is None:
+            continue
+        module.rows = Int8Rows(*grid)
+        for head in tied:
+            assert isinstance(head.quant, Bf16LMHead)
+            head.quant.exact_rows = module.rows
+            del head.weight
+        del module.weight
+        done += 1
+    if done:
+        _return_freed_memory()
+    return done
 
 
 def _return_freed_memory() -> None:
