@@ -14,8 +14,9 @@ session) during each point. Rows go to `--json` (default benchmarks/results/cpu_
 over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third system, the
 A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its LM head in float32
 (`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head; `--pagoda-freshkv` Pagoda handing out never-used KV blocks
-first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy; `--pagoda-bf16kv` Pagoda with
-`--kv-cache-dtype bfloat16`.
+first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy; `--pagoda-gatherkv` Pagoda
+gathering every request's KV blocks (`PAGODA_CPU_KV_IN_PLACE=0`), the A/B of attention in place; `--pagoda-bf16kv`
+Pagoda with `--kv-cache-dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ SYSTEM_ENV = {
     "pagoda-float32": {"PAGODA_CPU_INT4": "0"},
     "pagoda-f32head": {"PAGODA_CPU_BF16_LM_HEAD": "0"},
     "pagoda-freshkv": {"PAGODA_CPU_KV_REUSE_FIRST": "0"},
+    "pagoda-gatherkv": {"PAGODA_CPU_KV_IN_PLACE": "0"},
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}
@@ -159,6 +161,11 @@ def main() -> None:
         help="also Pagoda handing out never-used KV blocks first (PAGODA_CPU_KV_REUSE_FIRST=0)",
     )
     ap.add_argument(
+        "--pagoda-gatherkv",
+        action="store_true",
+        help="also Pagoda gathering every request's KV blocks (PAGODA_CPU_KV_IN_PLACE=0)",
+    )
+    ap.add_argument(
         "--pagoda-bf16kv", action="store_true", help="also Pagoda with a bfloat16 KV cache (--kv-cache-dtype bfloat16)"
     )
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
@@ -173,6 +180,7 @@ def main() -> None:
     systems = ["pagoda", "llama.cpp"] + (["pagoda-float32"] if args.pagoda_float32 else [])
     systems += ["pagoda-f32head"] if args.pagoda_f32head else []
     systems += ["pagoda-freshkv"] if args.pagoda_freshkv else []
+    systems += ["pagoda-gatherkv"] if args.pagoda_gatherkv else []
     systems += ["pagoda-bf16kv"] if args.pagoda_bf16kv else []
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates

@@ -58,6 +58,14 @@ CPU_INT4 = Env(
     "on the CPU, a GGUF model's 4-bit linear layers stay 4-bit (layers/quantization/cpu_int4.py); 0: float32",
     once=True,
 )
+CPU_KV_IN_PLACE = Env(
+    "PAGODA_CPU_KV_IN_PLACE",
+    bool,
+    True,
+    "the CPU attention reads a request whose cache blocks are one run through a view, without gathering them "
+    "(layers/torch_attention.py); 0: always gathered",
+    once=True,
+)
 CPU_BF16_LM_HEAD = Env(
     "PAGODA_CPU_BF16_LM_HEAD",
     bool,

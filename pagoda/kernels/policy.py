@@ -35,6 +35,11 @@ CPU_INT4_MAX_ROWS = 64
 # moves a logit by far less than the gap between the first and the eighth candidate.
 CPU_BF16_HEAD_EXACT = 8
 
+# The PyTorch attention on the CPU (`layers/torch_attention.py`) attends decode rows in place (one call per row over
+# a view of its cache blocks) when a step has at most this many, each one run of blocks; more are gathered
+# into one padded batch, whose single call costs less than that many calls.
+CPU_KV_VIEW_MAX_ROWS = 3
+
 # Steps (eager, or a CUDA-graph bucket) of at most this many tokens launch their kernels with
 # programmatic dependent launch (`kernels/pdl.py`, `dispatch.pdl_for_rows`): it shortens a batch-1
 # step's kernel chain, but at batch 256 waiting programs hold SM slots the running kernel needs and the

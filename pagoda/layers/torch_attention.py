@@ -6,6 +6,17 @@ from a per-request contiguous cache. Decode rows (one query token each) are atte
 padded batch with a key-padding mask; prefill chunks are attended one request at a time with a
 causal mask offset by the number of already-cached tokens.
 
+On the CPU, a request whose blocks are one ascending run of block ids (the block manager hands out
+consecutive free blocks, so most are) is attended in place: its keys are a view of the cache, the
+slots [first, first + length), and nothing is copied. Every prefill row that is one run is; decode rows
+are when every decode row of the step is one run and there are at most `policy.CPU_KV_VIEW_MAX_ROWS` of
+them, since then one attention call per row costs less than one gathered batch. A cache narrower than
+the model (fp8, bf16 beside float32) is always gathered: the gather is what widens it. Switch:
+`PAGODA_CPU_KV_IN_PLACE=0`.
+
+Attention calls take 4-D inputs [1, H, L, D]: with 3-D ones PyTorch's CPU SDPA runs grouped-query
+attention on its math path, repeating K and V for every query head.
+
 Gathered blocks may hold slots past a request's length: those are masked out, and they are never
 NaN garbage because the model runner zeroes every block when it is handed out
 (`needs_zeroed_blocks`; the null block 0 that pads tables is zeroed at allocation).
@@ -20,9 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagoda import envs
+from pagoda.kernels import policy
 from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, quantize_kv
 
 
@@ -32,6 +46,15 @@ class _PrefillRow:
     end: int  # one past its last token
     blocks: torch.Tensor  # [nblk] block ids holding positions [0, nblk * block_size)
     mask: torch.Tensor | None  # [q_len, nblk * block_size] bool (True = attend); None = plain causal
+    first_slot: int | None  # the slot of position 0 when the blocks are one run (attended in place)
+    length: int  # keys: cached + new
+
+
+@dataclass
+class _DecodeView:
+    token: int  # flat index of the row's query token
+    first_slot: int  # the slot of its position 0
+    length: int  # keys
 
 
 @dataclass
@@ -41,10 +64,14 @@ class TorchAttentionMetadata:
     decode_blocks: torch.Tensor | None  # [Bd * nblk] block ids, row-major (null-padded)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, nblk * block_size] bool key-padding mask
     prefill_rows: list[_PrefillRow]
+    decode_views: list[_DecodeView] | None = None  # the decode rows in place, when every one is one run
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self.in_place = envs.CPU_KV_IN_PLACE.value  # read once: the switch is set before the process starts
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         starts = batch.query_start_loc.tolist()
@@ -53,7 +80,14 @@ class TorchAttentionBackend(AttentionBackend):
         prefill = [i for i, n in enumerate(batch.query_lens) if n > 1]
         device = batch.slot_mapping.device
 
-        decode_index = decode_blocks = decode_mask = None
+        # Block runs are read on the host: only where the cache is host memory (no device sync).
+        in_place = device.type == "cpu" and self.in_place
+        tables = batch.block_tables.numpy() if in_place else None
+        decode_index = decode_blocks = decode_mask = decode_views = None
+        if in_place and 0 < len(decode) <= policy.CPU_KV_VIEW_MAX_ROWS:
+            firsts = [_first_slot(tables[i], batch.seq_lens[i], bs) for i in decode]
+            if all(f is not None for f in firsts):
+                decode_views = [_DecodeView(starts[i], f, batch.seq_lens[i]) for i, f in zip(decode, firsts)]
         if decode:
             rows = torch.tensor(decode, device=device)
             lens = batch.seq_lens_tensor[rows]  # [Bd]
@@ -72,8 +106,12 @@ class TorchAttentionBackend(AttentionBackend):
                 # query j sits at position (length - q_len + j) and sees keys up to and including it
                 q_pos = torch.arange(length - q_len, length, device=device)
                 mask = torch.arange(num_blocks * bs, device=device)[None, :] <= q_pos[:, None]
-            prefill_rows.append(_PrefillRow(starts[i], starts[i + 1], batch.block_tables[i, :num_blocks], mask))
-        return TorchAttentionMetadata(batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows)
+            first = _first_slot(tables[i], length, bs) if in_place else None
+            row = _PrefillRow(starts[i], starts[i + 1], batch.block_tables[i, :num_blocks], mask, first, length)
+            prefill_rows.append(row)
+        return TorchAttentionMetadata(
+            batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows, decode_views
+        )
 
     def forward(
         self,
@@ -101,8 +139,21 @@ class TorchAttentionBackend(AttentionBackend):
             v_scale = 1.0
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
+        in_place = k_cache.dtype == q.dtype  # a narrower cache is widened by its gather
 
-        if metadata.decode_blocks is not None:
+        if in_place and metadata.decode_views is not None:
+            for row in metadata.decode_views:
+                keys = slice(row.first_slot, row.first_slot + row.length)
+                # 4-D: PyTorch's CPU SDPA runs GQA there without repeating K/V (3-D inputs fall back to that)
+                od = F.scaled_dot_product_attention(
+                    q[row.token][None, :, None],  # [1, Hq, 1, D]
+                    flat_k[keys].transpose(0, 1)[None],  # [1, Hkv, L, D], a view of the cache
+                    flat_v[keys].transpose(0, 1)[None],
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+                out[row.token] = od[0, :, 0]
+        elif metadata.decode_blocks is not None:
             num_rows = metadata.decode_token_index.shape[0]
             qd = q[metadata.decode_token_index].unsqueeze(2)  # [Bd, Hq, 1, D]
             kd = _gather(k_cache, metadata.decode_blocks, num_rows, q.dtype)  # [Bd, Hkv, nblk*bs, D]
@@ -113,14 +164,29 @@ class TorchAttentionBackend(AttentionBackend):
             out[metadata.decode_token_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
 
         for row in metadata.prefill_rows:
-            qp = q[row.start : row.end].transpose(0, 1)  # [Hq, n, D]
-            kp = _gather(k_cache, row.blocks, 1, q.dtype)[0]  # [Hkv, L, D]
-            vp = _gather(v_cache, row.blocks, 1, q.dtype)[0]
+            qp = q[row.start : row.end].transpose(0, 1)[None]  # [1, Hq, n, D]
+            mask = row.mask
+            if in_place and row.first_slot is not None:
+                keys = slice(row.first_slot, row.first_slot + row.length)
+                kp, vp = flat_k[keys].transpose(0, 1)[None], flat_v[keys].transpose(0, 1)[None]  # [1, Hkv, L, D]
+                mask = None if mask is None else mask[:, : row.length]
+            else:
+                kp = _gather(k_cache, row.blocks, 1, q.dtype)  # [1, Hkv, nblk * bs, D]
+                vp = _gather(v_cache, row.blocks, 1, q.dtype)
+            # 4-D, as for decode: 3-D GQA inputs take SDPA's math path, which repeats K/V per query head.
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=gqa
-            )
+                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )[0]
             out[row.start : row.end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out
+
+
+def _first_slot(table: np.ndarray, length: int, block_size: int) -> int | None:
+    """The slot of position 0 when the blocks holding `length` positions are consecutive ids, else None."""
+    blocks = table[: -(-length // block_size)]
+    if not (np.diff(blocks) == 1).all():
+        return None
+    return int(blocks[0]) * block_size
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     # The test extras install triton only on Linux x86_64; elsewhere a missing triton is expected.
     pytest.importorskip("triton")
 
+from pagoda.kernels import policy
 from pagoda.kernels.attention.decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from pagoda.kernels.attention.prefill import paged_prefill_attention
 from pagoda.kernels.attention.store_kv import store_kv
@@ -64,12 +65,15 @@ def make_case(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    consecutive: bool = False,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in spec]
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = 1 + sum(need) + 3  # null block + used + spare
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # scattered, never block 0
+    if consecutive:  # each request's blocks one ascending run, as a fresh block manager hands them out
+        ids = list(range(1, num_blocks))
     tables = torch.zeros(len(spec), max(need) + 1, dtype=torch.long)  # at least one null-padding column
     for row, n in enumerate(need):
         tables[row, :n] = torch.tensor(ids[:n])
@@ -304,6 +308,40 @@ def test_backend_bfloat16(spec, num_heads: int, num_kv_heads: int) -> None:
     assert out.dtype == torch.bfloat16
     assert_matches(out, expected, torch.bfloat16)
     assert_matches(out, dense_attention(case), torch.bfloat16)
+
+
+FEW_DECODE = DECODE_ONLY[-policy.CPU_KV_VIEW_MAX_ROWS :]  # as many decode rows as are attended in place
+
+
+@pytest.mark.parametrize("spec", [FEW_DECODE, PREFILL_ONLY, MIXED], ids=["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_torch_backend_attends_consecutive_blocks_in_place(spec, num_heads: int, num_kv_heads: int) -> None:
+    """Requests whose blocks are one run are read through views of the cache: on a cache whose unwritten slots
+    are NaN (a gathered block's tail would carry them into the output) the result is exact."""
+    if DEVICE != "cpu":
+        pytest.skip("attended in place only where the cache is host memory")
+    case = make_case(spec, num_heads, num_kv_heads, 16, 4, seed=5, consecutive=True)
+    backend = TorchAttentionBackend()
+    meta = backend.prepare(case.batch)
+    assert all(row.first_slot is not None for row in meta.prefill_rows)
+    assert (meta.decode_views is not None) == (meta.decode_blocks is not None)
+    out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale)
+    assert_matches(out, dense_attention(case), torch.float32)
+
+
+def test_torch_backend_gathers_many_decode_rows_scattered_blocks_and_when_switched_off(monkeypatch) -> None:
+    if DEVICE != "cpu":
+        pytest.skip("attended in place only where the cache is host memory")
+    many = [(3 * i, 1) for i in range(policy.CPU_KV_VIEW_MAX_ROWS + 1)]
+    for spec, consecutive, switch in ((many, True, "1"), (DECODE_ONLY, False, "1"), (MIXED, True, "0")):
+        monkeypatch.setenv("PAGODA_CPU_KV_IN_PLACE", switch)
+        case = make_case(spec, 4, 2, 16, 4, seed=6, consecutive=consecutive)
+        meta = TorchAttentionBackend().prepare(case.batch)
+        assert meta.decode_views is None
+        assert all(row.first_slot is None for row in meta.prefill_rows) or switch == "1"
+        ref_k, ref_v = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)  # the runner's zeroed blocks
+        out = TorchAttentionBackend().forward(case.q, case.k, case.v, ref_k, ref_v, meta, case.scale)
+        assert_matches(out, dense_attention(case), torch.float32)
 
 
 # ---- host-side rules ------------------------------------------------------------------------------------
