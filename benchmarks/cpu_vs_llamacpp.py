@@ -16,7 +16,8 @@ A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its 
 (`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head; `--pagoda-freshkv` Pagoda handing out never-used KV blocks
 first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy; `--pagoda-gatherkv` Pagoda
 gathering every request's KV blocks (`PAGODA_CPU_KV_IN_PLACE=0`), the A/B of attention in place; `--pagoda-bf16kv`
-Pagoda with `--kv-cache-dtype bfloat16`.
+Pagoda with `--kv-cache-dtype bfloat16`; `--also NAME ...` any of these by name, and `pagoda-noint8head` (the LM
+head's int8 copy off, `PAGODA_CPU_INT8_LM_HEAD=0`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SYSTEM_ENV = {
     "pagoda-f32head": {"PAGODA_CPU_BF16_LM_HEAD": "0"},
     "pagoda-freshkv": {"PAGODA_CPU_KV_REUSE_FIRST": "0"},
     "pagoda-gatherkv": {"PAGODA_CPU_KV_IN_PLACE": "0"},
+    "pagoda-noint8head": {"PAGODA_CPU_INT8_LM_HEAD": "0"},
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}
@@ -168,6 +170,13 @@ def main() -> None:
     ap.add_argument(
         "--pagoda-bf16kv", action="store_true", help="also Pagoda with a bfloat16 KV cache (--kv-cache-dtype bfloat16)"
     )
+    ap.add_argument(
+        "--also",
+        nargs="+",
+        default=[],
+        choices=sorted(SYSTEM_ENV | SYSTEM_FLAGS),
+        help="more Pagoda variants by name (the --pagoda-* flags are shorthands for some of them)",
+    )
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = ap.parse_args()
     from pagoda.models.gguf_checkpoint import default_gguf_path
@@ -182,6 +191,7 @@ def main() -> None:
     systems += ["pagoda-freshkv"] if args.pagoda_freshkv else []
     systems += ["pagoda-gatherkv"] if args.pagoda_gatherkv else []
     systems += ["pagoda-bf16kv"] if args.pagoda_bf16kv else []
+    systems += [name for name in args.also if name not in systems]
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates
             port = free_port()

@@ -58,6 +58,14 @@ CPU_INT4 = Env(
     "on the CPU, a GGUF model's 4-bit linear layers stay 4-bit (layers/quantization/cpu_int4.py); 0: float32",
     once=True,
 )
+CPU_INT8_LM_HEAD = Env(
+    "PAGODA_CPU_INT8_LM_HEAD",
+    bool,
+    True,
+    "beside the bf16 LM head, steps of few rows multiply by an int8 copy of it (layers/quantization/cpu_int4.py); "
+    "0: the bf16 copy at every step",
+    once=True,
+)
 CPU_KV_IN_PLACE = Env(
     "PAGODA_CPU_KV_IN_PLACE",
     bool,

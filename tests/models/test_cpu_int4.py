@@ -76,8 +76,10 @@ def test_both_matmul_paths_equal_the_float_matmul(rows, outputs):
     assert torch.allclose(reference, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 33])
+@pytest.mark.parametrize("rows", [1, policy.CPU_INT8_HEAD_MAX_ROWS, policy.CPU_INT8_HEAD_MAX_ROWS + 1, 33])
 def test_bf16_lm_head_is_within_bf16_rounding_of_the_float_head(rows, monkeypatch):
+    """Up to policy.CPU_INT8_HEAD_MAX_ROWS rows the head's int8 copy multiplies, above it the bf16 copy: both
+    within their rounding of the float head, and the largest logits the float head's own."""
     from pagoda.layers.vocab_parallel import ParallelLMHead
 
     monkeypatch.setattr(cpu_int4, "native_bf16", lambda: True)  # the CPU's bf16 speed is not what is tested

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagoda import envs
 from pagoda.kernels import policy
 from pagoda.layers.linear import Linear
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -58,6 +59,11 @@ def available() -> bool:
     """This torch build has the CPU int4 kernel."""
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def int8_head_available() -> bool:
+    """This torch build has the CPU int8 weight kernel (and the switch leaves it on)."""
+    return envs.CPU_INT8_LM_HEAD.value and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 @functools.cache
@@ -197,10 +203,24 @@ class Bf16LMHead:
         # or a tied Q8_0 embedding's `Int8Rows` once that replaces it (`int8_embeddings`).
         self.exact_rows: Callable[[torch.Tensor], torch.Tensor] = weight.__getitem__
         self.weight = weight.detach().to(torch.bfloat16)
+        # Steps of at most policy.CPU_INT8_HEAD_MAX_ROWS rows multiply by an int8 copy, one scale per vocabulary
+        # row (a quarter of float32's bytes; PyTorch's int8 kernel, bf16 activations): the head is one pass
+        # over memory there, and the exact recomputation below makes its coarser rounding harmless too.
+        self.levels, self.row_scales = None, None
+        if int8_head_available():
+            w = weight.detach().float()
+            scales = w.abs().amax(1) / 127
+            self.levels = torch.round(w / torch.where(scales > 0, scales, 1.0)[:, None]).to(torch.int8)
+            self.row_scales = scales.to(torch.bfloat16)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert bias is None, "an LM head has no bias"
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.levels is not None and rows.shape[0] <= policy.CPU_INT8_HEAD_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.levels, self.row_scales)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
         top = y.topk(min(policy.CPU_BF16_HEAD_EXACT, y.shape[-1]), dim=-1).indices  # [N, k]
         exact = torch.einsum("nh,nkh->nk", x, self.exact_rows(top)).to(y.dtype)  # [N, k]
         return y.scatter_(-1, top, exact)
