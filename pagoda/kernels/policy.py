@@ -36,8 +36,8 @@ CPU_INT4_MAX_ROWS = 64
 CPU_BF16_HEAD_EXACT = 8
 
 # That head multiplies steps of at most this many rows by its int8 copy (`_weight_int8pack_mm`, bf16 activations),
-# more by its bf16 copy: on 2 cores the int8 kernel took 0.97 / 1.59 / 6.1 ms at 1 / 4 / 16 rows of the embedded
-# model's head against bf16's 2.0 / 2.0 / 2.1 ms.
+# more by its bf16 copy: the int8 kernel reads half the bytes but its time grows with the rows, the bf16 GEMM's
+# hardly; they cross between 4 and 16 rows on the embedded model's head (docs/performance.md has the timings).
 CPU_INT8_HEAD_MAX_ROWS = 4
 
 # The PyTorch attention on the CPU (`layers/torch_attention.py`) attends decode rows in place (one call per row over

@@ -6,11 +6,12 @@ from a per-request contiguous cache. Decode rows (one query token each) are atte
 padded batch with a key-padding mask; prefill chunks are attended one request at a time with a
 causal mask offset by the number of already-cached tokens.
 
-On the CPU, a request whose blocks are one ascending run of block ids (the block manager hands out
-consecutive free blocks, so most are) is attended in place: its keys are a view of the cache, the
-slots [first, first + length), and nothing is copied. Every prefill row that is one run is; decode rows
-are when every decode row of the step is one run and there are at most `policy.CPU_KV_VIEW_MAX_ROWS` of
-them, since then one attention call per row costs less than one gathered batch. A cache narrower than
+On the CPU, a request whose blocks are one ascending run of block ids (what the block manager hands a
+request running alone; concurrent requests' blocks interleave as they grow) is attended in place: its
+keys are a view of the cache, the slots [first, first + length), and nothing is copied. Every prefill
+row that is one run is; decode rows are when every decode row of the step is one run and there are at
+most `policy.CPU_KV_VIEW_MAX_ROWS` of them, since then one attention call per row costs less than one
+gathered batch. A cache narrower than
 the model (fp8, bf16 beside float32) is always gathered: the gather is what widens it. Switch:
 `PAGODA_CPU_KV_IN_PLACE=0`.
 

@@ -28,7 +28,10 @@ The LM head of such a model (the embedded one ties it to its Q8_0 embedding, 49,
 matrix a decode step reads: as float32 it is ~40 % of the layers' bytes together. Where the CPU multiplies bf16
 natively, `Bf16LMHead` multiplies by a bf16 copy of it (half the bytes, and the bf16 GEMM scales with the rows
 where the float32 one does not), then recomputes each row's largest logits in float32, so greedy tokens and the
-top log-probabilities stay the float32 head's. Switch: `PAGODA_CPU_BF16_LM_HEAD=0`.
+top log-probabilities stay the float32 head's. Switch: `PAGODA_CPU_BF16_LM_HEAD=0`. Steps of a few rows
+(`policy.CPU_INT8_HEAD_MAX_ROWS`) multiply by an int8 copy with one scale per vocabulary row instead, PyTorch's
+int8 weight kernel reading a quarter of float32's bytes; the same recomputation follows. Switch:
+`PAGODA_CPU_INT8_LM_HEAD=0`.
 
 A Q8_0 embedding (32 values w = q·d per block, q an int8 in −127..127, d the block's largest magnitude / 127)
 goes back to its levels and scales the same way (`find_int8_grid`: every value given back exactly, or the
