@@ -123,9 +123,16 @@ def _keep_gguf_int4(model: nn.Module) -> None:
         policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",
         kept,
-        "bf16 (PAGODA_CPU_BF16_LM_HEAD)" if heads else "float32",
+        _head_line(heads, cpu_int4.int8_head_available(), policy.CPU_INT8_HEAD_MAX_ROWS),
         "int8 (its Q8_0 levels)" if embeddings else "float32",
     )
+
+
+def _head_line(bf16_heads: int, int8: bool, int8_rows: int) -> str:
+    """How the startup log names the CPU LM head's multiply."""
+    if not bf16_heads:
+        return "float32"
+    return f"bf16 (PAGODA_CPU_BF16_LM_HEAD), int8 up to {int8_rows} rows" if int8 else "bf16 (PAGODA_CPU_BF16_LM_HEAD)"
 
 
 def _param_bytes(model: nn.Module) -> int:
