@@ -5,6 +5,9 @@
     qwen2-vl-2b-text     Qwen2VLForConditionalGeneration, the real 2B config, fed text only
     llama-3-8b           LlamaForCausalLM, Llama-3-8B's dimensions (GQA 32/8 x 128)
 
+`QWEN2VL_7B_TEXT` holds what Qwen2-VL-7B's language model changes from the 2B's (its vision tower is the 2B's,
+merged into 3584).
+
 `write_config(folder, shape)` writes `folder/<shape>/config.json` (and copies tokenizer files from
 `tokenizer_dir` when given) and returns that folder.
 """
@@ -14,6 +17,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+
+QWEN2VL_7B_TEXT = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    tie_word_embeddings=False,
+)
 
 _YUAN_DIMS = dict(
     hidden_size=2048,

@@ -1,6 +1,6 @@
 """Image-request throughput of Qwen2-VL: Pagoda vs transformers `generate()`, same machine, same run.
 
-    python benchmarks/models/qwen2vl_image_throughput.py [--shape 2b|tiny] [--concurrency 1 16 64]
+    python benchmarks/models/qwen2vl_image_throughput.py [--shape 2b|7b|tiny] [--concurrency 1 16 64]
         [--output-len 128] [--text-len 20] [--out DIR]
 
 Workload (issue 5): one 1000x750 image (972 placeholder tokens at the checkpoint's pixel limits)
@@ -23,12 +23,16 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: h200_shapes
+from h200_shapes import QWEN2VL_7B_TEXT  # noqa: E402
 
 SHAPES = {
     "2b": dict(
@@ -40,16 +44,7 @@ SHAPES = {
         vocab_size=151936,
         vision=dict(depth=32, embed_dim=1280, num_heads=16),
     ),
-    "7b": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        vision=dict(depth=32, embed_dim=1280, num_heads=16),
-    ),
+    "7b": dict(QWEN2VL_7B_TEXT, vocab_size=151936, vision=dict(depth=32, embed_dim=1280, num_heads=16)),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
