@@ -66,6 +66,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     consecutive: bool = False,
+    device: str = DEVICE,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in spec]
@@ -102,20 +103,20 @@ def make_case(
     batch = AttentionBatch(
         query_lens,
         seq_lens,
-        starts.to(DEVICE),
-        torch.tensor(seq_lens, device=DEVICE),
-        tables.to(DEVICE),
-        torch.cat(slots).to(DEVICE),
+        starts.to(device),
+        torch.tensor(seq_lens, device=device),
+        tables.to(device),
+        torch.cat(slots).to(device),
         block_size,
     )
     q = randn(sum(query_lens), num_heads, head_dim)
     return Case(
         batch,
-        q.to(DEVICE),
-        torch.cat(new_k).to(DEVICE),
-        torch.cat(new_v).to(DEVICE),
-        k_cache.to(DEVICE),
-        v_cache.to(DEVICE),
+        q.to(device),
+        torch.cat(new_k).to(device),
+        torch.cat(new_v).to(device),
+        k_cache.to(device),
+        v_cache.to(device),
         keys,
         values,
         head_dim**-0.5,
@@ -317,10 +318,9 @@ FEW_DECODE = DECODE_ONLY[-policy.CPU_KV_VIEW_MAX_ROWS :]  # as many decode rows 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 def test_torch_backend_attends_consecutive_blocks_in_place(spec, num_heads: int, num_kv_heads: int) -> None:
     """Requests whose blocks are one run are read through views of the cache: on a cache whose unwritten slots
-    are NaN (a gathered block's tail would carry them into the output) the result is exact."""
-    if DEVICE != "cpu":
-        pytest.skip("attended in place only where the cache is host memory")
-    case = make_case(spec, num_heads, num_kv_heads, 16, 4, seed=5, consecutive=True)
+    are NaN (a gathered block's tail would carry them into the output) the result is exact. Host tensors on
+    every machine: only a cache in host memory is attended in place."""
+    case = make_case(spec, num_heads, num_kv_heads, 16, 4, seed=5, consecutive=True, device="cpu")
     backend = TorchAttentionBackend()
     meta = backend.prepare(case.batch)
     assert all(row.first_slot is not None for row in meta.prefill_rows)
@@ -330,12 +330,10 @@ def test_torch_backend_attends_consecutive_blocks_in_place(spec, num_heads: int,
 
 
 def test_torch_backend_gathers_many_decode_rows_scattered_blocks_and_when_switched_off(monkeypatch) -> None:
-    if DEVICE != "cpu":
-        pytest.skip("attended in place only where the cache is host memory")
     many = [(3 * i, 1) for i in range(policy.CPU_KV_VIEW_MAX_ROWS + 1)]
     for spec, consecutive, switch in ((many, True, "1"), (DECODE_ONLY, False, "1"), (MIXED, True, "0")):
         monkeypatch.setenv("PAGODA_CPU_KV_IN_PLACE", switch)
-        case = make_case(spec, 4, 2, 16, 4, seed=6, consecutive=consecutive)
+        case = make_case(spec, 4, 2, 16, 4, seed=6, consecutive=consecutive, device="cpu")
         meta = TorchAttentionBackend().prepare(case.batch)
         assert meta.decode_views is None
         assert all(row.first_slot is None for row in meta.prefill_rows) or switch == "1"
