@@ -48,6 +48,14 @@ SYSTEM_ENV = {
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}
+# The variants a `--NAME` flag adds (`--also` names any of SYSTEM_ENV / SYSTEM_FLAGS), with its help text.
+VARIANTS = {
+    "pagoda-float32": "float32 weights (PAGODA_CPU_INT4=0)",
+    "pagoda-f32head": "a float32 LM head (PAGODA_CPU_BF16_LM_HEAD=0)",
+    "pagoda-freshkv": "never-used KV blocks handed out first (PAGODA_CPU_KV_REUSE_FIRST=0)",
+    "pagoda-gatherkv": "every request's KV blocks gathered (PAGODA_CPU_KV_IN_PLACE=0)",
+    "pagoda-bf16kv": "a bfloat16 KV cache (--kv-cache-dtype bfloat16)",
+}
 CONTEXT_PER_SLOT = 512  # llama-server's context is shared by its slots: 128 in + 128 out fits with room
 
 
@@ -151,25 +159,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default="/tmp/cpu_vs_llamacpp")
-    ap.add_argument(
-        "--pagoda-float32", action="store_true", help="also Pagoda with float32 weights (PAGODA_CPU_INT4=0)"
-    )
-    ap.add_argument(
-        "--pagoda-f32head", action="store_true", help="also Pagoda with a float32 LM head (PAGODA_CPU_BF16_LM_HEAD=0)"
-    )
-    ap.add_argument(
-        "--pagoda-freshkv",
-        action="store_true",
-        help="also Pagoda handing out never-used KV blocks first (PAGODA_CPU_KV_REUSE_FIRST=0)",
-    )
-    ap.add_argument(
-        "--pagoda-gatherkv",
-        action="store_true",
-        help="also Pagoda gathering every request's KV blocks (PAGODA_CPU_KV_IN_PLACE=0)",
-    )
-    ap.add_argument(
-        "--pagoda-bf16kv", action="store_true", help="also Pagoda with a bfloat16 KV cache (--kv-cache-dtype bfloat16)"
-    )
+    for name, what in VARIANTS.items():  # --pagoda-float32 ...: each adds that system
+        ap.add_argument(f"--{name}", action="store_true", help=f"also Pagoda with {what}")
     ap.add_argument(
         "--also",
         nargs="+",
@@ -186,11 +177,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    systems = ["pagoda", "llama.cpp"] + (["pagoda-float32"] if args.pagoda_float32 else [])
-    systems += ["pagoda-f32head"] if args.pagoda_f32head else []
-    systems += ["pagoda-freshkv"] if args.pagoda_freshkv else []
-    systems += ["pagoda-gatherkv"] if args.pagoda_gatherkv else []
-    systems += ["pagoda-bf16kv"] if args.pagoda_bf16kv else []
+    systems = ["pagoda", "llama.cpp"] + [name for name in VARIANTS if getattr(args, name.replace("-", "_"))]
     systems += [name for name in args.also if name not in systems]
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:  # who goes first alternates

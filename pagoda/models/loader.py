@@ -115,6 +115,9 @@ def _keep_gguf_int4(model: nn.Module) -> None:
     packed, kept = cpu_int4.pack_int4_layers(model)
     heads = cpu_int4.bf16_lm_heads(model) if packed and envs.CPU_BF16_LM_HEAD.value else 0
     embeddings = cpu_int4.int8_embeddings(model) if packed else 0
+    head = "bf16 (PAGODA_CPU_BF16_LM_HEAD)" if heads else "float32"
+    if heads and cpu_int4.int8_head_available():
+        head += f", int8 up to {policy.CPU_INT8_HEAD_MAX_ROWS} rows"
     logger.info(
         "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32"
         "; LM head %s; embedding %s",
@@ -123,16 +126,9 @@ def _keep_gguf_int4(model: nn.Module) -> None:
         policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",
         kept,
-        _head_line(heads, cpu_int4.int8_head_available(), policy.CPU_INT8_HEAD_MAX_ROWS),
+        head,
         "int8 (its Q8_0 levels)" if embeddings else "float32",
     )
-
-
-def _head_line(bf16_heads: int, int8: bool, int8_rows: int) -> str:
-    """How the startup log names the CPU LM head's multiply."""
-    if not bf16_heads:
-        return "float32"
-    return f"bf16 (PAGODA_CPU_BF16_LM_HEAD), int8 up to {int8_rows} rows" if int8 else "bf16 (PAGODA_CPU_BF16_LM_HEAD)"
 
 
 def _param_bytes(model: nn.Module) -> int:
