@@ -43,7 +43,6 @@ multiplies in float32 (no native bf16) the float matrix is needed anyway and the
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 
@@ -54,6 +53,7 @@ from pagoda import envs
 from pagoda.kernels import policy
 from pagoda.layers.linear import Linear
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.serving_gc import return_freed_memory
 
 GROUP = 32  # GGUF's block: 32 input values per scale and minimum
 
@@ -191,7 +191,7 @@ def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int]:
         del module.weight
         packed += 1
     if packed:
-        _return_freed_memory()
+        return_freed_memory()  # the float32 weights' heap (glibc keeps it otherwise: ~100 MB for the embedded model)
     return packed, kept
 
 
@@ -306,14 +306,5 @@ def int8_embeddings(model: torch.nn.Module) -> int:
         del module.weight
         done += 1
     if done:
-        _return_freed_memory()
+        return_freed_memory()  # the float32 weights' heap (glibc keeps it otherwise: ~100 MB for the embedded model)
     return done
-
-
-def _return_freed_memory() -> None:
-    """Hand the float32 weights' freed heap back to the system (glibc keeps it otherwise: ~100 MB of
-    resident memory for the embedded model)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
