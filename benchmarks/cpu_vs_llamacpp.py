@@ -17,7 +17,8 @@ A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its 
 first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy; `--pagoda-gatherkv` Pagoda
 gathering every request's KV blocks (`PAGODA_CPU_KV_IN_PLACE=0`), the A/B of attention in place; `--pagoda-bf16kv`
 Pagoda with `--kv-cache-dtype bfloat16`; `--also NAME ...` any of these by name, and `pagoda-noint8head` (the LM
-head's int8 copy off, `PAGODA_CPU_INT8_LM_HEAD=0`).
+head's int8 copy off, `PAGODA_CPU_INT8_LM_HEAD=0`) or `pagoda-noexec` (the launcher supervising from its checking
+image, `PAGODA_LAUNCHER_EXEC=0`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SYSTEM_ENV = {
     "pagoda-freshkv": {"PAGODA_CPU_KV_REUSE_FIRST": "0"},
     "pagoda-gatherkv": {"PAGODA_CPU_KV_IN_PLACE": "0"},
     "pagoda-noint8head": {"PAGODA_CPU_INT8_LM_HEAD": "0"},
+    "pagoda-noexec": {"PAGODA_LAUNCHER_EXEC": "0"},
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}

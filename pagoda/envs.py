@@ -90,6 +90,14 @@ CPU_KV_REUSE_FIRST = Env(
     "peak in use (engine/block_manager.py); 0: never-used first, as on a GPU",
     once=True,
 )
+LAUNCHER_EXEC = Env(
+    "PAGODA_LAUNCHER_EXEC",
+    bool,
+    True,
+    "`pagoda serve`'s launcher execs a fresh image to supervise from once its checks pass, leaving the checks' "
+    "modules and tokenizer behind (launch/supervise.py); 0: it supervises in the checking image",
+    once=True,
+)
 LORA_KERNELS = Env(
     "PAGODA_LORA_KERNELS",
     bool,

@@ -156,26 +156,6 @@ class ApiSetup:
         metrics.publish_cache_config(cache_config_labels(self.config, ready.num_blocks))
         return metrics
 
-    def log_startup(self, ready: Ready) -> None:
-        config, server = self.config, self.server
-        logger.info(
-            "model=%s served as %s dtype=%s device=%s",
-            config.model.model,
-            ", ".join(self.names),
-            config.model.dtype,
-            config.device.device,
-        )
-        logger.info(
-            "KV cache (%s): %d blocks of %d tokens; maximum concurrency for %d-token requests: %.2fx",
-            config.kv_cache_dtype_name,
-            ready.num_blocks,
-            ready.block_size,
-            config.model.max_model_len,
-            ready.max_concurrency,
-        )
-        extra = f" ({server.api_server_count} API server processes)" if server.api_server_count > 1 else ""
-        logger.info("Serving on http://%s:%d (OpenAI API under /v1)%s", server.host, server.port, extra)
-
 
 class ApiServer(uvicorn.Server):
     """uvicorn's Server for an API process.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagoda.cli.serve import _core_death
 from pagoda.engine.core_process import WATCHER_STALL_S, CoreHeartbeat, CoreProcess, Ready
+from pagoda.launch.supervise import core_death
 
 
 def _beating(beat_age: float | None, progress_age: float = 0.0) -> CoreHeartbeat:
@@ -92,7 +92,7 @@ def test_the_launcher_tells_every_api_process_the_line_then_kills_a_hung_core(mo
 
 def test_the_launchers_line_for_a_core_that_exited_names_what_it_said():
     rank = "tensor-parallel rank 1 (pid 77) died: killed by SIGKILL"
-    assert _core_death(rank, 42, 1) == f"the engine core process (pid 42) exited with code 1: {rank}"
+    assert core_death(rank, 42, 1) == f"the engine core process (pid 42) exited with code 1: {rank}"
     traceback = "Traceback (most recent call last):\n  ...\nRuntimeError: boom"
-    assert _core_death(traceback, 42, 1) == "the engine core process died (pid 42, exit code 1)"
-    assert _core_death(None, 42, -9) == "the engine core process died (pid 42, exit code -9)"
+    assert core_death(traceback, 42, 1) == "the engine core process died (pid 42, exit code 1)"
+    assert core_death(None, 42, -9) == "the engine core process died (pid 42, exit code -9)"

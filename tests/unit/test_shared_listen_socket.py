@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from pagoda.cli.serve import _listen_socket
+from pagoda.launch.supervise import _listen_socket
 from pagoda.processes.sockets import listen_socket
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP socket options as on Linux")
