@@ -1,2 +1,3 @@
-"""`pagoda serve`'s launcher steps before any child starts: the preflight (doctor's fast checks of the configs).
-The children themselves are started and watched by `pagoda.processes.Supervisor`."""
+"""`pagoda serve`'s launcher: the preflight before any child starts (doctor's fast checks of the configs), and the
+supervising image it execs once every check passed (`supervise.py`). The children themselves are started and
+watched by `pagoda.processes.Supervisor`."""
