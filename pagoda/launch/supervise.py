@@ -5,9 +5,9 @@ The checks (`cli/serve.prepare`: configs, preflight, tokenizer, chat template) l
 tokenizer, ~100 MB of resident memory that the launcher never uses again and that freeing gives back only in
 part (imported modules stay). So on POSIX the launcher replaces its own image once they pass (`hand_over`):
 the `LaunchPlan` is pickled into an unlinked temporary file and the process execs `python -m
-pagoda.launch.supervise FD -- <the original arguments>`, which reads it back and supervises. The PID, the
+pagoda.launch.supervise FD -- pagoda <the original arguments>`, which reads it back and supervises. The PID, the
 session, the environment, resource limits and the terminal stay the process's own, so signals, process
-managers and `ps` (which shows the original arguments after `--`) see one launcher throughout. Switch:
+managers, `ps` and `pkill -f "pagoda serve"` (the original arguments follow `--`) see one launcher throughout. Switch:
 `PAGODA_LAUNCHER_EXEC=0` supervises in the checking image instead (also what non-POSIX systems do).
 """
 
@@ -88,7 +88,8 @@ def _exec_supervisor(plan: LaunchPlan) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     sys.stdout.flush()
     sys.stderr.flush()
-    argv = [sys.executable, "-m", "pagoda.launch.supervise", str(fd), "--", *sys.argv[1:]]
+    # After "--" the command as the user typed it, for `ps` and `pkill -f "pagoda serve"` (`main` ignores it).
+    argv = [sys.executable, "-m", "pagoda.launch.supervise", str(fd), "--", "pagoda", *sys.argv[1:]]
     try:
         os.execve(sys.executable, argv, env)
     except OSError as exc:  # no runnable interpreter at sys.executable (an embedding): supervise here
@@ -97,7 +98,7 @@ def _exec_supervisor(plan: LaunchPlan) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The exec'd image: argv = [FD, "--", original arguments...]."""
+    """The exec'd image: argv = [FD, "--", "pagoda", original arguments...]."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     with os.fdopen(int(argv[0]), "rb") as held:
         plan = pickle.load(held)

@@ -22,7 +22,8 @@ def test_the_launcher_keeps_its_pid_and_arguments_and_leaves_the_checks_librarie
     launcher = psutil.Process(server.proc.pid)  # the PID the test started: the exec keeps it
     cmd = launcher.cmdline()
     assert cmd[1:3] == ["-m", "pagoda.launch.supervise"], cmd
-    assert cmd[cmd.index("--") + 1 :] == ["serve", *BASE_FLAGS, "--port", str(server.port)]
+    # the command as typed follows "--", so `pkill -f "pagoda serve"` still finds the launcher
+    assert cmd[cmd.index("--") + 1 :] == ["pagoda", "serve", *BASE_FLAGS, "--port", str(server.port)]
     assert "tokenizers" not in _maps(launcher.pid)  # the Rust tokenizer library the checks loaded
     (api,) = server.api_pids()
     assert "tokenizers" in _maps(api)  # ... which the API process, that tokenizes, does map
