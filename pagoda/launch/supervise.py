@@ -3,7 +3,7 @@ watches them (`Launcher`), in a process image that holds nothing else.
 
 The checks (`cli/serve.prepare`: configs, preflight, tokenizer, chat template) load transformers, FastAPI and a
 tokenizer, ~100 MB of resident memory that the launcher never uses again and that freeing gives back only in
-part (imported modules stay). So on POSIX the launcher replaces its own image once they pass (`hand_over`):
+part (imported modules stay). So on POSIX the launcher replaces its own image once they pass (`launch`):
 the `LaunchPlan` is pickled into an unlinked temporary file and the process execs `python -m
 pagoda.launch.supervise FD -- pagoda <the original arguments>`, which reads it back and supervises. The PID, the
 session, the environment, resource limits and the terminal stay the process's own, so signals, process
