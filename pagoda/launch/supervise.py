@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 
 from pagoda import envs
+from pagoda.child_process import package_env
 from pagoda.config import EngineConfig
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
@@ -83,9 +84,7 @@ def _exec_supervisor(plan: LaunchPlan) -> None:
     held.seek(0)
     fd = held.fileno()
     os.set_inheritable(fd, True)
-    # The package root first on the new image's path, as the checking image found it (a checkout run in place).
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = package_env()  # the new image imports this same Pagoda (a checkout run in place too)
     sys.stdout.flush()
     sys.stderr.flush()
     # After "--" the command as the user typed it, for `ps` and `pkill -f "pagoda serve"` (`main` ignores it).

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pagoda import envs
+from pagoda.child_process import package_env
 from pagoda.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -379,10 +380,8 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):
     cache = _tokenizer_cache_dir(path)
     tokenizer = _read_cached_tokenizer(cache)
     if tokenizer is None:
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         code = "import sys; from pagoda.models.gguf_checkpoint import convert_gguf_tokenizer as c; c(sys.argv[1])"
-        subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, check=False)
+        subprocess.run([sys.executable, "-c", code, path], env=package_env(), capture_output=True, check=False)
         tokenizer = _read_cached_tokenizer(cache)
     # The child could not save it (a read-only cache) or failed: convert here, where a failure is reported.
     return tokenizer if tokenizer is not None else convert_gguf_tokenizer(path)
