@@ -321,6 +321,32 @@ def test_parse_prometheus_either_prefix(prefix: str) -> None:
     assert server_metrics_summary(None, None, []) == {"available": False}
 
 
+def test_parse_reads_only_the_engine_samples_of_a_full_page() -> None:
+    """Only the lines read reach the parser: the values are those the whole page gives (the prometheus
+    parser over every line, the reference), and a line it would choke on elsewhere on the page is not read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagoda.engine.core_process import Outputs
+    from pagoda.outputs import EngineStats
+    from pagoda.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.on_engine_outputs(Outputs([], EngineStats(3, 2, 0.25, 1, 0, 0, 40, 0.1, 1.5, 0.7), {}))
+    page = metrics.render().decode()
+    whole = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
+    parsed = parse_prometheus(page)
+    assert parsed is not None and parsed["_prefix"] == "pagoda"
+    assert parsed["running"] == whole["pagoda:num_requests_running"] == 3
+    assert parsed["waiting"] == whole["pagoda:num_requests_waiting"] == 2
+    assert parsed["engine_steps"] == whole["pagoda:engine_steps_total"] == 40
+    assert parsed["engine_busy_seconds"] == whole["pagoda:engine_core_busy_seconds_total"]
+    assert len(page.splitlines()) > 10 * sum(1 for k in parsed if not k.startswith("_"))
+    broken = page + 'other_metric{label="unterminated 1.0\n'
+    with pytest.raises(ValueError):
+        list(text_string_to_metric_families(broken))
+    assert parse_prometheus(broken) == parsed
+
+
 def test_server_mean_ttft_from_histogram_deltas() -> None:
     """The server's mean TTFT/queue time over a point comes from the histograms' sum/count deltas,
     read from a page prometheus_client itself renders."""
