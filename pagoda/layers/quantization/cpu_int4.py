@@ -149,8 +149,8 @@ class CpuInt4Method:
         """The transposed weight Wᵀ [K, N] in `prefill_dtype` (exact levels; d and m rounded to it, one rounding
         of q·d + m). Transposed because the kernel's packing is already K-major within each block of 64 output
         columns: the levels go to their place in one strided write each, and the scaling runs over contiguous
-        rows; building W [N, K] instead costs a transposing copy and a scaling whose broadcast is innermost
-        (~3x slower over a prefill's 30 layers)."""
+        rows; building W [N, K] instead takes a transposing copy and a scaling whose broadcast is innermost
+        (docs/performance.md has the timings)."""
         n, k = self.shape
         out = torch.empty(k, n, dtype=self.prefill_dtype)
         if self.nibbles is None:

@@ -202,9 +202,9 @@ MEANS_MS = {
     "server_mean_queue_ms": ("queue_seconds_sum", "queue_seconds_count"),
 }
 PREFIXES = ("vllm:", "pagoda:")
-# The sample names read, under either prefix. A page carries ~10x more (histogram buckets, HTTP and process
-# metrics, every family under both prefixes); only these lines go to the parser, which costs the client
-# ~10 ms a page otherwise, taken from the machine it measures twice a second.
+# The sample names read, under either prefix. A page carries ten times more lines (histogram buckets, HTTP and
+# process metrics, every family under both prefixes); only these go to the parser, whose cost per line the
+# client would otherwise take from the machine it measures, twice a second.
 READ = frozenset(
     prefix + name for prefix in PREFIXES for names in (*GAUGES.values(), *COUNTERS.values()) for name in names
 )
