@@ -25,10 +25,10 @@ FP8_GEMV_MAX_ROWS = 1
 INT4_GEMV_MAX_ROWS = 4
 
 # A GGUF's 4-bit layers on the CPU (`layers/quantization/cpu_int4.py`): matmuls of at most this many rows
-# run PyTorch's CPU int4 kernel, more dequantize the layer to bf16 for one dense matmul. The kernel's cost grows
-# with the rows, the dequantization's does not: this is the last row count where the kernel is the faster
-# (`benchmarks/kernels/cpu_int4_rows.py` times both over the embedded model's layer shapes).
-CPU_INT4_MAX_ROWS = 48
+# run PyTorch's CPU int4 kernel, more dequantize the layer to bf16 for one dense matmul. The dequantization
+# costs about what the int4 kernel does at 50-60 rows (the embedded model on 2 cores: batch 32 went
+# 132 → 240 tok/s when this bound went from 16 to 64, batch 16 unchanged).
+CPU_INT4_MAX_ROWS = 64
 
 # The bf16 LM head beside those layers (`cpu_int4.Bf16LMHead`) recomputes this many of each row's largest
 # logits in float32: greedy decoding and the top log-probabilities read only those, and bf16's rounding

@@ -76,22 +76,6 @@ def test_both_matmul_paths_equal_the_float_matmul(rows, outputs):
     assert torch.allclose(reference, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("outputs", [192, 80])
-@pytest.mark.parametrize("plain_copy", [False, True])
-def test_many_row_weight_is_the_rebuilt_weight_transposed(outputs, plain_copy):
-    """The many-row path's Wᵀ, from the kernel's packed levels (whole blocks of 64 columns and a narrower
-    last one) or from the plain nibble copy a torch that packs another way keeps, is q·d + m with d and m
-    rounded to the prefill dtype and one rounding of the sum, transposed."""
-    weight = _gguf_blocks(outputs, 320, GGMLQuantizationType.Q4_1, seed=outputs)
-    q, d, m = cpu_int4.find_int4_grid(weight)
-    method = cpu_int4.CpuInt4Method(q, d, m)
-    if plain_copy:
-        method.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-    dtype = method.prefill_dtype
-    expected = _rebuilt(q, d.to(dtype).float(), m.to(dtype).float()).to(dtype).t()
-    assert torch.equal(method.dequantized_t(), expected)
-
-
 @pytest.mark.parametrize("rows", [1, policy.CPU_INT8_HEAD_MAX_ROWS, policy.CPU_INT8_HEAD_MAX_ROWS + 1, 33])
 def test_bf16_lm_head_is_within_bf16_rounding_of_the_float_head(rows, monkeypatch):
     """Up to policy.CPU_INT8_HEAD_MAX_ROWS rows the head's int8 copy multiplies, above it the bf16 copy: both

@@ -140,35 +140,20 @@ class CpuInt4Method:
         same = torch.equal(_unpack_levels(self.packed, n, k), q)
         self.nibbles = None if same else (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         self.prefill_dtype = torch.bfloat16 if native_bf16() else torch.float32
-        # [K/32, 1, N]: one scale and minimum per group and output column, broadcast over the group's 32 rows
-        # of the transposed weight.
-        self.d_t = d.t().to(self.prefill_dtype).contiguous()[:, None, :]
-        self.m_t = m.t().to(self.prefill_dtype).contiguous()[:, None, :]
+        self.d = d.to(self.prefill_dtype)[..., None]
+        self.m = m.to(self.prefill_dtype)[..., None]
 
-    def dequantized_t(self) -> torch.Tensor:
-        """The transposed weight Wᵀ [K, N] in `prefill_dtype` (exact levels; d and m rounded to it, one rounding
-        of q·d + m). Transposed because the kernel's packing is already K-major within each block of 64 output
-        columns: the levels go to their place in one strided write each, and the scaling runs over contiguous
-        rows; building W [N, K] instead takes a transposing copy and a scaling whose broadcast is innermost
-        (docs/performance.md has the timings)."""
+    def dequantized(self) -> torch.Tensor:
+        """The [N, K] weight in `prefill_dtype` (exact levels; d and m rounded to it)."""
         n, k = self.shape
-        out = torch.empty(k, n, dtype=self.prefill_dtype)
         if self.nibbles is None:
-            flat = self.packed.reshape(-1)
-            full = n // 64 * 64
-            blocks = flat[: full * k // 2].view(full // 64, k, 32).transpose(0, 1)  # [K, N/64, 32] bytes
-            columns = out[:, :full].view(k, full // 64, 64)
-            columns[..., :32] = blocks & 15
-            columns[..., 32:] = blocks >> 4
-            if full < n:  # [K, width / 2] bytes holding columns 2j and 2j + 1
-                tail = flat[full * k // 2 :].view(k, (n - full) // 2)
-                out[:, full:] = torch.stack((tail & 15, tail >> 4), -1).view(k, n - full)
+            q = _unpack_levels(self.packed, n, k)
         else:
-            out[0::2] = (self.nibbles & 15).t()  # even k: the low nibbles [K/2, N]
-            out[1::2] = (self.nibbles >> 4).t()
-        grouped = out.view(k // GROUP, GROUP, n)
-        torch.addcmul(self.m_t, grouped, self.d_t, out=grouped)
-        return out
+            q = torch.empty(n, k, dtype=torch.uint8)
+            torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
+            torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
+        levels = q.reshape(n, k // GROUP, GROUP).to(self.prefill_dtype)
+        return torch.addcmul(self.m, levels, self.d).reshape(n, k)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -176,7 +161,7 @@ class CpuInt4Method:
             kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
             y = kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         else:
-            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t())
+            y = F.linear(rows.to(self.prefill_dtype), self.dequantized())
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
