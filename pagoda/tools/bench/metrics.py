@@ -213,17 +213,9 @@ READ = frozenset(
 def _read_lines(text: str) -> str:
     """The sample lines of `text` whose metric name is in READ (HELP/TYPE comments dropped: the values and
     names are all that is read, and an untyped sample keeps both)."""
-    kept = [line for line in text.splitlines() if line[:1] not in ("#", "") and _name(line) in READ]
+    # A sample's name ends at its labels' "{" or, without labels, at the space before its value.
+    kept = [line for line in text.splitlines() if line.partition("{")[0].partition(" ")[0] in READ]
     return "\n".join(kept) + "\n"
-
-
-def _name(line: str) -> str:
-    end = len(line)
-    for stop in ("{", " "):
-        at = line.find(stop)
-        if 0 <= at < end:
-            end = at
-    return line[:end]
 
 
 def parse_prometheus(text: str) -> dict[str, float] | None:
