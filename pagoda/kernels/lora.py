@@ -38,8 +38,8 @@ import triton.language as tl
 
 from pagoda.kernels.triton_utils import DTYPES, dot_flags, interpreting, mma, round_to
 
-_BLOCK_N = 64  # expand: output columns per program
-_BLOCK_K = 64  # shrink: input features per loop iteration
+BLOCK_N = 64  # expand: output columns per program
+BLOCK_K = 64  # shrink: input features per loop iteration
 
 
 def split_k(num_tokens: int, input_size: int) -> int:
@@ -157,8 +157,15 @@ def add_lora(
     meta: torch.Tensor,
     order_at: int,
     tile_tokens: int,
+    *,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    splits: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """y [T, out] += each token's slot's (x·Aᵀ)·Bᵀ, in place (see the module docstring); returns y."""
+    """y [T, out] += each token's slot's (x·Aᵀ)·Bᵀ, in place (see the module docstring); returns y. The keyword
+    arguments are the kernels' tile sizes (`benchmarks/kernels/lora_kernel_bench.py` sweeps them): output columns
+    per expand program, the shrink's K block, its programs per tile (None: `split_k`), warps per program."""
     num_parts, num_slots, rank, k = a.shape
     t, out = y.shape[0], y.shape[-1]
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != t or x.shape[1] != k:
@@ -177,18 +184,20 @@ def add_lora(
     if t == 0:
         return y
     block_pr = max(16, triton.next_power_of_2(num_parts * rank))  # tl.dot needs 16 along every dimension
-    splits = split_k(t, k)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
+    splits = splits or split_k(t, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     h = torch.empty(splits, t, num_parts * rank, dtype=torch.float32, device=x.device)
     ieee, upcast = dot_flags(a.dtype)
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
-        SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=_BLOCK_K, IEEE=ieee, UPCAST=upcast,
+        SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast,
+        num_warps=num_warps,
     )  # fmt: skip
-    n_blocks = triton.cdiv(out, _BLOCK_N)
+    n_blocks = triton.cdiv(out, block_n)
     _expand_kernel[(tiles, n_blocks)](
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank,
-        NUM_PARTS=num_parts, SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_N=_BLOCK_N, BLOCK_PR=block_pr,
+        NUM_PARTS=num_parts, SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=block_pr,
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
+        num_warps=num_warps,
     )  # fmt: skip
     return y

@@ -39,12 +39,13 @@ class LoRAStep:
     max_loras: int = 1
     max_tokens: int = 0
     device: torch.device = torch.device("cpu")
+    tile_tokens: int = TILE_TOKENS  # the kernels' tile (`lora_kernel_bench.py` sweeps it)
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     meta: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        # A graph bucket may pad a step past max_tokens; its grid has cdiv(bucket, TILE_TOKENS) + max_loras tiles.
-        self.max_tiles = -(-2 * self.max_tokens // TILE_TOKENS) + self.max_loras
+        # A graph bucket may pad a step past max_tokens; its grid has cdiv(bucket, tile_tokens) + max_loras tiles.
+        self.max_tiles = -(-2 * self.max_tokens // self.tile_tokens) + self.max_loras
         self.order_at = 3 * self.max_tiles
         self.meta = torch.zeros(self.order_at + self.max_tokens, dtype=torch.int32, device=self.device)
 
@@ -59,8 +60,8 @@ class LoRAStep:
         tiles = np.zeros((self.max_tiles, 3), dtype=np.int64)  # tiles past the step's hold 0 tokens
         i = 0
         for slot in np.flatnonzero(counts).tolist():
-            for first in range(0, int(counts[slot]), TILE_TOKENS):
-                tiles[i] = slot, starts[slot] + first, min(TILE_TOKENS, counts[slot] - first)
+            for first in range(0, int(counts[slot]), self.tile_tokens):
+                tiles[i] = slot, starts[slot] + first, min(self.tile_tokens, counts[slot] - first)
                 i += 1
         host = np.concatenate((tiles.reshape(-1), order)).astype(np.int32)
         if self.device.type == "cuda":
@@ -126,7 +127,7 @@ class LoRASlots:
         if kernels is not None and (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
             step = self.step
-            return kernels.add_lora(x, y, self.a, self.b, self.bounds, step.meta, step.order_at, TILE_TOKENS)
+            return kernels.add_lora(x, y, self.a, self.b, self.bounds, step.meta, step.order_at, step.tile_tokens)
         return self.add_reference(x, y)
 
     def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

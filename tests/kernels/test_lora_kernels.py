@@ -97,6 +97,28 @@ def test_kernels_match_the_per_token_product(sizes, in_features, tokens, max_lor
     torch.testing.assert_close(out, ref, **tol)
 
 
+@pytest.mark.parametrize(
+    "tile,tiles",
+    [(16, {"block_n": 256, "block_k": 128}), (16, {"splits": 16, "num_warps": 2}), (32, {"block_n": 128, "splits": 3})],
+    ids=str,
+)
+def test_other_tile_sizes_give_the_same_products(tile, tiles):
+    """The launcher's tile sizes (tokens per tile, output columns per expand program, the shrink's K block and
+    split) change only how the work is cut: every case still equals the per-token product."""
+    for sizes, in_features, tokens, max_loras, rank in CASES:
+        slots = _layer(sizes, in_features, max_loras, rank, torch.float32)
+        slots.step = LoRAStep(max_loras, 512, DEVICE, tile_tokens=tile)
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(tokens, in_features, generator=g).to(DEVICE)
+        y = torch.randn(tokens, sum(sizes), generator=g).to(DEVICE)
+        token_slots = torch.randint(-1, max_loras, (tokens,), generator=g).numpy()
+        slots.step.write(token_slots)
+        meta, order_at = slots.step.meta, slots.step.order_at
+        out = lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, meta, order_at, tile, **tiles)
+        want = _naive(slots, x.cpu(), y.cpu(), token_slots)
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_split_input_partials_sum_to_the_whole(monkeypatch):
     """Decode-sized steps split the input dimension over programs; the last split may be empty."""
     monkeypatch.setattr(lora_kernels, "split_k", lambda tokens, k: 3)
