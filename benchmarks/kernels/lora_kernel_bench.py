@@ -22,23 +22,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gemv_sweep import L2_DEFEAT_BYTES, graph_us  # noqa: E402  (this folder's graph timer)
+from h200_shapes import QWEN2VL_7B_TEXT  # noqa: E402  (the benchmarks' shapes)
+from h200_shapes import SHAPES as MODEL_SHAPES  # noqa: E402
 
-# name → [(matmul, input features, [output features of each adapted part])] per decoder layer.
-LAYERS = {
-    "llama-3-8b": [
-        ("qkv", 4096, [4096, 1024, 1024]),
-        ("o", 4096, [4096]),
-        ("gate_up", 4096, [14336, 14336]),
-        ("down", 14336, [4096]),
-    ],
-    "qwen2-vl-7b": [
-        ("qkv", 3584, [3584, 512, 512]),
-        ("o", 3584, [3584]),
-        ("gate_up", 3584, [18944, 18944]),
-        ("down", 18944, [3584]),
-    ],
+# The shapes of benchmarks/h200_shapes.py this benchmark knows by name.
+SHAPE_CONFIGS = {
+    "llama-3-8b": MODEL_SHAPES["llama-3-8b"],
+    "qwen2-vl-7b": MODEL_SHAPES["qwen2-vl-2b-text"] | QWEN2VL_7B_TEXT,
 }
+
+
+def layer_matmuls(cfg: dict) -> list[tuple[str, int, list[int]]]:
+    """A decoder layer's adapted matmuls: (name, input features, output features of each adapted part)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    return [("qkv", hidden, [hidden, kv, kv]), ("o", hidden, [hidden]), ("gate_up", hidden, [inter, inter]),
+            ("down", inter, [hidden])]  # fmt: skip
 
 
 def ints(text: str) -> list[int]:
@@ -53,7 +55,7 @@ def main() -> None:
     from pagoda.lora.layers import TILE_TOKENS, LoRAStep
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="llama-3-8b", choices=sorted(LAYERS))
+    ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPE_CONFIGS))
     ap.add_argument("--tokens", default="64,256,8192")
     ap.add_argument("--adapters", default="1,16")
     ap.add_argument("--rank", type=int, default=16)
@@ -76,7 +78,7 @@ def main() -> None:
             step.write(np.arange(t) % adapters)
             meta, order_at = step.meta, step.order_at
             total_base = total_lora = 0.0
-            for name, k, parts in LAYERS[args.shape]:
+            for name, k, parts in layer_matmuls(SHAPE_CONFIGS[args.shape]):
                 out = sum(parts)
                 bounds = torch.tensor(np.cumsum([0, *parts]), dtype=torch.int32, device=dev)
                 per_copy = out * k * 2 + args.max_loras * args.rank * (len(parts) * k + out) * 2
