@@ -1,7 +1,7 @@
 """The LoRA shrink/expand pair against the matmul it rides on, per adapted layer of a model shape.
 
     python benchmarks/kernels/lora_kernel_bench.py [--shape llama-3-8b] [--tokens 64,256,8192]
-        [--adapters 1,16] [--rank 16] [--tile 64,16] [--block-n 64,256] [--block-k 64,128] [--splits 0,16]
+        [--adapters 1,16] [--rank 16] [--tile 0,64,16] [--block-n 256,64] [--block-k 0,64,128] [--splits 0,16]
         [--warps 4] [--out FILE]
 
 Each case is one layer's work at a step of T tokens given to A adapters in turn (`max_loras` 16 slots), timed
@@ -9,7 +9,8 @@ the way a step runs it: captured in a CUDA graph, cycling through enough copies 
 matrix, and A and B) that none is still in L2. Prints µs for the base matmul alone and for `add_lora` alone, and
 their ratio; the last line per case sums the layer's matmuls, so `lora / base` there is what the adapters add to
 a decoder layer's matmul time. `--tile` / `--block-n` / `--block-k` / `--splits` / `--warps` sweep the kernels'
-tile sizes (comma lists: every combination is timed; the defaults are the shipped ones).
+tile sizes (comma lists: every combination is timed; the defaults are the shipped ones, 0 meaning the shipped
+rule: the tile by the step's size, the K block by the tile, the split count by the step's tile count).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     import torch
 
     from pagoda.kernels import lora as kernels
-    from pagoda.lora.layers import TILE_TOKENS, LoRAStep
+    from pagoda.lora.layers import LoRAStep
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPE_CONFIGS))
@@ -60,9 +61,9 @@ def main() -> None:
     ap.add_argument("--adapters", default="1,16")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=16)
-    ap.add_argument("--tile", default=str(TILE_TOKENS), help="tokens per tile")
+    ap.add_argument("--tile", default="0", help="tokens per tile (0: the step's rule, by T)")
     ap.add_argument("--block-n", default=str(kernels.BLOCK_N))
-    ap.add_argument("--block-k", default=str(kernels.BLOCK_K))
+    ap.add_argument("--block-k", default="0", help="the shrink's K block (0: the launcher's rule)")
     ap.add_argument("--splits", default="0", help="shrink programs per tile (0: the kernel's rule)")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--out")
@@ -74,9 +75,9 @@ def main() -> None:
             ints(args.tile), ints(args.block_n), ints(args.block_k), ints(args.splits), ints(args.warps)
         )
         for tile, block_n, block_k, splits, warps in configs:
-            step = LoRAStep(args.max_loras, t, dev, tile_tokens=tile)
+            step = LoRAStep(args.max_loras, t, dev, **({"tile_sizes": (tile, tile)} if tile else {}))
             step.write(np.arange(t) % adapters)
-            meta, order_at = step.meta, step.order_at
+            meta, order_at, tile = step.tiling(t)
             total_base = total_lora = 0.0
             for name, k, parts in layer_matmuls(SHAPE_CONFIGS[args.shape]):
                 out = sum(parts)
@@ -96,7 +97,7 @@ def main() -> None:
                     for w in ws:
                         torch.matmul(x, w.t(), out=y)
 
-                tiles = {"block_n": block_n, "block_k": block_k, "splits": splits or None, "num_warps": warps}
+                tiles = {"block_n": block_n, "block_k": block_k or None, "splits": splits or None, "num_warps": warps}
 
                 def lora(a=a, b=b, x=x, y=y, bounds=bounds, meta=meta, order_at=order_at, tile=tile, tiles=tiles):
                     for ai, bi in zip(a, b):

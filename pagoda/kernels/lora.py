@@ -38,16 +38,17 @@ import triton.language as tl
 
 from pagoda.kernels.triton_utils import DTYPES, dot_flags, interpreting, mma, round_to
 
-BLOCK_N = 64  # expand: output columns per program
-BLOCK_K = 64  # shrink: input features per loop iteration
+BLOCK_N = 256  # expand: output columns per program
+BLOCK_K = 64  # shrink: input features per loop iteration (128 for tiles of at most 16 tokens)
 
 
-def split_k(num_tokens: int, input_size: int) -> int:
-    """Shrink programs per tile: enough to spread a decode step's few tiles over the SMs, each still looping
-    over at least 512 input features."""
-    if num_tokens > 128:
+def split_k(num_tiles: int, input_size: int) -> int:
+    """Shrink programs per tile: a step of few tiles (decode: a handful of tokens per adapter) spreads each
+    tile's input dimension over programs, to ~256 programs in all, each still looping over at least 512 input
+    features; a step of 128 tiles or more already fills the SMs."""
+    if num_tiles >= 128:
         return 1
-    return max(1, min(8, input_size // 512))
+    return max(1, min(16, input_size // 512, -(-256 // num_tiles)))
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _tile(meta_ptr, ORDER_AT, BLOCK_M: tl.constexpr):
     return tl.load(entry), place, token, valid, count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_PER_SPLIT"])
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -77,7 +78,6 @@ def _shrink_kernel(
     K_PER_SPLIT,
     R,
     NUM_PARTS,
-    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_PR: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -102,7 +102,7 @@ def _shrink_kernel(
         tl.store(h, acc, mask=valid[:, None] & in_j[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_K"])
 def _expand_kernel(
     h_ptr,
     b_ptr,
@@ -115,8 +115,8 @@ def _expand_kernel(
     ORDER_AT,
     OUT,
     R,
+    SPLIT_K,
     NUM_PARTS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_PR: tl.constexpr,
@@ -130,7 +130,7 @@ def _expand_kernel(
         j = tl.arange(0, BLOCK_PR)
         in_j = j < NUM_PARTS * R
         hsum = tl.zeros((BLOCK_M, BLOCK_PR), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
+        for s in range(SPLIT_K):
             h = h_ptr + s * stride_h[0] + place[:, None] * stride_h[1] + j[None, :] * stride_h[2]
             hsum += tl.load(h, mask=valid[:, None] & in_j[None, :], other=0.0)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,13 +159,14 @@ def add_lora(
     tile_tokens: int,
     *,
     block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
     splits: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """y [T, out] += each token's slot's (x·Aᵀ)·Bᵀ, in place (see the module docstring); returns y. The keyword
     arguments are the kernels' tile sizes (`benchmarks/kernels/lora_kernel_bench.py` sweeps them): output columns
-    per expand program, the shrink's K block, its programs per tile (None: `split_k`), warps per program."""
+    per expand program, the shrink's K block (None: 128 for tiles of at most 16 tokens, else 64), its programs per
+    tile (None: `split_k`), warps per program."""
     num_parts, num_slots, rank, k = a.shape
     t, out = y.shape[0], y.shape[-1]
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != t or x.shape[1] != k:
@@ -184,19 +185,19 @@ def add_lora(
     if t == 0:
         return y
     block_pr = max(16, triton.next_power_of_2(num_parts * rank))  # tl.dot needs 16 along every dimension
-    splits = splits or split_k(t, k)
+    splits = splits or split_k(tiles, k)
+    block_k = block_k or (2 * BLOCK_K if tile_tokens <= 16 else BLOCK_K)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     h = torch.empty(splits, t, num_parts * rank, dtype=torch.float32, device=x.device)
     ieee, upcast = dot_flags(a.dtype)
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
-        SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast,
-        num_warps=num_warps,
+        BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
     )  # fmt: skip
     n_blocks = triton.cdiv(out, block_n)
     _expand_kernel[(tiles, n_blocks)](
-        h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank,
-        NUM_PARTS=num_parts, SPLIT_K=splits, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=block_pr,
+        h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
+        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=block_pr,
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
         num_warps=num_warps,
     )  # fmt: skip

@@ -24,30 +24,52 @@ import torch
 
 from pagoda.kernels import dispatch
 
-# Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many.
+# Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
+# at most SMALL_STEP_TOKENS tokens (decode, a few adapters' rows each) use the small tile: a 64-token tile then
+# held a handful of real rows and the kernels spent their registers and loads on masked ones
+# (`benchmarks/kernels/lora_kernel_bench.py`: at 64 tokens over 16 adapters the small tile with wider expand
+# blocks cut the adapters' time 2.5-fold). SMALL_STEP_TOKENS is a graph bucket size, but both tilings are
+# written for such steps anyway, so a bucket past it finds the large tiling ready.
 TILE_TOKENS = 64
+SMALL_TILE_TOKENS = 16
+SMALL_STEP_TOKENS = 256
 
 
 @dataclass
 class LoRAStep:
     """The step's adapters, shared by every adapted layer.
 
-    meta: int32 on the device, written by `write` (the kernels' mapping): (slot, first place, tokens) per tile
-    for up to `max_tiles` tiles, then from `order_at` the adapted tokens grouped by slot;
+    meta: int32 on the device, written by `write` (the kernels' mapping): for each tiling (small, then large),
+    (slot, first place, tokens) per tile for up to its `max_tiles` tiles; then from `order_at` the adapted
+    tokens grouped by slot. `tiling(T)` says which a launch over T tokens reads.
     active: (slot, its tokens: a view of meta) for every slot in use (the reference path)."""
 
     max_loras: int = 1
     max_tokens: int = 0
     device: torch.device = torch.device("cpu")
-    tile_tokens: int = TILE_TOKENS  # the kernels' tile (`lora_kernel_bench.py` sweeps it)
+    tile_sizes: tuple[int, int] = (SMALL_TILE_TOKENS, TILE_TOKENS)  # (small steps, the rest)
+    small_step_tokens: int = SMALL_STEP_TOKENS
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     meta: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        # A graph bucket may pad a step past max_tokens; its grid has cdiv(bucket, tile_tokens) + max_loras tiles.
-        self.max_tiles = -(-2 * self.max_tokens // self.tile_tokens) + self.max_loras
-        self.order_at = 3 * self.max_tiles
+        # A graph bucket may pad a step past max_tokens (or past small_step_tokens); its grid has
+        # cdiv(bucket, tile) + max_loras tiles.
+        small, large = self.tile_sizes
+        self.max_tiles = (
+            -(-2 * self.small_step_tokens // small) + self.max_loras,
+            -(-2 * self.max_tokens // large) + self.max_loras,
+        )
+        self.tiles_at = (0, 3 * self.max_tiles[0])
+        self.order_at = 3 * sum(self.max_tiles)
         self.meta = torch.zeros(self.order_at + self.max_tokens, dtype=torch.int32, device=self.device)
+
+    def tiling(self, num_tokens: int) -> tuple[torch.Tensor, int, int]:
+        """(meta from the tiling's first tile, where the order starts in it, tokens per tile) for a launch over
+        num_tokens tokens (a graph bucket's count, at least the step's)."""
+        which = 0 if num_tokens <= self.small_step_tokens else 1
+        at = self.tiles_at[which]
+        return self.meta[at:], self.order_at - at, self.tile_sizes[which]
 
     def write(self, token_slots: np.ndarray) -> None:
         """The step's mapping from token_slots [T] (each token's slot, -1: the base model)."""
@@ -57,13 +79,17 @@ class LoRAStep:
         order = adapted[np.argsort(token_slots[adapted], kind="stable")]
         counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        tiles = np.zeros((self.max_tiles, 3), dtype=np.int64)  # tiles past the step's hold 0 tokens
-        i = 0
-        for slot in np.flatnonzero(counts).tolist():
-            for first in range(0, int(counts[slot]), self.tile_tokens):
-                tiles[i] = slot, starts[slot] + first, min(self.tile_tokens, counts[slot] - first)
-                i += 1
-        host = np.concatenate((tiles.reshape(-1), order)).astype(np.int32)
+        # Tiles past the step's hold 0 tokens; the small tiling only for steps that may launch with it.
+        tilings = [np.zeros((n, 3), dtype=np.int64) for n in self.max_tiles]
+        for tiles, tile in zip(tilings, self.tile_sizes):
+            if tiles is tilings[0] and len(token_slots) > self.small_step_tokens:
+                continue
+            i = 0
+            for slot in np.flatnonzero(counts).tolist():
+                for first in range(0, int(counts[slot]), tile):
+                    tiles[i] = slot, starts[slot] + first, min(tile, counts[slot] - first)
+                    i += 1
+        host = np.concatenate((*(t.reshape(-1) for t in tilings), order)).astype(np.int32)
         if self.device.type == "cuda":
             self.meta[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         else:
@@ -126,8 +152,8 @@ class LoRASlots:
         kernels = dispatch.lora_for(x)
         if kernels is not None and (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
-            step = self.step
-            return kernels.add_lora(x, y, self.a, self.b, self.bounds, step.meta, step.order_at, step.tile_tokens)
+            meta, order_at, tile = self.step.tiling(x.shape[0])
+            return kernels.add_lora(x, y, self.a, self.b, self.bounds, meta, order_at, tile)
         return self.add_reference(x, y)
 
     def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -269,14 +269,15 @@ def _matmuls() -> list[tuple[str, Callable[[], object]]]:
 
 def _lora() -> list[tuple[str, Callable[[], object]]]:
     from pagoda.kernels import lora
-    from pagoda.lora.layers import TILE_TOKENS, LoRAPart, LoRASlots, LoRAStep
+    from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
 
     def add(tokens: int, dtype: torch.dtype, sizes=(512, 128, 128), k: int = 4096) -> Callable[[], object]:
         parts = [LoRAPart(str(i), sum(sizes[:i]), n) for i, n in enumerate(sizes)]
         step = LoRAStep(4, 4096)
         slots = LoRASlots((0, k, k), parts, 4, 16, dtype, torch.device("cpu"), step)
         x, y = torch.zeros(tokens, k, dtype=dtype), torch.zeros(tokens, sum(sizes), dtype=dtype)
-        return lambda: lora.add_lora(x, y, slots.a, slots.b, slots.bounds, step.meta, step.order_at, TILE_TOKENS)
+        meta, order_at, tile = step.tiling(tokens)
+        return lambda: lora.add_lora(x, y, slots.a, slots.b, slots.bounds, meta, order_at, tile)
 
     return [
         ("lora shrink/expand bf16, 64 tokens (split K), q/k/v", add(64, torch.bfloat16)),

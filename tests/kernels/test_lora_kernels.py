@@ -17,7 +17,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
 
 from pagoda.kernels import dispatch
 from pagoda.kernels import lora as lora_kernels
-from pagoda.lora.layers import TILE_TOKENS, LoRAPart, LoRASlots, LoRAStep
+from pagoda.lora.layers import SMALL_STEP_TOKENS, TILE_TOKENS, LoRAPart, LoRASlots, LoRAStep
 from tests.models import test_lora as peft_cases
 
 lora_setup = peft_cases.lora_setup  # the fixture: adapters made with peft, and PEFT's merged outputs
@@ -61,8 +61,8 @@ def _naive(slots: LoRASlots, x, y, token_slots):
 
 def _run(slots, x, y, token_slots):
     slots.step.write(np.asarray(token_slots, dtype=np.int64))
-    step = slots.step
-    return lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, step.meta, step.order_at, TILE_TOKENS)
+    meta, order_at, tile = slots.step.tiling(x.shape[0])
+    return lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, meta, order_at, tile)
 
 
 CASES = [
@@ -70,7 +70,8 @@ CASES = [
     ([40, 16, 16], 48, 7, 3, 8),  # decode-sized: one token block per slot, q/k/v parts of different widths
     ([24, 24], 40, 150, 3, 16),  # prefill-sized: 64-token blocks, gate/up
     ([70], 33, 19, 2, 4),  # one part wider than a column block, an input that is no multiple of the K block
-    ([20, 12], 24, 150, 1, 8),  # one slot's ~75 tokens: two tiles, the second partial
+    ([20, 12], 24, 150, 1, 8),  # one slot's ~75 tokens: five small tiles, the last partial
+    ([24, 8], 24, 300, 2, 8),  # past SMALL_STEP_TOKENS: 64-token tiles
 ]
 
 
@@ -107,13 +108,13 @@ def test_other_tile_sizes_give_the_same_products(tile, tiles):
     split) change only how the work is cut: every case still equals the per-token product."""
     for sizes, in_features, tokens, max_loras, rank in CASES:
         slots = _layer(sizes, in_features, max_loras, rank, torch.float32)
-        slots.step = LoRAStep(max_loras, 512, DEVICE, tile_tokens=tile)
+        slots.step = LoRAStep(max_loras, 512, DEVICE, tile_sizes=(tile, tile))
         g = torch.Generator().manual_seed(4)
         x = torch.randn(tokens, in_features, generator=g).to(DEVICE)
         y = torch.randn(tokens, sum(sizes), generator=g).to(DEVICE)
         token_slots = torch.randint(-1, max_loras, (tokens,), generator=g).numpy()
         slots.step.write(token_slots)
-        meta, order_at = slots.step.meta, slots.step.order_at
+        meta, order_at, _ = slots.step.tiling(tokens)
         out = lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, meta, order_at, tile, **tiles)
         want = _naive(slots, x.cpu(), y.cpu(), token_slots)
         torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
@@ -175,11 +176,27 @@ def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_set
     assert MIXED in used and DECODE in used
 
 
+def test_a_small_step_in_a_larger_bucket_reads_the_large_tiling():
+    """A graph bucket past SMALL_STEP_TOKENS may replay a step of fewer tokens: both tilings are written for it,
+    and the launch over the bucket's rows reads the large one (the rows past the step are the base model's)."""
+    slots = _layer([16, 8], 24, 3, 8, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    token_slots = np.array([2, 0, -1, 2, 1, 1, 0])
+    slots.step.write(token_slots)
+    bucket = SMALL_STEP_TOKENS + 8
+    x, y = torch.randn(bucket, 24, generator=g).to(DEVICE), torch.randn(bucket, 24, generator=g).to(DEVICE)
+    meta, order_at, tile = slots.step.tiling(bucket)
+    assert tile == TILE_TOKENS
+    out = lora_kernels.add_lora(x, y.clone(), slots.a, slots.b, slots.bounds, meta, order_at, tile)
+    padded = np.concatenate((token_slots, np.full(bucket - len(token_slots), -1)))
+    torch.testing.assert_close(out.cpu().double(), _naive(slots, x.cpu(), y.cpu(), padded), rtol=1e-5, atol=1e-5)
+
+
 def test_launcher_refuses_operands_that_do_not_fit():
     slots = _layer([8, 8], 16, 2, 4, torch.float32)
     x, y = torch.zeros(3, 16, device=DEVICE), torch.zeros(3, 16, device=DEVICE)
-    step = slots.step
+    meta, order_at, tile = slots.step.tiling(3)
     with pytest.raises(ValueError, match="do not fit"):
-        lora_kernels.add_lora(x[:, :8], y, slots.a, slots.b, slots.bounds, step.meta, step.order_at, TILE_TOKENS)
+        lora_kernels.add_lora(x[:, :8], y, slots.a, slots.b, slots.bounds, meta, order_at, tile)
     with pytest.raises(ValueError, match="int32"):
-        lora_kernels.add_lora(x, y, slots.a, slots.b, slots.bounds, step.meta.long(), step.order_at, TILE_TOKENS)
+        lora_kernels.add_lora(x, y, slots.a, slots.b, slots.bounds, meta.long(), order_at, tile)
