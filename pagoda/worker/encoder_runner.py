@@ -1,7 +1,8 @@
 """The multimodal encoder's part of a step: placeholder rows from the vision tower, through the cache.
 
 One entry point, `EncoderRunner.embeds(states, inputs)`: the encoder rows for every placeholder token
-in the step and their flat token indices (`StepAttention.mm_embeds`). Every item overlapping a row's
+in the step and their flat token indices (host), which the eager forward hands the model as
+`StepAttention.mm_embeds` and a mixed-step CUDA graph reads from its static buffers. Every item overlapping a row's
 scheduled range needs its whole encoder output (the vision tower is never run on part of an item):
 taken from the encoder cache (`worker/encoder_cache.py`), or computed now for all missing items in
 one batched call. A chunk boundary may cut an item; each chunk takes its slice of the rows.
@@ -20,13 +21,17 @@ from pagoda.worker.step_inputs import StepInputs
 
 
 class EncoderRunner:
-    def __init__(self, model: nn.Module, device: torch.device, cache_tokens: int):
+    def __init__(self, model: nn.Module, device: torch.device, cache_tokens: int, active: bool):
         self.model = model
         self.device = device
         self.cache = EncoderCache(cache_tokens)
+        self.active = active  # the model has an encoder, on this pipeline stage
 
-    def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(flat token indices [P], encoder rows [P, H]) of the step's placeholder tokens, or None."""
+    def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(flat token indices [P] int64, encoder rows [P, H]) of the step's placeholder tokens, or None (none, or
+        no encoder on this stage)."""
+        if not (self.active and inputs.needs_encoder):
+            return None
         starts, ends, query_start_loc = inputs.starts.tolist(), inputs.seq_lens.tolist(), inputs.query_start_loc
         needed = [
             (row, item)
@@ -59,7 +64,7 @@ class EncoderRunner:
             first = int(query_start_loc[row]) + lo - starts[row]
             index.append(np.arange(first, first + hi - lo))
             embeds.append(outputs[item.content_hash][lo - item.offset : hi - item.offset])
-        return to_device(np.concatenate(index), self.device), torch.cat(embeds)
+        return np.concatenate(index).astype(np.int64, copy=False), torch.cat(embeds)
 
     def profile(self, num_tokens: int, dtype: torch.dtype) -> None:
         """Run the encoder on the largest input a step of `num_tokens` placeholder tokens can bring

@@ -18,6 +18,12 @@ Two kinds of bucket share the buffers:
   last 1 + d tokens), so verification steps replay the same graphs and no step computes logits for
   rows that do not sample.
 
+A model with a vision encoder (on the first pipeline stage) runs the encoder eagerly, then replays
+a mixed bucket whose embedding rows at the step's placeholder tokens come from a static buffer
+[T, H]: `mm` holds each placeholder token's index, the rest of the bucket's entries its last token
+(always padding in a mixed bucket), so one fixed-size index_copy serves any number of placeholders.
+Why: at one image per step the language model's ~1,000 launches were half of an eager image step.
+
 Every per-step input lives in one flat int64 buffer (pinned on the host, mirrored on the device, one
 host-to-device copy per step: the fixed sections, then the step's rows of block tables):
 
@@ -28,6 +34,7 @@ host-to-device copy per step: the fixed sections, then the step's rows of block 
                     kept at each position of a verification row, `StepInputs.state_writes`)
     qsl    [R + 1]  each row's first token (mixed buckets)
     tiles  [2, K]   prefill tile: row | first query (mixed buckets)
+    mm     [T]      the token each encoder row of `mm_rows` replaces (mixed buckets, models with an encoder)
     tables [R, max_blocks]
 
 Padding: token id 0, position 0, slot -1 (stores no K/V), context length 0 (attention returns
@@ -111,6 +118,7 @@ class GraphSpec:
     with_snapshots: bool  # state snapshots per KV block (stateful model with prefix caching)
     uses_mrope: bool
     spec_states: bool = False  # a stateful model's verification steps keep a state per position (speculation)
+    mm_rows: tuple[int, torch.dtype] | None = None  # (width, dtype) of encoder rows a mixed step takes in
 
     @classmethod
     def create(
@@ -121,6 +129,7 @@ class GraphSpec:
         uses_mrope: bool,
         decode_buckets: list[int] | None = None,
         token_buckets: list[int] | None = None,
+        mm_rows: tuple[int, torch.dtype] | None = None,
     ) -> GraphSpec:
         """The engine's spec: buckets from its limits (or the ones given, for tests)."""
         sched = config.scheduler
@@ -142,6 +151,7 @@ class GraphSpec:
             with_snapshots=with_snapshots,
             uses_mrope=uses_mrope,
             spec_states=scratch_slot is not None and sched.speculative is not None,
+            mm_rows=mm_rows,
         )
 
     @property
@@ -161,10 +171,12 @@ class GraphSpec:
     def bucket_for(self, num_rows: int, num_tokens: int, needs_encoder: bool) -> tuple[str, int] | None:
         """(kind, size) of the graph a step replays, or None (it runs eagerly): a pure decode step
         takes the smallest decode bucket holding its rows, else the smallest token bucket with a
-        spare token; a step that runs the vision encoder never replays a graph."""
-        if needs_encoder:
+        spare token; a step that runs the vision encoder takes a token bucket, where the spec has room
+        for encoder rows (`mm_rows`), else runs eagerly."""
+        if needs_encoder and self.mm_rows is None:
             return None
-        if num_tokens == num_rows and self.decode_buckets and num_rows <= self.decode_buckets[-1]:
+        decode = num_tokens == num_rows and not needs_encoder
+        if decode and self.decode_buckets and num_rows <= self.decode_buckets[-1]:
             return DECODE, next(b for b in self.decode_buckets if b >= num_rows)
         size = next((b for b in self.token_buckets if b > num_tokens), None)
         return None if size is None else (MIXED, size)
@@ -196,6 +208,7 @@ class GraphRunner:
             "snap": (2, spec.num_snapshots(t)),
             "qsl": (r + 1,),
             "tiles": (2, spec.num_tiles(t)),
+            "mm": (t if spec.mm_rows and first else 0,),
             "tables": (r, mb),
         }
         pin = device.type == "cuda"
@@ -210,6 +223,10 @@ class GraphRunner:
             at += n
         self._tables_at = size - r * mb
         self._rows = torch.arange(r, dtype=torch.int64, device=device)
+        self.mm_rows = None  # on the first stage only (the others bucket encoder steps alike, as they must)
+        if spec.mm_rows is not None and first:  # zeros: a padding token's row stays finite whatever it is given
+            width, dtype = spec.mm_rows
+            self.mm_rows = torch.zeros(t, width, dtype=dtype, device=device)
         self.capture = capture and device.type == "cuda"
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | StageHidden]] = {}
         # The host buffer is rewritten each step: wait until the last step's copy has left it.
@@ -223,13 +240,18 @@ class GraphRunner:
         return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, positions: np.ndarray) -> torch.Tensor | StageHidden:
+    def run(
+        self, inputs: StepInputs, positions: np.ndarray, mm: tuple[np.ndarray, torch.Tensor] | None = None
+    ) -> torch.Tensor | StageHidden:
         """Logits [len(positions), V] at those token indices of the step (`can_run(inputs)` must hold); on a
-        pipeline stage before the last, its activations over the whole bucket."""
+        pipeline stage before the last, its activations over the whole bucket. `mm`: the encoder's (flat token
+        indices [P], rows [P, H]) for the step's placeholder tokens."""
         kind, b = self.bucket_for(inputs)
         if self._copied is not None:
             self._copied.synchronize()
         self.write(inputs, kind, b)
+        if self.mm_rows is not None and kind == MIXED:
+            self._write_mm(mm, b)
         end = self._tables_at + inputs.num_rows * self.spec.max_blocks_per_seq
         self._dev_all[:end].copy_(self._host_all[:end], non_blocking=True)
         if inputs.late_tokens is not None:
@@ -286,6 +308,16 @@ class GraphRunner:
             ends, entries = snapshot_pairs(x.positions, x.slots, spec.block_size, spec.with_snapshots, x.state_writes)
             self._set_pairs("snap", ends, entries, t, 0)
 
+    def _write_mm(self, mm: tuple[np.ndarray, torch.Tensor] | None, b: int) -> None:
+        """The step's encoder rows into `mm_rows` (queued on the device) and their tokens into the host's `mm`;
+        the bucket's other entries name its last token, a padding one."""
+        index, p = self.host["mm"], 0
+        if mm is not None:
+            p = len(mm[0])
+            index[:p] = mm[0]
+            self.mm_rows[:p].copy_(mm[1], non_blocking=True)
+        index[p:b] = b - 1
+
     def _pad(self, tokens: int, rows: int, token_end: int, row_end: int) -> None:
         """Tokens [tokens, token_end) and rows [rows, row_end) become padding; `tokens` is the spare
         token that padding rows of a mixed bucket point at."""
@@ -309,6 +341,7 @@ class GraphRunner:
         self._pad(0, 0, self.spec.num_tokens, self.spec.num_rows)
         self._set_pairs("tiles", _NONE, _NONE, self.spec.num_rows - 1, 0)
         self._set_pairs("snap", _NONE, _NONE, 0, 0)
+        self.host["mm"][:] = 0  # while capturing every token is padding
         self._dev_all.copy_(self._host_all)
 
     # ---- static views -----------------------------------------------------------------------
@@ -356,7 +389,10 @@ class GraphRunner:
                 d["snap"][0, :snaps] if with_snaps else None,
                 d["snap"][1, :snaps] if with_snaps else None,
             )
-        return self._with_stage_input(StepAttention(self.backend, meta, state, mrope_positions=mrope), b)
+        attn = StepAttention(self.backend, meta, state, mrope_positions=mrope)
+        if self.mm_rows is not None:
+            attn.mm_embeds = d["mm"][:b], self.mm_rows[:b]
+        return self._with_stage_input(attn, b)
 
     def _with_stage_input(self, attn: StepAttention, b: int) -> StepAttention:
         if self.stage_in is not None:

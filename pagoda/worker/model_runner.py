@@ -27,7 +27,6 @@ from pagoda.device_copy import to_device
 from pagoda.distributed.parallel_state import all_reduce_max, is_driver
 from pagoda.kernels import dispatch
 from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
-from pagoda.layers.pipeline import StageHidden
 from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
@@ -101,7 +100,8 @@ class ModelRunner:
         )
         self.accepts_multimodal = caps.encoder
         self.lora = LoRAManager(self.model, config, self.dtype, self.device) if config.lora else None
-        self.encoder = EncoderRunner(self.model, self.device, max(32768, 4 * config.scheduler.max_num_batched_tokens))
+        cache_tokens, first = max(32768, 4 * config.scheduler.max_num_batched_tokens), self.link.stage.first
+        self.encoder = EncoderRunner(self.model, self.device, cache_tokens, active=caps.encoder and first)
         self.encoder_cache = self.encoder.cache
         self.graphs: GraphRunner | None = None  # set by `enable_cuda_graphs`
         self._last_sampled: torch.Tensor | None = None  # its token ids, on the device
@@ -145,8 +145,9 @@ class ModelRunner:
             logger.info("%s cannot be captured in CUDA graphs: steps run eagerly", type(self.model).__name__)
             return
         scratch = self.state_pool.scratch_slot if self.state_pool is not None else None
+        mm = (self.link.hidden_size, self.dtype) if self.capabilities.encoder else None  # every stage buckets alike
         spec = GraphSpec.create(
-            self.config, scratch, self.state_snapshots, self.capabilities.mrope, decode_buckets, token_buckets
+            self.config, scratch, self.state_snapshots, self.capabilities.mrope, decode_buckets, token_buckets, mm
         )
         self.graphs = GraphRunner(spec, self.model, self.backend, self.device, capture, self.link)
         self.graphs.capture_all()
@@ -164,10 +165,10 @@ class ModelRunner:
         if self.state_pool is not None:
             inputs.state_slots = np.zeros(1, dtype=np.int64)
         with dispatch.pdl_for_rows(num_tokens):  # as an eager step of this size runs (and so compiles) them
-            hidden = self._stage_forward(inputs, [])
+            hidden = self.link.hand_on(self._forward_eager(inputs))  # None before the last pipeline stage
             if hidden is not None:
                 self.model.compute_logits(hidden[-1:])
-            if self.capabilities.encoder and self.link.stage.first:
+            if self.encoder.active:
                 self.encoder.profile(num_tokens, self.dtype)
         torch.cuda.synchronize()
         # Under tensor parallelism every rank sizes the same pool: the largest rank's peak decides.
@@ -189,7 +190,7 @@ class ModelRunner:
         inputs = one_prompt_inputs(len(token_ids), self.block_size)
         inputs.token_ids = np.asarray(token_ids, dtype=np.int64)
         zero_blocks(self.kv_caches, inputs.block_tables[0].tolist(), self.device)  # as for every block handed out
-        hidden = self._forward_eager(inputs, [])
+        hidden = self._forward_eager(inputs)
         assert isinstance(hidden, torch.Tensor), "prompt_logits needs the whole model in one pipeline stage"
         return self.model.compute_logits(hidden).float().cpu()
 
@@ -260,9 +261,10 @@ class ModelRunner:
         if self.lora is not None:  # each row's adapter (`lora/manager.py`), for the eager path and the graphs alike
             self.lora.prepare([s.lora_request for s in states], inputs.query_lens)
         graphed = self.graphs is not None and self.graphs.can_run(inputs)
+        mm = self.encoder.embeds(states, inputs)  # the vision tower's rows for placeholder tokens, eagerly
         # A graph gives the logits at `positions`; an eager step the hidden states; before the last
         # pipeline stage either sends its activations on (None here).
-        out = self.graphs.run(inputs, positions) if graphed else self._forward_eager(inputs, states)
+        out = self.graphs.run(inputs, positions, mm) if graphed else self._forward_eager(inputs, mm)
         out = self.link.hand_on(out)
         if not len(inputs.sample_rows):
             return None
@@ -272,13 +274,9 @@ class ModelRunner:
         self.link.logits_for_driver(logits)
         return logits
 
-    def _stage_forward(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | None:
-        """hidden [T, H] of the step (eagerly); under pipeline parallelism only the last stage's (the others
-        send their activations on)."""
-        return self.link.hand_on(self._forward_eager(inputs, states))
-
-    def _forward_eager(self, inputs: StepInputs, states: list[RunnerRequestState]) -> torch.Tensor | StageHidden:
-        """The model over the step, launched from Python (the PyTorch backend, or no graph fits)."""
+    def _forward_eager(self, inputs: StepInputs, mm: tuple[np.ndarray, torch.Tensor] | None = None):
+        """The model over the step, launched from Python (the PyTorch backend, or no graph fits); `mm`: the
+        encoder's (flat token indices, rows) for the step's placeholder tokens."""
         dev = self.device
         batch = AttentionBatch(
             query_lens=inputs.query_lens.tolist(),
@@ -304,8 +302,8 @@ class ModelRunner:
         attn = StepAttention(self.backend, self.backend.prepare(batch), state)
         if inputs.mrope_positions is not None:
             attn.mrope_positions = to_device(inputs.mrope_positions, dev)
-        if inputs.needs_encoder and self.link.stage.first:
-            attn.mm_embeds = self.encoder.embeds(states, inputs)
+        if mm is not None:
+            attn.mm_embeds = to_device(mm[0], dev), mm[1]
         attn.stage_input = self.link.stage_input(len(inputs.token_ids))
         ids = to_device(inputs.token_ids, dev)
         if inputs.late_tokens is not None:

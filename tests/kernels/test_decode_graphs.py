@@ -85,12 +85,12 @@ def _count_buckets(graphs) -> dict[str, list[int]]:
     used: dict[str, list[int]] = {DECODE: [], MIXED: [], "verify": []}
     run = graphs.run
 
-    def counting(inputs, positions):
+    def counting(inputs, positions, mm=None):
         kind, size = graphs.bucket_for(inputs)
         used[kind].append(size)
         if inputs.spec is not None:
             used["verify"].append(int(inputs.spec.counts.sum()))
-        return run(inputs, positions)
+        return run(inputs, positions, mm)
 
     graphs.run = counting
     return used

@@ -162,8 +162,8 @@ def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_set
         runner.enable_cuda_graphs(capture=False)
     used: list[str] = []
     run = runner.graphs.run
-    runner.graphs.run = lambda inputs, positions: (
-        used.append(runner.graphs.bucket_for(inputs)[0]) or run(inputs, positions)
+    runner.graphs.run = lambda inputs, positions, mm=None: (
+        used.append(runner.graphs.bucket_for(inputs)[0]) or run(inputs, positions, mm)
     )
     names = [*peft_cases.ADAPTERS, None]
     prompts = [p for _ in names for p in peft_cases.PROMPTS]

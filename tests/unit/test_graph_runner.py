@@ -62,6 +62,10 @@ def test_bucket_for_a_step():
     assert spec.bucket_for(2, 16, False) == (MIXED, 32)  # a mixed bucket keeps a spare token
     assert spec.bucket_for(2, 32, False) is None  # too many tokens: eager
     assert spec.bucket_for(3, 3, True) is None and spec.bucket_for(2, 9, True) is None  # the encoder runs
+    # With room for encoder rows, a step that brings them takes a token bucket, never a decode one.
+    vision = _spec(mm_rows=(8, torch.float32))
+    assert vision.bucket_for(3, 3, True) == (MIXED, 16) and vision.bucket_for(2, 16, True) == (MIXED, 32)
+    assert vision.bucket_for(2, 32, True) is None and vision.bucket_for(3, 3, False) == (DECODE, 4)
     capped = _spec(decode=(1, 2))
     assert capped.bucket_for(4, 4, False) == (MIXED, 16)  # past the decode buckets: a mixed one
     assert _spec(tokens=()).bucket_for(2, 9, False) is None
