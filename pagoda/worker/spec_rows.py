@@ -163,8 +163,8 @@ def sample(
     tokens[:, 0] = last
     spec_rows = to_device(speculative, device)
     spec_ids = [request_ids[i] for i in speculative.tolist()]
-    drafts = torch.tensor(
-        [spec.proposals[i] + [-1] * (k - len(spec.proposals[i])) for i in speculative.tolist()], device=device
+    drafts = to_device(  # pinned: a pageable copy would wait for the step's forward pass
+        [spec.proposals[i] + [-1] * (k - len(spec.proposals[i])) for i in speculative.tolist()], device, torch.int64
     )
     n_drafts = to_device(counts[speculative], device)
     g = grid[spec_rows]  # [R, K + 1, V]
