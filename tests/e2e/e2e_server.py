@@ -54,18 +54,23 @@ class ServerProcess:
         base_flags: list[str] | None = None,
     ):
         """`base_flags`: what comes between `serve` and `--port` (default BASE_FLAGS; [] for a bare `pagoda serve`)."""
+        self.log_path = log_path
+        self._base = BASE_FLAGS if base_flags is None else base_flags
+        self._extra, self._env = extra_flags, env
+        self._port_retries = 2
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        base = BASE_FLAGS if base_flags is None else base_flags
-        cmd = [sys.executable, "-m", "pagoda", "serve", *base, "--port", str(self.port), *extra_flags]
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "pagoda", "serve", *self._base, "--port", str(self.port), *self._extra]
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(self._env or {})},
         )
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -78,6 +83,17 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The free port was taken before the server bound it (another test's server or a rank's
+                # rendezvous picked it meanwhile): start again on a new one.
+                if self._port_retries and "Address already in use" in self.log_tail():
+                    self._port_retries -= 1
+                    self._log.close()
+                    try:  # whatever the failed start left in its session
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    self._start()
+                    continue
                 raise RuntimeError(
                     f"pagoda serve exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
                 )
