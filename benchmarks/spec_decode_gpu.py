@@ -3,7 +3,8 @@ each side in a process of its own, against the floor of streaming every weight o
 
 Usage:
     python benchmarks/spec_decode_gpu.py MODEL [--load-format dummy] [--tokens-prompts 8] [--max-tokens 256] \\
-        [--side off] [--side ngram:4] [--side "suffix:8"] [--side "ngram:4|PAGODA_MIXED_STEP_GRAPHS=0"] [--json FILE]
+        [--side off] [--side ngram:4] [--side "suffix:8"] [--side "ngram:4|PAGODA_MIXED_STEP_GRAPHS=0"] [--json FILE] \\
+        [--profile N]
 
 A side is `METHOD[:K][|NAME=VALUE ...]` (METHOD `off`, `ngram` or `suffix`; the environment variables set for
 that side's process). Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with
@@ -22,8 +23,11 @@ side's (greedy).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -103,11 +107,19 @@ def _side(args) -> dict:
             row = {"tok_s": sum(map(len, tokens)) / (time.perf_counter() - started), "tokens": tokens}
         else:
             tpots, tokens = [], []
+            profiler = cProfile.Profile() if args.profile and spec and task == "again" else None
+            if profiler is not None:
+                profiler.enable()
             for prompt in prompts:
                 full, ids = run(prompt, args.max_tokens)
                 one, _ = run(prompt, 1)
                 tpots.append((full - one) / (args.max_tokens - 1))
                 tokens.append(ids)
+            if profiler is not None:  # where a speculating side's host time goes, proposals right by construction
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.profile)
+                result["profile"] = text.getvalue()
             row = {"tpot_ms": 1000 * sum(tpots) / len(tpots), "tokens": tokens}
         if counts:
             drafts = counts.num_drafts - before[0]
@@ -129,6 +141,13 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help="all prompts at once: output tokens/s instead of TPOT")
     parser.add_argument("--side", action="append", default=None, help="METHOD[:K][|NAME=VALUE ...]")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="cProfile's N costliest functions of each speculating "
+        "side's `again` task (timed under the profiler: its TPOT reads higher)",
+    )
     parser.add_argument("--run-side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_side:
@@ -149,6 +168,8 @@ def main() -> None:
             continue
         result = json.loads(line[7:]) | {"side": side}
         results.append(result)
+        if "profile" in result:
+            print(f"{side} (again), cProfile:\n" + result.pop("profile"), flush=True)
         brief = {t: {k: v for k, v in r.items() if k != "tokens"} for t, r in result["tasks"].items()}
         print(side, json.dumps(brief), flush=True)
     base = next((r for r in results if r["side"] == "off"), None)
