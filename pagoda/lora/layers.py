@@ -27,9 +27,8 @@ from pagoda.kernels import dispatch
 # Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
 # at most SMALL_STEP_TOKENS tokens (decode, a few adapters' rows each) use the small tile: a 64-token tile then
 # held a handful of real rows and the kernels spent their registers and loads on masked ones
-# (`benchmarks/kernels/lora_kernel_bench.py`: at 64 tokens over 16 adapters the small tile with wider expand
-# blocks cut the adapters' time 2.5-fold). SMALL_STEP_TOKENS is a graph bucket size, but both tilings are
-# written for such steps anyway, so a bucket past it finds the large tiling ready.
+# (`benchmarks/kernels/lora_kernel_bench.py` times both). A step of at most SMALL_STEP_TOKENS may still replay a
+# larger graph bucket, which launches over the bucket's rows with the large tile: both tilings are written for it.
 TILE_TOKENS = 64
 SMALL_TILE_TOKENS = 16
 SMALL_STEP_TOKENS = 256
@@ -81,9 +80,8 @@ class LoRAStep:
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         # Tiles past the step's hold 0 tokens; the small tiling only for steps that may launch with it.
         tilings = [np.zeros((n, 3), dtype=np.int64) for n in self.max_tiles]
-        for tiles, tile in zip(tilings, self.tile_sizes):
-            if tiles is tilings[0] and len(token_slots) > self.small_step_tokens:
-                continue
+        small_step = len(token_slots) <= self.small_step_tokens
+        for tiles, tile in zip(tilings[1 - small_step :], self.tile_sizes[1 - small_step :]):
             i = 0
             for slot in np.flatnonzero(counts).tolist():
                 for first in range(0, int(counts[slot]), tile):

@@ -64,14 +64,13 @@ def continuation(
     current = ends
     while len(draft) < max_tokens and len(current):
         if len(current) == 1:  # one occurrence left: the rest of its run, every token with the same estimate
-            start = int(current[0]) + 1
-            run = corpus[start : start + max_tokens - len(draft)]
-            ends_at = np.flatnonzero(run == SEPARATOR)
-            for token in (run[: ends_at[0]] if len(ends_at) else run).tolist():
-                if prob < min_token_prob:
-                    break
-                draft.append(token)
-                score += prob
+            if prob >= min_token_prob:
+                start = int(current[0]) + 1
+                run = corpus[start : start + max_tokens - len(draft)]
+                ends_at = np.flatnonzero(run == SEPARATOR)
+                for token in (run[: ends_at[0]] if len(ends_at) else run).tolist():
+                    draft.append(token)
+                    score += prob
             break
         following = current + 1
         following = following[following < len(corpus)]
