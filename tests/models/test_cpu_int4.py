@@ -76,6 +76,24 @@ def test_both_matmul_paths_equal_the_float_matmul(rows, outputs):
     assert torch.allclose(reference, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("outputs", [192, 80])
+def test_many_row_weight_is_the_levels_rebuilt_in_the_prefill_dtype(outputs, monkeypatch):
+    """The many-row path's Wᵀ, unpacked from the kernel's packing and from the plain two-to-a-byte copy a torch
+    with another packing keeps instead, against the weight rebuilt from the grid in float32 and then rounded
+    once: q·d + m in float32 from d and m in the prefill dtype."""
+    weight = _gguf_blocks(outputs, 320, GGMLQuantizationType.Q4_1, seed=outputs)
+    q, d, m = cpu_int4.find_int4_grid(weight)
+    for bf16 in (True, False):
+        monkeypatch.setattr(cpu_int4, "native_bf16", lambda bf16=bf16: bf16)
+        method = cpu_int4.CpuInt4Method(q, d, m)
+        assert method.nibbles is None  # this torch's packing is the one `_unpack_levels_t` reads
+        dtype = method.prefill_dtype
+        expected = _rebuilt(q, d.to(dtype).float(), m.to(dtype).float()).to(dtype).t()
+        assert torch.equal(method.dequantized_t(), expected)
+        method.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        assert torch.equal(method.dequantized_t(), expected)
+
+
 @pytest.mark.parametrize("rows", [1, policy.CPU_INT8_HEAD_MAX_ROWS, policy.CPU_INT8_HEAD_MAX_ROWS + 1, 33])
 def test_bf16_lm_head_is_within_bf16_rounding_of_the_float_head(rows, monkeypatch):
     """Up to policy.CPU_INT8_HEAD_MAX_ROWS rows the head's int8 copy multiplies, above it the bf16 copy: both

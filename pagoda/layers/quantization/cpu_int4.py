@@ -21,7 +21,7 @@ zero = m + 8·d. `int4_reference` (the float32 weight rebuilt from q, d, m, then
 tests hold both paths to.
 
 The kernel's packed levels are the layer's only copy of them: the many-row path unpacks them
-(`_unpack_levels`, checked against the levels when the layer is packed; a torch whose packing differs keeps
+(`_unpack_levels_t`, checked against the levels when the layer is packed; a torch whose packing differs keeps
 a second, plain copy instead).
 
 The LM head of such a model (the embedded one ties it to its Q8_0 embedding, 49,152 x 576) is the largest
@@ -112,18 +112,25 @@ def int4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.T
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
 
 
-def _unpack_levels(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The levels q uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s bytes: blocks of 64 output
-    columns, each [K, 32] bytes whose low nibble is column j of the block and high nibble column j + 32; a last
-    block of fewer columns (N is a multiple of 16) is [K, width / 2] bytes holding columns 2j and 2j + 1."""
+def _unpack_levels_t(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The levels q, transposed, as [K, N] of `dtype`, from `_convert_weight_to_int4pack_for_cpu`'s bytes: blocks of
+    64 output columns, each [K, 32] bytes whose low nibble is column j of the block and high nibble column j + 32
+    (K-major already, so each block's bytes land in place); a last block of fewer columns (N is a multiple of 16)
+    is [K, width / 2] bytes holding columns 2j and 2j + 1."""
     flat = packed.reshape(-1)
     full = n // 64 * 64
-    blocks = flat[: full * k // 2].reshape(full // 64, k, 32)
-    q = torch.cat((blocks & 15, blocks >> 4), -1).transpose(1, 2).reshape(full, k)
-    if full == n:
-        return q
-    tail = flat[full * k // 2 :].reshape(k, (n - full) // 2).t()  # [width / 2, K]
-    return torch.cat((q, torch.stack((tail & 15, tail >> 4), 1).reshape(n - full, k)))
+    out = torch.empty(k, n, dtype=dtype)
+    if full:
+        blocks = flat[: full * k // 2].view(full // 64, k, 32).permute(1, 0, 2)  # [K, N/64, 32]
+        body = out[:, :full].view(k, full // 64, 2, 32)
+        body[:, :, 0] = blocks & 15
+        body[:, :, 1] = blocks >> 4
+    if full < n:
+        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
+        pairs = out[:, full:].view(k, (n - full) // 2, 2)
+        pairs[..., 0] = tail & 15
+        pairs[..., 1] = tail >> 4
+    return out
 
 
 class CpuInt4Method:
@@ -137,23 +144,26 @@ class CpuInt4Method:
         self.scales_zeros = torch.stack((d, m + 8 * d), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         # For the many-row path: the levels come from `packed`, unless this torch packs them another way;
         # then a plain copy, two to a byte (low nibble first).
-        same = torch.equal(_unpack_levels(self.packed, n, k), q)
+        same = torch.equal(_unpack_levels_t(self.packed, n, k, torch.uint8), q.t())
         self.nibbles = None if same else (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
         self.prefill_dtype = torch.bfloat16 if native_bf16() else torch.float32
-        self.d = d.to(self.prefill_dtype)[..., None]
-        self.m = m.to(self.prefill_dtype)[..., None]
+        # [K/32, 1, N]: each group's scale and minimum laid out like the transposed weight they multiply.
+        self.d_t = d.t().contiguous().to(self.prefill_dtype)[:, None, :]
+        self.m_t = m.t().contiguous().to(self.prefill_dtype)[:, None, :]
 
-    def dequantized(self) -> torch.Tensor:
-        """The [N, K] weight in `prefill_dtype` (exact levels; d and m rounded to it)."""
+    def dequantized_t(self) -> torch.Tensor:
+        """Wᵀ [K, N] in `prefill_dtype` (exact levels; d and m rounded to it; q·d + m rounded once). Transposed
+        because the kernel packs K-major: the levels unpack in place, and the scales broadcast along whole rows."""
         n, k = self.shape
         if self.nibbles is None:
-            q = _unpack_levels(self.packed, n, k)
+            levels = _unpack_levels_t(self.packed, n, k, self.prefill_dtype)
         else:
             q = torch.empty(n, k, dtype=torch.uint8)
             torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
             torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
-        levels = q.reshape(n, k // GROUP, GROUP).to(self.prefill_dtype)
-        return torch.addcmul(self.m, levels, self.d).reshape(n, k)
+            levels = torch.empty(k, n, dtype=self.prefill_dtype).copy_(q.t())
+        grouped = levels.view(k // GROUP, GROUP, n)
+        return torch.addcmul(self.m_t, grouped, self.d_t, out=grouped).view(k, n)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -161,7 +171,7 @@ class CpuInt4Method:
             kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
             y = kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         else:
-            y = F.linear(rows.to(self.prefill_dtype), self.dequantized())
+            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t())
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
