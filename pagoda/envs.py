@@ -74,6 +74,14 @@ CPU_KV_IN_PLACE = Env(
     "(layers/torch_attention.py); 0: always gathered",
     once=True,
 )
+CPU_LONE_DECODE = Env(
+    "PAGODA_CPU_LONE_DECODE",
+    bool,
+    True,
+    "a CPU step that is one decode token attended in place runs each Llama-family layer in the fewest PyTorch calls, "
+    "bit for bit the general path (models/llama_cpu_decode.py); 0: the general path",
+    once=True,
+)
 CPU_BF16_LM_HEAD = Env(
     "PAGODA_CPU_BF16_LM_HEAD",
     bool,

@@ -52,7 +52,7 @@ class _PrefillRow:
 
 
 @dataclass
-class _DecodeView:
+class DecodeView:
     token: int  # flat index of the row's query token
     first_slot: int  # the slot of its position 0
     length: int  # keys
@@ -65,7 +65,8 @@ class TorchAttentionMetadata:
     decode_blocks: torch.Tensor | None  # [Bd * nblk] block ids, row-major (null-padded)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, nblk * block_size] bool key-padding mask
     prefill_rows: list[_PrefillRow]
-    decode_views: list[_DecodeView] | None = None  # the decode rows in place, when every one is one run
+    decode_views: list[DecodeView] | None = None  # the decode rows in place, when every one is one run
+    lone: DecodeView | None = None  # the step's only row, a decode row in place (`models/llama_cpu_decode.py`)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -88,7 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
         if in_place and 0 < len(decode) <= policy.CPU_KV_VIEW_MAX_ROWS:
             firsts = [_first_slot(tables[i], batch.seq_lens[i], bs) for i in decode]
             if all(f is not None for f in firsts):
-                decode_views = [_DecodeView(starts[i], f, batch.seq_lens[i]) for i, f in zip(decode, firsts)]
+                decode_views = [DecodeView(starts[i], f, batch.seq_lens[i]) for i, f in zip(decode, firsts)]
         if decode:
             rows = torch.tensor(decode, device=device)
             lens = batch.seq_lens_tensor[rows]  # [Bd]
@@ -110,8 +111,9 @@ class TorchAttentionBackend(AttentionBackend):
             first = _first_slot(tables[i], length, bs) if in_place else None
             row = _PrefillRow(starts[i], starts[i + 1], batch.block_tables[i, :num_blocks], mask, first, length)
             prefill_rows.append(row)
+        lone = decode_views[0] if decode_views is not None and len(batch.query_lens) == 1 else None
         return TorchAttentionMetadata(
-            batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows, decode_views
+            batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows, decode_views, lone
         )
 
     def forward(

@@ -25,6 +25,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.pipeline import MissingLayer, PipelineStage, StageHidden
 from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models import llama_cpu_decode
 from pagoda.models.base import CausalLM
 
 
@@ -108,8 +109,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageHidden:
         x, residual = (self.embed_tokens(input_ids), None) if self.stage.first else attn.stage_input
         rope = self.rotary_emb.cos_sin(positions)
+        lone = llama_cpu_decode.lone_row(attn, x)  # one decode token on the CPU: layers in the fewest calls
         for layer in self.stage.own(self.layers):
-            x, residual = layer(rope, x, attn, residual)
+            if lone is not None and llama_cpu_decode.eligible(layer, rope):
+                x, residual = llama_cpu_decode.layer(layer, rope, x, residual, lone)
+            else:
+                x, residual = layer(rope, x, attn, residual)
         if not self.stage.last:
             return StageHidden(x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

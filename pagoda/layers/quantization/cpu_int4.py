@@ -165,14 +165,18 @@ class CpuInt4Method:
         grouped = levels.view(k // GROUP, GROUP, n)
         return torch.addcmul(self.m_t, grouped, self.d_t, out=grouped).view(k, n)
 
+    def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] (M ≤ `policy.CPU_INT4_MAX_ROWS`) · Wᵀ through the int4 kernel, in rows' dtype."""
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).to(rows.dtype)
+
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= policy.CPU_INT4_MAX_ROWS:
-            kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-            y = kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+            y = self.few_rows(rows)
         else:
-            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t())
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t()).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
     def gemv_operands(self, layer: Linear) -> None:

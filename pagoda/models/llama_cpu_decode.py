@@ -1,0 +1,107 @@
+"""One decode row on the CPU: a Llama-family layer in the fewest PyTorch calls.
+
+A CPU decode step of one running request (the embedded model answering one user) spends as much time around its
+matmuls and attention as in them: the general layer makes ~80 PyTorch calls for a [1, H] activation, each a few
+µs of dispatch and Python (module calls, reshapes, dtype round trips, q and k rotated apart, a scatter into the
+cache and a copy out of the attention). When a step is exactly one decode token whose cache blocks are one run
+(`TorchAttentionMetadata.lone`, attended in place), `layer` runs a decoder layer in about half the calls:
+- each projection is called on its weight directly (`_project`);
+- q and k heads are rotated together, as the one [Hq + Hkv, D] slice of the fused qkv output they are;
+- the token's K and V are written to its one slot;
+- attention reads the cache view and goes straight into o_proj.
+
+Every value comes from the same operations in the same order as the general path, so the layer's output is the
+general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to that).
+
+It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, one
+tensor-parallel rank, float32 norms, and projections that are plain weights or 4-bit GGUF layers
+(`CpuInt4Method`); any other layer runs the general path within the same step. Switch:
+PAGODA_CPU_LONE_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also pagoda-nolonedecode`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pagoda import envs
+from pagoda.distributed import parallel_state
+from pagoda.layers.attention import StepAttention
+from pagoda.layers.linear import Linear
+from pagoda.layers.quantization.cpu_int4 import CpuInt4Method
+from pagoda.layers.torch_attention import DecodeView, TorchAttentionMetadata
+
+if TYPE_CHECKING:
+    from pagoda.models.llama import LlamaDecoderLayer
+
+ENABLED = envs.CPU_LONE_DECODE.value  # read once: the switch is set before the process starts
+
+
+def lone_row(attn: StepAttention, x: torch.Tensor) -> DecodeView | None:
+    """The step's one decode row when `layer` may run it: float32 activations on the CPU, one tensor-parallel rank."""
+    if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    metadata = attn.metadata
+    if not isinstance(metadata, TorchAttentionMetadata) or parallel_state.tp_world_size() != 1:
+        return None
+    return metadata.lone
+
+
+def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether `layer` computes exactly what this layer's general path does (module docstring)."""
+    attention = layer.self_attn
+    if 2 * rope[0].shape[-1] != attention.head_dim or attention.attn.k_cache.dtype != torch.float32:
+        return False
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(w.dtype != torch.float32 for w in norms):
+        return False
+    projections = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return all(p.lora is None and (p.quant is None or isinstance(p.quant, CpuInt4Method)) for p in projections)
+
+
+def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` for x [1, I] float32 (one rank, no adapters)."""
+    if layer.quant is None:
+        return F.linear(x, layer.weight, layer.bias)
+    assert isinstance(layer.quant, CpuInt4Method)
+    y = layer.quant.few_rows(x)
+    return y if layer.bias is None else y + layer.bias
+
+
+def layer(
+    layer: LlamaDecoderLayer,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    row: DecodeView,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LlamaDecoderLayer.forward` for the step's one token: x, residual [1, H] → (MLP output, residual stream)."""
+    attention = layer.self_attn
+    residual = x if residual is None else x + residual
+    norm = layer.input_layernorm
+    qkv = _project(attention.qkv_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
+    heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    qk = qkv[:, : (heads + kv_heads) * dim].view(1, heads + kv_heads, dim)
+    cos, sin = rope  # [1, 1, D/2]
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [1, Hq + Hkv, D]
+    k_cache = attention.attn.k_cache.view(-1, kv_heads, dim)  # [slots, Hkv, D]
+    v_cache = attention.attn.v_cache.view(-1, kv_heads, dim)
+    slot = row.first_slot + row.length - 1  # the blocks are one run: position p sits at first_slot + p
+    k_cache[slot] = qk[0, heads:]
+    v_cache[slot] = qkv[0, (heads + kv_heads) * dim :].view(kv_heads, dim)
+    keys = slice(row.first_slot, slot + 1)
+    out = F.scaled_dot_product_attention(
+        qk[:, :heads, None],  # [1, Hq, 1, D]
+        k_cache[keys].transpose(0, 1)[None],  # [1, Hkv, L, D], a view of the cache
+        v_cache[keys].transpose(0, 1)[None],
+        scale=attention.attn.scale,
+        enable_gqa=heads != kv_heads,
+    )
+    residual = _project(attention.o_proj, out.view(1, heads * dim)) + residual
+    norm = layer.post_attention_layernorm
+    gate_up = _project(layer.mlp.gate_up_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _project(layer.mlp.down_proj, F.silu(gate) * up), residual

@@ -1,0 +1,99 @@
+"""The lone-decode CPU layer (`models/llama_cpu_decode.py`) against the general layer it stands in for: the same
+requests through both give the same hidden states at every step, bit for bit, for Llama (float weights, grouped
+KV heads), Qwen2 (q/k/v biases) and the embedded model's 4-bit GGUF layers; and it runs only where its
+conditions hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers.quantization import cpu_int4
+from pagoda.models import llama_cpu_decode
+
+
+def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """Every step's final hidden states [T, H], one request at a time, with the lone-decode layer on or off; and
+    how many layers it ran."""
+    monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
+    calls = []
+    real = llama_cpu_decode.layer
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(llama_cpu_decode, "layer", counted)
+    hidden: list[torch.Tensor] = []
+    model = llm.llm_engine.runner.model.model
+    handle = model.register_forward_hook(lambda module, args, out: hidden.append(out.clone()))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for ids in prompts:  # alone: every decode step is one row, its blocks one run
+            # a prompt seen before would start from cached blocks, with its new ones elsewhere: not one run
+            llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
+            llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    finally:
+        handle.remove()
+    return hidden, len(calls)
+
+
+def _assert_same_steps(llm: LLM, prompts: list[list[int]], monkeypatch) -> None:
+    general, none = _steps(llm, prompts, lone=False, monkeypatch=monkeypatch)
+    lone, calls = _steps(llm, prompts, lone=True, monkeypatch=monkeypatch)
+    layers = len(llm.llm_engine.runner.model.model.layers)
+    assert none == 0 and calls == layers * 11 * len(prompts)  # every decode step of every layer, no prefill
+    assert len(lone) == len(general)
+    for got, want in zip(lone, general, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen2"])
+def test_lone_decode_layers_equal_the_general_layers_bit_for_bit(kind, request, monkeypatch):
+    llm = LLM(request.getfixturevalue(kind), skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    # 37 and 45 tokens: the decode tokens cross block boundaries (16-slot blocks), so the slot arithmetic is tested
+    prompts = [[(7 * i + j) % 500 + 3 for i in range(n)] for j, n in enumerate((37, 45))]
+    _assert_same_steps(llm, prompts, monkeypatch)
+
+
+def test_4bit_layers_with_biases_bit_for_bit(tiny_qwen2, monkeypatch):
+    """Qwen2's q/k/v biases on 4-bit layers: the tiny model's projections put on GGUF's Q4_1 grid, then packed."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagoda.layers.linear import Linear
+
+    llm = LLM(tiny_qwen2, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    model = llm.llm_engine.runner.model.model
+    for module in model.layers.modules():
+        if isinstance(module, Linear):
+            w = module.weight.detach().numpy()
+            q4 = dequantize(quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
+            module.weight.data.copy_(torch.from_numpy(q4.reshape(w.shape).copy()))
+            if module.bias is not None:
+                module.bias.data.normal_(generator=torch.Generator().manual_seed(0))  # the checkpoint's are zeros
+    assert cpu_int4.pack_int4_layers(model.layers) == (8, 0)
+    _assert_same_steps(llm, [[(5 * i) % 500 + 3 for i in range(40)]], monkeypatch)
+
+
+def test_embedded_model_4bit_layers_take_the_lone_decode_path_bit_for_bit(default_llm, monkeypatch):
+    layers = default_llm.llm_engine.runner.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj.quant, cpu_int4.CpuInt4Method)
+    _assert_same_steps(default_llm, [[1, 504, 3458, 282, 4649, 314] * 5], monkeypatch)
+
+
+def test_layers_it_cannot_run_exactly_take_the_general_path(tiny_llama, monkeypatch):
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    model = llm.llm_engine.runner.model.model
+    layer = model.layers[0]
+    rope = model.rotary_emb.cos_sin(torch.tensor([5]))
+    assert llama_cpu_decode.eligible(layer, rope)
+    half = (rope[0][..., :2], rope[1][..., :2])  # a partial rotary
+    assert not llama_cpu_decode.eligible(layer, half)
+    cache = layer.self_attn.attn.k_cache
+    monkeypatch.setattr(layer.self_attn.attn, "k_cache", cache.to(torch.bfloat16))  # a narrower cache is gathered
+    assert not llama_cpu_decode.eligible(layer, rope)
+    monkeypatch.setattr(layer.self_attn.attn, "k_cache", cache)
+    monkeypatch.setattr(layer.mlp.down_proj, "lora", object())  # adapters add to the projection's output
+    assert not llama_cpu_decode.eligible(layer, rope)
