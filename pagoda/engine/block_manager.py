@@ -14,6 +14,12 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
   wait than hold that many tokens, the oldest of them is handed out (its cached prefix evicted) before
   a fresh one, so the resident pool follows the peak number of blocks in use plus that reserve of
   cached prefixes, rather than every block ever handed out.
+- `prefer_runs` (CPU, whose attention reads a request's blocks in place when they are one ascending run,
+  `layers/torch_attention.py`): a request's next block is the one after its last where that block is free
+  and taking it costs the policy nothing: a never-used block the policy would hand out now anyway, a freed
+  block that caches nothing (the partial last block of a finished turn, which the next turn's prefix hit
+  stops just before), or any freed block when the policy is reusing freed ones (it evicts one either way).
+  Freed blocks popped in LRU order alone come out descending (a request frees its tail first).
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
   whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
   salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
@@ -53,6 +59,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         keep_free_tokens: int | None = None,
+        prefer_runs: bool = False,
     ):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
@@ -60,6 +67,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Freed blocks (cached prefixes) kept before the oldest is reused ahead of a fresh one; None: fresh first.
         self.keep_free = None if keep_free_tokens is None else self.blocks_needed(keep_free_tokens)
+        self.prefer_runs = prefer_runs  # CPU: a request's blocks as one ascending run are attended in place
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self._fresh: collections.deque[int] = collections.deque(range(1, num_blocks))
@@ -157,15 +165,30 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            reuse = self.keep_free is not None and len(self._free) > self.keep_free
-            if self._free and (reuse or not self._fresh):
-                block, _ = self._free.popitem(last=False)  # least recently freed first
-                self._evict(block)
-            else:
-                block = self._fresh.popleft()
+            block = self._next_block(request.block_ids[-1] if request.block_ids else None)
             self.ref_count[block] = 1
             request.block_ids.append(block)
         return True
+
+    def _next_block(self, last: int | None) -> int:
+        """A free block for a request whose last block is `last`: `last + 1` where the pool's policy allows it
+        (see the module docstring), else the policy's choice."""
+        over_reserve = self.keep_free is not None and len(self._free) > self.keep_free
+        reuse = bool(self._free) and (over_reserve or not self._fresh)
+        after = None if last is None or not self.prefer_runs else last + 1
+        if after is not None and after < self.num_blocks and self.ref_count[after] == 0:
+            # Free: evicted only where the policy evicts anyway, or when it caches nothing.
+            if after in self._free and (reuse or self.hash_of[after] is None):
+                del self._free[after]
+                self._evict(after)
+                return after
+            if not reuse and self._fresh and self._fresh[0] == after:
+                return self._fresh.popleft()
+        if reuse:
+            block, _ = self._free.popitem(last=False)  # least recently freed first
+            self._evict(block)
+            return block
+        return self._fresh.popleft()
 
     def free(self, request: Request) -> None:
         """Release every block of a finished, aborted or preempted request."""

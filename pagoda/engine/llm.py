@@ -83,6 +83,11 @@ class LLM:
         with speculative decoding, its drafts, draft tokens and accepted tokens (per position a `Vector`)."""
         return metrics_list(self.engine.stats(), self._totals, self.config.model.model)
 
+    def reset_prefix_cache(self) -> bool:
+        """As vLLM's: forget every cached prefix block that no running request holds; True once done."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
+
     @property
     def llm_engine(self) -> LLMEngine:  # vLLM's name for it (`llm.llm_engine.add_lora(...)`)
         return self.engine

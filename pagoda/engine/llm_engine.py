@@ -87,6 +87,7 @@ class LLMEngine:
             cache.enable_prefix_caching,
             # cached prefixes kept before a freed block is reused: one whole context's worth
             keep_free_tokens=config.model.max_model_len if cache.reuse_freed_blocks_first else None,
+            prefer_runs=config.device.device == "cpu",
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -7,6 +7,10 @@ from pagoda import SamplingParams
 
 
 def test_capital_of_france(default_llm):
+    # From a cold cache, as a fresh server answers it: the first token's two best candidates are ~0.15 apart, and
+    # a chat-template prefix another test left cached (computed in a step of other rows, bf16 activations) moves
+    # them by about that much.
+    default_llm.reset_prefix_cache()
     out = default_llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=24),
@@ -19,6 +23,7 @@ def test_capital_of_france(default_llm):
 
 def test_stop_string_and_logprobs(default_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
+    default_llm.reset_prefix_cache()  # as in test_capital_of_france
     out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)[
         0
     ].outputs[0]

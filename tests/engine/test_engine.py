@@ -72,6 +72,10 @@ def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
     assert ref.num_cached_tokens == 0
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
+    assert cached.reset_prefix_cache()  # vLLM's offline call: the same prompt again computes from the start
+    again = cached.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == ref.outputs[0].token_ids
+
 
 def test_cache_salt_shares_prefix_hits_only_within_a_salt(tiny_qwen2):
     # Two tenants send the same 3-block prefix: a tenant hits only its own blocks (and unsalted requests

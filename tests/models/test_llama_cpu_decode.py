@@ -32,7 +32,7 @@ def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> tuple
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         for ids in prompts:  # alone: every decode step is one row, its blocks one run
             # a prompt seen before would start from cached blocks, with its new ones elsewhere: not one run
-            llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
+            llm.reset_prefix_cache()
             llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
     finally:
         handle.remove()
@@ -97,3 +97,25 @@ def test_layers_it_cannot_run_exactly_take_the_general_path(tiny_llama, monkeypa
     monkeypatch.setattr(layer.self_attn.attn, "k_cache", cache)
     monkeypatch.setattr(layer.mlp.down_proj, "lora", object())  # adapters add to the projection's output
     assert not llama_cpu_decode.eligible(layer, rope)
+
+
+def test_a_next_turn_decodes_in_place_after_its_prefix_hit(tiny_llama, monkeypatch):
+    """Turn 2 of a chat starts from turn 1's cached blocks; the block manager continues their run
+    (`prefer_runs`), so its decode steps are attended in place and take the lone-decode layer."""
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    turn1 = [(11 * i) % 500 + 3 for i in range(40)]  # with its answer, 51 tokens: a partial fourth block
+    answer = llm.generate({"prompt_token_ids": turn1}, params, use_tqdm=False)[0].outputs[0].token_ids
+    turn2 = {"prompt_token_ids": [*turn1, *answer, *range(40, 50)]}
+    calls = []
+    real = llama_cpu_decode.layer
+    monkeypatch.setattr(llama_cpu_decode, "layer", lambda *args: calls.append(1) or real(*args))
+    tokens = {}
+    for lone in (True, False):
+        monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
+        calls.clear()
+        out = llm.generate(turn2, params, use_tqdm=False)[0]
+        assert out.num_cached_tokens >= 32  # the prefix hit: turn 1's full blocks
+        tokens[lone] = out.outputs[0].token_ids
+        assert len(calls) == (len(llm.llm_engine.runner.model.model.layers) * 11 if lone else 0)
+    assert tokens[True] == tokens[False]

@@ -58,10 +58,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bases=st.lists(st.lists(st.integers(1, 3), min_size=16, max_size=16), min_size=1, max_size=2),
         reuse_first=st.booleans(),
         keep_free=st.integers(0, 6),
+        prefer_runs=st.booleans(),
     )
-    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free):
+    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free, prefer_runs):
         keep_free_tokens = keep_free * block_size if reuse_first else None
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching, keep_free_tokens=keep_free_tokens)
+        self.bm = BlockManager(
+            num_blocks, block_size, prefix_caching, keep_free_tokens=keep_free_tokens, prefer_runs=prefer_runs
+        )
         self.bs = block_size
         self.bases = bases
         self.live: list[Request] = []  # hold blocks
@@ -523,12 +526,13 @@ def test_cache_salt_separates_prefix_caches() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("prefer_runs", [False, True])
 @pytest.mark.parametrize(("reuse_first", "keep_free"), [(False, 0), (True, 0), (True, 10)])
-def test_blocks_ever_handed_out_follow_the_policy(reuse_first, keep_free):
+def test_blocks_ever_handed_out_follow_the_policy(reuse_first, keep_free, prefer_runs):
     """Two requests at a time, 40 in all, 3 blocks each: reusing freed blocks first keeps the blocks ever
     handed out (the CPU pool's resident part) at the peak in use plus the `keep_free` cached blocks;
-    fresh-first walks the whole pool."""
-    bm = BlockManager(201, 2, keep_free_tokens=2 * keep_free if reuse_first else None)
+    fresh-first walks the whole pool. Preferring runs changes neither."""
+    bm = BlockManager(201, 2, keep_free_tokens=2 * keep_free if reuse_first else None, prefer_runs=prefer_runs)
     handed_out: set[int] = set()
     live: list[Request] = []
     for i in range(40):
@@ -581,3 +585,67 @@ def test_the_cpu_engine_config_reuses_freed_blocks_first():
     from pagoda.config import EngineArgs, EngineConfig
 
     assert EngineConfig.create(EngineArgs(device="cpu")).cache.reuse_freed_blocks_first
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs of blocks (CPU: one ascending run is attended in place)
+# ------------------------------------------------------------------------------------------------
+
+
+def _one_run(blocks: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(blocks, blocks[1:]))
+
+
+@pytest.mark.parametrize("keep_free", [None, 1000])
+def test_a_next_turn_continues_the_run_its_prefix_hit_ends(keep_free):
+    """Turn 2 of a chat repeats turn 1 and adds to it: its prefix hit ends just before turn 1's partial last block,
+    which caches nothing, so that block and the ones after it continue the run (without `prefer_runs` the
+    partial block is skipped and the run breaks)."""
+    for prefer_runs in (True, False):
+        bm = BlockManager(64, 4, keep_free_tokens=keep_free, prefer_runs=prefer_runs)
+        other = make_request(list(range(100, 110)))  # blocks handed out before the chat's
+        compute_all(bm, other)
+        turn1 = make_request(list(range(1, 15)))  # 3 full blocks + 2 tokens
+        compute_all(bm, turn1)
+        bm.free(other)
+        bm.free(turn1)
+        turn2 = make_request(list(range(1, 15)) + list(range(50, 60)))
+        assert bm.match_prefix(turn2) == 12
+        turn2.num_computed_tokens = 12
+        assert bm.allocate(turn2, turn2.num_tokens - 12)
+        assert _one_run(turn2.block_ids) == prefer_runs, (prefer_runs, turn2.block_ids)
+        bm.check_integrity([turn2])
+
+
+def test_reused_freed_blocks_come_out_as_runs():
+    """Past the kept reserve the CPU policy reuses freed blocks, oldest first; a finished request's tail is freed
+    first, so popped alone they come out descending. With `prefer_runs` requests of one at a time (a prompt's
+    blocks, then one block per 4 decoded tokens) are one ascending run but where a run meets the top of the pool's
+    resident part (never-used blocks are not taken ahead of freed ones), and that resident part stays the
+    policy's."""
+    for prefer_runs in (True, False):
+        bm = BlockManager(129, 4, keep_free_tokens=4 * 8, prefer_runs=prefer_runs)
+        runs = 0
+        for i in range(30):
+            r = make_request([i + 1000] + [(7 * i + j) % 500 + 1 for j in range(7)])  # a 2-block prompt
+            compute_all(bm, r)
+            for _ in range(3):  # decode grows it a block at a time
+                r.output_token_ids.extend([1, 2, 3, 4])
+                compute_all(bm, r)
+            runs += _one_run(r.block_ids)
+            bm.free(r)
+        assert bm.num_touched_blocks <= 5 + 8 + 5
+        assert runs >= 24 if prefer_runs else runs <= 6, (prefer_runs, runs)
+
+
+def test_a_cached_block_after_the_run_is_not_evicted_while_fresh_blocks_remain():
+    bm = BlockManager(32, 2, prefer_runs=True)  # fresh first (the GPU's policy shape)
+    a = make_request([1, 2, 3, 4])
+    compute_all(bm, a)  # blocks 1, 2, both cached
+    bm.free(a)
+    c = make_request([1, 2, 7, 7])
+    assert bm.match_prefix(c) == 2 and c.block_ids == [1]
+    c.num_computed_tokens = 2
+    assert bm.allocate(c, 2)  # block 2 would continue the run, but it caches [3, 4]: a fresh block instead
+    assert c.block_ids == [1, 3] and bm.hash_of[2] is not None
+    bm.check_integrity([c])
