@@ -146,16 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         if in_place and metadata.decode_views is not None:
             for row in metadata.decode_views:
-                keys = slice(row.first_slot, row.first_slot + row.length)
-                # 4-D: PyTorch's CPU SDPA runs GQA there without repeating K/V (3-D inputs fall back to that)
-                od = F.scaled_dot_product_attention(
-                    q[row.token][None, :, None],  # [1, Hq, 1, D]
-                    flat_k[keys].transpose(0, 1)[None],  # [1, Hkv, L, D], a view of the cache
-                    flat_v[keys].transpose(0, 1)[None],
-                    scale=scale,
-                    enable_gqa=gqa,
-                )
-                out[row.token] = od[0, :, 0]
+                out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
         elif metadata.decode_blocks is not None:
             num_rows = metadata.decode_token_index.shape[0]
             qd = q[metadata.decode_token_index].unsqueeze(2)  # [Bd, Hq, 1, D]
@@ -182,6 +173,22 @@ class TorchAttentionBackend(AttentionBackend):
             )[0]
             out[row.start : row.end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out
+
+
+def attend_in_place(
+    q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, row: DecodeView, scale: float
+) -> torch.Tensor:
+    """q [1, Hq, 1, D] of one decode row over its keys read in place, slots [first_slot, first_slot + length) of the
+    caches [slots, Hkv, D] → [1, Hq, 1, D]. 4-D: PyTorch's CPU SDPA runs GQA there without repeating K/V (3-D
+    inputs fall back to that)."""
+    keys = slice(row.first_slot, row.first_slot + row.length)
+    return F.scaled_dot_product_attention(
+        q,
+        flat_k[keys].transpose(0, 1)[None],  # [1, Hkv, L, D], a view of the cache
+        flat_v[keys].transpose(0, 1)[None],
+        scale=scale,
+        enable_gqa=q.shape[1] != flat_k.shape[1],
+    )
 
 
 def _first_slot(table: np.ndarray, length: int, block_size: int) -> int | None:

@@ -80,8 +80,8 @@ class LoRAStep:
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         # Tiles past the step's hold 0 tokens; the small tiling only for steps that may launch with it.
         tilings = [np.zeros((n, 3), dtype=np.int64) for n in self.max_tiles]
-        small_step = len(token_slots) <= self.small_step_tokens
-        for tiles, tile in zip(tilings[1 - small_step :], self.tile_sizes[1 - small_step :]):
+        fill = slice(0 if len(token_slots) <= self.small_step_tokens else 1, None)  # tilings[0]: the small tiles
+        for tiles, tile in zip(tilings[fill], self.tile_sizes[fill]):
             i = 0
             for slot in np.flatnonzero(counts).tolist():
                 for first in range(0, int(counts[slot]), tile):

@@ -31,7 +31,7 @@ from pagoda.distributed import parallel_state
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.quantization.cpu_int4 import CpuInt4Method
-from pagoda.layers.torch_attention import DecodeView, TorchAttentionMetadata
+from pagoda.layers.torch_attention import DecodeView, TorchAttentionMetadata, attend_in_place
 
 if TYPE_CHECKING:
     from pagoda.models.llama import LlamaDecoderLayer
@@ -92,14 +92,7 @@ def layer(
     slot = row.first_slot + row.length - 1  # the blocks are one run: position p sits at first_slot + p
     k_cache[slot] = qk[0, heads:]
     v_cache[slot] = qkv[0, (heads + kv_heads) * dim :].view(kv_heads, dim)
-    keys = slice(row.first_slot, slot + 1)
-    out = F.scaled_dot_product_attention(
-        qk[:, :heads, None],  # [1, Hq, 1, D]
-        k_cache[keys].transpose(0, 1)[None],  # [1, Hkv, L, D], a view of the cache
-        v_cache[keys].transpose(0, 1)[None],
-        scale=attention.attn.scale,
-        enable_gqa=heads != kv_heads,
-    )
+    out = attend_in_place(qk[:, :heads, None], k_cache, v_cache, row, attention.attn.scale)  # [1, Hq, 1, D]
     residual = _project(attention.o_proj, out.view(1, heads * dim)) + residual
     norm = layer.post_attention_layernorm
     gate_up = _project(layer.mlp.gate_up_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))

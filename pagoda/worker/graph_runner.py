@@ -202,14 +202,14 @@ class GraphRunner:
         if not first:
             self.stage_in = torch.zeros(2, spec.num_tokens, link.hidden_size, dtype=link.dtype, device=device)
         t, r, mb = spec.num_tokens, spec.num_rows, spec.max_blocks_per_seq
-        takes_mm = spec.mm_rows is not None and first  # encoder rows: the first stage only (the others bucket alike)
+        mm_rows = spec.mm_rows if first else None  # encoder rows: the first stage only (the others bucket alike)
         shapes = {
             "tok": (6, t),
             "row": (6, r),
             "snap": (2, spec.num_snapshots(t)),
             "qsl": (r + 1,),
             "tiles": (2, spec.num_tiles(t)),
-            "mm": (t if takes_mm else 0,),
+            "mm": (t if mm_rows is not None else 0,),
             "tables": (r, mb),
         }
         pin = device.type == "cuda"
@@ -225,8 +225,8 @@ class GraphRunner:
         self._tables_at = size - r * mb
         self._rows = torch.arange(r, dtype=torch.int64, device=device)
         self.mm_rows = None
-        if takes_mm and spec.mm_rows is not None:  # zeros: a padding token's row stays finite whatever it is given
-            width, dtype = spec.mm_rows
+        if mm_rows is not None:  # zeros: a padding token's row stays finite whatever it is given
+            width, dtype = mm_rows
             self.mm_rows = torch.zeros(t, width, dtype=dtype, device=device)
         self.capture = capture and device.type == "cuda"
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | StageHidden]] = {}

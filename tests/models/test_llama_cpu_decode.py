@@ -13,18 +13,17 @@ from pagoda.layers.quantization import cpu_int4
 from pagoda.models import llama_cpu_decode
 
 
-def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
-    """Every step's final hidden states [T, H], one request at a time, with the lone-decode layer on or off; and
-    how many layers it ran."""
-    monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
-    calls = []
+def _count_layers(monkeypatch) -> list[int]:
+    """A list that grows by one for every layer the lone-decode path runs from now on."""
+    calls: list[int] = []
     real = llama_cpu_decode.layer
+    monkeypatch.setattr(llama_cpu_decode, "layer", lambda *args: calls.append(1) or real(*args))
+    return calls
 
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
 
-    monkeypatch.setattr(llama_cpu_decode, "layer", counted)
+def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> list[torch.Tensor]:
+    """Every step's final hidden states [T, H], one request at a time, with the lone-decode layer on or off."""
+    monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
     hidden: list[torch.Tensor] = []
     model = llm.llm_engine.runner.model.model
     handle = model.register_forward_hook(lambda module, args, out: hidden.append(out.clone()))
@@ -36,14 +35,16 @@ def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> tuple
             llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
     finally:
         handle.remove()
-    return hidden, len(calls)
+    return hidden
 
 
 def _assert_same_steps(llm: LLM, prompts: list[list[int]], monkeypatch) -> None:
-    general, none = _steps(llm, prompts, lone=False, monkeypatch=monkeypatch)
-    lone, calls = _steps(llm, prompts, lone=True, monkeypatch=monkeypatch)
+    calls = _count_layers(monkeypatch)
+    general = _steps(llm, prompts, lone=False, monkeypatch=monkeypatch)
+    assert not calls
+    lone = _steps(llm, prompts, lone=True, monkeypatch=monkeypatch)
     layers = len(llm.llm_engine.runner.model.model.layers)
-    assert none == 0 and calls == layers * 11 * len(prompts)  # every decode step of every layer, no prefill
+    assert len(calls) == layers * 11 * len(prompts)  # every decode step of every layer, no prefill
     assert len(lone) == len(general)
     for got, want in zip(lone, general, strict=True):
         assert torch.equal(got, want)
@@ -107,9 +108,7 @@ def test_a_next_turn_decodes_in_place_after_its_prefix_hit(tiny_llama, monkeypat
     turn1 = [(11 * i) % 500 + 3 for i in range(40)]  # with its answer, 51 tokens: a partial fourth block
     answer = llm.generate({"prompt_token_ids": turn1}, params, use_tqdm=False)[0].outputs[0].token_ids
     turn2 = {"prompt_token_ids": [*turn1, *answer, *range(40, 50)]}
-    calls = []
-    real = llama_cpu_decode.layer
-    monkeypatch.setattr(llama_cpu_decode, "layer", lambda *args: calls.append(1) or real(*args))
+    calls = _count_layers(monkeypatch)
     tokens = {}
     for lone in (True, False):
         monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
