@@ -48,7 +48,7 @@ SYSTEM_ENV = {
     "pagoda-gatherkv": {"PAGODA_CPU_KV_IN_PLACE": "0"},
     "pagoda-noint8head": {"PAGODA_CPU_INT8_LM_HEAD": "0"},
     "pagoda-noexec": {"PAGODA_LAUNCHER_EXEC": "0"},
-    "pagoda-nolonedecode": {"PAGODA_CPU_LONE_DECODE": "0"},
+    "pagoda-noleandecode": {"PAGODA_CPU_LEAN_DECODE": "0"},
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}

@@ -74,12 +74,12 @@ CPU_KV_IN_PLACE = Env(
     "(layers/torch_attention.py); 0: always gathered",
     once=True,
 )
-CPU_LONE_DECODE = Env(
-    "PAGODA_CPU_LONE_DECODE",
+CPU_LEAN_DECODE = Env(
+    "PAGODA_CPU_LEAN_DECODE",
     bool,
     True,
-    "a CPU step that is one decode token attended in place runs each Llama-family layer in the fewest PyTorch calls, "
-    "bit for bit the general path (models/llama_cpu_decode.py); 0: the general path",
+    "a CPU step of decode rows only runs each Llama-family layer in the fewest PyTorch calls, bit for bit the "
+    "general path (models/llama_cpu_decode.py); 0: the general path",
     once=True,
 )
 CPU_BF16_LM_HEAD = Env(

@@ -109,10 +109,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageHidden:
         x, residual = (self.embed_tokens(input_ids), None) if self.stage.first else attn.stage_input
         rope = self.rotary_emb.cos_sin(positions)
-        lone = llama_cpu_decode.lone_row(attn, x)  # one decode token on the CPU: layers in the fewest calls
+        lean = llama_cpu_decode.decode_step(attn, x) is not None  # CPU decode rows: layers in the fewest calls
         for layer in self.stage.own(self.layers):
-            if lone is not None and llama_cpu_decode.eligible(layer, rope):
-                x, residual = llama_cpu_decode.layer(layer, rope, x, residual, lone)
+            if lean and llama_cpu_decode.eligible(layer, rope):
+                x, residual = llama_cpu_decode.layer(layer, rope, x, residual, attn)
             else:
                 x, residual = layer(rope, x, attn, residual)
         if not self.stage.last:

@@ -1,22 +1,23 @@
-"""One decode row on the CPU: a Llama-family layer in the fewest PyTorch calls.
+"""CPU decode steps: a Llama-family layer in the fewest PyTorch calls.
 
-A CPU decode step of one running request (the embedded model answering one user) spends as much time around its
-matmuls and attention as in them: the general layer makes ~80 PyTorch calls for a [1, H] activation, each a few
-µs of dispatch and Python (module calls, reshapes, dtype round trips, q and k rotated apart, a scatter into the
-cache and a copy out of the attention). When a step is exactly one decode token whose cache blocks are one run
-(`TorchAttentionMetadata.lone`, attended in place), `layer` runs a decoder layer in about half the calls:
+A CPU decode step of a few running requests (the embedded model answering a handful of users) spends as much time
+around its matmuls and attention as in them: the general layer makes ~80 PyTorch calls for an [R, H] activation,
+each a few µs of dispatch and Python (module calls, reshapes, dtype round trips, q and k rotated apart). When every
+row of a step is a decode row (one query token each), `layer` runs a decoder layer in about half the calls:
 - each projection is called on its weight directly (`_project`);
-- q and k heads are rotated together, as the one [Hq + Hkv, D] slice of the fused qkv output they are;
-- the token's K and V are written to its one slot;
-- attention reads the cache view and goes straight into o_proj.
+- q and k heads are rotated together, as the one [R, Hq + Hkv, D] slice of the fused qkv output they are;
+- the attention is the backend's own store and decode attention, called directly, except for a lone row whose
+  blocks are one run (`TorchAttentionMetadata.lone`): its K and V go to its one slot and attention reads the cache
+  view straight into o_proj.
 
 Every value comes from the same operations in the same order as the general path, so the layer's output is the
-general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to that).
+general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to that, alone and with several rows).
 
 It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, one
 tensor-parallel rank, float32 norms, and projections that are plain weights or 4-bit GGUF layers
-(`CpuInt4Method`); any other layer runs the general path within the same step. Switch:
-PAGODA_CPU_LONE_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also pagoda-nolonedecode`.
+(`CpuInt4Method`); any other layer runs the general path within the same step, and so does every layer of a step
+that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also
+pagoda-noleandecode`.
 """
 
 from __future__ import annotations
@@ -31,22 +32,23 @@ from pagoda.distributed import parallel_state
 from pagoda.layers.attention import StepAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.quantization.cpu_int4 import CpuInt4Method
-from pagoda.layers.torch_attention import DecodeView, TorchAttentionMetadata, attend_in_place
+from pagoda.layers.torch_attention import TorchAttentionMetadata, attend_in_place
 
 if TYPE_CHECKING:
     from pagoda.models.llama import LlamaDecoderLayer
 
-ENABLED = envs.CPU_LONE_DECODE.value  # read once: the switch is set before the process starts
+ENABLED = envs.CPU_LEAN_DECODE.value  # read once: the switch is set before the process starts
 
 
-def lone_row(attn: StepAttention, x: torch.Tensor) -> DecodeView | None:
-    """The step's one decode row when `layer` may run it: float32 activations on the CPU, one tensor-parallel rank."""
+def decode_step(attn: StepAttention, x: torch.Tensor) -> TorchAttentionMetadata | None:
+    """The step's attention metadata when `layer` may run it: decode rows only (one query token each), float32
+    activations on the CPU, one tensor-parallel rank."""
     if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     metadata = attn.metadata
     if not isinstance(metadata, TorchAttentionMetadata) or parallel_state.tp_world_size() != 1:
         return None
-    return metadata.lone
+    return metadata if metadata.decode_blocks is not None and not metadata.prefill_rows else None
 
 
 def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -75,25 +77,34 @@ def layer(
     rope: tuple[torch.Tensor, torch.Tensor],
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    row: DecodeView,
+    attn: StepAttention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`LlamaDecoderLayer.forward` for the step's one token: x, residual [1, H] → (MLP output, residual stream)."""
+    """`LlamaDecoderLayer.forward` for a step of R decode rows: x, residual [R, H] → (MLP output, residual stream)."""
     attention = layer.self_attn
     residual = x if residual is None else x + residual
     norm = layer.input_layernorm
     qkv = _project(attention.qkv_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
     heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-    qk = qkv[:, : (heads + kv_heads) * dim].view(1, heads + kv_heads, dim)
-    cos, sin = rope  # [1, 1, D/2]
+    n = qkv.shape[0]
+    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    cos, sin = rope  # [R, 1, D/2]
     x1, x2 = qk.chunk(2, dim=-1)
-    qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [1, Hq + Hkv, D]
-    k_cache = attention.attn.k_cache.view(-1, kv_heads, dim)  # [slots, Hkv, D]
-    v_cache = attention.attn.v_cache.view(-1, kv_heads, dim)
-    slot = row.first_slot + row.length - 1  # the blocks are one run: position p sits at first_slot + p
-    k_cache[slot] = qk[0, heads:]
-    v_cache[slot] = qkv[0, (heads + kv_heads) * dim :].view(kv_heads, dim)
-    out = attend_in_place(qk[:, :heads, None], k_cache, v_cache, row, attention.attn.scale)  # [1, Hq, 1, D]
-    residual = _project(attention.o_proj, out.view(1, heads * dim)) + residual
+    qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [R, Hq + Hkv, D]
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    cache = attention.attn
+    metadata = attn.metadata
+    assert isinstance(metadata, TorchAttentionMetadata)
+    lone = metadata.lone
+    if lone is not None:  # one row in place: its K/V to its one slot, attention over the cache view
+        k_cache = cache.k_cache.view(-1, kv_heads, dim)  # [slots, Hkv, D]
+        v_cache = cache.v_cache.view(-1, kv_heads, dim)
+        slot = lone.first_slot + lone.length - 1  # the blocks are one run: position p sits at first_slot + p
+        k_cache[slot], v_cache[slot] = qk[0, heads:], v[0]
+        out = attend_in_place(qk[:, :heads, None], k_cache, v_cache, lone, cache.scale)  # [1, Hq, 1, D]
+    else:  # the backend's own store and decode attention (in place per row, or one gathered batch)
+        caches = (cache.k_cache, cache.v_cache, metadata, cache.scale, cache.k_scale, cache.v_scale)
+        out = attn.backend.forward(qk[:, :heads], qk[:, heads:], v, *caches)  # [R, Hq, D]
+    residual = _project(attention.o_proj, out.reshape(n, heads * dim)) + residual
     norm = layer.post_attention_layernorm
     gate_up = _project(layer.mlp.gate_up_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
     gate, up = gate_up.chunk(2, dim=-1)

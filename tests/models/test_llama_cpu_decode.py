@@ -1,7 +1,7 @@
-"""The lone-decode CPU layer (`models/llama_cpu_decode.py`) against the general layer it stands in for: the same
+"""The lean CPU decode layer (`models/llama_cpu_decode.py`) against the general layer it stands in for: the same
 requests through both give the same hidden states at every step, bit for bit, for Llama (float weights, grouped
-KV heads), Qwen2 (q/k/v biases) and the embedded model's 4-bit GGUF layers; and it runs only where its
-conditions hold."""
+KV heads), Qwen2 (q/k/v biases) and the embedded model's 4-bit GGUF layers, one request alone (its row attended in
+place) and several at once (rows in place or gathered); and it runs only where its conditions hold."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pagoda.layers.quantization import cpu_int4
 from pagoda.models import llama_cpu_decode
 
 
-def _count_layers(monkeypatch) -> list[int]:
-    """A list that grows by one for every layer the lone-decode path runs from now on."""
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """A list that grows by one for every call of `llama_cpu_decode.<name>` from now on (`layer`: every layer the
+    lean path runs; `attend_in_place`: every one of those whose lone row was attended in place)."""
     calls: list[int] = []
-    real = llama_cpu_decode.layer
-    monkeypatch.setattr(llama_cpu_decode, "layer", lambda *args: calls.append(1) or real(*args))
+    real = getattr(llama_cpu_decode, name)
+    monkeypatch.setattr(llama_cpu_decode, name, lambda *args: calls.append(1) or real(*args))
     return calls
 
 
@@ -39,7 +40,7 @@ def _steps(llm: LLM, prompts: list[list[int]], lone: bool, monkeypatch) -> list[
 
 
 def _assert_same_steps(llm: LLM, prompts: list[list[int]], monkeypatch) -> None:
-    calls = _count_layers(monkeypatch)
+    calls = _count_calls(monkeypatch, "layer")
     general = _steps(llm, prompts, lone=False, monkeypatch=monkeypatch)
     assert not calls
     lone = _steps(llm, prompts, lone=True, monkeypatch=monkeypatch)
@@ -102,13 +103,13 @@ def test_layers_it_cannot_run_exactly_take_the_general_path(tiny_llama, monkeypa
 
 def test_a_next_turn_decodes_in_place_after_its_prefix_hit(tiny_llama, monkeypatch):
     """Turn 2 of a chat starts from turn 1's cached blocks; the block manager continues their run
-    (`prefer_runs`), so its decode steps are attended in place and take the lone-decode layer."""
+    (`prefer_runs`), so its decode steps take the lean layer with the row attended in place."""
     llm = LLM(tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     turn1 = [(11 * i) % 500 + 3 for i in range(40)]  # with its answer, 51 tokens: a partial fourth block
     answer = llm.generate({"prompt_token_ids": turn1}, params, use_tqdm=False)[0].outputs[0].token_ids
     turn2 = {"prompt_token_ids": [*turn1, *answer, *range(40, 50)]}
-    calls = _count_layers(monkeypatch)
+    calls = _count_calls(monkeypatch, "attend_in_place")
     tokens = {}
     for lone in (True, False):
         monkeypatch.setattr(llama_cpu_decode, "ENABLED", lone)
@@ -118,3 +119,32 @@ def test_a_next_turn_decodes_in_place_after_its_prefix_hit(tiny_llama, monkeypat
         tokens[lone] = out.outputs[0].token_ids
         assert len(calls) == (len(llm.llm_engine.runner.model.model.layers) * 11 if lone else 0)
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "default_llm"])
+def test_several_decode_rows_bit_for_bit(kind, request, monkeypatch):
+    """Four requests at once, of different prompt and output lengths: decode-only steps of 4, 3, 2 and 1 rows
+    (blocks interleaved, so gathered) between steps that also prefill (which take the general layer)."""
+    fixture = request.getfixturevalue(kind)
+    llm = fixture if isinstance(fixture, LLM) else LLM(fixture, skip_tokenizer_init=True, max_model_len=256)
+    prompts = [{"prompt_token_ids": [(13 * i + j) % 400 + 3 for i in range(n)]} for j, n in enumerate((9, 30, 17, 41))]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 7, 13, 26)]
+    calls = _count_calls(monkeypatch, "layer")
+    hidden: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    model = llm.llm_engine.runner.model.model
+    for lean in (False, True):
+        monkeypatch.setattr(llama_cpu_decode, "ENABLED", lean)
+        llm.reset_prefix_cache()
+        handle = model.register_forward_hook(lambda module, args, out, lean=lean: hidden[lean].append(out.clone()))
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            handle.remove()
+    rows = [len(s) for s in hidden[True]]
+    assert {4, 3, 2, 1} <= set(rows)  # the step sizes the lean path must handle
+    layers = len(model.layers)
+    decode_only = sum(1 for s in hidden[True] if len(s) <= 4)  # every step after the first (the four prompts)
+    assert len(calls) == layers * decode_only
+    assert len(hidden[True]) == len(hidden[False])
+    for got, want in zip(hidden[True], hidden[False], strict=True):
+        assert torch.equal(got, want)
