@@ -13,8 +13,9 @@ row of a step is a decode row (one query token each), `layer` runs a decoder lay
 Every value comes from the same operations in the same order as the general path, so the layer's output is the
 general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to that, alone and with several rows).
 
-It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, one
-tensor-parallel rank, float32 norms, and projections that are plain weights or 4-bit GGUF layers
+It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, no
+forward hooks (`--cpu-offload-gb` stages a layer's weights from them), one tensor-parallel rank, float32 norms, and
+projections that are plain weights or 4-bit GGUF layers
 (`CpuInt4Method`); any other layer runs the general path within the same step, and so does every layer of a step
 that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also
 pagoda-noleandecode`.
@@ -53,6 +54,8 @@ def decode_step(attn: StepAttention, x: torch.Tensor) -> TorchAttentionMetadata 
 
 def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether `layer` computes exactly what this layer's general path does (module docstring)."""
+    if layer._forward_pre_hooks or layer._forward_hooks:  # e.g. `--cpu-offload-gb` staging its weights: needs a call
+        return False
     attention = layer.self_attn
     if 2 * rope[0].shape[-1] != attention.head_dim or attention.attn.k_cache.dtype != torch.float32:
         return False

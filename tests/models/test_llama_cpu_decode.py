@@ -99,6 +99,11 @@ def test_layers_it_cannot_run_exactly_take_the_general_path(tiny_llama, monkeypa
     monkeypatch.setattr(layer.self_attn.attn, "k_cache", cache)
     monkeypatch.setattr(layer.mlp.down_proj, "lora", object())  # adapters add to the projection's output
     assert not llama_cpu_decode.eligible(layer, rope)
+    monkeypatch.setattr(layer.mlp.down_proj, "lora", None)
+    assert llama_cpu_decode.eligible(layer, rope)
+    handle = layer.register_forward_pre_hook(lambda module, args: None)  # a hook (weight offload) needs the call
+    assert not llama_cpu_decode.eligible(layer, rope)
+    handle.remove()
 
 
 def test_a_next_turn_decodes_in_place_after_its_prefix_hit(tiny_llama, monkeypatch):
