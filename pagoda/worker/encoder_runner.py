@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.device_copy import to_device
+from pagoda.inputs import expand_temporal
 from pagoda.worker.encoder_cache import EncoderCache
 from pagoda.worker.request_states import RunnerRequestState
 from pagoda.worker.step_inputs import StepInputs
@@ -53,7 +54,9 @@ class EncoderRunner:
             elif all(m.content_hash != item.content_hash for m in missing):
                 missing.append(item)
         if missing:
-            pixels = torch.cat([encoder_pixels(m.pixel_values, m.pixel_lut, self.device) for m in missing])
+            pixels = torch.cat(
+                [encoder_pixels(m.pixel_values, m.pixel_lut, self.device, m.temporal_repeat) for m in missing]
+            )
             encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
             for item, rows in zip(missing, encoded.split([m.length for m in missing])):
                 outputs[item.content_hash] = rows
@@ -73,15 +76,17 @@ class EncoderRunner:
         self.model.encode(pixels, grids)
 
 
-def encoder_pixels(pixel_values: np.ndarray, pixel_lut: np.ndarray | None, device: torch.device) -> torch.Tensor:
+def encoder_pixels(
+    pixel_values: np.ndarray, pixel_lut: np.ndarray | None, device: torch.device, temporal_repeat: int = 1
+) -> torch.Tensor:
     """One item's encoder input on `device`, float32 [P, C * T * p * p]: uint8 levels cross to the device
-    as they are (a quarter of float32's bytes, no host-device sync) and are normalised there by a gather
-    from the per-channel table, bit for bit what the host's `normalize_levels` gives; float32 patches
-    (`pixel_lut` None) are copied as they are."""
+    as they are (a quarter of float32's bytes, no host-device sync; a still image's one frame per temporal
+    patch, repeated T times there) and are normalised there by a gather from the per-channel table, bit for
+    bit what the host's `normalize_levels` gives; float32 patches (`pixel_lut` None) are copied as they are."""
     if pixel_lut is None:
-        return to_device(pixel_values, device)
-    levels = to_device(pixel_values, device)  # uint8 [P, D]
+        return expand_temporal(to_device(pixel_values, device), temporal_repeat).contiguous()
+    levels = expand_temporal(to_device(pixel_values, device), temporal_repeat, pixel_lut.shape[0])  # uint8 [P, D]
     table = to_device(pixel_lut.astype(np.float32, copy=False), device).reshape(-1)  # [C * 256]
-    channels, width = pixel_lut.shape[0], pixel_values.shape[1]
+    channels, width = pixel_lut.shape[0], levels.shape[1]
     column_base = (torch.arange(width, device=levels.device) // (width // channels)) * 256  # [D]
     return table[levels.long() + column_base]

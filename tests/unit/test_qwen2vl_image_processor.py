@@ -19,6 +19,7 @@ from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.multimodal.image_processor import (
     ProcessedVisual,
     VisionPreprocessConfig,
+    normalize_levels,
     preprocess_image,
     preprocess_video,
     smart_resize,
@@ -62,7 +63,7 @@ def _assert_parity(image: Image.Image, max_pixels: int = CKPT_MAX) -> ProcessedV
     assert normalized.shape == ref_pixels.shape
     np.testing.assert_array_equal(normalized, ref_pixels)  # bit-exact
     # ... and the device-side gather the runner applies gives the same bits.
-    on_device = encoder_pixels(ours.pixel_values, ours.pixel_lut, torch.device("cpu"))
+    on_device = encoder_pixels(ours.pixel_values, ours.pixel_lut, torch.device("cpu"), ours.temporal_repeat)
     np.testing.assert_array_equal(on_device.numpy(), ref_pixels)
     return ours
 
@@ -117,10 +118,16 @@ def test_grayscale_parity():
 
 def test_image_is_duplicated_temporally_and_counts_tokens():
     ours = preprocess_image(_noise(56, 84), VisionPreprocessConfig())
-    cols = ours.pixel_values.reshape(-1, 3, 2, 14 * 14)  # [patches, c, tau, pixels]
+    # One frame per temporal patch travels; the encoder input holds it twice.
+    assert ours.temporal_repeat == 2 and ours.pixel_values.shape == (24, 588)
+    cols = ours.normalized().reshape(-1, 3, 2, 14 * 14)  # [patches, c, tau, pixels]
     np.testing.assert_array_equal(cols[:, :, 0], cols[:, :, 1])
+    one_frame = normalize_levels(ours.pixel_values, ours.pixel_lut).reshape(-1, 3, 196)
+    np.testing.assert_array_equal(cols[:, :, 0], one_frame)
+    on_device = encoder_pixels(ours.pixel_values, ours.pixel_lut, torch.device("cpu"), ours.temporal_repeat)
+    np.testing.assert_array_equal(on_device.numpy(), ours.normalized())
     assert ours.grid_thw == (1, 6, 4)
-    assert ours.num_tokens == 6 and ours.pixel_values.shape == (24, 1176)
+    assert ours.num_tokens == 6
 
 
 def test_smart_resize_matches_transformers_on_random_sizes():

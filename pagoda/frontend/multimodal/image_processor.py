@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.inputs import expand_temporal
 
 MAX_ASPECT_RATIO = 200
 
@@ -234,13 +235,16 @@ class ProcessedVisual:
     The normalised float32 patches are `lut[channel, level]` exactly (see `_normalize_lut`), so the
     levels plus a 3 KB table carry the same bits in a quarter of the bytes: that is what is hashed,
     sent to the engine core and copied to the device, where one gather normalises them (the worker's
-    `encoder_runner.encoder_pixels`). `normalized()` gives the float32 patches on the host (references, tests).
+    `encoder_runner.encoder_pixels`). A still image's T frames per temporal patch are one frame: its rows hold
+    that frame once (`temporal_repeat` = T, `inputs.expand_temporal`), half the bytes again.
+    `normalized()` gives the float32 patches on the host (references, tests).
     """
 
-    pixel_values: np.ndarray  # uint8 [num_patches, 3 * T * p * p], num_patches = t*h*w
+    pixel_values: np.ndarray  # uint8 [num_patches, 3 * T' * p * p], num_patches = t*h*w, T' = T / temporal_repeat
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the merge
     merge_size: int = 2
     pixel_lut: np.ndarray | None = None  # float32 [3, 256]: the normalised value of each level per channel
+    temporal_repeat: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -250,9 +254,8 @@ class ProcessedVisual:
 
     def normalized(self) -> np.ndarray:
         """float32 [num_patches, 3 * T * p * p]: what the vision tower sees."""
-        if self.pixel_lut is None:
-            return self.pixel_values
-        return normalize_levels(self.pixel_values, self.pixel_lut)
+        rows = self.pixel_values if self.pixel_lut is None else normalize_levels(self.pixel_values, self.pixel_lut)
+        return np.ascontiguousarray(expand_temporal(rows, self.temporal_repeat))
 
 
 def normalize_levels(levels: np.ndarray, lut: np.ndarray) -> np.ndarray:
@@ -296,14 +299,15 @@ def _resize(image: Image.Image, size_hw: tuple[int, int]) -> np.ndarray:
     return np.asarray(resized, dtype=np.uint8)
 
 
-def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """frames [n, H, W, C] with n % T == 0 -> ([t*gh*gw, C*T*p*p], (t, gh, gw)), same dtype.
+def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig, tp: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """frames [n, H, W, C] with n % tp == 0 -> ([t*gh*gw, C*tp*p*p], (t, gh, gw)), same dtype; tp frames per
+    temporal patch (the processor's T, or 1 for a still image's one frame).
 
     Rows: temporal patch, then merge window (raster), then the m*m patches inside it (raster).
     Columns: (c, tau, y, x). One transpose-copy; no per-patch work.
     """
     n, height, width, channels = frames.shape
-    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    p, m = cfg.patch_size, cfg.merge_size
     gt, gh, gw = n // tp, height // p, width // p
     x = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, channels)
     # axes: 0 t, 1 tau, 2 window-row, 3 row-in-window, 4 y, 5 window-col, 6 col-in-window, 7 x, 8 c
@@ -317,10 +321,8 @@ def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig) -> Process
     height, width = image.height, image.width
     size_hw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     frame = _resize(image, size_hw)  # [H, W, 3] uint8
-    # Broadcast, not copy: _patchify's single copy materialises the T duplicates.
-    frames = np.broadcast_to(frame[None], (cfg.temporal_patch_size, *frame.shape))  # [T, H, W, 3]
-    levels, grid = _patchify(frames, cfg)
-    return ProcessedVisual(levels, grid, cfg.merge_size, _normalize_lut(cfg))
+    levels, grid = _patchify(frame[None], cfg, 1)  # the frame once; the encoder input repeats it T times
+    return ProcessedVisual(levels, grid, cfg.merge_size, _normalize_lut(cfg), cfg.temporal_patch_size)
 
 
 def preprocess_video(
@@ -345,5 +347,5 @@ def preprocess_video(
     for i, frame in enumerate(frames):
         out[i] = _resize(frame, size_hw)
     out[n:] = out[n - 1]
-    levels, grid = _patchify(out, cfg)
+    levels, grid = _patchify(out, cfg, tp)
     return ProcessedVisual(levels, grid, cfg.merge_size, _normalize_lut(cfg))

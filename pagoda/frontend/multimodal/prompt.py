@@ -21,7 +21,8 @@ from pagoda.inputs import MultiModalInputs, MultiModalItem, content_hash
 
 
 class Visual(Protocol):
-    pixel_values: np.ndarray  # uint8 levels with `pixel_lut`, or float32 normalised patches
+    pixel_values: np.ndarray  # uint8 levels with `pixel_lut`, or float32 normalised patches (one frame per
+    # temporal patch where the visual has `temporal_repeat` > 1)
     grid_thw: tuple[int, int, int]
 
     @property
@@ -67,6 +68,7 @@ def expand_prompt(
         n = visual.num_tokens
         t, h, w = visual.grid_thw
         lut = getattr(visual, "pixel_lut", None)
+        repeat = getattr(visual, "temporal_repeat", 1)
         items.append(
             MultiModalItem(
                 kind,
@@ -74,8 +76,9 @@ def expand_prompt(
                 (t, h, w),
                 len(expanded),
                 n,
-                content_hash(kind, visual.pixel_values, (t, h, w), settings, lut),
+                content_hash(kind, visual.pixel_values, (t, h, w), settings, lut, repeat),
                 lut,
+                repeat,
             )
         )
         expanded.extend([token] * n)
