@@ -121,6 +121,14 @@ PP_MICRO_BATCHES = Env(
     "step at a time",
     once=True,
 )
+SPEC_LEAN_GREEDY = Env(
+    "PAGODA_SPEC_LEAN_GREEDY",
+    bool,
+    True,
+    "a speculative step whose every row is greedy with proposals, and none asks for a grammar, penalties or "
+    "logprobs, is verified in a dozen launches (worker/spec_rows.py); 0: the general verification",
+    once=True,
+)
 MIXED_STEP_GRAPHS = Env(
     "PAGODA_MIXED_STEP_GRAPHS",
     bool,

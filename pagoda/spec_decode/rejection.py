@@ -34,9 +34,11 @@ def verify_greedy(target_ids: Tensor, draft_ids: Tensor, num_drafts: Tensor) -> 
     """Greedy rows. target_ids [R, K + 1]: the model's argmax at each position; draft_ids [R, K]; num_drafts [R].
     The output is exactly what greedy decoding one token at a time gives."""
     k = draft_ids.shape[1]
-    valid = torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None]
-    accepted = _leading_true((draft_ids == target_ids[:, :k]) & valid)
-    return _assemble(draft_ids, accepted, target_ids.gather(1, accepted[:, None]).squeeze(1))
+    cols = torch.arange(k + 1, device=draft_ids.device)
+    accepted = _leading_true((draft_ids == target_ids[:, :k]) & (cols[None, :k] < num_drafts[:, None]))
+    # The accepted proposals equal the model's tokens at their positions, so a row's tokens are the model's own
+    # up to and including position `accepted` (the first mismatch, or the bonus token).
+    return torch.where(cols[None, :] <= accepted[:, None], target_ids, -1), accepted + 1
 
 
 def rejection_sample(

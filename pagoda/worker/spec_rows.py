@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda import envs
 from pagoda.device_copy import to_device
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingState, apply_filters, apply_penalties
 from pagoda.layers.token_mask import apply_token_bitmask
@@ -32,6 +33,9 @@ from pagoda.worker.step_inputs import SpecRows, StepInputs, StepInputsBuilder
 if TYPE_CHECKING:
     from pagoda.worker.pipeline_link import PipelineLink
     from pagoda.worker.state_slots import StateSlotPool
+
+
+LEAN_GREEDY = envs.SPEC_LEAN_GREEDY.value  # read once: the switch is set before the process starts
 
 
 @dataclass
@@ -134,6 +138,8 @@ def sample(
     ([S]; logprobs only for ordinary rows), and the rows' verified tokens (`Verified`)."""
     device = logits.device
     counts = spec.counts
+    if LEAN_GREEDY and token_bitmask is None and _plain_greedy(spec):
+        return _sample_greedy(sampling, logits, request_ids, spec)
     plain, speculative = np.flatnonzero(counts == 0), np.flatnonzero(counts > 0)
     rows, k = len(counts), int(counts.max())
     spec_mask = None
@@ -190,6 +196,38 @@ def sample(
     sampling.batch(request_ids)  # `update` records every row's last token
     logprobs = _position_logprobs(grid, t, spec_rows, spec.logprobs[speculative], rows)  # unmasked, as the sampler
     return _with_logprobs(out, last, plain, logprobs, num), Verified(tokens, num, logprobs)
+
+
+def _plain_greedy(spec: SpecRows) -> bool:
+    """Every row greedy with proposals, none with penalties or logprobs: `_sample_greedy` verifies them."""
+    plain = (spec.counts > 0) & spec.greedy & ~spec.penalized & (spec.logprobs < 0)
+    return bool(plain.all())
+
+
+def _sample_greedy(
+    sampling: SamplingState, logits: torch.Tensor, request_ids: list[str], spec: SpecRows
+) -> tuple[SamplerOutput, Verified]:
+    """`sample` for a step of greedy proposal rows only (`_plain_greedy`), no grammar: one argmax over every
+    position, the proposals that match the model's tokens, and each row's tokens the model's own up to the first
+    mismatch (`verify_greedy`): a dozen launches and one host-to-device copy, where the general path's gathers
+    of logits rows, per-row bookkeeping and scatters take ~40 (a speculating step is read before the next one is
+    scheduled, so its host time is not hidden). Same tokens as the general path."""
+    device = logits.device
+    counts = spec.counts
+    rows, k = len(counts), int(counts.max())
+    if (counts == k).all():  # logits rows are [R, K + 1] already, in order
+        target = logits.argmax(dim=-1).view(rows, k + 1)
+    else:  # each row's positions, its last one repeated up to K + 1
+        first = np.cumsum(counts + 1) - (counts + 1)
+        index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])
+        target = logits.argmax(dim=-1)[to_device(index.reshape(-1), device)].view(rows, k + 1)
+    drafts = to_device(  # pinned: a pageable copy would wait for the step's forward pass
+        np.array([row + [-1] * (k - len(row)) for row in spec.proposals], dtype=np.int64).reshape(rows, k), device
+    )
+    tokens, num = verify_greedy(target, drafts, to_device(counts, device))
+    last = target.gather(1, (num - 1)[:, None]).squeeze(1)
+    sampling.batch(request_ids)  # `update` records every row's last token
+    return SamplerOutput(last, None, None, None), Verified(tokens, num, None)
 
 
 def shared_tokens(out: SamplerOutput, verified: Verified | None) -> torch.Tensor:

@@ -76,3 +76,48 @@ def test_penalised_rows_verify_as_one_token_at_a_time(seed):
     assert torch.equal(after.output_token_counts[counted], rebuilt.output_token_counts[counted])
     seen = [r for r, p in enumerate(PENALTIES) if "repetition_penalty" in p]
     assert torch.equal(after.prompt_or_output_mask[seen], rebuilt.prompt_or_output_mask[seen])
+
+
+@pytest.mark.parametrize("equal_counts", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_rows_verify_the_same_through_the_lean_path(seed, equal_counts, monkeypatch):
+    """Greedy proposal rows without penalties, grammars or logprobs take `_sample_greedy`; its tokens are greedy
+    decoding's one at a time (the argmax chain) and the general path's, with equal and unequal proposal counts."""
+    from pagoda.worker import spec_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    k, rows = 4, 6
+    logits_rows, proposals, want = [], [], []
+    for _ in range(rows):
+        d = k if equal_counts else int(rng.integers(1, k + 1))
+        logits = torch.randn(d + 1, VOCAB, generator=gen)
+        chain = logits.argmax(dim=-1).tolist()  # greedy, no penalties: each position's argmax
+        mine = chain[:d]
+        wrong = int(rng.integers(0, d + 1))
+        if wrong < d:
+            mine[wrong] = (mine[wrong] + 1) % VOCAB
+        proposals.append(mine)
+        want.append(chain[: (wrong if wrong < d else d) + 1])
+        logits_rows.append(logits)
+    ids = [f"r{i}" for i in range(rows)]
+    spec = SpecRows(
+        np.array([len(p) for p in proposals]), proposals, np.ones(rows, bool), np.zeros(rows, bool), np.full(rows, -1)
+    )
+    calls = []
+    real = spec_rows._sample_greedy
+    monkeypatch.setattr(spec_rows, "_sample_greedy", lambda *args: calls.append(1) or real(*args))
+    results = {}
+    for lean in (True, False):
+        monkeypatch.setattr(spec_rows, "LEAN_GREEDY", lean)
+        state = SamplingState(capacity=rows, vocab_size=VOCAB, device="cpu")
+        for rid in ids:
+            state.add(rid, SamplingParams(temperature=0), [1, 2], [])
+        out, verified = sample(Sampler(), state, torch.cat(logits_rows), ids, spec, None)
+        got = [verified.tokens[r, : int(verified.counts[r])].tolist() for r in range(rows)]
+        assert got == want
+        assert out.sampled_token_ids.tolist() == [w[-1] for w in want]
+        results[lean] = verified
+    assert len(calls) == 1  # the lean side only
+    assert torch.equal(results[True].tokens, results[False].tokens)
+    assert torch.equal(results[True].counts, results[False].counts)
