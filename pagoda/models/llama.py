@@ -109,7 +109,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageHidden:
         x, residual = (self.embed_tokens(input_ids), None) if self.stage.first else attn.stage_input
         rope = self.rotary_emb.cos_sin(positions)
-        lean = llama_cpu_decode.decode_step(attn, x) is not None  # CPU decode rows: layers in the fewest calls
+        lean = llama_cpu_decode.decode_only(attn, x)  # CPU decode rows only: layers in the fewest calls
         for layer in self.stage.own(self.layers):
             if lean and llama_cpu_decode.eligible(layer, rope):
                 x, residual = llama_cpu_decode.layer(layer, rope, x, residual, attn)

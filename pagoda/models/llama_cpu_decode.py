@@ -15,9 +15,8 @@ general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to th
 
 It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, no
 forward hooks (`--cpu-offload-gb` stages a layer's weights from them), one tensor-parallel rank, float32 norms, and
-projections that are plain weights or 4-bit GGUF layers
-(`CpuInt4Method`); any other layer runs the general path within the same step, and so does every layer of a step
-that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also
+projections that are plain weights or 4-bit GGUF layers (`CpuInt4Method`); any other layer runs the general path
+within the same step, and so does every layer of a step that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also
 pagoda-noleandecode`.
 """
 
@@ -41,15 +40,15 @@ if TYPE_CHECKING:
 ENABLED = envs.CPU_LEAN_DECODE.value  # read once: the switch is set before the process starts
 
 
-def decode_step(attn: StepAttention, x: torch.Tensor) -> TorchAttentionMetadata | None:
-    """The step's attention metadata when `layer` may run it: decode rows only (one query token each), float32
-    activations on the CPU, one tensor-parallel rank."""
+def decode_only(attn: StepAttention, x: torch.Tensor) -> bool:
+    """Whether `layer` may run this step: decode rows only (one query token each), float32 activations on the CPU,
+    one tensor-parallel rank."""
     if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
+        return False
     metadata = attn.metadata
     if not isinstance(metadata, TorchAttentionMetadata) or parallel_state.tp_world_size() != 1:
-        return None
-    return metadata if metadata.decode_blocks is not None and not metadata.prefill_rows else None
+        return False
+    return metadata.decode_blocks is not None and not metadata.prefill_rows
 
 
 def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
