@@ -16,8 +16,8 @@ general path's bit for bit (tests/models/test_llama_cpu_decode.py holds it to th
 It applies to a layer with float32 activations and cache on the CPU, full-width rotary, no LoRA adapters, no
 forward hooks (`--cpu-offload-gb` stages a layer's weights from them), one tensor-parallel rank, float32 norms, and
 projections that are plain weights or 4-bit GGUF layers (`CpuInt4Method`); any other layer runs the general path
-within the same step, and so does every layer of a step that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0. Benchmark: `benchmarks/cpu_vs_llamacpp.py --also
-pagoda-noleandecode`.
+within the same step, and so does every layer of a step that prefills. Switch: PAGODA_CPU_LEAN_DECODE=0.
+Benchmark: `benchmarks/cpu_vs_llamacpp.py --also pagoda-noleandecode`.
 """
 
 from __future__ import annotations
