@@ -155,9 +155,7 @@ def sample(
         spec_masked = [i for i, f in enumerate(flat.tolist()) if f in constrained]
         if spec_masked:
             spec_mask = (mask[torch.from_numpy(flat)], spec_masked)
-    first = np.cumsum(counts + 1) - (counts + 1)  # each row's first logits row
-    index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])  # [S, K + 1], last repeated
-    grid = logits[to_device(index.reshape(-1), device)].view(rows, k + 1, -1)
+    grid = logits[to_device(_positions(counts, k), device)].view(rows, k + 1, -1)
     last = torch.empty(rows, dtype=torch.int64, device=device)
     out = None
     if len(plain):  # ordinary rows: the sampler over their one position
@@ -198,6 +196,13 @@ def sample(
     return _with_logprobs(out, last, plain, logprobs, num), Verified(tokens, num, logprobs)
 
 
+def _positions(counts: np.ndarray, k: int) -> np.ndarray:
+    """[S * (K + 1)] logits rows of each sampling row's K + 1 positions (`logits_positions` order), a row with fewer
+    proposals repeating its last position."""
+    first = np.cumsum(counts + 1) - (counts + 1)  # each row's first logits row
+    return (first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])).reshape(-1)
+
+
 def _plain_greedy(spec: SpecRows) -> bool:
     """Every row greedy with proposals, none with penalties or logprobs: `_sample_greedy` verifies them."""
     plain = (spec.counts > 0) & spec.greedy & ~spec.penalized & (spec.logprobs < 0)
@@ -209,7 +214,7 @@ def _sample_greedy(
 ) -> tuple[SamplerOutput, Verified]:
     """`sample` for a step of greedy proposal rows only (`_plain_greedy`), no grammar: one argmax over every
     position, the proposals that match the model's tokens, and each row's tokens the model's own up to the first
-    mismatch (`verify_greedy`): a dozen launches and one host-to-device copy, where the general path's gathers
+    mismatch (`verify_greedy`): a dozen launches and two small pinned copies, where the general path's gathers
     of logits rows, per-row bookkeeping and scatters take ~40 (a speculating step is read before the next one is
     scheduled, so its host time is not hidden). Same tokens as the general path."""
     device = logits.device
@@ -217,10 +222,8 @@ def _sample_greedy(
     rows, k = len(counts), int(counts.max())
     if (counts == k).all():  # logits rows are [R, K + 1] already, in order
         target = logits.argmax(dim=-1).view(rows, k + 1)
-    else:  # each row's positions, its last one repeated up to K + 1
-        first = np.cumsum(counts + 1) - (counts + 1)
-        index = first[:, None] + np.minimum(np.arange(k + 1)[None, :], counts[:, None])
-        target = logits.argmax(dim=-1)[to_device(index.reshape(-1), device)].view(rows, k + 1)
+    else:
+        target = logits.argmax(dim=-1)[to_device(_positions(counts, k), device)].view(rows, k + 1)
     drafts = to_device(  # pinned: a pageable copy would wait for the step's forward pass
         np.array([row + [-1] * (k - len(row)) for row in spec.proposals], dtype=np.int64).reshape(rows, k), device
     )
