@@ -171,12 +171,14 @@ class CpuInt4Method:
         return kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).to(rows.dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        flat = x.dim() == 2  # [T, K], as a step's activations are: no reshapes on the decode path
+        rows = x if flat else x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= policy.CPU_INT4_MAX_ROWS:
             y = self.few_rows(rows)
         else:
             y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t()).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.shape[0])
+        if not flat:
+            y = y.reshape(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
     def gemv_operands(self, layer: Linear) -> None:
