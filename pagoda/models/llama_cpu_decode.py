@@ -66,12 +66,11 @@ def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) 
 
 
 def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` for x [1, I] float32 (one rank, no adapters)."""
+    """`layer(x)` for x [R, I] float32 (one rank, no adapters), without the module call: a 4-bit layer's own
+    `apply` picks its kernel by row count, as the layer does."""
     if layer.quant is None:
         return F.linear(x, layer.weight, layer.bias)
-    assert isinstance(layer.quant, CpuInt4Method)
-    y = layer.quant.few_rows(x)
-    return y if layer.bias is None else y + layer.bias
+    return layer.quant.apply(layer, x, layer.bias)
 
 
 def layer(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.kernels import policy
 from pagoda.layers.quantization import cpu_int4
 from pagoda.models import llama_cpu_decode
 from tests.conftest import build_default_llm
@@ -158,3 +159,22 @@ def test_several_decode_rows_bit_for_bit(kind, request, monkeypatch):
     assert len(hidden[True]) == len(hidden[False])
     for got, want in zip(hidden[True], hidden[False], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 4, policy.CPU_INT4_MAX_ROWS + 1])
+def test_a_projection_multiplies_as_the_layer_does_at_every_row_count(rows):
+    """A decode-only step may hold more rows than the int4 kernel takes (`policy.CPU_INT4_MAX_ROWS`); the lean
+    layer's projections then go where the layer's own matmul goes (the rebuilt-weight path), bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagoda.layers.linear import Linear
+
+    weight = torch.randn(192, 128, generator=torch.Generator().manual_seed(1)).numpy()
+    q4 = dequantize(quantize(weight, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1).reshape(weight.shape)
+    layer = Linear(128, 192, bias=True)
+    layer.weight.data.copy_(torch.from_numpy(q4.copy()))
+    layer.bias.data.normal_(generator=torch.Generator().manual_seed(2))
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(llama_cpu_decode._project(layer, x), layer(x))
