@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -38,6 +40,34 @@ def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+def engine_is_idle(http: httpx.Client) -> bool:
+    samples = scrape(http)
+    return (
+        metric(samples, "pagoda:num_requests_running") == 0
+        and metric(samples, "pagoda:num_requests_waiting") == 0
+        and metric(samples, "pagoda:kv_cache_usage_perc") == 0
+    )
+
+
+def wait_engine_idle(http: httpx.Client, timeout: float = 60.0) -> None:
+    """Block until the shared server's engine neither runs nor queues a request.
+
+    Tests that compare two greedy runs of one request need this: an earlier test on the worker may leave
+    requests behind (a client that hung up mid-stream, one that timed out), and a request batched beside
+    them meets other GEMM shapes (the CPU 4-bit path changes kernels above 64 rows), which can flip a
+    near-tie token. Batch invariance is not promised, by us or by vLLM; equal batches are."""
+    assert wait_until(lambda: engine_is_idle(http), timeout), f"engine still busy after {timeout:.0f} s"
 
 
 def assert_openai_error(response: httpx.Response, status: int, *, contains: str | None = None) -> dict:

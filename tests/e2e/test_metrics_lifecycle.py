@@ -11,28 +11,10 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, metric, scrape, sse_json
+from e2e_helpers import API_KEY, CAPITAL_QUESTION, MODEL, engine_is_idle, metric, scrape, sse_json, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def wait_until(condition, timeout: float = 10.0, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
-
-def engine_is_idle(http: httpx.Client) -> bool:
-    samples = scrape(http)
-    return (
-        metric(samples, "pagoda:num_requests_running") == 0
-        and metric(samples, "pagoda:num_requests_waiting") == 0
-        and metric(samples, "pagoda:kv_cache_usage_perc") == 0
-    )
 
 
 def gauges(http: httpx.Client, server) -> str:
