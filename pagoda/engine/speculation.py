@@ -33,6 +33,7 @@ from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.spec_decode.history import TokenHistories
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.suffix import SuffixProposer
 
@@ -136,6 +137,7 @@ class Speculator:
         self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
         self.counts = SpecDecodeCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._seen: dict[str, Request] = {}  # suffix: requests that ran, until their output is cached
+        self._histories = TokenHistories()  # n-gram and suffix: each proposing request's tokens as one array
         self.proposed = False  # the last `propose` left some request proposals
 
     def propose(self, running: list[Request], unfinished: dict[str, Request]) -> None:
@@ -149,12 +151,14 @@ class Speculator:
             elif self.draft is not None:
                 drafting.append((request, request.spec_window or self.k))
             elif self.suffix is not None:
-                tokens = request.prompt_token_ids + request.output_token_ids
+                tokens = self._histories.tokens(request)
                 request.spec_token_ids = self.suffix.propose(tokens, shared=request.cache_salt is None)
             else:
                 assert self.ngram is not None
-                tokens = request.prompt_token_ids + request.output_token_ids
+                tokens = self._histories.tokens(request)
                 request.spec_token_ids = self.ngram.propose(tokens, request.spec_window or self.k)
+        if len(self._histories) > len(running):
+            self._histories.keep_only(request.request_id for request in running)
         if drafting:
             assert self.draft is not None
             self.draft.propose(drafting)

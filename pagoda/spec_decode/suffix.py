@@ -40,18 +40,44 @@ class SuffixParams:
     min_token_prob: float  # stop the draft when its estimated probability of being right falls below
 
 
+NARROW_FIRST = 32  # more candidates than this are first filtered one depth at a time, at most NARROW_DEPTHS deep
+NARROW_DEPTHS = 2
+
+
 def longest_match(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
     """Of the candidate positions `ends` (where `corpus` holds the pattern's last token), those where the
-    longest suffix of `pattern` (at most `max_len` tokens) that any of them matches ends, and its length."""
+    longest suffix of `pattern` (at most `max_len` tokens) that any of them matches ends, and its length.
+
+    Many candidates are first narrowed one depth at a time (in text most fail within a token or two); the
+    rest are compared at every remaining depth at once ([candidates, depths]), where a repeated span would
+    otherwise take one round of numpy calls per matched token."""
     length = 1
     limit = min(max_len, len(pattern))
-    while length < limit:
+    while length < min(limit, 1 + NARROW_DEPTHS) and len(ends) > NARROW_FIRST:
         earlier = ends[ends >= length]
         agree = earlier[corpus[earlier - length] == pattern[-1 - length]]
         if not len(agree):
-            break
+            return ends, length
         ends, length = agree, length + 1
-    return ends, length
+    if length >= limit or not len(ends):
+        return ends, length
+    depths = np.arange(length, limit)
+    back = ends[:, None] - depths  # [m, limit - length]: the positions compared at each depth
+    agree = (back >= 0) & (corpus[np.maximum(back, 0)] == pattern[-1 - depths])
+    matched = length + np.logical_and.accumulate(agree, axis=1).sum(axis=1)  # each candidate's match length
+    best = int(matched.max())
+    return ends[matched == best], best
+
+
+def _agreeing_run(corpus: np.ndarray, current: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The tokens that follow every occurrence in `current` alike (none past the corpus end or a separator),
+    up to `max_tokens`: a stretch where each next token is unanimous."""
+    positions = current[:, None] + np.arange(1, max_tokens + 1)  # [m, max_tokens]
+    inside = positions < len(corpus)
+    window = corpus[np.minimum(positions, len(corpus) - 1)]
+    same = inside & (window == window[:1]) & (window[:1] != SEPARATOR)
+    run = int(np.logical_and.accumulate(same.all(axis=0)).sum())
+    return window[0, :run]
 
 
 def continuation(
@@ -72,6 +98,14 @@ def continuation(
                     draft.append(token)
                     score += prob
             break
+        # Where every occurrence goes on alike, each token's share is 1: the estimate stays, the draft grows.
+        unanimous = _agreeing_run(corpus, current, max_tokens - len(draft))
+        if len(unanimous):
+            for token in unanimous.tolist():
+                draft.append(token)
+                score += prob
+            current = current + len(unanimous)
+            continue
         following = current + 1
         following = following[following < len(corpus)]
         tokens = corpus[following]
@@ -164,7 +198,7 @@ class SuffixProposer:
         self.k, self.params = num_speculative_tokens, params
         self.cache = OutputCache(params.max_cached_requests)
 
-    def propose(self, tokens: list[int], k: int | None = None, shared: bool = True) -> list[int]:
+    def propose(self, tokens: np.ndarray | list[int], k: int | None = None, shared: bool = True) -> list[int]:
         """Up to `k` proposals for the sequence `tokens`; `shared`: also search other requests' outputs."""
         k = self.k if k is None else k
         seq = np.asarray(tokens, dtype=np.int64)

@@ -22,7 +22,8 @@ def _golden_proposer(name: str):
     """propose(tokens, window): the golden continuation's next two tokens, then one that is not the third."""
     cases = _golden(name)["cases"]
 
-    def propose(tokens: list[int], window: int) -> list[int]:
+    def propose(array, window: int) -> list[int]:
+        tokens = array.tolist()  # the speculator hands proposers each request's kept int64 array
         case = next(c for c in cases if tokens[: len(c["prompt_ids"])] == c["prompt_ids"])
         done = len(tokens) - len(case["prompt_ids"])
         rest = case["greedy_16"][done:]

@@ -42,6 +42,17 @@ def test_ngram_matches_the_brute_force_search(seed):
         assert proposer.propose(tokens, k) == naive_propose(tokens, k, min_n, max_n), tokens
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_matches_the_brute_force_search_on_long_repetitive_sequences(seed):
+    # Hundreds of earlier occurrences of the last token: the search narrows them depth by depth first.
+    rng = random.Random(seed)
+    proposer = NgramProposer(5, 1, rng.randrange(2, 9))
+    for _ in range(10):
+        period = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+        tokens = (period * 100)[: rng.randrange(50, 400)] + [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+        assert proposer.propose(tokens) == naive_propose(tokens, 5, 1, proposer.max_n), tokens
+
+
 def test_ngram_copies_the_span_that_follows_the_longest_match():
     context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 0, 9, 1, 2, 3, 4]
     # [1, 2, 3, 4] (n=4) occurs at 0, followed by 5 6 7; [2, 3, 4] alone would pick the later 0 9 1.

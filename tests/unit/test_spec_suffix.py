@@ -58,6 +58,21 @@ def test_own_tokens_propose_as_the_brute_force_search(seed):
         assert proposer.propose(tokens, shared=False) == want, tokens
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_own_tokens_propose_as_the_brute_force_search_in_long_loops(seed):
+    # What a model stuck in a loop produces: hundreds of occurrences, matches as deep as the search goes, and
+    # continuations that agree for many tokens (taken as one unanimous run) before they split.
+    rng = np.random.default_rng(seed)
+    params = SuffixParams(max_tree_depth=12, max_cached_requests=0, max_spec_factor=2.0, min_token_prob=0.05)
+    proposer = SuffixProposer(16, params)
+    for _ in range(12):
+        period = rng.integers(0, 4, size=int(rng.integers(1, 8))).tolist()
+        noise = rng.integers(0, 4, size=int(rng.integers(0, 20))).tolist()
+        tokens = (period * 200)[: int(rng.integers(40, 500))] + noise + period * int(rng.integers(0, 3))
+        want, _ = naive_draft(tokens, tokens, 16, params, len(tokens) - 1, 1)
+        assert proposer.propose(tokens, shared=False) == want, tokens
+
+
 def test_the_most_frequent_continuation_wins_over_the_latest():
     # "1 2" was followed by 3 twice and by 9 once (the latest): n-gram lookup copies 9, suffix proposes 3.
     tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 9, 7, 1, 2]
@@ -99,6 +114,15 @@ def test_cache_search_matches_the_brute_force_through_evictions_and_compactions(
             want = naive_draft(corpus, pattern, 4, params, len(corpus), 2)
             got = cache.search(np.array(pattern), params, 4)
             assert got[0] == want[0] and got[1] == pytest.approx(want[1]), (pattern, live)
+
+
+def test_a_draft_from_the_cache_stops_where_the_cached_outputs_end():
+    # Both cached outputs go on alike up to their ends: the draft is that run, never the separator after it.
+    params = SuffixParams(max_tree_depth=8, max_cached_requests=8, max_spec_factor=4.0, min_token_prob=0.1)
+    proposer = SuffixProposer(6, params)
+    proposer.finish("a", [1, 5, 6, 7, 8])
+    proposer.finish("b", [2, 5, 6, 7, 8])
+    assert proposer.propose([9, 5, 6]) == [7, 8]
 
 
 def test_a_cache_of_zero_requests_keeps_nothing():
