@@ -103,16 +103,25 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, max_positions, theta, scaling)
         self.layers = stage.build(n, lambda: LlamaDecoderLayer(cfg, qkv_bias))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if stage.last else MissingLayer()
+        # This stage's layers for the lean CPU decode path (None: the general path), made at the first decode-only
+        # step: what `llama_cpu_decode.eligible` checks is fixed once the model is loaded and its KV cache is
+        # allocated, and asking it again, and looking the layer's parts up again, cost ~50 µs a layer a step.
+        self._lean_layers: list[llama_cpu_decode.LeanLayer | None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention
     ) -> torch.Tensor | StageHidden:
         x, residual = (self.embed_tokens(input_ids), None) if self.stage.first else attn.stage_input
         rope = self.rotary_emb.cos_sin(positions)
+        layers = self.stage.own(self.layers)
         lean = llama_cpu_decode.decode_only(attn, x)  # CPU decode rows only: layers in the fewest calls
-        for layer in self.stage.own(self.layers):
-            if lean and llama_cpu_decode.eligible(layer, rope):
-                x, residual = llama_cpu_decode.layer(layer, rope, x, residual, attn)
+        if lean and self._lean_layers is None:
+            eligible = llama_cpu_decode.eligible
+            self._lean_layers = [llama_cpu_decode.lean_layer(lay) if eligible(lay, rope) else None for lay in layers]
+        for i, layer in enumerate(layers):
+            plan = self._lean_layers[i] if lean else None  # type: ignore[index]
+            if plan is not None:
+                x, residual = llama_cpu_decode.layer(plan, rope, x, residual, attn)
             else:
                 x, residual = layer(rope, x, attn, residual)
         if not self.stage.last:

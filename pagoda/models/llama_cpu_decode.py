@@ -4,7 +4,8 @@ A CPU decode step of a few running requests (the embedded model answering a hand
 around its matmuls and attention as in them: the general layer makes ~80 PyTorch calls for an [R, H] activation,
 each a few µs of dispatch and Python (module calls, reshapes, dtype round trips, q and k rotated apart). When every
 row of a step is a decode row (one query token each), `layer` runs a decoder layer in about half the calls:
-- each projection is called on its weight directly (`_project`);
+- the layer's parts are looked up once (`LeanLayer`, made at the model's first decode-only step), so a step makes
+  no `nn.Module` attribute lookups, and each projection is called on its weight directly (`_projection`);
 - q and k heads are rotated together, as the one [R, Hq + Hkv, D] slice of the fused qkv output they are;
 - the attention is the backend's own store and decode attention, called directly, except for a lone row whose
   blocks are one run (`TorchAttentionMetadata.lone`): its K and V go to its one slot and attention reads the cache
@@ -22,6 +23,8 @@ Benchmark: `benchmarks/cpu_vs_llamacpp.py --also pagoda-noleandecode`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from pagoda import envs
 from pagoda.distributed import parallel_state
-from pagoda.layers.attention import StepAttention
+from pagoda.layers.attention import Attention, StepAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.quantization.cpu_int4 import CpuInt4Method
 from pagoda.layers.torch_attention import TorchAttentionMetadata, attend_in_place
@@ -73,26 +76,64 @@ def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer.quant.apply(layer, x, layer.bias)
 
 
+def _projection(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`_project(layer, ·)` with the layer's weight, bias and method looked up now rather than every step."""
+    weight, bias, quant = (None if layer.quant is not None else layer.weight), layer.bias, layer.quant
+    if quant is None:
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: quant.apply(layer, x, bias)
+
+
+@dataclass(frozen=True, slots=True)
+class LeanLayer:
+    """One eligible decoder layer's parts, looked up once (a submodule or parameter read through
+    `nn.Module.__getattr__` costs ~1-3 µs, a dozen of them a layer a step). The KV cache tensors are read from
+    `cache` each step: the worker binds them (`Attention.bind_kv_cache`) after this may have been made."""
+
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    post_norm: tuple[torch.Tensor, float]
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    heads: int
+    kv_heads: int
+    dim: int
+    cache: Attention
+
+
+def lean_layer(layer: LlamaDecoderLayer) -> LeanLayer:
+    attention, mlp = layer.self_attn, layer.mlp
+    norms = layer.input_layernorm, layer.post_attention_layernorm
+    return LeanLayer(
+        *((norm.weight, norm.eps) for norm in norms),
+        *(_projection(p) for p in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        attention.attn,
+    )
+
+
 def layer(
-    layer: LlamaDecoderLayer,
+    lean: LeanLayer,
     rope: tuple[torch.Tensor, torch.Tensor],
     x: torch.Tensor,
     residual: torch.Tensor | None,
     attn: StepAttention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`LlamaDecoderLayer.forward` for a step of R decode rows: x, residual [R, H] → (MLP output, residual stream)."""
-    attention = layer.self_attn
     residual = x if residual is None else x + residual
-    norm = layer.input_layernorm
-    qkv = _project(attention.qkv_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
-    heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    weight, eps = lean.input_norm
+    qkv = lean.qkv(F.rms_norm(residual, (residual.shape[-1],), weight, eps))
+    heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.dim
     n = qkv.shape[0]
     qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
     cos, sin = rope  # [R, 1, D/2]
     x1, x2 = qk.chunk(2, dim=-1)
     qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [R, Hq + Hkv, D]
     v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
-    cache = attention.attn
+    cache = lean.cache
     metadata = attn.metadata
     assert isinstance(metadata, TorchAttentionMetadata)
     lone = metadata.lone
@@ -105,8 +146,8 @@ def layer(
     else:  # the backend's own store and decode attention (in place per row, or one gathered batch)
         caches = (cache.k_cache, cache.v_cache, metadata, cache.scale, cache.k_scale, cache.v_scale)
         out = attn.backend.forward(qk[:, :heads], qk[:, heads:], v, *caches)  # [R, Hq, D]
-    residual = _project(attention.o_proj, out.reshape(n, heads * dim)) + residual
-    norm = layer.post_attention_layernorm
-    gate_up = _project(layer.mlp.gate_up_proj, F.rms_norm(residual, (residual.shape[-1],), norm.weight, norm.eps))
+    residual = lean.o(out.reshape(n, heads * dim)) + residual
+    weight, eps = lean.post_norm
+    gate_up = lean.gate_up(F.rms_norm(residual, (residual.shape[-1],), weight, eps))
     gate, up = gate_up.chunk(2, dim=-1)
-    return _project(layer.mlp.down_proj, F.silu(gate) * up), residual
+    return lean.down(F.silu(gate) * up), residual
