@@ -68,16 +68,10 @@ def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) 
     return all(p.lora is None and (p.quant is None or isinstance(p.quant, CpuInt4Method)) for p in projections)
 
 
-def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` for x [R, I] float32 (one rank, no adapters), without the module call: a 4-bit layer's own
-    `apply` picks its kernel by row count, as the layer does."""
-    if layer.quant is None:
-        return F.linear(x, layer.weight, layer.bias)
-    return layer.quant.apply(layer, x, layer.bias)
-
-
 def _projection(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`_project(layer, ·)` with the layer's weight, bias and method looked up now rather than every step."""
+    """`layer(·)` for x [R, I] float32 (one rank, no adapters) without the module call, its weight, bias and method
+    looked up now rather than every step: a 4-bit layer's own `apply` picks its kernel by row count, as the layer
+    does."""
     weight, bias, quant = (None if layer.quant is not None else layer.weight), layer.bias, layer.quant
     if quant is None:
         return lambda x: F.linear(x, weight, bias)

@@ -177,4 +177,4 @@ def test_a_projection_multiplies_as_the_layer_does_at_every_row_count(rows):
     layer.bias.data.normal_(generator=torch.Generator().manual_seed(2))
     assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(llama_cpu_decode._project(layer, x), layer(x))
+    assert torch.equal(llama_cpu_decode._projection(layer)(x), layer(x))
