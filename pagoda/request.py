@@ -89,6 +89,9 @@ class Request:
     # Tokens the last update appended (1, or up to 1 + the proposals a step verified): the output path
     # reads them.
     num_new_tokens: int = 1
+    # n > 1: the first sample, whose prompt this one shares. The scheduler admits this one once that prompt's
+    # full blocks are in the prefix cache (`Scheduler._waits_for_leader`), so the prompt is computed once.
+    prefill_after: Request | None = None
 
     @property
     def lora_id(self) -> int:

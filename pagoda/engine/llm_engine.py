@@ -215,7 +215,8 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (n > 1 becomes n engine requests sharing the prompt's cached blocks).
+        """Queue a request (n > 1 becomes n engine requests; with prefix caching the first computes the prompt and
+        the others start from its cached blocks).
         delta=False: one final output when done; delta=True: every step's new text and tokens.
         mm_inputs: the prompt's images/videos (`multimodal.inputs.MultiModalInputs`), if any.
         detokenize=False: outputs carry token ids and empty text (the caller decodes them), unless the
@@ -243,7 +244,7 @@ class LLMEngine:
                 f"Model {self.config.model.model} ({self.config.model.architecture}) does not accept images or video.",
                 "messages",
             )
-        children = []
+        children: list[Request] = []
         for index in range(params.n):
             child_params = params
             if params.n > 1:
@@ -261,6 +262,8 @@ class LLMEngine:
             )
             if arrival_time is not None:
                 child.arrival_time = arrival_time
+            if children and self.block_manager.enable_prefix_caching:
+                child.prefill_after = children[0]  # the prompt computed once, by the first sample
             children.append(child)
         self.output_processor.add_request(request_id, prompt, children, delta, detokenize)
         if structured is not None:

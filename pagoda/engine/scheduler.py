@@ -105,6 +105,20 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step -----------------------------------------------------------------------------
+    def _waits_for_leader(self, request: Request) -> bool:
+        """Whether a later sample of an n > 1 request stays waiting: its first sample (`prefill_after`) is still to
+        register the shared prompt's full blocks in the prefix cache. Admitted together, every sample would compute
+        the whole prompt (a step's blocks are cached only after it), and a step of n times its rows may take other
+        kernels (the CPU's 4-bit layers change kernel above 64 rows), so the samples' first tokens could differ
+        from the same request's with n = 1. Once the leader is done with those blocks, or gone, it is released."""
+        leader = request.prefill_after
+        assert leader is not None
+        full_blocks = len(leader.prompt_token_ids) // self.block_manager.block_size
+        if leader.request_id in self.requests and leader.num_registered_blocks < full_blocks:
+            return True
+        request.prefill_after = None
+        return False
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         encoder = _EncoderBudget(self.config.max_encoder_tokens_per_step)
@@ -159,6 +173,7 @@ class Scheduler:
                     if victim is request:
                         break
                 if request.status is not RequestStatus.RUNNING:
+                    spec.pop(request.request_id, None)  # not scheduled: neither are its proposals
                     break  # it preempted itself: nothing after it remains
                 new_block_ids = request.block_ids[num_blocks_before:]
             else:
@@ -175,7 +190,7 @@ class Scheduler:
             rows_left -= 1
             index += 1
 
-        skipped: list[Request] = []  # waiting for a LoRA slot: passed over this step, in their order
+        skipped: list[Request] = []  # waiting for a LoRA slot or a leader: passed over this step, in their order
         adapters = {r.lora_id for r in self.running} - {0} if self.config.max_loras_per_step else set()
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -183,6 +198,9 @@ class Scheduler:
                 break
             # Preempted with a token in flight? Only in the step that preempted it, which admits nobody.
             assert not request.num_pending, "a waiting request still has a token in flight"
+            if request.prefill_after is not None and self._waits_for_leader(request):
+                skipped.append(self.waiting.popleft())  # admitted once its prompt is cached: later ones may go
+                continue
             lora = request.lora_id
             if lora and lora not in adapters and len(adapters) >= self.config.max_loras_per_step:
                 skipped.append(self.waiting.popleft())  # max_loras adapters run: later requests may still fit

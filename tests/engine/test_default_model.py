@@ -21,6 +21,19 @@ def test_capital_of_france(default_llm):
     assert out.prompt.startswith("<|im_start|>")
 
 
+def test_greedy_samples_of_n_2_answer_as_one_sample_does(default_llm):
+    # n = 2 from a cold cache: the second sample waits for the first's prompt blocks, so the prompt is computed in a
+    # step of its own rows, as for n = 1. Admitted together, the 2 x 37 rows took the CPU's many-row 4-bit kernel
+    # and answered "L'Étoile, la Marseillaise, ..." — and left that prompt's KV cached for the next n = 1 request.
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    default_llm.reset_prefix_cache()
+    both = default_llm.chat(question, SamplingParams(temperature=0, max_tokens=24, n=2), use_tqdm=False)[0]
+    default_llm.reset_prefix_cache()
+    one = default_llm.chat(question, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in one.outputs[0].text
+    assert [o.token_ids for o in both.outputs] == [one.outputs[0].token_ids] * 2
+
+
 def test_stop_string_and_logprobs(default_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"], logprobs=3)
     default_llm.reset_prefix_cache()  # as in test_capital_of_france

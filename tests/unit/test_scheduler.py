@@ -203,7 +203,9 @@ class Harness:
         scheduled_running = [r for r in kept if expected.get(r.request_id, 0) > 0]
         assert [sched.requests[rid] for rid in S[:k]] == scheduled_running
         admitted = [sched.requests[rid] for rid in S[k:]]
-        assert admitted == W[: len(admitted)], "waiting requests must be admitted FCFS, after running ones"
+        # A later sample still holding `prefill_after` was passed over for its first sample's prompt blocks.
+        order = [r for r in W if r.prefill_after is None]
+        assert admitted == order[: len(admitted)], "waiting requests must be admitted FCFS, after running ones"
         # Preemption: the most recently admitted running requests, then to the front of waiting.
         assert P == R[len(R) - len(P) :], "preempted a request that was not the most recently admitted"
         assert sched.stats.num_preemptions - preempt_before == len(P)
@@ -845,3 +847,58 @@ def test_encoder_budget_random_workloads(seed):
     h.run(arrivals)
     for r in h.all_requests.values():
         assert r.num_output_tokens == r.max_tokens or finish_reason(r) == "stop"
+
+
+def test_later_samples_of_one_request_wait_for_the_first_samples_prompt_blocks():
+    # n = 2 as the engine queues it: the second sample starts from the first's cached prompt blocks, so the
+    # 10-token prompt (two full blocks of 4) is computed once, not in one step of twice its rows.
+    h = Harness(block_size=4, max_num_batched_tokens=64)
+    prompt = list(range(1, 11))
+    first = h.add(make_request("r-0", prompt, max_tokens=3))
+    second = make_request("r-1", prompt, max_tokens=3)
+    second.prefill_after = first
+    h.add(second)
+    later = h.add(make_request("other", [7, 7, 7, 7, 7], max_tokens=3))  # not held behind the waiting sample
+    so = h.step()
+    assert so.num_scheduled_tokens == {"r-0": 10, "other": 5}
+    so = h.step()
+    assert so.num_scheduled_tokens == {"r-0": 1, "other": 1, "r-1": 2}  # prompt tokens 8 and 9 only
+    assert second.num_cached_tokens == 8 and second.prefill_after is None
+    h.run()
+    assert first.output_token_ids == second.output_token_ids and later.num_output_tokens == 3
+
+
+def test_a_later_sample_is_released_when_its_first_sample_is_gone_or_the_prompt_has_no_full_block():
+    h = Harness(block_size=4, max_num_batched_tokens=64)
+    first = h.add(make_request("r-0", list(range(1, 11)), max_tokens=3))
+    second = make_request("r-1", list(range(1, 11)), max_tokens=3)
+    second.prefill_after = first
+    h.add(second)
+    h.sched.abort_requests(["r-0"])
+    assert h.step().num_scheduled_tokens == {"r-1": 10}
+    short = h.add(make_request("s-0", [1, 2, 3], max_tokens=2))
+    sibling = make_request("s-1", [1, 2, 3], max_tokens=2)
+    sibling.prefill_after = short
+    h.add(sibling)
+    assert set(h.step().num_scheduled_tokens) >= {"s-0", "s-1"}  # nothing to share: no wait
+
+
+def test_a_request_that_preempts_itself_takes_its_proposals_with_it():
+    # Its proposals were counted before the allocation failed: a step must not carry proposals for a request it
+    # does not schedule (the runner builds rows only for scheduled ones).
+    bm = BlockManager(3, 4, True)  # one block held back: the prompt's two fill the rest
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, async_scheduling=False, scheduling_policy="fcfs"
+        ),
+        bm,
+        {EOS},
+    )
+    a = make_request("a", list(range(1, 9)), max_tokens=8)  # fills both blocks
+    sched.add_request(a)
+    so = sched.schedule()
+    sched.update(so, StepOutput({"a": 5}))
+    a.spec_token_ids = [6, 7]
+    so = sched.schedule()
+    assert a.status is RequestStatus.PREEMPTED and "a" not in so.num_scheduled_tokens
+    assert so.spec_token_ids == {}
