@@ -889,7 +889,11 @@ def test_a_request_that_preempts_itself_takes_its_proposals_with_it():
     bm = BlockManager(3, 4, True)  # one block held back: the prompt's two fill the rest
     sched = Scheduler(
         SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, async_scheduling=False, scheduling_policy="fcfs"
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            async_scheduling=False,
+            scheduling_policy="fcfs",
         ),
         bm,
         {EOS},
