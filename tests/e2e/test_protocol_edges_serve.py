@@ -12,7 +12,7 @@ from e2e_helpers import CAPITAL_QUESTION, MODEL, assert_openai_error
 CHAT = "/v1/chat/completions"
 
 
-def test_readme_example_answers_quickly(http: httpx.Client) -> None:
+def test_the_capital_question_answers_quickly(http: httpx.Client) -> None:
     body = {"model": MODEL, "messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 64}
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
