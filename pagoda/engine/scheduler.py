@@ -114,7 +114,7 @@ class Scheduler:
         leader = request.prefill_after
         assert leader is not None
         full_blocks = len(leader.prompt_token_ids) // self.block_manager.block_size
-        if leader.request_id in self.requests and leader.num_registered_blocks < full_blocks:
+        if self.requests.get(leader.request_id) is leader and leader.num_registered_blocks < full_blocks:
             return True
         request.prefill_after = None
         return False
