@@ -149,8 +149,9 @@ def test_counters_move_after_requests(http: httpx.Client) -> None:
     assert delta(before, after, "pagoda:engine_steps_total") >= generated
     busy = delta(before, after, "pagoda:engine_core_busy_seconds_total")
     assert 0 < busy and 0 <= delta(before, after, "pagoda:engine_core_device_wait_seconds_total") <= busy
-    # One thread's CPU time over the same passes cannot exceed their wall time.
-    assert 0 < delta(before, after, "pagoda:engine_core_cpu_seconds_total") <= busy
+    # One thread's CPU time over the same passes cannot exceed their wall time, up to the two clocks' ticks (the
+    # thread's CPU clock is charged per scheduler tick: a run saw 6.6 µs more CPU than wall over 0.37 s).
+    assert 0 < delta(before, after, "pagoda:engine_core_cpu_seconds_total") <= busy + 1e-3
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(http: httpx.Client) -> None:
