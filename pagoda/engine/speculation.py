@@ -151,12 +151,12 @@ class Speculator:
             elif self.draft is not None:
                 drafting.append((request, request.spec_window or self.k))
             elif self.suffix is not None:
-                tokens = self._histories.tokens(request)
-                request.spec_token_ids = self.suffix.propose(tokens, shared=request.cache_salt is None)
+                shared = request.cache_salt is None
+                request.spec_token_ids = self.suffix.propose(self._histories.tokens(request), shared=shared)
             else:
                 assert self.ngram is not None
-                tokens = self._histories.tokens(request)
-                request.spec_token_ids = self.ngram.propose(tokens, request.spec_window or self.k)
+                k = request.spec_window or self.k
+                request.spec_token_ids = self.ngram.propose(self._histories.tokens(request), k)
         if len(self._histories) > len(running):
             self._histories.keep_only(request.request_id for request in running)
         if drafting:

@@ -15,7 +15,7 @@ API_KEY = "test-key"
 # Greedy answers that tests compare on the shared server. With its own system message the first token's margin is
 # ~1.8 nats under either 4-bit CPU kernel; the bare question (the README's; `test_readme_quickstart` asks it of a
 # fresh server) starts from the template's default system prompt, whose cached KV may come from a step of other
-# rows and the other kernel, and its first two candidates are 0.03-0.15 apart: "L'Étoile, ..." then and then.
+# rows and the other kernel, and its first two candidates are 0.03-0.15 apart (it then answers "L'Étoile, ...").
 CAPITAL_QUESTION = [
     {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "What is the capital of France?"},
