@@ -6,9 +6,11 @@ Usage:
         [--side off] [--side ngram:4] [--side "suffix:8"] [--side "ngram:4|PAGODA_MIXED_STEP_GRAPHS=0"] [--json FILE] \\
         [--profile N]
 
-A side is `METHOD[:K][|NAME=VALUE ...]` (METHOD `off`, `ngram` or `suffix`; the environment variables set for
-that side's process). Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with
-`--batch`, one task instead: every prompt at once, output tokens/s):
+A side is `METHOD[:K][|NAME=VALUE ...]` (METHOD `off`, `ngram`, `suffix` or `draft_model`; the environment
+variables set for that side's process). `draft_model` drafts with `--draft MODEL` (default: the target itself, so
+with real weights every proposal the target would make is drafted: the draft engine's cost at full acceptance).
+Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with `--batch`, one task
+instead: every prompt at once, output tokens/s):
 - `first`: each prompt once. With random weights only what the model repeats of its own output can be proposed;
   with real weights and `--chat`, the copy-heavy prompts of `spec_decode_cpu.py` (quote a passage).
 - `again`: the same prompts again. Suffix decoding proposes the first answers (kept in its store of finished
@@ -69,12 +71,16 @@ def _prompts(args, tokenizer_vocab: int) -> list:
 
 def _side(args) -> dict:
     """One side, in this process: its TPOT and acceptance per task, and its outputs."""
+    import torch
+
     from pagoda import LLM, SamplingParams
 
     method, _, k = args.run_side.partition(":")
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": int(k or 4)}
     if spec and method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if spec and method == "draft_model":
+        spec |= {"model": args.draft or args.model}
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -97,7 +103,9 @@ def _side(args) -> dict:
 
     run(prompts[0], 8)  # warm-up
     counts = llm.engine.speculator.counts if spec else None
-    result = {"side": args.run_side, "weights_bytes": weights, "copy_bytes_per_s": _copy_bandwidth(), "tasks": {}}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"side": args.run_side, "gpu": gpu, "weights_bytes": weights, "copy_bytes_per_s": _copy_bandwidth()}
+    result["tasks"] = {}
     for task in ("batch",) if args.batch else ("first", "again"):
         before = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) if counts else (0, 0, 0)
         if args.batch:  # every prompt at once: output tokens/s
@@ -138,6 +146,7 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="real weights: the copy-heavy chat prompts")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--draft", default=None, help="the draft_model side's draft (default: MODEL itself)")
     parser.add_argument("--batch", action="store_true", help="all prompts at once: output tokens/s instead of TPOT")
     parser.add_argument("--side", action="append", default=None, help="METHOD[:K][|NAME=VALUE ...]")
     parser.add_argument("--json", default=None)
@@ -201,7 +210,8 @@ def main() -> None:
         for r in results:
             for row in r["tasks"].values():
                 row.pop("tokens")
-        meta = {"commit": commit, "date": time.strftime("%Y-%m-%d"), "floor_ms": floor, "args": vars(args)}
+        meta = {"commit": commit, "date": time.strftime("%Y-%m-%d"), "gpu": base.get("gpu"), "floor_ms": floor}
+        meta["args"] = vars(args)
         Path(args.json).write_text(json.dumps(meta | {"sides": results}, indent=1))
 
 

@@ -630,7 +630,19 @@ def ratio_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_result(rows: list[dict], out: Path, gpu: str, commit: str | None, quiet: bool = False) -> None:
+def gpu_name() -> str:
+    """The first GPU's name as nvidia-smi prints it (the device kind lends H100s and H200s alike)."""
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:
+        return "unknown"
+    return smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else "unknown"
+
+
+def write_result(rows: list[dict], out: Path, gpu: str | None, commit: str | None, quiet: bool = False) -> None:
+    gpu = gpu or gpu_name()
     commit = (
         commit
         or subprocess.run(
@@ -671,12 +683,12 @@ def main() -> None:
     )
     r.add_argument("--variant", default="", help="a label stored in each row (e.g. a switch under test)")
     r.add_argument("--out", type=Path, default=RESULT)
-    r.add_argument("--gpu", default="NVIDIA H200")
+    r.add_argument("--gpu", default=None, help="the GPU's name in the JSON (default: nvidia-smi's)")
     r.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
     c = sub.add_parser("collect", help="side-by-side run folders -> vs_vllm.json and a ratio table")
     c.add_argument("dirs", nargs="+", type=Path)
     c.add_argument("--out", type=Path, default=RESULT)
-    c.add_argument("--gpu", default="NVIDIA H200")
+    c.add_argument("--gpu", default=None, help="the GPU's name in the JSON (default: nvidia-smi's)")
     c.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
     args = parser.parse_args()
     if args.command == "models":
