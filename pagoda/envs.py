@@ -129,6 +129,14 @@ SPEC_LEAN_GREEDY = Env(
     "logprobs, is verified in a dozen launches (worker/spec_rows.py); 0: the general verification",
     once=True,
 )
+SPEC_DECODE_ROWS = Env(
+    "PAGODA_SPEC_DECODE_ROWS",
+    bool,
+    True,
+    "a CUDA-graph verification step of a model without per-sequence state runs each of its tokens as a decode row "
+    "of its own, through a decode bucket (worker/graph_runner.py); 0: through a mixed-step bucket",
+    once=True,
+)
 MIXED_STEP_GRAPHS = Env(
     "PAGODA_MIXED_STEP_GRAPHS",
     bool,

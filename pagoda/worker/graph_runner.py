@@ -18,6 +18,10 @@ Two kinds of bucket share the buffers:
   last 1 + d tokens), so verification steps replay the same graphs and no step computes logits for
   rows that do not sample.
 
+A verification step whose every token is verified (no prefill chunk beside it), of a model without
+per-sequence state, replays a decode bucket instead: each token is a decode row of its own, its context
+ending at itself (`_tokens_as_rows`; PAGODA_SPEC_DECODE_ROWS=0 keeps it on a mixed bucket).
+
 A model with a vision encoder (on the first pipeline stage) runs the encoder eagerly, then replays
 a mixed bucket whose embedding rows at the step's placeholder tokens come from a static buffer
 [T, H]: `mm` holds each placeholder token's index, the rest of the bucket's entries its last token
@@ -71,6 +75,7 @@ from pagoda.worker.step_inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 DECODE, MIXED = "decode", "mixed"
+SPEC_DECODE_ROWS = envs.SPEC_DECODE_ROWS.value  # read once: the switch is set before the process starts
 # Mixed-step token buckets: fine where serving lives (a few new prompts among decodes), coarser above;
 # capped at `policy.MIXED_GRAPH_MAX_TOKENS`.
 _TOKEN_STEPS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -238,7 +243,23 @@ class GraphRunner:
         return self.bucket_for(inputs) is not None
 
     def bucket_for(self, inputs: StepInputs) -> tuple[str, int] | None:
-        return self.spec.bucket_for(inputs.num_rows, inputs.num_tokens, inputs.needs_encoder)
+        rows = inputs.num_tokens if self._tokens_as_rows(inputs) else inputs.num_rows
+        return self.spec.bucket_for(rows, inputs.num_tokens, inputs.needs_encoder)
+
+    def _tokens_as_rows(self, x: StepInputs) -> bool:
+        """A verification step (`worker/spec_rows.py`) whose every token is a logits position, of a model without
+        per-sequence state: each token can run as a decode row of its own (its context: its position + 1, its
+        request's block table; every token's K/V is stored before any row attends), so the step replays a decode
+        bucket. A mixed bucket's decode kernel spans every row the engine may have and its prefill tiles the rest,
+        which costs a small model's one-request verification several times a decode step's GPU time."""
+        return (
+            SPEC_DECODE_ROWS
+            and x.spec is not None
+            and self.spec.scratch_slot is None
+            and not x.needs_encoder
+            and len(x.sample_rows) == x.num_rows
+            and int(x.spec.counts.sum()) + x.num_rows == x.num_tokens
+        )
 
     @torch.inference_mode()
     def run(
@@ -250,10 +271,10 @@ class GraphRunner:
         kind, b = self.bucket_for(inputs)
         if self._copied is not None:
             self._copied.synchronize()
-        self.write(inputs, kind, b)
+        rows = self.write(inputs, kind, b)
         if self.mm_rows is not None and kind == MIXED:
             self._write_mm(mm, b)
-        end = self._tables_at + inputs.num_rows * self.spec.max_blocks_per_seq
+        end = self._tables_at + rows * self.spec.max_blocks_per_seq
         self._dev_all[:end].copy_(self._host_all[:end], non_blocking=True)
         if inputs.late_tokens is not None:
             self.dev["tok"][0].index_copy_(0, *inputs.late_tokens)
@@ -270,23 +291,30 @@ class GraphRunner:
             return out
         n = len(positions)
         if kind == DECODE:  # a decode bucket's output is already every row's logits (a row is a token)
-            every_row = n == inputs.num_rows and (n == 0 or positions[-1] == n - 1)
+            every_row = n == rows and (n == 0 or positions[-1] == n - 1)
             return out[:n] if every_row else out[to_device(positions, out.device)]
         return self.model.compute_logits(out.index_select(0, to_device(positions, out.device)))
 
     # ---- host buffers -----------------------------------------------------------------------
-    def write(self, x: StepInputs, kind: str, b: int) -> None:
-        """The step into the host buffer, everything the bucket reads past it as padding."""
+    def write(self, x: StepInputs, kind: str, b: int) -> int:
+        """The step into the host buffer, everything the bucket reads past it as padding. Returns the rows
+        written (a verification step in a decode bucket: one per token, `_tokens_as_rows`)."""
         spec, h = self.spec, self.host
         t, rows = x.num_tokens, x.num_rows
         tok, row = h["tok"], h["row"]
         tok[0, :t], tok[1, :t], tok[2, :t] = x.token_ids, x.positions, x.slots
         if spec.uses_mrope:
             tok[3:6, :t] = x.mrope_positions if x.mrope_positions is not None else x.positions
-        row[0, :rows] = x.seq_lens
-        if spec.scratch_slot is not None:
-            row[1, :rows] = x.state_slots
-        h["tables"][:rows, : x.block_tables.shape[1]] = x.block_tables
+        width = x.block_tables.shape[1]
+        if kind == DECODE and rows < t:  # each token a row: its context ends at itself, its request's table
+            row[0, :t] = x.positions + 1
+            h["tables"][:t, :width] = np.repeat(x.block_tables, x.query_lens, axis=0)
+            rows = t
+        else:
+            row[0, :rows] = x.seq_lens
+            if spec.scratch_slot is not None:
+                row[1, :rows] = x.state_slots
+            h["tables"][:rows, :width] = x.block_tables
         if kind == DECODE:
             self._pad(t, rows, b, b)
             if spec.with_snapshots:
@@ -295,7 +323,7 @@ class GraphRunner:
                 ends = x.positions % spec.block_size == spec.block_size - 1
                 h["snap"][1, :rows] = np.where(ends, x.slots // spec.block_size, 0)
                 h["snap"][1, rows:b] = 0
-            return
+            return rows
         qsl = x.query_start_loc
         self._pad(t, rows, b, spec.num_rows)
         row[2, :rows], row[3, :rows] = qsl[:-1], qsl[1:] - 1
@@ -308,6 +336,7 @@ class GraphRunner:
         if spec.with_snapshots or spec.spec_states:
             ends, entries = snapshot_pairs(x.positions, x.slots, spec.block_size, spec.with_snapshots, x.state_writes)
             self._set_pairs("snap", ends, entries, t, 0)
+        return rows
 
     def _write_mm(self, mm: tuple[np.ndarray, torch.Tensor] | None, b: int) -> None:
         """The step's encoder rows into `mm_rows` (queued on the device) and their tokens into the host's `mm`;

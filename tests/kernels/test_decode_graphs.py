@@ -17,6 +17,7 @@ import torch
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker import graph_runner
 from pagoda.worker.graph_runner import DECODE, MIXED, default_buckets, default_token_buckets
 from tests.conftest import FIXTURES
 
@@ -82,7 +83,7 @@ def test_default_token_buckets():
 def _count_buckets(graphs) -> dict[str, list[int]]:
     """The buckets replayed, by kind (decode: rows; mixed: tokens), and under "verify" the proposals that
     replayed steps verified."""
-    used: dict[str, list[int]] = {DECODE: [], MIXED: [], "verify": []}
+    used: dict[str, list] = {DECODE: [], MIXED: [], "verify": [], "verify_kinds": []}
     run = graphs.run
 
     def counting(inputs, positions, mm=None):
@@ -90,6 +91,8 @@ def _count_buckets(graphs) -> dict[str, list[int]]:
         used[kind].append(size)
         if inputs.spec is not None:
             used["verify"].append(int(inputs.spec.counts.sum()))
+            every_token_verified = len(positions) == inputs.num_tokens  # no prefill chunk beside the rows
+            used["verify_kinds"].append((kind, every_token_verified))
         return run(inputs, positions, mm)
 
     graphs.run = counting
@@ -191,13 +194,18 @@ def test_yuan_goldens_through_graphs_of_two_pipeline_stages(tmp_path, monkeypatc
         engine.shutdown()
 
 
-def test_speculative_steps_replay_mixed_graphs_with_outputs_unchanged(tiny_llama):
-    """Verification steps (rows of 1 + d tokens) replay the mixed-step graphs and take their logits after
-    the replay at every verified position: greedy outputs equal the same engine's without speculation.
-    Suffix proposals make the second round's proposals right by construction (the first round's outputs,
-    same prompts), so most are kept — a wrong position would change a kept token or the token after it."""
+@pytest.mark.parametrize("token_rows", [True, False], ids=["tokens-as-decode-rows", "mixed-buckets"])
+def test_speculative_steps_replay_graphs_with_outputs_unchanged(tiny_llama, token_rows, monkeypatch):
+    """Verification steps (rows of 1 + d tokens) replay a graph and take their logits at every verified position:
+    greedy outputs equal the same engine's without speculation. By default (a model without per-sequence state)
+    each token of such a step is a decode row of its own, its context ending at itself, through a decode bucket;
+    with PAGODA_SPEC_DECODE_ROWS=0 the step replays a mixed bucket. Suffix proposals make the second round's
+    proposals right by construction (the first round's outputs, same prompts), so most are kept — a token that
+    saw a later one, or a wrong position, would change a kept token or the token after it."""
+    monkeypatch.setattr(graph_runner, "SPEC_DECODE_ROWS", token_rows)
     prompts = {"a": [5, 6, 7, 8, 9, 10], "b": [40, 41, 40, 41, 40, 41, 40], "c": [3, 77, 12, 90]}
-    overrides = dict(model=tiny_llama, max_model_len=256, max_num_seqs=4)
+    # Decode buckets up to 16 rows: three requests' 1 + 3 tokens each fit one.
+    overrides = dict(model=tiny_llama, max_model_len=256, max_num_seqs=16)
     expected = _run(_engine("", **overrides), prompts, 12)
     spec = {"method": "suffix", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     engine = _engine("", **overrides, speculative_config=spec)
@@ -207,6 +215,15 @@ def test_speculative_steps_replay_mixed_graphs_with_outputs_unchanged(tiny_llama
     counts = engine.speculator.counts
     assert counts.num_drafts >= 6 and counts.num_accepted_tokens >= 0.75 * counts.num_draft_tokens
     assert sum(used["verify"]) == counts.num_draft_tokens  # every verification step replayed a graph
+    # Steps of verification rows only take a decode bucket (several rows at once as well as one: tables and
+    # contexts repeat per token); a step with a prefill chunk beside them, a mixed one.
+    kinds = set(used["verify_kinds"])
+    if token_rows:
+        assert {kind for kind, only_rows in kinds if only_rows} == {DECODE}
+        assert {kind for kind, only_rows in kinds if not only_rows} <= {MIXED}
+    else:
+        assert {kind for kind, _ in kinds} == {MIXED}
+    assert max(used["verify"]) > 3
 
 
 def test_yuan_verification_steps_roll_lf_state_back_inside_graphs():
