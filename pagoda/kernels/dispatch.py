@@ -80,6 +80,17 @@ def lora_module() -> ModuleType | None:
     return _optional_kernels("lora", envs.LORA_KERNELS)
 
 
+@functools.cache
+def spec_verify_module() -> ModuleType | None:
+    """`pagoda.kernels.spec_verify` (greedy verification of proposals in one launch), or None without Triton."""
+    return _optional_kernels("spec_verify", envs.FUSED_OPS)
+
+
+def spec_verify_for(x: torch.Tensor) -> ModuleType | None:
+    """The verification kernel when x lives on a CUDA device and it is available, else None (the reference)."""
+    return spec_verify_module() if x.is_cuda else None
+
+
 def lora_for(x: torch.Tensor) -> ModuleType | None:
     """The LoRA kernels when x lives on a CUDA device and they are available, else None (the reference path)."""
     return lora_module() if x.is_cuda else None

@@ -22,6 +22,7 @@ import torch
 
 from pagoda import envs
 from pagoda.device_copy import to_device
+from pagoda.kernels import dispatch
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingState, apply_filters, apply_penalties
 from pagoda.layers.token_mask import apply_token_bitmask
 from pagoda.outputs import SchedulerOutput
@@ -214,9 +215,10 @@ def _sample_greedy(
 ) -> tuple[SamplerOutput, Verified]:
     """`sample` for a step of greedy proposal rows only (`_plain_greedy`), no grammar: one argmax over every
     position, the proposals that match the model's tokens, and each row's tokens the model's own up to the first
-    mismatch (`verify_greedy`): a dozen launches and two small pinned copies, where the general path's gathers
-    of logits rows, per-row bookkeeping and scatters take ~40 (a speculating step is read before the next one is
-    scheduled, so its host time is not hidden). Same tokens as the general path."""
+    mismatch: on a GPU one Triton launch (`kernels/spec_verify.py`) after the argmax and one small pinned copy,
+    else `verify_greedy`'s dozen; the general path's gathers of logits rows, per-row bookkeeping and scatters take
+    ~40 (a speculating step is read before the next one is scheduled, so its host time is not hidden). Same tokens
+    as the general path."""
     device = logits.device
     counts = spec.counts
     rows, k = len(counts), int(counts.max())
@@ -227,8 +229,12 @@ def _sample_greedy(
     drafts = to_device(  # pinned: a pageable copy would wait for the step's forward pass
         np.array([row + [-1] * (k - len(row)) for row in spec.proposals], dtype=np.int64).reshape(rows, k), device
     )
-    tokens, num = verify_greedy(target, drafts, to_device(counts, device))
-    last = target.gather(1, (num - 1)[:, None]).squeeze(1)
+    kernel = dispatch.spec_verify_for(target)
+    if kernel is not None:  # one launch (`kernels/spec_verify.py`): -1 padding never matches, no counts needed
+        tokens, num, last = kernel.verify_greedy(target, drafts)
+    else:
+        tokens, num = verify_greedy(target, drafts, to_device(counts, device))
+        last = target.gather(1, (num - 1)[:, None]).squeeze(1)
     sampling.batch(request_ids)  # `update` records every row's last token
     return SamplerOutput(last, None, None, None), Verified(tokens, num, None)
 
