@@ -69,58 +69,63 @@ def longest_match(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max
     return ends[matched == best], best
 
 
-def _agreeing_run(corpus: np.ndarray, current: np.ndarray, max_tokens: int) -> np.ndarray:
-    """The tokens that follow every occurrence in `current` alike (none past the corpus end or a separator),
-    up to `max_tokens`: a stretch where each next token is unanimous."""
-    positions = current[:, None] + np.arange(1, max_tokens + 1)  # [m, max_tokens]
-    inside = positions < len(corpus)
-    window = corpus[np.minimum(positions, len(corpus) - 1)]
-    same = inside & (window == window[:1]) & (window[:1] != SEPARATOR)
-    run = int(np.logical_and.accumulate(same.all(axis=0)).sum())
-    return window[0, :run]
+def _until_separator(run: np.ndarray, prob: float) -> tuple[list[int], float]:
+    """The tokens of `run` before its first separator, each with the estimate `prob`, and their sum."""
+    stop = np.flatnonzero(run == SEPARATOR)
+    kept = (run[: stop[0]] if len(stop) else run).tolist()
+    return kept, prob * len(kept)
 
 
 def continuation(
     corpus: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_prob: float
 ) -> tuple[list[int], float]:
     """The most frequent continuation after the occurrences ending at `ends`, and its expected number of
-    accepted tokens (the sum of the running estimates)."""
-    draft: list[int] = []
-    prob, score = 1.0, 0.0
-    current = ends
-    while len(draft) < max_tokens and len(current):
-        if len(current) == 1:  # one occurrence left: the rest of its run, every token with the same estimate
-            if prob >= min_token_prob:
-                start = int(current[0]) + 1
-                run = corpus[start : start + max_tokens - len(draft)]
-                ends_at = np.flatnonzero(run == SEPARATOR)
-                for token in (run[: ends_at[0]] if len(ends_at) else run).tolist():
-                    draft.append(token)
-                    score += prob
-            break
-        # Where every occurrence goes on alike, each token's share is 1: the estimate stays, the draft grows.
-        unanimous = _agreeing_run(corpus, current, max_tokens - len(draft))
-        if len(unanimous):
-            for token in unanimous.tolist():
-                draft.append(token)
-                score += prob
-            current = current + len(unanimous)
+    accepted tokens (the sum of the running estimates).
+
+    The tokens after every occurrence are read once, as a window [occurrences, max_tokens] (-1 past the corpus
+    end, like a separator); then column by column, among the occurrences still agreeing with the draft: where
+    they all go on alike the token's share is 1 (the estimate stays), else the most frequent token (ties: the
+    smallest id) with its share of the occurrences that reached the column, those that ended there included."""
+    if not len(ends) or max_tokens <= 0:
+        return [], 0.0
+    if len(ends) == 1:
+        start = int(ends[0]) + 1
+        return _until_separator(corpus[start : start + max_tokens], 1.0)
+    prob = 1.0
+    n = len(corpus)
+    positions = ends[:, None] + np.arange(1, max_tokens + 1)
+    window = np.where(positions < n, corpus[np.minimum(positions, n - 1)], SEPARATOR)  # [m, max_tokens]
+    first = window[0]
+    unanimous = (window == first).all(axis=0) & (first != SEPARATOR)
+    run = max_tokens if unanimous.all() else int(unanimous.argmin())  # columns where every occurrence agrees
+    draft, score = first[:run].tolist(), float(run)
+    alive = window[:, run:]
+    for j in range(max_tokens - run):
+        col = alive[:, j]
+        if len(col) == 1:  # one occurrence left: the rest of its run, every token with the same estimate
+            rest, more = _until_separator(alive[0, j:], prob)
+            return draft + rest, score + more
+        token = int(col[0])
+        if token != SEPARATOR and (col == token).all():
+            draft.append(token)
+            score += prob
             continue
-        following = current + 1
-        following = following[following < len(corpus)]
-        tokens = corpus[following]
-        keep = tokens != SEPARATOR
-        following, tokens = following[keep], tokens[keep]
-        if not len(tokens):
+        valid = col[col != SEPARATOR]
+        if not len(valid):
             break
-        values, counts = np.unique(tokens, return_counts=True)
-        best = int(np.argmax(counts))
-        prob *= counts[best] / len(current)  # occurrences that reached here, those that ended included
+        token = int(valid[0])
+        if (valid == token).all():  # the ones that go on agree; some ended here
+            count = len(valid)
+        else:
+            values, counts = np.unique(valid, return_counts=True)
+            best = int(np.argmax(counts))
+            token, count = int(values[best]), int(counts[best])
+        prob *= count / len(col)
         if prob < min_token_prob:
             break
-        draft.append(int(values[best]))
+        draft.append(token)
         score += prob
-        current = following[tokens == values[best]]
+        alive = alive[col == token]
     return draft, score
 
 
