@@ -286,8 +286,22 @@ def _lora() -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+def _spec_verify() -> list[tuple[str, Callable[[], object]]]:
+    from pagoda.kernels import spec_verify
+
+    def verify(rows: int, k: int) -> Callable[[], object]:
+        target = torch.zeros(rows, k + 1, dtype=torch.int64)
+        drafts = torch.full((rows, k), -1, dtype=torch.int64)
+        return lambda: spec_verify.verify_greedy(target, drafts)
+
+    return [
+        ("greedy verification, 1 row, k = 8", verify(1, 8)),
+        ("greedy verification, 31 rows, k = 24 (a 32-wide block)", verify(31, 24)),
+    ]
+
+
 def launches() -> list[tuple[str, Callable[[], object]]]:
-    return _attention() + _row_kernels() + _matmuls() + _lora()
+    return _attention() + _row_kernels() + _matmuls() + _lora() + _spec_verify()
 
 
 def kernel_functions() -> dict[str, Any]:
