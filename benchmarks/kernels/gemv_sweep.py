@@ -1,6 +1,6 @@
 """Few-row matmuls on the GPU: cuBLAS (`F.linear`) vs `pagoda.kernels.gemv`, per model matmul.
 
-    python benchmarks/kernels/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b] [--rows 1,2,4,8]
+    python benchmarks/kernels/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b,smollm2-135m] [--rows 1,2,4,8]
                                     [--grid-rows 2,4] [--l2-hot] [--out sweep.json]
 
 Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no Python launch
@@ -38,6 +38,13 @@ MATMULS = {
         ("gate_up", 17920, 1536, False),
         ("down", 1536, 8960, False),
         ("lm_head", 151936, 1536, False),
+    ],
+    "smollm2-135m": [  # the embedded default model: latency-bound matmuls, where speculation's rows land
+        ("qkv", 960, 576, False),
+        ("o", 576, 576, False),
+        ("gate_up", 3072, 576, False),
+        ("down", 576, 1536, False),
+        ("lm_head", 49152, 576, False),
     ],
     "llama-3-8b": [
         ("qkv", 6144, 4096, False),
