@@ -69,27 +69,36 @@ def _prompts(args, tokenizer_vocab: int) -> list:
     return [{"prompt_token_ids": rng.integers(100, tokenizer_vocab - 100, 40).tolist()} for _ in range(args.prompts)]
 
 
-def _side(args) -> dict:
-    """One side, in this process: its TPOT and acceptance per task, and its outputs."""
-    import torch
+def speculative_llm(model: str, load_format: str, side: str, draft: str | None = None, chat: bool = False):
+    """The `LLM` a side runs: bf16, seeded, `side` = `off` or `METHOD[:K]` (n-gram matches of 2-4 tokens; a
+    `draft_model` drafts with `draft`, by default the model itself); without `chat`, token-id prompts only."""
+    from pagoda import LLM
 
-    from pagoda import LLM, SamplingParams
-
-    method, _, k = args.run_side.partition(":")
+    method, _, k = side.partition(":")
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": int(k or 4)}
     if spec and method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if spec and method == "draft_model":
-        spec |= {"model": args.draft or args.model}
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
+        spec |= {"model": draft or model}
+    return LLM(
+        model,
+        load_format=load_format,
         dtype="bfloat16",
         max_model_len=4096,
         seed=0,
         speculative_config=spec,
-        skip_tokenizer_init=not args.chat,  # random weights: token-id prompts
+        skip_tokenizer_init=not chat,  # random weights: token-id prompts
     )
+
+
+def _side(args) -> dict:
+    """One side, in this process: its TPOT and acceptance per task, and its outputs."""
+    import torch
+
+    from pagoda import SamplingParams
+
+    llm = speculative_llm(args.model, args.load_format, args.run_side, args.draft, args.chat)
+    spec = llm.engine.speculator is not None
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     vocab = llm.engine.config.model.vocab_size
     prompts = _prompts(args, vocab)

@@ -5,7 +5,8 @@ of each graph replay by bucket.
         [--max-tokens 256]
 
 MODEL is any Pagoda model (SmolLM2-135M's shape with `--load-format dummy` is the host-bound case; random weights
-loop, so suffix proposals hold by construction). `--side` is `off` or `METHOD:K` as in `spec_decode_gpu.py`.
+loop, so suffix proposals hold by construction). `--side` is `off` or `METHOD:K`, built as `spec_decode_gpu.py`
+builds its sides.
 Prompts of 40 random token ids, greedy, EOS ignored, one request at a time after a warm-up. Each phase is wall
 time around one engine, runner or speculator call (perf_counter, no synchronisation added), per step: `launch.*`
 builds and queues a step, `process.*` reads it (`process.result.wait` is the host waiting for the GPU) and makes
@@ -17,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
 import time
 
 import numpy as np
 import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import SamplingParams
 from pagoda.worker import graph_runner, pending_step, spec_rows
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from spec_decode_gpu import speculative_llm  # noqa: E402 (the same sides as spec_decode_gpu.py)
 
 
 def _timed(totals: dict, counts: collections.Counter, obj, name: str, label: str) -> None:
@@ -48,17 +54,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
-    method, _, k = args.side.partition(":")
-    spec = None if method == "off" else {"method": method, "num_speculative_tokens": int(k or 4)}
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
-        dtype="bfloat16",
-        max_model_len=4096,
-        seed=0,
-        speculative_config=spec,
-        skip_tokenizer_init=True,
-    )
+    llm = speculative_llm(args.model, args.load_format, args.side)
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
