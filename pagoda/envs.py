@@ -48,6 +48,14 @@ FUSED_OPS = Env(
 GEMV = Env(
     "PAGODA_GEMV", bool, True, "the one-row Triton GEMV for steps of one token (kernels/gemv.py); 0: cuBLAS", once=True
 )
+GEMV_LOOP_ROWS = Env(
+    "PAGODA_GEMV_LOOP_ROWS",
+    int,
+    None,
+    "matmuls of up to this many rows whose K fits one GEMV tile take the GEMV's row loop (kernels/gemv.py; "
+    "default: policy.GEMV_LOOP_ROWS by weight size); 1: only one-row matmuls take the GEMV",
+    once=True,
+)
 PDL = Env(
     "PAGODA_PDL", bool, True, "programmatic dependent launch between small steps' kernels (kernels/pdl.py)", once=True
 )

@@ -1,13 +1,15 @@
 """Few-row matmuls on the GPU: cuBLAS (`F.linear`) vs `pagoda.kernels.gemv`, per model matmul.
 
     python benchmarks/kernels/gemv_sweep.py [--shapes yuan2-2b,qwen2-vl-2b,llama-3-8b,smollm2-135m] [--rows 1,2,4,8]
-                                    [--grid-rows 2,4] [--l2-hot] [--out sweep.json]
+                                    [--grid-rows 2,4] [--grid-block-n 1,2,4] [--grid-block-k 1024,2048,4096]
+                                    [--grid-warps 2,4,8] [--l2-hot] [--out sweep.json]
 
 Each matmul is timed the way a decode step runs it: captured in a CUDA graph (no Python launch
 cost), cycling through enough copies of the weight that none is still in L2 (a step reads each
 layer's weights once, from HBM). Prints µs and weight-stream TB/s for cuBLAS and for the kernel at
-its rule config (`gemv_config`), and for --grid-rows the best of a small config grid too: where the
-rule loses, or where the kernel stops beating cuBLAS (`policy.GEMV_MAX_ROWS` comes from that).
+its rule config (`gemv_config`), which of the two `layers.linear` runs (`gemv.max_rows_for`), and for
+--grid-rows the best of a small config grid too: where the rule loses, or where the kernel stops beating
+cuBLAS (`policy.GEMV_MAX_ROWS` and `policy.GEMV_LOOP_ROWS` come from that).
 """
 
 from __future__ import annotations
@@ -88,12 +90,15 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from pagoda.kernels.gemv import GemvConfig, gemv, gemv_config
+    from pagoda.kernels.gemv import GemvConfig, gemv, gemv_config, supports
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="yuan2-2b,qwen2-vl-2b,llama-3-8b")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--grid-rows", default="", help="row counts for which a config grid is also swept")
+    ap.add_argument("--grid-block-n", default="1,2,4", help="the grid's output columns per program")
+    ap.add_argument("--grid-block-k", default="1024,2048,4096", help="the grid's K tiles (those below 2K are swept)")
+    ap.add_argument("--grid-warps", default="2,4,8", help="the grid's warp counts")
     ap.add_argument(
         "--l2-hot",
         action="store_true",
@@ -104,7 +109,8 @@ def main() -> None:
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     grid_rows = {int(r) for r in args.grid_rows.split(",") if r}
-    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in itertools.product([1, 2, 4], [1024, 2048, 4096], [2, 4, 8])]
+    axes = [[int(v) for v in a.split(",")] for a in (args.grid_block_n, args.grid_block_k, args.grid_warps)]
+    grid = [GemvConfig(bn, bk, nw) for bn, bk, nw in itertools.product(*axes)]
     results = []
     dtype = torch.bfloat16
     for shape in args.shapes.split(","):
@@ -136,6 +142,7 @@ def main() -> None:
                     "mbytes": mbytes,
                     "cublas_us": graph_us(cublas, copies),
                     "rule": vars(gemv_config(m, n, k)),
+                    "policy": "gemv" if supports(x, weights[0]) else "cublas",  # what `layers.linear` runs
                     "max_abs_err": err,
                 }
                 row["gemv_us"] = graph_us(lambda: kernel(None), copies)
@@ -161,6 +168,7 @@ def main() -> None:
                     f"{shape:12s} {name:9s} M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us "
                     f"({mbytes / row['cublas_us']:4.2f} TB/s)  gemv {row['gemv_us']:7.2f} us "
                     f"({mbytes / row['gemv_us']:4.2f} TB/s)  x{row['cublas_us'] / row['gemv_us']:.2f}"
+                    f"  runs {row['policy']:6s}"
                     f"{extra}",
                     flush=True,
                 )

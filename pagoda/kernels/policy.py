@@ -13,6 +13,15 @@ from __future__ import annotations
 # for most (`benchmarks/kernels/gemv_sweep.py`).
 GEMV_MAX_ROWS = 1
 
+# Matmuls whose K fits one GEMV tile (K ≤ `gemv.MAX_BLOCK_K`) take the GEMV's row loop (the weight tile read once,
+# the rows reduced against it in turn, each exactly as a one-row call does) up to a row count that shrinks as the
+# weight grows: (largest weight in elements, most rows), smallest weights first. Each program re-reads every row of
+# x, so the loop's cost grows with the rows while cuBLAS's hardly does. In `benchmarks/kernels/gemv_sweep.py
+# --rows 1,2,4,8,16` it beat cuBLAS at 4 rows on every weight of up to 4.2M elements, at 2 rows on every weight of
+# up to 34M but SmolLM2-135M's head (0.93x), and lost at 8 rows on most. A speculative verification of 3 proposals
+# (4 rows) then costs little more than a decode step, and its rows get the decode step's values bit for bit.
+GEMV_LOOP_ROWS = ((5 * 2**20, 4), (36 * 2**20, 2))
+
 # FP8 linears (`layers/quantization/fp8.py`) of at most this many rows keep the activations in the model
 # dtype and widen the e4m3 weights inside the GEMV (W8A16); more rows quantize the activations for
 # cuBLASLt's fp8 matmul (W8A8). At two rows the fp8 GEMV is 0.74-1.2x of the bf16 one

@@ -18,9 +18,9 @@ slice: `LazyTensor`) and narrows it to the rank's share BEFORE reading it (`read
 reads only its share from disk. Loaders that do that carry `@reads_shards`; the model loader hands
 every other loader an already-read tensor.
 
-`linear` is the one matmul entry point: on CUDA, inputs of at most `policy.GEMV_MAX_ROWS` rows (decode at
-batch 1) go to the Triton GEMV (`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all
-others to `F.linear`.
+`linear` is the one matmul entry point: on CUDA, inputs of few rows (decode at batch 1; up to 2-4 rows for
+weights whose K fits one GEMV tile, by weight size: `gemv.max_rows_for`) go to the Triton GEMV
+(`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all others to `F.linear`.
 """
 
 from __future__ import annotations

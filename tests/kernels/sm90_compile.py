@@ -237,7 +237,10 @@ def _matmuls() -> list[tuple[str, Callable[[], object]]]:
             "gemv bf16 1 row, accumulate into fp32",
             lambda: gemv.gemv(_bf16(1, k), _bf16(n, k), out=torch.zeros(1, n), accumulate=True),
         ),
-        ("gemv bf16 4 rows", lambda: gemv.gemv(_bf16(4, k), _bf16(n, k))),
+        ("gemv bf16 4 rows (the row loop)", lambda: gemv.gemv(_bf16(4, k), _bf16(n, k))),
+        ("gemv bf16 1 row, K in two tiles", lambda: gemv.gemv(_bf16(1, 4 * k), _bf16(n, 4 * k))),
+        ("gemv bf16 3 rows, K in two tiles", lambda: gemv.gemv(_bf16(3, 4 * k), _bf16(n, 4 * k))),
+        ("gemv bf16 2 rows, a wide head of short rows", lambda: gemv.gemv(_bf16(2, 576), _bf16(32768, 576))),
         (
             "gemv fp8 weight 1 row",
             lambda: gemv.gemv(_bf16(1, k), fp8_weight(n), weight_scale=torch.ones(n)),

@@ -114,10 +114,60 @@ def test_explicit_config_with_several_k_tiles():
     assert_near_exact(y, x, w)
 
 
+ONE_TILE_SHAPES = [(5, 12, 40), (16, 7, 64), (3, 9, 17)]
+if DEVICE == "cuda":  # SmolLM2-135M's q/k/v, its head (four columns a program), a Qwen2-VL-2B-sized gate/up at 2 rows
+    ONE_TILE_SHAPES += [(4, 960, 576), (4, 49152, 576), (2, 17920, 1536)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", ONE_TILE_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_of_one_tile_equal_their_one_row_calls(m, n, k, dtype, with_bias):
+    """K within one tile: the rows are reduced in turn against one weight tile, each exactly as a call
+    with that row alone reduces it. So every row equals its one-row result bit for bit (what keeps a
+    speculative verification's rows equal to plain decode steps), and all are near the exact product."""
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    rule = gemv_module.gemv_config(m, n, k)
+    config = rule if DEVICE == "cuda" else GemvConfig(block_n=2, block_k=triton_next_power_of_2(k), num_warps=2)
+    assert config.block_k >= k  # one tile: the row loop
+    y = gemv(x, w, bias, config=config)
+    assert_near_exact(y, x, w, bias)
+    for row in range(m):
+        assert torch.equal(y[row], gemv(x[row : row + 1], w, bias, config=config)[0]), row
+    # the tiled path (K in several tiles) reaches the same values within fp32 order
+    tiled = gemv(x, w, bias, config=GemvConfig(block_n=2, block_k=16, num_warps=2))
+    assert_near_exact(tiled, x, w, bias)
+
+
+def triton_next_power_of_2(k: int) -> int:
+    return 1 << (k - 1).bit_length()
+
+
+def test_row_bound_follows_the_weight_size(monkeypatch):
+    """The row loop's bound by weight size (`policy.GEMV_LOOP_ROWS`); K past one tile keeps one row."""
+    monkeypatch.setattr(policy, "GEMV_LOOP_ROWS", ((64, 4), (512, 2)))
+    monkeypatch.setattr(gemv_module, "LOOP_ROWS", None)
+    x = torch.randn(8, 32).to(DEVICE, torch.bfloat16)
+    for n, rows in ((2, 4), (16, 2), (17, policy.GEMV_MAX_ROWS)):  # 64, 512 and 544 elements
+        w = torch.randn(n, 32).to(DEVICE, torch.bfloat16)
+        assert gemv_module.max_rows_for(w) == rows
+        assert supports(x[:rows], w) and not supports(x[: rows + 1], w)
+    monkeypatch.setattr(gemv_module, "MAX_BLOCK_K", 16)  # K = 32 now needs two tiles
+    assert gemv_module.max_rows_for(torch.randn(2, 32)) == policy.GEMV_MAX_ROWS
+    monkeypatch.setattr(gemv_module, "MAX_BLOCK_K", 4096)
+    monkeypatch.setattr(gemv_module, "LOOP_ROWS", 1)  # PAGODA_GEMV_LOOP_ROWS=1: one-row matmuls only
+    assert gemv_module.max_rows_for(torch.randn(2, 32)) == policy.GEMV_MAX_ROWS
+
+
 def test_supports_rejects_what_it_cannot_run():
     w = torch.randn(8, 64).to(DEVICE, torch.bfloat16)
     assert supports(torch.randn(1, 64).to(DEVICE, torch.bfloat16), w)
-    assert not supports(torch.randn(policy.GEMV_MAX_ROWS + 1, 64).to(DEVICE, torch.bfloat16), w)
+    rows = gemv_module.max_rows_for(w)
+    assert supports(torch.randn(rows, 64).to(DEVICE, torch.bfloat16), w)
+    assert not supports(torch.randn(rows + 1, 64).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 64).to(DEVICE, torch.float32), w)  # mixed dtypes
     assert not supports(torch.randn(1, 32).to(DEVICE, torch.bfloat16), w)
     assert not supports(torch.randn(1, 8).to(DEVICE, torch.bfloat16), w.t())  # K not contiguous
