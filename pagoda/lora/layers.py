@@ -46,7 +46,7 @@ class LoRAStep:
     max_loras: int = 1
     max_tokens: int = 0
     device: torch.device = torch.device("cpu")
-    tile_sizes: tuple[int, int] = (SMALL_TILE_TOKENS, TILE_TOKENS)  # (small steps, the rest)
+    tile_sizes: tuple[int, ...] = (SMALL_TILE_TOKENS, TILE_TOKENS)  # (small steps, the rest)
     small_step_tokens: int = SMALL_STEP_TOKENS
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     meta: torch.Tensor = field(init=False)
