@@ -1,5 +1,5 @@
 """When the layers use the fused Triton kernels (one module per family: `pagoda/kernels/rms_norm.py`,
-`rotary.py`, `activation.py`, and Yuan2's `localized_filter.py`) and the few-row GEMV
+`layer_norm.py`, `rotary.py`, `activation.py`, and Yuan2's `localized_filter.py`) and the few-row GEMV
 (`pagoda/kernels/gemv.py`) instead of PyTorch / cuBLAS.
 
 Only for CUDA tensors, and only when Triton imports; CPU tensors always take the PyTorch code,
@@ -39,7 +39,7 @@ def _optional_kernels(name: str, switch: envs.Env) -> ModuleType | None:
 
 
 # The fused kernel families the layers dispatch to, each a module `pagoda.kernels.<family>`.
-FUSED_FAMILIES = ("rms_norm", "rotary", "activation", "localized_filter")
+FUSED_FAMILIES = ("rms_norm", "layer_norm", "rotary", "activation", "localized_filter")
 
 
 @functools.cache

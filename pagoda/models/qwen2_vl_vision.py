@@ -27,6 +27,7 @@ from pagoda.device_copy import to_device
 from pagoda.errors import ModelLoadError
 from pagoda.layers.activation import quick_gelu
 from pagoda.layers.linear import Linear
+from pagoda.layers.norm import LayerNorm
 from pagoda.layers.rotary import apply_rotary
 
 Grid = tuple[int, int, int]
@@ -192,20 +193,34 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm ViT block: x + Attn(LN1(x)), then x + MLP(LN2(x))."""
+    """Pre-norm ViT block: x + Attn(LN1(x)), then x + MLP(LN2(x)).
+
+    Each residual add is done by the LayerNorm that follows it (`layers.norm.LayerNorm` with a residual: one
+    launch on CUDA): the block takes the previous block's MLP output still to be added (`pending`; None for the
+    first block) and returns its own, which the next block's LN1 or the merger's norm adds. The sums are the
+    reference's, in its order, each rounded once to the activation dtype."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
-        self.norm2 = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        self.norm1 = LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        self.norm2 = LayerNorm(dim, eps=_LAYER_NORM_EPS)
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = VisionMLP(dim, mlp_hidden, act)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, torch.Tensor]]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, segments)
-        return x + self.mlp(self.norm2(x))
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[int, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream x, the MLP output to add to it next) for the stream x + pending."""
+        if pending is None:
+            h = self.norm1(x)
+        else:
+            h, x = self.norm1(pending, residual=x)  # x + pending, normed
+        h, x = self.norm2(self.attn(h, rope, segments), residual=x)
+        return x, self.mlp(h)
 
 
 class PatchMerger(nn.Module):
@@ -214,15 +229,16 @@ class PatchMerger(nn.Module):
     def __init__(self, dim: int, out_dim: int, merge_size: int):
         super().__init__()
         self.window_dim = dim * merge_size * merge_size
-        self.ln_q = nn.LayerNorm(dim, eps=_LAYER_NORM_EPS)
+        self.ln_q = LayerNorm(dim, eps=_LAYER_NORM_EPS)
         # nn.Sequential so checkpoint keys `mlp.0.*` / `mlp.2.*` map; index 1 is the (exact) GELU.
         self.mlp = nn.Sequential(
             Linear(self.window_dim, self.window_dim, bias=True), nn.GELU(), Linear(self.window_dim, out_dim, bias=True)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [P, D] -> [P/m², m²·D] -> [P/m², H]
-        return self.mlp(self.ln_q(x).reshape(-1, self.window_dim))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
+        # [P, D] (the stream x + pending) -> [P/m², m²·D] -> [P/m², H]
+        normed = self.ln_q(x) if pending is None else self.ln_q(pending, residual=x)[0]
+        return self.mlp(normed.reshape(-1, self.window_dim))
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -250,9 +266,10 @@ class Qwen2VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [P, D]
         rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h/2] float32
         segments = _segments(grids, x.device)
+        pending = None
         for block in self.blocks:
-            x = block(x, rope, segments)
-        return self.merger(x)  # [P/m², H]
+            x, pending = block(x, pending, rope, segments)
+        return self.merger(x, pending)  # [P/m², H]
 
     def _check_input(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         m = self.merge_size

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels import activation as activation_kernels
+from pagoda.kernels import layer_norm as layer_norm_kernels
 from pagoda.kernels import localized_filter as lf_kernels
 from pagoda.kernels import rms_norm as norm_kernels
 from pagoda.kernels import rotary as rotary_kernels
@@ -14,6 +15,7 @@ from pagoda.kernels import rotary as rotary_kernels
 # The fused kernel modules by family, as `dispatch.fused_for` names them.
 FUSED = {
     "rms_norm": norm_kernels,
+    "layer_norm": layer_norm_kernels,
     "rotary": rotary_kernels,
     "activation": activation_kernels,
     "localized_filter": lf_kernels,

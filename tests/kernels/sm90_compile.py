@@ -146,7 +146,7 @@ def _attention() -> list[tuple[str, Callable[[], object]]]:
 
 
 def _row_kernels() -> list[tuple[str, Callable[[], object]]]:
-    from pagoda.kernels import activation, localized_filter, rms_norm, rotary
+    from pagoda.kernels import activation, layer_norm, localized_filter, rms_norm, rotary
     from pagoda.kernels.attention.store_kv import FP8
 
     hidden, t = 2048, 2
@@ -176,6 +176,14 @@ def _row_kernels() -> list[tuple[str, Callable[[], object]]]:
     return [
         ("rms_norm bf16", lambda: rms_norm.rms_norm(_bf16(t, hidden), w, 1e-6)),
         ("fused_add_rms_norm bf16", lambda: rms_norm.fused_add_rms_norm(_bf16(t, hidden), _bf16(t, hidden), w, 1e-6)),
+        (
+            "layer_norm bf16 (the vision tower's width)",
+            lambda: layer_norm.layer_norm(_bf16(t, 1280), _bf16(1280), _bf16(1280), 1e-6),
+        ),
+        (
+            "fused_add_layer_norm bf16",
+            lambda: layer_norm.fused_add_layer_norm(_bf16(t, 1280), _bf16(t, 1280), _bf16(1280), _bf16(1280), 1e-6),
+        ),
         ("rotary bf16 GQA D=128", lambda: rotary_only(8, 2, 128, 128)),
         ("rotary bf16 partial (64 of D=128)", lambda: rotary_only(4, 4, 128, 64)),
         ("rotary_store_kv bf16 cache", lambda: rotary_store(torch.bfloat16)),
