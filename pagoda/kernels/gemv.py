@@ -54,7 +54,6 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int
-    row_loop: bool = True  # K within one tile: the tile is loaded once and the rows reduced in turn
 
 
 @triton.jit
@@ -292,7 +291,7 @@ def supports(
         return False
     max_rows = max_rows_for(weight) if max_rows is None else max_rows
     k = x.shape[-1]
-    # rows first: the common rejection (every prefill matmul) costs one comparison on the host
+    # the row bound first: the common rejection (every prefill matmul) costs a few comparisons on the host
     if not 0 < x.numel() <= max_rows * k:
         return False
     if weight_scale is not None:
@@ -342,7 +341,7 @@ def gemv(
     config = config or gemv_config(m, n, k)
     if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
         raise ValueError(f"weight_scale must be a float32 [{n}] vector")
-    row_loop = config.row_loop and k <= config.block_k
+    row_loop = k <= config.block_k  # K within one tile: the tile is loaded once and the rows reduced in turn
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x2,
         weight,
