@@ -121,61 +121,39 @@ def _gemv_kernel(
             else:
                 x = tl.load(x_ptr + m * stride_xm + offs_k, mask=(offs_k < K) & (m < M), other=0.0)
             acc1 = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            rows_m = m + tl.arange(0, 1)
             _store_rows(
-                acc1[None, :],
-                m + tl.arange(0, 1),
-                offs_n,
-                M,
-                N,
-                s_ptr,
-                b_ptr,
-                y_ptr,
-                stride_ym,
-                HAS_BIAS,
-                HAS_SCALE,
-                ACCUMULATE,
+                acc1[None, :], rows_m, offs_n, M, N, s_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, HAS_SCALE, ACCUMULATE,
                 EMULATE_BF16,
-            )
-    elif ROWS == 1:
-        # One row, K in several tiles: [BLOCK_N, BLOCK_K] tiles times a [BLOCK_K] vector. Kept 2-D: the
-        # 3-D form below with a unit leading axis gets a load layout that streams slower on the H200
-        # (gemv_sweep). The first weight tile is loaded before waiting for the previous kernel (PDL).
-        w = _weight_tile(w_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
-        wait_for_inputs(PDL)
-        x = _x_vector(x_ptr, offs_k, K, EVEN_K)
-        acc1 = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + offs_k
-            w = _weight_tile(w_rows, k, mask_n, K, EVEN_K and EVEN_N)
-            x = _x_vector(x_ptr, k, K, EVEN_K)
-            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        _store_rows(
-            acc1[None, :],
-            tl.arange(0, 1),
-            offs_n,
-            M,
-            N,
-            s_ptr,
-            b_ptr,
-            y_ptr,
-            stride_ym,
-            HAS_BIAS,
-            HAS_SCALE,
-            ACCUMULATE,
-            EMULATE_BF16,
-        )
+            )  # fmt: skip
     else:
-        wait_for_inputs(PDL)
-        offs_m = tl.arange(0, ROWS)
-        mask_m = offs_m < M
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [ROWS, 1]
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            mask_k = k < K
-            w = _weight_tile(w_rows, k, mask_n, K, False)
-            x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if ROWS == 1:
+            # One row, K in several tiles: [BLOCK_N, BLOCK_K] tiles times a [BLOCK_K] vector. Kept 2-D: the 3-D
+            # form below with a unit leading axis gets a load layout that streams slower on the H200
+            # (gemv_sweep). The first weight tile is loaded before waiting for the previous kernel (PDL).
+            w = _weight_tile(w_rows, offs_k, mask_n, K, EVEN_K and EVEN_N)
+            wait_for_inputs(PDL)
+            x = _x_vector(x_ptr, offs_k, K, EVEN_K)
+            acc1 = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                k = k0 + offs_k
+                w = _weight_tile(w_rows, k, mask_n, K, EVEN_K and EVEN_N)
+                x = _x_vector(x_ptr, k, K, EVEN_K)
+                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            acc = acc1[None, :]  # [1, BLOCK_N]
+            offs_m = tl.arange(0, 1)
+        else:
+            wait_for_inputs(PDL)
+            offs_m = tl.arange(0, ROWS)
+            mask_m = offs_m < M
+            x_rows = x_ptr + offs_m[:, None] * stride_xm  # [ROWS, 1]
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                mask_k = k < K
+                w = _weight_tile(w_rows, k, mask_n, K, False)
+                x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         _store_rows(
             acc, offs_m, offs_n, M, N, s_ptr, b_ptr, y_ptr, stride_ym, HAS_BIAS, HAS_SCALE, ACCUMULATE, EMULATE_BF16
         )

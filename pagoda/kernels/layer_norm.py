@@ -26,7 +26,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.pdl import wait_for_inputs
-from pagoda.kernels.triton_utils import DTYPES, interpreting, round_to, rows_2d
+from pagoda.kernels.triton_utils import DTYPES, interpreting, norm_operands, round_to
 
 MAX_NORM_SIZE = 16384  # one program holds a whole row in registers; wider rows use PyTorch
 
@@ -94,37 +94,14 @@ def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert supports_layer_norm(x, weight, bias, residual), "unsupported layer_norm arguments"
-    n_cols = x.shape[-1]
-    x2 = rows_2d(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, n_cols)
-    r2 = rows_2d(residual) if residual is not None else x2
-    summed = torch.empty_like(out) if residual is not None else None
-    s2 = summed.view(-1, n_cols) if summed is not None else out2
-    n_rows = x2.shape[0]
-    if n_rows == 0:
+    out, summed, (x2, r2, out2, s2), (block, num_warps) = norm_operands(x, residual)
+    if x2.shape[0] == 0:
         return out, summed
-    block = triton.next_power_of_2(n_cols)
-    _layer_norm_kernel[(n_rows,)](
-        x2,
-        r2,
-        weight,
-        bias,
-        out2,
-        s2,
-        x2.stride(0),
-        r2.stride(0),
-        out2.stride(0),
-        s2.stride(0),
-        float(eps),
-        N_COLS=n_cols,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
-        EMULATE_BF16=interpreting(),
-        num_warps=min(max(block // 512, 1), 16),
-        enable_fp_fusion=False,
-        **pdl.launch_args(x),
-    )
+    _layer_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, bias, out2, s2, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), float(eps),
+        N_COLS=x.shape[-1], HAS_RESIDUAL=residual is not None, BLOCK=block, EMULATE_BF16=interpreting(),
+        num_warps=num_warps, enable_fp_fusion=False, **pdl.launch_args(x),
+    )  # fmt: skip
     return out, summed
 
 

@@ -29,6 +29,23 @@ def rows_2d(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def norm_operands(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...], tuple[int, int]]:
+    """What a one-program-per-row norm kernel (RMSNorm, LayerNorm; + the residual add) over x [..., H] reads and
+    writes: (out, summed — None without a residual —, the [N, H] row views (x, residual, out, summed), with x's and
+    out's standing in for the missing residual's and summed's, and the launch's (BLOCK, num_warps))."""
+    n_cols = x.shape[-1]
+    x2 = rows_2d(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n_cols)
+    summed = torch.empty_like(out) if residual is not None else None
+    r2 = rows_2d(residual) if residual is not None else x2
+    s2 = summed.view(-1, n_cols) if summed is not None else out2
+    block = triton.next_power_of_2(n_cols)
+    return out, summed, (x2, r2, out2, s2), (block, min(max(block // 512, 1), 16))
+
+
 @triton.jit
 def round_to(x, ptr, EMULATE_BF16: tl.constexpr):
     """fp32 x rounded to ptr's element type, to nearest even, as the GPU's `cvt.rn` and PyTorch do.
