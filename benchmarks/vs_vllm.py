@@ -26,8 +26,13 @@ Workloads (one model folder each, made by `models`):
                      then Poisson arrivals at 0.7x the reference's c = 64 rate of requests with 0-2 images of
                      three sizes (text-only requests interleaved)
   image-qwen2-vl-7b  the same at the 7B shape, c = 16, 64
-  text-qwen2-vl-7b   the 7B shape's language model, 40 in / 256 out, c = 1, 64 (e.g. with --pagoda-args and
-                     --vllm-args "--cpu-offload-gb 2", --variant offload2)
+  text-qwen2-vl-7b   the 7B shape's language model, 40 in / 256 out, c = 1, 64
+  offload-qwen2-vl-7b
+                     the same model, 40 in / 64 out, c = 1 (4 requests) and c = 64 (64): short enough that each
+                     streamed step's copies fit in a call; run it per size with --pagoda-args and --vllm-args
+                     "--cpu-offload-gb G" and --variant offloadG (vLLM then starts with its V1 model runner,
+                     VLLM_USE_V2_MODEL_RUNNER=0: 0.26's default runner loads the whole model on the GPU and
+                     offloads nothing)
   lora               a Llama-3-8B shape with 16 random rank-16 adapters on every linear layer (written beside the
                      model folder on first use), 128 in / 128 out, c = 64 and 256 with requests spread over 1, 4
                      and 16 adapters (point c64-a4: the client gives requests 4 adapters in turn)
@@ -139,6 +144,7 @@ def write_models(out: Path, tokenizer_dir: Path | None) -> None:
 
 TEXT_ARGS = ["--backend", "vllm", "--endpoint", "/v1/completions", "--dataset-name", "random", "--ignore-eos"]
 TEXT_40_256 = [*TEXT_ARGS, "--random-input-len", "40", "--random-output-len", "256", "--random-range-ratio", "0"]
+TEXT_40_64 = [*TEXT_ARGS, "--random-input-len", "40", "--random-output-len", "64", "--random-range-ratio", "0"]
 IMAGE_ARGS = [
     "--backend",
     "openai-chat",
@@ -295,13 +301,19 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
             "llama-3-8b",
             [Point(f"c{c}", LORA_ARGS, 2 * c if c > 64 else 512, c // 64, concurrency=c) for c in (64, 256)],
         ),
-        # The 7B shape's language model on text alone: what --cpu-offload-gb trades (c = 1 TPOT, c = 64 tok/s).
+        # The 7B shape's language model on text alone.
         "text-qwen2-vl-7b": Workload(
             "qwen2-vl-7b",
             [
                 Point("c1", TEXT_40_256, 16, 1, concurrency=1, pagoda_args=PB_TEXT_40_256),
                 Point("c64", TEXT_40_256, 512, 1, concurrency=64, pagoda_args=PB_TEXT_40_256),
             ],
+        ),
+        # What --cpu-offload-gb trades (c = 1 TPOT, c = 64 tok/s): every step streams the offloaded GiB over the
+        # host link (~90 ms for 4 GiB), so the requests are short.
+        "offload-qwen2-vl-7b": Workload(
+            "qwen2-vl-7b",
+            [Point("c1", TEXT_40_64, 4, 1, concurrency=1), Point("c64", TEXT_40_64, 64, 1, concurrency=64)],
         ),
     }
 
@@ -455,8 +467,16 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float = 400) -> b
     return False
 
 
-def start_server(cmd: list[str], port: int, log: Path, timeout_s: float = 400) -> subprocess.Popen | None:
-    proc = launch_server(cmd, log)
+def server_env(system: str, extra: list[str]) -> dict[str, str]:
+    """vLLM 0.26's default (V2) model runner accepts --cpu-offload-gb and offloads nothing (its log: the whole
+    model's GiB loaded, no "Offloader set to"); its V1 runner streams the weights as documented."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if system == "vllm" and "--cpu-offload-gb" in extra else {}
+
+
+def start_server(
+    cmd: list[str], port: int, log: Path, timeout_s: float = 400, env: dict[str, str] | None = None
+) -> subprocess.Popen | None:
+    proc = launch_server(cmd, log, env)
     return proc if wait_healthy(proc, port, timeout_s) else None
 
 
@@ -497,7 +517,7 @@ def run(args: argparse.Namespace) -> None:
             extra += lora_server_args(args.models / wl.model) if wl.lora else []
             t0, port = time.monotonic(), free_port()
             log = work / f"server_{name}_{system}.log"
-            proc = start_server(server_command(system, model, port, extra), port, log)
+            proc = start_server(server_command(system, model, port, extra), port, log, env=server_env(system, extra))
             print(f"[{name} {system}] ready={proc is not None} in {time.monotonic() - t0:.0f} s", flush=True)
             if proc is None:
                 continue
@@ -617,9 +637,11 @@ def ratio_table(rows: list[dict]) -> str:
         return "—" if a is None or b is None else f"{a:.1f} / {b:.1f}"
 
     for workload, system, variant, point in sorted(by):
-        if system != "pagoda" or (workload, "vllm", "", point) not in by:
+        # vLLM's row of the same variant (e.g. the same --cpu-offload-gb), else its plain row
+        ref = next(((workload, "vllm", x, point) for x in (variant, "") if (workload, "vllm", x, point) in by), None)
+        if system != "pagoda" or ref is None:
             continue
-        p, v = by[(workload, "pagoda", variant, point)], by[(workload, "vllm", "", point)]
+        p, v = by[(workload, "pagoda", variant, point)], by[ref]
         key = "request_throughput" if workload.startswith("image") or "request_rate" in p else "output_throughput"
         ratio = p[key] / v[key] if p.get(key) and v.get(key) else float("nan")
         label = point + (f" ({variant})" if variant else "")
