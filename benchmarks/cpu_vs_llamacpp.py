@@ -19,7 +19,8 @@ first (`PAGODA_CPU_KV_REUSE_FIRST=0`), the A/B of the KV pool's memory policy; `
 gathering every request's KV blocks (`PAGODA_CPU_KV_IN_PLACE=0`), the A/B of attention in place; `--pagoda-bf16kv`
 Pagoda with `--kv-cache-dtype bfloat16`; `--also NAME ...` any of these by name, and `pagoda-noint8head` (the LM
 head's int8 copy off, `PAGODA_CPU_INT8_LM_HEAD=0`) or `pagoda-noexec` (the launcher supervising from its checking
-image, `PAGODA_LAUNCHER_EXEC=0`).
+image, `PAGODA_LAUNCHER_EXEC=0`) or `pagoda-reserve8k` (the KV pool keeping 8,192 tokens of freed blocks before it
+reuses them, `PAGODA_CPU_KV_RESERVE_TOKENS=8192`, instead of 2,048).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ SYSTEM_ENV = {
     "pagoda-noint8head": {"PAGODA_CPU_INT8_LM_HEAD": "0"},
     "pagoda-noexec": {"PAGODA_LAUNCHER_EXEC": "0"},
     "pagoda-noleandecode": {"PAGODA_CPU_LEAN_DECODE": "0"},
+    # not a switch: the KV pool's earlier reserve of freed blocks, one whole default context
+    "pagoda-reserve8k": {"PAGODA_CPU_KV_RESERVE_TOKENS": "8192"},
 }
 # ... or with one more serve flag.
 SYSTEM_FLAGS = {"pagoda-bf16kv": ["--kv-cache-dtype", "bfloat16"]}

@@ -106,6 +106,15 @@ CPU_KV_REUSE_FIRST = Env(
     "peak in use (engine/block_manager.py); 0: never-used first, as on a GPU",
     once=True,
 )
+CPU_KV_RESERVE_TOKENS = Env(
+    "PAGODA_CPU_KV_RESERVE_TOKENS",
+    int,
+    2048,
+    "on the CPU, how many tokens of freed blocks (cached prefixes) the KV pool keeps before it reuses the oldest "
+    "ahead of a never-used block (at most --max-model-len): more keeps more prefixes through other traffic and "
+    "costs resident memory, ~45 KiB a token for the default model's float32 cache (engine/block_manager.py)",
+    once=True,
+)
 LAUNCHER_EXEC = Env(
     "PAGODA_LAUNCHER_EXEC",
     bool,

@@ -206,10 +206,10 @@ class CacheConfig:
     gpu_memory_utilization_given: bool  # set by the user (on the CPU, where it does nothing, that is logged)
     num_gpu_blocks_override: int | None  # exact pool size (tests, debugging)
     cpu_kv_cache_space_gib: float  # KV budget when running on the CPU
-    # Hand out freed blocks before never-used ones once a context's worth of them waits (the CPU: the pool's pages
+    # Hand out freed blocks before never-used ones once this many tokens of them wait (the CPU: the pool's pages
     # become resident memory when first written, so the resident part follows the peak in use plus that reserve
-    # of cached prefixes; see engine/block_manager.py).
-    reuse_freed_blocks_first: bool
+    # of cached prefixes; see engine/block_manager.py). None: never-used blocks first (a GPU's pool is committed).
+    freed_block_reserve_tokens: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +342,11 @@ class EngineConfig:
                 kv_cache_dtype=kv_cache_dtype,
                 gpu_memory_utilization=utilization,
                 gpu_memory_utilization_given=a.gpu_memory_utilization is not None,
-                reuse_freed_blocks_first=device == "cpu" and envs.CPU_KV_REUSE_FIRST.value,
+                freed_block_reserve_tokens=(
+                    max(0, min(envs.CPU_KV_RESERVE_TOKENS.value, max_model_len))
+                    if device == "cpu" and envs.CPU_KV_REUSE_FIRST.value
+                    else None
+                ),
             ),
             scheduler=_section(
                 SchedulerConfig,

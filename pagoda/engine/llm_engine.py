@@ -85,8 +85,7 @@ class LLMEngine:
             self.kv_layout.num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            # cached prefixes kept before a freed block is reused: one whole context's worth
-            keep_free_tokens=config.model.max_model_len if cache.reuse_freed_blocks_first else None,
+            keep_free_tokens=cache.freed_block_reserve_tokens,
             prefer_runs=config.device.device == "cpu",
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))

@@ -581,10 +581,20 @@ def test_reusing_freed_blocks_first_evicts_the_oldest_cached_prefix_first():
     bm.check_integrity([b, c])
 
 
-def test_the_cpu_engine_config_reuses_freed_blocks_first():
+def test_the_cpu_engine_config_reuses_freed_blocks_past_its_reserve(monkeypatch):
     from pagoda.config import EngineArgs, EngineConfig
 
-    assert EngineConfig.create(EngineArgs(device="cpu")).cache.reuse_freed_blocks_first
+    def reserve(**kw):
+        return EngineConfig.create(EngineArgs(device="cpu", **kw)).cache.freed_block_reserve_tokens
+
+    assert reserve() == 2048  # the default model's context is longer
+    assert reserve(max_model_len=512) == 512  # never more than one context
+    monkeypatch.setenv("PAGODA_CPU_KV_RESERVE_TOKENS", "100")
+    assert reserve() == 100
+    monkeypatch.setenv("PAGODA_CPU_KV_RESERVE_TOKENS", "-3")
+    assert reserve() == 0
+    monkeypatch.setenv("PAGODA_CPU_KV_REUSE_FIRST", "0")
+    assert reserve() is None  # never-used blocks first, as on a GPU
 
 
 # ------------------------------------------------------------------------------------------------
