@@ -37,6 +37,56 @@ def test_4bit_blocks_come_back_exactly(qtype):
     assert torch.equal(_rebuilt(q, d, m), weight)  # bit for bit: nothing lost in going back to 4 bits
 
 
+def _q4_k_blocks(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A [rows, cols] weight stored as Q4_K super-blocks written here byte by byte (the `gguf` package reads them
+    but has no Q4_K quantizer), dequantized by gguf. Like llama.cpp's quantizer, each 32-value group uses only part
+    of 0..15 (its levels need not reach 0 or 15) and a group of positive values has no minimum (mn = 0)."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    d = rng.uniform(1e-4, 3e-3, n).astype(np.float16)
+    dmin = rng.uniform(1e-4, 3e-3, n).astype(np.float16)
+    sc = rng.integers(1, 64, (n, 8)).astype(np.uint8)
+    mn = rng.integers(0, 64, (n, 8)).astype(np.uint8)
+    mn[:, 0] = 0
+    low = rng.integers(0, 6, (n, 8, 1))
+    high = low + rng.integers(3, 16 - low)  # at least four levels apart, never past 15
+    q = rng.integers(low, high + 1, (n, 8, 32)).astype(np.uint8)
+    scales = np.empty((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)  # 32 bytes per pair of groups: low nibble first
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], -1)
+    weight = dequantize(blocks.reshape(rows, cols // 256 * 144), GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(weight.reshape(rows, cols).copy())
+
+
+def test_q4_k_groups_come_back_to_float32_rounding():
+    weight = _q4_k_blocks(64, 512)
+    grid = cpu_int4.find_int4_grid(weight)
+    assert grid is not None
+    q, d, m = grid
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    blocks = (_rebuilt(q, d, m) - weight).abs().reshape(64, -1, cpu_int4.GROUP)
+    scale = weight.abs().reshape(64, -1, cpu_int4.GROUP).amax(-1, keepdim=True)
+    assert bool((blocks <= 4 * torch.finfo(torch.float32).eps * scale).all())
+    # Q4_1's reading alone (levels from the minimum, d = span / 15) does not give these groups back.
+    w = weight.reshape(64, -1, cpu_int4.GROUP)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    assert not bool(cpu_int4._levels(w, (high - low) / 15, low)[1].all())
+
+
+@pytest.mark.parametrize("rows", [1, policy.CPU_INT4_MAX_ROWS + 1])
+def test_a_q4_k_layer_multiplies_like_its_float_weight(rows):
+    weight = _q4_k_blocks(192, 512, seed=rows)
+    layer = _linear(weight)
+    x = torch.randn(rows, 512)
+    expected = F.linear(x, weight)  # float32, over gguf's own dequantization
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
+    got = layer(x)
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.F32])
 def test_weights_on_no_4bit_grid_stay_float(qtype):
     weight = _gguf_blocks(64, 128, qtype) if qtype != GGMLQuantizationType.F32 else torch.randn(64, 128)

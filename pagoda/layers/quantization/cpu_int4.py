@@ -4,10 +4,14 @@ The GGUF reader (`models/gguf_checkpoint.py`) dequantizes every tensor to float3
 those like any checkpoint. A Q4_1 block is 32 consecutive input values w = q·d + m of one output row,
 q in 0..15; llama.cpp's quantizer sets m to the block's minimum and d to (max − min)/15, so q = 0 and
 q = 15 both occur and the block's own minimum and maximum give m and d back: (w − m)/d rounds to q.
-A Q4_0 block is w = (q − 8)·d, its value of largest magnitude at q = 0, which gives d back. `find_int4_grid`
-tries both for every [row, 32 columns] block of a loaded weight and accepts the layer only when q·d + m
-gives every loaded value back to float32 rounding, so nothing is lost in going back to 4 bits. Layers
-with a block on neither grid (Q8_0, K-quants, float tensors) keep their float weight.
+A Q4_0 block is w = (q − 8)·d, its value of largest magnitude at q = 0, which gives d back. A Q4_K block of 256
+is eight such 32-value groups, w = q·(d·sc) − dmin·mn with 6-bit sc and mn per group, and its quantizer need not
+use level 0 or 15 in a group (a group of positive values keeps mn = 0), so neither reading gives its step back;
+the group's smallest gap between distinct values does (any two neighbouring levels present), and the levels then
+count from the group's minimum. `find_int4_grid` tries these for every [row, 32 columns] block of a loaded
+weight and accepts the layer only when q·d + m gives every loaded value back to float32 rounding, so nothing is
+lost in going back to 4 bits. Layers with a block on no 4-bit grid (Q8_0, Q5/Q6 and the other K-quants, float
+tensors) keep their float weight.
 
 A 4-bit layer's matmul:
 - up to `policy.CPU_INT4_MAX_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
@@ -85,10 +89,23 @@ def _levels(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     return q, ((q * d + m - w).abs() <= tolerance).all(-1, keepdim=True)
 
 
+def _smallest_step(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """For blocks w [R, G, 32]: (max − min) / s, s the whole number of the block's smallest gap between distinct
+    values in its span (gaps within float32 rounding are equal values); 0 for a block of one value. Measuring
+    the step over the whole span keeps its rounding error a span's, not a gap's."""
+    gaps = w.sort(-1).values.diff(dim=-1)
+    tolerance = 4 * torch.finfo(torch.float32).eps * w.abs().amax(-1, keepdim=True)
+    gap = torch.where(gaps > tolerance, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+    span = high - low
+    steps = torch.round(span / gap).clamp_(min=1)  # a block of one value: inf gap, 0 / 1 below
+    return torch.where(torch.isfinite(gap), span / steps, torch.zeros_like(span))
+
+
 def find_int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q uint8 [N, K], d [N, K/32], m [N, K/32]) with weight == q·d + m to float32 rounding, or None when
-    some block is on neither 4-bit grid: Q4_1's (m = the block's minimum, d = (max − min)/15) or Q4_0's
-    (w = (q − 8)·d, with d = −x/8 for the block's value x of largest magnitude, which llama.cpp puts at q = 0)."""
+    some block is on no 4-bit grid. Tried in turn for each block: Q4_1's (m = the block's minimum, d = (max −
+    min)/15), Q4_0's (w = (q − 8)·d, with d = −x/8 for the block's value x of largest magnitude, which llama.cpp
+    puts at q = 0), then any 16 levels (m = the minimum, d = its smallest step: Q4_K's groups)."""
     n, k = weight.shape
     if k % GROUP:
         return None
@@ -99,9 +116,14 @@ def find_int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))
     d0 = -extreme / 8
     q0, fits0 = _levels(w, d0, extreme)
-    if not bool((fits1 | fits0).all()):
-        return None
     q, d, m = torch.where(fits1, q1, q0), torch.where(fits1, d1, d0), torch.where(fits1, low, extreme)
+    fits = fits1 | fits0
+    if not bool(fits.all()):
+        step = _smallest_step(w, low, high)
+        q_any, fits_any = _levels(w, step, low)  # levels past 15 are clamped, so they fail the check
+        q, d, m = torch.where(fits, q, q_any), torch.where(fits, d, step), torch.where(fits, m, low)
+        if not bool((fits | fits_any).all()):
+            return None
     return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), m.squeeze(-1)
 
 
