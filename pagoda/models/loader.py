@@ -112,16 +112,17 @@ def _keep_gguf_int4(model: nn.Module) -> None:
     if not cpu_int4.available():
         logger.info("CPU weights: float32 (this torch has no CPU int4 kernel)")
         return
-    packed, kept = cpu_int4.pack_int4_layers(model)
-    heads = cpu_int4.bf16_lm_heads(model) if packed and envs.CPU_BF16_LM_HEAD.value else 0
-    embeddings = cpu_int4.int8_embeddings(model) if packed else 0
+    packed, q8, kept = cpu_int4.pack_int4_layers(model)
+    heads = cpu_int4.bf16_lm_heads(model) if packed + q8 and envs.CPU_BF16_LM_HEAD.value else 0
+    embeddings = cpu_int4.int8_embeddings(model) if packed + q8 else 0
     head = "bf16 (PAGODA_CPU_BF16_LM_HEAD)" if heads else "float32"
     if heads and cpu_int4.int8_head_available():
         head += f", int8 up to {policy.CPU_INT8_HEAD_MAX_ROWS} rows"
     logger.info(
-        "CPU weights: %d linear layers 4-bit (group %d; PyTorch's int4 kernel up to %d rows, %s above), %d float32"
-        "; LM head %s; embedding %s",
+        "CPU weights: %d linear layers 4-bit and %d Q8_0 as two 4-bit halves (group %d; PyTorch's int4 kernel up to"
+        " %d rows, %s above), %d float32; LM head %s; embedding %s",
         packed,
+        q8,
         cpu_int4.GROUP,
         policy.CPU_INT4_MAX_ROWS,
         "bf16" if cpu_int4.native_bf16() else "float32",

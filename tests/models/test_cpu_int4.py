@@ -82,17 +82,38 @@ def test_a_q4_k_layer_multiplies_like_its_float_weight(rows):
     layer = _linear(weight)
     x = torch.randn(rows, 512)
     expected = F.linear(x, weight)  # float32, over gguf's own dequantization
-    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0, 0)
     got = layer(x)
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.F32])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.F32])
 def test_weights_on_no_4bit_grid_stay_float(qtype):
     weight = _gguf_blocks(64, 128, qtype) if qtype != GGMLQuantizationType.F32 else torch.randn(64, 128)
     assert cpu_int4.find_int4_grid(weight) is None
     layer = torch.nn.Sequential(_linear(weight))
-    assert cpu_int4.pack_int4_layers(layer) == (0, 1) and layer[0].quant is None
+    assert cpu_int4.pack_int4_layers(layer) == (0, 0, 1) and layer[0].quant is None
+
+
+Q8_SHAPES = [(1, 192), (policy.CPU_INT4_MAX_ROWS, 96), (policy.CPU_INT4_MAX_ROWS + 1, 192)]
+
+
+@pytest.mark.parametrize("rows, outputs", Q8_SHAPES)
+def test_a_q8_0_layer_multiplies_like_its_float_weight(rows, outputs):
+    weight = _gguf_blocks(outputs, 320, GGMLQuantizationType.Q8_0, seed=rows)
+    assert cpu_int4.find_int4_grid(weight) is None
+    layer = _linear(weight, bias=True)
+    x = torch.randn(rows, 320)
+    expected = F.linear(x, weight, layer.bias)  # float32, over gguf's own dequantization
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (0, 1, 0)
+    assert isinstance(layer.quant, cpu_int4.CpuQ8Method) and getattr(layer, "weight", None) is None
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 activations and scales
+    # The two nibble layers hold the levels exactly: their float32 sum over the scales rounded to bf16 is
+    # within bf16's rounding of each weight.
+    rebuilt = layer.quant.dequantized_t().float().t()
+    assert (rebuilt - weight).abs().max() <= 2**-7 * weight.abs().max()
 
 
 def _linear(weight: torch.Tensor, bias: bool = False):
@@ -115,7 +136,7 @@ def test_both_matmul_paths_equal_the_float_matmul(rows, outputs):
     layer = _linear(weight, bias=True)
     x = torch.randn(rows, 320)
     expected = F.linear(x, weight, layer.bias)  # float32, over gguf's own dequantization
-    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0, 0)
     assert not hasattr(layer, "weight") or layer.weight is None
     assert layer.quant.nibbles is None  # the many-row path reads the kernel's own packed levels
     got = layer(x)

@@ -77,7 +77,7 @@ def test_4bit_layers_with_biases_bit_for_bit(tiny_qwen2, monkeypatch):
             module.weight.data.copy_(torch.from_numpy(q4.reshape(w.shape).copy()))
             if module.bias is not None:
                 module.bias.data.normal_(generator=torch.Generator().manual_seed(0))  # the checkpoint's are zeros
-    assert cpu_int4.pack_int4_layers(model.layers) == (8, 0)
+    assert cpu_int4.pack_int4_layers(model.layers) == (8, 0, 0)
     _assert_same_steps(llm, [[(5 * i) % 500 + 3 for i in range(40)]], monkeypatch)
 
 
@@ -175,6 +175,6 @@ def test_a_projection_multiplies_as_the_layer_does_at_every_row_count(rows):
     layer = Linear(128, 192, bias=True)
     layer.weight.data.copy_(torch.from_numpy(q4.copy()))
     layer.bias.data.normal_(generator=torch.Generator().manual_seed(2))
-    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0)
+    assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (1, 0, 0)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
     assert torch.equal(llama_cpu_decode._projection(layer)(x), layer(x))

@@ -10,8 +10,9 @@ use level 0 or 15 in a group (a group of positive values keeps mn = 0), so neith
 the group's smallest gap between distinct values does (any two neighbouring levels present), and the levels then
 count from the group's minimum. `find_int4_grid` tries these for every [row, 32 columns] block of a loaded
 weight and accepts the layer only when q·d + m gives every loaded value back to float32 rounding, so nothing is
-lost in going back to 4 bits. Layers with a block on no 4-bit grid (Q8_0, Q5/Q6 and the other K-quants, float
-tensors) keep their float weight.
+lost in going back to 4 bits. A Q8_0 layer (one d per 32 inputs, q in −127..127, `find_int8_grid`) becomes two
+such 4-bit layers, its levels' high and low nibbles (`CpuQ8Method`). Layers on neither (Q5/Q6 and the other
+K-quants, float tensors) keep their float weight.
 
 A 4-bit layer's matmul:
 - up to `policy.CPU_INT4_MAX_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
@@ -155,7 +156,35 @@ def _unpack_levels_t(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -
     return out
 
 
-class CpuInt4Method:
+class _CpuPackedMethod:
+    """A `Linear.quant` that multiplies few rows through PyTorch's CPU int4 kernel and more rows by its weight
+    dequantized for that matmul. Subclasses give `shape` (N, K), `prefill_dtype`, `few_rows` and `dequantized_t`."""
+
+    shape: tuple[int, int]
+    prefill_dtype: torch.dtype
+
+    def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized_t(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.dim() == 2  # [T, K], as a step's activations are: no reshapes on the decode path
+        rows = x if flat else x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= policy.CPU_INT4_MAX_ROWS:
+            y = self.few_rows(rows)
+        else:
+            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t()).to(x.dtype)
+        if not flat:
+            y = y.reshape(*x.shape[:-1], self.shape[0])
+        return y if bias is None else y + bias
+
+    def gemv_operands(self, layer: Linear) -> None:
+        return None  # the GPU's GEMV kernels read float weights
+
+
+class CpuInt4Method(_CpuPackedMethod):
     """`Linear.quant` of one layer whose weight went back to 4 bits (`pack_int4_layers`)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
@@ -192,45 +221,56 @@ class CpuInt4Method:
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
         return kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).to(rows.dtype)
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.dim() == 2  # [T, K], as a step's activations are: no reshapes on the decode path
-        rows = x if flat else x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= policy.CPU_INT4_MAX_ROWS:
-            y = self.few_rows(rows)
-        else:
-            y = torch.mm(rows.to(self.prefill_dtype), self.dequantized_t()).to(x.dtype)
-        if not flat:
-            y = y.reshape(*x.shape[:-1], self.shape[0])
-        return y if bias is None else y + bias
 
-    def gemv_operands(self, layer: Linear) -> None:
-        return None  # the GPU's GEMV kernels read float weights
+class CpuQ8Method(_CpuPackedMethod):
+    """`Linear.quant` of a Q8_0 layer (`find_int8_grid`: W = q·d, q in −127..127, one d per 32 inputs) held as two
+    4-bit layers over its own scales: q = 16·hi + lo with hi in −8..7 and lo in 0..15, so W = hi·(16·d) + lo·d,
+    each half exactly the int4 kernel's (q' − 8)·scale + zero form. A step of few rows reads a byte a weight
+    (two half-byte passes) where the float32 weight is four; the two products are added in float32."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        wide = q.to(torch.int16)
+        high = torch.div(wide, 16, rounding_mode="floor")  # −8..7
+        low = wide - 16 * high  # 0..15
+        self.shape = (q.shape[0], q.shape[1])
+        self.high = CpuInt4Method((high + 8).to(torch.uint8), 16 * d, -128 * d)
+        self.low = CpuInt4Method(low.to(torch.uint8), d, torch.zeros_like(d))
+        self.prefill_dtype = self.low.prefill_dtype
+
+    def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        x = rows.float()
+        return (self.high.few_rows(x) + self.low.few_rows(x)).to(rows.dtype)
+
+    def dequantized_t(self) -> torch.Tensor:
+        """Wᵀ [K, N] in `prefill_dtype`: the halves' sum in float32, rounded once more."""
+        return torch.add(self.high.dequantized_t().float(), self.low.dequantized_t().float()).to(self.prefill_dtype)
 
 
-def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int]:
-    """Give every plain linear layer whose float32 weight is on a 4-bit grid a `CpuInt4Method` (its float
-    weight dropped). Returns (layers packed, linear layers left as they were)."""
-    packed = kept = 0
+def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Give every plain linear layer whose float32 weight is on a 4-bit grid a `CpuInt4Method`, and every one on
+    Q8_0's grid a `CpuQ8Method` (their float weights dropped). Returns (layers 4-bit, layers Q8_0, linear layers
+    left as they were)."""
+    counts = [0, 0, 0]
     for module in model.modules():
         if not isinstance(module, Linear) or module.quant is not None:
             continue
         weight = getattr(module, "weight", None)
-        grid = None
+        method: _CpuPackedMethod | None = None
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu":
-            grid = find_int4_grid(weight)
-        if grid is None:
-            kept += 1
-            continue
-        try:
-            module.quant = CpuInt4Method(*grid)
-        except RuntimeError:  # a shape the kernel's packing refuses
-            kept += 1
-            continue
-        del module.weight
-        packed += 1
-    if packed:
+            try:
+                if (grid := find_int4_grid(weight)) is not None:
+                    method = CpuInt4Method(*grid)
+                elif (levels := find_int8_grid(weight)) is not None:
+                    method = CpuQ8Method(*levels)
+            except RuntimeError:  # a shape the kernel's packing refuses
+                method = None
+        counts[2 if method is None else 0 if isinstance(method, CpuInt4Method) else 1] += 1
+        if method is not None:
+            module.quant = method
+            del module.weight
+    if counts[0] or counts[1]:
         return_freed_memory()  # the float32 weights' heap (glibc keeps it otherwise: ~100 MB for the embedded model)
-    return packed, kept
+    return counts[0], counts[1], counts[2]
 
 
 class Bf16LMHead:
