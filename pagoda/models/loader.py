@@ -119,8 +119,8 @@ def _keep_gguf_int4(model: nn.Module) -> None:
     if heads and cpu_int4.int8_head_available():
         head += f", int8 up to {policy.CPU_INT8_HEAD_MAX_ROWS} rows"
     logger.info(
-        "CPU weights: %d linear layers 4-bit and %d Q8_0 as two 4-bit halves (group %d; PyTorch's int4 kernel up to"
-        " %d rows, %s above), %d float32; LM head %s; embedding %s",
+        "CPU weights: %d linear layers 4-bit and %d of 5-8-bit levels as two 4-bit halves (group %d; PyTorch's int4"
+        " kernel up to %d rows, %s above), %d float32; LM head %s; embedding %s",
         packed,
         q8,
         cpu_int4.GROUP,

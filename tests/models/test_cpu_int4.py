@@ -37,32 +37,38 @@ def test_4bit_blocks_come_back_exactly(qtype):
     assert torch.equal(_rebuilt(q, d, m), weight)  # bit for bit: nothing lost in going back to 4 bits
 
 
-def _q4_k_blocks(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """A [rows, cols] weight stored as Q4_K super-blocks written here byte by byte (the `gguf` package reads them
-    but has no Q4_K quantizer), dequantized by gguf. Like llama.cpp's quantizer, each 32-value group uses only part
-    of 0..15 (its levels need not reach 0 or 15) and a group of positive values has no minimum (mn = 0)."""
+def _k_quant_blocks(rows: int, cols: int, bits: int = 4, seed: int = 0) -> torch.Tensor:
+    """A [rows, cols] weight stored as Q4_K (bits 4) or Q5_K (bits 5) super-blocks written here byte by byte (the
+    `gguf` package reads them but has no K-quant quantizer), dequantized by gguf. Like llama.cpp's quantizer, each
+    32-value group uses only part of its levels (they need not reach 0 or the top) and a group of positive values
+    has no minimum (mn = 0)."""
     rng = np.random.default_rng(seed)
-    n = rows * cols // 256
+    n, top = rows * cols // 256, 2**bits - 1
     d = rng.uniform(1e-4, 3e-3, n).astype(np.float16)
     dmin = rng.uniform(1e-4, 3e-3, n).astype(np.float16)
     sc = rng.integers(1, 64, (n, 8)).astype(np.uint8)
     mn = rng.integers(0, 64, (n, 8)).astype(np.uint8)
     mn[:, 0] = 0
-    low = rng.integers(0, 6, (n, 8, 1))
-    high = low + rng.integers(3, 16 - low)  # at least four levels apart, never past 15
+    low = rng.integers(0, top // 3, (n, 8, 1))
+    high = low + rng.integers(3, top + 1 - low)  # at least four levels apart, never past the top
     q = rng.integers(low, high + 1, (n, 8, 32)).astype(np.uint8)
     scales = np.empty((n, 12), np.uint8)
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)  # 32 bytes per pair of groups: low nibble first
-    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], -1)
-    weight = dequantize(blocks.reshape(rows, cols // 256 * 144), GGMLQuantizationType.Q4_K)
+    nibbles = q & 15
+    qs = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, 128)  # 32 bytes per pair of groups: low first
+    parts = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales]
+    if bits == 5:  # the fifth bits: byte i holds value i of group j in bit j
+        parts.append(sum(((q[:, j] >> 4) & 1) << j for j in range(8)).astype(np.uint8))
+    qtype = GGMLQuantizationType.Q4_K if bits == 4 else GGMLQuantizationType.Q5_K
+    blocks = np.concatenate([*parts, qs], -1)
+    weight = dequantize(blocks.reshape(rows, -1), qtype)
     return torch.from_numpy(weight.reshape(rows, cols).copy())
 
 
 def test_q4_k_groups_come_back_to_float32_rounding():
-    weight = _q4_k_blocks(64, 512)
+    weight = _k_quant_blocks(64, 512)
     grid = cpu_int4.find_int4_grid(weight)
     assert grid is not None
     q, d, m = grid
@@ -78,7 +84,7 @@ def test_q4_k_groups_come_back_to_float32_rounding():
 
 @pytest.mark.parametrize("rows", [1, policy.CPU_INT4_MAX_ROWS + 1])
 def test_a_q4_k_layer_multiplies_like_its_float_weight(rows):
-    weight = _q4_k_blocks(192, 512, seed=rows)
+    weight = _k_quant_blocks(192, 512, seed=rows)
     layer = _linear(weight)
     x = torch.randn(rows, 512)
     expected = F.linear(x, weight)  # float32, over gguf's own dequantization
@@ -87,33 +93,57 @@ def test_a_q4_k_layer_multiplies_like_its_float_weight(rows):
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.F32])
-def test_weights_on_no_4bit_grid_stay_float(qtype):
-    weight = _gguf_blocks(64, 128, qtype) if qtype != GGMLQuantizationType.F32 else torch.randn(64, 128)
-    assert cpu_int4.find_int4_grid(weight) is None
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32])
+def test_weights_on_no_grid_stay_float(qtype):
+    if qtype == GGMLQuantizationType.F32:
+        weight = torch.randn(64, 256)
+    else:  # gguf has no Q6_K quantizer: random bytes with finite scales are valid Q6_K blocks
+        blocks = np.random.default_rng(0).integers(0, 256, (64, 210), dtype=np.uint8)
+        blocks[:, 208:] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        weight = torch.from_numpy(dequantize(blocks, qtype).reshape(64, 256).copy())
+    assert cpu_int4.find_int4_grid(weight) is None and cpu_int4.find_wide_grid(weight) is None
     layer = torch.nn.Sequential(_linear(weight))
     assert cpu_int4.pack_int4_layers(layer) == (0, 0, 1) and layer[0].quant is None
 
 
-Q8_SHAPES = [(1, 192), (policy.CPU_INT4_MAX_ROWS, 96), (policy.CPU_INT4_MAX_ROWS + 1, 192)]
+WIDE = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K]
+WIDE_SHAPES = [(1, 192), (policy.CPU_INT4_MAX_ROWS, 96), (policy.CPU_INT4_MAX_ROWS + 1, 192)]
 
 
-@pytest.mark.parametrize("rows, outputs", Q8_SHAPES)
-def test_a_q8_0_layer_multiplies_like_its_float_weight(rows, outputs):
-    weight = _gguf_blocks(outputs, 320, GGMLQuantizationType.Q8_0, seed=rows)
-    assert cpu_int4.find_int4_grid(weight) is None
+@pytest.mark.parametrize("qtype", WIDE)
+def test_wider_levels_come_back_to_float32_rounding(qtype):
+    if qtype == GGMLQuantizationType.Q5_K:
+        weight = _k_quant_blocks(64, 512, bits=5)
+    else:
+        weight = _gguf_blocks(64, 512, qtype)
+    assert cpu_int4.find_int4_grid(weight) is None  # more than 16 levels
+    q, d, m = cpu_int4.find_wide_grid(weight)
+    assert q.dtype == torch.uint8
+    rebuilt = (q.float().reshape(64, -1, cpu_int4.GROUP) * d[..., None] + m[..., None]).reshape(64, -1)
+    blocks = (rebuilt - weight).abs().reshape(64, -1, cpu_int4.GROUP)
+    scale = weight.abs().reshape(64, -1, cpu_int4.GROUP).amax(-1, keepdim=True)
+    assert bool((blocks <= 4 * torch.finfo(torch.float32).eps * scale).all())
+
+
+@pytest.mark.parametrize("qtype", WIDE)
+@pytest.mark.parametrize("rows, outputs", WIDE_SHAPES)
+def test_a_layer_of_wider_levels_multiplies_like_its_float_weight(qtype, rows, outputs):
+    if qtype == GGMLQuantizationType.Q5_K:
+        weight = _k_quant_blocks(outputs, 512, bits=5, seed=rows)[:, :320]
+    else:
+        weight = _gguf_blocks(outputs, 320, qtype, seed=rows)
     layer = _linear(weight, bias=True)
     x = torch.randn(rows, 320)
     expected = F.linear(x, weight, layer.bias)  # float32, over gguf's own dequantization
     assert cpu_int4.pack_int4_layers(torch.nn.Sequential(layer)) == (0, 1, 0)
-    assert isinstance(layer.quant, cpu_int4.CpuQ8Method) and getattr(layer, "weight", None) is None
+    assert isinstance(layer.quant, cpu_int4.CpuWideMethod) and getattr(layer, "weight", None) is None
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 activations and scales
-    # The two nibble layers hold the levels exactly: their float32 sum over the scales rounded to bf16 is
-    # within bf16's rounding of each weight.
+    # The two nibble layers hold the levels exactly: q·d + m rebuilt from them in float32 and rounded once is
+    # within bf16's rounding of each weight (the many-row path's weight).
     rebuilt = layer.quant.dequantized_t().float().t()
-    assert (rebuilt - weight).abs().max() <= 2**-7 * weight.abs().max()
+    assert bool(((rebuilt - weight).abs() <= 2**-8 * weight.abs() + 1e-7).all())
 
 
 def _linear(weight: torch.Tensor, bias: bool = False):

@@ -10,9 +10,10 @@ use level 0 or 15 in a group (a group of positive values keeps mn = 0), so neith
 the group's smallest gap between distinct values does (any two neighbouring levels present), and the levels then
 count from the group's minimum. `find_int4_grid` tries these for every [row, 32 columns] block of a loaded
 weight and accepts the layer only when q·d + m gives every loaded value back to float32 rounding, so nothing is
-lost in going back to 4 bits. A Q8_0 layer (one d per 32 inputs, q in −127..127, `find_int8_grid`) becomes two
-such 4-bit layers, its levels' high and low nibbles (`CpuQ8Method`). Layers on neither (Q5/Q6 and the other
-K-quants, float tensors) keep their float weight.
+lost in going back to 4 bits. A layer of wider levels (Q8_0's q in −127..127, Q5_0's and Q5_1's in 0..31, one d
+and m per 32 inputs: `find_wide_grid`) becomes two such 4-bit layers, its levels' high and low nibbles
+(`CpuWideMethod`); Q5_K's 32-value groups are found like Q4_K's. Layers on neither (Q6_K, whose scales change
+every 16 inputs, and float tensors) keep their float weight.
 
 A 4-bit layer's matmul:
 - up to `policy.CPU_INT4_MAX_ROWS` rows (decode steps of up to that many sequences): PyTorch's CPU int4 kernel
@@ -82,10 +83,10 @@ def native_bf16() -> bool:
         return False
 
 
-def _levels(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, whether q·d + m gives each [.., 32] block back to float32 rounding) for blocks w [R, G, 32]."""
+def _levels(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q in 0..top, whether q·d + m gives each [.., 32] block back to float32 rounding) for blocks w [R, G, 32]."""
     safe = torch.where(d != 0, d, torch.ones_like(d))  # a constant block: every q is 0
-    q = torch.round((w - m) / safe).clamp_(0, 15)
+    q = torch.round((w - m) / safe).clamp_(0, top)
     tolerance = 4 * torch.finfo(torch.float32).eps * w.abs().amax(-1, keepdim=True)
     return q, ((q * d + m - w).abs() <= tolerance).all(-1, keepdim=True)
 
@@ -102,30 +103,36 @@ def _smallest_step(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> to
     return torch.where(torch.isfinite(gap), span / steps, torch.zeros_like(span))
 
 
-def find_int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q uint8 [N, K], d [N, K/32], m [N, K/32]) with weight == q·d + m to float32 rounding, or None when
-    some block is on no 4-bit grid. Tried in turn for each block: Q4_1's (m = the block's minimum, d = (max −
-    min)/15), Q4_0's (w = (q − 8)·d, with d = −x/8 for the block's value x of largest magnitude, which llama.cpp
-    puts at q = 0), then any 16 levels (m = the minimum, d = its smallest step: Q4_K's groups)."""
+def _affine_grid(weight: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K] in 0..top, d [N, K/32], m [N, K/32]) with weight == q·d + m to float32 rounding, or None when
+    some block is on no grid of top + 1 levels. Tried in turn for each block: llama.cpp's _1 formats' (m = the
+    block's minimum, d = (max − min)/top), its _0 formats' (w = (q − h)·d, h = (top + 1)/2, with d = −x/h for the
+    block's value x of largest magnitude, which llama.cpp puts at q = 0), then any top + 1 levels (m = the
+    minimum, d = its smallest step: the K-quants' groups)."""
     n, k = weight.shape
     if k % GROUP:
         return None
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d1 = (high - low) / 15
-    q1, fits1 = _levels(w, d1, low)
+    d1 = (high - low) / top
+    q1, fits1 = _levels(w, d1, low, top)
     extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))
-    d0 = -extreme / 8
-    q0, fits0 = _levels(w, d0, extreme)
+    d0 = -extreme / ((top + 1) // 2)
+    q0, fits0 = _levels(w, d0, extreme, top)
     q, d, m = torch.where(fits1, q1, q0), torch.where(fits1, d1, d0), torch.where(fits1, low, extreme)
     fits = fits1 | fits0
     if not bool(fits.all()):
         step = _smallest_step(w, low, high)
-        q_any, fits_any = _levels(w, step, low)  # levels past 15 are clamped, so they fail the check
+        q_any, fits_any = _levels(w, step, low, top)  # levels past the top are clamped, so they fail the check
         q, d, m = torch.where(fits, q, q_any), torch.where(fits, d, step), torch.where(fits, m, low)
         if not bool((fits | fits_any).all()):
             return None
     return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), m.squeeze(-1)
+
+
+def find_int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K] in 0..15, d, m) on Q4_1's, Q4_0's or Q4_K's grid (`_affine_grid`), or None."""
+    return _affine_grid(weight, 15)
 
 
 def int4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None):
@@ -202,18 +209,21 @@ class CpuInt4Method(_CpuPackedMethod):
         self.d_t = d.t().contiguous().to(self.prefill_dtype)[:, None, :]
         self.m_t = m.t().contiguous().to(self.prefill_dtype)[:, None, :]
 
+    def levels_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The levels q, transposed, [K, N] of `dtype`."""
+        n, k = self.shape
+        if self.nibbles is None:
+            return _unpack_levels_t(self.packed, n, k, dtype)
+        q = torch.empty(n, k, dtype=torch.uint8)
+        torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
+        torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
+        return torch.empty(k, n, dtype=dtype).copy_(q.t())
+
     def dequantized_t(self) -> torch.Tensor:
         """Wᵀ [K, N] in `prefill_dtype` (exact levels; d and m rounded to it; q·d + m rounded once). Transposed
         because the kernel packs K-major: the levels unpack in place, and the scales broadcast along whole rows."""
         n, k = self.shape
-        if self.nibbles is None:
-            levels = _unpack_levels_t(self.packed, n, k, self.prefill_dtype)
-        else:
-            q = torch.empty(n, k, dtype=torch.uint8)
-            torch.bitwise_and(self.nibbles, 15, out=q[:, 0::2])
-            torch.bitwise_right_shift(self.nibbles, 4, out=q[:, 1::2])
-            levels = torch.empty(k, n, dtype=self.prefill_dtype).copy_(q.t())
-        grouped = levels.view(k // GROUP, GROUP, n)
+        grouped = self.levels_t(self.prefill_dtype).view(k // GROUP, GROUP, n)
         return torch.addcmul(self.m_t, grouped, self.d_t, out=grouped).view(k, n)
 
     def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -222,34 +232,54 @@ class CpuInt4Method(_CpuPackedMethod):
         return kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).to(rows.dtype)
 
 
-class CpuQ8Method(_CpuPackedMethod):
-    """`Linear.quant` of a Q8_0 layer (`find_int8_grid`: W = q·d, q in −127..127, one d per 32 inputs) held as two
-    4-bit layers over its own scales: q = 16·hi + lo with hi in −8..7 and lo in 0..15, so W = hi·(16·d) + lo·d,
-    each half exactly the int4 kernel's (q' − 8)·scale + zero form. A step of few rows reads a byte a weight
-    (two half-byte passes) where the float32 weight is four; the two products are added in float32."""
+def find_wide_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K] in 0..255, d [N, K/32], m [N, K/32]) with weight == q·d + m to float32 rounding, or None: every
+    block on a grid of 32 levels (Q5_1's, Q5_0's or Q5_K's, `_affine_grid`), or else the whole layer on Q8_0's
+    (`find_int8_grid`, its q + 128 from m = −128·d)."""
+    if (grid := _affine_grid(weight, 31)) is not None:
+        return grid
+    if (levels := find_int8_grid(weight)) is None:
+        return None
+    q8, d8 = levels
+    return (q8.to(torch.int16) + 128).to(torch.uint8), d8, -128 * d8
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor):
-        wide = q.to(torch.int16)
-        high = torch.div(wide, 16, rounding_mode="floor")  # −8..7
-        low = wide - 16 * high  # 0..15
+
+class CpuWideMethod(_CpuPackedMethod):
+    """`Linear.quant` of a layer of up to 8-bit levels (`find_wide_grid`: W = q·d + m, q in 0..255, one d and m per
+    32 inputs: Q8_0, Q5_0, Q5_1, Q5_K) held as two 4-bit layers over its own scales: q = 16·hi + lo with hi and lo in
+    0..15, so W = hi·(16·d) + m + lo·d, each half exactly the int4 kernel's (q' − 8)·scale + zero form. The high
+    levels are moved to the middle of 0..15 (5-bit levels have hi in 0..1: stored as 7..8), so that the kernel's
+    bf16 zero point stays near the values it offsets instead of cancelling against 8 scales. A step of few rows
+    reads a byte a weight (two half-byte passes) where the float32 weight is four; the two products are added in
+    float32."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         self.shape = (q.shape[0], q.shape[1])
-        self.high = CpuInt4Method((high + 8).to(torch.uint8), 16 * d, -128 * d)
-        self.low = CpuInt4Method(low.to(torch.uint8), d, torch.zeros_like(d))
+        shift = 8 - ((int(q.max()) >> 4) + 1) // 2
+        self.high = CpuInt4Method((q >> 4) + shift, 16 * d, m - shift * 16 * d)
+        self.low = CpuInt4Method(q & 15, d, torch.zeros_like(d))
         self.prefill_dtype = self.low.prefill_dtype
+        # For the many-row path, in float32 (the halves' bf16 d and m would cancel): [K/32, 1, N], the levels
+        # rebuilt as 16·(hi + shift) + lo.
+        self.d_t = d.t().contiguous()[:, None, :]
+        self.m_t = (m - shift * 16 * d).t().contiguous()[:, None, :]
 
     def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         x = rows.float()
         return (self.high.few_rows(x) + self.low.few_rows(x)).to(rows.dtype)
 
     def dequantized_t(self) -> torch.Tensor:
-        """Wᵀ [K, N] in `prefill_dtype`: the halves' sum in float32, rounded once more."""
-        return torch.add(self.high.dequantized_t().float(), self.low.dequantized_t().float()).to(self.prefill_dtype)
+        """Wᵀ [K, N] in `prefill_dtype`: q·d + m in float32 from the exact levels, rounded once."""
+        n, k = self.shape
+        levels = self.high.levels_t(torch.float32).mul_(16).add_(self.low.levels_t(torch.float32))
+        grouped = levels.view(k // GROUP, GROUP, n)
+        return torch.addcmul(self.m_t, grouped, self.d_t, out=grouped).view(k, n).to(self.prefill_dtype)
 
 
 def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int, int]:
     """Give every plain linear layer whose float32 weight is on a 4-bit grid a `CpuInt4Method`, and every one on
-    Q8_0's grid a `CpuQ8Method` (their float weights dropped). Returns (layers 4-bit, layers Q8_0, linear layers
-    left as they were)."""
+    a grid of up to 8 bits (Q8_0, Q5_0, Q5_1, Q5_K) a `CpuWideMethod` (their float weights dropped). Returns
+    (layers 4-bit, layers of wider levels, linear layers left as they were)."""
     counts = [0, 0, 0]
     for module in model.modules():
         if not isinstance(module, Linear) or module.quant is not None:
@@ -260,8 +290,8 @@ def pack_int4_layers(model: torch.nn.Module) -> tuple[int, int, int]:
             try:
                 if (grid := find_int4_grid(weight)) is not None:
                     method = CpuInt4Method(*grid)
-                elif (levels := find_int8_grid(weight)) is not None:
-                    method = CpuQ8Method(*levels)
+                elif (wide := find_wide_grid(weight)) is not None:
+                    method = CpuWideMethod(*wide)
             except RuntimeError:  # a shape the kernel's packing refuses
                 method = None
         counts[2 if method is None else 0 if isinstance(method, CpuInt4Method) else 1] += 1
