@@ -44,8 +44,10 @@ def test_prepare_gc_for_serving_freezes_the_startup_heap_and_raises_gen0_thresho
         prepare_gc_for_serving()
         frozen = gc.get_freeze_count()
         walked = gc.get_objects()  # every generation but the permanent one
-        # Everything alive at the call is frozen, so a full collection skips it: the heap it walks is tiny.
-        assert frozen >= heap >= len(startup), (frozen, heap)
+        # Everything alive at the call is frozen, so a full collection skips it: the heap it walks is tiny. (A
+        # few objects counted in `heap` may die before the call: another thread of the test runner, or an earlier
+        # test's, can drop them.)
+        assert frozen >= 0.99 * heap and heap >= len(startup), (frozen, heap)
         assert len(walked) < heap // 10, (len(walked), heap)
         walked_ids = {id(o) for o in walked}
         assert not any(id(o) in walked_ids for o in startup)
