@@ -26,7 +26,7 @@ import triton.language as tl
 
 from pagoda.kernels import pdl
 from pagoda.kernels.pdl import wait_for_inputs
-from pagoda.kernels.triton_utils import DTYPES, interpreting, norm_operands, round_to
+from pagoda.kernels.triton_utils import DTYPES, interpreting, load_norm_row, norm_operands, round_to
 
 MAX_NORM_SIZE = 16384  # one program holds a whole row in registers; wider rows use PyTorch
 
@@ -56,11 +56,9 @@ def _layer_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N_COLS
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr, EMULATE_BF16)  # rounded like `x + r`
-        tl.store(summed_ptr + row * stride_s + offs, x, mask=mask)
+    x = load_norm_row(
+        x_ptr, residual_ptr, summed_ptr, row, stride_x, stride_r, stride_s, offs, mask, HAS_RESIDUAL, EMULATE_BF16
+    )
     v = x.to(tl.float32)
     mean = tl.sum(v, axis=0) / N_COLS
     centered = tl.where(mask, v - mean, 0.0)

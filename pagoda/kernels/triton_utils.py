@@ -60,6 +60,30 @@ def round_to(x, ptr, EMULATE_BF16: tl.constexpr):
     return x.to(ptr.dtype.element_ty)
 
 
+@triton.jit
+def load_norm_row(
+    x_ptr,
+    residual_ptr,
+    summed_ptr,
+    row,
+    stride_x,
+    stride_r,
+    stride_s,
+    offs,
+    mask,
+    HAS_RESIDUAL: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """A norm kernel's input row (the launch shape of `norm_operands`): x, or with a residual s = round(x + r)
+    in x's dtype (rounded like `x + r`), which is stored as the next residual stream and returned."""
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), x_ptr, EMULATE_BF16)
+        tl.store(summed_ptr + row * stride_s + offs, x, mask=mask)
+    return x
+
+
 def dot_flags(dtype: torch.dtype) -> tuple[bool, bool]:
     """(IEEE, UPCAST) constexprs for `mma`.
 
