@@ -49,6 +49,7 @@ multiplies in float32 (no native bf16) the float matrix is needed anyway and the
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Callable
 
@@ -163,18 +164,20 @@ def _unpack_levels_t(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -
     return out
 
 
-class _CpuPackedMethod:
+class _CpuPackedMethod(abc.ABC):
     """A `Linear.quant` that multiplies few rows through PyTorch's CPU int4 kernel and more rows by its weight
     dequantized for that matmul. Subclasses give `shape` (N, K), `prefill_dtype`, `few_rows` and `dequantized_t`."""
 
     shape: tuple[int, int]
     prefill_dtype: torch.dtype
 
+    @abc.abstractmethod
     def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """rows [M, K] (M ≤ `policy.CPU_INT4_MAX_ROWS`) · Wᵀ through the int4 kernel, in rows' dtype."""
 
+    @abc.abstractmethod
     def dequantized_t(self) -> torch.Tensor:
-        raise NotImplementedError
+        """Wᵀ [K, N] in `prefill_dtype`, for the many-row matmul."""
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.dim() == 2  # [T, K], as a step's activations are: no reshapes on the decode path
@@ -226,10 +229,12 @@ class CpuInt4Method(_CpuPackedMethod):
         grouped = self.levels_t(self.prefill_dtype).view(k // GROUP, GROUP, n)
         return torch.addcmul(self.m_t, grouped, self.d_t, out=grouped).view(k, n)
 
+    def products(self, rows_bf16: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] bf16 · Wᵀ through the int4 kernel → [M, N] bf16."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows_bf16, self.packed, GROUP, self.scales_zeros)
+
     def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] (M ≤ `policy.CPU_INT4_MAX_ROWS`) · Wᵀ through the int4 kernel, in rows' dtype."""
-        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return kernel(rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).to(rows.dtype)
+        return self.products(rows.to(torch.bfloat16)).to(rows.dtype)
 
 
 def find_wide_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -265,8 +270,8 @@ class CpuWideMethod(_CpuPackedMethod):
         self.m_t = (m - shift * 16 * d).t().contiguous()[:, None, :]
 
     def few_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        x = rows.float()
-        return (self.high.few_rows(x) + self.low.few_rows(x)).to(rows.dtype)
+        x = rows.to(torch.bfloat16)  # once for both halves
+        return torch.add(self.high.products(x).float(), self.low.products(x).float()).to(rows.dtype)
 
     def dequantized_t(self) -> torch.Tensor:
         """Wᵀ [K, N] in `prefill_dtype`: q·d + m in float32 from the exact levels, rounded once."""
