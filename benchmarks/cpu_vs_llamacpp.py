@@ -20,7 +20,10 @@ gathering every request's KV blocks (`PAGODA_CPU_KV_IN_PLACE=0`), the A/B of att
 Pagoda with `--kv-cache-dtype bfloat16`; `--also NAME ...` any of these by name, and `pagoda-noint8head` (the LM
 head's int8 copy off, `PAGODA_CPU_INT8_LM_HEAD=0`) or `pagoda-noexec` (the launcher supervising from its checking
 image, `PAGODA_LAUNCHER_EXEC=0`) or `pagoda-reserve8k` (the KV pool keeping 8,192 tokens of freed blocks before it
-reuses them, `PAGODA_CPU_KV_RESERVE_TOKENS=8192`, instead of 2,048).
+reuses them, `PAGODA_CPU_KV_RESERVE_TOKENS=8192`, instead of 2,048) or `pagoda-noprefixcopy` (prefix hits always
+shared, never copied into a request's own run, `PAGODA_CPU_PREFIX_COPY_TOKENS=0`). `--endpoint chat` sends the
+prompts as chat messages, so each server wraps them in the GGUF's chat template and every request shares its
+system prompt (the prefix cache's case); the default sends them as plain completions.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ SYSTEM_ENV = {
     "pagoda-noint8head": {"PAGODA_CPU_INT8_LM_HEAD": "0"},
     "pagoda-noexec": {"PAGODA_LAUNCHER_EXEC": "0"},
     "pagoda-noleandecode": {"PAGODA_CPU_LEAN_DECODE": "0"},
+    "pagoda-noprefixcopy": {"PAGODA_CPU_PREFIX_COPY_TOKENS": "0"},
     # not a switch: the KV pool's earlier reserve of freed blocks, one whole default context
     "pagoda-reserve8k": {"PAGODA_CPU_KV_RESERVE_TOKENS": "8192"},
 }
@@ -138,18 +142,9 @@ def start(system: str, llama_server: str, gguf: str, port: int, log: Path, max_c
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env)
 
 
-def bench_point(port: int, c: int, work: Path, seed: int) -> dict:
+def bench_point(port: int, c: int, work: Path, seed: int, endpoint: str) -> dict:
     out = work / f"pb_{port}_{c}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagoda",
-        "bench",
-        "--base-url",
-        f"http://127.0.0.1:{port}",
-        "--endpoint",
-        "completions",
-    ]
+    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", endpoint]
     cmd += ["--input-len", "128", "--output-len", "128", "--ignore-eos", "--concurrency", str(c)]
     cmd += ["--num-prompts", str(max(8, 4 * c)), "--warmup", str(c), "--seed", str(seed), "--no-progress"]
     cmd += ["--slo-ttft-p95-ms", "off", "--slo-tpot-p95-ms", "off", "--out", str(out)]
@@ -168,6 +163,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default="/tmp/cpu_vs_llamacpp")
+    ap.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="chat: each server applies the GGUF's chat template (a system prompt every request shares)",
+    )
     for name, what in VARIANTS.items():  # --pagoda-float32 ...: each adds that system
         ap.add_argument(f"--{name}", action="store_true", help=f"also Pagoda with {what}")
     ap.add_argument(
@@ -199,7 +200,12 @@ def main() -> None:
                 for c in args.concurrency:
                     peak = RssPeak(proc.pid)
                     peak.start()
-                    row = {"system": system, "concurrency": c, "round": round_, **bench_point(port, c, work, round_)}
+                    row = {
+                        "system": system,
+                        "concurrency": c,
+                        "round": round_,
+                        **bench_point(port, c, work, round_, args.endpoint),
+                    }
                     peak.done.set()
                     peak.join()
                     row["rss_mib"] = round(peak.peak, 1)
@@ -210,7 +216,8 @@ def main() -> None:
                 stop_server(proc)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     result = {"cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"}
-    result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "rows": rows}
+    result |= {"commit": commit.stdout.strip(), "date": datetime.date.today().isoformat(), "endpoint": args.endpoint}
+    result["rows"] = rows
     Path(args.json).write_text(json.dumps(result, indent=1))
     header = f"{'system':<15} {'c':>3} {'tok/s P / L':>20} {'ratio':>7} {'TPOT ratio':>11} {'TTFT ratio':>11}"
     print(f"\n{header} {'RSS MiB P / L':>16} {'largest process':>16}")

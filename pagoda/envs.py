@@ -115,6 +115,16 @@ CPU_KV_RESERVE_TOKENS = Env(
     "costs resident memory, ~45 KiB a token for the default model's float32 cache (engine/block_manager.py)",
     once=True,
 )
+CPU_PREFIX_COPY_TOKENS = Env(
+    "PAGODA_CPU_PREFIX_COPY_TOKENS",
+    int,
+    1024,
+    "on the CPU, a prefix-cache hit of at most this many tokens (a chat's shared system prompt) whose blocks do "
+    "not continue into a run is copied into the request's own blocks while at most 2 other requests run, so its "
+    "decode steps attend one run in place instead of gathering the cache every layer every step "
+    "(engine/block_manager.py); 0: hits are always shared",
+    once=True,
+)
 LAUNCHER_EXEC = Env(
     "PAGODA_LAUNCHER_EXEC",
     bool,

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # Speculative decoding: request id → the proposals scheduled after its last known token (the row's
     # last len(proposals) tokens); the runner verifies them and returns how many held.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # (source, destination) KV blocks to copy before this step's forward pass writes anything: prefix hits
+    # given to a request as a run of its own (`BlockManager.match_prefix`, CPU).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

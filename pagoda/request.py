@@ -74,6 +74,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # owned by BlockManager
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # (cached block, this request's block) pairs to copy before its first step (`BlockManager.match_prefix`)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs for image/video prompts

@@ -210,6 +210,10 @@ class CacheConfig:
     # become resident memory when first written, so the resident part follows the peak in use plus that reserve
     # of cached prefixes; see engine/block_manager.py). None: never-used blocks first (a GPU's pool is committed).
     freed_block_reserve_tokens: int | None
+    # A prefix hit of at most this many tokens that does not continue into a run of blocks is copied into the
+    # request's own blocks rather than shared (the CPU, where attention reads one run in place: see
+    # engine/block_manager.py). 0: hits are always shared.
+    copied_prefix_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +350,12 @@ class EngineConfig:
                     max(0, min(envs.CPU_KV_RESERVE_TOKENS.value, max_model_len))
                     if device == "cpu" and envs.CPU_KV_REUSE_FIRST.value
                     else None
+                ),
+                # Only where a request's run is attended in place: a cache of the model's own dtype.
+                copied_prefix_hit_tokens=(
+                    max(0, envs.CPU_PREFIX_COPY_TOKENS.value)
+                    if device == "cpu" and kv_cache_dtype == "auto" and envs.CPU_KV_IN_PLACE.value
+                    else 0
                 ),
             ),
             scheduler=_section(

@@ -20,6 +20,13 @@ Pure Python, no tensors: the worker owns the K/V memory, this class only hands o
   block that caches nothing (the partial last block of a finished turn, which the next turn's prefix hit
   stops just before), or any freed block when the policy is reusing freed ones (it evicts one either way).
   Freed blocks popped in LRU order alone come out descending (a request frees its tail first).
+- `copy_hits_max_tokens` (CPU, same reason): a prefix hit whose blocks do not continue into a run (a chat's
+  shared system prompt, followed in the pool by another conversation's blocks) is copied into fresh blocks
+  that start the request's own run, instead of being shared, while fewer than `copy_hits_below` requests run
+  (more rows are attended as one gathered batch anyway) and the hit holds at most that many tokens. The
+  (source, destination) pairs go out with the step (`SchedulerOutput.block_copies`); the worker copies them
+  before the step's forward pass writes anything, so a source handed out again in the same step is still
+  intact. The copies are private: the cache keeps pointing at the sources.
 - A full block's hash chains its parent's: H(parent_hash, token ids), so equal hashes mean equal
   whole prefixes. A request's cache_salt enters its first block's hash, so only requests with the same
   salt (or none) share blocks. Only full blocks are hashed; the last, partial block of a request never is.
@@ -60,6 +67,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         keep_free_tokens: int | None = None,
         prefer_runs: bool = False,
+        copy_hits_max_tokens: int = 0,
+        copy_hits_below: int = 0,
     ):
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
@@ -68,6 +77,8 @@ class BlockManager:
         # Freed blocks (cached prefixes) kept before the oldest is reused ahead of a fresh one; None: fresh first.
         self.keep_free = None if keep_free_tokens is None else self.blocks_needed(keep_free_tokens)
         self.prefer_runs = prefer_runs  # CPU: a request's blocks as one ascending run are attended in place
+        self.copy_hits_max_blocks = copy_hits_max_tokens // block_size  # 0: prefix hits are always shared
+        self.copy_hits_below = copy_hits_below
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self._fresh: collections.deque[int] = collections.deque(range(1, num_blocks))
@@ -99,8 +110,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def match_prefix(self, request: Request) -> int:
-        """Attach cached blocks for the longest cached prefix of a request that holds no blocks.
+    def match_prefix(self, request: Request, running: int = 0) -> int:
+        """Attach cached blocks for the longest cached prefix of a request that holds no blocks (or copies of
+        them, see `copy_hits_max_tokens`; `running`: how many requests run beside it).
 
         Returns the number of tokens found. At least one token is always left to compute, since the
         step that computes it produces the logits to sample from.
@@ -119,12 +131,29 @@ class BlockManager:
             hits.append(block)
         for block in hits:
             self._take(block)
-        request.block_ids = hits
-        request.num_registered_blocks = len(hits)  # prefix hits are cached blocks already
+        if hits and running < self.copy_hits_below and self._worth_copying(hits):
+            copies: list[int] = []
+            for _ in hits:  # a run where the policy allows it, as `allocate` continues it
+                copies.append(self._next_block(copies[-1] if copies else None))
+                self.ref_count[copies[-1]] = 1
+            request.block_ids = copies
+            request.block_copies = list(zip(hits, request.block_ids))
+            self._release(hits)
+        else:
+            request.block_ids = hits
+        request.num_registered_blocks = len(hits)  # prefix hits are cached blocks already (copies stay private)
         num_hit = len(hits) * self.block_size
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
         return num_hit
+
+    def _worth_copying(self, hits: list[int]) -> bool:
+        """Whether held hit blocks should be copied into a run of their own: not too many, not one run that
+        the request's next block may continue, and enough free blocks for the copies."""
+        if len(hits) > self.copy_hits_max_blocks or len(hits) > self.num_free_blocks:
+            return False
+        one_run = all(b == a + 1 for a, b in zip(hits, hits[1:]))
+        return not (one_run and self._after(hits[-1]) is not None)
 
     def _extend_hashes(self, request: Request, upto_tokens: int) -> None:
         """Make sure request.block_hashes covers every full block below `upto_tokens`."""
@@ -173,33 +202,52 @@ class BlockManager:
     def _next_block(self, last: int | None) -> int:
         """A free block for a request whose last block is `last`: `last + 1` where the pool's policy allows it
         (see the module docstring), else the policy's choice."""
-        over_reserve = self.keep_free is not None and len(self._free) > self.keep_free
-        reuse = bool(self._free) and (over_reserve or not self._fresh)
-        after = None if last is None or not self.prefer_runs else last + 1
-        if after is not None and after < self.num_blocks and self.ref_count[after] == 0:
-            # Free: evicted only where the policy evicts anyway, or when it caches nothing.
-            if after in self._free and (reuse or self.hash_of[after] is None):
+        after = None if last is None else self._after(last)
+        if after is not None:
+            if after in self._free:
                 del self._free[after]
                 self._evict(after)
                 return after
-            if not reuse and self._fresh and self._fresh[0] == after:
-                return self._fresh.popleft()
-        if reuse:
+            return self._fresh.popleft()
+        if self._reusing():
             block, _ = self._free.popitem(last=False)  # least recently freed first
             self._evict(block)
             return block
         return self._fresh.popleft()
 
+    def _reusing(self) -> bool:
+        """Whether the policy hands out a freed block (rather than a never-used one) next."""
+        over_reserve = self.keep_free is not None and len(self._free) > self.keep_free
+        return bool(self._free) and (over_reserve or not self._fresh)
+
+    def _after(self, last: int) -> int | None:
+        """`last + 1` if a run may continue there: free, and taking it costs the policy nothing (a freed block
+        evicted where the policy evicts anyway or that caches nothing, or the never-used block it hands out
+        next); None otherwise, or without `prefer_runs`."""
+        after = last + 1
+        if not self.prefer_runs or after >= self.num_blocks or self.ref_count[after] != 0:
+            return None
+        reuse = self._reusing()
+        if after in self._free and (reuse or self.hash_of[after] is None):
+            return after
+        if not reuse and self._fresh and self._fresh[0] == after:
+            return after
+        return None
+
     def free(self, request: Request) -> None:
         """Release every block of a finished, aborted or preempted request."""
         # Tail blocks first, so the end of a prefix is evicted before its beginning.
-        for block in reversed(request.block_ids):
+        self._release(reversed(request.block_ids))
+        request.block_ids = []
+        request.block_copies = []  # not yet sent to the worker: the blocks they filled are free again
+        request.num_registered_blocks = 0
+
+    def _release(self, blocks) -> None:
+        for block in blocks:
             self.ref_count[block] -= 1
             assert self.ref_count[block] >= 0, f"double free of block {block}"
             if self.ref_count[block] == 0:
                 self._free[block] = None
-        request.block_ids = []
-        request.num_registered_blocks = 0
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:

@@ -33,6 +33,7 @@ from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.structured_output.grammars import check_structured_outputs
 from pagoda.frontend.structured_output.manager import GrammarManager
 from pagoda.frontend.tokenizer import load_tokenizer, tokenizer_info
+from pagoda.kernels import policy
 from pagoda.lora.manager import LoRAManager
 from pagoda.lora.request import LoRARequest
 from pagoda.models.source import resolve_model_source
@@ -81,12 +82,17 @@ class LLMEngine:
         if config.device.cuda_graphs:
             self.runner.enable_cuda_graphs()
         cache = config.cache
+        # Copied hits need no per-sequence state (a stateful model's snapshots are kept per block) and pay only
+        # while decode rows are attended in place (a step of at most CPU_KV_VIEW_MAX_ROWS of them).
+        copy_hits = 0 if self.runner.kv_cache_spec().state_bytes_per_seq else cache.copied_prefix_hit_tokens
         self.block_manager = BlockManager(
             self.kv_layout.num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
             keep_free_tokens=cache.freed_block_reserve_tokens,
             prefer_runs=config.device.device == "cpu",
+            copy_hits_max_tokens=copy_hits,
+            copy_hits_below=policy.CPU_KV_VIEW_MAX_ROWS,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, set(self.token_info.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)

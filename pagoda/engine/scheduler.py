@@ -127,6 +127,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         sampling: set[str] = set()  # requests that sample this step
+        copies: list[tuple[int, int]] = []  # prefix hits copied into admitted requests' own blocks
         preempted = False
         self._preempted_for_runner = set()
         exclusive = self.config.micro_batches > 1  # see the module docstring
@@ -205,7 +206,7 @@ class Scheduler:
             if lora and lora not in adapters and len(adapters) >= self.config.max_loras_per_step:
                 skipped.append(self.waiting.popleft())  # max_loras adapters run: later requests may still fit
                 continue
-            hits = self.block_manager.match_prefix(request)
+            hits = self.block_manager.match_prefix(request, running=len(self.running))
             request.num_computed_tokens = hits
             num_new = min(request.num_tokens - hits, budget)
             if request.mm_inputs is not None and encoder.limited:
@@ -218,6 +219,8 @@ class Scheduler:
                 request.num_cached_tokens = hits
                 request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
+            copies.extend(request.block_copies)
+            request.block_copies = []
             if lora:
                 adapters.add(lora)
             if self._by_priority:
@@ -255,7 +258,7 @@ class Scheduler:
         finished, self._finished_for_runner = self._finished_for_runner, set()
         self.stats.num_steps += 1
         return SchedulerOutput(
-            new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling, spec
+            new_requests, cached_requests, num_scheduled, finished, self._preempted_for_runner, sampling, spec, copies
         )
 
     def _note_chunk(self, request: Request, num_new: int) -> None:

@@ -1,4 +1,4 @@
-"""The paged KV cache's tensors: allocated per attention layer, bound to it, zeroed per block.
+"""The paged KV cache's tensors: allocated per attention layer, bound to it, zeroed and copied per block.
 
 Sizing (how many blocks fit) is `worker/memory.py`'s arithmetic; this module only makes the tensors.
 """
@@ -46,6 +46,17 @@ def zero_blocks(caches: KVCaches, blocks: list[int], device: torch.device) -> No
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         k.index_fill_(0, index, 0)
         v.index_fill_(0, index, 0)
+
+
+def copy_blocks(caches: KVCaches, pairs: list[tuple[int, int]], device: torch.device) -> None:
+    """Each (source, destination) block's K and V copied, every layer. All sources are read before any
+    destination is written, so a source that is also another pair's destination gives its old content."""
+    src, dst = (to_device(np.asarray(ids, dtype=np.int64), device) for ids in zip(*pairs))
+    for k, v in caches:
+        if k.element_size() == 1:  # fp8: copied as its bits
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        k.index_copy_(0, dst, k.index_select(0, src))
+        v.index_copy_(0, dst, v.index_select(0, src))
 
 
 def log_fp8_scales(layers: list) -> None:

@@ -38,7 +38,7 @@ from pagoda.outputs import SchedulerOutput, StepOutput
 from pagoda.worker import spec_rows
 from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.graph_runner import GraphRunner, GraphSpec
-from pagoda.worker.kv_cache import allocate_kv_caches, log_fp8_scales, zero_blocks
+from pagoda.worker.kv_cache import allocate_kv_caches, copy_blocks, log_fp8_scales, zero_blocks
 from pagoda.worker.memory import KVCacheLayout, KVCacheSpec, kv_cache_spec
 from pagoda.worker.pending_step import NO_TOKENS, LaunchedStep, PendingStep
 from pagoda.worker.pipeline_link import PipelineLink
@@ -245,7 +245,9 @@ class ModelRunner:
         if self.token_masks is not None:
             for request_id in so.finished_request_ids:
                 self.token_masks.remove(request_id)
-        if fresh and self.backend.needs_zeroed_blocks:
+        if so.block_copies:  # prefix hits given as copies; first: a source may be handed out again as a fresh block
+            copy_blocks(self.kv_caches, so.block_copies, self.device)
+        if fresh and self.backend.needs_zeroed_blocks:  # (never a copy's destination: that holds prefix hits)
             zero_blocks(self.kv_caches, fresh, self.device)
         scheduled = self.requests.scheduled(so)
         if not scheduled:

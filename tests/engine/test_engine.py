@@ -77,6 +77,47 @@ def test_prefix_cache_hits_and_identical_output(tiny_qwen2):
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_copied_prefix_hits_decode_in_place_with_the_shared_hits_tokens(tiny_llama, monkeypatch):
+    """CPU: chats with one system prompt, one after another. Each later chat's hit is followed in the pool by the
+    earlier chat's cached question, so shared it could not continue into a run and every decode step gathered
+    its blocks; copied into a run of its own (`BlockManager.copy_hits_max_tokens`), every decode step attends in
+    place. Same tokens either way, from a pool poisoned with NaN (a copy that misses a slot would show)."""
+    from pagoda.layers.torch_attention import TorchAttentionBackend
+
+    system = _random_prompts(1, 40, 40, seed=3)[0]  # 2 full blocks of 16 + 8 tokens
+    questions = _random_prompts(4, 12, 30, seed=4)
+    prepare = TorchAttentionBackend.prepare
+    steps: list[bool] = []  # per decode-only step: attended in place
+
+    def spy(self, batch):
+        meta = prepare(self, batch)
+        if meta.decode_blocks is not None and not meta.prefill_rows:
+            steps.append(meta.decode_views is not None)
+        return meta
+
+    monkeypatch.setattr(TorchAttentionBackend, "prepare", spy)
+
+    def chats(copy: bool) -> tuple[list[list[int]], int]:
+        llm = LLM(model=tiny_llama, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=64)
+        assert llm.engine.block_manager.copy_hits_max_blocks > 0, "the CPU engine copies short hits by default"
+        if not copy:
+            llm.engine.block_manager.copy_hits_max_blocks = 0
+        for k_cache, v_cache in llm.engine.runner.kv_caches:
+            k_cache[1:].fill_(float("nan"))
+            v_cache[1:].fill_(float("nan"))
+        steps.clear()
+        out = [_tokens(llm.generate([{"prompt_token_ids": system + q}], GREEDY, use_tqdm=False))[0] for q in questions]
+        assert llm.engine.block_manager.prefix_hits == 32 * (len(questions) - 1)
+        llm.engine.block_manager.check_integrity([])
+        return out, sum(steps)
+
+    copied, in_place = chats(copy=True)
+    shared, shared_in_place = chats(copy=False)
+    assert copied == shared
+    assert in_place == len(questions) * (GREEDY.max_tokens - 1), "every decode step in place"
+    assert shared_in_place == GREEDY.max_tokens - 1, "shared, only the first chat's decode was in place"
+
+
 def test_cache_salt_shares_prefix_hits_only_within_a_salt(tiny_qwen2):
     # Two tenants send the same 3-block prefix: a tenant hits only its own blocks (and unsalted requests
     # only unsalted ones); the output is the same either way.

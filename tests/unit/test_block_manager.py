@@ -59,11 +59,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         reuse_first=st.booleans(),
         keep_free=st.integers(0, 6),
         prefer_runs=st.booleans(),
+        copy_hits=st.sampled_from([0, 0, 1, 3, 16]),
+        copy_below=st.sampled_from([1, 3, 100]),
     )
-    def setup(self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free, prefer_runs):
+    def setup(
+        self, num_blocks, block_size, prefix_caching, bases, reuse_first, keep_free, prefer_runs, copy_hits, copy_below
+    ):
         keep_free_tokens = keep_free * block_size if reuse_first else None
         self.bm = BlockManager(
-            num_blocks, block_size, prefix_caching, keep_free_tokens=keep_free_tokens, prefer_runs=prefer_runs
+            num_blocks,
+            block_size,
+            prefix_caching,
+            keep_free_tokens=keep_free_tokens,
+            prefer_runs=prefer_runs,
+            copy_hits_max_tokens=copy_hits * block_size,
+            copy_hits_below=copy_below,
         )
         self.bs = block_size
         self.bases = bases
@@ -87,7 +97,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, r: Request, data) -> None:
         assert not r.block_ids and r.num_computed_tokens == 0
-        hits = self.bm.match_prefix(r)
+        hits = self.bm.match_prefix(r, running=len(self.live))
+        # Copied hits: the worker copies each source block into the request's own before the step writes anything
+        # (here: before any later rule runs). A copy is never shared, and its source stays in the cache.
+        if r.block_copies:
+            assert [d for _, d in r.block_copies] == r.block_ids and len(self.live) < self.bm.copy_hits_below
+            for src, dst in r.block_copies:
+                assert self.bm.hash_of[dst] is None and not self._holders(dst, exclude=r)
+                for offset in range(self.bs):
+                    if (src, offset) in self.content:
+                        self.content[(dst, offset)] = self.content[(src, offset)]
+            r.block_copies = []
         assert hits % self.bs == 0
         assert 0 <= hits <= r.num_tokens - 1, "at least one token must be left to compute"
         if not self.bm.enable_prefix_caching:
@@ -659,3 +679,86 @@ def test_a_cached_block_after_the_run_is_not_evicted_while_fresh_blocks_remain()
     assert bm.allocate(c, 2)  # block 2 would continue the run, but it caches [3, 4]: a fresh block instead
     assert c.block_ids == [1, 3] and bm.hash_of[2] is not None
     bm.check_integrity([c])
+
+
+def _chat_after_another(bm: BlockManager) -> tuple[Request, list[int]]:
+    """A first chat (system prompt + question) computed and finished, then a second chat with the same system
+    prompt: its hit blocks are followed in the pool by the first chat's question, which stays cached."""
+    system = list(range(1, 9))  # two full blocks of 4
+    first = make_request(system + [50, 51, 52, 53, 54, 55])
+    compute_all(bm, first)
+    sources = first.block_ids[:2]
+    bm.free(first)
+    return make_request(system + [60, 61, 62, 63, 64]), sources
+
+
+def test_a_hit_that_cannot_continue_a_run_is_copied_into_one():
+    bm = BlockManager(64, 4, keep_free_tokens=1000, prefer_runs=True, copy_hits_max_tokens=8, copy_hits_below=3)
+    second, sources = _chat_after_another(bm)
+    assert bm.match_prefix(second, running=0) == 8
+    assert [s for s, _ in second.block_copies] == sources
+    assert [d for _, d in second.block_copies] == second.block_ids
+    assert not set(second.block_ids) & set(sources)
+    second.num_computed_tokens = 8
+    assert bm.allocate(second, second.num_tokens - 8)
+    assert _one_run(second.block_ids), second.block_ids
+    assert all(bm.hash_of[s] is not None and bm.ref_count[s] == 0 for s in sources)  # still cached, unheld
+    assert all(bm.hash_of[d] is None for _, d in second.block_copies)  # copies stay private
+    bm.cache_full_blocks(second)
+    assert all(bm.hash_of[d] is None for _, d in second.block_copies)
+    bm.check_integrity([second])
+    third = make_request(list(range(1, 9)) + [70, 71])
+    assert bm.match_prefix(third, running=3) == 8 and third.block_ids == sources  # the cache still holds them
+
+
+@pytest.mark.parametrize(
+    "manager, running",
+    [
+        (dict(copy_hits_max_tokens=8, copy_hits_below=3), 3),  # enough rows run that decode gathers anyway
+        (dict(copy_hits_max_tokens=4, copy_hits_below=3), 0),  # the hit is longer than copies may be
+        (dict(copy_hits_max_tokens=0, copy_hits_below=3), 0),  # copies off
+    ],
+)
+def test_a_hit_is_shared_where_copying_buys_nothing_or_costs_too_much(manager, running):
+    bm = BlockManager(64, 4, keep_free_tokens=1000, prefer_runs=True, **manager)
+    second, sources = _chat_after_another(bm)
+    assert bm.match_prefix(second, running=running) == 8
+    assert second.block_ids == sources and second.block_copies == []
+
+
+def test_a_hit_is_shared_when_the_pool_cannot_hold_its_copy():
+    bm = BlockManager(6, 4, prefer_runs=True, copy_hits_max_tokens=8, copy_hits_below=3)
+    first = make_request(list(range(1, 9)) + [50, 51, 52, 53, 54, 55])
+    compute_all(bm, first)  # 4 blocks of the 5 usable
+    hog = make_request([90, 91, 92, 93])
+    bm.free(first)
+    compute_all(bm, hog)  # takes the one never-used block
+    bm.free(hog)
+    filler = make_request([80, 81, 82, 83, 84])  # 2 blocks: only the 2 cached system blocks stay free
+    compute_all(bm, filler)
+    second = make_request(list(range(1, 9)) + [60])
+    assert bm.match_prefix(second) == 8
+    assert second.block_copies == [] and len(second.block_ids) == 2
+    bm.check_integrity([filler, second])
+
+
+def test_a_next_turn_whose_hit_continues_a_run_is_not_copied():
+    bm = BlockManager(64, 4, keep_free_tokens=1000, prefer_runs=True, copy_hits_max_tokens=64, copy_hits_below=3)
+    turn1 = make_request(list(range(1, 15)))  # 3 full blocks + 2 tokens: the partial block caches nothing
+    compute_all(bm, turn1)
+    blocks = list(turn1.block_ids)
+    bm.free(turn1)
+    turn2 = make_request(list(range(1, 15)) + list(range(50, 60)))
+    assert bm.match_prefix(turn2) == 12
+    assert turn2.block_ids == blocks[:3] and turn2.block_copies == []
+
+
+def test_a_failed_admission_drops_its_copies():
+    bm = BlockManager(64, 4, keep_free_tokens=1000, prefer_runs=True, copy_hits_max_tokens=8, copy_hits_below=3)
+    second, sources = _chat_after_another(bm)
+    free_before = bm.num_free_blocks
+    assert bm.match_prefix(second) == 8 and second.block_copies
+    bm.free(second)
+    assert second.block_copies == [] and second.block_ids == [] and bm.num_free_blocks == free_before
+    assert all(bm.hash_of[s] is not None for s in sources)
+    bm.check_integrity([])

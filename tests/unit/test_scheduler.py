@@ -51,6 +51,20 @@ class FakeRunner:
 
     def execute(self, so: SchedulerOutput, sched: Scheduler) -> StepOutput:
         bs = self.block_size
+        # Copied prefix hits, before the step writes anything; every source is read before any destination is
+        # written (as `kv_cache.copy_blocks` does), and before the step's fresh blocks are wiped: a source may be
+        # handed out again in this very step (the real runner zeroes fresh blocks after the copies too).
+        moved = [{o: self.kv.get((src, o)) for o in range(bs)} for src, _ in so.block_copies]
+        for (_, dst), slots in zip(so.block_copies, moved):
+            for o, content in slots.items():
+                self.kv[(dst, o)] = content
+        fresh = [b for new in so.new_requests for b in new.block_ids[new.num_computed_tokens // bs :]]
+        for cached in so.cached_requests:
+            skip = cached.num_computed_tokens // bs if cached.resumed else 0
+            fresh += cached.new_block_ids[skip:]
+        for block in fresh:
+            for o in range(bs):
+                self.kv.pop((block, o), None)
         for rid in so.finished_request_ids:
             assert rid not in sched.requests, f"{rid} reported finished while still live"
             # Reported once per life: a second report would find no state here.
@@ -140,6 +154,7 @@ class Harness:
         token_fn=None,
         scheduling_policy="fcfs",
         max_encoder_tokens_per_step=None,
+        block_manager=None,
     ):
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -149,7 +164,7 @@ class Harness:
             scheduling_policy=scheduling_policy,
             max_encoder_tokens_per_step=max_encoder_tokens_per_step,
         )
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, **(block_manager or {}))
         self.sched = Scheduler(self.config, self.bm, set(eos))
         self.runner = FakeRunner(block_size, token_fn)
         self.bs = block_size
@@ -348,6 +363,12 @@ def test_random_workloads(seed):
         max_num_batched_tokens=rng.choice([1, 3, 8, 16, 64]),
         prefix_caching=prefix_caching,
         token_fn=lambda s: 7 if rng.random() < 0.7 else 3,
+        # Half the seeds run the CPU's pool: runs preferred, prefix hits copied into them where that pays.
+        block_manager=(
+            dict(prefer_runs=True, copy_hits_max_tokens=rng.choice([bs, 64]), copy_hits_below=rng.choice([1, 3]))
+            if seed % 2
+            else None
+        ),
     )
     bases = [[rng.randint(1, 3) for _ in range(max_prompt)] for _ in range(2)]
     arrivals: dict[int, list[Request]] = {}
