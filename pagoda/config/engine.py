@@ -522,18 +522,9 @@ def _check_parallel(a: EngineArgs, hf_config: dict[str, Any], device: str) -> No
     if device == "cuda":
         import torch  # lazy: torch (pagoda plan and the HTTP tools import config without it)
 
-        visible = torch.cuda.device_count()
-        if visible < n:
-            shown = envs.CUDA_VISIBLE_DEVICES.value
-            where = f"CUDA_VISIBLE_DEVICES={shown}" if shown is not None else "CUDA_VISIBLE_DEVICES is not set"
-            sizes = f"--tensor-parallel-size {a.tensor_parallel_size}"
-            if a.pipeline_parallel_size > 1:
-                sizes += f" x --pipeline-parallel-size {a.pipeline_parallel_size}"
-            raise ConfigError(
-                f"{sizes} needs {n} GPUs but {visible} {'is' if visible == 1 else 'are'} "
-                f"visible ({where}); lower the parallel sizes or expose more GPUs.",
-                "tensor_parallel_size",
-            )
+        gpus = gpu_count_problem(a.tensor_parallel_size, a.pipeline_parallel_size, torch.cuda.device_count())
+        if gpus is not None:
+            raise ConfigError(f"{gpus[0]}; {gpus[1]}.", "tensor_parallel_size")
 
 
 def _resolve_device(device: str) -> str:
@@ -641,3 +632,18 @@ def derived_max_model_len(hf_config: dict[str, Any]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
+
+
+def gpu_count_problem(tensor_parallel_size: int, pipeline_parallel_size: int, visible: int) -> tuple[str, str] | None:
+    """(what is wrong, the fix) when the tp x pp ranks (one GPU each) outnumber the `visible` GPUs, else None:
+    serve's refusal and `pagoda doctor`'s gpus line, in the same words."""
+    n = tensor_parallel_size * pipeline_parallel_size
+    if visible >= n:
+        return None
+    shown = envs.CUDA_VISIBLE_DEVICES.value
+    where = f"CUDA_VISIBLE_DEVICES={shown}" if shown is not None else "CUDA_VISIBLE_DEVICES is not set"
+    sizes = f"--tensor-parallel-size {tensor_parallel_size}"
+    if pipeline_parallel_size > 1:
+        sizes += f" x --pipeline-parallel-size {pipeline_parallel_size}"
+    what = f"{sizes} needs {n} GPUs but {visible} {'is' if visible == 1 else 'are'} visible ({where})"
+    return what, "lower the parallel sizes or expose more GPUs"

@@ -6,6 +6,7 @@ word-level tokenizer with a chat template, then broken one way per test.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -471,3 +472,83 @@ def test_gpu_checks_with_a_simulated_gpu(model_dir, monkeypatch):
     checks = run_checks(model_dir, device="cuda", skip_tokenizer_init=True)
     assert "--device cuda" in line_of(checks, "cuda")
     assert [c.status for c in run_checks(model_dir, skip_tokenizer_init=True) if c.name == "cuda"] == ["warn"]
+
+
+def test_gpus_for_pipeline_stages_are_refused_by_serve_and_doctor_in_the_same_words(model_dir, monkeypatch):
+    """One simulated GPU, -tp 1 -pp 2: serve refuses the 2 ranks (config/engine.py) and doctor's gpus line is
+    that refusal, naming both sizes (not a tensor-parallel size of 2)."""
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.config import engine as engine_config
+    from pagoda.errors import ConfigError
+
+    gib = 1 << 30
+    monkeypatch.setattr(engine_config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (140 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    what = "--tensor-parallel-size 1 x --pipeline-parallel-size 2 needs 2 GPUs but 1 is visible"
+    with pytest.raises(ConfigError) as refusal:
+        EngineConfig.create(EngineArgs(model=model_dir, device="cuda", pipeline_parallel_size=2))
+    assert refusal.value.message == (
+        f"{what} (CUDA_VISIBLE_DEVICES is not set); lower the parallel sizes or expose more GPUs."
+    )
+    assert refusal.value.param == "tensor_parallel_size"
+    # tp x pp, not tp alone: -tp 2 -pp 2 needs 4
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 x --pipeline-parallel-size 2 needs 4 GPUs"):
+        EngineConfig.create(
+            EngineArgs(model=model_dir, device="cuda", tensor_parallel_size=2, pipeline_parallel_size=2)
+        )
+    checks = run_checks(model_dir, device="cuda", pipeline_parallel_size=2, skip_tokenizer_init=True)
+    (gpus,) = [c for c in checks if c.name == "gpus"]
+    assert gpus.status == "FAIL"
+    assert f"{gpus.detail}; {gpus.fix}." == refusal.value.message
+    assert "[FAIL] gpus: " + what in line_of(checks, "gpus")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # enough GPUs: neither refuses
+    assert not [
+        c for c in run_checks(model_dir, pipeline_parallel_size=2, skip_tokenizer_init=True) if c.name == "gpus"
+    ]
+    assert EngineConfig.create(EngineArgs(model=model_dir, device="cuda", pipeline_parallel_size=2)).parallel
+
+
+def test_pipeline_stages_agree_with_plan(model_dir, capsys):
+    """-tp 2 -pp 2 on the tiny Llama: doctor's pipeline line gives each stage's layers, weights and KV per GPU,
+    the very numbers `pagoda plan` gives (in the dtype serve would load: float32 on the CPU, else bfloat16)."""
+    from pagoda.tools.plan import add_plan_args, describe_stage, make_plan, run_plan
+
+    def pp_line(device: str) -> str:
+        checks = run_checks(
+            model_dir, device=device, tensor_parallel_size=2, pipeline_parallel_size=2, skip_tokenizer_init=True
+        )
+        (c,) = [c for c in checks if c.name == "pipeline parallel"]
+        assert c.status == "ok", c
+        return c.detail
+
+    parser = argparse.ArgumentParser()
+    add_plan_args(parser)
+    assert run_plan(parser.parse_args([model_dir, "-tp", "2", "-pp", "2", "--gpu", "h200", "--json"])) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [(st["first_layer"], st["last_layer"]) for st in stages] == [(0, 0), (1, 1)]
+    # Stage 0 holds the embedding, stage 1 the norm and the head (tied: its own copy): per GPU, half of each
+    # (the vocab split 2 ways) plus half of its one layer, in bfloat16.
+    hidden, vocab, inter = 64, 512, 128
+    layer = (hidden * (hidden + 2 * 32) + hidden * hidden + 3 * hidden * inter) // 2 * 2 + 2 * hidden * 2
+    assert stages[0]["weights_bytes_per_gpu"] == vocab * hidden + layer
+    assert stages[1]["weights_bytes_per_gpu"] == vocab * hidden + layer + hidden * 2
+    assert [st["kv_bytes_per_token_per_gpu"] for st in stages] == [2 * 1 * 16 * 2] * 2  # K, V of 1 KV head a GPU
+    gpu = pp_line("cuda")
+    assert gpu.startswith("2 stages of 2 GPUs (bfloat16): ")
+    assert all(f"stage {i}: {describe_stage(st)}" in gpu for i, st in enumerate(stages)), gpu
+    assert "stage 0: layers 0-0, 68.25 KiB of weights and 64 B of KV per token per GPU" in gpu
+    cpu = make_plan(
+        TINY_CONFIGS["llama"], device="cpu", dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2
+    )
+    line = pp_line("cpu")
+    assert line.startswith("2 stages of 2 GPUs (float32): ")
+    assert all(f"stage {i}: {describe_stage(st)}" in line for i, st in enumerate(cpu.stages)), line
+    assert [st["weights_bytes_per_gpu"] for st in cpu.stages] == [2 * st["weights_bytes_per_gpu"] for st in stages]
+    # serve's fast preflight builds no model: the layers alone
+    fast = run_checks(model_dir, fast=True, tensor_parallel_size=2, pipeline_parallel_size=2, skip_tokenizer_init=True)
+    assert "of weights" not in next(c for c in fast if c.name == "pipeline parallel").detail

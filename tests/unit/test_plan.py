@@ -264,3 +264,112 @@ def test_a_model_too_big_for_one_gpu_is_said_not_to_fit_instead_of_a_zero_recomm
     assert "note: the model does not fit on one GPU" in text and "--tp" in text
     assert "lower --max-model-len" not in text  # a shorter context cannot make the weights fit
     assert make_plan(QWEN2VL_72B, memory_bytes_per_gpu=H200, tensor_parallel_size=4).recommended_max_num_seqs
+
+
+def test_serves_spellings_of_the_flags():
+    """`pagoda plan` takes the flags as `pagoda serve` spells them (and its own short --tp / --pp)."""
+    parser = argparse.ArgumentParser()
+    add_plan_args(parser)
+    argv = ["m", "-tp", "2", "-pp", "4", "--cpu-offload-gb", "1.5", "--enable-lora", "--max-loras", "3"]
+    ns = parser.parse_args([*argv, "--max-lora-rank", "32"])
+    assert (ns.tp, ns.pp, ns.cpu_offload_gb, ns.enable_lora, ns.max_loras, ns.max_lora_rank) == (2, 4, 1.5, True, 3, 32)
+    for tp, pp in (["--tensor-parallel-size", "--pipeline-parallel-size"], ["--tp", "--pp"]):
+        assert (lambda ns: (ns.tp, ns.pp))(parser.parse_args(["m", tp, "8", pp, "2"])) == (8, 2)
+    ns = parser.parse_args(["m"])
+    assert (ns.cpu_offload_gb, ns.enable_lora) == (0, False)
+
+
+QWEN2VL_7B_LAYER = 2 * (  # one decoder layer in bfloat16: q, o; k, v (4 KV heads of 128); q/k/v biases; MLP; norms
+    2 * 3584 * 3584 + 2 * 512 * 3584 + (3584 + 2 * 512) + 3 * 3584 * 18944 + 2 * 3584
+)
+
+
+def test_cpu_offload_moves_serves_layers_to_host_memory():
+    """--cpu-offload-gb 4 on one L4: serve moves the fewest whole layers that reach 4 GiB (10 of 0.43 GiB), whose
+    weights then alias two GPU slots of one layer each: the GPU keeps 8 layers' bytes less, and the KV cache
+    grows by them."""
+    l4 = int(GPU_MEMORY_GIB["l4"] * GiB)
+    plain = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=l4)
+    plan = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=l4, cpu_offload_gb=4)
+    assert plan.offloaded_bytes_per_gpu == 10 * QWEN2VL_7B_LAYER
+    assert plain.weights_bytes_per_gpu - plan.weights_bytes_per_gpu == 8 * QWEN2VL_7B_LAYER
+    assert plan.weights_bytes_total == plain.weights_bytes_total
+    per_block = 16 * plan.kv_bytes_per_token_per_gpu
+    assert abs(plan.kv_blocks - plain.kv_blocks - 8 * QWEN2VL_7B_LAYER // per_block) <= 1
+    assert "(4.34 GiB more in host memory: --cpu-offload-gb 4)" in format_plan(plan)
+    # Each pipeline stage offloads from its own 14 layers.
+    staged = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=l4, pipeline_parallel_size=2, cpu_offload_gb=4)
+    assert [st["offloaded_bytes_per_gpu"] for st in staged.stages] == [10 * QWEN2VL_7B_LAYER] * 2
+
+
+def test_cpu_offload_on_the_cpu_is_refused_with_serves_line(tmp_path):
+    from pagoda.config import EngineArgs, EngineConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(YUAN2_2B))
+    with pytest.raises(ConfigError) as serve:
+        EngineConfig.create(EngineArgs(model=str(tmp_path), device="cpu", cpu_offload_gb=4))
+    with pytest.raises(ConfigError) as plan:
+        _run_plan(tmp_path, "--device", "cpu", "--cpu-offload-gb", "4")
+    assert (plan.value.message, plan.value.param) == (serve.value.message, serve.value.param)
+    assert "--cpu-offload-gb" in plan.value.message and "\n" not in plan.value.message
+    with pytest.raises(ConfigError, match="cpu_offload_gb must be >= 0, got -1"):
+        make_plan(YUAN2_2B, memory_bytes_per_gpu=H200, cpu_offload_gb=-1)
+
+
+def test_lora_slots_come_before_the_kv_cache(tmp_path):
+    from pagoda.config.lora import resolve_lora
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2VL_7B))
+    lora = resolve_lora(True, 4, 64, None, "auto")
+    plain = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200)
+    plan = make_plan(QWEN2VL_7B, memory_bytes_per_gpu=H200, lora=lora)
+    # 28 layers: q/k/v (3 parts) and gate/up (2 parts) share their input, o and down do not; A [parts, 4, 64, in],
+    # B [4, out, 64] in bfloat16 (+ small int32 mappings).
+    a = 3 * 3584 + 3584 + 2 * 3584 + 18944
+    b = (3584 + 2 * 512) + 3584 + 2 * 18944 + 3584
+    slots = 28 * 4 * 64 * (a + b) * 2
+    assert slots < plan.lora_bytes_per_gpu < slots + 2**20
+    per_block = 16 * plan.kv_bytes_per_token_per_gpu
+    assert abs(plain.kv_blocks - plan.kv_blocks - plan.lora_bytes_per_gpu // per_block) <= 1
+    assert "LoRA slots: " in format_plan(plan) and plain.lora_bytes_per_gpu == 0
+    with pytest.raises(ConfigError, match=r"max_lora_rank must be in \[1, 512\], got 1000"):
+        _run_plan(tmp_path, "--enable-lora", "--max-lora-rank", "1000")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "yuan2-tiny"])
+def test_lora_slots_equal_the_runners_allocation(fixture, request):
+    """What the runner allocates for --max-loras 3 --max-lora-rank 8 (its LoRAManager's slot tensors, on a
+    tiny random model on the CPU) is what plan counts."""
+    from pagoda import LLM
+    from pagoda.config.lora import resolve_lora
+    from tests.conftest import FIXTURES
+
+    model = request.getfixturevalue(fixture) if fixture == "tiny_llama" else str(FIXTURES / fixture)
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        cpu_kv_cache_space_gib=0.002,
+        max_num_seqs=4,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    )
+    manager = llm.engine.runner.lora
+    held = [t for slots in manager.layers.values() for t in (slots.a, slots.b, slots.bounds)] + [manager.step.meta]
+    cfg = llm.engine.config
+    plan = make_plan(
+        cfg.model.hf_config,
+        device="cpu",
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        cpu_kv_cache_space_gib=cfg.cache.cpu_kv_cache_space_gib,
+        lora=cfg.lora,
+    )
+    assert plan.lora_bytes_per_gpu == sum(t.numel() * t.element_size() for t in held) > 0
+    assert (plan.max_loras, plan.max_lora_rank) == (3, 8) and cfg.lora == resolve_lora(True, 3, 8, None, "auto")
+    # On the CPU the KV budget is its own (--cpu-kv-cache-space-gib): the slots do not shrink it, in plan as in
+    # the engine.
+    assert plan.kv_blocks == llm.engine.kv_layout.num_blocks - 1

@@ -15,7 +15,8 @@ except reading a GGUF header or loading the tokenizer, which serving needs next 
 A check never raises: an unexpected exception becomes a FAIL line for that check.
 
 One module per concern: `check.py` (the `Check` record, the state the checks share), `model_config.py`
-(config.json or the GGUF header, architecture, fields, quantization, vision, tensor parallel), `folder.py`
+(config.json or the GGUF header, architecture, fields, quantization, vision, tensor and pipeline parallel: each
+stage's weights and KV per GPU through `pagoda plan`'s own arithmetic, outside the fast subset), `folder.py`
 (shards against their index through `models.shards`, permissions, safetensors headers, .bin files),
 `checksums.py`, `fit.py` (checkpoint vs model), `tokenizer.py` (tokenizer, special tokens, chat template),
 `machine.py` (CUDA, GPUs, disk, port, /dev/shm), `run.py` (the order), `cli.py` (the report and the flags).

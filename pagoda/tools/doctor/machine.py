@@ -9,6 +9,7 @@ import shutil
 import socket
 
 from pagoda import envs
+from pagoda.config.engine import gpu_count_problem
 from pagoda.tools.doctor.check import Check, State, format_size
 
 _DISK_FACTOR = 1.5
@@ -33,7 +34,8 @@ def check_disk(state: State) -> Check:
     return Check("disk", "ok", f"{format_size(free)} free (weights {format_size(weights)})", None)
 
 
-def check_cuda(state: State, device: str, tp: int, backend: str = "mp") -> list[Check]:
+def check_cuda(state: State, device: str, tp: int, pp: int = 1, backend: str = "mp") -> list[Check]:
+    """CUDA, the GPU count for the tp x pp ranks (one GPU each) and each GPU's free memory, bfloat16."""
     import torch  # lazy: torch (`pagoda` starts without it)
 
     visible = envs.CUDA_VISIBLE_DEVICES.value
@@ -48,26 +50,21 @@ def check_cuda(state: State, device: str, tp: int, backend: str = "mp") -> list[
             return [Check("cuda", "FAIL", detail + ", but --device cuda was asked for", fix)]
         return [Check("cuda", "warn", detail + ": Pagoda will run on the CPU", fix)]
     count = torch.cuda.device_count()
+    ranks = tp * pp
     out = [Check("cuda", "ok", f"torch {torch.__version__}, CUDA {torch.version.cuda}, {count} GPU(s) visible", None)]
-    if tp > count and backend == "ray":
-        out.append(Check("gpus", "ok", f"{count} visible here; Ray places the {tp} ranks on its cluster's GPUs", None))
-    elif tp > count:  # serve's own refusal (config/engine.py)
-        where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES is not set"
+    problem = gpu_count_problem(tp, pp, count)  # serve's own refusal (config/engine.py), in its words
+    if problem is not None and backend == "ray":
         out.append(
-            Check(
-                "gpus",
-                "FAIL",
-                f"--tensor-parallel-size {tp} needs {tp} GPUs but {count} {'is' if count == 1 else 'are'} "
-                f"visible ({where})",
-                "lower --tensor-parallel-size or expose more GPUs (CUDA_VISIBLE_DEVICES)",
-            )
+            Check("gpus", "ok", f"{count} visible here; Ray places the {ranks} ranks on its cluster's GPUs", None)
         )
-    per_gpu = state.weights_bytes / max(tp, 1)
+    elif problem is not None:
+        out.append(Check("gpus", "FAIL", *problem))
+    per_gpu = state.weights_bytes / max(ranks, 1)
     for i in range(count):
         name = torch.cuda.get_device_name(i)
         free, total = torch.cuda.mem_get_info(i)
         detail = f"{name}: {format_size(free)} free of {format_size(total)}"
-        if i < tp and free < per_gpu:
+        if i < ranks and free < per_gpu:
             out.append(
                 Check(
                     f"gpu {i}",

@@ -1,5 +1,6 @@
 """Doctor's checks of the model's config: config.json (or the GGUF header) parses, the architecture is served,
-its fields are consistent, its quantization, vision and preprocessor configs, and the tensor-parallel split."""
+its fields are consistent, its quantization, vision and preprocessor configs, and the tensor- and pipeline-parallel
+splits."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pagoda.tools.doctor.check import (
     read_fix,
     unreadable_reason,
 )
+from pagoda.tools.plan import describe_stage, pipeline_stages
 
 
 def check_config(state: State) -> Check:
@@ -262,15 +264,52 @@ def check_preprocessor(state: State) -> Check:
     )
 
 
-def check_pipeline_parallel(cfg: dict[str, Any], pp: int) -> Check:
-    """`pagoda serve`'s refusal (config/parallel.py), else each stage's decoder layers as serve splits them."""
+def check_pipeline_parallel(
+    state: State, pp: int, tp: int = 1, device: str = "auto", load_format: str = "auto", footprint: bool = True
+) -> Check:
+    """`pagoda serve`'s refusal (config/parallel.py), else each stage's decoder layers as serve splits them and,
+    with `footprint`, each stage's weights and KV per GPU as `pagoda plan` counts them (`plan.pipeline_stages`:
+    the meta-device model, so not in serve's fast preflight)."""
+    cfg = state.hf_config
     error = pipeline_parallel_error(cfg, pp)
     if error is not None:
         return Check("pipeline parallel", "FAIL", error, "pass at most one stage per decoder layer")
     layers = int(text_field(cfg, "num_hidden_layers"))
-    stages = [stage_layer_range(layers, s, pp) for s in range(pp)]
-    detail = "; ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(stages))
-    return Check("pipeline parallel", "ok", f"{pp} stages: {detail} (embedding on stage 0, LM head on {pp - 1})", None)
+    ends = f"(embedding on stage 0, LM head on {pp - 1})"
+    stages = _stage_footprints(state, pp, tp, device, load_format) if footprint else None
+    if stages is None:
+        ranges = [stage_layer_range(layers, s, pp) for s in range(pp)]
+        detail = "; ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
+        return Check("pipeline parallel", "ok", f"{pp} stages: {detail} {ends}", None)
+    dtype, numbers = stages
+    detail = "; ".join(f"stage {s}: {describe_stage(st)}" for s, st in enumerate(numbers))
+    gpus = f"{tp} GPU{'s' if tp > 1 else ''}"
+    return Check("pipeline parallel", "ok", f"{pp} stages of {gpus} ({dtype}): {detail} {ends}", None)
+
+
+def _stage_footprints(
+    state: State, pp: int, tp: int, device: str, load_format: str
+) -> tuple[str, list[dict[str, int]]] | None:
+    """(the dtype serve would load in, `Plan.stages`); None when there are no per-GPU numbers to give (a
+    tensor-parallel size below 1 or a quantized layout serve refuses: their own checks FAIL)."""
+    import torch  # lazy: torch (`pagoda` starts without it)
+
+    if tp < 1:
+        return None
+    cfg, source = state.hf_config, state.source
+    # serve's --dtype auto: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
+    dtype = "float32" if on_cpu else stored if stored in ("float16", "bfloat16") else "bfloat16"
+    try:
+        quantization = resolve_quantization(
+            None, source.location, source.kind, cfg, read_tensor_names=load_format != "dummy"
+        )
+        return dtype, pipeline_stages(
+            cfg, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, quantization=quantization
+        )
+    except PagodaError:
+        return None
 
 
 def check_tensor_parallel(cfg: dict[str, Any], tp: int) -> Check:

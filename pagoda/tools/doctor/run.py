@@ -88,7 +88,12 @@ def run_checks(
         if tensor_parallel_size != 1:
             run("tensor parallel", lambda: check_tensor_parallel(state.hf_config, tensor_parallel_size))
         if pipeline_parallel_size != 1:
-            run("pipeline parallel", lambda: check_pipeline_parallel(state.hf_config, pipeline_parallel_size))
+            run(
+                "pipeline parallel",
+                lambda: check_pipeline_parallel(
+                    state, pipeline_parallel_size, tensor_parallel_size, device, load_format, footprint=not fast
+                ),
+            )
         if load_format == "dummy":
             out.append(Check("shards", "ok", "--load-format dummy: random weights, no checkpoint is read", None))
         else:
@@ -117,8 +122,8 @@ def run_checks(
                 if not fast:
                     run("chat template", lambda: check_chat_template(state, chat_template))
     if not fast:
-        ranks = tensor_parallel_size * pipeline_parallel_size  # one GPU each
-        run("cuda", lambda: check_cuda(state, device, ranks, distributed_executor_backend))
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        run("cuda", lambda: check_cuda(state, device, tp, pp, distributed_executor_backend))
     if port is not None:
         run("port", lambda: check_port(host, port))
     if tensor_parallel_size * pipeline_parallel_size > 1:
