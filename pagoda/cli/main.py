@@ -133,7 +133,8 @@ def _run_offline(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        argv = undot(argv)  # vLLM's `--speculative-config.method x`: answered as --speculative-config
+        # vLLM's `--speculative-config.method x ...`: the keys gathered into one --speculative-config object
+        argv = undot(argv)
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # lazy below: the subcommand's own modules (cli/main.py is the one dispatch)

@@ -12,15 +12,20 @@ Each entry is one feature's reason and its flags, written as `vllm serve --help`
   silently too: `--data-parallel-size 1`, `--swap-space 0`).
 
 Flags `pagoda serve` already has are skipped when the parser is built, so Pagoda implementing one of these needs
-no edit here. vLLM's `--json-flag.key value` spelling is folded onto `--json-flag` (`undot`).
+no edit here. vLLM's `--json-flag.key value` spelling (`undot`): for Pagoda's own JSON-valued flags (`JSON_FLAGS`)
+the keys are gathered into one JSON object, as vLLM's parser does; for the flags here the key is dropped, since
+the flag is refused or ignored by name whatever its value.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 # (reason, flags): each flag's line is "--flag: reason".
 REFUSED: tuple[tuple[str, str], ...] = (
@@ -252,14 +257,86 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(**{flag.dest: None})
 
 
+# Pagoda's own flags whose value is a JSON object (the config fields typed dict; tests/unit/test_vllm_flags.py
+# checks the list against them): vLLM's `--flag.key value` spellings of these are gathered into one object.
+JSON_FLAGS = ("--speculative-config", "--limit-mm-per-prompt", "--mm-processor-kwargs")
+
+# `--flag.key[.key...]` with an optional `=value`: the flag name, its dotted keys, the value.
+_DOTTED = re.compile(r"(--[a-z0-9-]+)((?:\.[A-Za-z0-9_-]+)+)(?:=(.*))?$", re.DOTALL)
+
+
 def undot(argv: Sequence[str]) -> list[str]:
-    """vLLM's `--compilation-config.level 3` / `--speculative-config.method=ngram`: the flag without the key."""
-    names = {f.name for f in FLAGS}
-    out = []
-    for token in argv:
-        m = re.match(r"(--[a-z0-9-]+)\.[A-Za-z0-9_.-]+(=.*)?$", token)
-        out.append(m.group(1) + (m.group(2) or "") if m and m.group(1) in names else token)
+    """vLLM's dotted spelling of JSON-valued flags, as its parser reads it.
+
+    `--speculative-config.method ngram --speculative-config.num_speculative_tokens 4` becomes one
+    `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`, where the first dotted key stood:
+    each value is read as JSON when it parses (4, true, {...}), else kept as a string; `--flag.a.b x` nests
+    ({"a": {"b": "x"}}); a key given twice keeps its last value. A flag given both whole and dotted is refused
+    (exit 2, one line): vLLM's parser would keep only the dotted keys and drop the whole value silently.
+    For vLLM's flags that Pagoda lacks (`FLAGS`) the key is dropped: `--compilation-config.level 3` is
+    `--compilation-config 3`, answered by name."""
+    vllm_names = {f.name for f in FLAGS}
+    out: list[str] = []
+    gathered: dict[str, dict[str, Any]] = {}  # flag -> the object its dotted keys built
+    at: dict[str, int] = {}  # flag -> where in `out` its object goes (its first dotted key's place)
+    whole: set[str] = set()  # JSON flags also given as one value
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":  # positionals only from here
+            out.extend(argv[i - 1 :])
+            break
+        if (name := token.split("=", 1)[0]) in JSON_FLAGS:
+            whole.add(name)
+        m = _DOTTED.match(token)
+        if m is None or m.group(1) not in (*JSON_FLAGS, *vllm_names):
+            out.append(token)
+            continue
+        flag, keys, value = m.group(1), m.group(2)[1:].split("."), m.group(3)
+        if flag in vllm_names:
+            out.append(flag + ("" if value is None else "=" + value))
+            continue
+        if value is None:
+            if i >= len(argv) or argv[i].startswith("--"):
+                _refuse(f"{token}: expected a value ({token} VALUE or {token}=VALUE)")
+            value = argv[i]
+            i += 1
+        if flag not in at:
+            at[flag] = len(out)
+            out.append(flag)  # the placeholder its object replaces
+        _set_key(gathered.setdefault(flag, {}), keys, _json_or_text(value))
+    for flag in at:
+        if flag in whole:
+            _refuse(
+                f"{flag} is given both as one JSON value and as {flag}.KEY: give all its keys one way "
+                f"(vLLM would keep only the {flag}.KEY ones)"
+            )
+    for flag, place in sorted(at.items(), key=lambda item: -item[1]):
+        out[place : place + 1] = [flag, json.dumps(gathered[flag])]
     return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _set_key(obj: dict[str, Any], keys: list[str], value: Any) -> None:
+    """obj[k1][k2]...[kn] = value, making (or replacing a non-object with) the objects between."""
+    for key in keys[:-1]:
+        if not isinstance(obj.get(key), dict):
+            obj[key] = {}
+        obj = obj[key]
+    obj[keys[-1]] = value
+
+
+def _refuse(line: str) -> NoReturn:
+    """A user mistake found before the parser runs: one line and exit 2, as argparse's own errors do."""
+    print(f"pagoda: error: {line}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def vllm_only_flags(ns: argparse.Namespace) -> tuple[list[str], list[str]]:

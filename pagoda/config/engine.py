@@ -407,11 +407,15 @@ def resolve_speculative(a: EngineArgs, hf_config: dict[str, Any], device: str = 
 
 
 def _check_draft_model(draft: str, hf_config: dict[str, Any]) -> None:
-    """A draft model must share the target's vocabulary."""
+    """A draft model must share the target's vocabulary. A draft that cannot be read is named as the draft, so
+    that the line does not read as the target's."""
     param = "speculative_config"
     from pagoda.models.source import resolve_model_source  # lazy: torch (config must import without it)
 
-    draft_config = resolve_model_source(draft).hf_config
+    try:
+        draft_config = resolve_model_source(draft).hf_config
+    except ConfigError as exc:  # ModelLoadError included: the same class, the setting it came from first
+        raise type(exc)(f"--speculative-config draft model: {exc.message}", param) from None
     theirs, ours = _vocab_size(draft_config), _vocab_size(hf_config)
     if theirs != ours:
         raise ConfigError(

@@ -38,6 +38,7 @@ from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.suffix import SuffixProposer
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cuda": 32, "cpu": 2}
+_DEVICE_NAMES = {"cuda": "GPU", "cpu": "CPU"}  # as the startup line names the device whose default applies
 logger = logging.getLogger("pagoda")
 
 
@@ -135,6 +136,15 @@ class Speculator:
         else:
             self.ngram = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
         self.limit = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device]
+        # Said once, at startup: with the CPU's default of 2, speculation stops as soon as a second request runs.
+        where = "" if config.disable_by_batch_size else f"; the {_DEVICE_NAMES.get(device, device)}'s default"
+        logger.info(
+            "Speculative decoding: %s, k=%d: proposals while fewer than %d requests run (disable_by_batch_size%s)",
+            config.method,
+            k,
+            self.limit,
+            where,
+        )
         self.counts = SpecDecodeCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._seen: dict[str, Request] = {}  # suffix: requests that ran, until their output is cached
         self._histories = TokenHistories()  # n-gram and suffix: each proposing request's tokens as one array

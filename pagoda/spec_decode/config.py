@@ -1,12 +1,15 @@
 """`--speculative-config` / `LLM(speculative_config=...)`: vLLM's JSON object, the methods built here.
 
 vLLM's keys are accepted by name; a method or key this engine does not implement is refused in one line that
-names what is supported, never accepted and ignored.
+names what is supported, never accepted and ignored. As in vLLM's SpeculativeConfig, "method" may be left out
+when "model" says it ("ngram" or "[ngram]": prompt lookup; a model: a draft model), "[ngram]" is "ngram", a
+lone n-gram bound is also the other one and both default to 5, and disable_by_batch_size is at least 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +18,12 @@ from pagoda.spec_decode.suffix import SuffixParams
 
 METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's other methods, refused by name (with what is supported) rather than as unknown words.
-KNOWN_ELSEWHERE = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+KNOWN_ELSEWHERE = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "custom_class")
+NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's spellings of prompt lookup, as "method" or as "model"
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _KEYS = {
-    "ngram": _COMMON | {"prompt_lookup_min", "prompt_lookup_max"},
+    "ngram": _COMMON | {"model", "prompt_lookup_min", "prompt_lookup_max"},  # "model": only an NGRAM_NAMES one
     "suffix": _COMMON
     | {
         "suffix_decoding_max_tree_depth",
@@ -57,14 +62,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             ) from None
     if not isinstance(value, dict):
         raise ConfigError('--speculative-config must be a JSON object, e.g. \'{"method": "ngram", ...}\'.', PARAM)
-    method = value.get("method")
-    if method is None:
-        raise ConfigError(f'--speculative-config needs "method" (supported: {", ".join(METHODS)}).', PARAM)
-    if method not in METHODS:
-        known = "vLLM's method " if method in KNOWN_ELSEWHERE else "method "
-        raise ConfigError(
-            f"--speculative-config {known}{method!r} is not supported; supported: {', '.join(METHODS)}.", PARAM
-        )
+    method = _method(value)
     unknown = sorted(set(value) - _KEYS[method])
     if unknown:
         raise ConfigError(
@@ -72,7 +70,14 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"(supported: {', '.join(sorted(_KEYS[method]))}).",
             PARAM,
         )
-    disable = _positive_int(value, "disable_by_batch_size", None)
+    disable = value.get("disable_by_batch_size")
+    if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 2):
+        raise ConfigError(
+            f"--speculative-config disable_by_batch_size {disable!r}: must be an integer of at least 2 (proposals "
+            "are made only while fewer requests than this run, so 1 would never propose); to decode without "
+            "speculation, leave --speculative-config out.",
+            PARAM,
+        )
     if method == "suffix":
         suffix = _suffix_params(value)
         k = _positive_int(value, "num_speculative_tokens", suffix.max_tree_depth)
@@ -90,16 +95,65 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         if value.get("draft_tensor_parallel_size", 1) != 1:
             raise ConfigError("--speculative-config draft_tensor_parallel_size: only 1 is supported.", PARAM)
         return SpeculativeConfig(method, k, 0, 0, disable, draft_model=model)
-    # Our defaults: n-grams of 2 to 5 tokens (one repeated token is weak evidence: on open chat it proposed
-    # 3x the tokens for a third more accepted, benchmarks/spec_decode_cpu.py); a lone bound keeps the other at
-    # its default unless that would cross it (a max of 1 tries 1; a min of 7 tries just 7).
-    given_low = _positive_int(value, "prompt_lookup_min", None)
-    given_high = _positive_int(value, "prompt_lookup_max", None)
-    low = given_low or min(2, given_high or 2)
-    high = given_high or max(5, low)
+    if (model := value.get("model")) is not None and model not in NGRAM_NAMES:
+        raise ConfigError(
+            f'--speculative-config "model" {model!r} with method "ngram": prompt lookup uses no model; '
+            'leave "model" out, or give "method": "draft_model" to draft with it.',
+            PARAM,
+        )
+    # vLLM's rule: a lone bound is both bounds (max 3 alone tries 3-grams only), neither gives 5 and 5.
+    low = _positive_int(value, "prompt_lookup_min", None)
+    high = _positive_int(value, "prompt_lookup_max", None)
+    if low is None and high is None:
+        low = high = DEFAULT_PROMPT_LOOKUP
+    low = low or high
+    high = high or low
+    assert low is not None and high is not None
     if low > high:
         raise ConfigError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high}).", PARAM)
     return SpeculativeConfig(method, k, low, high, disable)
+
+
+def _method(value: dict[str, Any]) -> str:
+    """The method, given or inferred from "model" as vLLM infers it; refused unless built here."""
+    method, model = value.get("method"), value.get("model")
+    if method is None:
+        if model is None:
+            raise ConfigError(
+                f'--speculative-config needs "method" (supported: {", ".join(METHODS)}) or a draft "model".', PARAM
+            )
+        if not isinstance(model, str) or not model:
+            raise ConfigError('--speculative-config "model" must be the draft model\'s folder, hub id or .gguf.', PARAM)
+        if model in NGRAM_NAMES:
+            method = "ngram"
+        elif _is_import_path(model):
+            raise ConfigError(
+                f'--speculative-config "model" {model!r} reads as a Python class (vLLM\'s method "custom_class"), '
+                'which is not supported; for a draft model give "method": "draft_model" or its folder\'s path.',
+                PARAM,
+            )
+        else:
+            method = "draft_model"
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in METHODS:
+        known = "vLLM's method " if method in KNOWN_ELSEWHERE else "method "
+        raise ConfigError(
+            f"--speculative-config {known}{method!r} is not supported; supported: {', '.join(METHODS)}.", PARAM
+        )
+    return str(method)
+
+
+def _is_import_path(model: str) -> bool:
+    """`pkg.module.Class`, as vLLM tells a custom proposer class from a model: dotted identifiers, no "/", and
+    here also no file or folder of that name (a draft `smol.gguf` in the working folder is a model)."""
+    parts = model.split(".")
+    return (
+        "/" not in model
+        and len(parts) >= 2
+        and all(part.isidentifier() for part in parts)
+        and not os.path.exists(model)
+    )
 
 
 def _suffix_params(value: dict[str, Any]) -> SuffixParams:

@@ -134,7 +134,7 @@ def test_rejection_sampling_respects_each_rows_number_of_proposals():
 # ---- the config ----------------------------------------------------------------------------------
 def test_config_parses_vllms_json_and_refuses_what_is_not_built():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
-    assert cfg == SpeculativeConfig("ngram", 4, 2, 3, None)
+    assert cfg == SpeculativeConfig("ngram", 4, 3, 3, None)  # vLLM: a lone bound is both
     assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 1}') == (
         SpeculativeConfig("ngram", 1, 1, 1, None)
     )
@@ -156,6 +156,73 @@ def test_config_parses_vllms_json_and_refuses_what_is_not_built():
     for text, message in refusals.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
             parse_speculative_config(text)
+
+
+def test_method_and_ngram_lengths_follow_vllms_speculative_config():
+    """vLLM infers "method" from "model" ("ngram"/"[ngram]": prompt lookup, any other: a draft model), reads
+    method "[ngram]" as ngram, copies a lone n-gram bound to the other and defaults both to 5."""
+    ngram = {"num_speculative_tokens": 3}
+    assert parse_speculative_config({**ngram, "model": "ngram"}) == SpeculativeConfig("ngram", 3, 5, 5, None)
+    assert parse_speculative_config({**ngram, "model": "[ngram]"}) == SpeculativeConfig("ngram", 3, 5, 5, None)
+    assert parse_speculative_config({**ngram, "method": "[ngram]"}) == SpeculativeConfig("ngram", 3, 5, 5, None)
+    assert parse_speculative_config({**ngram, "method": "ngram", "model": "[ngram]", "prompt_lookup_min": 2}) == (
+        SpeculativeConfig("ngram", 3, 2, 2, None)
+    )
+    assert parse_speculative_config({**ngram, "method": "ngram", "prompt_lookup_max": 4}) == (
+        SpeculativeConfig("ngram", 3, 4, 4, None)
+    )
+    draft = parse_speculative_config({**ngram, "model": "/models/draft"})
+    assert draft == SpeculativeConfig("draft_model", 3, 0, 0, None, draft_model="/models/draft")
+    refusals = {
+        '{"model": "my_pkg.Proposer", "num_speculative_tokens": 3}': "reads as a Python class .vLLM's method",
+        '{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 3}': "prompt lookup uses no model",
+        '{"model": 7, "num_speculative_tokens": 3}': '"model" must be the draft model',
+    }
+    for text, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_speculative_config(text)
+
+
+@pytest.mark.parametrize("limit", [1, 0, -3, True, 2.5])
+def test_a_disable_by_batch_size_below_2_is_refused_naming_the_fix(limit):
+    """1 would accept a config under which no step ever proposes (vLLM refuses < 2 too)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": limit}
+    with pytest.raises(ConfigError, match=r"disable_by_batch_size .*at least 2.*leave --speculative-config out"):
+        parse_speculative_config(spec)
+    assert parse_speculative_config({**spec, "disable_by_batch_size": 2}).disable_by_batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "spec, device, line",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 3},
+            "cpu",
+            "Speculative decoding: ngram, k=3: proposals while fewer than 2 requests run "
+            "(disable_by_batch_size; the CPU's default)",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 4},
+            "cuda",
+            "Speculative decoding: ngram, k=4: proposals while fewer than 32 requests run "
+            "(disable_by_batch_size; the GPU's default)",
+        ),
+        (
+            {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 16},
+            "cpu",
+            "Speculative decoding: suffix, k=8: proposals while fewer than 16 requests run (disable_by_batch_size)",
+        ),
+    ],
+)
+def test_the_limit_in_effect_is_logged_once_at_startup(spec, device, line, caplog):
+    """The CPU's default of 2 turns speculation off as soon as a second request runs: the startup log says so."""
+    import logging
+
+    from pagoda.engine.speculation import Speculator
+
+    with caplog.at_level(logging.INFO, logger="pagoda"):
+        Speculator(parse_speculative_config(spec), device)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Speculative")] == [line]
 
 
 def test_ngram_on_a_long_context_is_fast_enough_to_run_every_step():
@@ -243,7 +310,7 @@ def test_engine_config_refuses_speculation_where_proposals_cannot_be_verified(ti
         EngineConfig.create(args)
     args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, device="cpu")
     config = EngineConfig.create(args)
-    assert config.scheduler.speculative == SpeculativeConfig("ngram", 3, 2, 5, None)
+    assert config.scheduler.speculative == SpeculativeConfig("ngram", 3, 5, 5, None)  # vLLM's default n-grams
     assert not config.scheduler.async_scheduling
 
 
@@ -274,6 +341,20 @@ def test_a_draft_model_needs_a_folder_one_rank_and_the_targets_vocabulary(tiny_l
     spec["model"] = tiny_llama
     config = EngineConfig.create(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec))
     assert config.scheduler.speculative is not None and config.scheduler.speculative.draft_model == tiny_llama
+
+
+def test_a_draft_model_that_cannot_be_read_is_named_as_the_draft(tiny_llama):
+    """The target loads; the draft's missing folder is said to come from --speculative-config, not read as the
+    target's own error."""
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.errors import ModelLoadError
+
+    spec = {"method": "draft_model", "model": "/nonexistent/x", "num_speculative_tokens": 2}
+    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, speculative_config=spec, device="cpu")
+    with pytest.raises(ModelLoadError) as caught:
+        EngineConfig.create(args)
+    assert caught.value.message == "--speculative-config draft model: Model folder '/nonexistent/x' does not exist."
+    assert caught.value.param == "speculative_config"
 
 
 def test_a_draft_on_a_gpu_gets_a_kv_pool_for_the_requests_it_can_be_asked_for(tiny_llama):

@@ -5,14 +5,20 @@ The subprocess check is tests/e2e/test_cli.py's."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 import pytest
 
+from pagoda.cli.args import config_from
 from pagoda.cli.main import build_parser, main
-from pagoda.cli.vllm_flags import FLAGS, vllm_only_flags
-from pagoda.config import EngineConfig
+from pagoda.cli.vllm_flags import FLAGS, JSON_FLAGS, undot, vllm_only_flags
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config.multimodal import MultiModalConfig
+from pagoda.config.server import ServerConfig
 from pagoda.errors import ModelLoadError
+from pagoda.spec_decode.config import parse_speculative_config
 
 
 def _lines(*argv: str) -> tuple[list[str], list[str]]:
@@ -97,3 +103,105 @@ def test_quantization_gguf_loads_a_gguf_and_is_refused_for_a_folder(tiny_llama):
     assert config.model.quantization is None  # dequantized on load, as without the flag
     with pytest.raises(ModelLoadError, match="--quantization gguf needs a .gguf file"):
         EngineConfig.create(model=tiny_llama, quantization="gguf", device="cpu", skip_tokenizer_init=True)
+
+
+# ---- vLLM's dotted spelling of Pagoda's own JSON flags ----------------------------------------------------
+def _serve_ns(*argv: str):
+    return build_parser().parse_args(undot(["serve", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "4"],
+        ["--speculative-config.method=ngram", "--speculative-config.num_speculative_tokens=4"],
+        [
+            "--speculative-config.num_speculative_tokens",
+            "2",
+            "--speculative-config.num_speculative_tokens",
+            "4",
+            "--speculative-config.method",
+            "ngram",
+        ],  # a key given twice: its last value, as vLLM
+    ],
+)
+def test_dotted_keys_of_the_speculative_config_gather_into_one_object(argv):
+    ns = _serve_ns(*argv, "--port", "8001", "/models/x")
+    assert json.loads(ns.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert (ns.port, ns.model_tag) == (8001, "/models/x")  # the other flags and the model as they were
+    assert vllm_only_flags(ns) == ([], [])
+    spec = parse_speculative_config(ns.speculative_config)
+    assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("ngram", 4)
+
+
+def test_dotted_values_are_json_when_they_parse_and_keys_nest():
+    ns = _serve_ns(
+        "--speculative-config.model", "[ngram]",  # not JSON: a string
+        "--speculative-config.num_speculative_tokens", "3",
+        "--speculative-config.a.b", "true",
+        "--speculative-config.a.c", '{"d": [1, 2]}',
+        "--limit-mm-per-prompt.image", "4",
+        "--mm-processor-kwargs.max_pixels=1003520",
+    )  # fmt: skip
+    assert json.loads(ns.speculative_config) == {
+        "model": "[ngram]",
+        "num_speculative_tokens": 3,
+        "a": {"b": True, "c": {"d": [1, 2]}},
+    }
+    multimodal = config_from(ns, MultiModalConfig)
+    assert multimodal.limit_mm_per_prompt == {"image": 4}
+    assert multimodal.mm_processor_kwargs == {"max_pixels": 1003520}
+
+
+def test_the_dotted_form_serves_where_it_exited_2_before(monkeypatch):
+    """`pagoda serve --speculative-config.method ngram ...` reaches the engine's config with that object."""
+    import pagoda.cli.serve as serve_module
+
+    seen = {}
+
+    def stop(ns):
+        seen["spec"] = parse_speculative_config(ns.speculative_config)
+        raise SystemExit(0)  # the flags are answered; nothing is loaded
+
+    monkeypatch.setattr(serve_module, "prepare", stop)
+    argv = ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "4"]
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *argv])
+    assert exited.value.code == 0
+    assert (seen["spec"].method, seen["spec"].num_speculative_tokens) == ("ngram", 4)
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--speculative-config", '{"method": "ngram"}', "--speculative-config.num_speculative_tokens", "4"],
+            "--speculative-config is given both as one JSON value and as --speculative-config.KEY",
+        ),
+        (
+            ["--limit-mm-per-prompt.image", "4", "--limit-mm-per-prompt=image=2"],
+            "--limit-mm-per-prompt is given both as one JSON value and as --limit-mm-per-prompt.KEY",
+        ),
+        (["--speculative-config.method"], "--speculative-config.method: expected a value"),
+    ],
+)
+def test_a_json_flag_given_whole_and_dotted_is_refused_in_one_line(argv, line, capsys):
+    """vLLM's parser would keep only the dotted keys and drop the whole value without a word."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("pagoda: error: " + line), err
+
+
+def test_json_flags_are_the_knobs_that_take_a_json_object():
+    """A new dict-typed knob of `pagoda serve` joins JSON_FLAGS, so that its dotted spelling works too."""
+    knobs = {
+        "--" + f.name.replace("_", "-")
+        for cls in (EngineArgs, ServerConfig, MultiModalConfig)
+        for f in dataclasses.fields(cls)
+        if "help" in f.metadata and "dict" in str(f.type)
+    }
+    assert knobs == set(JSON_FLAGS)
+    parser_flags = set(build_parser()._subparsers._group_actions[0].choices["serve"]._option_string_actions)
+    assert knobs <= parser_flags
