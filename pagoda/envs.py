@@ -187,11 +187,24 @@ GGUF_CONVERSION_CACHE = Env(
 OPENAI_API_KEY = Env(
     "OPENAI_API_KEY", str, None, "the key `pagoda bench` / `pagoda batch` send (before PAGODA_API_KEY)"
 )
-ALLOW_RUNTIME_LORA_UPDATING = Env(
+
+
+@dataclass(frozen=True)
+class _VllmSwitch(Env):
+    """A vLLM switch read as vLLM reads it: on only for "1" or "true" (any case, surrounding spaces ignored),
+    off for anything else (so "yes" or "on" turn nothing on, as they do not in vLLM)."""
+
+    @property
+    def value(self) -> bool:
+        return os.environ.get(self.name, "").strip().lower() in ("1", "true")
+
+
+ALLOW_RUNTIME_LORA_UPDATING = _VllmSwitch(
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     bool,
     False,
-    "vLLM's name for --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    "vLLM's name for --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter; on only "
+    'for "1" or "true" (any case), as in vLLM',
 )
 HTTP_TIMEOUT_KEEP_ALIVE = Env(
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0, "vLLM's name for --timeout-keep-alive's default, in seconds"

@@ -22,6 +22,10 @@ many AddRequests the core has taken from this process (`Outputs.received`); what
 beyond that, plus what `admit` reserved for requests about to be sent, is counted as waiting by
 `--max-waiting-requests` and, once stale, by the waiting gauge (`waiting_estimate`).
 
+Runtime adapters (/v1/load_lora_adapter): `add_lora` sends the core an `AddLoRA` and waits for its `LoRAAdded`,
+so an adapter the core cannot serve (no weights, another base model's shapes) is refused when it is loaded, not
+when a request first names it.
+
 The core's death: a pidfd wakes `_watch_core` the moment the core process exits, and a send never waits
 on a dead core (`_send`): a PUSH to a peer that is gone never completes, and a request stuck there
 would hang until its client gave up.
@@ -42,7 +46,17 @@ import zmq
 import zmq.asyncio
 
 from pagoda.config import EngineConfig
-from pagoda.engine.core_process import AbortRequests, AddRequest, CoreClient, CoreDied, Outputs, Ready, from_wire
+from pagoda.engine.core_process import (
+    AbortRequests,
+    AddLoRA,
+    AddRequest,
+    CoreClient,
+    CoreDied,
+    LoRAAdded,
+    Outputs,
+    Ready,
+    from_wire,
+)
 from pagoda.errors import EngineDead, InvalidRequest, RequestFailed, ShuttingDown
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
 from pagoda.outputs import EngineStats, RequestOutput
@@ -96,6 +110,7 @@ class AsyncEngine:
         self._admissions: weakref.WeakSet[Admission] = weakref.WeakSet()
         self._died = asyncio.Event()
         self._closed: str | None = None  # why new requests are refused (`end_streams`)
+        self._lora_calls: dict[str, asyncio.Future[str | None]] = {}  # AddLoRA call id → the core's answer
 
     def use_tokenizer(self, tokenizer: Any | None) -> None:
         """Detokenize in this process, with this tokenizer (the same one the core loads), every request
@@ -268,6 +283,23 @@ class AsyncEngine:
                 except EngineDead:
                     pass  # nothing left to abort
 
+    async def add_lora(self, lora_request: Any) -> None:
+        """Have the core read and check an adapter (`lora.request.LoRARequest`) now, as vLLM's engine client
+        `add_lora` does: its weights against the model's layers, which only the core holds. InvalidRequest with
+        the core's line when the adapter cannot be served; EngineDead if the core is gone."""
+        if self.is_dead:
+            raise EngineDead(f"The engine is not running: {self.dead_reason}")
+        call_id = uuid.uuid4().hex
+        answer: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = answer
+        try:
+            await self._send(AddLoRA(call_id, lora_request, self._client_index))
+            error = await answer
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if error is not None:
+            raise InvalidRequest(error, "lora_path")
+
     async def _send(self, message: Any) -> None:
         """Send to the core; at once while its pipe has room (the usual case), otherwise wait for room
         or for the core's death, whichever comes first (EngineDead)."""
@@ -293,6 +325,11 @@ class AsyncEngine:
             if isinstance(message, CoreDied):
                 self._mark_dead(f"engine core failed:\n{message.message}")
                 return
+            if isinstance(message, LoRAAdded):
+                answer = self._lora_calls.get(message.call_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(message.error)
+                continue
             if not isinstance(message, Outputs):
                 continue
             self.stats = message.stats
@@ -342,6 +379,9 @@ class AsyncEngine:
         self._died.set()
         for stream in self._streams.values():
             stream.push(EngineDead("The engine stopped while serving this request."))
+        for answer in self._lora_calls.values():
+            if not answer.done():
+                answer.set_exception(EngineDead("The engine stopped while reading this LoRA adapter."))
 
 
 def _alive(pid: int) -> bool:

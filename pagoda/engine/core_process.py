@@ -6,8 +6,8 @@ templates, and detokenization of requests without stop strings (`AddRequest.deto
 process owns the model, the KV cache and the text of requests with stop strings.
 
 Wire protocol (pickled dataclasses over ZMQ PUSH/PULL pipes), the same for N >= 1 API processes:
-  API process i → core (one PULL the core binds): AddRequest | AbortRequests (tagged with i) | Shutdown
-  core → API process i (a PULL it binds): Outputs of the requests it submitted, EngineStats | CoreDied
+  API process i → core (one PULL the core binds): AddRequest | AbortRequests | AddLoRA (tagged with i) | Shutdown
+  core → API process i (a PULL it binds): Outputs of the requests it submitted, EngineStats | LoRAAdded | CoreDied
   core → launcher (control pipe): Ready | StartupFailed (once), CoreDied
 
 A request's outputs go only to the process that submitted it (`AddRequest.client_index`), `EngineStats` to
@@ -74,6 +74,25 @@ class AddRequest:
 class AbortRequests:
     request_ids: list[str]
     client_index: int = 0
+
+
+@dataclass
+class AddLoRA:
+    """Read and check an adapter now (/v1/load_lora_adapter): its weights against the model, as `--lora-modules`
+    ones are at startup. The core answers the sending process with a `LoRAAdded` of the same `call_id`."""
+
+    call_id: str
+    lora_request: Any  # lora.request.LoRARequest
+    client_index: int = 0
+
+
+@dataclass
+class LoRAAdded:
+    """The answer to `AddLoRA`: error is None once the adapter is read (a later request naming it waits for no
+    file), else the line that says what is wrong with it."""
+
+    call_id: str
+    error: str | None = None
 
 
 @dataclass
@@ -459,6 +478,18 @@ def _add(engine, message: AddRequest) -> str | None:
     return None
 
 
+def _add_lora(engine, message: AddLoRA) -> LoRAAdded:
+    """Read the adapter; the answer says why not if it cannot be served (the core carries on either way)."""
+    try:
+        engine.add_lora(message.lora_request)
+    except PagodaError as exc:
+        return LoRAAdded(message.call_id, exc.message)
+    except Exception as exc:  # noqa: BLE001 - a bug reached by this adapter must not end the core
+        logger.exception("LoRA adapter %r could not be read", getattr(message.lora_request, "lora_name", None))
+        return LoRAAdded(message.call_id, f"Internal error while reading the adapter: {type(exc).__name__}.")
+    return LoRAAdded(message.call_id)
+
+
 def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) -> None:
     """Drain inputs → step → send outputs, until Shutdown. Each output goes to the API process that owns its
     request (`clients[index]`), the stats to every process whenever they change (the first process also
@@ -491,6 +522,8 @@ def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) 
                     rejected[message.client_index][message.request_id] = refused
                 else:
                     owners[message.request_id] = message.client_index
+            elif isinstance(message, AddLoRA):
+                clients[message.client_index].send_pyobj(_add_lora(engine, message))
         if engine.has_unfinished_requests():
             if long_step > 0:
                 _busy(long_step)

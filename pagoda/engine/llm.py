@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from pagoda.config import EngineArgs, EngineConfig, MultiModalConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.offline_metrics import Metric, OfflineTotals, metrics_list
-from pagoda.errors import InvalidRequest
+from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
@@ -28,6 +28,15 @@ from pagoda.sampling_params import SamplingParams
 PromptType = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, Any]]
 T = TypeVar("T")
+
+# Why swap_space other than 0 is refused: the same reason `pagoda serve --swap-space` gives (cli/vllm_flags.py's
+# REFUSED; the engine layer cannot import the CLI, and a test keeps the two equal).
+SWAP_SPACE_REASON = (
+    "preempted requests are recomputed, not swapped to host memory (their prompt blocks stay in the prefix "
+    "cache while free, so a resumed request re-reads them): there is no swap space to size"
+)
+# vLLM's `LLM(...)` keywords that are not engine knobs here: read by `LLM.__init__` itself.
+_LLM_ONLY_KNOBS = ("disable_log_stats", "swap_space")
 
 
 def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -41,13 +50,16 @@ def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def _knobs_by_config(owner: str, kwargs: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
+def _knobs_by_config(
+    owner: str, kwargs: dict[str, Any], *classes: type, also: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """`kwargs` split by the config dataclass whose field each one is; an unknown keyword is a TypeError
-    that names it (with the closest knob) and lists the valid ones."""
+    that names it (with the closest knob) and lists the valid ones (`also`: valid ones the caller reads itself,
+    left out of the split)."""
     names = [[f.name for f in dataclasses.fields(cls)] for cls in classes]
-    unknown = [key for key in kwargs if not any(key in group for group in names)]
+    unknown = [key for key in kwargs if key not in also and not any(key in group for group in names)]
     if unknown:
-        valid = sorted(name for group in names for name in group)
+        valid = sorted([*also, *(name for group in names for name in group)])
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(
@@ -56,14 +68,27 @@ def _knobs_by_config(owner: str, kwargs: dict[str, Any], *classes: type) -> list
     return [{key: value for key, value in kwargs.items() if key in group} for group in names]
 
 
+def _check_llm_only_knobs(kwargs: dict[str, Any]) -> None:
+    """vLLM's `disable_log_stats` and `swap_space`, checked before anything loads."""
+    disable_log_stats = kwargs.get("disable_log_stats", True)
+    if not isinstance(disable_log_stats, bool):
+        raise ConfigError(f"disable_log_stats must be True or False, got {disable_log_stats!r}.", "disable_log_stats")
+    swap_space = kwargs.get("swap_space", 0)
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or swap_space != 0:
+        raise ConfigError(f"swap_space={swap_space!r}: {SWAP_SPACE_REASON}; leave it out or pass 0.", "swap_space")
+
+
 class LLM:
     """`LLM(model, **knobs)`: every keyword is a field of `config.EngineArgs` (the engine: dtype, max_model_len,
     num_gpu_blocks_override...) or of `config.MultiModalConfig` (images/videos: limit_mm_per_prompt,
     mm_processor_kwargs, allowed_local_media_path, allow_private_media_urls), with the same meaning and default
-    as the `--flag` of that name. A bad value raises ConfigError naming the knob; an unknown keyword, TypeError."""
+    as the `--flag` of that name. A bad value raises ConfigError naming the knob; an unknown keyword, TypeError.
+    Two of vLLM's keywords are read here: `disable_log_stats` (accepted either way: `get_metrics()` always counts)
+    and `swap_space` (0 only: nothing is swapped, see SWAP_SPACE_REASON)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
-        engine_kwargs, mm_kwargs = _knobs_by_config("LLM()", kwargs, EngineArgs, MultiModalConfig)
+        engine_kwargs, mm_kwargs = _knobs_by_config("LLM()", kwargs, EngineArgs, MultiModalConfig, also=_LLM_ONLY_KNOBS)
+        _check_llm_only_knobs(kwargs)
         self.mm_config = MultiModalConfig(**mm_kwargs)  # cheap checks first, before the model is read
         self.config = EngineConfig.create(EngineArgs(model=model, **engine_kwargs))
         self.engine = LLMEngine(self.config)
@@ -80,7 +105,8 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """As vLLM's: the engine's counters and gauges under their `vllm:` names (`engine/offline_metrics.py`);
-        with speculative decoding, its drafts, draft tokens and accepted tokens (per position a `Vector`)."""
+        with speculative decoding, its drafts, draft tokens and accepted tokens (per position a `Vector`). Counted
+        whatever `disable_log_stats` says (vLLM's, whose default is True, has nothing to return without False)."""
         return metrics_list(self.engine.stats(), self._totals, self.config.model.model)
 
     def reset_prefix_cache(self) -> bool:
@@ -128,24 +154,31 @@ class LLM:
             raise InvalidRequest(
                 f"Got {len(loras)} LoRA requests for {len(batch)} prompts; pass one, or one per prompt.", "lora_request"
             )
-        ids = []
-        for prompt, params, rank, lora in zip(batch, params_list, priorities, loras):
-            text, token_ids, mm_inputs = self._parse_prompt(prompt)
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            if salt is not None and (not isinstance(salt, str) or not salt):
-                raise InvalidRequest("cache_salt must be a non-empty string.", "cache_salt")
-            request_id = str(next(self._ids))
-            self.engine.add_request(
-                request_id,
-                token_ids,
-                params,
-                prompt=text,
-                mm_inputs=mm_inputs,
-                cache_salt=salt,
-                priority=rank,
-                lora_request=lora,
-            )
-            ids.append(request_id)
+        ids: list[str] = []
+        try:
+            for prompt, params, rank, lora in zip(batch, params_list, priorities, loras):
+                text, token_ids, mm_inputs = self._parse_prompt(prompt)
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                if salt is not None and (not isinstance(salt, str) or not salt):
+                    raise InvalidRequest("cache_salt must be a non-empty string.", "cache_salt")
+                request_id = str(next(self._ids))
+                self.engine.add_request(
+                    request_id,
+                    token_ids,
+                    params,
+                    prompt=text,
+                    mm_inputs=mm_inputs,
+                    cache_salt=salt,
+                    priority=rank,
+                    lora_request=lora,
+                )
+                ids.append(request_id)
+        except BaseException:
+            # A prompt refused part-way (a bad adapter, a bad prompt): the ones queued before it would otherwise
+            # run with the next generate() and come back there. All or nothing, as in vLLM.
+            if ids:
+                self.engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -153,12 +186,19 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Chat with OpenAI-style messages; content parts may carry images/videos (image_url with data:,
-        http(s) or file:// urls, or Qwen's {"type": "image", ...}) on a vision-language model."""
+        http(s) or file:// urls, or Qwen's {"type": "image", ...}) on a vision-language model. `lora_request`: as
+        `generate`'s (one adapter for every conversation, or one per conversation).
+
+        The first five parameters are vLLM's, in its order. vLLM's sixth (chat_template_content_format) and
+        some after it are not implemented here, so the rest are keyword-only: a positional call meant for vLLM's
+        signature fails with a TypeError rather than binding a value to the wrong parameter."""
         if messages and isinstance(messages[0], dict):
             conversations = [cast(Conversation, messages)]
         else:
@@ -180,7 +220,7 @@ class LLM:
                 )
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids, "_mm_inputs": mm_inputs})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if params is None:

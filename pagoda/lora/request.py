@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda.errors import ConfigError, InvalidRequest
 
@@ -11,11 +11,15 @@ from pagoda.errors import ConfigError, InvalidRequest
 @dataclass(frozen=True)
 class LoRARequest:
     """lora_name: what the API calls it (a request's `model`); lora_int_id: a positive integer unique per adapter
-    (0 is the base model); lora_path: a PEFT folder."""
+    (0 is the base model); lora_path: a PEFT folder; base_model_name: the name /v1/models gives as its parent (None:
+    the first served name). vLLM has two fields between lora_path and base_model_name that Pagoda does not, so
+    base_model_name is keyword-only: a positional call never binds it in their place. It is a label, not part of
+    the adapter: it takes no part in equality (the engine tells adapters apart by id and folder)."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    base_model_name: str | None = field(default=None, kw_only=True, compare=False)
 
     def __post_init__(self) -> None:
         if not self.lora_name:
@@ -27,6 +31,11 @@ class LoRARequest:
             )
         if not self.lora_path:
             raise InvalidRequest(f"LoRA adapter {self.lora_name!r} needs lora_path (a PEFT folder).", "lora_request")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise InvalidRequest(
+                f"LoRA adapter {self.lora_name!r}: base_model_name must be a string, got {self.base_model_name!r}.",
+                "lora_request",
+            )
 
     @property
     def adapter_id(self) -> int:
@@ -42,23 +51,33 @@ class LoRARequest:
 
 
 def parse_lora_modules(items: tuple[str, ...] | list[str] | None) -> dict[str, LoRARequest]:
-    """`--lora-modules` as vLLM spells it: `name=path` or `{"name": ..., "path": ...}` (its `base_model_name` is
-    accepted; the base is this server's model). Ids are 1, 2, ... in the order given."""
+    """`--lora-modules` as vLLM spells it: `name=path` or `{"name": ..., "path": ..., "base_model_name": ...}` (the
+    optional `base_model_name` is the adapter's parent in /v1/models, as in vLLM; the adapter always runs on this
+    server's model). Ids are 1, 2, ... in the order given."""
     modules: dict[str, LoRARequest] = {}
     for item in items or ():
+        base_model_name = None
         if item.lstrip().startswith("{"):
             try:
                 spec = json.loads(item)
                 name, path = spec["name"], spec["path"]
+                base_model_name = spec.get("base_model_name")
             except (ValueError, KeyError, TypeError):
                 raise ConfigError(
                     f'--lora-modules {item!r}: expected name=path or {{"name": ..., "path": ...}}', "lora_modules"
                 ) from None
+            if not all(isinstance(v, str) and v for v in (name, path)) or not (
+                base_model_name is None or isinstance(base_model_name, str)
+            ):
+                raise ConfigError(
+                    f"--lora-modules {item!r}: name and path must be non-empty strings, base_model_name a string",
+                    "lora_modules",
+                )
         else:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise ConfigError(f"--lora-modules {item!r}: expected name=path", "lora_modules")
         if name in modules:
             raise ConfigError(f"--lora-modules names {name!r} twice", "lora_modules")
-        modules[name] = LoRARequest(name, len(modules) + 1, path)
+        modules[name] = LoRARequest(name, len(modules) + 1, path, base_model_name=base_model_name or None)
     return modules

@@ -77,6 +77,13 @@ class ApiSetup:
         self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
         if self.loras and config.lora is None:
             raise ConfigError("--lora-modules needs --enable-lora", "lora_modules")
+        for name in self.loras:  # a request's `model` must say which one it means
+            if name in self.names:
+                raise ConfigError(
+                    f"--lora-modules {name}: the adapter's name is also a served model name "
+                    f"({', '.join(self.names)}); give the adapter another name (or change --served-model-name)",
+                    "lora_modules",
+                )
         self.runtime_lora = server.allow_runtime_lora_updating or envs.ALLOW_RUNTIME_LORA_UPDATING.value
         if self.runtime_lora and (config.lora is None or server.api_server_count > 1):
             raise ConfigError(

@@ -77,16 +77,23 @@ async def models(request: Request) -> p.ModelList:
         p.ModelCard(id=name, created=created, root=base, max_model_len=ctx.max_model_len)
         for name in ctx.served_model_names
     ]
-    cards += [  # LoRA adapters, as vLLM lists them: their folder as root, the base model as parent
-        p.ModelCard(id=name, created=created, root=lora.lora_path, parent=base, max_model_len=ctx.max_model_len)
+    cards += [  # LoRA adapters, as vLLM lists them: their folder as root, as parent their base_model_name if
+        # one was given (--lora-modules' JSON form), else the first served name
+        p.ModelCard(
+            id=name,
+            created=created,
+            root=lora.lora_path,
+            parent=lora.base_model_name or base,
+            max_model_len=ctx.max_model_len,
+        )
         for name, lora in ctx.lora_modules.items()
     ]
     return p.ModelList(data=cards)
 
 
-@router.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404))
+@router.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request) -> Response:
-    return Response(_serving(request).load_lora(body.lora_name, body.lora_path), media_type="text/plain")
+    return Response(await _serving(request).load_lora(body.lora_name, body.lora_path), media_type="text/plain")
 
 
 @router.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))

@@ -100,6 +100,7 @@ class OpenAIServing:
         self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
         # The next runtime adapter's id: past --lora-modules', never an unloaded adapter's again.
         self._next_lora_id = max((lora.lora_int_id for lora in ctx.lora_modules.values()), default=0) + 1
+        self._loading_loras: set[str] = set()  # runtime loads the core has not answered yet
 
     # ---- shared checks ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -109,16 +110,30 @@ class OpenAIServing:
             raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: {served}.", "model")
 
     # ---- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----------
-    def load_lora(self, name: str, path: str) -> str:
-        """Serve a PEFT folder under `name` from now on: its folder and config checked now, its weights when a
-        request first names it (as --lora-modules). Ids are never reused."""
+    async def load_lora(self, name: str, path: str) -> str:
+        """Serve a PEFT folder under `name` from now on. Its folder and config are checked here, then the engine
+        core reads its weights and checks them against the model (as it does --lora-modules at startup): an
+        adapter it cannot serve is a 400 naming why, and is not listed. Ids are never reused."""
         ctx = self._runtime_lora()
-        if name in ctx.lora_modules or name in ctx.served_model_names:
+        if name in ctx.served_model_names:
+            raise InvalidRequest(
+                f"The lora adapter name '{_clip(name)}' is a served model name; load it under another name.",
+                "lora_name",
+            )
+        if name in ctx.lora_modules or name in self._loading_loras:
             raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, self._next_lora_id, path)
         check_adapter_folder(lora, ctx.max_lora_rank)
-        ctx.lora_modules[name] = lora
+        # The id is taken before the core is asked (a concurrent load gets the next one), and the name is held
+        # until it answers (a concurrent load of the same name is refused, not listed twice).
         self._next_lora_id = lora.lora_int_id + 1
+        self._loading_loras.add(name)
+        try:
+            await ctx.engine.add_lora(lora)
+        finally:
+            self._loading_loras.discard(name)
+        ctx.lora_modules[name] = lora
+        logger.info("Loaded LoRA adapter: name %r, path %r", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload_lora(self, name: str, lora_id: int | None) -> str:

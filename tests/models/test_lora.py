@@ -263,6 +263,55 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
         )
 
 
+def test_a_prompt_refused_part_way_leaves_nothing_queued(lora_setup, tmp_path):
+    """The third prompt's adapter is refused: the two queued before it are aborted (as in vLLM), so they neither
+    run with the next generate() nor come back from it."""
+    base, adapters, refs = lora_setup
+    llm = _llm(base, max_loras=2)
+    good = LoRARequest("attn", 1, adapters["attn"])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    bad = LoRARequest("nowhere", 2, str(tmp_path / "nowhere"))
+    with pytest.raises(InvalidRequest, match="no such folder"):
+        llm.generate(prompts, _params(), use_tqdm=False, lora_request=[good, good, bad])
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequest, match="'prompt' or 'prompt_token_ids'"):  # a bad prompt the same way
+        llm.generate([prompts[0], {"text": "x"}], _params(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate(prompts[:1], _params(), use_tqdm=False)
+    _check(outputs, refs[None][:1])
+
+
+def test_chat_takes_vllms_lora_request_in_vllms_place(lora_setup, tmp_path):
+    """vLLM's chat(messages, sampling_params, use_tqdm, lora_request, chat_template, ...): the adapter given
+    fourth runs the chat (PEFT's merged model gives the same tokens); a list gives one per conversation. vLLM's
+    sixth parameter is one Pagoda does not have: from there on only keywords are taken."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base, adapters, refs = lora_setup
+    folder = str(tmp_path / "with_tokenizer")
+    shutil.copytree(base, folder)
+    words = ["<unk>", "<s>", "</s>", "user", "assistant", "hello", "world"] + [f"w{i}" for i in range(10)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    # Every piece a known word: an unknown one is id 0, which PEFT's reference generate takes for padding.
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}assistant"
+    tokenizer.save_pretrained(folder)
+    llm = LLM(folder, dtype="float32", enable_lora=True, max_lora_rank=16, num_gpu_blocks_override=256)
+    sql = LoRARequest("attn", 1, adapters["attn"])
+    chats = [[{"role": "user", "content": "hello world w1 w2"}], [{"role": "user", "content": "w3 w4 hello"}]]
+    (one,) = llm.chat(chats[0], _params(), False, sql)
+    assert 0 not in one.prompt_token_ids
+    _check([one], _reference(base, adapters["attn"], [one.prompt_token_ids]))
+    assert one.outputs[0].token_ids != _reference(base, None, [one.prompt_token_ids])[0][0]  # the adapter ran
+    both = llm.chat(chats, _params(), False, [None, sql], None, add_generation_prompt=True)
+    _check(both[:1], _reference(base, None, [both[0].prompt_token_ids]))
+    _check(both[1:], _reference(base, adapters["attn"], [both[1].prompt_token_ids]))
+    with pytest.raises(TypeError):
+        llm.chat(chats[0], _params(), False, sql, None, "string")  # type: ignore[misc]
+
+
 def test_qwen2_with_biased_qkv_equals_peft_merged(tmp_path):
     """Qwen2's q/k/v carry biases: the adapter adds to the biased projection, the fused parts stay aligned."""
     base = build_tiny_model("qwen2", str(tmp_path / "base"))

@@ -1,9 +1,12 @@
-"""`--lora-modules` as vLLM spells it, and `LoRARequest`'s checks."""
+"""`--lora-modules` as vLLM spells it (its JSON form's `base_model_name` too), `LoRARequest`'s checks and vLLM's
+fields, an adapter named like a served model refused at startup, and `VLLM_ALLOW_RUNTIME_LORA_UPDATING` read as
+vLLM reads it."""
 
 from __future__ import annotations
 
 import pytest
 
+from pagoda import envs
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.lora.request import LoRARequest, parse_lora_modules
 
@@ -11,6 +14,7 @@ from pagoda.lora.request import LoRARequest, parse_lora_modules
 def test_both_spellings_in_order_with_ids_from_one():
     modules = parse_lora_modules(["sql=/a/sql", '{"name": "chat", "path": "/b/chat", "base_model_name": "x"}'])
     assert modules == {"sql": LoRARequest("sql", 1, "/a/sql"), "chat": LoRARequest("chat", 2, "/b/chat")}
+    assert modules["chat"].base_model_name == "x" and modules["sql"].base_model_name is None
     assert parse_lora_modules(None) == {} and parse_lora_modules(()) == {}
 
 
@@ -23,6 +27,8 @@ def test_both_spellings_in_order_with_ids_from_one():
         (['{"name": "x"}'], "expected name=path or"),
         (["{not json"], "expected name=path or"),
         (["a=/x", "a=/y"], "names 'a' twice"),
+        (['{"name": "", "path": "/x"}'], "must be non-empty strings"),
+        (['{"name": "a", "path": "/x", "base_model_name": 3}'], "base_model_name a string"),
     ],
 )
 def test_bad_modules_are_one_line(items, message):
@@ -40,3 +46,42 @@ def test_a_lora_request_needs_a_name_a_positive_id_and_a_path():
         with pytest.raises(InvalidRequest, match=message):
             LoRARequest(*args)
     assert LoRARequest("a", 3, "/p").adapter_id == 3
+
+
+def test_vllms_base_model_name_field_is_keyword_only_and_a_label():
+    lora = LoRARequest("a", 1, "/p", base_model_name="org/base")
+    assert lora.base_model_name == "org/base"
+    assert lora == LoRARequest("a", 1, "/p") and hash(lora) == hash(LoRARequest("a", 1, "/p"))
+    with pytest.raises(TypeError):  # vLLM's 4th positional field is lora_local_path, which Pagoda has not
+        LoRARequest("a", 1, "/p", "org/base")  # type: ignore[misc]
+    with pytest.raises(InvalidRequest, match="base_model_name must be a string"):
+        LoRARequest("a", 1, "/p", base_model_name=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("raw", "on"),
+    [("1", True), ("true", True), ("True", True), (" TRUE ", True), ("0", False), ("false", False)]
+    + [("yes", False), ("on", False), ("2", False), ("", False)],
+)
+def test_runtime_lora_updating_is_on_only_for_1_or_true(monkeypatch, raw, on):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raw)
+    assert envs.ALLOW_RUNTIME_LORA_UPDATING.value is on
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    assert envs.ALLOW_RUNTIME_LORA_UPDATING.value is False
+
+
+@pytest.mark.parametrize("served", [None, ("chat", "tiny")])
+def test_an_adapter_named_like_a_served_model_stops_the_start_in_one_line(tiny_llama, served):
+    from pagoda.config import EngineConfig
+    from pagoda.config.multimodal import MultiModalConfig
+    from pagoda.config.server import ServerConfig
+    from pagoda.server.api_process import ApiSetup
+
+    config = EngineConfig.create(model=tiny_llama, device="cpu", skip_tokenizer_init=True, enable_lora=True)
+    name = "tiny" if served else tiny_llama  # without --served-model-name the model is served as typed
+    server = ServerConfig(lora_modules=("ok=/a", f"{name}=/b"), served_model_name=served)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as info:
+        ApiSetup(server, config, MultiModalConfig(), check=False)
+    message = info.value.message
+    assert message.startswith(f"--lora-modules {name}: the adapter's name is also a served model name")
+    assert "give the adapter another name" in message and "\n" not in message
