@@ -626,10 +626,18 @@ def ratio_table(rows: list[dict]) -> str:
     """Markdown: Pagoda / vLLM per workload and point, where both were measured by vLLM's client (the latest
     row of each); rows of `pagoda bench` are in the JSON beside them."""
     by = {(r["workload"], r["system"], r.get("variant", ""), _point_key(r)): r for r in rows if r["client"] == "vllm"}
+    latencies = {  # column label -> vLLM's key
+        "TTFT p50": "median_ttft_ms",
+        "TTFT p95": "p95_ttft_ms",
+        "TPOT p50": "median_tpot_ms",
+        "TPOT p95": "p95_tpot_ms",
+        "ITL p50": "median_itl_ms",
+        "ITL p95": "p95_itl_ms",
+        "E2E p50": "median_e2el_ms",
+    }
     lines = [
-        "| workload | point | throughput P / V | ratio | TTFT p50 P / V ms | TTFT p95 P / V ms "
-        "| TPOT p95 P / V ms | ITL p95 P / V ms |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | point | throughput P / V | ratio | " + " | ".join(f"{x} P / V ms" for x in latencies) + " |",
+        "| --- | --- | ---: | ---: |" + " ---: |" * len(latencies),
     ]
 
     def pair(p: dict, v: dict, key: str) -> str:
@@ -645,10 +653,8 @@ def ratio_table(rows: list[dict]) -> str:
         key = "request_throughput" if workload.startswith("image") or "request_rate" in p else "output_throughput"
         ratio = p[key] / v[key] if p.get(key) and v.get(key) else float("nan")
         label = point + (f" ({variant})" if variant else "")
-        lines.append(
-            f"| {workload} | {label} | {pair(p, v, key)} | {ratio:.2f}x | {pair(p, v, 'median_ttft_ms')} | "
-            f"{pair(p, v, 'p95_ttft_ms')} | {pair(p, v, 'p95_tpot_ms')} | {pair(p, v, 'p95_itl_ms')} |"
-        )
+        cells = [pair(p, v, key), f"{ratio:.2f}x"] + [pair(p, v, k) for k in latencies.values()]
+        lines.append(f"| {workload} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

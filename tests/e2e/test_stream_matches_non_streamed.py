@@ -111,3 +111,18 @@ def test_streamed_chat_matches_non_streamed(http: httpx.Client, extra: dict[str,
         assert reasons[i] == (choice["finish_reason"], choice.get("stop_reason"))
         if choice["logprobs"] is not None:
             assert tokens[i] == [e["token"] for e in choice["logprobs"]["content"]]
+
+
+def test_a_streamed_chat_sends_one_event_per_token(http: httpx.Client) -> None:
+    """Byte-level BPE (the embedded model's tokenizer): every sampled token reaches the client in its own event,
+    never held back to ride with the next one's text, so the time between events is the time between tokens."""
+    body = {"model": MODEL, "messages": CAPITAL_QUESTION, "temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    expected, events = _whole_then_streamed(http, "/v1/chat/completions", body)
+    role, *chunks, usage = events
+    tokens = usage["usage"]["completion_tokens"]
+    assert tokens == expected["usage"]["completion_tokens"] == 24
+    carrying = [c for c in chunks if c["choices"] and c["choices"][0]["delta"]["content"] is not None]
+    assert len(carrying) == tokens, [c["choices"][0]["delta"]["content"] for c in carrying]
+    assert (
+        "".join(c["choices"][0]["delta"]["content"] for c in carrying) == expected["choices"][0]["message"]["content"]
+    )

@@ -1,0 +1,64 @@
+"""`benchmarks/vs_vllm.py`'s pooling of vLLM-client records and its ratio table, on synthetic per-request records
+whose figures are worked out by hand here (no vLLM, no server)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import vs_vllm  # noqa: E402  (a benchmark script, imported for its pure functions)
+
+
+def _records(ttft: float, gap: float, starts: list[float], tokens: int = 5) -> dict:
+    """Client records of requests that each wait `ttft`, then stream tokens `gap` seconds apart."""
+    n = len(starts)
+    return {
+        "start_times": starts,
+        "ttfts": [ttft] * n,
+        "itls": [[gap] * (tokens - 1)] * n,
+        "output_lens": [tokens] * n,
+        "failed": 0,
+        "errors": [],
+    }
+
+
+def test_pool_takes_vllms_definitions_over_every_client_process():
+    # Two client processes, two requests each, 5 tokens: TTFT 0.1 s, then 4 gaps of 0.02 s -> E2E 0.18 s.
+    row = vs_vllm.pool([_records(0.1, 0.02, [0.0, 0.5]), _records(0.1, 0.02, [0.2, 1.0])])
+    assert row["completed"] == 4 and row["failed"] == 0
+    assert row["duration_s"] == pytest.approx(1.18)  # first start 0.0, last end 1.0 + 0.18
+    assert row["request_throughput"] == pytest.approx(4 / 1.18, abs=1e-3)
+    assert row["output_throughput"] == pytest.approx(20 / 1.18, abs=0.1)
+    assert row["median_ttft_ms"] == pytest.approx(100.0)
+    assert row["median_tpot_ms"] == pytest.approx(20.0) and row["median_itl_ms"] == pytest.approx(20.0)
+    assert row["median_e2el_ms"] == pytest.approx(180.0)
+
+
+def test_the_ratio_table_pairs_each_pagoda_row_with_vllms_and_shows_every_latency():
+    base = {"client": "vllm", "concurrency": 16, "point": "c16"}
+    pagoda = {"workload": "text", "system": "pagoda", **base, "output_throughput": 300.0}
+    vllm = {"workload": "text", "system": "vllm", **base, "output_throughput": 200.0}
+    for i, key in enumerate(["median_ttft_ms", "p95_ttft_ms", "median_tpot_ms", "p95_tpot_ms", "median_itl_ms"]):
+        pagoda[key], vllm[key] = 10.0 + i, 20.0 + i
+    pagoda["p95_itl_ms"], vllm["p95_itl_ms"] = 7.0, 8.0
+    pagoda["median_e2el_ms"], vllm["median_e2el_ms"] = 900.0, 1200.0
+    ours = {**pagoda, "client": "pagoda", "output_throughput": 1.0}  # `pagoda bench`'s row: not in the table
+    table = vs_vllm.ratio_table([pagoda, vllm, ours]).splitlines()
+    header, _, line = table
+    assert [c.strip() for c in header.strip("|").split("|")][4:] == [
+        f"{x} P / V ms" for x in ("TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "ITL p50", "ITL p95", "E2E p50")
+    ]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:4] == ["text", "c16", "300.0 / 200.0", "1.50x"]
+    assert cells[4:] == [
+        "10.0 / 20.0",
+        "11.0 / 21.0",
+        "12.0 / 22.0",
+        "13.0 / 23.0",
+        "14.0 / 24.0",
+        "7.0 / 8.0",
+        "900.0 / 1200.0",
+    ]
