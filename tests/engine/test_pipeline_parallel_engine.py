@@ -23,9 +23,17 @@ from tests.engine.test_tensor_parallel_engine import (
 from tests.models.test_yuan_golden import _check_all
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["yuan2-tiny", "yuan2-m32-tiny"])
-def test_yuan_pp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
-    capture = engines(name, pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16, async_scheduling=True)
+def test_yuan_pp2_matches_the_goldens_batched_chunked_and_cached(engines, name, tp):
+    capture = engines(
+        name,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=tp,
+        block_size=4,
+        max_num_batched_tokens=16,
+        async_scheduling=True,
+    )
     model = capture.engine.runner.local.model
     held = [i for i, layer in enumerate(model.model.layers) if next(layer.parameters(), None) is not None]
     assert held == list(model.stage.layers) and len(held) < len(model.model.layers)  # stage 0's share only
@@ -36,8 +44,9 @@ def test_yuan_pp2_matches_the_goldens_batched_chunked_and_cached(engines, name):
     assert capture.engine.stats().prefix_cache_hits > hits
 
 
-def test_llama_pp2_matches_one_stage(engines, tiny_llama):
-    against_one_rank(engines, tiny_llama, pipeline_parallel_size=2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_pp2_matches_one_stage(engines, tiny_llama, tp):
+    against_one_rank(engines, tiny_llama, pipeline_parallel_size=2, tensor_parallel_size=tp)
 
 
 def test_qwen2_pp2_with_tp2_matches_one_rank(engines, tiny_qwen2):
