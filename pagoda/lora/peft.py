@@ -95,6 +95,12 @@ def load_peft_adapter(
         # holds (decoder layers share their shapes), then left to that stage.
         slots = layers.get(layer if held else _LAYER_INDEX.sub(f".layers.{model.stage.layers[0]}.", layer, 1))
         if slots is None or part not in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts]):
+            if ".visual." in f".{path}":  # PEFT's target_modules="all-linear" on Qwen2-VL reaches the tower too
+                raise _fail(
+                    request,
+                    f"it adapts {module} in the vision tower; adapters on the vision tower are not supported (only "
+                    "the language model's layers: train with target_modules naming those)",
+                )
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
         in_start, in_size, in_full = slots.input_range
