@@ -3,6 +3,7 @@ tokens/s with and without, same prompts, same run, and how many tokens a step yi
 
 Usage:
     python benchmarks/spec_decode_cpu.py [--method ngram|suffix] [--k 4] [--max-tokens 64] [--rounds 2] [--json FILE]
+        [--extra '{"prompt_lookup_min": 2}']
 
 Three tasks, greedy: `copy` (the chat model repeats or quotes a given passage: answers that copy spans of their
 context, the case prompt lookup is for), `chat` (open questions: little to copy) and `chat_again` (the same
@@ -83,8 +84,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--one-at-a-time", action="store_true", help="requests one after another (c = 1)")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--extra",
+        default="{}",
+        help='more --speculative-config keys as JSON, e.g. \'{"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'',
+    )
     args = parser.parse_args()
-    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    spec = {"method": args.method, "num_speculative_tokens": args.k, **json.loads(args.extra)}
     tasks = {"copy": COPY, "chat": CHAT, "chat_again": CHAT}
     rows = []
     for round_index in range(args.rounds):
