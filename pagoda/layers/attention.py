@@ -40,6 +40,9 @@ class AttentionBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block 0
     slot_mapping: torch.Tensor  # [T] int64, cache slot for each new token's K/V
     block_size: int
+    # Every row is one decode token attended exactly as a step of that row alone would attend it (a CPU
+    # verification step's tokens run as decode rows: `worker/spec_rows.attention_batch`).
+    rows_alone: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -13,7 +13,8 @@ row that is one run is; decode rows are when every decode row of the step is one
 most `policy.CPU_KV_VIEW_MAX_ROWS` of them, since then one attention call per row costs less than one
 gathered batch. A cache narrower than
 the model (fp8, bf16 beside float32) is always gathered: the gather is what widens it. Switch:
-`PAGODA_CPU_KV_IN_PLACE=0`.
+`PAGODA_CPU_KV_IN_PLACE=0`. A batch of `rows_alone` (a verification step's tokens as decode rows) attends each
+row in the very calls a step of that row alone makes: in place on one run, else its own blocks gathered.
 
 Attention calls take 4-D inputs [1, H, L, D]: with 3-D ones PyTorch's CPU SDPA runs grouped-query
 attention on its math path, repeating K and V for every query head.
@@ -59,6 +60,17 @@ class DecodeView:
 
 
 @dataclass
+class _AloneRow:
+    """A decode row attended as a step of it alone attends it: in place when its blocks are one run, else its own
+    blocks gathered, padded to whole blocks and masked (the one-row case of the gathered batch)."""
+
+    token: torch.Tensor  # [1] flat index of its query token
+    view: DecodeView | None
+    blocks: torch.Tensor  # [nblk] its block ids
+    mask: torch.Tensor  # [1, 1, 1, nblk * block_size] bool
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     decode_token_index: torch.Tensor | None  # [Bd] flat index of each decode row's query token
@@ -67,6 +79,7 @@ class TorchAttentionMetadata:
     prefill_rows: list[_PrefillRow]
     decode_views: list[DecodeView] | None = None  # the decode rows in place, when every one is one run
     lone: DecodeView | None = None  # the step's only row, a decode row in place (`models/llama_cpu_decode.py`)
+    alone: list[_AloneRow] | None = None  # `AttentionBatch.rows_alone`: each decode row on its own
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -98,6 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(num_blocks * bs, device=device)
             decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * bs]
             decode_index = batch.query_start_loc[rows]
+        alone = [self._alone(batch, i, tables) for i in decode] if batch.rows_alone else None
 
         prefill_rows = []
         for i in prefill:
@@ -113,8 +127,18 @@ class TorchAttentionBackend(AttentionBackend):
             prefill_rows.append(row)
         lone = decode_views[0] if decode_views is not None and len(batch.query_lens) == 1 else None
         return TorchAttentionMetadata(
-            batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows, decode_views, lone
+            batch.slot_mapping, decode_index, decode_blocks, decode_mask, prefill_rows, decode_views, lone, alone
         )
+
+    @staticmethod
+    def _alone(batch: AttentionBatch, i: int, tables: np.ndarray | None) -> _AloneRow:
+        length, bs = batch.seq_lens[i], batch.block_size
+        start = batch.query_start_loc[i : i + 1]
+        first = _first_slot(tables[i], length, bs) if tables is not None else None
+        view = None if first is None else DecodeView(int(start), first, length)
+        num_blocks = -(-length // bs)
+        mask = (torch.arange(num_blocks * bs, device=start.device) < length)[None, None, None, :]
+        return _AloneRow(start, view, batch.block_tables[i, :num_blocks], mask)
 
     def forward(
         self,
@@ -144,7 +168,18 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         in_place = k_cache.dtype == q.dtype  # a narrower cache is widened by its gather
 
-        if in_place and metadata.decode_views is not None:
+        if metadata.alone is not None:
+            for alone in metadata.alone:  # as `_alone` says, in the very calls a one-row step makes
+                if in_place and alone.view is not None:
+                    row = alone.view
+                    out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
+                    continue
+                qd = q[alone.token].unsqueeze(2)  # [1, Hq, 1, D]
+                kd = _gather(k_cache, alone.blocks, 1, q.dtype)
+                vd = _gather(v_cache, alone.blocks, 1, q.dtype)
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=alone.mask, scale=scale, enable_gqa=gqa)
+                out[alone.token] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
+        elif in_place and metadata.decode_views is not None:
             for row in metadata.decode_views:
                 out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
         elif metadata.decode_blocks is not None:

@@ -26,7 +26,7 @@ from pagoda.config import EngineConfig
 from pagoda.device_copy import to_device
 from pagoda.distributed.parallel_state import all_reduce_max, is_driver
 from pagoda.kernels import dispatch
-from pagoda.layers.attention import FP8_KV, AttentionBackend, AttentionBatch, StepAttention
+from pagoda.layers.attention import FP8_KV, AttentionBackend, StepAttention
 from pagoda.layers.sampler import Sampler, SamplingState
 from pagoda.layers.sequence_state import SequenceStateBatch
 from pagoda.layers.torch_attention import TorchAttentionBackend
@@ -280,15 +280,7 @@ class ModelRunner:
         """The model over the step, launched from Python (the PyTorch backend, or no graph fits); `mm`: the
         encoder's (flat token indices, rows) for the step's placeholder tokens."""
         dev = self.device
-        batch = AttentionBatch(
-            query_lens=inputs.query_lens.tolist(),
-            seq_lens=inputs.seq_lens.tolist(),
-            query_start_loc=to_device(inputs.query_start_loc, dev),
-            seq_lens_tensor=to_device(inputs.seq_lens, dev),
-            block_tables=to_device(inputs.block_tables, dev),
-            slot_mapping=to_device(inputs.slots, dev),
-            block_size=self.block_size,
-        )
+        batch = spec_rows.attention_batch(inputs, self.block_size, dev)
         state = None
         if inputs.state_slots is not None:
             state = SequenceStateBatch.build(

@@ -23,6 +23,7 @@ import torch
 from pagoda import envs
 from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch
+from pagoda.layers.attention import AttentionBatch
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingState, apply_filters, apply_penalties
 from pagoda.layers.token_mask import apply_token_bitmask
 from pagoda.outputs import SchedulerOutput
@@ -98,6 +99,37 @@ def build_inputs(
         ids = state_pool.spec_ids(np.repeat(np.arange(len(rows)), counts), _offsets_in_rows(counts))
         inputs.state_writes = (logits_positions(inputs)[with_proposals], ids[with_proposals])
     return inputs
+
+
+def attention_batch(inputs: StepInputs, block_size: int, device: torch.device) -> AttentionBatch:
+    """The step's attention batch. On the CPU a verification step whose every token is a logits position, of a
+    model without per-sequence state, runs each token as a decode row of its own (its context ends at itself,
+    its request's block table; every token's K/V is stored before any row attends), attended as a one-token
+    step attends it (`AttentionBatch.rows_alone`). Every other part of a layer gives each row what a one-row
+    step gives it (the 4-bit matmuls too), so greedy speculation keeps a plain step's values there, bf16
+    activations and all; attending the verified tokens together rounds differently and flips near ties."""
+    query_start_loc, seq_lens, tables = inputs.query_start_loc, inputs.seq_lens, inputs.block_tables
+    spec, alone = inputs.spec, False
+    if (
+        device.type == "cpu"
+        and spec is not None
+        and inputs.state_slots is None
+        and not inputs.needs_encoder
+        and len(inputs.sample_rows) == inputs.num_rows
+        and int(spec.counts.sum()) + inputs.num_rows == inputs.num_tokens
+    ):
+        tables = np.repeat(tables, inputs.query_lens, axis=0)
+        query_start_loc, seq_lens, alone = np.arange(inputs.num_tokens + 1), inputs.positions + 1, True
+    return AttentionBatch(
+        query_lens=np.diff(query_start_loc).tolist(),
+        seq_lens=seq_lens.tolist(),
+        query_start_loc=to_device(query_start_loc, device),
+        seq_lens_tensor=to_device(seq_lens, device),
+        block_tables=to_device(tables, device),
+        slot_mapping=to_device(inputs.slots, device),
+        block_size=block_size,
+        rows_alone=alone,
+    )
 
 
 def roll_back_states(pool: StateSlotPool, states: list[RunnerRequestState], spec: SpecRows, verified: Verified) -> None:

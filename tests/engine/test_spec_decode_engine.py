@@ -33,7 +33,8 @@ PROMPTS = [
 def float_weights():
     """Token-for-token equality across step shapes holds for float32 weights. The CPU's 4-bit layers
     (tests/models/test_cpu_int4.py) take bf16 activations, whose rounding differs between a one-token step
-    and a step that verifies proposals, so here both sides load float32 weights."""
+    and a step that verifies proposals beside prefill chunks (a step of verified tokens only runs them as
+    one-token rows: test_spec_decode_int4.py), so here both sides load float32 weights."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGODA_CPU_INT4", "0")
         yield

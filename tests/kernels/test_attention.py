@@ -342,6 +342,47 @@ def test_torch_backend_gathers_many_decode_rows_scattered_blocks_and_when_switch
         assert_matches(out, dense_attention(case), torch.float32)
 
 
+def _rows_batch(table: list[int], lengths: list[int], slots: list[int], alone: bool) -> AttentionBatch:
+    n = len(lengths)
+    return AttentionBatch(
+        query_lens=[1] * n,
+        seq_lens=lengths,
+        query_start_loc=torch.arange(n + 1),
+        seq_lens_tensor=torch.tensor(lengths),
+        block_tables=torch.tensor([table] * n),
+        slot_mapping=torch.tensor(slots),
+        block_size=4,
+        rows_alone=alone,
+    )
+
+
+@pytest.mark.parametrize("table", [[5, 6, 7, 8, 9], [5, 9, 2, 11, 3]], ids=["one run", "scattered"])
+def test_rows_alone_are_attended_bit_for_bit_as_one_token_steps(table: list[int]) -> None:
+    """A CPU verification step's tokens as decode rows (`AttentionBatch.rows_alone`): each row's output is, bit for
+    bit, what a step of that token alone gives after the tokens before it (in place on one run of blocks, else
+    its own blocks gathered). A batch of the same rows attended together (gathered to the longest row's blocks)
+    rounds differently, which greedy speculation turns into flipped near ties."""
+    torch.manual_seed(7)
+    hq, hkv, d, bs = 6, 2, 16, 4
+    cache = torch.randn(2, 16, bs, hkv, d)
+    positions = list(range(13, 18))  # five verified tokens of a 18-token context
+    slots = [table[p // bs] * bs + p % bs for p in positions]
+    q, k, v = torch.randn(5, hq, d), torch.randn(5, hkv, d), torch.randn(5, hkv, d)
+    backend = TorchAttentionBackend()
+
+    alone_k, alone_v = cache[0].clone(), cache[1].clone()
+    expected = []
+    for i, p in enumerate(positions):  # one-token steps, one after another
+        meta = backend.prepare(_rows_batch(table, [p + 1], [slots[i]], alone=False))
+        row = slice(i, i + 1)
+        expected.append(backend.forward(q[row], k[row], v[row], alone_k, alone_v, meta, 0.25))
+    together_k, together_v = cache[0].clone(), cache[1].clone()
+    meta = backend.prepare(_rows_batch(table, [p + 1 for p in positions], slots, alone=True))
+    got = backend.forward(q, k, v, together_k, together_v, meta, 0.25)
+    assert torch.equal(got, torch.cat(expected))
+    assert torch.equal(together_k, alone_k) and torch.equal(together_v, alone_v)
+
+
 # ---- host-side rules ------------------------------------------------------------------------------------
 
 
