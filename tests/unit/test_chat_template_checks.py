@@ -414,7 +414,9 @@ def test_runaway_template_is_stopped_while_health_answers(tokenizer, monkeypatch
     response, took, latencies = asyncio.run(run())
     assert "ran longer than 1 s" in error_of(response)["message"]
     assert 0.9 < took < 4.0
-    assert len(latencies) >= 10 and max(latencies) < 0.5, latencies
+    # The first answer races the render's start (on a loaded 2-core machine it once took 0.6 s); a blocked loop
+    # would hold every later one for the whole render.
+    assert len(latencies) >= 10 and max(latencies[1:]) < 0.5, latencies
 
 
 def test_request_template_size_limit(tokenizer):
