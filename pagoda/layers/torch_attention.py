@@ -98,12 +98,14 @@ class TorchAttentionBackend(AttentionBackend):
         # Block runs are read on the host: only where the cache is host memory (no device sync).
         in_place = device.type == "cpu" and self.in_place
         tables = batch.block_tables.numpy() if in_place else None
-        decode_index = decode_blocks = decode_mask = decode_views = None
-        if in_place and 0 < len(decode) <= policy.CPU_KV_VIEW_MAX_ROWS:
+        decode_index = decode_blocks = decode_mask = decode_views = alone = None
+        if batch.rows_alone:
+            alone = [self._alone(batch, i, tables) for i in decode]
+        elif in_place and 0 < len(decode) <= policy.CPU_KV_VIEW_MAX_ROWS:
             firsts = [_first_slot(tables[i], batch.seq_lens[i], bs) for i in decode]
             if all(f is not None for f in firsts):
                 decode_views = [DecodeView(starts[i], f, batch.seq_lens[i]) for i, f in zip(decode, firsts)]
-        if decode:
+        if decode and alone is None:
             rows = torch.tensor(decode, device=device)
             lens = batch.seq_lens_tensor[rows]  # [Bd]
             num_blocks = -(-max(batch.seq_lens[i] for i in decode) // bs)
@@ -111,7 +113,6 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(num_blocks * bs, device=device)
             decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * bs]
             decode_index = batch.query_start_loc[rows]
-        alone = [self._alone(batch, i, tables) for i in decode] if batch.rows_alone else None
 
         prefill_rows = []
         for i in prefill:
@@ -168,29 +169,19 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         in_place = k_cache.dtype == q.dtype  # a narrower cache is widened by its gather
 
-        if metadata.alone is not None:
-            for alone in metadata.alone:  # as `_alone` says, in the very calls a one-row step makes
+        if metadata.alone is not None:  # each row in the very calls a step of that row alone makes (`_alone`)
+            for alone in metadata.alone:
                 if in_place and alone.view is not None:
-                    row = alone.view
-                    out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
-                    continue
-                qd = q[alone.token].unsqueeze(2)  # [1, Hq, 1, D]
-                kd = _gather(k_cache, alone.blocks, 1, q.dtype)
-                vd = _gather(v_cache, alone.blocks, 1, q.dtype)
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=alone.mask, scale=scale, enable_gqa=gqa)
-                out[alone.token] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
+                    _decode_in_place(out, q, flat_k, flat_v, alone.view, scale)
+                else:
+                    _decode_gathered(out, q, k_cache, v_cache, alone.token, alone.blocks, alone.mask, scale, v_scale)
         elif in_place and metadata.decode_views is not None:
-            for row in metadata.decode_views:
-                out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
+            for view in metadata.decode_views:
+                _decode_in_place(out, q, flat_k, flat_v, view, scale)
         elif metadata.decode_blocks is not None:
-            num_rows = metadata.decode_token_index.shape[0]
-            qd = q[metadata.decode_token_index].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = _gather(k_cache, metadata.decode_blocks, num_rows, q.dtype)  # [Bd, Hkv, nblk*bs, D]
-            vd = _gather(v_cache, metadata.decode_blocks, num_rows, q.dtype)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=gqa
-            )  # [Bd, Hq, 1, D]
-            out[metadata.decode_token_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
+            assert metadata.decode_token_index is not None and metadata.decode_mask is not None
+            index, blocks, mask = metadata.decode_token_index, metadata.decode_blocks, metadata.decode_mask
+            _decode_gathered(out, q, k_cache, v_cache, index, blocks, mask, scale, v_scale)
 
         for row in metadata.prefill_rows:
             qp = q[row.start : row.end].transpose(0, 1)[None]  # [1, Hq, n, D]
@@ -208,6 +199,35 @@ class TorchAttentionBackend(AttentionBackend):
             )[0]
             out[row.start : row.end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out
+
+
+def _decode_in_place(
+    out: torch.Tensor, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, row: DecodeView, scale: float
+) -> None:
+    """out[row's token] = its attention over its keys read in place (q, out [T, Hq, D])."""
+    out[row.token] = attend_in_place(q[row.token][None, :, None], flat_k, flat_v, row, scale)[0, :, 0]
+
+
+def _decode_gathered(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: torch.Tensor,
+    blocks: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    v_scale: float,
+) -> None:
+    """out[index] = the attention of those Bd decode rows over their blocks gathered as one padded batch
+    (blocks [Bd * nblk], mask [Bd, 1, 1, nblk * block_size])."""
+    num_rows = index.shape[0]
+    qd = q[index].unsqueeze(2)  # [Bd, Hq, 1, D]
+    kd = _gather(k_cache, blocks, num_rows, q.dtype)  # [Bd, Hkv, nblk*bs, D]
+    vd = _gather(v_cache, blocks, num_rows, q.dtype)
+    gqa = q.shape[1] != k_cache.shape[2]
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)  # [Bd, Hq, 1, D]
+    out[index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
 
 
 def attend_in_place(

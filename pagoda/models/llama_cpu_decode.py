@@ -51,7 +51,7 @@ def decode_only(attn: StepAttention, x: torch.Tensor) -> bool:
     metadata = attn.metadata
     if not isinstance(metadata, TorchAttentionMetadata) or parallel_state.tp_world_size() != 1:
         return False
-    return metadata.decode_blocks is not None and not metadata.prefill_rows
+    return (metadata.decode_blocks is not None or metadata.alone is not None) and not metadata.prefill_rows
 
 
 def eligible(layer: LlamaDecoderLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
