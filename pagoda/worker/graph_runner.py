@@ -247,19 +247,10 @@ class GraphRunner:
         return self.spec.bucket_for(rows, inputs.num_tokens, inputs.needs_encoder)
 
     def _tokens_as_rows(self, x: StepInputs) -> bool:
-        """A verification step (`worker/spec_rows.py`) whose every token is a logits position, of a model without
-        per-sequence state: each token can run as a decode row of its own (its context: its position + 1, its
-        request's block table; every token's K/V is stored before any row attends), so the step replays a decode
-        bucket. A mixed bucket's decode kernel spans every row the engine may have and its prefill tiles the rest,
-        which costs a small model's one-request verification several times a decode step's GPU time."""
-        return (
-            SPEC_DECODE_ROWS
-            and x.spec is not None
-            and self.spec.scratch_slot is None
-            and not x.needs_encoder
-            and len(x.sample_rows) == x.num_rows
-            and int(x.spec.counts.sum()) + x.num_rows == x.num_tokens
-        )
+        """A step whose tokens can run as decode rows (`StepInputs.tokens_as_rows`) replays a decode bucket. A
+        mixed bucket's decode kernel spans every row the engine may have and its prefill tiles the rest, which
+        costs a small model's one-request verification several times a decode step's GPU time."""
+        return SPEC_DECODE_ROWS and x.tokens_as_rows
 
     @torch.inference_mode()
     def run(

@@ -102,24 +102,16 @@ def build_inputs(
 
 
 def attention_batch(inputs: StepInputs, block_size: int, device: torch.device) -> AttentionBatch:
-    """The step's attention batch. On the CPU a verification step whose every token is a logits position, of a
-    model without per-sequence state, runs each token as a decode row of its own (its context ends at itself,
-    its request's block table; every token's K/V is stored before any row attends), attended as a one-token
-    step attends it (`AttentionBatch.rows_alone`). Every other part of a layer gives each row what a one-row
-    step gives it (the 4-bit matmuls too), so greedy speculation keeps a plain step's values there, bf16
-    activations and all; attending the verified tokens together rounds differently and flips near ties."""
+    """The step's attention batch. On the CPU a step whose tokens can run as rows (`StepInputs.tokens_as_rows`)
+    runs each as a decode row of its own, attended as a one-token step attends it (`AttentionBatch.rows_alone`).
+    Every other part of a layer gives each row what a one-row step gives it (the 4-bit matmuls too), so greedy
+    speculation keeps a plain step's values there, bf16 activations and all; attending the verified tokens
+    together rounds differently and flips near ties."""
     query_start_loc, seq_lens, tables = inputs.query_start_loc, inputs.seq_lens, inputs.block_tables
-    spec, alone = inputs.spec, False
-    if (
-        device.type == "cpu"
-        and spec is not None
-        and inputs.state_slots is None
-        and not inputs.needs_encoder
-        and len(inputs.sample_rows) == inputs.num_rows
-        and int(spec.counts.sum()) + inputs.num_rows == inputs.num_tokens
-    ):
+    alone = device.type == "cpu" and inputs.tokens_as_rows
+    if alone:
         tables = np.repeat(tables, inputs.query_lens, axis=0)
-        query_start_loc, seq_lens, alone = np.arange(inputs.num_tokens + 1), inputs.positions + 1, True
+        query_start_loc, seq_lens = np.arange(inputs.num_tokens + 1), inputs.positions + 1
     return AttentionBatch(
         query_lens=np.diff(query_start_loc).tolist(),
         seq_lens=seq_lens.tolist(),

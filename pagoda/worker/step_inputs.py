@@ -70,6 +70,19 @@ class StepInputs:
         return np.diff(self.query_start_loc)
 
     @property
+    def tokens_as_rows(self) -> bool:
+        """A verification step (`worker/spec_rows.py`) whose every token is a logits position, of a model without
+        per-sequence state and with no encoder work: each token can run as a decode row of its own (its context:
+        its position + 1, its request's block table), since every token's K/V is stored before any row attends."""
+        return (
+            self.spec is not None
+            and self.state_slots is None
+            and not self.needs_encoder
+            and len(self.sample_rows) == self.num_rows
+            and int(self.spec.counts.sum()) + self.num_rows == self.num_tokens
+        )
+
+    @property
     def starts(self) -> np.ndarray:
         """[B] tokens already cached per row before this step."""
         return self.seq_lens - self.query_lens
