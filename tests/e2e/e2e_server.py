@@ -43,6 +43,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_in(ports: range) -> int:
+    """The first port of `ports` free now: a module that owns a range of ports hands `ServerProcess` this (through
+    `free_port`) so its servers never take another module's."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"ports {ports.start}-{ports.stop - 1} are all taken")
+
+
 class ServerProcess:
     """A `pagoda serve` subprocess in its own session (so the engine child can be cleaned up with it)."""
 

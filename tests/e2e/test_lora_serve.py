@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +26,6 @@ from tests.models.test_lora import ADAPTERS, MAX_TOKENS, PROMPTS, _make_adapter,
 PORTS = range(18460, 18470)  # this module's server ports
 
 
-def _port_of_this_module() -> int:
-    for port in PORTS:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"ports {PORTS.start}-{PORTS.stop - 1} are all taken")
-
-
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_serve")
@@ -51,7 +39,7 @@ def lora_server(tmp_path_factory):
     flags += ["--cpu-kv-cache-space-gib", "0.25", "--host", "127.0.0.1", "--enable-lora", "--max-loras", "2"]
     extra = ["--lora-modules", *modules, "--allow-runtime-lora-updating"]
     with pytest.MonkeyPatch.context() as patch:  # ServerProcess takes its port (and a retry's) from free_port
-        patch.setattr(e2e_server, "free_port", _port_of_this_module)
+        patch.setattr(e2e_server, "free_port", lambda: e2e_server.free_port_in(PORTS))
         server = ServerProcess(root / "serve.log", extra, base_flags=flags)
         try:
             server.wait_healthy()

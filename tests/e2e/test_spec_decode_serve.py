@@ -4,8 +4,6 @@ carries exactly the non-streamed text (steps that keep several proposals send se
 
 from __future__ import annotations
 
-import socket
-
 import e2e_server
 import httpx
 from e2e_helpers import API_KEY, MODEL, metric, scrape
@@ -25,19 +23,9 @@ COPY = [
 ]
 
 
-def _port_in_range() -> int:
-    for port in PORTS:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
-
-
 def test_streamed_text_equals_non_streamed_and_metrics_count_drafts(launch_server, monkeypatch) -> None:
-    monkeypatch.setattr(e2e_server, "free_port", _port_in_range)  # ServerProcess picks its port (and retries) here
+    # ServerProcess picks its port (and a retry's) through free_port
+    monkeypatch.setattr(e2e_server, "free_port", lambda: e2e_server.free_port_in(PORTS))
     # No prefix caching: the second run then computes the prompt exactly as the first did, so a near tie cannot
     # flip a token between the two runs (what this test checks is the streaming, not batch invariance).
     server = launch_server("--speculative-config", SPEC, "--no-enable-prefix-caching")

@@ -447,15 +447,20 @@ def test_default_gguf_model():
     assert "GGUF" in checks[0].detail and "single GGUF file" in next(c for c in checks if c.name == "shards").detail
 
 
-def test_gpu_checks_with_a_simulated_gpu(model_dir, monkeypatch):
-    """No GPU here: torch.cuda's answers are simulated to run the GPU branch (one busy GPU, TP 2)."""
+def _simulate_one_gpu(monkeypatch, free_gib: int) -> None:
+    """torch.cuda answers as for one 140 GiB GPU with `free_gib` free (no GPU here), CUDA_VISIBLE_DEVICES unset."""
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (free_gib * gib, 140 * gib))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_gpu_checks_with_a_simulated_gpu(model_dir, monkeypatch):
+    """No GPU here: torch.cuda's answers are simulated to run the GPU branch (one busy GPU, TP 2)."""
+    _simulate_one_gpu(monkeypatch, free_gib=100)
     checks = run_checks(model_dir, tensor_parallel_size=2, skip_tokenizer_init=True)
     by_name = {c.name: c for c in checks}
     assert by_name["cuda"].status == "ok" and "1 GPU(s) visible" in by_name["cuda"].detail
@@ -481,14 +486,8 @@ def test_gpus_for_pipeline_stages_are_refused_by_serve_and_doctor_in_the_same_wo
     from pagoda.config import engine as engine_config
     from pagoda.errors import ConfigError
 
-    gib = 1 << 30
     monkeypatch.setattr(engine_config, "_cuda_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (140 * gib, 140 * gib))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _simulate_one_gpu(monkeypatch, free_gib=140)
     what = "--tensor-parallel-size 1 x --pipeline-parallel-size 2 needs 2 GPUs but 1 is visible"
     with pytest.raises(ConfigError) as refusal:
         EngineConfig.create(EngineArgs(model=model_dir, device="cuda", pipeline_parallel_size=2))
