@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from pagoda.config.engine import SWAP_SPACE_REASON
+
 # (reason, flags): each flag's line is "--flag: reason".
 REFUSED: tuple[tuple[str, str], ...] = (
     (
@@ -60,11 +62,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
         "--kv-transfer-config --kv-events-config",
     ),
     ("KV cache offloading to CPU memory is not supported", "--kv-offloading-size --kv-offloading-backend"),
-    (
-        "preempted requests are recomputed, not swapped to host memory (their prompt blocks stay in the prefix "
-        "cache while free, so a resumed request re-reads them): there is no swap space to size",
-        "--swap-space =0",
-    ),
+    (SWAP_SPACE_REASON, "--swap-space =0"),
     (
         "the KV cache is sized by --gpu-memory-utilization (or --num-gpu-blocks-override), not in bytes",
         "--kv-cache-memory-bytes",

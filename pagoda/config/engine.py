@@ -197,6 +197,13 @@ def text_field(hf_config: dict[str, Any], key: str, default: Any = None) -> Any:
     return (hf_config.get("text_config") or {}).get(key, default)
 
 
+# Why a swap space other than 0 is refused (`pagoda serve --swap-space N`, `LLM(swap_space=N)`).
+SWAP_SPACE_REASON = (
+    "preempted requests are recomputed, not swapped to host memory (their prompt blocks stay in the prefix "
+    "cache while free, so a resumed request re-reads them): there is no swap space to size"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     block_size: int  # tokens per KV block

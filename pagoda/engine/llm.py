@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs, EngineConfig, MultiModalConfig
+from pagoda.config.engine import SWAP_SPACE_REASON
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.offline_metrics import Metric, OfflineTotals, metrics_list
 from pagoda.errors import ConfigError, InvalidRequest
@@ -29,12 +30,6 @@ PromptType = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, Any]]
 T = TypeVar("T")
 
-# Why swap_space other than 0 is refused: the same reason `pagoda serve --swap-space` gives (cli/vllm_flags.py's
-# REFUSED; the engine layer cannot import the CLI, and a test keeps the two equal).
-SWAP_SPACE_REASON = (
-    "preempted requests are recomputed, not swapped to host memory (their prompt blocks stay in the prefix "
-    "cache while free, so a resumed request re-reads them): there is no swap space to size"
-)
 # vLLM's `LLM(...)` keywords that are not engine knobs here: read by `LLM.__init__` itself.
 _LLM_ONLY_KNOBS = ("disable_log_stats", "swap_space")
 
