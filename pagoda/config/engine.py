@@ -616,16 +616,21 @@ def _resolve_attention_backend(choice: str, device: str) -> str:
     return "triton"
 
 
+def auto_dtype(hf_config: dict[str, Any], device: str) -> str:
+    """What --dtype auto loads on `device` ("cpu" or "cuda"): float32 on the CPU, else the checkpoint's half type
+    (bfloat16 when it names none)."""
+    if device == "cpu":
+        # Half-precision matmuls are slow on most CPUs; float32 is both fast and exact.
+        return "float32"
+    config_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16").replace("torch.", "")
+    return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+
+
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: str) -> str:
     aliases = {"half": "float16", "float": "float32"}
     dtype = aliases.get(dtype, dtype)
     if dtype == "auto":
-        if device == "cpu":
-            # Half-precision matmuls are slow on most CPUs; float32 is both fast and exact.
-            return "float32"
-        config_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
-        config_dtype = config_dtype.replace("torch.", "")
-        dtype = config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+        dtype = auto_dtype(hf_config, device)
     if dtype == "bfloat16" and device == "cuda" and not _cuda_bf16():
         raise ConfigError("This GPU does not support bfloat16; use --dtype float16.", "dtype")
     return dtype

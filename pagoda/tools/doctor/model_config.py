@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from pagoda.config import text_field
+from pagoda.config.engine import auto_dtype
 from pagoda.config.parallel import pipeline_parallel_error, tensor_parallel_error
 from pagoda.config.quantization import resolve_quantization
 from pagoda.distributed.stages import stage_layer_range
@@ -297,10 +298,8 @@ def _stage_footprints(
     if tp < 1:
         return None
     cfg, source = state.hf_config, state.source
-    # serve's --dtype auto: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    stored = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
-    dtype = "float32" if on_cpu else stored if stored in ("float16", "bfloat16") else "bfloat16"
+    dtype = auto_dtype(cfg, "cpu" if on_cpu else "cuda")  # serve's --dtype auto
     try:
         quantization = resolve_quantization(
             None, source.location, source.kind, cfg, read_tensor_names=load_format != "dummy"
