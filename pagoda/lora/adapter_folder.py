@@ -1,6 +1,9 @@
 """A PEFT LoRA folder's config checked without the model and without torch: what the launcher and the API
 processes verify when an adapter is named (`--lora-modules`, /v1/load_lora_adapter) before the engine reads
-its weights (`lora/peft.py`)."""
+its weights (`lora/peft.py`).
+
+An adapter's path is a local folder or, as in vLLM, a Hugging Face hub id (`org/name`): the id resolves to its
+snapshot in the local hub cache, fetched first if the network allows (`HF_HUB_OFFLINE=1` keeps to the cache)."""
 
 from __future__ import annotations
 
@@ -40,11 +43,33 @@ def _config(request: LoRARequest, folder: Path) -> dict:
     return config
 
 
+# What an adapter's snapshot needs: its config and one of the two weight files PEFT writes.
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]
+
+
+def adapter_folder(request: LoRARequest) -> Path:
+    """The local folder of an adapter's path: the folder itself, or a hub id's snapshot."""
+    folder = Path(request.lora_path).expanduser()
+    if folder.is_dir():
+        return folder
+    path = request.lora_path
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise adapter_failure(request, "no such folder")
+    import huggingface_hub  # lazy: only for an adapter named by hub id
+
+    try:
+        return Path(huggingface_hub.snapshot_download(path, allow_patterns=ADAPTER_FILES))
+    except Exception as exc:  # offline and not cached, unknown repo, auth...: the same to the user
+        raise adapter_failure(
+            request,
+            f"no such folder, and {path!r} could not be fetched from the Hugging Face hub ({type(exc).__name__}); "
+            "pass the path of a downloaded adapter folder",
+        ) from None
+
+
 def check_adapter_folder(request: LoRARequest, max_rank: int) -> tuple[Path, int, float]:
     """(folder, rank, scale) of an adapter's config, checked without the model (a server's startup check)."""
-    folder = Path(request.lora_path).expanduser()
-    if not folder.is_dir():
-        raise adapter_failure(request, "no such folder")
+    folder = adapter_folder(request)
     config = _config(request, folder)
     rank = int(config.get("r", 0))
     if rank < 1:

@@ -1,27 +1,31 @@
 """A PEFT LoRA folder read onto this model's adaptable layers.
 
 The folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_modules`, ...) and
-`adapter_model.safetensors` with, per adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and
-`.lora_B.weight` [out, r]. The scale s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A
-projection the model fuses (`q_proj` into `qkv_proj`, through the model's `packed_modules_mapping`) becomes
-that part of the fused layer. What Pagoda cannot serve exactly is refused by name: DoRA, per-module ranks or
-alphas, trained biases, `modules_to_save`, a rank above `--max-lora-rank`, a target that is not one of the
-model's adaptable linear layers, shapes that differ from the base model's.
+`adapter_model.safetensors` (or PEFT's older `adapter_model.bin`, unpickled as plain tensors only) with, per
+adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. The scale
+s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A projection the model fuses (`q_proj` into
+`qkv_proj`, through the model's `packed_modules_mapping`) becomes that part of the fused layer. What Pagoda
+cannot serve exactly is refused by name: DoRA, per-module ranks or alphas, trained biases, `modules_to_save`,
+a rank above `--max-lora-rank`, a target that is not one of the model's adaptable linear layers, shapes that
+differ from the base model's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from pagoda.errors import ModelLoadError
 from pagoda.lora.adapter_folder import adapter_failure as _fail
 from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.layers import LoRASlots
 from pagoda.lora.request import LoRARequest
 from pagoda.models.base import CausalLM
+from pagoda.models.source import load_bin_shard
 
 _PREFIXES = ("base_model.model.",)
 _LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
@@ -66,21 +70,14 @@ def load_peft_adapter(
     dtype: torch.dtype,
 ) -> LoRAAdapter:
     """The adapter of `request` for `model`, whose adaptable layers are `layers` (module name → slots)."""
-    from safetensors import safe_open  # lazy: only where adapters are served
-
     folder, rank, scale = check_adapter_folder(request, max_rank)
-    weights_file = folder / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        found = "adapter_model.bin (convert it to safetensors)" if (folder / "adapter_model.bin").is_file() else "none"
-        raise _fail(request, f"no adapter_model.safetensors there (found: {found})")
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_file), framework="pt") as f:
-        for name in f.keys():
-            parsed = _module_of(name)
-            if parsed is None:
-                raise _fail(request, f"tensor {name!r} is not a LoRA A or B weight (unsupported adapter content)")
-            module, which = parsed
-            halves.setdefault(module, {})[which] = f.get_tensor(name)
+    for name, tensor in _adapter_tensors(request, folder):
+        parsed = _module_of(name)
+        if parsed is None:
+            raise _fail(request, f"tensor {name!r} is not a LoRA A or B weight (unsupported adapter content)")
+        module, which = parsed
+        halves.setdefault(module, {})[which] = tensor
     packed = model.packed_modules_mapping
     weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
     interleaved: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -129,6 +126,24 @@ def load_peft_adapter(
     if not halves:
         raise _fail(request, "it holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _adapter_tensors(request: LoRARequest, folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the folder's weights: adapter_model.safetensors, else adapter_model.bin."""
+    weights_file = folder / "adapter_model.safetensors"
+    if weights_file.is_file():
+        from safetensors import safe_open  # lazy: only where adapters are served
+
+        with safe_open(str(weights_file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        return
+    if not (folder / "adapter_model.bin").is_file():
+        raise _fail(request, "no adapter_model.safetensors (or adapter_model.bin) there")
+    try:
+        yield from load_bin_shard(str(folder / "adapter_model.bin")).items()
+    except ModelLoadError as exc:
+        raise _fail(request, exc.message) from None
 
 
 def _stacked(

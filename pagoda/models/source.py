@@ -216,13 +216,13 @@ def iter_pytorch_bin(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_bin_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    state = _load_bin_shard(path)
+    state = load_bin_shard(path)
     for name in list(state):
         yield name, state.pop(name)
     del state
 
 
-def _load_bin_shard(path: str) -> dict[str, torch.Tensor]:
+def load_bin_shard(path: str) -> dict[str, torch.Tensor]:
     """Unpickle one shard with `weights_only=True`: a checkpoint is data, and Pagoda never runs code
     from one. mmap keeps the tensors on disk until used; legacy (non-zip) pickles cannot be mmapped."""
     import torch

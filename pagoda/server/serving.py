@@ -123,12 +123,13 @@ class OpenAIServing:
         if name in ctx.lora_modules or name in self._loading_loras:
             raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, self._next_lora_id, path)
-        check_adapter_folder(lora, ctx.max_lora_rank)
-        # The id is taken before the core is asked (a concurrent load gets the next one), and the name is held
-        # until it answers (a concurrent load of the same name is refused, not listed twice).
+        # The id is taken before anything is awaited (a concurrent load gets the next one), and the name is held
+        # until the core answers (a concurrent load of the same name is refused, not listed twice).
         self._next_lora_id = lora.lora_int_id + 1
         self._loading_loras.add(name)
         try:
+            # A hub id may be fetched here: off the event loop, which keeps serving the running streams.
+            await asyncio.to_thread(check_adapter_folder, lora, ctx.max_lora_rank)
             await ctx.engine.add_lora(lora)
         finally:
             self._loading_loras.discard(name)

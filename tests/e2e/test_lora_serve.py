@@ -122,7 +122,7 @@ def test_an_adapter_the_core_cannot_serve_is_a_400_at_load_and_never_listed(lora
     other = build_tiny_model("llama", str(tmp_path / "wider_base"), hidden_size=96)
     wider = _make_adapter(other, tmp_path / "wider", 4, 8, ["q_proj"], False, 7)
     cases = {
-        "no_weights": (str(no_weights), "no adapter_model.safetensors there"),
+        "no_weights": (str(no_weights), "no adapter_model.safetensors (or adapter_model.bin) there"),
         "wider": (wider, "an adapter of another base model"),
         base: (adapters["all"], "is a served model name"),
     }
@@ -173,7 +173,7 @@ def test_lora_modules_are_read_at_startup_and_a_bad_adapter_stops_it_in_one_line
         other = build_tiny_model("llama", str(tmp_path / "wider_base"), hidden_size=96)
         folder, reason = _make_adapter(other, tmp_path / "wider", 4, 8, ["q_proj"], False, 7), "another base model"
     else:
-        folder, reason = str(tmp_path / "no_weights"), "no adapter_model.safetensors there"
+        folder, reason = str(tmp_path / "no_weights"), "no adapter_model.safetensors (or adapter_model.bin) there"
         Path(folder).mkdir()
         shutil.copy(Path(adapters["attn"]) / "adapter_config.json", folder)
     result = subprocess.run(

@@ -37,7 +37,9 @@ def _hf(folder: str):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 
 
-def _make_adapter(base: str, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int) -> str:
+def _make_adapter(
+    base: str, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int, safe: bool = True
+) -> str:
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
     model = peft.get_peft_model(_hf(base), config)
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +47,7 @@ def _make_adapter(base: str, out: Path, rank: int, alpha: int, targets: list[str
         for name, param in model.named_parameters():
             if "lora_" in name:  # PEFT starts B at zero: an adapter that changes nothing would prove nothing
                 param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), safe_serialization=safe)
     return str(out)
 
 
@@ -227,7 +229,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
     cases = {
         str(tmp_path / "nowhere"): "no such folder",
         no_config: "no adapter_config.json",
-        missing_weights: "no adapter_model.safetensors",
+        missing_weights: r"no adapter_model.safetensors \(or adapter_model.bin\) there",
         adapters["all"]: "rank 16 is above --max-lora-rank 8",
         copy("dora", use_dora=True): "DoRA",
         copy("bias", bias="all"): "trained biases",
@@ -261,6 +263,48 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
             use_tqdm=False,
             lora_request=LoRARequest("attn", 1, adapters["attn"]),
         )
+
+
+def test_pickled_and_hub_id_adapters_equal_peft_merged(lora_setup, tmp_path, monkeypatch):
+    """PEFT's older adapter_model.bin, and an adapter named by hub id (its snapshot in the local hub cache, read
+    offline), serve the same adapter as its safetensors folder: PEFT's merged model's tokens and logprobs."""
+    import huggingface_hub.constants
+
+    base, adapters, refs = lora_setup
+    rank, alpha, targets, rslora = ADAPTERS["attn"]
+    pickled = _make_adapter(base, tmp_path / "pickled", rank, alpha, targets, rslora, seed=0, safe=False)
+    assert sorted(p.name for p in Path(pickled).iterdir() if p.name.startswith("adapter_model")) == [
+        "adapter_model.bin"
+    ]
+    repo = tmp_path / "hub" / "models--team--attn-adapter"
+    shutil.copytree(adapters["attn"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    llm = _llm(base)
+    out = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        _params(),
+        use_tqdm=False,
+        lora_request=[LoRARequest("pickled", 1, pickled), LoRARequest("hub", 2, "team/attn-adapter"), None],
+    )
+    _check(out, [refs["attn"][0], refs["attn"][1], refs[None][2]])
+    not_tensors = tmp_path / "not_tensors"
+    shutil.copytree(pickled, not_tensors)
+    torch.save({"base_model.model.x.lora_A.weight": "text"}, not_tensors / "adapter_model.bin")
+    cases = {
+        "team/not-cached": "could not be fetched from the Hugging Face hub",
+        str(not_tensors): "not a plain tensor checkpoint",
+    }
+    for i, (path, message) in enumerate(cases.items()):
+        with pytest.raises(InvalidRequest, match=message):
+            llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}],
+                _params(),
+                use_tqdm=False,
+                lora_request=LoRARequest(f"bad{i}", 10 + i, path),
+            )
 
 
 def test_a_prompt_refused_part_way_leaves_nothing_queued(lora_setup, tmp_path):
