@@ -55,6 +55,7 @@ from pagoda.engine.core_process import (
     LoRAAdded,
     Outputs,
     Ready,
+    RemoveLoRA,
     from_wire,
 )
 from pagoda.errors import EngineDead, InvalidRequest, RequestFailed, ShuttingDown
@@ -299,6 +300,15 @@ class AsyncEngine:
             self._lora_calls.pop(call_id, None)
         if error is not None:
             raise InvalidRequest(error, "lora_path")
+
+    async def remove_lora(self, lora_id: int) -> None:
+        """Tell the core an adapter is unloaded: it frees the adapter's memory once its requests finish. A dead
+        core holds nothing to free."""
+        if not self.is_dead:
+            try:
+                await self._send(RemoveLoRA(lora_id, self._client_index))
+            except EngineDead:
+                pass
 
     async def _send(self, message: Any) -> None:
         """Send to the core; at once while its pipe has room (the usual case), otherwise wait for room

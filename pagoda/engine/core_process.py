@@ -6,7 +6,8 @@ templates, and detokenization of requests without stop strings (`AddRequest.deto
 process owns the model, the KV cache and the text of requests with stop strings.
 
 Wire protocol (pickled dataclasses over ZMQ PUSH/PULL pipes), the same for N >= 1 API processes:
-  API process i → core (one PULL the core binds): AddRequest | AbortRequests | AddLoRA (tagged with i) | Shutdown
+  API process i → core (one PULL the core binds): AddRequest | AbortRequests | AddLoRA | RemoveLoRA (tagged with i)
+  | Shutdown
   core → API process i (a PULL it binds): Outputs of the requests it submitted, EngineStats | LoRAAdded | CoreDied
   core → launcher (control pipe): Ready | StartupFailed (once), CoreDied
 
@@ -83,6 +84,15 @@ class AddLoRA:
 
     call_id: str
     lora_request: Any  # lora.request.LoRARequest
+    client_index: int = 0
+
+
+@dataclass
+class RemoveLoRA:
+    """An adapter unloaded (/v1/unload_lora_adapter): the core frees its host copy and device slot once no request
+    uses it (`LLMEngine.release_lora`). No answer: the API process stopped serving its name already."""
+
+    lora_int_id: int
     client_index: int = 0
 
 
@@ -524,6 +534,8 @@ def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) 
                     owners[message.request_id] = message.client_index
             elif isinstance(message, AddLoRA):
                 clients[message.client_index].send_pyobj(_add_lora(engine, message))
+            elif isinstance(message, RemoveLoRA):
+                engine.release_lora(message.lora_int_id)
         if engine.has_unfinished_requests():
             if long_step > 0:
                 _busy(long_step)

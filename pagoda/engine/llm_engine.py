@@ -107,6 +107,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self._loras: dict[int, LoRARequest] = {}  # adapters read by the runner, by id
+        self._releasing: set[int] = set()  # unloaded adapters whose last requests have not finished yet
         self.vocab_size = self.runner.vocab_size
         if self._grammars is not None:
             self.runner.set_token_masks(self._grammars)
@@ -415,6 +416,21 @@ class LLMEngine:
         self._lora_manager().remove(lora_id)
         return self._loras.pop(lora_id, None) is not None
 
+    def release_lora(self, lora_id: int) -> None:
+        """A served adapter's unload (/v1/unload_lora_adapter): its host copy and device slot are freed now if no
+        request uses it, else as soon as its last request finishes (they finish with it, as in vLLM)."""
+        if lora_id in self._loras:
+            self._releasing.add(lora_id)
+            self._release_unused_loras()
+
+    def _release_unused_loras(self) -> None:
+        used = {r.lora_id for r in self.scheduler.requests.values()}
+        used.update(r.lora_id for _, children, _ in self._awaiting_grammar.values() for r in children)
+        for lora_id in self._releasing - used:
+            self.remove_lora(lora_id)
+            logger.info("LoRA adapter %d unloaded: its host copy and device slot are free", lora_id)
+        self._releasing &= used
+
     def list_loras(self) -> set[int]:
         return set(self._loras)
 
@@ -436,6 +452,12 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self._releasing:  # unloaded adapters whose last request may have finished in this step
+            self._release_unused_loras()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         refused = self._admit_compiled() if self._awaiting_grammar else []
         read = self._read_for_proposals() if self._inflight and self.speculator is not None else []
         scheduler_output = self.scheduler.schedule()

@@ -98,7 +98,7 @@ async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request) ->
 
 @router.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))
 async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest, request: Request) -> Response:
-    return Response(_serving(request).unload_lora(body.lora_name, body.lora_int_id), media_type="text/plain")
+    return Response(await _serving(request).unload_lora(body.lora_name, body.lora_int_id), media_type="text/plain")
 
 
 @router.get("/health", responses=_errors(503))

@@ -137,13 +137,16 @@ class OpenAIServing:
         logger.info("Loaded LoRA adapter: name %r, path %r", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def unload_lora(self, name: str, lora_id: int | None) -> str:
-        """Stop serving `name` (requests already running with it finish with it)."""
+    async def unload_lora(self, name: str, lora_id: int | None) -> str:
+        """Stop serving `name` (requests already running with it finish with it); the core frees its memory when
+        they have."""
         ctx = self._runtime_lora()
         lora = ctx.lora_modules.get(name)
         if lora is None or (lora_id is not None and lora.lora_int_id != lora_id):
             raise ModelNotFound(f"The lora adapter '{_clip(name)}' cannot be found.", "lora_name")
         del ctx.lora_modules[name]
+        await ctx.engine.remove_lora(lora.lora_int_id)
+        logger.info("Unloaded LoRA adapter: name %r", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _runtime_lora(self) -> ServingContext:

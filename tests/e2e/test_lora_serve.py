@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import e2e_server
@@ -107,6 +108,11 @@ def test_adapters_load_and_unload_at_run_time(lora_server):
         assert extra.status_code == 400
         unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
         assert unload.status_code == 200 and "removed successfully" in unload.text
+        freed = f"LoRA adapter {3} unloaded: its host copy and device slot are free"  # ids: attn 1, mlp 2, all 3
+        deadline = time.monotonic() + 10
+        while freed not in server.log_tail(20_000) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed in server.log_tail(20_000)
         gone = client.post("/v1/completions", json={"model": "all", "prompt": [5, 6], "max_tokens": 2})
         assert gone.status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 404

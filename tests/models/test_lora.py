@@ -307,6 +307,27 @@ def test_pickled_and_hub_id_adapters_equal_peft_merged(lora_setup, tmp_path, mon
             )
 
 
+def test_an_unloaded_adapter_is_freed_once_its_last_request_finishes(lora_setup):
+    """`release_lora` (a served /v1/unload_lora_adapter): an adapter in use keeps its host copy and device slot
+    until its last request finishes, and that request's tokens are PEFT's; an unused one is freed at once."""
+    base, adapters, refs = lora_setup
+    llm = _llm(base, max_loras=2)
+    engine, manager = llm.llm_engine, llm.llm_engine.runner.lora
+    attn, mlp = LoRARequest("attn", 1, adapters["attn"]), LoRARequest("mlp", 2, adapters["mlp"])
+    engine.add_lora(mlp)
+    engine.add_request("a", PROMPTS[0], _params(), lora_request=attn)
+    engine.step()
+    engine.release_lora(attn.lora_int_id)
+    engine.release_lora(mlp.lora_int_id)
+    assert engine.list_loras() == {1} and 2 not in manager._host and 2 not in manager._slots
+    outputs = {}
+    while engine.has_unfinished_requests():
+        assert 1 in manager._host and 1 in manager._slots  # the running request still reads its adapter
+        outputs.update({out.request_id: out for out in engine.step() if out.finished})
+    assert not engine.list_loras() and not manager._host and set(manager._slots) == {None}
+    _check([outputs["a"]], refs["attn"][:1])
+
+
 def test_a_prompt_refused_part_way_leaves_nothing_queued(lora_setup, tmp_path):
     """The third prompt's adapter is refused: the two queued before it are aborted (as in vLLM), so they neither
     run with the next generate() nor come back from it."""
