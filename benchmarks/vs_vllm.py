@@ -58,8 +58,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -353,7 +355,9 @@ def pool(results: list[dict]) -> dict:
     e2el = [t + sum(i) for _, t, i, _ in reqs]
     span = max(s + e for (s, *_), e in zip(reqs, e2el)) - min(s for s, *_ in reqs)
     tpot = [tpot_of(t, e, n) for (_, t, _, n), e in zip(reqs, e2el)]
+    first = min(s for s, *_ in reqs)
     row.update(
+        span=(first, first + span),  # on time.perf_counter's clock; `run_point` takes it out of the row
         duration_s=round(span, 3),
         request_throughput=round(len(reqs) / span, 3),
         output_throughput=round(sum(n for *_, n in reqs) / span, 1),
@@ -385,10 +389,12 @@ def run_point(url: str, model: str, point: Point, rate: float | None, seed: int)
         child = ctx.Process(target=_client_process, args=(argv, barrier, queue))
         child.start()
         children.append(child)
-    results = [queue.get() for _ in children]
+    with GpuBusy() as busy:
+        results = [queue.get() for _ in children]
     for child in children:
         child.join()
     row = pool([r for r in results if "error" not in r])
+    row["gpu_util_mean_pct"] = busy.mean(row.pop("span", None))
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         row["client_error"] = errors[0]
@@ -403,15 +409,66 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, *point.pagoda_args, *load]
     cmd += ["--num-prompts", str(point.prompts), "--client-processes", str(point.procs), "--seed", str(seed)]
     cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    with GpuBusy() as busy:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0 or not out.exists():
         return {"client_error": (done.stderr or done.stdout)[-400:]}
     p = json.loads(out.read_text())["points"][0]
     row = {k: p.get(k) for k in ("completed", "failed", "request_throughput", "output_throughput")}
     row["duration_s"] = p.get("duration")
+    ended = time.perf_counter()  # about when its last request ended: the client exits then
+    row["gpu_util_mean_pct"] = busy.mean((ended - p["duration"], ended) if p.get("duration") else None)
     for name in ("ttft", "tpot", "itl", "e2el"):
         row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
     return row
+
+
+def nvidia_smi_utilization() -> float:
+    """GPU 0's `utilization.gpu` now (%), as nvidia-smi prints it; OSError or ValueError where it cannot say."""
+    query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=5, check=False).stdout
+    except subprocess.TimeoutExpired:
+        raise OSError("nvidia-smi did not answer") from None
+    lines = out.strip().splitlines()
+    if not lines:
+        raise ValueError("nvidia-smi printed nothing")
+    return float(lines[0])
+
+
+class GpuBusy:
+    """The GPU's mean utilisation while a point runs (`gpu_util_mean_pct` in its row): nvidia-smi's
+    `utilization.gpu`, the share of each sampling period in which some kernel ran, read every `period` seconds
+    by a thread and averaged over the point's requests (from the first one's start to the last one's end, not
+    the clients' start-up). It says whether a point was bound by the GPU's work or by the host feeding it. None
+    where nvidia-smi is missing or answers nothing."""
+
+    def __init__(self, period: float = 0.25, read: Callable[[], float] = nvidia_smi_utilization):
+        self.period, self.read = period, read
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, utilisation %)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.perf_counter(), self.read()))
+            except (OSError, ValueError):
+                return  # no nvidia-smi (or no answer): the row says nothing about the GPU
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> GpuBusy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self, span: tuple[float, float] | None) -> float | None:
+        """The mean of the samples taken within `span` (perf_counter seconds; None: all of them)."""
+        values = [u for t, u in self.samples if span is None or span[0] <= t <= span[1]]
+        return round(sum(values) / len(values), 1) if values else None
 
 
 # ---- the servers -------------------------------------------------------------------------------
@@ -560,6 +617,7 @@ def run(args: argparse.Namespace) -> None:
 
 def _short(row: dict) -> str:
     keys = ("request_throughput", "output_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "failed")
+    keys += ("gpu_util_mean_pct",)
     head = f"{row['point']}" + (f"@{row['request_rate']}/s" if "request_rate" in row else "")
     error = f" ERR {row['sample_error']}" if "sample_error" in row else ""
     return head + " " + " ".join(f"{k}={row.get(k)}" for k in keys) + error
@@ -636,8 +694,10 @@ def ratio_table(rows: list[dict]) -> str:
         "E2E p50": "median_e2el_ms",
     }
     lines = [
-        "| workload | point | throughput P / V | ratio | " + " | ".join(f"{x} P / V ms" for x in latencies) + " |",
-        "| --- | --- | ---: | ---: |" + " ---: |" * len(latencies),
+        "| workload | point | throughput P / V | ratio | "
+        + " | ".join(f"{x} P / V ms" for x in latencies)
+        + " | GPU busy % P / V |",
+        "| --- | --- | ---: | ---: |" + " ---: |" * (len(latencies) + 1),
     ]
 
     def pair(p: dict, v: dict, key: str) -> str:
@@ -653,7 +713,7 @@ def ratio_table(rows: list[dict]) -> str:
         key = "request_throughput" if workload.startswith("image") or "request_rate" in p else "output_throughput"
         ratio = p[key] / v[key] if p.get(key) and v.get(key) else float("nan")
         label = point + (f" ({variant})" if variant else "")
-        cells = [pair(p, v, key), f"{ratio:.2f}x"] + [pair(p, v, k) for k in latencies.values()]
+        cells = [pair(p, v, key), f"{ratio:.2f}x"] + [pair(p, v, k) for k in (*latencies.values(), "gpu_util_mean_pct")]
         lines.append(f"| {workload} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ whose figures are worked out by hand here (no vLLM, no server)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_the_ratio_table_pairs_each_pagoda_row_with_vllms_and_shows_every_latenc
     header, _, line = table
     assert [c.strip() for c in header.strip("|").split("|")][4:] == [
         f"{x} P / V ms" for x in ("TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "ITL p50", "ITL p95", "E2E p50")
-    ]
+    ] + ["GPU busy % P / V"]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[:4] == ["text", "c16", "300.0 / 200.0", "1.50x"]
     assert cells[4:] == [
@@ -61,4 +62,27 @@ def test_the_ratio_table_pairs_each_pagoda_row_with_vllms_and_shows_every_latenc
         "14.0 / 24.0",
         "7.0 / 8.0",
         "900.0 / 1200.0",
+        "—",  # neither row measured the GPU
     ]
+
+
+def test_gpu_busy_averages_the_samples_inside_the_points_span():
+    """`GpuBusy` reads the utilisation every period (here a fake reader answering 10, 20, 30, ...): the mean over a
+    span is the mean of the answers read inside it, and a reader that cannot answer leaves it None."""
+    answers = iter(range(10, 10_000, 10))
+    with vs_vllm.GpuBusy(period=0.001, read=lambda: float(next(answers))) as busy:
+        while len(busy.samples) < 6:
+            time.sleep(0.001)
+    values = [u for _, u in busy.samples]
+    assert values[:6] == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    assert busy.mean(None) == pytest.approx(sum(values) / len(values), abs=0.05)
+    inner = (busy.samples[1][0], busy.samples[3][0])  # the 2nd to the 4th sample's times
+    assert busy.mean(inner) == 30.0
+    assert busy.mean((0.0, 1.0)) is None  # long before any sample
+
+    def absent() -> float:
+        raise OSError("no nvidia-smi")
+
+    with vs_vllm.GpuBusy(period=0.001, read=absent) as none:
+        pass
+    assert none.mean(None) is None and not none.samples
