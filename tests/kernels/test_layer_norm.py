@@ -120,7 +120,16 @@ def test_layer_uses_the_kernels_and_falls_back(layer_norm_kernels_everywhere):
     assert torch.equal(summed, ref_summed)
     check_ln(out, ref_out)
     check_ln(norm(x), torch.nn.functional.layer_norm(x, (24,), norm.weight, norm.bias, 1e-6))
-    norm(x.to(torch.bfloat16))  # fp32 parameters, bf16 input: PyTorch's promotion
+    # fp32 parameters, bf16 input: not the kernels' case, so nn.LayerNorm's behaviour, whatever the device's is
+    # (the CPU promotes; CUDA has no such mixed-dtype layer norm and raises).
+    mixed = x.to(torch.bfloat16)
+    try:
+        expected = torch.nn.functional.layer_norm(mixed, (24,), norm.weight, norm.bias, 1e-6)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            norm(mixed)
+    else:
+        assert torch.equal(norm(mixed), expected)
     assert calls == ["fused_add_layer_norm", "layer_norm"]
 
 
