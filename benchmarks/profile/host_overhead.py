@@ -1,9 +1,10 @@
 """Host time of one engine step beyond the model, at a full decode batch (CPU; no GPU needed).
 
-    python benchmarks/profile/host_overhead.py [--batch 256] [--steps 48] [--prompt-len 40]
+    python benchmarks/profile/host_overhead.py [--arch llama|qwen2_vl] [--batch 256] [--steps 48] [--prompt-len 40]
         [--configs greedy,greedy+detok,sampled+detok,rep+detok] [--profile CONFIG] [--json FILE]
 
-An `LLMEngine` on a tiny random Llama (2 layers, hidden 64, load_format="dummy") with the
+An `LLMEngine` on a tiny random Llama (2 layers, hidden 64, load_format="dummy"; `--arch qwen2_vl`: the same
+language model in Qwen2-VL's layout, M-RoPE positions included) with the
 SmolLM2 vocabulary (49152 ids; its tokenizer comes from the embedded default model's GGUF) gets
 `--batch` requests of ~`--prompt-len` random prompt tokens (max_tokens large, ignore_eos) in
 streaming (delta) mode, as the server drives it. Once every request decodes, `--steps` calls of
@@ -94,14 +95,32 @@ PARTS = ["schedule", "prep", "samp_prep", "update", "process", "send", "forward"
 HOST = ["schedule", "prep", "samp_prep", "update", "process", "send"]
 
 
-def model_folder(root: str) -> str:
-    """config.json of the tiny model + the SmolLM2 tokenizer files."""
+def qwen2_vl_config() -> dict:
+    """The same tiny language model as Qwen2-VL lays it out (M-RoPE sections, a 2-block vision tower that text
+    requests never run): a step's host work with Qwen2-VL's position and input handling."""
+    import transformers
+
+    text = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    text |= {k: TINY[k] for k in ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+    text |= {"rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    text["rope_parameters"]["mrope_section"] = [2, 3, 3]
+    vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2)
+    vision |= dict(spatial_merge_size=2, in_channels=3, hidden_size=TINY["hidden_size"])
+    special = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3)
+    special |= dict(vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **special).to_dict()
+    config |= {"architectures": ["Qwen2VLForConditionalGeneration"], "torch_dtype": "float32"}
+    return config | {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def model_folder(root: str, arch: str = "llama") -> str:
+    """config.json of the tiny model (`arch`: llama or qwen2_vl) + the SmolLM2 tokenizer files."""
     from pagoda.models.gguf_checkpoint import default_gguf_path, load_gguf_tokenizer
 
     folder = os.path.join(root, "tiny-smol")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY, f)
+        json.dump(TINY if arch == "llama" else qwen2_vl_config(), f)
     load_gguf_tokenizer(default_gguf_path()).save_pretrained(folder)
     return folder
 
@@ -286,6 +305,7 @@ def main() -> None:
         help="thread: this thread's CPU time (steady on a shared machine; torch's intra-op "
         "threads in forward/sampler are not counted); wall: perf_counter",
     )
+    ap.add_argument("--arch", choices=["llama", "qwen2_vl"], default="llama", help="the tiny model's layout")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -296,7 +316,7 @@ def main() -> None:
         names.append(args.profile)
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        folder = model_folder(root)
+        folder = model_folder(root, args.arch)
         for name in names:
             results[name] = run_config(
                 folder, name, args.batch, args.steps, args.prompt_len, name == args.profile, args.decode_graphs
