@@ -28,7 +28,7 @@ Workloads (one model folder each, made by `models`):
   image-qwen2-vl-7b  the same at the 7B shape, c = 16, 64
   text-qwen2-vl-7b   the 7B shape's language model, 40 in / 256 out, c = 1, 64
   offload-qwen2-vl-7b
-                     the same model, 40 in / 64 out, c = 1 (4 requests) and c = 64 (64): short enough that each
+                     the same model, 40 in / 64 out, c = 1 (4 requests) and c = 64 (256): short enough that each
                      streamed step's copies fit in a call; run it per size with --pagoda-args and --vllm-args
                      "--cpu-offload-gb G" and --variant offloadG (vLLM then starts with its V1 model runner,
                      VLLM_USE_V2_MODEL_RUNNER=0: 0.26's default runner loads the whole model on the GPU and
@@ -312,10 +312,11 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
             ],
         ),
         # What --cpu-offload-gb trades (c = 1 TPOT, c = 64 tok/s): every step streams the offloaded GiB over the
-        # host link (~90 ms for 4 GiB), so the requests are short.
+        # host link (~90 ms for 4 GiB), so the requests are short; c = 64 runs four waves of them, since one wave
+        # without offload lasts well under a second (a noisy sample).
         "offload-qwen2-vl-7b": Workload(
             "qwen2-vl-7b",
-            [Point("c1", TEXT_40_64, 4, 1, concurrency=1), Point("c64", TEXT_40_64, 64, 1, concurrency=64)],
+            [Point("c1", TEXT_40_64, 4, 1, concurrency=1), Point("c64", TEXT_40_64, 256, 2, concurrency=64)],
         ),
     }
 
