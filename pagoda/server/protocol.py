@@ -318,6 +318,9 @@ class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+    # Replace an adapter served under this name with the folder's weights (a fresh checkpoint of the same
+    # adapter): later requests get the new one, running ones finish with the old.
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

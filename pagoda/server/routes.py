@@ -93,7 +93,9 @@ async def models(request: Request) -> p.ModelList:
 
 @router.post("/v1/load_lora_adapter", responses=_errors(400, 401, 404, 503))
 async def load_lora_adapter(body: p.LoadLoRAAdapterRequest, request: Request) -> Response:
-    return Response(await _serving(request).load_lora(body.lora_name, body.lora_path), media_type="text/plain")
+    return Response(
+        await _serving(request).load_lora(body.lora_name, body.lora_path, body.load_inplace), media_type="text/plain"
+    )
 
 
 @router.post("/v1/unload_lora_adapter", responses=_errors(400, 401, 404))

@@ -110,17 +110,19 @@ class OpenAIServing:
             raise ModelNotFound(f"The model `{_clip(name)}` does not exist. Served models: {served}.", "model")
 
     # ---- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----------
-    async def load_lora(self, name: str, path: str) -> str:
+    async def load_lora(self, name: str, path: str, inplace: bool = False) -> str:
         """Serve a PEFT folder under `name` from now on. Its folder and config are checked here, then the engine
         core reads its weights and checks them against the model (as it does --lora-modules at startup): an
-        adapter it cannot serve is a 400 naming why, and is not listed. Ids are never reused."""
+        adapter it cannot serve is a 400 naming why, and is not listed. Ids are never reused. `inplace` (vLLM's
+        load_inplace): `name` may be served already; the new weights take a new id, later requests get them,
+        and the old id is released (its running requests finish with it)."""
         ctx = self._runtime_lora()
         if name in ctx.served_model_names:
             raise InvalidRequest(
                 f"The lora adapter name '{_clip(name)}' is a served model name; load it under another name.",
                 "lora_name",
             )
-        if name in ctx.lora_modules or name in self._loading_loras:
+        if name in self._loading_loras or (name in ctx.lora_modules and not inplace):
             raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, self._next_lora_id, path)
         # The id is taken before anything is awaited (a concurrent load gets the next one), and the name is held
@@ -133,8 +135,11 @@ class OpenAIServing:
             await ctx.engine.add_lora(lora)
         finally:
             self._loading_loras.discard(name)
+        replaced = ctx.lora_modules.get(name)
         ctx.lora_modules[name] = lora
-        logger.info("Loaded LoRA adapter: name %r, path %r", name, path)
+        if replaced is not None:
+            await ctx.engine.remove_lora(replaced.lora_int_id)
+        logger.info("Loaded LoRA adapter: name %r, path %r%s", name, path, " (in place)" if replaced else "")
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_lora(self, name: str, lora_id: int | None) -> str:

@@ -92,6 +92,14 @@ def test_metrics_name_the_running_adapters(lora_server):
         assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters="attn"' in info[0], info
 
 
+def _wait_for_log(server: ServerProcess, line: str) -> None:
+    """The engine core logs it soon after the API answered (it acts on the API process's message)."""
+    deadline = time.monotonic() + 10
+    while line not in server.log_tail(20_000) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert line in server.log_tail(20_000)
+
+
 def test_adapters_load_and_unload_at_run_time(lora_server):
     server, base, adapters = lora_server
     with httpx.Client(base_url=server.url, timeout=120) as client:
@@ -102,17 +110,20 @@ def test_adapters_load_and_unload_at_run_time(lora_server):
             assert _complete(client, "all", prompt)["choices"][0]["token_ids"] == tokens
         again = client.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": adapters["all"]})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        # vLLM's load_inplace: the name now serves another checkpoint (here attn's weights), under a new id (4);
+        # the old id's memory is freed, as no request runs with it.
+        swap = {"lora_name": "all", "lora_path": adapters["attn"], "load_inplace": True}
+        assert client.post("/v1/load_lora_adapter", json=swap).status_code == 200
+        for prompt, (tokens, _) in zip(PROMPTS, _reference(base, adapters["attn"])):
+            assert _complete(client, "all", prompt)["choices"][0]["token_ids"] == tokens
+        _wait_for_log(server, "LoRA adapter 3 unloaded: its host copy and device slot are free")  # attn 1, mlp 2
         bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
         assert bad.status_code == 400 and "no such folder" in bad.json()["error"]["message"]
         extra = client.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "/p", "other": 1})
         assert extra.status_code == 400
         unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
         assert unload.status_code == 200 and "removed successfully" in unload.text
-        freed = f"LoRA adapter {3} unloaded: its host copy and device slot are free"  # ids: attn 1, mlp 2, all 3
-        deadline = time.monotonic() + 10
-        while freed not in server.log_tail(20_000) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert freed in server.log_tail(20_000)
+        _wait_for_log(server, "LoRA adapter 4 unloaded: its host copy and device slot are free")
         gone = client.post("/v1/completions", json={"model": "all", "prompt": [5, 6], "max_tokens": 2})
         assert gone.status_code == 404
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 404
