@@ -124,7 +124,8 @@ class OpenAIServing:
             )
         if name in self._loading_loras or (name in ctx.lora_modules and not inplace):
             raise InvalidRequest(f"The lora adapter '{_clip(name)}' has already been loaded.", "lora_name")
-        lora = LoRARequest(name, self._next_lora_id, path)
+        current = ctx.lora_modules.get(name)  # replaced in place: its parent in /v1/models stays
+        lora = LoRARequest(name, self._next_lora_id, path, base_model_name=current and current.base_model_name)
         # The id is taken before anything is awaited (a concurrent load gets the next one), and the name is held
         # until the core answers (a concurrent load of the same name is refused, not listed twice).
         self._next_lora_id = lora.lora_int_id + 1

@@ -117,6 +117,10 @@ def test_adapters_load_and_unload_at_run_time(lora_server):
         for prompt, (tokens, _) in zip(PROMPTS, _reference(base, adapters["attn"])):
             assert _complete(client, "all", prompt)["choices"][0]["token_ids"] == tokens
         _wait_for_log(server, "LoRA adapter 3 unloaded: its host copy and device slot are free")  # attn 1, mlp 2
+        # A --lora-modules adapter reloaded in place (id 5) keeps the parent its JSON form gave it.
+        reload = {"lora_name": "mlp", "lora_path": adapters["mlp"], "load_inplace": True}
+        assert client.post("/v1/load_lora_adapter", json=reload).status_code == 200
+        assert {c["id"]: c for c in client.get("/v1/models").json()["data"]}["mlp"]["parent"] == "b"
         bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
         assert bad.status_code == 400 and "no such folder" in bad.json()["error"]["message"]
         extra = client.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "/p", "other": 1})
