@@ -198,6 +198,18 @@ def test_prefix_cache_is_not_shared_between_adapters(lora_setup):
     assert llm.engine.block_manager.prefix_hits > hits  # the same adapter again: its own blocks
 
 
+def _expect_refused(llm: LLM, cases: dict[str, str], first_id: int) -> None:
+    """Each adapter path of `cases` is refused with its message (a regex) when a prompt names it."""
+    for i, (path, message) in enumerate(cases.items()):
+        with pytest.raises(InvalidRequest, match=message):
+            llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}],
+                _params(),
+                use_tqdm=False,
+                lora_request=LoRARequest(f"bad{i}", first_id + i, path),
+            )
+
+
 def _edit_config(folder: Path, **changes) -> None:
     path = folder / "adapter_config.json"
     config = json.loads(path.read_text())
@@ -237,14 +249,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_carries_on(lora_setup, 
         wider: "an adapter of another base model",
         head: "lm_head, which is not an adaptable linear layer",
     }
-    for i, (path, message) in enumerate(cases.items()):
-        with pytest.raises(InvalidRequest, match=message):
-            llm.generate(
-                [{"prompt_token_ids": PROMPTS[0]}],
-                _params(),
-                use_tqdm=False,
-                lora_request=LoRARequest(f"bad{i}", 100 + i, path),
-            )
+    _expect_refused(llm, cases, first_id=100)
     with pytest.raises(InvalidRequest, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, adapters["attn"])
     ok = llm.generate(
@@ -297,14 +302,7 @@ def test_pickled_and_hub_id_adapters_equal_peft_merged(lora_setup, tmp_path, mon
         "team/not-cached": "could not be fetched from the Hugging Face hub",
         str(not_tensors): "not a plain tensor checkpoint",
     }
-    for i, (path, message) in enumerate(cases.items()):
-        with pytest.raises(InvalidRequest, match=message):
-            llm.generate(
-                [{"prompt_token_ids": PROMPTS[0]}],
-                _params(),
-                use_tqdm=False,
-                lora_request=LoRARequest(f"bad{i}", 10 + i, path),
-            )
+    _expect_refused(llm, cases, first_id=10)
 
 
 def test_an_unloaded_adapter_is_freed_once_its_last_request_finishes(lora_setup):
