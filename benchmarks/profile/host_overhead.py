@@ -100,17 +100,32 @@ def qwen2_vl_config() -> dict:
     requests never run): a step's host work with Qwen2-VL's position and input handling."""
     import transformers
 
-    text = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
-    text |= {k: TINY[k] for k in ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
-    text |= {"rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-    text["rope_parameters"]["mrope_section"] = [2, 3, 3]
-    vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, patch_size=14, temporal_patch_size=2)
-    vision |= dict(spatial_merge_size=2, in_channels=3, hidden_size=TINY["hidden_size"])
-    special = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3)
-    special |= dict(vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1)
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **special).to_dict()
-    config |= {"architectures": ["Qwen2VLForConditionalGeneration"], "torch_dtype": "float32"}
-    return config | {"bos_token_id": 1, "eos_token_id": 2}
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    text = {key: TINY[key] for key in (*shared, "num_key_value_heads", "max_position_embeddings")}
+    text.update(
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    )
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        num_heads=4,
+        mlp_ratio=4,
+        patch_size=14,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        in_channels=3,
+        hidden_size=TINY["hidden_size"],
+    )
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=VOCAB - 4,
+        video_token_id=VOCAB - 3,
+        vision_start_token_id=VOCAB - 2,
+        vision_end_token_id=VOCAB - 1,
+    ).to_dict()
+    arch = {"architectures": ["Qwen2VLForConditionalGeneration"], "torch_dtype": "float32"}
+    return config | arch | {"bos_token_id": 1, "eos_token_id": 2}
 
 
 def model_folder(root: str, arch: str = "llama") -> str:
