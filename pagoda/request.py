@@ -105,7 +105,10 @@ class Request:
         under one adapter is not another's)."""
         if self.lora_request is None:
             return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}:{self.lora_request.lora_path}"
+        reloads = self.lora_request.reloads
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}:{self.lora_request.lora_path}" + (
+            f":{reloads}" if reloads else ""
+        )
 
     @property
     def priority_key(self) -> tuple[int, float]:

@@ -107,6 +107,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self._loras: dict[int, LoRARequest] = {}  # adapters read by the runner, by id
+        self._lora_reloads: dict[int, int] = {}  # reads in place (load_inplace), by id
         self._releasing: set[int] = set()  # unloaded adapters whose last requests have not finished yet
         self.vocab_size = self.runner.vocab_size
         if self._grammars is not None:
@@ -229,11 +230,11 @@ class LLMEngine:
         request has stop strings, which need the text here. cache_salt: prefix-cache blocks are shared only
         with requests of the same salt. priority: lower runs first under the priority scheduling policy
         (under fcfs only 0 is accepted, as in vLLM). lora_request: the adapter it runs with (read and checked
-        now if new: `add_lora`)."""
+        now if new: `add_lora`; its load_inplace is add_lora's to honour, not each request's)."""
         if self.output_processor.has_request(request_id) or self._in_flight(request_id, params.n):
             raise InvalidRequest(f"Request id {request_id!r} is already in use.", "request_id")
         if lora_request is not None:
-            self.add_lora(lora_request)
+            lora_request = self._held_lora(lora_request)
         max_tokens = validate_request(
             prompt_token_ids, params, self.config.model.max_model_len, self.vocab_size, self.tokenizer is not None
         )
@@ -397,17 +398,43 @@ class LLMEngine:
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter (once per id and folder); raises InvalidRequest naming what is wrong."""
+        """Read and check an adapter (once per id and folder; again with load_inplace, when no request of that id
+        is unfinished: new weights midway would change a running request's output); raises InvalidRequest naming
+        what is wrong."""
         if self.config.lora is None:
             raise InvalidRequest(
                 f"LoRA adapter {lora_request.lora_name!r} asked for, but adapters are off: start with "
                 "enable_lora=True.",
                 "lora_request",
             )
-        if self._loras.get(lora_request.lora_int_id) != lora_request:
-            self._lora_manager().add(lora_request)
-            self._loras[lora_request.lora_int_id] = lora_request
+        lora_id = lora_request.lora_int_id
+        known = self._loras.get(lora_id)
+        if lora_request.load_inplace and known is not None:
+            if lora_id in self._lora_ids_in_use():
+                raise InvalidRequest(
+                    f"LoRA adapter {lora_request.lora_name!r} (id {lora_id}) still has requests; load it in place "
+                    "when they finish.",
+                    "lora_request",
+                )
+            # The count outlives a remove_lora: a later read of the id never takes an earlier one's cached blocks.
+            self._lora_reloads[lora_id] = self._lora_reloads.get(lora_id, 0) + 1
+            lora_request = lora_request.reloaded(self._lora_reloads[lora_id])
+        elif lora_request.names_same_adapter(known):
+            return True
+        self._lora_manager().add(lora_request)
+        self._loras[lora_id] = lora_request
         return True
+
+    def _held_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """The engine's copy of a request's adapter (read now if new; a load_inplace read is add_lora's)."""
+        if not lora_request.names_same_adapter(self._loras.get(lora_request.lora_int_id)):
+            self.add_lora(replace(lora_request, load_inplace=False))
+        return self._loras[lora_request.lora_int_id]
+
+    def _lora_ids_in_use(self) -> set[int]:
+        used = {r.lora_id for r in self.scheduler.requests.values()}
+        used.update(r.lora_id for _, children, _ in self._awaiting_grammar.values() for r in children)
+        return used
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter (requests already queued with it finish with it)."""
@@ -424,8 +451,7 @@ class LLMEngine:
             self._release_unused_loras()
 
     def _release_unused_loras(self) -> None:
-        used = {r.lora_id for r in self.scheduler.requests.values()}
-        used.update(r.lora_id for _, children, _ in self._awaiting_grammar.values() for r in children)
+        used = self._lora_ids_in_use()
         for lora_id in self._releasing - used:
             self.remove_lora(lora_id)
             logger.info("LoRA adapter %d unloaded: its host copy and device slot are free", lora_id)

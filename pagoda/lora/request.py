@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagoda.errors import ConfigError, InvalidRequest
 
@@ -14,12 +14,19 @@ class LoRARequest:
     (0 is the base model); lora_path: a PEFT folder; base_model_name: the name /v1/models gives as its parent (None:
     the first served name). vLLM has two fields between lora_path and base_model_name that Pagoda does not, so
     base_model_name is keyword-only: a positional call never binds it in their place. It is a label, not part of
-    the adapter: it takes no part in equality (the engine tells adapters apart by id and folder)."""
+    the adapter: it takes no part in equality (the engine tells adapters apart by id and folder). load_inplace
+    (vLLM's): read the folder again though this id is loaded (its files changed); `LLMEngine.add_lora` does it,
+    and `LLM.generate` calls that once per call for such a request."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = field(default=None, kw_only=True, compare=False)
+    load_inplace: bool = field(default=False, kw_only=True, compare=False)
+    # How many times this id's folder was read again in place (`LLMEngine.add_lora` with load_inplace): part of
+    # equality and of the prefix-cache key, so no tensor-parallel rank keeps, and no request hits, what the
+    # weights read before computed.
+    reloads: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.lora_name:
@@ -36,6 +43,20 @@ class LoRARequest:
                 f"LoRA adapter {self.lora_name!r}: base_model_name must be a string, got {self.base_model_name!r}.",
                 "lora_request",
             )
+
+    def names_same_adapter(self, other: LoRARequest | None) -> bool:
+        """Same name, id and folder, whatever the reloads."""
+        return other is not None and (self.lora_name, self.lora_int_id, self.lora_path) == (
+            other.lora_name,
+            other.lora_int_id,
+            other.lora_path,
+        )
+
+    def reloaded(self, count: int) -> LoRARequest:
+        """This request as the engine holds it after its `count`-th read in place."""
+        copy = replace(self, load_inplace=False)
+        object.__setattr__(copy, "reloads", count)
+        return copy
 
     @property
     def adapter_id(self) -> int:

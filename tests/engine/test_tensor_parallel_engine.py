@@ -10,6 +10,8 @@ read each step's tokens one launch late). Yuan2 at TP = 4 is checked at the mode
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -129,6 +131,14 @@ def lora_against_peft(engines, tmp_path, **parallel) -> None:
             engine.add_request(f"{name}-{j}", prompt, params, lora_request=lora)
             expected[f"{name}-{j}"] = _reference(base, paths.get(name))[j][0]
     assert _finish(engine) == expected
+    # The "attn" folder rewritten with the "all" adapter's files and read again in place: every rank runs the new
+    # weights (the id's reads are part of the request each rank compares with what it holds).
+    shutil.rmtree(paths["attn"])
+    shutil.copytree(paths["all"], paths["attn"])
+    engine.add_lora(LoRARequest("attn", 1, paths["attn"], load_inplace=True))
+    for j, prompt in enumerate(PROMPTS):
+        engine.add_request(f"again-{j}", prompt, params, lora_request=LoRARequest("attn", 1, paths["attn"]))
+    assert _finish(engine) == {f"again-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
 
 
 def _finish(engine) -> dict[str, list[int]]:

@@ -326,6 +326,38 @@ def test_an_unloaded_adapter_is_freed_once_its_last_request_finishes(lora_setup)
     _check([outputs["a"]], refs["attn"][:1])
 
 
+def test_load_inplace_reads_a_changed_folder_again_and_no_block_of_the_old_weights_is_hit(lora_setup, tmp_path):
+    """vLLM's `LoRARequest(..., load_inplace=True)`: the folder's files changed (here: another adapter's copied over
+    it); the same request without the flag keeps the weights read first, with it the new ones run — and the prompts'
+    cached blocks, computed under the old weights, are not hit. While a request of the id runs, a read in place is
+    refused (it would change that request's output midway)."""
+    base, adapters, refs = lora_setup
+    folder = tmp_path / "changing"
+    shutil.copytree(adapters["attn"], folder)
+    llm = _llm(base, max_loras=1)
+    long = [[(5 * i + j) % 500 + 3 for j in range(40)] for i in range(2)]  # two full 16-token blocks each
+    long_refs = {name: _reference(base, adapters[name], long) for name in ("attn", "all")}
+    prompts = [{"prompt_token_ids": p} for p in long]
+    request = LoRARequest("changing", 1, str(folder))
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), long_refs["attn"])
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["all"], folder)
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), long_refs["attn"])  # as read
+    hits = llm.engine.block_manager.prefix_hits
+    inplace = LoRARequest("changing", 1, str(folder), load_inplace=True)
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=inplace), long_refs["all"])
+    assert llm.engine.block_manager.prefix_hits == hits  # no block of the old weights hit
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), long_refs["all"])  # kept
+    assert llm.engine.block_manager.prefix_hits > hits  # the new weights' own blocks are
+    engine = llm.llm_engine
+    engine.add_request("running", PROMPTS[0], _params(), lora_request=request)
+    with pytest.raises(InvalidRequest, match="still has requests; load it in place when they finish"):
+        engine.add_lora(inplace)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.add_lora(inplace)  # nothing runs with it now
+
+
 def test_a_prompt_refused_part_way_leaves_nothing_queued(lora_setup, tmp_path):
     """The third prompt's adapter is refused: the two queued before it are aborted (as in vLLM), so they neither
     run with the next generate() nor come back from it."""
