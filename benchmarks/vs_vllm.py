@@ -70,7 +70,7 @@ from h200_shapes import QWEN2VL_7B_TEXT, SHAPES  # noqa: E402  (this folder's sh
 from quantization_sbs import KEYS as POOLED_NAMES  # noqa: E402  (the older pooled client's names -> vLLM's)
 
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig  # noqa: E402
-from pagoda.tools.bench.metrics import summarize_ms, tpot_of  # noqa: E402
+from pagoda.tools.bench.metrics import parse_prometheus, server_metrics_summary, summarize_ms, tpot_of  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
 KEYS = (
@@ -390,11 +390,13 @@ def run_point(url: str, model: str, point: Point, rate: float | None, seed: int)
         child = ctx.Process(target=_client_process, args=(argv, barrier, queue))
         child.start()
         children.append(child)
+    before = engine_counters(url)
     with GpuBusy() as busy:
         results = [queue.get() for _ in children]
     for child in children:
         child.join()
     row = pool([r for r in results if "error" not in r])
+    row.update(engine_split(before, engine_counters(url), row.get("span")))
     row["gpu_util_mean_pct"] = busy.mean(row.pop("span", None))
     errors = [r["error"] for r in results if "error" in r]
     if errors:
@@ -422,6 +424,30 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     for name in ("ttft", "tpot", "itl", "e2el"):
         row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
     return row
+
+
+def engine_counters(url: str) -> dict | None:
+    """The server's engine counters now (`pagoda.tools.bench.metrics.parse_prometheus`), or None where its
+    /metrics page has none or does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            return parse_prometheus(response.read().decode())
+    except OSError:
+        return None
+
+
+def engine_split(before: dict | None, after: dict | None, span: tuple[float, float] | None) -> dict:
+    """Where a Pagoda server's engine core spent a point (its own counters, read before and after): host ms and
+    device-wait ms per step, and its busy share of the point's span. A core busy nearly all the time with little
+    of it waiting for the GPU sets the rate by its host work; vLLM's pages have no such counters (no keys)."""
+    summary = server_metrics_summary(before, after, [])
+    if summary.get("engine_host_ms_per_step") is None:
+        return {}
+    out = {k: round(summary[k], 3) for k in ("engine_host_ms_per_step", "engine_wait_ms_per_step")}
+    out["engine_steps"] = int(summary["engine_steps_delta"])
+    if span is not None and span[1] > span[0]:
+        out["engine_busy_pct"] = round(100 * summary["engine_busy_seconds_delta"] / (span[1] - span[0]), 1)
+    return out
 
 
 def nvidia_smi_utilization() -> float:
@@ -618,10 +644,11 @@ def run(args: argparse.Namespace) -> None:
 
 def _short(row: dict) -> str:
     keys = ("request_throughput", "output_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "failed")
-    keys += ("gpu_util_mean_pct",)
+    keys += ("gpu_util_mean_pct", "engine_busy_pct", "engine_host_ms_per_step", "engine_wait_ms_per_step")
     head = f"{row['point']}" + (f"@{row['request_rate']}/s" if "request_rate" in row else "")
     error = f" ERR {row['sample_error']}" if "sample_error" in row else ""
-    return head + " " + " ".join(f"{k}={row.get(k)}" for k in keys) + error
+    shown = [k for k in keys if k in row or not k.startswith("engine_")]  # vLLM rows have no engine counters
+    return head + " " + " ".join(f"{k}={row.get(k)}" for k in shown) + error
 
 
 # ---- older side-by-side folders ------------------------------------------------------------------
