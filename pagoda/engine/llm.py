@@ -150,9 +150,9 @@ class LLM:
                 f"Got {len(loras)} LoRA requests for {len(batch)} prompts; pass one, or one per prompt.", "lora_request"
             )
         # An adapter asked to load in place (its folder's files changed) is read again once for this call.
-        reload = {lora.lora_int_id: lora for lora in loras if isinstance(lora, LoRARequest) and lora.load_inplace}
-        for lora in reload.values():
-            self.engine.add_lora(lora)
+        reload = {r.lora_int_id: r for r in loras if isinstance(r, LoRARequest) and r.load_inplace}
+        for changed in reload.values():
+            self.engine.add_lora(changed)
         ids: list[str] = []
         try:
             for prompt, params, rank, lora in zip(batch, params_list, priorities, loras):
