@@ -438,12 +438,15 @@ def engine_counters(url: str) -> dict | None:
 
 def engine_split(before: dict | None, after: dict | None, span: tuple[float, float] | None) -> dict:
     """Where a Pagoda server's engine core spent a point (its own counters, read before and after): host ms and
-    device-wait ms per step, and its busy share of the point's span. A core busy nearly all the time with little
-    of it waiting for the GPU sets the rate by its host work; vLLM's pages have no such counters (no keys)."""
+    device-wait ms per step, the loop thread's CPU ms per step, and its busy share of the point's span. A core busy
+    nearly all the time with little of it waiting for the GPU sets the rate by its host work; host ms well above
+    CPU ms means that work blocks (in the driver, on a lock) rather than computes. vLLM's pages have no such
+    counters (no keys)."""
     summary = server_metrics_summary(before, after, [])
     if summary.get("engine_host_ms_per_step") is None:
         return {}
-    out = {k: round(summary[k], 3) for k in ("engine_host_ms_per_step", "engine_wait_ms_per_step")}
+    keys = ("engine_host_ms_per_step", "engine_wait_ms_per_step", "engine_cpu_ms_per_step")
+    out = {k: round(summary[k], 3) for k in keys if summary.get(k) is not None}
     out["engine_steps"] = int(summary["engine_steps_delta"])
     if span is not None and span[1] > span[0]:
         out["engine_busy_pct"] = round(100 * summary["engine_busy_seconds_delta"] / (span[1] - span[0]), 1)
@@ -645,6 +648,7 @@ def run(args: argparse.Namespace) -> None:
 def _short(row: dict) -> str:
     keys = ("request_throughput", "output_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "failed")
     keys += ("gpu_util_mean_pct", "engine_busy_pct", "engine_host_ms_per_step", "engine_wait_ms_per_step")
+    keys += ("engine_cpu_ms_per_step",)
     head = f"{row['point']}" + (f"@{row['request_rate']}/s" if "request_rate" in row else "")
     error = f" ERR {row['sample_error']}" if "sample_error" in row else ""
     shown = [k for k in keys if k in row or not k.startswith("engine_")]  # vLLM rows have no engine counters

@@ -88,7 +88,7 @@ def test_gpu_busy_averages_the_samples_inside_the_points_span():
     assert none.mean(None) is None and not none.samples
 
 
-def _page(steps: int, busy: float, wait: float) -> str:
+def _page(steps: int, busy: float, wait: float, cpu: float) -> str:
     """A Pagoda /metrics page's engine counters (each family under both prefixes, as the server shows them)."""
     lines = []
     for prefix in ("vllm", "pagoda"):
@@ -96,20 +96,23 @@ def _page(steps: int, busy: float, wait: float) -> str:
             ("engine_steps_total", steps),
             ("engine_core_busy_seconds_total", busy),
             ("engine_core_device_wait_seconds_total", wait),
+            ("engine_core_cpu_seconds_total", cpu),
         ):
             lines.append(f'{prefix}:{name}{{model_name="m",engine="0"}} {value}')
     return "\n".join(lines) + "\n"
 
 
 def test_engine_split_gives_the_cores_host_and_wait_time_per_step_over_the_point():
-    """Counters read before and after a point of 10 s: 400 steps, 9 s busy of which 6 s waiting for the GPU ->
-    7.5 ms host and 15 ms wait per step, busy 90 % of the span; vLLM's page (no engine counters) adds nothing."""
-    before = vs_vllm.parse_prometheus(_page(100, 2.0, 1.0))
-    after = vs_vllm.parse_prometheus(_page(500, 11.0, 7.0))
+    """Counters read before and after a point of 10 s: 400 steps, 9 s busy of which 6 s waiting for the GPU, 1 s of
+    the loop thread's CPU -> 7.5 ms host, 15 ms wait and 2.5 ms CPU per step, busy 90 % of the span; vLLM's page (no
+    engine counters) adds nothing."""
+    before = vs_vllm.parse_prometheus(_page(100, 2.0, 1.0, 0.5))
+    after = vs_vllm.parse_prometheus(_page(500, 11.0, 7.0, 1.5))
     split = vs_vllm.engine_split(before, after, (50.0, 60.0))
     assert split == {
         "engine_host_ms_per_step": 7.5,
         "engine_wait_ms_per_step": 15.0,
+        "engine_cpu_ms_per_step": 2.5,
         "engine_steps": 400,
         "engine_busy_pct": 90.0,
     }
