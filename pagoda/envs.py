@@ -245,6 +245,13 @@ GRAMMAR_COMPILE_TIMEOUT_S = Env(
 )
 
 # ---- fault injection, for tests only (unset in production)
+CORE_PROFILE = Env(
+    "PAGODA_CORE_PROFILE",
+    str,
+    None,
+    "diagnostics: a file path; the engine core's serving loop runs under cProfile and writes its pstats there when "
+    "the server stops (the loop's Python runs slower meanwhile)",
+)
 TEST_LONG_STEP_S = Env(
     "PAGODA_TEST_LONG_STEP_S",
     float,

@@ -28,6 +28,8 @@ already knows each request's prompt; `AsyncEngine` rebuilds `RequestOutput`s fro
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
 import functools
 import logging
 import shutil
@@ -422,7 +424,8 @@ def run_engine_core(
     )
     ready = True
     try:
-        _loop(engine, inbox, clients, beat)
+        with profiled(envs.CORE_PROFILE.value):
+            _loop(engine, inbox, clients, beat)
     except Exception:
         died = CoreDied(traceback.format_exc(limit=8))
         for box in [control, *clients]:
@@ -433,6 +436,27 @@ def run_engine_core(
         for box in [control, *clients]:
             box.close(linger=1000)
         inbox.close(linger=0)
+
+
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """The block under cProfile, its pstats written to `path` when it ends, however it ends (None: no profiler).
+    `PAGODA_CORE_PROFILE` puts the serving loop under it: where the core's host time goes in a served run, for
+    `python -m pstats PATH` (the steps' GPU work shows only as the host time spent launching it)."""
+    if not path:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        try:
+            profiler.dump_stats(path)
+            logger.info("engine core profile written to %s", path)
+        except OSError as exc:
+            logger.warning("PAGODA_CORE_PROFILE: could not write %s: %s", path, exc)
 
 
 def _read_adapters(engine, loras: tuple) -> None:
