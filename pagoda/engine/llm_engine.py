@@ -107,7 +107,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self._loras: dict[int, LoRARequest] = {}  # adapters read by the runner, by id
-        self._lora_reloads: dict[int, int] = {}  # reads in place (load_inplace), by id
+        self._lora_reloads: dict[int, int] = {}  # epochs of an id (reads in place, removals), by id
         self._releasing: set[int] = set()  # unloaded adapters whose last requests have not finished yet
         self.vocab_size = self.runner.vocab_size
         if self._grammars is not None:
@@ -416,11 +416,11 @@ class LLMEngine:
                     "when they finish.",
                     "lora_request",
                 )
-            # The count outlives a remove_lora: a later read of the id never takes an earlier one's cached blocks.
             self._lora_reloads[lora_id] = self._lora_reloads.get(lora_id, 0) + 1
-            lora_request = lora_request.reloaded(self._lora_reloads[lora_id])
         elif lora_request.names_same_adapter(known):
             return True
+        if self._lora_reloads.get(lora_id):  # read before (in place, or before a remove_lora): a new epoch of the id
+            lora_request = lora_request.reloaded(self._lora_reloads[lora_id])
         self._lora_manager().add(lora_request)
         self._loras[lora_id] = lora_request
         return True
@@ -440,7 +440,9 @@ class LLMEngine:
         """Forget an adapter (requests already queued with it finish with it)."""
         if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
             raise InvalidRequest(f"LoRA adapter {lora_id} still has requests; remove it when they finish.", "lora_id")
-        self._lora_manager().remove(lora_id)
+        self.runner.remove_lora(lora_id)  # on every tensor-parallel and pipeline rank
+        if lora_id in self._loras:  # the id read again later is a new epoch: no block of this one is hit then
+            self._lora_reloads[lora_id] = self._lora_reloads.get(lora_id, 0) + 1
         return self._loras.pop(lora_id, None) is not None
 
     def release_lora(self, lora_id: int) -> None:

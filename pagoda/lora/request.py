@@ -23,9 +23,9 @@ class LoRARequest:
     lora_path: str = ""
     base_model_name: str | None = field(default=None, kw_only=True, compare=False)
     load_inplace: bool = field(default=False, kw_only=True, compare=False)
-    # How many times this id's folder was read again in place (`LLMEngine.add_lora` with load_inplace): part of
-    # equality and of the prefix-cache key, so no tensor-parallel rank keeps, and no request hits, what the
-    # weights read before computed.
+    # The id's epoch in the engine: how many times it was read again in place or removed before this read
+    # (`LLMEngine.add_lora`). Part of equality and of the prefix-cache key, so no tensor-parallel rank keeps, and
+    # no request hits, what the weights read before computed.
     reloads: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,7 +53,7 @@ class LoRARequest:
         )
 
     def reloaded(self, count: int) -> LoRARequest:
-        """This request as the engine holds it after its `count`-th read in place."""
+        """This request as the engine holds it in the id's epoch `count`."""
         copy = replace(self, load_inplace=False)
         object.__setattr__(copy, "reloads", count)
         return copy

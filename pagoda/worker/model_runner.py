@@ -197,6 +197,10 @@ class ModelRunner:
     def set_token_masks(self, masks: Any) -> None:
         self.token_masks = masks
 
+    def remove_lora(self, lora_id: int) -> None:  # its host copy and device slot, on this rank
+        if self.lora is not None:
+            self.lora.remove(lora_id)
+
     def shutdown(self) -> None:  # nothing to stop on one rank (`TensorParallelRunner.shutdown` stops the others)
         pass
 

@@ -87,7 +87,7 @@ class TensorParallelRunner:
     @property
     def lora(self) -> Any:
         """The driver's adapters (`lora/manager.py`): the engine reads and checks an adapter there; each other
-        rank reads it when the adapter's first request reaches it."""
+        rank reads it when the adapter's first request reaches it, and drops it with `remove_lora`."""
         return self.local.lora
 
     def __init__(
@@ -175,6 +175,11 @@ class TensorParallelRunner:
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.local.kv_cache_spec()  # per rank: the same on every rank
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Every rank drops its copy now: one kept would outlive the adapter (and serve its old files if the id
+        were read again from a rewritten folder)."""
+        self._on_all_ranks("remove_lora", lora_id)
 
     def set_token_masks(self, masks: Any) -> None:
         """Only the driver samples, so only its shard applies grammar masks."""

@@ -139,6 +139,15 @@ def lora_against_peft(engines, tmp_path, **parallel) -> None:
     for j, prompt in enumerate(PROMPTS):
         engine.add_request(f"again-{j}", prompt, params, lora_request=LoRARequest("attn", 1, paths["attn"]))
     assert _finish(engine) == {f"again-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
+    # Removed, its folder rewritten (the "all" files again), then asked for under the same name, id and folder: every
+    # rank dropped its copy at the removal, so every rank reads the new files (one that kept the old copy would
+    # compute its share of the heads with the old weights).
+    engine.remove_lora(2)
+    shutil.rmtree(paths["mlp"])
+    shutil.copytree(paths["all"], paths["mlp"])
+    for j, prompt in enumerate(PROMPTS):
+        engine.add_request(f"readded-{j}", prompt, params, lora_request=LoRARequest("mlp", 2, paths["mlp"]))
+    assert _finish(engine) == {f"readded-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
 
 
 def _finish(engine) -> dict[str, list[int]]:

@@ -330,7 +330,8 @@ def test_load_inplace_reads_a_changed_folder_again_and_no_block_of_the_old_weigh
     """vLLM's `LoRARequest(..., load_inplace=True)`: the folder's files changed (here: another adapter's copied over
     it); the same request without the flag keeps the weights read first, with it the new ones run — and the prompts'
     cached blocks, computed under the old weights, are not hit. While a request of the id runs, a read in place is
-    refused (it would change that request's output midway)."""
+    refused (it would change that request's output midway). After `remove_lora` the id is read anew, and the blocks
+    cached under it before are not hit either."""
     base, adapters, refs = lora_setup
     folder = tmp_path / "changing"
     shutil.copytree(adapters["attn"], folder)
@@ -356,6 +357,15 @@ def test_load_inplace_reads_a_changed_folder_again_and_no_block_of_the_old_weigh
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.add_lora(inplace)  # nothing runs with it now
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), long_refs["all"])  # blocks cached
+    # Removed, the folder rewritten once more (the first adapter's files), then named again by the same request:
+    # read from its files as they are now, and no block cached under the id before its removal is hit.
+    engine.remove_lora(1)
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["attn"], folder)
+    hits = llm.engine.block_manager.prefix_hits
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=request), long_refs["attn"])
+    assert llm.engine.block_manager.prefix_hits == hits
 
 
 def test_a_prompt_refused_part_way_leaves_nothing_queued(lora_setup, tmp_path):
