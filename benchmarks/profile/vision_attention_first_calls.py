@@ -15,19 +15,19 @@ pays that build on the engine's host thread while the GPU may idle. This times, 
     cumulative lengths (FlashAttention's varlen kernel: mixed sizes in one call).
 
 Per shape: the first call's host time (to the call's return; then a sync) and its wall time to completion,
-then the steady call by CUDA events (median of 5). Totals at the end: the host ms that new shapes cost each
-path over the whole sequence, and the steady ms of the same sequence of calls.
+then the steady call by CUDA events (`vision_tower_profile.time_ms`: median of 5 after warm-up). Totals at the
+end: the host ms that new shapes cost each path over the whole sequence, and the steady ms of the same calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from vision_tower_profile import time_ms  # this folder's CUDA-event timer (median after warm-up)
 
 HEADS, HEAD_DIM, PATCH, MERGE = 16, 80, 14, 2
 
@@ -39,19 +39,6 @@ def patch_rows(size: str) -> int:
     width, height = (int(x) for x in size.split("x"))
     h, w = smart_resize(height, width, factor=PATCH * MERGE)
     return (h // PATCH) * (w // PATCH)
-
-
-def steady_ms(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def call_for(path: str, n: int, length: int):
@@ -106,7 +93,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 t2 = time.perf_counter()
-                steady = steady_ms(fn)
+                steady = time_ms(fn, repeats=5)
             except Exception as exc:  # noqa: BLE001 - a path this torch or GPU does not run
                 print(f"{path:>10} {size:>9} {n:>3}: {type(exc).__name__}: {str(exc)[:120]}")
                 break
