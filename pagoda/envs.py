@@ -244,7 +244,7 @@ GRAMMAR_COMPILE_TIMEOUT_S = Env(
     "seconds a structured-output request's grammar may take to compile before the request is refused (400)",
 )
 
-# ---- fault injection, for tests only (unset in production)
+# ---- diagnostics (unset in production)
 CORE_PROFILE = Env(
     "PAGODA_CORE_PROFILE",
     str,
@@ -252,6 +252,8 @@ CORE_PROFILE = Env(
     "diagnostics: a file path; the engine core's serving loop runs under cProfile and writes its pstats there when "
     "the server stops (the loop's Python runs slower meanwhile)",
 )
+
+# ---- fault injection, for tests only (unset in production)
 TEST_LONG_STEP_S = Env(
     "PAGODA_TEST_LONG_STEP_S",
     float,
