@@ -101,14 +101,12 @@ class Request:
 
     @property
     def prefix_salt(self) -> str | None:
-        """What the first block's hash takes besides its tokens: the cache salt and the adapter (KV computed
-        under one adapter is not another's)."""
+        """What the first block's hash takes besides its tokens: the cache salt and the adapter, in its epoch (KV
+        computed under one adapter, or under an id's weights before they were read again, is not another's)."""
         if self.lora_request is None:
             return self.cache_salt
-        reloads = self.lora_request.reloads
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}:{self.lora_request.lora_path}" + (
-            f":{reloads}" if reloads else ""
-        )
+        lora = self.lora_request
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_id}:{lora.lora_path}:{lora.epoch}"
 
     @property
     def priority_key(self) -> tuple[int, float]:

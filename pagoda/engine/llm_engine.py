@@ -107,7 +107,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
         self._rejected: list[tuple[str, str]] = []  # (request id, why): refused after add_request returned
         self._loras: dict[int, LoRARequest] = {}  # adapters read by the runner, by id
-        self._lora_reloads: dict[int, int] = {}  # epochs of an id (reads in place, removals), by id
+        self._lora_epochs: dict[int, int] = {}  # an id's epoch: its reads in place and removals so far
         self._releasing: set[int] = set()  # unloaded adapters whose last requests have not finished yet
         self.vocab_size = self.runner.vocab_size
         if self._grammars is not None:
@@ -416,11 +416,10 @@ class LLMEngine:
                     "when they finish.",
                     "lora_request",
                 )
-            self._lora_reloads[lora_id] = self._lora_reloads.get(lora_id, 0) + 1
+            self._lora_epochs[lora_id] = self._lora_epochs.get(lora_id, 0) + 1
         elif lora_request.names_same_adapter(known):
             return True
-        if self._lora_reloads.get(lora_id):  # read before (in place, or before a remove_lora): a new epoch of the id
-            lora_request = lora_request.reloaded(self._lora_reloads[lora_id])
+        lora_request = lora_request.in_epoch(self._lora_epochs.get(lora_id, 0))
         self._lora_manager().add(lora_request)
         self._loras[lora_id] = lora_request
         return True
@@ -442,7 +441,7 @@ class LLMEngine:
             raise InvalidRequest(f"LoRA adapter {lora_id} still has requests; remove it when they finish.", "lora_id")
         self.runner.remove_lora(lora_id)  # on every tensor-parallel and pipeline rank
         if lora_id in self._loras:  # the id read again later is a new epoch: no block of this one is hit then
-            self._lora_reloads[lora_id] = self._lora_reloads.get(lora_id, 0) + 1
+            self._lora_epochs[lora_id] = self._lora_epochs.get(lora_id, 0) + 1
         return self._loras.pop(lora_id, None) is not None
 
     def release_lora(self, lora_id: int) -> None:

@@ -26,7 +26,7 @@ class LoRARequest:
     # The id's epoch in the engine: how many times it was read again in place or removed before this read
     # (`LLMEngine.add_lora`). Part of equality and of the prefix-cache key, so no tensor-parallel rank keeps, and
     # no request hits, what the weights read before computed.
-    reloads: int = field(default=0, init=False, repr=False)
+    epoch: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.lora_name:
@@ -45,17 +45,17 @@ class LoRARequest:
             )
 
     def names_same_adapter(self, other: LoRARequest | None) -> bool:
-        """Same name, id and folder, whatever the reloads."""
+        """Same name, id and folder, whatever the epoch."""
         return other is not None and (self.lora_name, self.lora_int_id, self.lora_path) == (
             other.lora_name,
             other.lora_int_id,
             other.lora_path,
         )
 
-    def reloaded(self, count: int) -> LoRARequest:
-        """This request as the engine holds it in the id's epoch `count`."""
+    def in_epoch(self, epoch: int) -> LoRARequest:
+        """This request as the engine holds it in the id's epoch `epoch`."""
         copy = replace(self, load_inplace=False)
-        object.__setattr__(copy, "reloads", count)
+        object.__setattr__(copy, "epoch", epoch)
         return copy
 
     @property
