@@ -412,6 +412,7 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, *point.pagoda_args, *load]
     cmd += ["--num-prompts", str(point.prompts), "--client-processes", str(point.procs), "--seed", str(seed)]
     cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
+    before = engine_counters(url)
     with GpuBusy() as busy:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0 or not out.exists():
@@ -420,7 +421,9 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     row = {k: p.get(k) for k in ("completed", "failed", "request_throughput", "output_throughput")}
     row["duration_s"] = p.get("duration")
     ended = time.perf_counter()  # about when its last request ended: the client exits then
-    row["gpu_util_mean_pct"] = busy.mean((ended - p["duration"], ended) if p.get("duration") else None)
+    span = (ended - p["duration"], ended) if p.get("duration") else None
+    row.update(engine_split(before, engine_counters(url), span))
+    row["gpu_util_mean_pct"] = busy.mean(span)
     for name in ("ttft", "tpot", "itl", "e2el"):
         row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
     return row

@@ -99,6 +99,8 @@ def overlaps_encoder_item(states: list[RunnerRequestState], starts: list[int], e
 def mrope_positions(states: list[RunnerRequestState], starts: list[int], ends: list[int]) -> np.ndarray:
     """[3, T]: prompt tokens from each request's precomputed table, the rest (generated tokens,
     text-only requests) at index + rope delta on all three axes."""
+    if all(e - a == 1 for a, e in zip(starts, ends)):
+        return _mrope_one_token_each(states, starts)
     parts = []
     for s, a, e in zip(states, starts, ends):
         table = s.mm_inputs.mrope_positions if s.mm_inputs is not None else None
@@ -109,6 +111,18 @@ def mrope_positions(states: list[RunnerRequestState], starts: list[int], ends: l
             delta = s.mm_inputs.mrope_delta if s.mm_inputs is not None else 0
             parts.append(np.broadcast_to(np.arange(max(a, known), e) + delta, (3, e - max(a, known))))
     return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def _mrope_one_token_each(states: list[RunnerRequestState], starts: list[int]) -> np.ndarray:
+    """`mrope_positions` of a step of one token per row (a decode step: most steps of a served Qwen2-VL) without a
+    numpy call per row: position + delta on all three axes, then the few rows still inside their prompt's table."""
+    mm = [s.mm_inputs for s in states]
+    delta = np.fromiter((0 if m is None else m.mrope_delta for m in mm), np.int64, len(mm))
+    out = np.repeat((np.asarray(starts, np.int64) + delta)[None, :], 3, axis=0)
+    for i, (m, a) in enumerate(zip(mm, starts)):
+        if m is not None and a < m.mrope_positions.shape[1]:
+            out[:, i] = m.mrope_positions[:, a]
+    return out
 
 
 class StepInputsBuilder:

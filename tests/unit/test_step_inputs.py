@@ -121,3 +121,18 @@ def test_mrope_positions_and_encoder_rows():
     image.num_computed_tokens = 4
     got = builder.build(["i", "t"], [image, text], [6, 1], {"i", "t"}, None)  # tokens 4..9 cut the image
     assert got.needs_encoder
+
+
+def test_mrope_positions_of_a_decode_step():
+    """One token per row: a row still inside its prompt's table reads the table, a row past it sits at position +
+    delta on all three axes, a text-only row at its position."""
+    table = np.stack([np.arange(8), np.arange(8) * 2, np.arange(8) * 3]).astype(np.int64)
+    item = MultiModalItem("image", np.zeros((4, 3), np.uint8), (1, 2, 2), 2, 4, b"h" * 16)
+    mm = MultiModalInputs([item], table, mrope_delta=-3)
+    inside = RunnerRequestState(list(range(8)), 8, SamplingParams(), [1, 2], None, 7, mm_inputs=mm)
+    past = RunnerRequestState(list(range(10)), 8, SamplingParams(), [3, 4, 5], None, 9, mm_inputs=mm)
+    text = RunnerRequestState([1, 2, 3], 3, SamplingParams(), [6], None, 2)
+    builder = StepInputsBuilder(BS, torch.device("cpu"), stateful=False, uses_mrope=True, has_encoder=True)
+    got = builder.build(["a", "b", "c"], [inside, past, text], [1, 1, 1], {"a", "b", "c"}, None)
+    assert got.mrope_positions.tolist() == [[7, 6, 2], [14, 6, 2], [21, 6, 2]]
+    assert got.mrope_positions.dtype == np.int64 and got.mrope_positions.flags.c_contiguous
