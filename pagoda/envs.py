@@ -171,6 +171,15 @@ MIXED_STEP_GRAPHS = Env(
     "CUDA graphs for steps that mix prefill chunks and decode rows (worker/graph_runner.py); 0: such steps run eagerly",
     once=True,
 )
+VISION_CUDNN_AFTER = Env(
+    "PAGODA_VISION_CUDNN_AFTER",
+    int,
+    3,
+    "the vision tower's attention takes cuDNN (whose first call of each new shape compiles a kernel on the engine's "
+    "thread) from a shape's Nth call on, FlashAttention before it (layers/segment_attention.py); 1: cuDNN from the "
+    "first call (PyTorch's choice), 0: never",
+    once=True,
+)
 
 # ---- settings
 API_KEY = Env(

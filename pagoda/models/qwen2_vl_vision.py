@@ -10,7 +10,8 @@ exactly a matmul).
 
 Attention is block-diagonal and non-causal: one segment per (item, temporal patch). There is no
 varlen kernel on every device we run on, so segments of equal length (same-size images, the frame
-pairs of one video) are stacked and sent to one SDPA call each.
+pairs of one video) are stacked and sent to one SDPA call each (`layers.segment_attention`, which keeps
+shapes met rarely off cuDNN's per-shape plan builds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagoda.layers.activation import quick_gelu
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import LayerNorm
 from pagoda.layers.rotary import apply_rotary
+from pagoda.layers.segment_attention import segment_attention
 
 Grid = tuple[int, int, int]
 
@@ -177,7 +179,7 @@ def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, len
     def to_batch(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(n, length, t.shape[1], t.shape[2]).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v))
+    out = segment_attention(to_batch(q), to_batch(k), to_batch(v))
     return out.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])
 
 

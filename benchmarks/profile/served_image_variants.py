@@ -1,0 +1,142 @@
+"""A served Qwen2-VL image point under switch variants, Pagoda alone: where the engine core's time goes.
+
+    # on the GPU machine, with a model folder from `benchmarks/vs_vllm.py models DIR`:
+    python benchmarks/profile/served_image_variants.py --model DIR/qwen2-vl-2b \
+        --variant cudnn1=PAGODA_VISION_CUDNN_AFTER=1 --variant default= \
+        --images 1000x750 --images 1000x750,640x480,1280x960 --concurrency 64 --prompts 384 [--py-spy default] \
+        [--out FILE.json]
+
+For each variant (NAME=ENV=VALUE[,ENV=VALUE...]; an empty list is the defaults) it starts `pagoda serve` on the
+folder (random weights, `--api-server-count 4`, as `vs_vllm.py` does), warms it with 32 one-image requests at
+c=16, then runs one `pagoda bench` point per `--images` list (each request one random JPEG, the sizes in turn)
+and stops it. Per point it records the client's rates and latencies, the engine core's split (its own counters:
+busy share, host and device-wait ms per step, the loop thread's CPU ms per step), the GPU's busy share
+(nvidia-smi) and how many of the machine's cores were busy (all processes, /proc). `--py-spy NAME` records the
+engine core of that variant with native frames (`py-spy record --native --idle`, 10 s from 3 s into each point:
+the core is the server's child holding the most memory) into FILE.spy-POINT.txt beside --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import vs_vllm  # noqa: E402  (the server launcher, the engine split and the GPU sampler)
+
+
+def busy_cores() -> float:
+    """CPU seconds used so far by every process on the machine (/proc/*/stat utime + stime)."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK")
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def engine_core_pid(server_pid: int) -> int:
+    import psutil
+
+    children = psutil.Process(server_pid).children(recursive=True)
+    return max(children, key=lambda c: c.memory_info().rss).pid
+
+
+def record_core(server_pid: int, out: Path) -> None:
+    time.sleep(3)
+    cmd = ["py-spy", "record", "--pid", str(engine_core_pid(server_pid)), "--native", "--idle", "--threads"]
+    cmd += ["--rate", "100", "--duration", "10", "--format", "raw", "-o", str(out)]
+    subprocess.run(cmd, capture_output=True, check=False)
+
+
+def bench(url: str, model: str, concurrency: int, prompts: int, images: str, out: Path) -> dict | None:
+    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, "--endpoint", "chat"]
+    cmd += ["--input-len", "20", "--output-len", "128", "--ignore-eos", "--image", images, "--seed", "3"]
+    cmd += ["--concurrency", str(concurrency), "--num-prompts", str(prompts), "--client-processes", "4"]
+    cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0 or not out.exists():
+        print(f"  pagoda bench failed: {(done.stderr or done.stdout)[-400:]}", flush=True)
+        return None
+    return json.loads(out.read_text())["points"][0]
+
+
+def run_point(url: str, args: argparse.Namespace, images: str, spy: Path | None) -> dict | None:
+    spy_thread = None
+    if spy is not None:
+        spy_thread = threading.Thread(target=record_core, args=(args.server_pid, spy))
+        spy_thread.start()
+    before, cpu0 = vs_vllm.engine_counters(url), busy_cores()
+    with vs_vllm.GpuBusy() as gpu:
+        p = bench(url, args.model, args.concurrency, args.prompts, images, args.work / "point.json")
+    ended, cpu1 = time.perf_counter(), busy_cores()
+    if spy_thread is not None:
+        spy_thread.join()
+    if p is None:
+        return None
+    span = (ended - p["duration"], ended)
+    row = {k: p.get(k) for k in ("request_throughput", "output_throughput", "completed", "failed")}
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
+    row.update(vs_vllm.engine_split(before, vs_vllm.engine_counters(url), span))
+    row["gpu_util_mean_pct"] = gpu.mean(span)
+    row["machine_cores_busy"] = round((cpu1 - cpu0) / max(1e-9, time.perf_counter() - span[0]), 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--variant", action="append", required=True, help="NAME=ENV=VALUE[,ENV=VALUE...]")
+    parser.add_argument("--images", action="append", default=None, help="WxH[,WxH...]: one point each")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=384)
+    parser.add_argument("--py-spy", default=None, help="the variant whose engine core py-spy records")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/served_image_variants"))
+    parser.add_argument("--out", type=Path, default=Path("served_image_variants.json"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for spec in args.variant:
+        name, _, assignments = spec.partition("=")
+        env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+        port = vs_vllm.free_port()
+        cmd = vs_vllm.server_command("pagoda", args.model, port, [])
+        proc = vs_vllm.start_server(cmd, port, args.work / f"server_{name}.log", env=env)
+        print(f"[{name}] {env or 'defaults'}: ready={proc is not None}", flush=True)
+        if proc is None:
+            continue
+        args.server_pid, url = proc.pid, f"http://127.0.0.1:{port}"
+        try:
+            bench(url, args.model, 16, 32, "1000x750", args.work / "warm.json")
+            for i, images in enumerate(args.images or ["1000x750"]):
+                spy = args.out.with_suffix(f".spy-{i}.txt") if args.py_spy == name else None
+                row = run_point(url, args, images, spy)
+                if row is None:
+                    continue
+                row = {"variant": name, "env": env, "concurrency": args.concurrency, "images": images, **row}
+                rows.append(row)
+                print("  " + json.dumps({k: row.get(k) for k in ("images", "request_throughput", "p95_ttft_ms")}))
+                args.out.write_text(json.dumps({"gpu": vs_vllm.gpu_name(), "rows": rows}, indent=1) + "\n")
+        finally:
+            vs_vllm.stop_server(proc)
+    keys = ("request_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "engine_busy_pct")
+    keys += ("engine_host_ms_per_step", "engine_wait_ms_per_step", "gpu_util_mean_pct", "machine_cores_busy")
+    print("| variant | sizes | " + " | ".join(keys) + " |")
+    for r in sorted(rows, key=lambda r: (r["images"], r["variant"])):
+        cells = [f"{r[k]:.2f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys]
+        print(f"| {r['variant']} | {len(r['images'].split(','))} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
