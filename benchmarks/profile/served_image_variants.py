@@ -13,14 +13,17 @@ and stops it. Per point it records the client's rates and latencies, the engine 
 busy share, host and device-wait ms per step, the loop thread's CPU ms per step), the GPU's busy share
 (nvidia-smi) and how many of the machine's cores were busy (all processes, /proc). `--py-spy NAME` records the
 engine core of that variant with native frames (`py-spy record --native --idle`, 10 s from 3 s into each point:
-the core is the server's child holding the most memory) into FILE.spy-POINT.txt beside --out.
+the core is the server's child holding the most memory) into FILE.spy-POINT.txt beside --out;
+`--summarize FILE.spy-POINT.txt` prints the main thread's frames by their share of its samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -57,6 +60,22 @@ def record_core(server_pid: int, out: Path) -> None:
     cmd = ["py-spy", "record", "--pid", str(engine_core_pid(server_pid)), "--native", "--idle", "--threads"]
     cmd += ["--rate", "100", "--duration", "10", "--format", "raw", "-o", str(out)]
     subprocess.run(cmd, capture_output=True, check=False)
+
+
+def summarize(raw: Path, top: int = 60) -> None:
+    """The engine core's main thread in a py-spy raw record: each frame's share of the samples it is on the stack."""
+    samples, frames = 0, collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        parts = stack.split(";")
+        if "MainThread" not in parts[0]:
+            continue
+        samples += int(count)
+        for frame in set(parts[1:]):
+            frames[re.sub(r" \(/[^)]*/([^/)]+)\)", r" (\1)", frame)] += int(count)
+    print(f"{samples} samples of the main thread")
+    for frame, n in frames.most_common(top):
+        print(f"{100 * n / samples:5.1f}%  {frame[:160]}")
 
 
 def bench(url: str, model: str, concurrency: int, prompts: int, images: str, out: Path) -> dict | None:
@@ -96,15 +115,21 @@ def run_point(url: str, args: argparse.Namespace, images: str, spy: Path | None)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--variant", action="append", required=True, help="NAME=ENV=VALUE[,ENV=VALUE...]")
+    parser.add_argument("--model")
+    parser.add_argument("--variant", action="append", help="NAME=ENV=VALUE[,ENV=VALUE...]")
     parser.add_argument("--images", action="append", default=None, help="WxH[,WxH...]: one point each")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=384)
     parser.add_argument("--py-spy", default=None, help="the variant whose engine core py-spy records")
     parser.add_argument("--work", type=Path, default=Path("/tmp/served_image_variants"))
     parser.add_argument("--out", type=Path, default=Path("served_image_variants.json"))
+    parser.add_argument("--summarize", type=Path, default=None, help="a py-spy raw record to summarize, and stop")
     args = parser.parse_args()
+    if args.summarize is not None:
+        summarize(args.summarize)
+        return
+    if not args.model or not args.variant:
+        parser.error("--model and at least one --variant are needed")
     args.work.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for spec in args.variant:
