@@ -369,7 +369,7 @@ def run_engine_core(
     the model) before Ready: a first request does not wait for its adapter's file (while the host cache holds
     it), and a bad adapter stops the start with one line."""
     from pagoda.engine.llm_engine import LLMEngine  # lazy: torch and the model code (only the core process loads them)
-    from pagoda.worker.rank_worker import share_cpu_threads
+    from pagoda.worker.rank_worker import gpu_serving_threads, share_cpu_threads
 
     # Ctrl-C reaches the whole process group, and SIGTERM may reach the whole group or cgroup (`timeout`,
     # systemd): the launcher stops the API processes first (they drain), then this one (Shutdown, or
@@ -408,6 +408,7 @@ def run_engine_core(
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
         engine = LLMEngine(config, on_fatal)
         _read_adapters(engine, loras)
+        gpu_serving_threads(config)
     except PagodaError as exc:
         control.send_pyobj(StartupFailed(exc.message))
         return

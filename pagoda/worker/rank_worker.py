@@ -51,6 +51,18 @@ def share_cpu_threads(config: EngineConfig) -> int:
     return previous
 
 
+def gpu_serving_threads(config: EngineConfig) -> None:
+    """A GPU engine's process, once built, keeps one CPU thread for PyTorch (--cpu-threads or OMP_NUM_THREADS win).
+    Its CPU tensor work while serving is small (an image's staging copy into pinned memory, a few conversions): an
+    OpenMP team spread over every core makes the launching thread wake and wait for the team at each such copy, and
+    leaves its idle threads spinning on cores the API processes need. vLLM's GPU workers run with one thread too."""
+    if config.device.device != "cuda":
+        return
+    threads = cpu_threads_per_rank(config) if _thread_source(config) else 1
+    torch.set_num_threads(threads)
+    logger.info("CPU threads: %d for the GPU engine's own CPU work (%s)", threads, _thread_source(config) or "default")
+
+
 def _thread_source(config: EngineConfig) -> str | None:
     """Which setting fixes the thread count: "--cpu-threads", "OMP_NUM_THREADS", or None (the cores are shared)."""
     if config.device.cpu_threads is not None:
@@ -154,6 +166,7 @@ def run_rank_process(
     except Exception as exc:  # noqa: BLE001 - one line to the driver, which refuses to start with it
         errors.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+    gpu_serving_threads(config)
     serve_driver(runner)
     destroy_tensor_parallel()
 
@@ -174,5 +187,7 @@ class RankActor:
         _log_as_rank(rank)
         if config.device.device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU as CUDA_VISIBLE_DEVICES
-        serve_driver(build_rank_runner(config, rank, init_method, eos_token_ids))
+        runner = build_rank_runner(config, rank, init_method, eos_token_ids)
+        gpu_serving_threads(config)
+        serve_driver(runner)
         destroy_tensor_parallel()

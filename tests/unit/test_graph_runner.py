@@ -182,3 +182,34 @@ def test_cpu_threads_default_to_the_available_cores_shared_among_ranks(tiny_llam
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="cpu_threads must be >= 1"):
         config(cpu_threads=0)
+
+
+def test_a_gpu_engine_serves_with_one_cpu_thread_unless_told(monkeypatch):
+    """Once built, a GPU engine's process keeps one PyTorch thread; --cpu-threads or OMP_NUM_THREADS win; a CPU
+    engine's count is left as its startup set it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagoda.worker import rank_worker
+
+    def config(device, cpu_threads=None):
+        return SimpleNamespace(
+            device=SimpleNamespace(device=device, cpu_threads=cpu_threads), parallel=SimpleNamespace(world_size=1)
+        )
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        rank_worker.gpu_serving_threads(config("cpu"))
+        assert torch.get_num_threads() == 2
+        rank_worker.gpu_serving_threads(config("cuda"))
+        assert torch.get_num_threads() == 1
+        rank_worker.gpu_serving_threads(config("cuda", cpu_threads=3))
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        rank_worker.gpu_serving_threads(config("cuda"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
