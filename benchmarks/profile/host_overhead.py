@@ -32,6 +32,9 @@ stop strings, whose text the API process decodes).
 --decode-graphs sends decode steps through the runner's CUDA-graph input path (static buffers,
 `worker/graph_runner.py`) with the replay stubbed by fixed random logits: prep is then the host work
 of a graph step as on the GPU machine.
+--image (with --arch qwen2_vl) gives every prompt one small image (a 4x4-patch grid: 4 placeholder tokens, its own
+content hash), so the decode steps take an image request's host path (M-RoPE positions from each request's table,
+the encoder-overlap check).
 --profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
 compute included: read the host rows).
 """
@@ -214,8 +217,31 @@ def use_decode_graph_path(runner) -> None:
     graphs._forward = replay
 
 
+def one_image_prompt(rng: random.Random, text: list[int], index: int):
+    """`text` + <vision_start> + 4 image placeholders (a 1x4x4 patch grid, random normalised patches) + <vision_end>,
+    and its multimodal inputs as the frontend builds them."""
+    import numpy as np
+
+    from pagoda.frontend.multimodal.mrope import mrope_positions
+    from pagoda.inputs import MultiModalInputs, MultiModalItem
+
+    offset = len(text) + 1
+    prompt = [*text, VOCAB - 2, *([VOCAB - 4] * 4), VOCAB - 1]
+    pixels = np.random.default_rng(index).standard_normal((16, 3 * 2 * 14 * 14)).astype(np.float32)
+    item = MultiModalItem("image", pixels, (1, 4, 4), offset, 4, index.to_bytes(16, "little"))
+    positions, delta = mrope_positions(len(prompt), [item])
+    return prompt, MultiModalInputs([item], positions, delta, {"image": 4})
+
+
 def run_config(
-    folder: str, name: str, batch: int, steps: int, prompt_len: int, profile: bool, decode_graphs: bool = False
+    folder: str,
+    name: str,
+    batch: int,
+    steps: int,
+    prompt_len: int,
+    profile: bool,
+    decode_graphs: bool = False,
+    image: bool = False,
 ) -> dict:
     detok, knobs = CONFIGS[name]
     llm = LLM(
@@ -232,8 +258,11 @@ def run_config(
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
     for i in range(batch):
-        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
-        engine.add_request(str(i), prompt, params, delta=True, detokenize=name not in API_DETOK)
+        prompt = [rng.randrange(3, VOCAB - 4) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
+        mm = None
+        if image:
+            prompt, mm = one_image_prompt(rng, prompt, i)
+        engine.add_request(str(i), prompt, params, delta=True, detokenize=name not in API_DETOK, mm_inputs=mm)
     while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     if decode_graphs:
@@ -321,8 +350,11 @@ def main() -> None:
         "threads in forward/sampler are not counted); wall: perf_counter",
     )
     ap.add_argument("--arch", choices=["llama", "qwen2_vl"], default="llama", help="the tiny model's layout")
+    ap.add_argument("--image", action="store_true", help="one small image per prompt (--arch qwen2_vl)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.image and args.arch != "qwen2_vl":
+        ap.error("--image needs --arch qwen2_vl")
     torch.set_num_threads(args.threads)
     if args.clock == "thread":
         Timer.clock = staticmethod(time.thread_time)
@@ -334,7 +366,14 @@ def main() -> None:
         folder = model_folder(root, args.arch)
         for name in names:
             results[name] = run_config(
-                folder, name, args.batch, args.steps, args.prompt_len, name == args.profile, args.decode_graphs
+                folder,
+                name,
+                args.batch,
+                args.steps,
+                args.prompt_len,
+                name == args.profile,
+                args.decode_graphs,
+                args.image,
             )
     cols = ["schedule", "prep", "samp_prep", "update", "process", "send", "other", "host", "gc", "forward", "sampler"]
     print(
