@@ -13,6 +13,8 @@ choice; 0: never cuDNN).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -21,6 +23,9 @@ from pagoda import envs
 
 _FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, *_FLASH_FIRST]
+# `set_priority` (newer PyTorch) makes SDPA try the list in its order; without it the list only says which
+# backends are allowed and SDPA's own order applies among them (cuDNN first on Hopper since PyTorch 2.5).
+_ORDERED = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 class ShapeGate:
@@ -53,5 +58,5 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: S
         return F.scaled_dot_product_attention(q, k, v)
     shape = (*q.shape, q.dtype, q.stride(), k.stride(), v.stride())  # cuDNN's plans are keyed by shapes and strides
     backends = _CUDNN_FIRST if (gate or _GATE).use_cudnn(shape) else _FLASH_FIRST
-    with sdpa_kernel(backends, set_priority=True):
+    with sdpa_kernel(backends, set_priority=True) if _ORDERED else sdpa_kernel(backends):
         return F.scaled_dot_product_attention(q, k, v)
