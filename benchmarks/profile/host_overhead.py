@@ -217,7 +217,7 @@ def use_decode_graph_path(runner) -> None:
     graphs._forward = replay
 
 
-def one_image_prompt(rng: random.Random, text: list[int], index: int):
+def one_image_prompt(text: list[int], index: int):
     """`text` + <vision_start> + 4 image placeholders (a 1x4x4 patch grid, random normalised patches) + <vision_end>,
     and its multimodal inputs as the frontend builds them."""
     import numpy as np
@@ -261,7 +261,7 @@ def run_config(
         prompt = [rng.randrange(3, VOCAB - 4) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
         mm = None
         if image:
-            prompt, mm = one_image_prompt(rng, prompt, i)
+            prompt, mm = one_image_prompt(prompt, i)
         engine.add_request(str(i), prompt, params, delta=True, detokenize=name not in API_DETOK, mm_inputs=mm)
     while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()

@@ -78,38 +78,23 @@ def summarize(raw: Path, top: int = 60) -> None:
         print(f"{100 * n / samples:5.1f}%  {frame[:160]}")
 
 
-def bench(url: str, model: str, concurrency: int, prompts: int, images: str, out: Path) -> dict | None:
-    cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, "--endpoint", "chat"]
-    cmd += ["--input-len", "20", "--output-len", "128", "--ignore-eos", "--image", images, "--seed", "3"]
-    cmd += ["--concurrency", str(concurrency), "--num-prompts", str(prompts), "--client-processes", "4"]
-    cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0 or not out.exists():
-        print(f"  pagoda bench failed: {(done.stderr or done.stdout)[-400:]}", flush=True)
-        return None
-    return json.loads(out.read_text())["points"][0]
+def one_image_point(name: str, images: str, concurrency: int, prompts: int) -> vs_vllm.Point:
+    """`vs_vllm`'s one-image point for `pagoda bench` (4 client processes), its sizes in turn."""
+    args = [images if a == "1000x750" else a for a in vs_vllm.PB_ONE_IMAGE]
+    return vs_vllm.Point(name, [], prompts, 4, concurrency=concurrency, pagoda_args=args)
 
 
-def run_point(url: str, args: argparse.Namespace, images: str, spy: Path | None) -> dict | None:
-    spy_thread = None
-    if spy is not None:
-        spy_thread = threading.Thread(target=record_core, args=(args.server_pid, spy))
+def run_point(url: str, model: str, point: vs_vllm.Point, work: Path, spy: tuple[int, Path] | None) -> dict:
+    """`vs_vllm.run_point_pagoda_bench`'s row, plus the machine's busy cores over the point; `spy`: (server pid,
+    record file) to record the engine core meanwhile."""
+    spy_thread = threading.Thread(target=record_core, args=spy) if spy else None
+    if spy_thread is not None:
         spy_thread.start()
-    before, cpu0 = vs_vllm.engine_counters(url), busy_cores()
-    with vs_vllm.GpuBusy() as gpu:
-        p = bench(url, args.model, args.concurrency, args.prompts, images, args.work / "point.json")
-    ended, cpu1 = time.perf_counter(), busy_cores()
+    cpu0, t0 = busy_cores(), time.perf_counter()
+    row = vs_vllm.run_point_pagoda_bench(url, model, point, None, 3, work)
+    row["machine_cores_busy"] = round((busy_cores() - cpu0) / (time.perf_counter() - t0), 2)
     if spy_thread is not None:
         spy_thread.join()
-    if p is None:
-        return None
-    span = (ended - p["duration"], ended)
-    row = {k: p.get(k) for k in ("request_throughput", "output_throughput", "completed", "failed")}
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
-    row.update(vs_vllm.engine_split(before, vs_vllm.engine_counters(url), span))
-    row["gpu_util_mean_pct"] = gpu.mean(span)
-    row["machine_cores_busy"] = round((cpu1 - cpu0) / max(1e-9, time.perf_counter() - span[0]), 2)
     return row
 
 
@@ -141,13 +126,15 @@ def main() -> None:
         print(f"[{name}] {env or 'defaults'}: ready={proc is not None}", flush=True)
         if proc is None:
             continue
-        args.server_pid, url = proc.pid, f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
         try:
-            bench(url, args.model, 16, 32, "1000x750", args.work / "warm.json")
+            run_point(url, args.model, one_image_point("warm", "1000x750", 16, 32), args.work, None)
             for i, images in enumerate(args.images or ["1000x750"]):
-                spy = args.out.with_suffix(f".spy-{i}.txt") if args.py_spy == name else None
-                row = run_point(url, args, images, spy)
-                if row is None:
+                spy = (proc.pid, args.out.with_suffix(f".spy-{i}.txt")) if args.py_spy == name else None
+                point = one_image_point(f"c{args.concurrency}", images, args.concurrency, args.prompts)
+                row = run_point(url, args.model, point, args.work, spy)
+                if "client_error" in row:
+                    print(f"  pagoda bench failed: {row['client_error']}", flush=True)
                     continue
                 row = {"variant": name, "env": env, "concurrency": args.concurrency, "images": images, **row}
                 rows.append(row)

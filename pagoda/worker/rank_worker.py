@@ -58,9 +58,10 @@ def gpu_serving_threads(config: EngineConfig) -> None:
     leaves its idle threads spinning on cores the API processes need. vLLM's GPU workers run with one thread too."""
     if config.device.device != "cuda":
         return
-    threads = cpu_threads_per_rank(config) if _thread_source(config) else 1
+    source = _thread_source(config)
+    threads = cpu_threads_per_rank(config) if source else 1
     torch.set_num_threads(threads)
-    logger.info("CPU threads: %d for the GPU engine's own CPU work (%s)", threads, _thread_source(config) or "default")
+    logger.info("CPU threads: %d for the GPU engine's own CPU work (%s)", threads, source or "default")
 
 
 def _thread_source(config: EngineConfig) -> str | None:
