@@ -30,6 +30,31 @@ def test_matches_softmax_attention_on_the_cpu():
     torch.testing.assert_close(segment_attention(q, k, v), _naive(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+def test_the_first_calls_of_a_shape_ask_for_flash_and_later_ones_for_cudnn(monkeypatch):
+    """Where cuDNN applies (forced here on the CPU, where SDPA then falls through to its math kernel), each call
+    hands SDPA the backend list its shape's count picks, and every call still gives softmax attention."""
+    from pagoda.layers import segment_attention as sa
+
+    asked = []
+    real = sa.sdpa_kernel
+    monkeypatch.setattr(sa, "_gated", lambda q: True)
+    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends) or real(backends, **kw))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 19, 16) for _ in range(3))
+    other = q[:1]  # another shape: counted on its own
+    gate = ShapeGate(after=2)
+    outs = [segment_attention(q, k, v, gate), segment_attention(other, k[:1], v[:1], gate)]
+    outs += [segment_attention(q, k, v, gate), segment_attention(q, k, v, gate)]
+    assert [b[0] for b in asked] == [
+        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+        torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+        torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+    ]
+    for out, (a, b, c) in zip(outs, [(q, k, v), (other, k[:1], v[:1]), (q, k, v), (q, k, v)]):
+        torch.testing.assert_close(out, _naive(a, b, c), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="cuDNN SDPA is picked on sm90+"
 )
