@@ -176,8 +176,8 @@ VISION_CUDNN_AFTER = Env(
     int,
     3,
     "the vision tower's attention takes cuDNN (whose first call of each new shape compiles a kernel on the engine's "
-    "thread) from a shape's Nth call on, FlashAttention before it (layers/segment_attention.py); 1: cuDNN from the "
-    "first call (PyTorch's choice), 0: never",
+    "thread) from the Nth tower forward that meets a shape on, FlashAttention before it (layers/segment_attention.py); "
+    "1: cuDNN from the first call (PyTorch's choice), 0: never",
     once=True,
 )
 

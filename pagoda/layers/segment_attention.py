@@ -6,9 +6,10 @@ every new [n, heads, L, head_dim] builds an execution plan on the calling thread
 NVRTC (tens of ms, during which the engine launches nothing). The tower meets a new shape whenever a step brings
 a new count n of images of one size, or a new size: with the sizes real traffic sends, most shapes are rare.
 FlashAttention (SDPA's flash backend) has no per-shape plan and costs more GPU time per call. `ShapeGate` sends a
-shape to cuDNN from its `after`-th call on (the build is paid once, by a shape that keeps coming back); the calls
-before run through flash. `PAGODA_VISION_CUDNN_AFTER` sets `after` (1: cuDNN from the first call, PyTorch's own
-choice; 0: never cuDNN).
+shape to cuDNN from the `after`-th tower pass that meets it on (the build is paid once, by a shape that keeps
+coming back); the passes before run it through flash. A pass is one forward of the tower (`begin_pass`): its
+layers all call the same shapes, so counting calls instead would reach any threshold within the first forward.
+`PAGODA_VISION_CUDNN_AFTER` sets `after` (1: cuDNN from the first call, PyTorch's own choice; 0: never cuDNN).
 """
 
 from __future__ import annotations
@@ -29,22 +30,33 @@ _ORDERED = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 class ShapeGate:
-    """Counts the calls of each shape; `use_cudnn(shape)` says whether this call may take (and build) cuDNN."""
+    """Counts, per shape, the passes that met it; `use_cudnn(shape)` says whether this call may take (and build)
+    cuDNN. A shape counts once per pass, however many layers call it."""
 
     def __init__(self, after: int):
         self.after = after
-        self._calls: dict[tuple, int] = {}
+        self._pass = 0
+        self._seen: dict[tuple, tuple[int, int]] = {}  # shape -> (passes that met it, capped at `after`; last pass)
+
+    def begin_pass(self) -> None:
+        self._pass += 1
 
     def use_cudnn(self, shape: tuple) -> bool:
         if self.after <= 1:
             return self.after == 1
-        calls = self._calls.get(shape, 0) + 1
-        if calls <= self.after:  # a shape past its threshold stays there: its count need not grow
-            self._calls[shape] = calls
-        return calls >= self.after
+        passes, last = self._seen.get(shape, (0, -1))
+        if last != self._pass and passes < self.after:  # a shape past its threshold stays there
+            passes += 1
+            self._seen[shape] = (passes, self._pass)
+        return passes >= self.after
 
 
 _GATE = ShapeGate(envs.VISION_CUDNN_AFTER.value)
+
+
+def begin_pass() -> None:
+    """A new forward of the tower: the shared gate counts each shape it meets once from here on."""
+    _GATE.begin_pass()
 
 
 def _gated(q: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from pagoda.layers.activation import quick_gelu
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import LayerNorm
 from pagoda.layers.rotary import apply_rotary
-from pagoda.layers.segment_attention import segment_attention
+from pagoda.layers.segment_attention import begin_pass, segment_attention
 
 Grid = tuple[int, int, int]
 
@@ -268,6 +268,7 @@ class Qwen2VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [P, D]
         rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h/2] float32
         segments = _segments(grids, x.device)
+        begin_pass()  # the attention's backend gate counts this forward's shapes once
         pending = None
         for block in self.blocks:
             x, pending = block(x, pending, rope, segments)

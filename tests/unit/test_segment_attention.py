@@ -7,16 +7,28 @@ import torch
 from pagoda.layers.segment_attention import ShapeGate, segment_attention
 
 
-def test_a_shape_takes_cudnn_from_its_nth_call_on():
+def test_a_shape_takes_cudnn_from_its_nth_pass_on_however_many_calls_a_pass_makes():
     gate = ShapeGate(after=3)
     a, b = ("n2", "L3888"), ("n3", "L3888")
-    assert [gate.use_cudnn(a) for _ in range(5)] == [False, False, True, True, True]
-    assert [gate.use_cudnn(b) for _ in range(3)] == [False, False, True]  # counted per shape
+    seen = []
+    for _ in range(4):
+        gate.begin_pass()
+        seen.append([gate.use_cudnn(a) for _ in range(32)])  # one call per layer
+    assert [set(p) for p in seen] == [{False}, {False}, {True}, {True}]
+    gate.begin_pass()
+    assert [gate.use_cudnn(b) for _ in range(3)] == [False] * 3  # counted per shape: b's first pass
+    for _ in range(2):
+        gate.begin_pass()
+        gate.use_cudnn(b)
+    assert gate.use_cudnn(b) and gate.use_cudnn(a)
 
 
 def test_after_one_is_cudnn_always_and_zero_never():
-    assert all(ShapeGate(after=1).use_cudnn(("s",)) for _ in range(3))
-    assert not any(ShapeGate(after=0).use_cudnn(("s",)) for _ in range(3))
+    for after, expected in ((1, True), (0, False)):
+        gate = ShapeGate(after=after)
+        for _ in range(3):
+            gate.begin_pass()
+            assert gate.use_cudnn(("s",)) is expected
 
 
 def _naive(q, k, v):
@@ -30,29 +42,49 @@ def test_matches_softmax_attention_on_the_cpu():
     torch.testing.assert_close(segment_attention(q, k, v), _naive(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-def test_the_first_calls_of_a_shape_ask_for_flash_and_later_ones_for_cudnn(monkeypatch):
+def test_the_first_passes_of_a_shape_ask_for_flash_and_later_ones_for_cudnn(monkeypatch):
     """Where cuDNN applies (forced here on the CPU, where SDPA then falls through to its math kernel), each call
-    hands SDPA the backend list its shape's count picks, and every call still gives softmax attention."""
+    hands SDPA the backend list its shape's pass count picks, and every call still gives softmax attention."""
     from pagoda.layers import segment_attention as sa
 
     asked = []
     real = sa.sdpa_kernel
     monkeypatch.setattr(sa, "_gated", lambda q: True)
-    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends) or real(backends, **kw))
+    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends[0]) or real(backends, **kw))
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 19, 16) for _ in range(3))
     other = q[:1]  # another shape: counted on its own
     gate = ShapeGate(after=2)
-    outs = [segment_attention(q, k, v, gate), segment_attention(other, k[:1], v[:1], gate)]
-    outs += [segment_attention(q, k, v, gate), segment_attention(q, k, v, gate)]
-    assert [b[0] for b in asked] == [
-        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-        torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-        torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-    ]
-    for out, (a, b, c) in zip(outs, [(q, k, v), (other, k[:1], v[:1]), (q, k, v), (q, k, v)]):
+    outs = []
+    for inputs in [(q, k, v), (other, k[:1], v[:1]), (q, k, v)]:
+        gate.begin_pass()
+        outs += [segment_attention(*inputs, gate) for _ in range(2)]  # two layers
+    flash, cudnn = torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+    assert asked == [flash, flash, flash, flash, cudnn, cudnn]
+    for out, (a, b, c) in zip(outs, [(q, k, v)] * 2 + [(other, k[:1], v[:1])] * 2 + [(q, k, v)] * 2):
         torch.testing.assert_close(out, _naive(a, b, c), atol=1e-5, rtol=1e-5)
+
+
+def test_the_tower_counts_one_pass_per_forward(monkeypatch):
+    """The vision tower's layers share one pass per forward: with the default gate (cuDNN from a shape's 3rd
+    pass), the first two forwards of an image size send every layer's attention to flash, the third to cuDNN."""
+    from pagoda.layers import segment_attention as sa
+    from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
+
+    asked = []
+    real = sa.sdpa_kernel
+    monkeypatch.setattr(sa, "_GATE", ShapeGate(after=3))
+    monkeypatch.setattr(sa, "_gated", lambda q: True)
+    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends[0]) or real(backends, **kw))
+    cfg = vision_config_with_defaults({"depth": 4, "embed_dim": 32, "num_heads": 2}, text_hidden=16)
+    tower = Qwen2VisionTransformer(cfg).eval()
+    pixels = torch.randn(16, 3 * 2 * 14 * 14)
+    flash, cudnn = torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+    with torch.no_grad():
+        for expected in (flash, flash, cudnn):
+            asked.clear()
+            tower(pixels, [(1, 4, 4)])
+            assert asked == [expected] * 4
 
 
 @pytest.mark.skipif(
@@ -67,6 +99,10 @@ def test_flash_calls_and_cudnn_calls_agree_on_a_hopper_gpu():
 
     q, k, v = (to_batch(t) for t in qkv.unbind(dim=1))
     gate = ShapeGate(after=2)
-    first, second = segment_attention(q, k, v, gate), segment_attention(q, k, v, gate)  # flash, then cuDNN
+    first, second = [], []
+    for out in (first, second):  # flash, then cuDNN
+        gate.begin_pass()
+        out.append(segment_attention(q, k, v, gate))
+    first, second = first[0], second[0]
     torch.testing.assert_close(first, second, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(first.float(), _naive(q.float(), k.float(), v.float()), atol=2e-2, rtol=2e-2)
