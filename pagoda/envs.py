@@ -261,6 +261,14 @@ CORE_PROFILE = Env(
     "diagnostics: a file path; the engine core's serving loop runs under cProfile and writes its pstats there when "
     "the server stops (the loop's Python runs slower meanwhile)",
 )
+CORE_TRACE = Env(
+    "PAGODA_CORE_TRACE",
+    str,
+    None,
+    "diagnostics: PATH[,SKIP[,STEPS]]; the engine core records STEPS (200) engine steps after the first SKIP (300) "
+    "under torch.profiler, CPU and CUDA, and writes a Chrome trace to PATH (engine/core_trace.py; "
+    "benchmarks/profile/core_trace_summary.py reads it)",
+)
 
 # ---- fault injection, for tests only (unset in production)
 TEST_LONG_STEP_S = Env(

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ import zmq
 
 from pagoda import envs
 from pagoda.config import EngineConfig
+from pagoda.engine.core_trace import TraceWindow, traced
 from pagoda.errors import ConfigError, PagodaError
 from pagoda.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -403,6 +405,8 @@ def run_engine_core(
         own.term()
 
     try:
+        if envs.CORE_TRACE.value:
+            TraceWindow.parse(envs.CORE_TRACE.value)  # a malformed window: one line now, not a crash when serving
         if config.parallel.world_size == 1:  # served, the core computes on every core it may use (or --cpu-threads)
             share_cpu_threads(config)
         # One engine core: this LLMEngine, whose runner drives the other tensor-parallel ranks, if any.
@@ -425,8 +429,8 @@ def run_engine_core(
     )
     ready = True
     try:
-        with profiled(envs.CORE_PROFILE.value):
-            _loop(engine, inbox, clients, beat)
+        with profiled(envs.CORE_PROFILE.value), traced(envs.CORE_TRACE.value) as step_traced:
+            _loop(engine, inbox, clients, beat, step_traced)
     except Exception:
         died = CoreDied(traceback.format_exc(limit=8))
         for box in [control, *clients]:
@@ -525,12 +529,15 @@ def _add_lora(engine, message: AddLoRA) -> LoRAAdded:
     return LoRAAdded(message.call_id)
 
 
-def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) -> None:
+def _loop(
+    engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None, step_traced: Callable[[], None] | None = None
+) -> None:
     """Drain inputs → step → send outputs, until Shutdown. Each output goes to the API process that owns its
     request (`clients[index]`), the stats to every process whenever they change (the first process also
     counts the engine's running totals into its metrics, so they must reach it every time they move).
     Nothing is sent while nothing changes. The start and the end of each pass are the loop's progress for
-    `heartbeat` (at least once a second while idle: `_receive` waits 1 s at a time)."""
+    `heartbeat` (at least once a second while idle: `_receive` waits 1 s at a time). `step_traced` is called
+    after each pass that ran an engine step (`core_trace.traced`)."""
     owners: dict[str, int] = {}  # live request id → index of the API process that sent it
     count = len(clients)
     last_stats: EngineStats | None = None
@@ -566,6 +573,8 @@ def _loop(engine, inbox, clients: list, heartbeat: CoreHeartbeat | None = None) 
                 _busy(long_step)
                 long_step = 0.0
             outputs += engine.step()
+            if step_traced is not None:
+                step_traced()
             # A request whose grammar failed to compile is answered as invalid (400), not as an error output.
             for request_id, message in engine.take_rejected():
                 owner = owners.pop(request_id, None)
