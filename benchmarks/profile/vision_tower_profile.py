@@ -1,14 +1,17 @@
 """Where the Qwen2-VL vision tower's time goes on a GPU, per image, and which attention path is fastest.
 
-    python benchmarks/profile/vision_tower_profile.py [--shape 2b|7b] [--images 1 8] [--out FILE.json]
+    python benchmarks/profile/vision_tower_profile.py [--images 1 8] [--head-dims 64 80 96 128] [--out FILE.json]
 
 Random bf16 weights of the tower (depth 32, width 1280, 16 heads: the same tower in 2B, 7B and 72B), each
 image a 1000x750 picture (54 x 72 patches of 14 px = 3,888 patch rows, 972 placeholder tokens). For each
 image count it prints:
-  * the tower's forward time per image (CUDA events, median of 10 after warm-up);
+  * the tower's forward time per image (CUDA events, median of 10 after warm-up), and the host's time to launch
+    one forward (the call's wall time, no sync: when it is near the forward's time, the launches bound it);
   * the top kernels of one forward (torch.profiler), grouped into matmul / attention / elementwise;
   * the attention alone for one layer's shape through each SDPA backend that runs, and through
     nested-jagged SDPA (one call for images of different sizes).
+With --head-dims, the attention of the largest image count at each head dim through cuDNN and flash, with the
+TFLOP/s of the head dim's own work: whether a head dim of 80 (the tower's) costs what the next tile size costs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +86,43 @@ def attention_backends(n: int, length: int) -> dict[str, float]:
     return result
 
 
+def head_dim_sweep(n: int, length: int, dims: list[int]) -> list[dict]:
+    """[n, 16, length, d] attention per head dim d: ms through cuDNN and flash, TFLOP/s of 4·n·16·L²·d."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for d in dims:
+        q, k, v = (torch.randn(n, 16, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        row: dict = {"head_dim": d}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel([backend]):
+                    row[f"{name}_ms"] = time_ms(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))
+            except Exception:  # noqa: BLE001 - a backend that does not run this head dim
+                row[f"{name}_ms"] = float("nan")
+        row["cudnn_tflops"] = 4 * n * 16 * length**2 * d / row["cudnn_ms"] / 1e9
+        rows.append(row)
+        cudnn = f"cuDNN {row['cudnn_ms']:.3f} ms ({row['cudnn_tflops']:.0f} TFLOP/s)"
+        print(f"  head dim {d:4d}: {cudnn}, flash {row['flash_ms']:.3f} ms")
+    return rows
+
+
+def host_ms(fn, repeats: int = 5) -> float:
+    """Median wall time of the call itself, without waiting for the GPU afterwards."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[], help="attention per head dim (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -101,16 +139,21 @@ def main() -> None:
                 return tower(pixels, grids)
 
         ms = time_ms(forward)
+        launch = host_ms(forward)
         kernels = kernel_table(forward)
         attn = attention_backends(n, 54 * 72)
-        row = {"images": n, "ms_per_image": ms / n, "ms": ms, "sdpa_one_layer_ms": attn, "kernels": kernels}
-        report["rows"].append(row)
-        print(f"\n{n} image(s): tower {ms:.2f} ms, {ms / n:.2f} ms/image; one layer's SDPA (x32 layers):")
+        row = {"images": n, "ms_per_image": ms / n, "ms": ms, "host_launch_ms": launch, "sdpa_one_layer_ms": attn}
+        report["rows"].append(row | {"kernels": kernels})
+        print(f"\n{n} image(s): tower {ms:.2f} ms, {ms / n:.2f} ms/image, launched in {launch:.2f} ms of host time;")
+        print("  one layer's SDPA (x32 layers):")
         print("  " + ", ".join(f"{k} {v:.3f} ms ({32 * v:.1f})" for k, v in attn.items()))
         total = sum(r[1] for r in kernels)
         print(f"  top kernels ({total:.1f} ms of the listed):")
         for name, t, count in kernels:
             print(f"    {t:8.2f} ms {count:5d}x  {name}")
+    if args.head_dims:
+        print(f"\n{max(args.images)} image(s), one layer's attention per head dim:")
+        report["head_dims"] = head_dim_sweep(max(args.images), 54 * 72, args.head_dims)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
