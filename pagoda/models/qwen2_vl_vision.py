@@ -11,12 +11,15 @@ exactly a matmul).
 Attention is block-diagonal and non-causal: one segment per (item, temporal patch). There is no
 varlen kernel on every device we run on, so segments of equal length (same-size images, the frame
 pairs of one video) are stacked and sent to one SDPA call each (`layers.segment_attention`, which keeps
-shapes met rarely off cuDNN's per-shape plan builds).
+shapes met rarely off cuDNN's per-shape plan builds). The tower runs its rows grouped by segment length
+(`SegmentLayout`: one gather in, one out, when the items' sizes are interleaved), so that each group is a
+contiguous slice of every layer's activations: a view into SDPA, not a gather and a scatter per layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -145,7 +148,7 @@ class VisionAttention(nn.Module):
         self.proj = Linear(dim, dim, bias=True)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[tuple[int, torch.Tensor]]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], groups: list[tuple[int, int, int]]
     ) -> torch.Tensor:
         p = x.shape[0]
         # [P, 3·D] -> three [P, heads, d_h], heads contiguous inside each third
@@ -153,25 +156,26 @@ class VisionAttention(nn.Module):
         # The LLM's rotate-half RoPE with per-patch tables (fp32 math, rounded once): one Triton launch
         # for q and k on CUDA, straight from the strided views of the fused projection.
         q, k = apply_rotary(q, k, rope)
-        out = _segment_attention(q, k, v, segments)
+        out = _segment_attention(q, k, v, groups)
         return self.proj(out.reshape(p, -1))
 
 
 def _segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, torch.Tensor]]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[tuple[int, int, int]]
 ) -> torch.Tensor:
-    """Non-causal attention inside each segment; one SDPA call per distinct segment length.
+    """Non-causal attention inside each segment; one SDPA call per group of equal-length segments.
 
-    `segments` pairs a length L with a [n, L] index tensor of the patch rows of n segments of that
-    length, so same-size images and the frame pairs of a video batch into one call.
+    `groups` holds (L, n, first row) per run of n segments of L rows that are contiguous in the rows of q, k, v
+    (`SegmentLayout`), which cover them all in order.
     """
-    if len(segments) == 1 and segments[0][1].numel() == q.shape[0]:
-        return _batched_sdpa(q, k, v, segments[0][1].shape[0], segments[0][0])  # rows are already in order
-    out = torch.empty_like(q)
-    for _, rows in segments:
-        idx = rows.reshape(-1)
-        out[idx] = _batched_sdpa(q[idx], k[idx], v[idx], rows.shape[0], rows.shape[1])
-    return out
+    if len(groups) == 1:
+        length, n, _ = groups[0]
+        return _batched_sdpa(q, k, v, n, length)
+    parts = []
+    for length, n, first in groups:
+        rows = slice(first, first + n * length)
+        parts.append(_batched_sdpa(q[rows], k[rows], v[rows], n, length))
+    return torch.cat(parts)
 
 
 def _batched_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, length: int) -> torch.Tensor:
@@ -214,14 +218,14 @@ class VisionBlock(nn.Module):
         x: torch.Tensor,
         pending: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
-        segments: list[tuple[int, torch.Tensor]],
+        groups: list[tuple[int, int, int]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream x, the MLP output to add to it next) for the stream x + pending."""
         if pending is None:
             h = self.norm1(x)
         else:
             h, x = self.norm1(pending, residual=x)  # x + pending, normed
-        h, x = self.norm2(self.attn(h, rope, segments), residual=x)
+        h, x = self.norm2(self.attn(h, rope, groups), residual=x)
         return x, self.mlp(h)
 
 
@@ -265,14 +269,19 @@ class Qwen2VisionTransformer(nn.Module):
         """[P, C·T·p·p] patches of all items -> [P/merge², hidden] merged rows, items in order."""
         grids = _as_grids(grid_thw)
         self._check_input(pixel_values, grids)
+        layout = SegmentLayout.of(grids, self.merge_size**2)
         x = self.patch_embed(pixel_values)  # [P, D]
-        rope = self._rope_for(grids, x.device)  # 2 × [P, 1, d_h/2] float32
-        segments = _segments(grids, x.device)
+        if layout.rows is not None:  # rows grouped by segment length from here to the merger
+            x = x.index_select(0, to_device(layout.rows, x.device))
+        rope = self._rope_for(layout.frames, x.device)  # 2 × [P, 1, d_h/2] float32, in the grouped order
         begin_pass()  # the attention's backend gate counts this forward's shapes once
         pending = None
         for block in self.blocks:
-            x, pending = block(x, pending, rope, segments)
-        return self.merger(x, pending)  # [P/m², H]
+            x, pending = block(x, pending, rope, layout.groups)
+        merged = self.merger(x, pending)  # [P/m², H]
+        if layout.merged is None:
+            return merged
+        return merged.index_select(0, to_device(layout.merged, merged.device))  # back to the items' order
 
     def _check_input(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         m = self.merge_size
@@ -287,12 +296,12 @@ class Qwen2VisionTransformer(nn.Module):
                 f"pixel_values {tuple(pixel_values.shape)} do not match the grids ({expected} patch rows expected)"
             )
 
-    def _rope_for(self, grids: list[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of every patch row; one frame's table is repeated t times for a video."""
-        parts = [self._grid_rope(h, w, device) for _, h, w in grids]
-        cos = torch.cat([c.repeat(t, 1, 1) for (t, _, _), (c, _) in zip(grids, parts)])
-        sin = torch.cat([s.repeat(t, 1, 1) for (t, _, _), (_, s) in zip(grids, parts)])
-        return cos, sin
+    def _rope_for(self, frames: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of every patch row, for segments of (h, w) patches in this order (a video's frames each)."""
+        parts = [self._grid_rope(h, w, device) for h, w in frames]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
     def _grid_rope(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (h, w, device)
@@ -326,19 +335,40 @@ def _window_order_positions(h: int, w: int, merge: int, device: torch.device) ->
     return reorder(rows), reorder(cols)
 
 
-def _segments(grids: list[Grid], device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    """Attention segments (one per item and temporal patch) grouped by length.
+@dataclass(frozen=True)
+class SegmentLayout:
+    """The order the tower runs its patch rows in: the attention segments (one per item and temporal patch)
+    grouped by length, in order of each length's first segment, each group's segments in the items' order.
 
-    Returns [(L, rows [n, L])]: the patch-row indices of the n segments of length L. Equivalent to
-    cu_seqlens = prefix sums of [h·w repeated t times] over the items.
+    frames: (h, w) of every segment, in that order.
+    groups: (L, n, first row) per length: n segments of L rows from `first` on, contiguous.
+    rows: int64 [P]: the items' row at each place of that order (None: it is the items' order already).
+    merged: int64 [P/m²]: for each merged row in the items' order, its place in the tower's (None with rows).
+    Equivalent to cu_seqlens = prefix sums of [h·w repeated t times] over the items.
     """
-    starts_by_len: dict[int, list[int]] = {}
-    offset = 0
-    for t, h, w in grids:
-        for _ in range(t):
-            starts_by_len.setdefault(h * w, []).append(offset)
-            offset += h * w
-    return [
-        (length, to_device(np.asarray(starts, dtype=np.int64), device)[:, None] + torch.arange(length, device=device))
-        for length, starts in starts_by_len.items()
-    ]
+
+    frames: list[tuple[int, int]]
+    groups: list[tuple[int, int, int]]
+    rows: np.ndarray | None
+    merged: np.ndarray | None
+
+    @classmethod
+    def of(cls, grids: list[Grid], merge_area: int) -> SegmentLayout:
+        frames = [(h, w) for t, h, w in grids for _ in range(t)]
+        starts = np.cumsum([0] + [h * w for h, w in frames])
+        by_length: dict[int, list[int]] = {}
+        for i, (h, w) in enumerate(frames):
+            by_length.setdefault(h * w, []).append(i)
+        order = [i for members in by_length.values() for i in members]
+        groups, first = [], 0
+        for length, members in by_length.items():
+            groups.append((length, len(members), first))
+            first += length * len(members)
+        if order == sorted(order):
+            return cls(frames, groups, None, None)
+        lengths = np.diff(starts)
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
+        place = np.empty(len(frames), dtype=np.int64)  # each segment's first row in the grouped order
+        place[order] = np.cumsum(lengths[order]) - lengths[order]
+        merged = np.concatenate([np.arange(p // merge_area, (p + n) // merge_area) for p, n in zip(place, lengths)])
+        return cls([frames[i] for i in order], groups, rows, merged)

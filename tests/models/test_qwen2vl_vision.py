@@ -126,6 +126,7 @@ GRID_CASES = {
     "same_size_not_adjacent": [(1, 4, 6), (1, 2, 2), (1, 4, 6)],  # grouped SDPA over gathered rows
     "video_two_frame_pairs": [(2, 4, 6)],
     "video_and_image_mixed": [(2, 4, 6), (1, 4, 6), (1, 6, 2)],
+    "video_between_same_size_images": [(1, 4, 6), (2, 2, 2), (1, 6, 2), (1, 4, 6)],  # the tower reorders rows
 }
 
 
@@ -163,6 +164,19 @@ def test_video_frame_pairs_do_not_attend_to_each_other(ours):
         video = ours(pixels, [(2, 4, 6)])
         pair_0, pair_1 = ours(pixels[:24], [(1, 4, 6)]), ours(pixels[24:], [(1, 4, 6)])
     torch.testing.assert_close(video, torch.cat([pair_0, pair_1]), atol=1e-6, rtol=1e-6)
+
+
+def test_segment_layout_groups_rows_by_length():
+    from pagoda.models.qwen2_vl_vision import SegmentLayout
+
+    # segments (rows): image 4x6 (0-23), image 2x2 (24-27), image 4x6 (28-51); merge windows of 4 rows
+    layout = SegmentLayout.of([(1, 4, 6), (1, 2, 2), (1, 4, 6)], 4)
+    assert layout.frames == [(4, 6), (4, 6), (2, 2)]
+    assert layout.groups == [(24, 2, 0), (4, 1, 48)]
+    assert layout.rows.tolist() == [*range(0, 24), *range(28, 52), *range(24, 28)]
+    assert layout.merged.tolist() == [*range(0, 6), 12, *range(6, 12)]  # item order: first image, 2x2, second
+    in_order = SegmentLayout.of([(2, 4, 6), (1, 2, 2)], 4)  # a video's two frame pairs, then an image
+    assert in_order.groups == [(24, 2, 0), (4, 1, 48)] and in_order.rows is None and in_order.merged is None
 
 
 def test_conv3d_weight_loads_into_patch_embed():
