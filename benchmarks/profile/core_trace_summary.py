@@ -8,6 +8,7 @@ Over the traced window (first to last `ProfilerStep#N` range on the core's threa
   * for the idle gaps of at least --gap-ms, what the core's thread was inside while the GPU waited: the time of
     each CUDA runtime call (a synchronising copy, a launch) and each outermost operator overlapping the gaps, and
     the share covered by neither (Python: scheduling, output processing, sockets);
+  * the five longest gaps: where each starts, the step it starts in, the host call overlapping it most;
   * the steps by kind (`image` when the step launched the vision tower's attention or QuickGELU kernels, else
     `decode/prefill`): count, mean CPU ms per step and mean GPU busy ms inside each step's span.
 """
@@ -114,6 +115,9 @@ def summarize(events: list[dict], gap_ms: float = 0.2, top: int = 12) -> dict:
         "gpu_busy_pct": 100 * busy / span if span else 0.0,
         "gaps": {label: {"count": c, "ms": round(t, 3)} for label, (c, t) in buckets.items()},
         "long_gaps": {"min_ms": gap_ms, "count": len(long_gaps), "ms": round(gap_total, 3)},
+        "longest_gaps": [
+            _describe(g, window[0], steps, outer + runtime) for g in sorted(gaps, key=lambda g: g[0] - g[1])[:5]
+        ],
         "host_in_long_gaps": {
             **{k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
             "outside any operator or runtime call": round(gap_total - in_ops, 3),
@@ -126,6 +130,21 @@ def summarize(events: list[dict], gap_ms: float = 0.2, top: int = 12) -> dict:
             }
             for kind, rows in sorted(kinds.items())
         },
+    }
+
+
+def _describe(gap: tuple[float, float], origin: float, steps: list[dict], calls: list[dict]) -> dict:
+    """One idle gap: where it starts in the window, how long it is, the step it starts in, and the host call
+    that overlaps it most (None: the thread was in plain Python, or idle, all along)."""
+    step = next((st["name"] for st in steps if st["ts"] <= gap[0] < st["ts"] + st["dur"]), None)
+    best = max(calls, key=lambda e: overlap((e["ts"], e["ts"] + e["dur"]), gap), default=None)
+    if best is not None and overlap((best["ts"], best["ts"] + best["dur"]), gap) == 0:
+        best = None
+    return {
+        "at_ms": round((gap[0] - origin) / 1e3, 3),
+        "ms": round((gap[1] - gap[0]) / 1e3, 3),
+        "step": step,
+        "host_call": None if best is None else best["name"],
     }
 
 

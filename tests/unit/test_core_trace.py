@@ -89,6 +89,14 @@ def test_the_summary_of_a_known_trace(tmp_path):
     assert "op: aten::_local_scalar_dense" not in host
     assert host["runtime: cudaLaunchKernel"] == pytest.approx(0.01 + 0.01)  # [100,110) and [1100,1110)
     assert host["outside any operator or runtime call"] == pytest.approx(1.49 - 0.01 - 0.18 - 0.06 - 0.01)
+    assert s["longest_gaps"] == [
+        # [890, 1500): aten::item overlaps it 60 µs, the copy and the launch 10 each
+        {"at_ms": 0.89, "ms": pytest.approx(0.61), "step": "ProfilerStep#1", "host_call": "aten::item"},
+        {"at_ms": 2.5, "ms": 0.5, "step": "ProfilerStep#2", "host_call": None},
+        {"at_ms": 0.0, "ms": 0.2, "step": "ProfilerStep#1", "host_call": "cudaLaunchKernel"},
+        # [700, 880): aten::item and the copy both cover it; operators are listed before runtime calls
+        {"at_ms": 0.7, "ms": pytest.approx(0.18), "step": "ProfilerStep#1", "host_call": "aten::item"},
+    ]
     kinds = s["step_kinds"]
     assert kinds["decode/prefill"] == {"steps": 1, "cpu_ms_mean": 1.0, "gpu_busy_ms_mean": 0.51}
     assert kinds["image"] == {"steps": 1, "cpu_ms_mean": 2.0, "gpu_busy_ms_mean": 1.0}
