@@ -14,6 +14,7 @@ layers all call the same shapes, so counting calls instead would reach any thres
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -59,9 +60,15 @@ def begin_pass() -> None:
     _GATE.begin_pass()
 
 
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _gated(q: torch.Tensor) -> bool:
-    """Whether SDPA would pick cuDNN for q here (a CUDA device of compute capability 9 or later, cuDNN SDPA on)."""
-    return q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 9
+    """Whether SDPA would pick cuDNN for q here (a CUDA device of compute capability 9 or later, cuDNN SDPA on).
+    Asked by every layer of every forward: the device's capability is looked up once."""
+    return q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled() and _hopper_or_later(q.device)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: ShapeGate | None = None) -> torch.Tensor:
