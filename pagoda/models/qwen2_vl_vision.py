@@ -355,10 +355,11 @@ class SegmentLayout:
     @classmethod
     def of(cls, grids: list[Grid], merge_area: int) -> SegmentLayout:
         frames = [(h, w) for t, h, w in grids for _ in range(t)]
-        starts = np.cumsum([0] + [h * w for h, w in frames])
+        lengths = np.array([h * w for h, w in frames], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)))
         by_length: dict[int, list[int]] = {}
-        for i, (h, w) in enumerate(frames):
-            by_length.setdefault(h * w, []).append(i)
+        for i, length in enumerate(lengths.tolist()):
+            by_length.setdefault(length, []).append(i)
         order = [i for members in by_length.values() for i in members]
         groups, first = [], 0
         for length, members in by_length.items():
@@ -366,7 +367,6 @@ class SegmentLayout:
             first += length * len(members)
         if order == sorted(order):
             return cls(frames, groups, None, None)
-        lengths = np.diff(starts)
         rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order])
         place = np.empty(len(frames), dtype=np.int64)  # each segment's first row in the grouped order
         place[order] = np.cumsum(lengths[order]) - lengths[order]
