@@ -6,7 +6,7 @@
         --images 1000x750 --images 1000x750,640x480,1280x960 --concurrency 64 --prompts 384 [--py-spy default] \
         [--out FILE.json]
 
-For each variant (NAME=ENV=VALUE[,ENV=VALUE...]; an empty list is the defaults) it starts `pagoda serve` on the
+For each variant (NAME=ENV=VALUE[,ENV=VALUE...][,--flag=value...]; empty: the defaults) it starts `pagoda serve` on the
 folder (random weights, `--api-server-count 4`, as `vs_vllm.py` does), warms it with 32 one-image requests at
 c=16, then runs one `pagoda bench` point per `--images` list (each request one random JPEG, the sizes in turn)
 and stops it. Per point it records the client's rates and latencies, the engine core's split (its own counters:
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -84,14 +85,51 @@ def one_image_point(name: str, images: str, concurrency: int, prompts: int) -> v
     return vs_vllm.Point(name, [], prompts, 4, concurrency=concurrency, pagoda_args=args)
 
 
-def run_point(url: str, model: str, point: vs_vllm.Point, work: Path, spy: tuple[int, Path] | None) -> dict:
+PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time", "request_decode_time")
+
+
+def phase_sums(url: str) -> dict[str, tuple[float, float]]:
+    """{phase: (sum seconds, count)} of the server's request-phase histograms now (pagoda: names; {} where the
+    page does not answer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for phase in PHASES:
+                for i, suffix in enumerate(("_seconds_sum", "_seconds_count")):
+                    if sample.name == f"pagoda:{phase}{suffix}":
+                        totals.setdefault(phase, [0.0, 0.0])[i] += sample.value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per request of each phase over a point, from two `phase_sums` reads: where a request's time-to-first-
+    token goes on the server (the core's queue, then scheduled to first token) against what the client saw."""
+    out = {}
+    for phase, (total, count) in after.items():
+        total0, count0 = before.get(phase, (0.0, 0.0))
+        if count > count0:
+            out[f"server_{phase}_mean_ms"] = round(1000 * (total - total0) / (count - count0), 2)
+    return out
+
+
+def run_point(
+    url: str, model: str, point: vs_vllm.Point, work: Path, spy: tuple[int, Path] | None, seed: int = 3
+) -> dict:
     """`vs_vllm.run_point_pagoda_bench`'s row, plus the machine's busy cores over the point; `spy`: (server pid,
     record file) to record the engine core meanwhile."""
     spy_thread = threading.Thread(target=record_core, args=spy) if spy else None
     if spy_thread is not None:
         spy_thread.start()
-    cpu0, t0 = busy_cores(), time.perf_counter()
-    row = vs_vllm.run_point_pagoda_bench(url, model, point, None, 3, work)
+    cpu0, t0, phases0 = busy_cores(), time.perf_counter(), phase_sums(url)
+    row = vs_vllm.run_point_pagoda_bench(url, model, point, None, seed, work)
+    row.update(phase_means(phases0, phase_sums(url)))
     row["machine_cores_busy"] = round((busy_cores() - cpu0) / (time.perf_counter() - t0), 2)
     if spy_thread is not None:
         spy_thread.join()
@@ -101,7 +139,7 @@ def run_point(url: str, model: str, point: vs_vllm.Point, work: Path, spy: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
-    parser.add_argument("--variant", action="append", help="NAME=ENV=VALUE[,ENV=VALUE...]")
+    parser.add_argument("--variant", action="append", help="NAME=ENV=VALUE[,ENV=VALUE...][,--flag=value...]")
     parser.add_argument("--images", action="append", default=None, help="WxH[,WxH...]: one point each")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=384)
@@ -119,16 +157,21 @@ def main() -> None:
     rows: list[dict] = []
     for spec in args.variant:
         name, _, assignments = spec.partition("=")
-        env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+        # A comma starts a new item only before NAME= or --, so a value may hold commas
+        # (PAGODA_CORE_TRACE=PATH,SKIP,STEPS); items starting with -- are server flags (--flag=value).
+        items = [a for a in re.split(r",(?=[A-Z_][A-Z0-9_]*=|--)", assignments) if a]
+        env = dict(a.split("=", 1) for a in items if not a.startswith("--"))
+        flags = [part for a in items if a.startswith("--") for part in a.split("=", 1)]
         port = vs_vllm.free_port()
-        cmd = vs_vllm.server_command("pagoda", args.model, port, [])
+        cmd = vs_vllm.server_command("pagoda", args.model, port, flags)
         proc = vs_vllm.start_server(cmd, port, args.work / f"server_{name}.log", env=env)
-        print(f"[{name}] {env or 'defaults'}: ready={proc is not None}", flush=True)
+        print(f"[{name}] {env or 'defaults'} {flags}: ready={proc is not None}", flush=True)
         if proc is None:
             continue
         url = f"http://127.0.0.1:{port}"
         try:
-            run_point(url, args.model, one_image_point("warm", "1000x750", 16, 32), args.work, None)
+            # Its own seed: the point's images must not be the warm-up's, which the encoder and prefix caches hold.
+            run_point(url, args.model, one_image_point("warm", "1000x750", 16, 32), args.work, None, seed=1)
             for i, images in enumerate(args.images or ["1000x750"]):
                 spy = (proc.pid, args.out.with_suffix(f".spy-{i}.txt")) if args.py_spy == name else None
                 point = one_image_point(f"c{args.concurrency}", images, args.concurrency, args.prompts)
@@ -136,7 +179,14 @@ def main() -> None:
                 if "client_error" in row:
                     print(f"  pagoda bench failed: {row['client_error']}", flush=True)
                     continue
-                row = {"variant": name, "env": env, "concurrency": args.concurrency, "images": images, **row}
+                row = {
+                    "variant": name,
+                    "env": env,
+                    "flags": flags,
+                    "concurrency": args.concurrency,
+                    "images": images,
+                    **row,
+                }
                 rows.append(row)
                 print("  " + json.dumps({k: row.get(k) for k in ("images", "request_throughput", "p95_ttft_ms")}))
                 args.out.write_text(json.dumps({"gpu": vs_vllm.gpu_name(), "rows": rows}, indent=1) + "\n")
@@ -144,6 +194,7 @@ def main() -> None:
             vs_vllm.stop_server(proc)
     keys = ("request_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "engine_busy_pct")
     keys += ("engine_host_ms_per_step", "engine_wait_ms_per_step", "gpu_util_mean_pct", "machine_cores_busy")
+    keys += tuple(f"server_{phase}_mean_ms" for phase in PHASES)
     print("| variant | sizes | " + " | ".join(keys) + " |")
     for r in sorted(rows, key=lambda r: (r["images"], r["variant"])):
         cells = [f"{r[k]:.2f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys]
