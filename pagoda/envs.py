@@ -171,6 +171,14 @@ MIXED_STEP_GRAPHS = Env(
     "CUDA graphs for steps that mix prefill chunks and decode rows (worker/graph_runner.py); 0: such steps run eagerly",
     once=True,
 )
+ENCODER_GRAPH_PATCHES = Env(
+    "PAGODA_ENCODER_GRAPH_PATCHES",
+    int,
+    8192,
+    "the multimodal encoder's forwards of up to this many patch rows (8192: two 1000x750 images) replay CUDA graphs, "
+    "one per set of item shapes met 3 times (worker/encoder_graphs.py); 0: always eager",
+    once=True,
+)
 VISION_CUDNN_AFTER = Env(
     "PAGODA_VISION_CUDNN_AFTER",
     int,

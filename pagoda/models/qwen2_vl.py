@@ -31,7 +31,7 @@ from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.base import CausalLM, ModelCapabilities
 from pagoda.models.llama import LlamaDecoderLayer
-from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
+from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, TowerPlan, vision_config_with_defaults
 
 IMAGE_TOKEN_ID = 151655
 VIDEO_TOKEN_ID = 151656
@@ -134,7 +134,19 @@ class Qwen2VLForConditionalGeneration(CausalLM):
 
     def encode(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         """Whole items → [sum(t*h*w/merge**2), H] placeholder embeddings, in item order."""
-        return self.visual(pixel_values.to(self.visual.patch_embed.proj.weight.dtype), grid_thw)
+        return self.visual(pixel_values.to(self.encoder_dtype), grid_thw)
+
+    @property
+    def encoder_dtype(self) -> torch.dtype:
+        return self.visual.patch_embed.proj.weight.dtype
+
+    def encoder_plan(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> TowerPlan:
+        """What `encode_planned` needs beside the pixels (device tensors made once, kept by a CUDA graph)."""
+        return self.visual.plan(grid_thw, device)
+
+    def encode_planned(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+        """`encode` of pixels (in `encoder_dtype`) whose items' `encoder_plan` is made: kernels only, no host copy."""
+        return self.visual.run(pixel_values, plan)
 
     def encoder_profile_input(
         self, num_tokens: int, dtype: torch.dtype, device: torch.device

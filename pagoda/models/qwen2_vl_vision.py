@@ -269,19 +269,30 @@ class Qwen2VisionTransformer(nn.Module):
         """[P, C·T·p·p] patches of all items -> [P/merge², hidden] merged rows, items in order."""
         grids = _as_grids(grid_thw)
         self._check_input(pixel_values, grids)
-        layout = SegmentLayout.of(grids, self.merge_size**2)
+        return self.run(pixel_values, self.plan(grids, pixel_values.device))
+
+    def plan(self, grid_thw: Sequence[Grid] | torch.Tensor, device: torch.device) -> TowerPlan:
+        """Everything a forward over these items needs beside the pixels, on `device`: the order of its rows and
+        its rotary tables. `run` then only launches kernels (no host-device copies), which is what a CUDA graph of
+        it needs: the plan's tensors stay alive with the graph."""
+        layout = SegmentLayout.of(_as_grids(grid_thw), self.merge_size**2)
+        rows = None if layout.rows is None else to_device(layout.rows, device)
+        merged = None if layout.merged is None else to_device(layout.merged, device)
+        return TowerPlan(layout.groups, rows, merged, self._rope_for(layout.frames, device))
+
+    def run(self, pixel_values: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
+        """`forward` over items whose `plan` is made: [P, C·T·p·p] -> [P/merge², hidden], items in order."""
         x = self.patch_embed(pixel_values)  # [P, D]
-        if layout.rows is not None:  # rows grouped by segment length from here to the merger
-            x = x.index_select(0, to_device(layout.rows, x.device))
-        rope = self._rope_for(layout.frames, x.device)  # 2 × [P, 1, d_h/2] float32, in the grouped order
+        if plan.rows is not None:  # rows grouped by segment length from here to the merger
+            x = x.index_select(0, plan.rows)
         begin_pass()  # the attention's backend gate counts this forward's shapes once
         pending = None
         for block in self.blocks:
-            x, pending = block(x, pending, rope, layout.groups)
+            x, pending = block(x, pending, plan.rope, plan.groups)
         merged = self.merger(x, pending)  # [P/m², H]
-        if layout.merged is None:
+        if plan.merged is None:
             return merged
-        return merged.index_select(0, to_device(layout.merged, merged.device))  # back to the items' order
+        return merged.index_select(0, plan.merged)  # back to the items' order
 
     def _check_input(self, pixel_values: torch.Tensor, grids: list[Grid]) -> None:
         m = self.merge_size
@@ -333,6 +344,20 @@ def _window_order_positions(h: int, w: int, merge: int, device: torch.device) ->
     rows = torch.arange(h, dtype=torch.float32, device=device)[:, None].expand(h, w)
     cols = torch.arange(w, dtype=torch.float32, device=device)[None, :].expand(h, w)
     return reorder(rows), reorder(cols)
+
+
+@dataclass(frozen=True)
+class TowerPlan:
+    """A tower forward's inputs beside the pixels (`Qwen2VisionTransformer.plan`), all on the device.
+
+    groups: `SegmentLayout.groups`. rows / merged: `SegmentLayout`'s orders as int64 tensors (None: items' order).
+    rope: float32 (cos, sin) [P, 1, d_h/2] of every row in the tower's order.
+    """
+
+    groups: list[tuple[int, int, int]]
+    rows: torch.Tensor | None
+    merged: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)

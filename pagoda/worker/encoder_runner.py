@@ -5,7 +5,8 @@ in the step and their flat token indices (host), which the eager forward hands t
 `StepAttention.mm_embeds` and a mixed-step CUDA graph reads from its static buffers. Every item overlapping a row's
 scheduled range needs its whole encoder output (the vision tower is never run on part of an item):
 taken from the encoder cache (`worker/encoder_cache.py`), or computed now for all missing items in
-one batched call. A chunk boundary may cut an item; each chunk takes its slice of the rows.
+one batched call (replayed from a CUDA graph where one is held for those items' shapes). A chunk boundary
+may cut an item; each chunk takes its slice of the rows.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagoda import envs
 from pagoda.device_copy import to_device
 from pagoda.inputs import expand_temporal
 from pagoda.worker.encoder_cache import EncoderCache
+from pagoda.worker.encoder_graphs import CapturePolicy, EncoderGraphs
 from pagoda.worker.request_states import RunnerRequestState
 from pagoda.worker.step_inputs import StepInputs
 
@@ -27,6 +30,15 @@ class EncoderRunner:
         self.device = device
         self.cache = EncoderCache(cache_tokens)
         self.active = active  # the model has an encoder, on this pipeline stage
+        self.graphs: EncoderGraphs | None = None  # `enable_graphs`
+
+    def enable_graphs(self, max_patches: int | None = None) -> None:
+        """Replay forwards of up to `max_patches` patch rows (default: PAGODA_ENCODER_GRAPH_PATCHES) from CUDA
+        graphs (`worker/encoder_graphs.py`) where the model can plan its encoder's inputs ahead; 0: eager."""
+        if max_patches is None:
+            max_patches = envs.ENCODER_GRAPH_PATCHES.value
+        if self.active and max_patches > 0 and hasattr(self.model, "encoder_plan"):
+            self.graphs = EncoderGraphs(self.model, self.device, CapturePolicy(max_patches))
 
     def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[np.ndarray, torch.Tensor] | None:
         """(flat token indices [P] int64, encoder rows [P, H]) of the step's placeholder tokens, or None (none, or
@@ -57,7 +69,10 @@ class EncoderRunner:
             pixels = torch.cat(
                 [encoder_pixels(m.pixel_values, m.pixel_lut, self.device, m.temporal_repeat) for m in missing]
             )
-            encoded = self.model.encode(pixels, [m.grid_thw for m in missing])
+            grids = [m.grid_thw for m in missing]
+            encoded = self.graphs.run(pixels, grids) if self.graphs is not None else None
+            if encoded is None:
+                encoded = self.model.encode(pixels, grids)
             for item, rows in zip(missing, encoded.split([m.length for m in missing])):
                 outputs[item.content_hash] = rows
                 self.cache.put(item.content_hash, rows)

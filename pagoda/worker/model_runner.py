@@ -151,6 +151,8 @@ class ModelRunner:
         )
         self.graphs = GraphRunner(spec, self.model, self.backend, self.device, capture, self.link)
         self.graphs.capture_all()
+        if capture:
+            self.encoder.enable_graphs()
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
