@@ -224,7 +224,11 @@ ALLOW_RUNTIME_LORA_UPDATING = _VllmSwitch(
     'for "1" or "true" (any case), as in vLLM',
 )
 HTTP_TIMEOUT_KEEP_ALIVE = Env(
-    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", float, 5.0, "vLLM's name for --timeout-keep-alive's default, in seconds"
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    float,
+    75.0,
+    "vLLM's name for --timeout-keep-alive's default, in seconds (Pagoda's 75, vLLM's 5: longer than clients keep "
+    "an idle pooled connection, so none reuses one the server is closing at that moment)",
 )
 TP_INIT_TIMEOUT_S = Env(
     "PAGODA_TP_INIT_TIMEOUT_S",

@@ -102,9 +102,11 @@ class ServerConfig:
     idle_connection_timeout: float = knob(
         DEFAULT_IDLE_CONNECTION_TIMEOUT_S, "close a new connection that sends nothing for this many s (default 300)"
     )
-    # None: VLLM_HTTP_TIMEOUT_KEEP_ALIVE or 5, resolved when the config is built (`__post_init__`).
+    # None: VLLM_HTTP_TIMEOUT_KEEP_ALIVE or 75, resolved when the config is built (`__post_init__`). Longer than
+    # clients keep an idle pooled connection (httpx 5 s, aiohttp 15 s, vLLM's benchmark client 60 s): a server that
+    # closes first can close a connection just as the client sends on it, and that request fails with a reset.
     timeout_keep_alive: float | None = knob(
-        None, "close an idle keep-alive connection after this many s (default 5, or VLLM_HTTP_TIMEOUT_KEEP_ALIVE)"
+        None, "close an idle keep-alive connection after this many s (default 75, or VLLM_HTTP_TIMEOUT_KEEP_ALIVE)"
     )
     max_connections: int | None = knob(
         None,

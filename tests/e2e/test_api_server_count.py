@@ -178,7 +178,7 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
 def asc(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("asc-tmpdir")  # the server's TMPDIR: its temp folders must vanish at exit
     # Pinned connections wait their turn (pin() collects them one by one; a test uses one, then the other):
-    # on a busy 2-core machine that outlasts the 5 s default keep-alive, and the server would close them.
+    # on a busy 2-core machine that can outlast a keep-alive timeout, and the server would close them.
     proc = ServerProcess(
         tmp_path_factory.mktemp("asc") / "serve.log",
         ["--api-server-count", "2", "--timeout-keep-alive", "120"],

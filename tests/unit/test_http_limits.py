@@ -341,7 +341,7 @@ def test_serve_flags_build_the_limits() -> None:
 
     limits = limits_from([])
     assert limits.max_request_bytes == 32 << 20 and limits.max_header_bytes == 64 << 10
-    assert limits.max_header_count == 256 and limits.keep_alive_timeout == 5
+    assert limits.max_header_count == 256 and limits.keep_alive_timeout == 75
     assert limits.max_connections == default_max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     limits = limits_from(
         [
