@@ -35,6 +35,8 @@ of a graph step as on the GPU machine.
 --image (with --arch qwen2_vl) gives every prompt one small image (a 4x4-patch grid: 4 placeholder tokens, its own
 content hash), so the decode steps take an image request's host path (M-RoPE positions from each request's table,
 the encoder-overlap check).
+--churn C keeps the batch full while C requests end and C new ones start at every step (each lives batch / C tokens),
+as under steady load with short answers: each timed step then also prefills C prompts and finishes C requests.
 --profile CONFIG prints cProfile's top functions for that config's timed steps (forward and sampler
 compute included: read the host rows).
 """
@@ -201,17 +203,21 @@ def use_decode_graph_path(runner) -> None:
     fixed random logits tensors, standing in for the GPU work of the captured forward. What is timed
     as prep is then exactly the host work a graph step has on the GPU machine."""
     from pagoda.layers.triton_attention import TritonAttentionBackend
+    from pagoda.worker.graph_runner import DECODE
 
     runner.backend = TritonAttentionBackend()  # graphs need it; no kernel runs (replay is stubbed)
     runner.enable_cuda_graphs(capture=False)
     graphs = runner.graphs
     gen = torch.Generator().manual_seed(0)
     bank = [torch.randn(graphs.spec.num_rows, runner.vocab_size, generator=gen) * 4 for _ in range(3)]
+    hidden = torch.zeros(max(graphs.spec.token_buckets, default=1), runner.link.hidden_size, dtype=runner.dtype)
     calls = [0]
 
     def replay(kind, b, attn):
+        # A decode bucket's graph gives every row's logits; a mixed bucket's (--churn) its tokens' hidden states,
+        # whose sampled rows the runner then takes through the LM head (the tiny model's: little work).
         calls[0] += 1
-        return bank[calls[0] % len(bank)][:b]
+        return bank[calls[0] % len(bank)][:b] if kind == DECODE else hidden[:b]
 
     graphs._attention = lambda kind, b: None  # built once at capture on the GPU, not per step
     graphs._forward = replay
@@ -233,6 +239,9 @@ def one_image_prompt(text: list[int], index: int):
     return prompt, MultiModalInputs([item], positions, delta, {"image": 4})
 
 
+WARM_STEPS = 3  # steps run before the timed ones, once every request decodes
+
+
 def run_config(
     folder: str,
     name: str,
@@ -242,6 +251,7 @@ def run_config(
     profile: bool,
     decode_graphs: bool = False,
     image: bool = False,
+    churn: int = 0,
 ) -> dict:
     detok, knobs = CONFIGS[name]
     llm = LLM(
@@ -256,19 +266,30 @@ def run_config(
     )
     engine = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=1000, ignore_eos=True, **knobs)
-    for i in range(batch):
+    # --churn c: every request lives batch / c tokens, the first batch's staggered so that c of them end at each
+    # timed step, and each one that ends is replaced at once: each step then also prefills c new prompts.
+    life = batch // churn if churn else 0
+    added = [0]
+
+    def add(max_tokens: int) -> None:
+        i = added[0]
+        added[0] += 1
         prompt = [rng.randrange(3, VOCAB - 4) for _ in range(rng.randint(prompt_len - 8, prompt_len + 8))]
         mm = None
         if image:
             prompt, mm = one_image_prompt(prompt, i)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **knobs)
         engine.add_request(str(i), prompt, params, delta=True, detokenize=name not in API_DETOK, mm_inputs=mm)
+
+    for i in range(batch):
+        add(WARM_STEPS + 2 + i // churn if churn else 1000)  # group i // churn ends at that timed step
     while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     if decode_graphs:
         use_decode_graph_path(engine.runner)
-    for _ in range(3):  # warm up the decode path
-        engine.step()
+    for _ in range(WARM_STEPS):  # warm up the decode path
+        for _ in range(sum(out.finished for out in engine.step())):
+            add(life)
     timer = Timer()
     instrument(engine, timer)
     if decode_graphs:
@@ -291,6 +312,8 @@ def run_config(
         if prof:
             prof.enable()
         outs = engine.step()
+        for _ in range(sum(out.finished for out in outs)):
+            add(life)  # before the next step: the engine takes it in its next schedule
         # What the core process then sends: the outputs as wire tuples, pickled (ZMQ's send_pyobj).
         t_send = timer.clock()
         pickle.dumps(Outputs([wire_output(out) for out in outs], engine.stats()), pickle.DEFAULT_PROTOCOL)
@@ -299,7 +322,7 @@ def run_config(
             prof.disable()
         total = timer.clock() - t0
         timer.keep.clear()
-        assert len(outs) == batch and engine.scheduler.num_running == batch
+        assert len(outs) >= batch - churn and engine.scheduler.num_running + engine.scheduler.num_waiting == batch
         s = dict(timer.step)
         s["prep"] = s.pop("execute") - s.get("forward", 0) - s.get("sampler", 0) - s.get("samp_prep", 0)
         s["other"] = (
@@ -351,10 +374,15 @@ def main() -> None:
     )
     ap.add_argument("--arch", choices=["llama", "qwen2_vl"], default="llama", help="the tiny model's layout")
     ap.add_argument("--image", action="store_true", help="one small image per prompt (--arch qwen2_vl)")
+    ap.add_argument(
+        "--churn", type=int, default=0, help="requests that end, and new ones that start, at every step (0: none)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.image and args.arch != "qwen2_vl":
         ap.error("--image needs --arch qwen2_vl")
+    if args.churn and not 0 < args.churn <= args.batch // 2:
+        ap.error("--churn must be between 1 and half of --batch")
     torch.set_num_threads(args.threads)
     if args.clock == "thread":
         Timer.clock = staticmethod(time.thread_time)
@@ -374,6 +402,7 @@ def main() -> None:
                 name == args.profile,
                 args.decode_graphs,
                 args.image,
+                args.churn,
             )
     cols = ["schedule", "prep", "samp_prep", "update", "process", "send", "other", "host", "gc", "forward", "sampler"]
     print(
