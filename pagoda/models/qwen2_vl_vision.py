@@ -18,6 +18,7 @@ contiguous slice of every layer's activations: a view into SDPA, not a gather an
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ _VISION_DEFAULTS: dict[str, Any] = {
 _ALIASES = {"spatial_patch_size": "patch_size", "in_chans": "in_channels"}
 _LAYER_NORM_EPS = 1e-6  # hard-coded in the reference implementation
 _ROPE_THETA = 10000.0
+ROPE_CACHE_SIZES = 64  # (h, w) rotary tables the tower keeps (LRU)
 
 
 _ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "silu": F.silu}
@@ -262,8 +264,9 @@ class Qwen2VisionTransformer(nn.Module):
         )
         self.merger = PatchMerger(dim, cfg["hidden_size"], self.merge_size)
         # (h, w, device) -> float32 (cos, sin) [h·w, 1, d_h/2]; a plain dict, not buffers, so that
-        # meta-device construction and `.to(dtype)` leave it alone.
-        self._rope_cache: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # meta-device construction and `.to(dtype)` leave it alone. Least recently used first, at most
+        # ROPE_CACHE_SIZES entries: real traffic brings many image sizes, each ~0.6 MB at 1000x750.
+        self._rope_cache: OrderedDict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[Grid] | torch.Tensor) -> torch.Tensor:
         """[P, C·T·p·p] patches of all items -> [P/merge², hidden] merged rows, items in order."""
@@ -316,9 +319,13 @@ class Qwen2VisionTransformer(nn.Module):
 
     def _grid_rope(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (h, w, device)
-        if key not in self._rope_cache:
-            self._rope_cache[key] = _grid_cos_sin(h, w, self.merge_size, self.head_dim, device)
-        return self._rope_cache[key]
+        if key in self._rope_cache:
+            self._rope_cache.move_to_end(key)
+            return self._rope_cache[key]
+        tables = self._rope_cache[key] = _grid_cos_sin(h, w, self.merge_size, self.head_dim, device)
+        if len(self._rope_cache) > ROPE_CACHE_SIZES:
+            self._rope_cache.popitem(last=False)
+        return tables
 
 
 def _grid_cos_sin(h: int, w: int, merge: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

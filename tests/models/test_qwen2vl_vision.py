@@ -166,6 +166,30 @@ def test_video_frame_pairs_do_not_attend_to_each_other(ours):
     torch.testing.assert_close(video, torch.cat([pair_0, pair_1]), atol=1e-6, rtol=1e-6)
 
 
+def test_rotary_tables_are_kept_for_a_bounded_number_of_sizes(hf_checkpoint, ours, monkeypatch):
+    """The per-size rotary tables are a bounded LRU: past the bound the least recently used size goes, and a size
+    met again after its eviction still encodes like transformers' tower."""
+    from pagoda.models import qwen2_vl_vision
+
+    monkeypatch.setattr(qwen2_vl_vision, "ROPE_CACHE_SIZES", 3)
+    ours._rope_cache.clear()
+    sizes = [(2, 2), (2, 4), (4, 2), (4, 4), (2, 6)]
+    with torch.no_grad():
+        for h, w in sizes:
+            ours(torch.randn(h * w, PATCH_DIM), [(1, h, w)])
+    assert [key[:2] for key in ours._rope_cache] == sizes[-3:]
+    pixels = torch.randn(4, PATCH_DIM)
+    with torch.no_grad():
+        got = ours(pixels, [(1, 2, 2)])
+        expected = hf_checkpoint[0].model.visual(pixels, grid_thw=torch.tensor([(1, 2, 2)])).pooler_output
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert [key[:2] for key in ours._rope_cache] == [(4, 4), (2, 6), (2, 2)]
+    with torch.no_grad():  # a hit makes (4, 4) the most recent: the next new size evicts (2, 6)
+        ours(torch.randn(16, PATCH_DIM), [(1, 4, 4)])
+        ours(torch.randn(12, PATCH_DIM), [(1, 6, 2)])
+    assert [key[:2] for key in ours._rope_cache] == [(2, 2), (4, 4), (6, 2)]
+
+
 def test_segment_layout_groups_rows_by_length():
     from pagoda.models.qwen2_vl_vision import SegmentLayout
 
