@@ -73,9 +73,10 @@ class EncoderGraphs:
         self.model, self.device, self.policy = model, device, policy
         self._graphs: dict[Grids, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._stream: torch.cuda.Stream | None = None  # the captures' side stream, made at the first one
 
     def run(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor | None:
-        key = tuple(tuple(int(v) for v in g) for g in grids)
+        key: Grids = tuple((int(t), int(h), int(w)) for t, h, w in grids)
         entry = self._graphs.get(key)
         if entry is None:
             if not self.policy.should_capture(key, pixels.shape[0]):
@@ -99,7 +100,7 @@ class EncoderGraphs:
         plan = self.model.encoder_plan(list(key), self.device)
         inputs = torch.empty(pixels.shape, dtype=self.model.encoder_dtype, device=self.device)
         inputs.copy_(pixels)
-        stream = torch.cuda.Stream(self.device)
+        stream = self._stream = self._stream or torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # one eager forward first: kernels compiled, attention plans built
             self.model.encode_planned(inputs, plan)
