@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pagoda.worker.graph_runner import capture_graph, gc_paused
+
 logger = logging.getLogger(__name__)
 
 Grids = tuple[tuple[int, int, int], ...]
@@ -105,8 +107,6 @@ class EncoderGraphs:
         with torch.cuda.stream(stream):  # one eager forward first: kernels compiled, attention plans built
             self.model.encode_planned(inputs, plan)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls (API threads, a tokenizer pool) do not break the capture
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            output = self.model.encode_planned(inputs, plan)
+        with gc_paused():  # the steps before left pinned transfer buffers for the collector
+            graph, output = capture_graph(lambda: self.model.encode_planned(inputs, plan), self._pool, stream)
         return _Graph(graph, inputs, output, plan)

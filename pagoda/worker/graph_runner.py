@@ -52,11 +52,13 @@ padding, scratch state and layout through it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -71,6 +73,8 @@ from pagoda.layers.pipeline import StageHidden
 from pagoda.layers.sequence_state import SequenceStateBatch, snapshot_pairs
 from pagoda.worker.pipeline_link import PipelineLink
 from pagoda.worker.step_inputs import StepInputs
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -481,29 +485,14 @@ def _capture_buckets(
     pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    # No garbage collection inside a capture: a collected pinned host tensor (e.g. an earlier
-    # engine's transfer buffer) makes the host allocator query its CUDA event, which is illegal
-    # while a stream captures and invalidates the graph. So collect now, then not until the end.
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for b in reversed(buckets):
-                with dispatch.pdl_for_rows(b):  # compiled in the warm-up runs, baked in the graph
-                    attn = attention(b)
-                    for _ in range(2):
-                        forward(b, attn)
-                    stream.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot
-                    # invalidate this capture; this thread's own illegal calls still fail loudly.
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        out = forward(b, attn)
-                    graphs[b] = (graph, out)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with gc_paused(), torch.inference_mode(), torch.cuda.stream(stream):
+        for b in reversed(buckets):
+            with dispatch.pdl_for_rows(b):  # compiled in the warm-up runs, baked in the graph
+                attn = attention(b)
+                for _ in range(2):
+                    forward(b, attn)
+                stream.synchronize()
+                graphs[b] = capture_graph(lambda: forward(b, attn), pool, stream)  # noqa: B023 (called at once)
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     logger.info(
@@ -515,3 +504,28 @@ def _capture_buckets(
         time.perf_counter() - start,
     )
     return graphs
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside a capture: a collected pinned host tensor (e.g. an earlier step's transfer
+    buffer) makes the host allocator query its CUDA event, which is illegal while a stream captures and
+    invalidates the graph. So collect now, then not until the block ends."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def capture_graph(run: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(graph, run()'s output) of run() captured on `stream` into `pool`, inside `gc_paused`. thread_local:
+    another thread's CUDA calls (an API thread, a tokenizer pool) cannot invalidate the capture; this thread's
+    own illegal calls still fail loudly."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
