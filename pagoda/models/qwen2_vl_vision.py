@@ -274,11 +274,11 @@ class Qwen2VisionTransformer(nn.Module):
         self._check_input(pixel_values, grids)
         return self.run(pixel_values, self.plan(grids, pixel_values.device))
 
-    def plan(self, grid_thw: Sequence[Grid] | torch.Tensor, device: torch.device) -> TowerPlan:
+    def plan(self, grids: list[Grid], device: torch.device) -> TowerPlan:
         """Everything a forward over these items needs beside the pixels, on `device`: the order of its rows and
         its rotary tables. `run` then only launches kernels (no host-device copies), which is what a CUDA graph of
         it needs: the plan's tensors stay alive with the graph."""
-        layout = SegmentLayout.of(_as_grids(grid_thw), self.merge_size**2)
+        layout = SegmentLayout.of(grids, self.merge_size**2)
         rows = None if layout.rows is None else to_device(layout.rows, device)
         merged = None if layout.merged is None else to_device(layout.merged, device)
         return TowerPlan(layout.groups, rows, merged, self._rope_for(layout.frames, device))
