@@ -70,7 +70,13 @@ from h200_shapes import QWEN2VL_7B_TEXT, SHAPES  # noqa: E402  (this folder's sh
 from quantization_sbs import KEYS as POOLED_NAMES  # noqa: E402  (the older pooled client's names -> vLLM's)
 
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig  # noqa: E402
-from pagoda.tools.bench.metrics import parse_prometheus, server_metrics_summary, summarize_ms, tpot_of  # noqa: E402
+from pagoda.tools.bench.metrics import (  # noqa: E402
+    MEANS_MS,
+    parse_prometheus,
+    server_metrics_summary,
+    summarize_ms,
+    tpot_of,
+)
 
 RESULT = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
 KEYS = (
@@ -441,14 +447,15 @@ def engine_counters(url: str) -> dict | None:
 
 def engine_split(before: dict | None, after: dict | None, span: tuple[float, float] | None) -> dict:
     """Where a Pagoda server's engine core spent a point (its own counters, read before and after): host ms and
-    device-wait ms per step, the loop thread's CPU ms per step, and its busy share of the point's span. A core busy
+    device-wait ms per step, the loop thread's CPU ms per step, its busy share of the point's span, and the mean
+    request phases of its own histograms (`MEANS_MS`: first token, queue, scheduled to first token, decode). A core busy
     nearly all the time with little of it waiting for the GPU sets the rate by its host work; host ms well above
     CPU ms means that work blocks (in the driver, on a lock) rather than computes. vLLM's pages have no such
     counters (no keys)."""
     summary = server_metrics_summary(before, after, [])
     if summary.get("engine_host_ms_per_step") is None:
         return {}
-    keys = ("engine_host_ms_per_step", "engine_wait_ms_per_step", "engine_cpu_ms_per_step")
+    keys = ("engine_host_ms_per_step", "engine_wait_ms_per_step", "engine_cpu_ms_per_step", *MEANS_MS)
     out = {k: round(summary[k], 3) for k in keys if summary.get(k) is not None}
     out["engine_steps"] = int(summary["engine_steps_delta"])
     if span is not None and span[1] > span[0]:

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -85,40 +84,6 @@ def one_image_point(name: str, images: str, concurrency: int, prompts: int) -> v
     return vs_vllm.Point(name, [], prompts, 4, concurrency=concurrency, pagoda_args=args)
 
 
-PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time", "request_decode_time")
-
-
-def phase_sums(url: str) -> dict[str, tuple[float, float]]:
-    """{phase: (sum seconds, count)} of the server's request-phase histograms now (pagoda: names; {} where the
-    page does not answer)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    totals: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for phase in PHASES:
-                for i, suffix in enumerate(("_seconds_sum", "_seconds_count")):
-                    if sample.name == f"pagoda:{phase}{suffix}":
-                        totals.setdefault(phase, [0.0, 0.0])[i] += sample.value
-    return {k: (v[0], v[1]) for k, v in totals.items()}
-
-
-def phase_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean ms per request of each phase over a point, from two `phase_sums` reads: where a request's time-to-first-
-    token goes on the server (the core's queue, then scheduled to first token) against what the client saw."""
-    out = {}
-    for phase, (total, count) in after.items():
-        total0, count0 = before.get(phase, (0.0, 0.0))
-        if count > count0:
-            out[f"server_{phase}_mean_ms"] = round(1000 * (total - total0) / (count - count0), 2)
-    return out
-
-
 def run_point(
     url: str, model: str, point: vs_vllm.Point, work: Path, spy: tuple[int, Path] | None, seed: int = 3
 ) -> dict:
@@ -127,9 +92,8 @@ def run_point(
     spy_thread = threading.Thread(target=record_core, args=spy) if spy else None
     if spy_thread is not None:
         spy_thread.start()
-    cpu0, t0, phases0 = busy_cores(), time.perf_counter(), phase_sums(url)
+    cpu0, t0 = busy_cores(), time.perf_counter()
     row = vs_vllm.run_point_pagoda_bench(url, model, point, None, seed, work)
-    row.update(phase_means(phases0, phase_sums(url)))
     row["machine_cores_busy"] = round((busy_cores() - cpu0) / (time.perf_counter() - t0), 2)
     if spy_thread is not None:
         spy_thread.join()
@@ -194,7 +158,7 @@ def main() -> None:
             vs_vllm.stop_server(proc)
     keys = ("request_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "engine_busy_pct")
     keys += ("engine_host_ms_per_step", "engine_wait_ms_per_step", "gpu_util_mean_pct", "machine_cores_busy")
-    keys += tuple(f"server_{phase}_mean_ms" for phase in PHASES)
+    keys += tuple(vs_vllm.MEANS_MS)
     print("| variant | sizes | " + " | ".join(keys) + " |")
     for r in sorted(rows, key=lambda r: (r["images"], r["variant"])):
         cells = [f"{r[k]:.2f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys]

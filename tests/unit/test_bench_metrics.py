@@ -367,6 +367,23 @@ def test_server_mean_ttft_from_histogram_deltas() -> None:
     assert server_metrics_summary(before, before, [])["server_mean_ttft_ms"] is None  # no requests: no mean
 
 
+def test_server_mean_prefill_and_decode_times_from_histogram_deltas() -> None:
+    """Scheduled-to-first-token and decode means over a point, from Pagoda's own histogram names."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    prefill = Histogram("pagoda:request_prefill_time_seconds", "p", registry=registry)
+    decode = Histogram("pagoda:request_decode_time_seconds", "d", registry=registry)
+    decode.observe(9.0)  # before the point: must not count
+    before = parse_prometheus(generate_latest(registry).decode())
+    for seconds in (0.1, 0.3):
+        prefill.observe(seconds)
+        decode.observe(2 * seconds)
+    summary = server_metrics_summary(before, parse_prometheus(generate_latest(registry).decode()), [])
+    assert summary["server_mean_prefill_ms"] == pytest.approx(200.0)
+    assert summary["server_mean_decode_ms"] == pytest.approx(400.0)
+
+
 def test_engine_host_and_wait_per_step_from_the_servers_own_page() -> None:
     """The engine core's totals → ServerMetrics counters → the rendered page → bench's per-step host
     work and GPU wait over a point (names on both sides must agree)."""

@@ -186,6 +186,11 @@ COUNTERS = {
     "ttft_seconds_count": ("time_to_first_token_seconds_count",),
     "queue_seconds_sum": ("request_queue_time_seconds_sum",),
     "queue_seconds_count": ("request_queue_time_seconds_count",),
+    # ... and where the rest of the first-token time goes: first scheduled to first token, then the decode.
+    "prefill_seconds_sum": ("request_prefill_time_seconds_sum",),
+    "prefill_seconds_count": ("request_prefill_time_seconds_count",),
+    "decode_seconds_sum": ("request_decode_time_seconds_sum",),
+    "decode_seconds_count": ("request_decode_time_seconds_count",),
     # Pagoda only: the engine core's steps, busy time and the part of it spent waiting for the GPU.
     "engine_steps": ("engine_steps_total",),
     "engine_busy_seconds": ("engine_core_busy_seconds_total",),
@@ -200,6 +205,8 @@ COUNTERS = {
 MEANS_MS = {
     "server_mean_ttft_ms": ("ttft_seconds_sum", "ttft_seconds_count"),
     "server_mean_queue_ms": ("queue_seconds_sum", "queue_seconds_count"),
+    "server_mean_prefill_ms": ("prefill_seconds_sum", "prefill_seconds_count"),
+    "server_mean_decode_ms": ("decode_seconds_sum", "decode_seconds_count"),
 }
 PREFIXES = ("vllm:", "pagoda:")
 # The sample names read, under either prefix. A page carries ten times more lines (histogram buckets, HTTP and
