@@ -3,6 +3,7 @@
     yuan2-2b             YuanForCausalLM, Yuan2-2B's dimensions, with the LF gate
     llama-yuan2-2b-dims  LlamaForCausalLM with the same dimensions (MHA, 32 x 64) — the anchors' shape A
     qwen2-vl-2b-text     Qwen2VLForConditionalGeneration, the real 2B config, fed text only
+    qwen2-vl-7b-text     the same with the 7B's language model (QWEN2VL_7B_TEXT)
     llama-3-8b           LlamaForCausalLM, Llama-3-8B's dimensions (GQA 32/8 x 128)
 
 `QWEN2VL_7B_TEXT` holds what Qwen2-VL-7B's language model changes from the 2B's (its vision tower is the 2B's,
@@ -112,6 +113,14 @@ SHAPES: dict[str, dict] = {
         eos_token_id=128001,
     ),
 }
+
+
+SHAPES["qwen2-vl-7b-text"] = dict(
+    SHAPES["qwen2-vl-2b-text"],
+    **QWEN2VL_7B_TEXT,
+    vocab_size=152064,
+    vision_config=dict(SHAPES["qwen2-vl-2b-text"]["vision_config"], hidden_size=3584),
+)
 
 
 def write_config(folder: str, shape: str, tokenizer_dir: str | None = None) -> str:
