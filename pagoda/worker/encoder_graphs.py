@@ -22,6 +22,7 @@ The switch is `PAGODA_ENCODER_GRAPH_PATCHES` (0: always eager); `--enforce-eager
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ class EncoderGraphs:
         if entry is None:
             if not self.policy.should_capture(key, pixels.shape[0]):
                 return None
+            start = time.perf_counter()
             try:
                 entry = self._capture(key, pixels)
             except RuntimeError as error:  # a kernel that cannot be captured here: stay eager from now on
@@ -91,6 +93,15 @@ class EncoderGraphs:
                 return None
             self._graphs[key] = entry
             self.policy.did_capture(key)
+            # the request that brought this forward waited for the capture: its cost is worth seeing
+            logger.info(
+                "captured the encoder's CUDA graph %d of at most %d (%d items, %d patch rows) in %.0f ms",
+                len(self._graphs),
+                self.policy.max_graphs,
+                len(key),
+                pixels.shape[0],
+                (time.perf_counter() - start) * 1e3,
+            )
         entry.inputs.copy_(pixels)
         entry.graph.replay()
         return entry.output.clone()  # the next replay of any graph may reuse this memory
@@ -107,6 +118,9 @@ class EncoderGraphs:
         with torch.cuda.stream(stream):  # one eager forward first: kernels compiled, attention plans built
             self.model.encode_planned(inputs, plan)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        with gc_paused():  # the steps before left pinned transfer buffers for the collector
-            graph, output = capture_graph(lambda: self.model.encode_planned(inputs, plan), self._pool, stream)
+        # The steps before left pinned transfer buffers for the collector: none is collected mid-capture.
+        with gc_paused(collect=False):
+            graph, output = capture_graph(
+                lambda: self.model.encode_planned(inputs, plan), self._pool, stream, while_serving=True
+            )
         return _Graph(graph, inputs, output, plan)

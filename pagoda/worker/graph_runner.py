@@ -507,11 +507,13 @@ def _capture_buckets(
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(collect: bool = True) -> Iterator[None]:
     """No garbage collection inside a capture: a collected pinned host tensor (e.g. an earlier step's transfer
     buffer) makes the host allocator query its CUDA event, which is illegal while a stream captures and
-    invalidates the graph. So collect now, then not until the block ends."""
-    gc.collect()
+    invalidates the graph. So collect now (unless `collect` is False: a capture while serving, where a full
+    collection of the engine's heap would stall the step), then not until the block ends."""
+    if collect:
+        gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -521,11 +523,27 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def capture_graph(run: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
-    """(graph, run()'s output) of run() captured on `stream` into `pool`, inside `gc_paused`. thread_local:
-    another thread's CUDA calls (an API thread, a tokenizer pool) cannot invalidate the capture; this thread's
-    own illegal calls still fail loudly."""
+def capture_graph(
+    run: Callable[[], T], pool: Any, stream: torch.cuda.Stream, *, while_serving: bool = False
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(graph, run()'s output) of run() captured on `stream` into `pool`; the caller holds `gc_paused`.
+    thread_local: another thread's CUDA calls (an API thread, a tokenizer pool) cannot invalidate the capture;
+    this thread's own illegal calls still fail loudly.
+
+    At startup `torch.cuda.graph` first synchronizes the device and empties the device and pinned-host
+    allocator caches, so the graphs are captured into as much free memory as there is. `while_serving` skips
+    that: between two steps of a running engine, emptying the caches hands back the memory the next steps
+    allocate again (and the pinned transfer buffers they reuse), a stall the request that brought the capture
+    would pay. The caller orders `stream` after the work whose results the capture reads."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        out = run()
+    if not while_serving:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = run()
+        return graph, out
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
     return graph, out
