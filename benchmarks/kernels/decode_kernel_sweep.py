@@ -85,7 +85,7 @@ def main() -> None:
             splits_options = sorted({1, graph_splits, *(ints(args.splits) if args.splits else [])})
 
             def run(cfg, splits, args=(q, k_cache, v_cache, tables, seq_lens, dim**-0.5)):
-                pa.decode_config = lambda head_dim, cfg=cfg: cfg
+                pa.decode_config = lambda head_dim, num_splits=1, cfg=cfg: cfg
                 try:
                     # In a CUDA graph, as decode steps run it: a per-call timing of a ~50 us kernel
                     # measures the host's launch path instead.
@@ -95,7 +95,7 @@ def main() -> None:
                 finally:
                     pa.decode_config = default
 
-            base = {s: run(default(dim), s) for s in splits_options}
+            base = {s: run(default(dim, s), s) for s in splits_options}
             case = {
                 "shape": shape,
                 "batch": batch,

@@ -22,6 +22,7 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.importorskip("triton")
 
 from pagoda.kernels import policy
+from pagoda.kernels.attention import decode as decode_module
 from pagoda.kernels.attention.decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from pagoda.kernels.attention.prefill import paged_prefill_attention
 from pagoda.kernels.attention.store_kv import store_kv
@@ -392,6 +393,18 @@ def test_split_rule() -> None:
     assert choose_num_splits(1, 2, 4096, 132) == 4096 // 256  # length-limited
     assert choose_num_splits(1, 2, 1 << 20, 132) == MAX_SPLITS
     assert choose_num_splits(4, 8, 1 << 20, 132) == 9  # ~2 programs per SM: ceil(264 / 32)
+    # (row, kv head) programs at or past the SM count run unsplit (~2 per SM would have split these in two)
+    assert choose_num_splits(64, 4, 4096, 132) == 1
+    assert choose_num_splits(33, 4, 4096, 132) == 1  # 132 programs
+    assert choose_num_splits(32, 4, 4096, 132) == 3  # 128 programs: ceil(264 / 128)
+
+
+def test_decode_tiles_follow_the_split(monkeypatch) -> None:
+    monkeypatch.setattr(decode_module, "interpreting", lambda: False)  # the GPU's rule, not the interpreter's
+    assert decode_module.decode_config(128, 9) == decode_module.DecodeConfig(64, 2, 2)  # split: 2 warps
+    assert decode_module.decode_config(128, 1) == decode_module.DecodeConfig(64, 4, 2)
+    assert decode_module.decode_config(64, 9) == decode_module.DecodeConfig(64, 4, 2)  # not swept: as before
+    assert decode_module.decode_config(256, 1) == decode_module.DecodeConfig(32, 4, 2)
 
 
 def test_select_attention_backend() -> None:

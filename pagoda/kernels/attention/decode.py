@@ -203,8 +203,12 @@ def _merge_splits(
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Split-K count for decode: enough (row, kv head, split) programs for ~2 per SM, each split
-    holding at least MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. Large batches get 1."""
+    holding at least MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS. A batch whose (row, kv head) programs
+    number at least the SMs gets 1: there a split only adds its partials' writes and the merge
+    (`benchmarks/kernels/decode_kernel_sweep.py`, docs/performance.md)."""
     programs = max(1, num_rows * num_kv_heads)
+    if programs >= num_sms:
+        return 1
     want = -(-2 * num_sms // programs)
     by_length = -(-max_seq_len // MIN_KEYS_PER_SPLIT)
     return max(1, min(want, by_length, MAX_SPLITS))
@@ -217,11 +221,14 @@ class DecodeConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int) -> DecodeConfig:
-    """Tile sizes for decode (GPU defaults; the interpreter just runs them)."""
+def decode_config(head_dim: int, num_splits: int = 1) -> DecodeConfig:
+    """Tile sizes for decode (GPU defaults; the interpreter just runs them). A split program walks a few key
+    tiles only, and at head dim 128 two warps finish it sooner than four (the sweep above, 1 to 64 rows of
+    ~1,100 keys); other head dims keep four until they are swept."""
     if interpreting():
         return DecodeConfig(block_n=32, num_warps=1, num_stages=1)
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+    warps = 2 if num_splits > 1 and head_dim == 128 else 4
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32, num_warps=warps, num_stages=2)
 
 
 def paged_decode_attention(
@@ -274,7 +281,7 @@ def paged_decode_attention(
 
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
     group = num_heads // num_kv_heads
-    cfg = decode_config(head_dim)
+    cfg = decode_config(head_dim, num_splits)
     block_d = max(16, triton.next_power_of_2(head_dim))
     ieee, upcast = dot_flags(q.dtype)
     if num_splits > 1:
