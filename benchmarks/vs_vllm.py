@@ -602,7 +602,15 @@ def reference_rate(work: Path, workload: str, point: str, system: str) -> float 
     return None
 
 
+def exit_on_sigterm() -> None:
+    """`timeout` and a device call's time limit end a run with SIGTERM, whose default action skips every
+    `finally`: the server of the point in flight would outlive the run, holding the GPU's memory, and the next
+    run's server would fail to start. Raise SystemExit instead, so `run` stops its server on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def run(args: argparse.Namespace) -> None:
+    exit_on_sigterm()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     table = workloads(args.rate_fractions)

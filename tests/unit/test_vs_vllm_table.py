@@ -119,3 +119,24 @@ def test_engine_split_gives_the_cores_host_and_wait_time_per_step_over_the_point
     vllm_page = 'vllm:num_requests_running{model_name="m"} 3\n'
     assert vs_vllm.engine_split(vs_vllm.parse_prometheus(vllm_page), vs_vllm.parse_prometheus(vllm_page), None) == {}
     assert vs_vllm.engine_split(None, None, (0.0, 1.0)) == {}
+
+
+def test_a_terminated_run_unwinds_through_its_finally_blocks():
+    # `timeout` ends a run with SIGTERM; the default action would skip the `finally` that stops the server.
+    import os
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stopped = []
+    try:
+        vs_vllm.exit_on_sigterm()
+        with pytest.raises(SystemExit) as exit_info:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs at the next bytecode; never reached
+            finally:
+                stopped.append(True)
+        assert exit_info.value.code == 128 + signal.SIGTERM
+        assert stopped == [True]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
