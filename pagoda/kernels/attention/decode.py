@@ -88,6 +88,15 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g  # [BLOCK_G]
     mask_q = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_G, BLOCK_D]
+    if seq_len == 0:  # a padding row (a graph bucket's spare rows): zeros, written once, and no split work
+        if split == 0:
+            zeros = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            tl.store(
+                out_ptr + token * o_strides[0] + heads[:, None] * o_strides[1] + offs_d[None, :],
+                zeros.to(out_ptr.dtype.element_ty),
+                mask=mask_q,
+            )
+        return
     q = tl.load(q_ptr + token * q_strides[0] + heads[:, None] * q_strides[1] + offs_d[None, :], mask=mask_q, other=0.0)
 
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
@@ -127,7 +136,7 @@ def _decode_kernel(
         acc = acc * v_scale  # dequantize V once, on the (linear) accumulator
 
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row) → zeros
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + token * o_strides[0] + heads[:, None] * o_strides[1] + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),

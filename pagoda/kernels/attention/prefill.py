@@ -60,6 +60,8 @@ def _prefill_kernel(
     m0 = tl.load(tile_m0_ptr + tile)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if m0 >= q_len:  # an unused tile of a graph bucket (it points at a row without queries): nothing to do
+        return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx = seq_len - q_len
 
