@@ -118,7 +118,6 @@ SHAPES: dict[str, dict] = {
 SHAPES["qwen2-vl-7b-text"] = dict(
     SHAPES["qwen2-vl-2b-text"],
     **QWEN2VL_7B_TEXT,
-    vocab_size=152064,
     vision_config=dict(SHAPES["qwen2-vl-2b-text"]["vision_config"], hidden_size=3584),
 )
 

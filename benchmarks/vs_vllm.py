@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from h200_shapes import QWEN2VL_7B_TEXT, SHAPES  # noqa: E402  (this folder's shapes)
+from h200_shapes import SHAPES  # noqa: E402  (this folder's shapes)
 from quantization_sbs import KEYS as POOLED_NAMES  # noqa: E402  (the older pooled client's names -> vLLM's)
 
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig  # noqa: E402
@@ -116,7 +116,7 @@ MODEL_FOLDERS = {"text": "llama-yuan2-2b-dims", "image-qwen2-vl-2b": "qwen2-vl-2
 def model_configs() -> dict[str, dict]:
     text = dict(SHAPES["llama-yuan2-2b-dims"], vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
     vl2 = dict(SHAPES["qwen2-vl-2b-text"])
-    vl7 = dict(vl2, **QWEN2VL_7B_TEXT, vision_config=dict(vl2["vision_config"], hidden_size=3584))
+    vl7 = dict(SHAPES["qwen2-vl-7b-text"])
     for cfg in (vl2, vl7):
         cfg.update(architectures=["Qwen2VLForConditionalGeneration"], vision_token_id=151654)
     llama8b = dict(SHAPES["llama-3-8b"], vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
