@@ -136,7 +136,7 @@ def _decode_kernel(
         acc = acc * v_scale  # dequantize V once, on the (linear) accumulator
 
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / l_i[:, None]  # > 0: the row has keys (padding rows returned above)
         tl.store(
             out_ptr + token * o_strides[0] + heads[:, None] * o_strides[1] + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -232,8 +232,8 @@ class DecodeConfig:
 
 def decode_config(head_dim: int, num_splits: int = 1) -> DecodeConfig:
     """Tile sizes for decode (GPU defaults; the interpreter just runs them). A split program walks a few key
-    tiles only, and at head dim 128 two warps finish it sooner than four (the sweep above, 1 to 64 rows of
-    ~1,100 keys); other head dims keep four until they are swept."""
+    tiles only, and at head dim 128 two warps finish it sooner than four (`decode_kernel_sweep.py`, 1 to 64 rows
+    of ~1,100 keys); other head dims keep four until they are swept."""
     if interpreting():
         return DecodeConfig(block_n=32, num_warps=1, num_stages=1)
     warps = 2 if num_splits > 1 and head_dim == 128 else 4
