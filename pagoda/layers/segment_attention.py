@@ -10,24 +10,30 @@ shape to cuDNN from the `after`-th tower pass that meets it on (the build is pai
 coming back); the passes before run it through flash. A pass is one forward of the tower (`begin_pass`): its
 layers all call the same shapes, so counting calls instead would reach any threshold within the first forward.
 `PAGODA_VISION_CUDNN_AFTER` sets `after` (1: cuDNN from the first call, PyTorch's own choice; 0: never cuDNN).
+
+A thread may pin one backend for its tower forwards (`pinned_backend`): the encoder's CUDA graphs are captured on
+a thread of their own, which builds cuDNN's plans there (PyTorch keeps them per thread), while the engine's thread
+runs the same shapes through flash until the graph is ready. A pinned thread's passes are not counted.
+
+The chosen kernel is called directly (`_attend`), not through SDPA's backend switches (`sdpa_kernel`): those are
+process-wide flags, which two threads choosing differently would race on (one thread's choice, or its restore
+on leaving the block, landing in the other's call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import inspect
+import logging
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagoda import envs
 
-_FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, *_FLASH_FIRST]
-# `set_priority` (newer PyTorch) makes SDPA try the list in its order; without it the list only says which
-# backends are allowed and SDPA's own order applies among them (cuDNN first on Hopper since PyTorch 2.5).
-_ORDERED = "set_priority" in inspect.signature(sdpa_kernel).parameters
+logger = logging.getLogger(__name__)
 
 
 class ShapeGate:
@@ -53,11 +59,30 @@ class ShapeGate:
 
 
 _GATE = ShapeGate(envs.VISION_CUDNN_AFTER.value)
+_PINNED = threading.local()  # .cudnn: None (the gate decides), True or False, for this thread's forwards
 
 
 def begin_pass() -> None:
     """A new forward of the tower: the shared gate counts each shape it meets once from here on."""
-    _GATE.begin_pass()
+    if getattr(_PINNED, "cudnn", None) is None:
+        _GATE.begin_pass()
+
+
+def cudnn_allowed() -> bool:
+    """Whether the tower may take cuDNN at all (`PAGODA_VISION_CUDNN_AFTER` is not 0)."""
+    return _GATE.after != 0
+
+
+@contextlib.contextmanager
+def pinned_backend(cudnn: bool) -> Iterator[None]:
+    """This thread's tower forwards inside the block take cuDNN (True) or flash (False), whatever the gate says,
+    and leave its counts alone."""
+    previous = getattr(_PINNED, "cudnn", None)
+    _PINNED.cudnn = cudnn
+    try:
+        yield
+    finally:
+        _PINNED.cudnn = previous
 
 
 @functools.cache
@@ -76,6 +101,28 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: S
     if not _gated(q):
         return F.scaled_dot_product_attention(q, k, v)
     shape = (*q.shape, q.dtype, q.stride(), k.stride(), v.stride())  # cuDNN's plans are keyed by shapes and strides
-    backends = _CUDNN_FIRST if (gate or _GATE).use_cudnn(shape) else _FLASH_FIRST
-    with sdpa_kernel(backends, set_priority=True) if _ORDERED else sdpa_kernel(backends):
+    pinned = getattr(_PINNED, "cudnn", None)
+    cudnn = (gate or _GATE).use_cudnn(shape) if pinned is None else pinned
+    return _attend(q, k, v, cudnn)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cudnn: bool) -> torch.Tensor:
+    """cuDNN's or FlashAttention's kernel (the ops SDPA itself dispatches to: the same bits), or SDPA's own choice
+    for inputs neither takes (float32, a head dim flash has no kernel for, a strided last dimension) and, should a
+    direct call ever be refused (a PyTorch whose op differs), from then on."""
+    global _DIRECT_REFUSED
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 128 or min(t.stride(-1) for t in (q, k, v)) != 1:
         return F.scaled_dot_product_attention(q, k, v)
+    if not _DIRECT_REFUSED:
+        try:
+            if cudnn:
+                return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0]
+        except (RuntimeError, TypeError) as error:
+            logger.warning("the vision attention's direct kernel call failed (%s); SDPA chooses from now on", error)
+            _DIRECT_REFUSED = True
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+_DIRECT_REFUSED = False

@@ -3,6 +3,7 @@ softmax attention (a naive reference on the CPU; cuDNN against FlashAttention on
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagoda.layers.segment_attention import ShapeGate, segment_attention
 
@@ -31,6 +32,10 @@ def test_after_one_is_cudnn_always_and_zero_never():
             assert gate.use_cudnn(("s",)) is expected
 
 
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 def _naive(q, k, v):
     w = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5, dim=-1)
     return (w @ v.double()).to(q.dtype)
@@ -48,9 +53,10 @@ def test_the_first_passes_of_a_shape_ask_for_flash_and_later_ones_for_cudnn(monk
     from pagoda.layers import segment_attention as sa
 
     asked = []
-    real = sa.sdpa_kernel
     monkeypatch.setattr(sa, "_gated", lambda q: True)
-    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends[0]) or real(backends, **kw))
+    monkeypatch.setattr(
+        sa, "_attend", lambda q, k, v, cudnn: asked.append(cudnn) or F.scaled_dot_product_attention(q, k, v)
+    )
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 19, 16) for _ in range(3))
     other = q[:1]  # another shape: counted on its own
@@ -59,8 +65,7 @@ def test_the_first_passes_of_a_shape_ask_for_flash_and_later_ones_for_cudnn(monk
     for inputs in [(q, k, v), (other, k[:1], v[:1]), (q, k, v)]:
         gate.begin_pass()
         outs += [segment_attention(*inputs, gate) for _ in range(2)]  # two layers
-    flash, cudnn = torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.CUDNN_ATTENTION
-    assert asked == [flash, flash, flash, flash, cudnn, cudnn]
+    assert asked == [False, False, False, False, True, True]  # flash, flash, then cuDNN from the 2nd pass
     for out, (a, b, c) in zip(outs, [(q, k, v)] * 2 + [(other, k[:1], v[:1])] * 2 + [(q, k, v)] * 2):
         torch.testing.assert_close(out, _naive(a, b, c), atol=1e-5, rtol=1e-5)
 
@@ -72,16 +77,16 @@ def test_the_tower_counts_one_pass_per_forward(monkeypatch):
     from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, vision_config_with_defaults
 
     asked = []
-    real = sa.sdpa_kernel
     monkeypatch.setattr(sa, "_GATE", ShapeGate(after=3))
     monkeypatch.setattr(sa, "_gated", lambda q: True)
-    monkeypatch.setattr(sa, "sdpa_kernel", lambda backends, **kw: asked.append(backends[0]) or real(backends, **kw))
+    monkeypatch.setattr(
+        sa, "_attend", lambda q, k, v, cudnn: asked.append(cudnn) or F.scaled_dot_product_attention(q, k, v)
+    )
     cfg = vision_config_with_defaults({"depth": 4, "embed_dim": 32, "num_heads": 2}, text_hidden=16)
     tower = Qwen2VisionTransformer(cfg).eval()
     pixels = torch.randn(16, 3 * 2 * 14 * 14)
-    flash, cudnn = torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.CUDNN_ATTENTION
     with torch.no_grad():
-        for expected in (flash, flash, cudnn):
+        for expected in (False, False, True):  # flash, flash, cuDNN
             asked.clear()
             tower(pixels, [(1, 4, 4)])
             assert asked == [expected] * 4
@@ -106,3 +111,41 @@ def test_flash_calls_and_cudnn_calls_agree_on_a_hopper_gpu():
     first, second = first[0], second[0]
     torch.testing.assert_close(first, second, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(first.float(), _naive(q.float(), k.float(), v.float()), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="cuDNN SDPA is picked on sm90+"
+)
+def test_the_kernels_called_directly_give_sdpas_own_bits_for_each_backend():
+    """`_attend` calls cuDNN's and flash's ops without SDPA's process-wide backend switches: bit for bit what SDPA
+    gives with that backend alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pagoda.layers.segment_attention import _attend
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 700, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for cudnn, backend in ((True, SDPBackend.CUDNN_ATTENTION), (False, SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel([backend]):
+            expected = F.scaled_dot_product_attention(q, k, v)
+        torch.testing.assert_close(_attend(q, k, v, cudnn), expected, rtol=0, atol=0)
+
+
+def test_a_refused_direct_kernel_call_falls_back_to_sdpa_for_good(monkeypatch, caplog):
+    """A PyTorch whose cuDNN or flash op no longer takes these arguments: the call still gives attention (SDPA's
+    own choice), once warned, and no later call tries the op again."""
+    from pagoda.layers import segment_attention as sa
+
+    calls = []
+
+    def refused(*args):
+        calls.append(1)
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(sa, "_DIRECT_REFUSED", False)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", refused, raising=False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 19, 16, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(2):
+        torch.testing.assert_close(sa._attend(q, k, v, cudnn=False), _sdpa(q, k, v))
+    assert calls == [1] and sa._DIRECT_REFUSED and caplog.text.count("direct kernel call failed") == 1
