@@ -179,6 +179,14 @@ ENCODER_GRAPH_PATCHES = Env(
     "one per set of item shapes met 3 times (worker/encoder_graphs.py); 0: always eager",
     once=True,
 )
+ENCODER_CAPTURE_THREAD = Env(
+    "PAGODA_ENCODER_CAPTURE_THREAD",
+    bool,
+    True,
+    "the multimodal encoder's CUDA graphs are captured on a thread of their own while the engine runs the key "
+    "eagerly (worker/encoder_graphs.py); 0: inside the step that meets the key, which waits for the capture",
+    once=True,
+)
 VISION_CUDNN_AFTER = Env(
     "PAGODA_VISION_CUDNN_AFTER",
     int,

@@ -38,7 +38,8 @@ class EncoderRunner:
         if max_patches is None:
             max_patches = envs.ENCODER_GRAPH_PATCHES.value
         if self.active and max_patches > 0 and hasattr(self.model, "encoder_plan"):
-            self.graphs = EncoderGraphs(self.model, self.device, CapturePolicy(max_patches))
+            policy = CapturePolicy(max_patches)
+            self.graphs = EncoderGraphs(self.model, self.device, policy, envs.ENCODER_CAPTURE_THREAD.value)
 
     def embeds(self, states: list[RunnerRequestState], inputs: StepInputs) -> tuple[np.ndarray, torch.Tensor] | None:
         """(flat token indices [P] int64, encoder rows [P, H]) of the step's placeholder tokens, or None (none, or
@@ -70,9 +71,7 @@ class EncoderRunner:
                 [encoder_pixels(m.pixel_values, m.pixel_lut, self.device, m.temporal_repeat) for m in missing]
             )
             grids = [m.grid_thw for m in missing]
-            encoded = self.graphs.run(pixels, grids) if self.graphs is not None else None
-            if encoded is None:
-                encoded = self.model.encode(pixels, grids)
+            encoded = self.model.encode(pixels, grids) if self.graphs is None else self.graphs.encode(pixels, grids)
             for item, rows in zip(missing, encoded.split([m.length for m in missing])):
                 outputs[item.content_hash] = rows
                 self.cache.put(item.content_hash, rows)
