@@ -432,6 +432,7 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     row["gpu_util_mean_pct"] = busy.mean(span)
     for name in ("ttft", "tpot", "itl", "e2el"):
         row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
+    row["p99_ttft_ms"] = p.get("p99_ttft_ms")  # one stalled request among a few dozen shows here
     return row
 
 

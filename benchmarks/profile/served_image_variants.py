@@ -156,7 +156,7 @@ def main() -> None:
                 args.out.write_text(json.dumps({"gpu": vs_vllm.gpu_name(), "rows": rows}, indent=1) + "\n")
         finally:
             vs_vllm.stop_server(proc)
-    keys = ("request_throughput", "median_ttft_ms", "p95_ttft_ms", "p95_tpot_ms", "engine_busy_pct")
+    keys = ("request_throughput", "median_ttft_ms", "p95_ttft_ms", "p99_ttft_ms", "p95_tpot_ms", "engine_busy_pct")
     keys += ("engine_host_ms_per_step", "engine_wait_ms_per_step", "gpu_util_mean_pct", "machine_cores_busy")
     keys += tuple(vs_vllm.MEANS_MS)
     print("| variant | sizes | " + " | ".join(keys) + " |")
