@@ -110,7 +110,7 @@ class EncoderGraphs:
         return entry.output.clone()  # the next replay of any graph may reuse this memory
 
     def wait(self) -> None:
-        """Let every capture handed to the capture thread finish and join the table (tests, shutdown)."""
+        """Let every capture handed to the capture thread finish and join the table (for tests)."""
         for future, _ in list(self._pending.values()):
             future.exception()
         self._collect()
