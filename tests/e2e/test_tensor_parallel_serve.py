@@ -104,13 +104,12 @@ def test_two_rank_server_gives_the_one_rank_text_streamed_and_not_then_sigterm_s
     assert not _none_alive(everything), f"left behind: {_none_alive(everything, 0)}"
 
 
-@pytest.mark.parametrize(
-    "fault, layout", [("killed mid-step", "tp2"), ("stopped", "tp2"), ("killed mid-step", "pp2"), ("stopped", "pp2")]
-)
+@pytest.mark.parametrize("fault, layout", [("killed mid-step", "tp2"), ("stopped", "tp2"), ("killed mid-step", "pp2")])
 def test_a_lost_rank_gives_503_then_a_nonzero_exit_naming_it(launch_server, fault, layout):
     """Killed while the ranks step (a stream is generating), the rank shows first as a failed gloo collective
     (or send/receive between stages) in the driver: still one line names it (and its stage) and how it died,
-    and no traceback reaches the log."""
+    and no traceback reaches the log. A stopped (hung) rank is found by the same heartbeat whatever the layout
+    (`worker/rank_group.py`), so it is tested once, under tensor parallelism."""
     flags, _, label = LAYOUTS[layout]
     server = launch_server(*FLAGS, *flags, env={"PAGODA_TP_HEARTBEAT_TIMEOUT_S": "2"})
     (rank,) = _ranks(server)
