@@ -100,9 +100,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: S
     """softmax(q kᵀ / sqrt(d)) v over [n, heads, L, d] (no mask): n segments of L rows each."""
     if not _gated(q):
         return F.scaled_dot_product_attention(q, k, v)
-    shape = (*q.shape, q.dtype, q.stride(), k.stride(), v.stride())  # cuDNN's plans are keyed by shapes and strides
-    pinned = getattr(_PINNED, "cudnn", None)
-    cudnn = (gate or _GATE).use_cudnn(shape) if pinned is None else pinned
+    cudnn = getattr(_PINNED, "cudnn", None)
+    if cudnn is None:  # the gate decides; cuDNN's plans are keyed by shapes and strides
+        cudnn = (gate or _GATE).use_cudnn((*q.shape, q.dtype, q.stride(), k.stride(), v.stride()))
     return _attend(q, k, v, cudnn)
 
 

@@ -171,7 +171,10 @@ class EncoderGraphs:
         the capture thread (`ready`: the event after the plan's copies) or inline."""
         with torch.cuda.device(self.device), torch.inference_mode(), self._backend(ready is not None):
             stream = self._stream = self._stream or torch.cuda.Stream(self.device)
-            stream.wait_event(ready) if ready is not None else stream.wait_stream(torch.cuda.current_stream())
+            if ready is None:
+                stream.wait_stream(torch.cuda.current_stream())
+            else:
+                stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 inputs = torch.zeros(shape, dtype=self.model.encoder_dtype, device=self.device)
                 self.model.encode_planned(inputs, plan)
