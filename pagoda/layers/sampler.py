@@ -64,6 +64,10 @@ class SamplingBatch:
     # [B, L] int64: each row's SamplingParams.logprob_token_ids, padded with 0 (rows without: all 0); None
     # when no row has any. Their raw logprobs come back as SamplerOutput.chosen_logprobs.
     logprob_token_ids: Tensor | None = None
+    # The unseeded rows' RNG: the engine's own generator (`SamplingState.generator`), None = torch's default.
+    # Not the default on a GPU: while another thread captures a CUDA graph, torch holds the default CUDA
+    # generator in capture mode, and a draw from it on any other stream raises.
+    unseeded: torch.Generator | None = None
 
     @classmethod
     def build(
@@ -232,9 +236,19 @@ class SamplingState:
     `min_tokens` suppression needs only the number of outputs, counted on the host.
     """
 
-    def __init__(self, capacity: int, vocab_size: int, device: torch.device | str, eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        capacity: int,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+    ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # Unseeded rows draw from this, seeded with the engine's seed: as reproducible as torch's default
+        # generator after `manual_seed(seed)`, and never in a graph capture's hands (`SamplingBatch.unseeded`).
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
         self.capacity = 0
         self._knobs = np.zeros((_NUM_KNOBS, 0))
@@ -396,6 +410,7 @@ class SamplingState:
         if self._chosen:
             batch.logprob_token_ids = _padded_ids([self._chosen.get(row, []) for row in rows_np.tolist()], self.device)
         self._last_rows, self._last_rows_np = rows, rows_np
+        batch.unseeded = self.generator
         return batch
 
     def update(self, sampled_token_ids: Tensor, earlier: tuple[Tensor, Tensor] | None = None) -> None:
@@ -519,7 +534,7 @@ def apply_filters(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 def _exponential_noise(shape: tuple[int, int], batch: SamplingBatch, device: torch.device) -> Tensor:
     """[B, V] i.i.d. Exp(1) noise; seeded rows draw theirs from their own generator."""
-    q = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
+    q = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=batch.unseeded)
     for i, g in enumerate(batch.generators):
         if g is not None:
             # Drawn as a fresh [V] vector so the row's stream depends only on its seed and step.

@@ -87,7 +87,7 @@ class ModelRunner:
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         # Per-request sampling rows kept across steps: a step's batch is a gather; penalty histories on the device.
-        self.sampling = SamplingState(max_seqs, self.vocab_size, self.device, self.eos_token_ids)
+        self.sampling = SamplingState(max_seqs, self.vocab_size, self.device, self.eos_token_ids, config.model.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         stateful = self.model.sequence_state_layers() if caps.stateful else []
         spec = config.scheduler.speculative

@@ -211,7 +211,7 @@ def sample(
     if not greedy.all():  # sampled rows: their distribution at every position
         assert batch is not None
         probs = apply_filters(g.reshape(len(spec_ids) * (k + 1), -1), batch).softmax(dim=-1).view_as(g)
-        ts, ns = rejection_sample(probs, drafts, n_drafts)
+        ts, ns = rejection_sample(probs, drafts, n_drafts, generator=sampling.generator)
         on_device = to_device(greedy, device)
         t, n = torch.where(on_device[:, None], t, ts), torch.where(on_device, n, ns)
     tokens[spec_rows], num[spec_rows] = t, n

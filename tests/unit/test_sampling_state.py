@@ -120,9 +120,9 @@ def test_state_batches_equal_rebuilt_batches(seed: int) -> None:
             assert torch.equal(
                 apply_filters(apply_penalties(logits, got), got), apply_filters(apply_penalties(logits, want), want)
             )
-        torch.manual_seed(step)
+        state.generator.manual_seed(step)  # the state's own unseeded generator, as every batch it makes
         out_got = sampler(logits, got)
-        torch.manual_seed(step)
+        want.unseeded = torch.Generator().manual_seed(step)
         out_want = sampler(logits, want)
         assert torch.equal(out_got.sampled_token_ids, out_want.sampled_token_ids)
         assert_same(out_got.top_logprobs, out_want.top_logprobs)
@@ -230,3 +230,23 @@ def test_all_greedy_batches_copy_nothing_to_the_device(monkeypatch) -> None:
     state.add("t", SamplingParams(temperature=0.7), [1])
     b = state.batch(["g0", "t"])
     assert not b.all_greedy and b.temperature.tolist() == pytest.approx([0.0, 0.7]) and copies
+
+
+def test_unseeded_rows_draw_from_the_states_own_generator() -> None:
+    """Unseeded rows sample from the state's generator, seeded with the engine's seed, and leave torch's default
+    generator alone: on a GPU another thread may hold the default CUDA generator in a graph capture, where any
+    draw from it on the engine's stream raises."""
+
+    def draws(seed: int) -> list[int]:
+        state = SamplingState(capacity=8, vocab_size=VOCAB, device="cpu", seed=seed)
+        ids = [str(i) for i in range(8)]
+        for rid in ids:
+            state.add(rid, SamplingParams(temperature=1.0, top_k=20), [1, 2])
+        logits = torch.zeros(8, VOCAB)  # uniform: every token equally likely, so the draws are all noise
+        before = torch.get_rng_state()
+        out = [Sampler()(logits, state.batch(ids)).sampled_token_ids.tolist() for _ in range(4)]
+        assert torch.equal(torch.get_rng_state(), before), "unseeded sampling drew from torch's default generator"
+        return sum(out, [])
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
