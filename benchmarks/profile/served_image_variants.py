@@ -78,9 +78,10 @@ def summarize(raw: Path, top: int = 60) -> None:
         print(f"{100 * n / samples:5.1f}%  {frame[:160]}")
 
 
-def one_image_point(name: str, images: str, concurrency: int, prompts: int) -> vs_vllm.Point:
-    """`vs_vllm`'s one-image point for `pagoda bench` (4 client processes), its sizes in turn."""
-    args = [images if a == "1000x750" else a for a in vs_vllm.PB_ONE_IMAGE]
+def one_image_point(name: str, images: str, concurrency: int, prompts: int, temperature: float = 0.0) -> vs_vllm.Point:
+    """`vs_vllm`'s one-image point for `pagoda bench` (4 client processes), its sizes in turn; `temperature` > 0
+    samples (vLLM's client sends none, so the server's default, 1.0, samples there)."""
+    args = [images if a == "1000x750" else a for a in vs_vllm.PB_ONE_IMAGE] + ["--temperature", f"{temperature:g}"]
     return vs_vllm.Point(name, [], prompts, 4, concurrency=concurrency, pagoda_args=args)
 
 
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--images", action="append", default=None, help="WxH[,WxH...]: one point each")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=384)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
     parser.add_argument("--py-spy", default=None, help="the variant whose engine core py-spy records")
     parser.add_argument("--work", type=Path, default=Path("/tmp/served_image_variants"))
     parser.add_argument("--out", type=Path, default=Path("served_image_variants.json"))
@@ -135,10 +137,13 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             # Its own seed: the point's images must not be the warm-up's, which the encoder and prefix caches hold.
-            run_point(url, args.model, one_image_point("warm", "1000x750", 16, 32), args.work, None, seed=1)
+            warm = one_image_point("warm", "1000x750", 16, 32, args.temperature)
+            run_point(url, args.model, warm, args.work, None, seed=1)
             for i, images in enumerate(args.images or ["1000x750"]):
                 spy = (proc.pid, args.out.with_suffix(f".spy-{i}.txt")) if args.py_spy == name else None
-                point = one_image_point(f"c{args.concurrency}", images, args.concurrency, args.prompts)
+                point = one_image_point(
+                    f"c{args.concurrency}", images, args.concurrency, args.prompts, args.temperature
+                )
                 row = run_point(url, args.model, point, args.work, spy)
                 if "client_error" in row:
                     print(f"  pagoda bench failed: {row['client_error']}", flush=True)
