@@ -23,7 +23,10 @@ wait for it, and every running stream with it. The engine's thread hands over th
 stream, with an event the capture stream waits for) and keeps running that key eagerly, on FlashAttention
 (`layers/segment_attention.pinned_backend`: no plan build on its thread), until the graph is ready; the capture
 thread runs with cuDNN pinned, so the plans it builds stay in its own thread's cache, and its captures are
-`thread_local`, so the engine's CUDA calls meanwhile are legal. 0 captures inline, inside the step.
+`thread_local`, so the engine's CUDA calls meanwhile are legal. One thing stays process-wide: while a capture is
+open, torch holds its default CUDA generator in capture mode, and a draw from it on another stream raises, so
+nothing on the engine's thread may draw from it (sampling uses `SamplingState.generator`). 0 captures inline,
+inside the step.
 
 The switch is `PAGODA_ENCODER_GRAPH_PATCHES` (0: always eager); `--enforce-eager` turns it off too.
 """
