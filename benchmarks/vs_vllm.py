@@ -633,6 +633,7 @@ def run(args: argparse.Namespace) -> None:
                     run_point(f"http://127.0.0.1:{port}", model, warm, None, seed=9)
                 elif warm.pagoda_args is not None:
                     run_point_pagoda_bench(f"http://127.0.0.1:{port}", model, warm, None, 9, work)
+                gone = None
                 for seed, point in enumerate(wl.points, start=1):
                     if args.points and point.name not in args.points:
                         continue
@@ -655,13 +656,31 @@ def run(args: argparse.Namespace) -> None:
                             row.update(run_point(url, model, point, rate, seed))
                         else:
                             row.update(run_point_pagoda_bench(url, model, point, rate, seed, work))
+                        gone = server_gone(proc, log)
+                        if gone:
+                            row["server_exited"] = gone
                         with (work / "rows.jsonl").open("a") as f:
                             f.write(json.dumps(row) + "\n")
                         print("  " + _short(row), flush=True)
                         write_result(read_rows(work), args.out, args.gpu, args.commit, quiet=True)  # survives a kill
+                        if gone:
+                            break
+                    if gone:
+                        print(f"  the server exited ({gone}); its other points are skipped", flush=True)
+                        break
             finally:
                 stop_server(proc)
     write_result(read_rows(work), args.out, args.gpu, args.commit)
+
+
+def server_gone(proc: subprocess.Popen, log: Path) -> str | None:
+    """None while the server runs; else its exit code and the last error line of its log (a point that failed
+    because the engine died says so in the results, and the points after it do not run against nothing)."""
+    if proc.poll() is None:
+        return None
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return f"exit code {proc.returncode}: {(errors or lines or [''])[-1][:300]}"
 
 
 def _short(row: dict) -> str:

@@ -140,3 +140,21 @@ def test_a_terminated_run_unwinds_through_its_finally_blocks():
         assert stopped == [True]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _Proc:
+    """What `server_gone` reads of a server's Popen: `poll()` (None while it runs) and `returncode`."""
+
+    def __init__(self, returncode: int | None):
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_a_server_that_exited_is_named_with_its_last_error(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("INFO pagoda: Serving\nRuntimeError: Offset increment outside graph capture\nshutting down\n")
+    assert vs_vllm.server_gone(_Proc(None), log) is None
+    assert vs_vllm.server_gone(_Proc(3), log) == "exit code 3: RuntimeError: Offset increment outside graph capture"
+    assert vs_vllm.server_gone(_Proc(1), tmp_path / "missing.log") == "exit code 1: "
