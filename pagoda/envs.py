@@ -187,6 +187,13 @@ ENCODER_CAPTURE_THREAD = Env(
     "eagerly (worker/encoder_graphs.py); 0: inside the step that meets the key, which waits for the capture",
     once=True,
 )
+RESIZE_THREADS = Env(
+    "PAGODA_RESIZE_THREADS",
+    int,
+    None,
+    "threads that resize one image's bands at once in the API process, bit for bit PIL's resize "
+    "(frontend/multimodal/banded_resize.py; default: up to 4 and the machine's cores); 1: PIL's resize on one thread",
+)
 VISION_CUDNN_AFTER = Env(
     "PAGODA_VISION_CUDNN_AFTER",
     int,

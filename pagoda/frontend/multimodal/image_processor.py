@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from pagoda.errors import ConfigError, InvalidRequest
+from pagoda.frontend.multimodal.banded_resize import resize_bicubic
 from pagoda.inputs import expand_temporal
 
 MAX_ASPECT_RATIO = 200
@@ -294,9 +295,8 @@ def _normalize_lut(cfg: VisionPreprocessConfig) -> np.ndarray:
 
 
 def _resize(image: Image.Image, size_hw: tuple[int, int]) -> np.ndarray:
-    """RGB-convert and bicubic-resize one frame on uint8 -> uint8 [H, W, 3]."""
-    resized = to_rgb(image).resize((size_hw[1], size_hw[0]), Image.Resampling.BICUBIC)
-    return np.asarray(resized, dtype=np.uint8)
+    """RGB-convert and bicubic-resize one frame on uint8 -> uint8 [H, W, 3] (PIL's resize, in bands on threads)."""
+    return resize_bicubic(to_rgb(image), size_hw)
 
 
 def _patchify(frames: np.ndarray, cfg: VisionPreprocessConfig, tp: int) -> tuple[np.ndarray, tuple[int, int, int]]:

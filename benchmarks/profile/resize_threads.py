@@ -1,0 +1,92 @@
+"""An image's preprocessing in the API process with the banded resize on N threads against PIL's resize on one.
+
+    python benchmarks/profile/resize_threads.py --threads 1 2 4 --out benchmarks/results/resize_threads_cpu.json
+
+For each size: a random photo-like JPEG is decoded once, then `preprocess_image` (RGB, bicubic resize, patchify)
+runs `--repeats` times per thread count, the counts alternated within each round and their order reversed every
+other round (a neighbour's load on a small VM then falls on both alike); the table gives each count's minimum and
+median ms, the medians' ratio to the first count, and the JPEG decode's ms beside them (the other large piece of the
+preprocessing, which no thread count changes). Every count's pixels are checked equal to one thread's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image
+
+SIZES = ("640x480", "1000x750", "1280x720", "1920x1080")
+
+
+def _jpeg(w: int, h: int) -> bytes:
+    rng = np.random.default_rng(w * h)
+    y, x = np.mgrid[0:h, 0:w]
+    base = (127 + 100 * np.sin(x / 23.0) * np.cos(y / 17.0)).astype(np.int64)[..., None]
+    pixels = np.clip(base + rng.integers(-30, 31, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    cfg = VisionPreprocessConfig()
+    rows = []
+    for size in args.sizes:
+        w, h = map(int, size.split("x"))
+        data = _jpeg(w, h)
+        decode_ms = []
+        for _ in range(5):
+            start = time.perf_counter()
+            image = Image.open(io.BytesIO(data))
+            image.load()
+            decode_ms.append((time.perf_counter() - start) * 1e3)
+        image = image.convert("RGB")
+        times: dict[int, list[float]] = {n: [] for n in args.threads}
+        pixels: dict[int, np.ndarray] = {}
+        for r in range(args.repeats):
+            for n in args.threads if r % 2 == 0 else reversed(args.threads):
+                os.environ["PAGODA_RESIZE_THREADS"] = str(n)
+                start = time.perf_counter()
+                visual = preprocess_image(image, cfg)
+                times[n].append((time.perf_counter() - start) * 1e3)
+                pixels.setdefault(n, visual.pixel_values)
+        first = args.threads[0]
+        for n in args.threads:
+            assert np.array_equal(pixels[n], pixels[first]), f"{size}: {n} threads' pixels differ"
+            rows.append(
+                {
+                    "size": size,
+                    "threads": n,
+                    "preprocess_ms": round(statistics.median(times[n]), 2),
+                    "preprocess_min_ms": round(min(times[n]), 2),
+                    "vs_first": round(statistics.median(times[n]) / statistics.median(times[first]), 3),
+                    "jpeg_decode_ms": round(statistics.median(decode_ms), 2),
+                }
+            )
+    print(f"cores: {os.cpu_count()}")
+    print("| size | threads | preprocess ms, median | min | vs first | JPEG decode ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        cells = (r["size"], r["threads"], r["preprocess_ms"], r["preprocess_min_ms"], f"{r['vs_first']:.2f}x")
+        print("| " + " | ".join(map(str, cells)) + f" | {r['jpeg_decode_ms']} |")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
