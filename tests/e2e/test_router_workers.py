@@ -180,7 +180,12 @@ failures = 1000
             )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(url + "/health", timeout=1).status_code == 200, 30, "the router")
-        yield Cluster(url, proc, backends, tmp, config)
+        cl = Cluster(url, proc, backends, tmp, config)
+        # One worker answers as soon as it is up; the tests count on both (a loaded machine starts the second
+        # seconds later, and until then the first accepts every connection).
+        pids: set[int] = set()
+        wait_for(lambda: pids.add(cl.health()["worker"]["pid"]) or len(pids) == 2, 60, "both router workers")
+        yield cl
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
