@@ -71,3 +71,16 @@ def test_one_thread_and_other_modes_are_pils_own_resize(monkeypatch):
     assert banded_resize.resize_threads() == 1
     monkeypatch.setenv("PAGODA_RESIZE_THREADS", "3")
     assert banded_resize.resize_threads() == 3
+
+
+def test_a_decoded_jpeg_as_the_api_process_holds_it():
+    """The threads crop one decoded JPEG (a PIL ImageFile, loaded once) at the same time."""
+    import io
+
+    buf = io.BytesIO()
+    _image(1000, 750, seed=5).save(buf, format="JPEG", quality=90)
+    image = Image.open(io.BytesIO(buf.getvalue()))
+    image.load()
+    for out_w, out_h in ((1008, 756), (980, 700), (1030, 740)):
+        want = np.asarray(image.resize((out_w, out_h), BICUBIC))
+        assert np.array_equal(resize_bicubic(image, (out_h, out_w), threads=4), want)
