@@ -2,7 +2,8 @@
 
     python benchmarks/profile/resize_threads.py --threads 1 2 4 --out benchmarks/results/resize_threads_cpu.json
 
-For each size: a random photo-like JPEG is decoded once, then `preprocess_image` (RGB, bicubic resize, patchify)
+For each size: one JPEG as vLLM's random-mm dataset (and `pagoda bench --image`) sends it, decoded once by the
+API process's own `decode_image`, then `preprocess_image` (RGB, bicubic resize, patchify)
 runs `--repeats` times per thread count, the counts alternated within each round and their order reversed every
 other round (a neighbour's load on a small VM then falls on both alike); the table gives each count's minimum and
 median ms, the medians' ratio to the first count, and the JPEG decode's ms beside them (the other large piece of the
@@ -12,7 +13,7 @@ preprocessing, which no thread count changes). Every count's pixels are checked 
 from __future__ import annotations
 
 import argparse
-import io
+import base64
 import json
 import os
 import statistics
@@ -20,21 +21,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from pagoda.frontend.multimodal.image_processor import VisionPreprocessConfig, preprocess_image
+from pagoda.frontend.multimodal.media import MediaPolicy, decode_image
+from pagoda.tools.bench.workload import image_rng, random_jpeg_data_uri
 
 SIZES = ("640x480", "1000x750", "1280x720", "1920x1080")
-
-
-def _jpeg(w: int, h: int) -> bytes:
-    rng = np.random.default_rng(w * h)
-    y, x = np.mgrid[0:h, 0:w]
-    base = (127 + 100 * np.sin(x / 23.0) * np.cos(y / 17.0)).astype(np.int64)[..., None]
-    pixels = np.clip(base + rng.integers(-30, 31, (h, w, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def main() -> None:
@@ -48,14 +40,12 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         w, h = map(int, size.split("x"))
-        data = _jpeg(w, h)
+        data = base64.b64decode(random_jpeg_data_uri(image_rng(0, w, h), w, h).split(",", 1)[1])
         decode_ms = []
         for _ in range(5):
             start = time.perf_counter()
-            image = Image.open(io.BytesIO(data))
-            image.load()
+            image = decode_image(data, MediaPolicy(), size)
             decode_ms.append((time.perf_counter() - start) * 1e3)
-        image = image.convert("RGB")
         times: dict[int, list[float]] = {n: [] for n in args.threads}
         pixels: dict[int, np.ndarray] = {}
         for r in range(args.repeats):
