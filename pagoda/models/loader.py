@@ -60,7 +60,7 @@ def load_model(
             raise
         # A dimension the ranks cannot share evenly (heads, vocabulary, intermediate size).
         raise ModelLoadError(f"{architecture} cannot be split over tensor_parallel_size {world}: {exc}.") from None
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, torch.device(device)).to(dtype)
     model.tie_weights()
     if quantization is not None:
         try:
@@ -99,6 +99,24 @@ def load_model(
             model.stage.own(model.model.layers), cpu_offload_gb, torch.device(device)
         )
     return model.eval()
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` without its cost: every parameter and buffer of a model built on the meta
+    device replaced by an uninitialised tensor of its size, strides and dtype on `device` (tied parameters come
+    apart, as with `to_empty`). `to_empty` allocates through `torch.empty_like`, whose meta-tensor path imports
+    sympy: a large import that nothing else in serving needs, on every engine's startup."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                fresh = torch.empty_strided(param.size(), param.stride(), dtype=param.dtype, device=device)
+                module._parameters[name] = nn.Parameter(fresh, requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_strided(
+                    buffer.size(), buffer.stride(), dtype=buffer.dtype, device=device
+                )
+    return model
 
 
 def _keep_gguf_int4(model: nn.Module) -> None:

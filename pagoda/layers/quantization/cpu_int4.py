@@ -87,9 +87,9 @@ def native_bf16() -> bool:
 def _levels(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, top: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in 0..top, whether q·d + m gives each [.., 32] block back to float32 rounding) for blocks w [R, G, 32]."""
     safe = torch.where(d != 0, d, torch.ones_like(d))  # a constant block: every q is 0
-    q = torch.round((w - m) / safe).clamp_(0, top)
+    q = (w - m).div_(safe).round_().clamp_(0, top)  # in place: a layer's weights pass through here once or twice
     tolerance = 4 * torch.finfo(torch.float32).eps * w.abs().amax(-1, keepdim=True)
-    return q, ((q * d + m - w).abs() <= tolerance).all(-1, keepdim=True)
+    return q, (q * d).add_(m).sub_(w).abs_().le_(tolerance).all(-1, keepdim=True)
 
 
 def _smallest_step(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -117,6 +117,8 @@ def _affine_grid(weight: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Te
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     d1 = (high - low) / top
     q1, fits1 = _levels(w, d1, low, top)
+    if bool(fits1.all()):  # every block a _1 format's (the embedded model's Q4_1): the other readings would not be used
+        return q1.to(torch.uint8).reshape(n, k), d1.squeeze(-1), low.squeeze(-1)
     extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))
     d0 = -extreme / ((top + 1) // 2)
     q0, fits0 = _levels(w, d0, extreme, top)
