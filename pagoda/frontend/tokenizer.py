@@ -189,8 +189,9 @@ def longest_token_chars(tokenizer: Any) -> int | None:
         if backend is not None and callable(getattr(backend, "decode_batch", None)):
             ids = [[i] for i in range(size)]
             decoded = backend.decode_batch(ids, skip_special_tokens=False)  # Rust, all cores: ~50 ms at 150k
-        else:
-            decoded = [tokenizer.decode([i]) for i in range(size)]
+        else:  # a tokenizer's own `fast_decode` (Yuan2's) is its `decode`, without transformers' layers
+            decode = getattr(tokenizer, "fast_decode", None) or tokenizer.decode
+            decoded = [decode([i]) for i in range(size)]
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         longest = max(
             max((len(text) for text in decoded), default=0),

@@ -96,6 +96,19 @@ class YuanTokenizer(SentencePieceBackend):
     def num_special_tokens_to_add(self, pair: bool = False) -> int:
         return 0
 
+    def get_vocab(self) -> dict[str, int]:
+        """The base class's vocabulary (each id's token as `convert_ids_to_tokens` gives it, then the added tokens),
+        with the SentencePiece pieces read in one call and kept: transformers asks for the whole vocabulary three
+        times while the tokenizer loads, and 135k pieces one by one through Python took most of its load time."""
+        pieces = self.__dict__.get("_pagoda_pieces")
+        if pieces is None:
+            pieces = self.sp_model.id_to_piece(list(range(self.sp_model.get_piece_size())))
+            self.__dict__["_pagoda_pieces"] = pieces
+        added = self._added_tokens_decoder
+        vocab = {(added[i].content if i in added else piece): i for i, piece in enumerate(pieces)}
+        vocab.update(self.added_tokens_encoder)
+        return vocab
+
     # -- legacy LlamaTokenizer decoding ----------------------------------------------------------
 
     def _decode_tables(self) -> tuple[frozenset[int], frozenset[str], frozenset[str]]:

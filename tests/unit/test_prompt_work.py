@@ -30,6 +30,19 @@ def test_longest_piece_is_the_vocabularys_longest_decoded_token(qwen) -> None:
     assert longest_token_chars(qwen) == reference == 128  # Qwen2's run of 128 spaces
 
 
+@pytest.mark.parametrize("newline_as_text", [False, True])
+def test_yuan2s_bound_is_its_longest_decoded_token(newline_as_text: bool) -> None:
+    """Yuan2's SentencePiece tokenizer decodes through its own `fast_decode` here; the reference goes through
+    transformers' `decode`, token by token, and the pieces."""
+    from pagoda.frontend.yuan_tokenizer import load_yuan_tokenizer
+    from tests.conftest import FIXTURES
+
+    yuan = load_yuan_tokenizer(f"{FIXTURES}/yuan2-tokenizer", newline_token_as_text=newline_as_text)
+    decoded = max(len(yuan.decode([i])) for i in range(len(yuan)))
+    pieces = max(len(piece) for piece in yuan.convert_ids_to_tokens(list(range(len(yuan)))))
+    assert longest_token_chars(yuan) == max(decoded, pieces)
+
+
 def test_no_text_takes_fewer_tokens_than_the_bound_says(qwen) -> None:
     longest = longest_token_chars(qwen)
     assert longest is not None

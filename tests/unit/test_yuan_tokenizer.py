@@ -185,6 +185,21 @@ def test_cached_decode_tables_match_transformers(tok):
     assert tok.decode([5, new_id, 6], skip_special_tokens=True) == before
 
 
+def test_vocabulary_is_the_base_classes_also_after_adding_tokens():
+    """`get_vocab` (pieces read in one call and kept) gives what transformers' SentencePiece backend gives: every
+    entry in the same order, and the tokens added later too (a private copy: the fixture is shared)."""
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    tok = load_yuan_tokenizer(_FIXTURES)
+    assert list(tok.get_vocab().items()) == list(SentencePieceBackend.get_vocab(tok).items())
+    assert len(tok.get_vocab()) == len(tok) == 134958
+    tok.add_tokens(["<pagoda_plain>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<pagoda_test>"]})
+    vocab = tok.get_vocab()
+    assert list(vocab.items()) == list(SentencePieceBackend.get_vocab(tok).items())
+    assert vocab["<pagoda_test>"] == tok.convert_tokens_to_ids("<pagoda_test>") == 134959
+
+
 @pytest.mark.parametrize("newline_as_text", [False, True])
 def test_fast_decode_equals_decode(newline_as_text):
     """The detokenizer's shortcut (`fast_decode`) against the tokenizer's own `decode`, on random
