@@ -6,7 +6,7 @@ One topology, whatever `--api-server-count N` (N >= 1, default 1):
 launcher (this process: no HTTP)           validates flags, preflight, tokenizer, chat template first,
   │                                          then supervises from a fresh image (launch/supervise.py)
   ├─ engine core (started first; loads the model once)   core_process.CoreProcess / run_engine_core
-  └─ API process i = 0..N-1 (started once the core is Ready)   server/api_process.run_api_server
+  └─ API process i = 0..N-1 (started beside the core; serves once it is Ready)   server/api_process.run_api_server
         the same app on the launcher's one listening socket (the kernel hands each new connection to
         whichever process accepts it first), its AsyncEngine attached to the core as client i
 ```
@@ -22,6 +22,7 @@ stopped and the launcher exits 1 with one line; likewise if an API process dies.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -32,7 +33,7 @@ from pagoda.config.engine import DEFAULT_MODEL_NAME
 from pagoda.config.multimodal import MultiModalConfig
 from pagoda.config.server import ServerConfig
 from pagoda.errors import ConfigError
-from pagoda.launch.preflight import serve_preflight
+from pagoda.launch.preflight import preflight_keeping_tokenizer
 
 logger = logging.getLogger("pagoda")
 
@@ -89,7 +90,7 @@ def prepare(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     multimodal = config_from(ns, MultiModalConfig)
     server.check()
     config = EngineConfig.create(engine_args)
-    preflight = None if server.skip_preflight else (lambda: serve_preflight(engine_args, server))
+    preflight = None if server.skip_preflight else functools.partial(preflight_keeping_tokenizer, engine_args, server)
     setup = ApiSetup(server, config, multimodal, check=True, preflight=preflight)
     # The API processes number the adapters alike; the names are for the startup log.
     return LaunchPlan(server, config, multimodal, tuple(setup.loras.values()), tuple(setup.names))

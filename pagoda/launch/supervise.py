@@ -20,6 +20,7 @@ import pickle
 import sys
 import tempfile
 from dataclasses import dataclass
+from multiprocessing import reduction
 
 from pagoda import envs
 from pagoda.child_process import package_env
@@ -29,7 +30,7 @@ from pagoda.config.server import ServerConfig
 from pagoda.engine.core_process import CoreProcess, Ready
 from pagoda.errors import ConfigError
 from pagoda.processes.sockets import listen_socket
-from pagoda.processes.supervisor import Supervisor
+from pagoda.processes.supervisor import Child, Supervisor
 from pagoda.serving_gc import return_freed_memory
 
 logger = logging.getLogger("pagoda")
@@ -135,24 +136,44 @@ class Launcher:
         plan, server, supervisor = self.plan, self.server, self.supervisor
         supervisor.catch_signals()
         self.core = core = CoreProcess(supervisor, plan.config, server.api_server_count, loras=plan.loras)
-        ready = core.wait_ready(stop=lambda: supervisor.stopping)
-        if ready is None:  # SIGTERM/SIGINT while the model loaded
-            return 0
-        sock = _listen_socket(server.host, server.port)
+        # The API processes start beside the core: their imports, tokenizer and app setup (seconds of one core)
+        # overlap the model's load. Each then waits on its pipe for its `CoreClient` and the listening socket,
+        # which exist once the core is Ready (the port stays closed until then, so a connection is refused
+        # rather than left waiting while the model loads).
+        pipes = []
+        for index in range(server.api_server_count):
+            ours, theirs = supervisor.mp.Pipe()  # duplex: a socket pair, which can carry a descriptor
+            args = (server, plan.config, plan.multimodal, index, theirs)
+            self.apis.append(supervisor.start(f"pagoda-api-{index}", run_api_process, args, index=index))
+            theirs.close()  # the child has its own copy: a launcher gone before Ready ends its wait (EOF)
+            pipes.append(ours)
         try:
-            for client in core.clients:
-                self.apis.append(
-                    supervisor.start(
-                        f"pagoda-api-{client.index}",
-                        run_api_process,
-                        (server, plan.config, plan.multimodal, client, sock),
-                        index=client.index,
-                    )
+            ready = core.wait_ready(stop=lambda: supervisor.stopping or self._api_died() is not None)
+            dead = self._api_died()
+            if dead is not None:
+                print(
+                    f"pagoda: error: API server {dead.index} exited during startup (exit code {dead.exitcode}); "
+                    "the server was stopped.",
+                    file=sys.stderr,
                 )
+                return 1
+            if ready is None:  # SIGTERM/SIGINT while the model loaded
+                return 0
+            sock = _listen_socket(server.host, server.port)
+            try:
+                for child, pipe, client in zip(self.apis, pipes, core.clients, strict=True):
+                    pipe.send(client)
+                    reduction.send_handle(pipe, sock.fileno(), child.pid)
+            finally:
+                sock.close()  # each API process holds its own copy; closing them all frees the port
         finally:
-            sock.close()  # each API process holds its own copy; closing them all frees the port
+            for pipe in pipes:
+                pipe.close()
         plan.log_startup(ready)
         return self._watch()
+
+    def _api_died(self) -> Child | None:
+        return next((api for api in self.apis if not api.alive), None)
 
     def _watch(self) -> int:
         supervisor, core, server = self.supervisor, self.core, self.server

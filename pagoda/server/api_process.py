@@ -3,9 +3,10 @@
 `ApiSetup` is everything an API process needs besides the engine (HTTP limits, tokenizer, chat template,
 sampling defaults, served names), built from the `ServerConfig`, the `EngineConfig` and the
 `MultiModalConfig`: first in the launcher, with its checks (so a bad flag fails with one line before the
-core starts), then again in each API process. `run_api_server` is the process's entry point: an
-`AsyncEngine` attached to the core through its `CoreClient`, the app, and uvicorn on the launcher's
-listening socket until SIGTERM (drain for `--shutdown-timeout`, then exit 0).
+core starts), then again in each API process. `run_api_server` is the process's entry point, started while the
+core loads the model: the setup, then (once the core is Ready, from the launcher's pipe) its `CoreClient` and the
+listening socket; an `AsyncEngine` attached to the core through the client, the app, and uvicorn on that socket
+until SIGTERM (drain for `--shutdown-timeout`, then exit 0).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import signal
 import socket
 import sys
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
 from typing import Any
 
 import uvicorn
@@ -31,6 +34,7 @@ from pagoda.engine.core_process import CoreClient, Ready
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.chat_template import inspect_chat_template, load_chat_template, template_folder
 from pagoda.frontend.multimodal.chat import multimodal_serving
+from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.tokenizer import load_tokenizer
 from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.request import parse_lora_modules
@@ -52,7 +56,8 @@ STREAM_END_GRACE_S = 2.0
 
 class ApiSetup:
     """Everything an API process needs besides the engine. `check`: the launcher's validation (chat template
-    render check, log lines); `preflight`: called once the HTTP limits are known good (doctor's fast checks)."""
+    render check, log lines); `preflight`: called once the HTTP limits are known good (doctor's fast checks), returns
+    (the path its tokenizer came from, that tokenizer), kept when it is `config.model.tokenizer`'s."""
 
     def __init__(
         self,
@@ -64,15 +69,20 @@ class ApiSetup:
     ):
         self.server, self.config = server, config
         self.http_limits = http_limits.HttpLimits.from_server(server)  # also raises the file-descriptor limit
+        checked: tuple[str | None, Any] = (None, None)
         if preflight is not None:
-            preflight()  # shards, headers, tokenizer, port: fail in seconds, before the weights load
+            checked = preflight()  # shards, headers, tokenizer, port: fail in seconds, before the weights load
         source = resolve_model_source(config.model.model)
         self.multimodal = multimodal_serving(
             source.hf_config, source.folder if source.kind == "hf" else None, multimodal
         )
         self.tokenizer = None
+        self.prompts: PromptWork | None = None
         if not config.model.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.trust_remote_code)
+            path = config.model.tokenizer
+            # The preflight's tokenizer when it read the same path (`preflight_keeping_tokenizer`).
+            reused = checked[1] if checked[0] == path else None
+            self.tokenizer = reused or load_tokenizer(source, path, config.model.trust_remote_code)
         self.names = list(server.served_model_name or [config.model.name])
         self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
         if self.loras and config.lora is None:
@@ -101,6 +111,12 @@ class ApiSetup:
             check_chat_template(self.tokenizer, source, server.chat_template, config.model.tokenizer)
         self.generation_defaults = generation_defaults(server.generation_config, source, sampling_defaults, log=check)
 
+    def prepare_prompts(self) -> None:
+        """The prompt work's tables now (the character bound decodes the whole vocabulary: seconds for a
+        SentencePiece tokenizer), while the core loads the model, rather than once it is ready."""
+        if self.tokenizer is not None:
+            self.prompts = PromptWork(self.tokenizer, self.config.model.max_model_len)
+
     def app(self, engine: AsyncEngine, metrics: ServerMetrics) -> Any:
         config, server = self.config, self.server
         ctx = ServingContext(
@@ -125,6 +141,7 @@ class ApiSetup:
             lora_modules=dict(self.loras),
             max_lora_rank=config.lora.max_lora_rank if config.lora else 0,
             runtime_lora_updating=self.runtime_lora,
+            prompts=self.prompts,
         )
         engine.add_listener(ctx.metrics.on_engine_outputs)
         # Token ids → text where there is CPU to spare. With several API processes, here: off the engine
@@ -204,9 +221,10 @@ class ApiServer(uvicorn.Server):
 
 
 def run_api_server(
-    server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient, sock: socket.socket
+    server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, index: int, launcher: Connection
 ) -> None:
-    """Process entry point (started by the launcher's Supervisor)."""
+    """Process entry point (started by the launcher's Supervisor while the core loads the model): the setup,
+    then this process's `CoreClient` and the listening socket from `launcher` once the core is Ready."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # Its own work (HTTP, tokens, text, image preprocessing) is not parallel math: one thread, so that the
@@ -215,13 +233,21 @@ def run_api_server(
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
-    asyncio.run(serve_api(server, config, multimodal, client, sock))
-
-
-async def serve_api(
-    server: ServerConfig, config: EngineConfig, multimodal: MultiModalConfig, client: CoreClient, sock: socket.socket
-) -> None:
     setup = ApiSetup(server, config, multimodal, check=False)
+    setup.prepare_prompts()
+    try:
+        client: CoreClient = launcher.recv()
+        sock = socket.socket(fileno=reduction.recv_handle(launcher))
+    except EOFError:  # the launcher stopped before the core was Ready (it says why)
+        return
+    finally:
+        launcher.close()
+    assert client.index == index, (client.index, index)
+    asyncio.run(serve_api(setup, config, client, sock))
+
+
+async def serve_api(setup: ApiSetup, config: EngineConfig, client: CoreClient, sock: socket.socket) -> None:
+    server = setup.server
     engine = AsyncEngine(config, client)
     await engine.start()
     try:

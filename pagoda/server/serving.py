@@ -78,6 +78,7 @@ class ServingContext:
     lora_modules: dict[str, Any] = field(default_factory=dict)  # --lora-modules: name → lora.request.LoRARequest
     max_lora_rank: int = 0  # --max-lora-rank (0: adapters off)
     runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: /v1/load_lora_adapter and unload
+    prompts: PromptWork | None = None  # built ahead (`ApiSetup.prepare_prompts`); else by OpenAIServing
 
     @property
     def model_name(self) -> str:
@@ -97,7 +98,9 @@ class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
         # Tokenizing and rendering: the character bound, large texts off the event loop (`PromptWork`).
-        self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len) if ctx.tokenizer is not None else None
+        self.prompts = ctx.prompts
+        if self.prompts is None and ctx.tokenizer is not None:
+            self.prompts = PromptWork(ctx.tokenizer, ctx.max_model_len)
         # The next runtime adapter's id: past --lora-modules', never an unloaded adapter's again.
         self._next_lora_id = max((lora.lora_int_id for lora in ctx.lora_modules.values()), default=0) + 1
         self._loading_loras: set[str] = set()  # runtime loads the core has not answered yet

@@ -488,6 +488,37 @@ def test_engine_core_death_fails_every_process_and_stops_the_server(tmp_path: Pa
         server.stop()
 
 
+@pytest.mark.parametrize("event", ["sigterm", "an API process dies"])
+def test_api_processes_start_while_the_core_loads_and_stop_with_it(tmp_path: Path, event: str) -> None:
+    """The API processes start beside the core, so their setup overlaps the model's load, and the port stays closed
+    until the core is ready. A SIGTERM meanwhile stops every process (exit 0); an API process that dies meanwhile
+    stops the server with one line (exit 1). Nothing is left behind either way."""
+    server = ServerProcess(tmp_path / "serve.log", ["--api-server-count", "2"], env={"TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 120
+        while len(children(server)) < 3:  # the core and both API processes
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+        family = [psutil.Process(server.proc.pid), *children(server)]
+        assert "Serving on" not in server.log_tail(), "the model loaded before the test looked: " + server.log_tail()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health", timeout=5)
+        if event == "sigterm":
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(60) == 0, server.log_tail()
+        else:
+            last = max(family[1:], key=lambda c: (c.create_time(), c.pid))  # started after the core: an API process
+            last.kill()
+            assert server.proc.wait(60) == 1, server.log_tail()
+            errors = [line for line in server.log_tail().splitlines() if line.startswith("pagoda: error:")]
+            assert len(errors) == 1 and "exited during startup" in errors[0], server.log_tail()
+        _, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, alive
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("pagoda-", "pymp-"))]
+    finally:
+        server.stop()
+
+
 def test_startup_failures_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

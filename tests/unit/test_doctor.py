@@ -441,6 +441,29 @@ def test_serve_preflight_raises_with_the_fail_lines(model_dir):
         serve_preflight(three, server)
 
 
+def test_serve_keeps_the_tokenizer_its_preflight_loaded(model_dir, monkeypatch):
+    """`pagoda serve`'s checks load the tokenizer once: the launcher's setup keeps the preflight's when it came from
+    the path the engine uses, and loads its own otherwise."""
+    from pagoda.config import EngineArgs, EngineConfig
+    from pagoda.config.multimodal import MultiModalConfig
+    from pagoda.config.server import ServerConfig
+    from pagoda.launch.preflight import preflight_keeping_tokenizer
+    from pagoda.server import api_process
+
+    engine, server = EngineArgs(model=model_dir), ServerConfig(port=None)  # type: ignore[arg-type]
+    config = EngineConfig.create(engine)
+    path, tokenizer = preflight_keeping_tokenizer(engine, server)
+    assert path == config.model.tokenizer and tokenizer.encode("hello world")
+    loads: list[str] = []
+    real = api_process.load_tokenizer
+    monkeypatch.setattr(api_process, "load_tokenizer", lambda *a, **k: loads.append(a[1]) or real(*a, **k))
+    kept = api_process.ApiSetup(server, config, MultiModalConfig(), check=False, preflight=lambda: (path, tokenizer))
+    assert kept.tokenizer is tokenizer and loads == []
+    elsewhere = lambda: ("/another/folder", tokenizer)  # noqa: E731
+    own = api_process.ApiSetup(server, config, MultiModalConfig(), check=False, preflight=elsewhere)
+    assert own.tokenizer is not tokenizer and loads == [config.model.tokenizer]
+
+
 def test_default_gguf_model():
     checks = run_checks(None, fast=True, skip_tokenizer_init=True)
     assert not fails(checks), format_report(checks)

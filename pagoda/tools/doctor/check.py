@@ -33,6 +33,7 @@ class State:
     shards_ok: bool = False  # the shard set is complete and consistent with its index
     headers_complete: bool = False
     tokenizer: Any = None
+    tokenizer_from: str | None = None  # the path `tokenizer` was loaded from
 
     @property
     def folder(self) -> str | None:

@@ -50,13 +50,15 @@ def run_checks(
     trust_remote_code: bool = ENGINE_DEFAULTS.trust_remote_code,
     load_format: str = ENGINE_DEFAULTS.load_format,
     checksums: bool = True,
+    state: State | None = None,
 ) -> list[Check]:
     """All checks in order; `fast` keeps the subset `pagoda serve` runs before loading weights (which never
     hashes the shards); `checksums=False` skips hashing them (`--no-checksums`).
 
-    `model` is an HF folder, hub id or .gguf file (None: the embedded default model), as for serve.
+    `model` is an HF folder, hub id or .gguf file (None: the embedded default model), as for serve. `state`: the
+    caller's, to keep what the checks loaded (the tokenizer); by default a fresh one.
     """
-    state = State(model=model, tokenizer_path=tokenizer)
+    state = state if state is not None else State(model=model, tokenizer_path=tokenizer)
     out: list[Check] = []
 
     def run(name: str, fn: Callable[[], Iterable[Check] | Check | None]) -> None:

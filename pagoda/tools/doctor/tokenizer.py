@@ -32,7 +32,7 @@ def check_tokenizer(state: State, trust_remote_code: bool) -> Check:
             f"the tokenizer in {path!r} does not load ({type(exc).__name__}: {exc})",
             "re-download the tokenizer files, or pass --tokenizer <folder>",
         )
-    state.tokenizer = tokenizer
+    state.tokenizer, state.tokenizer_from = tokenizer, path
     return Check("tokenizer", "ok", f"{type(tokenizer).__name__} with {len(tokenizer)} tokens from {path}", None)
 
 
