@@ -82,7 +82,9 @@ class ApiSetup:
             path = config.model.tokenizer
             # The preflight's tokenizer when it read the same path (`preflight_keeping_tokenizer`).
             reused = checked[1] if checked[0] == path else None
-            self.tokenizer = reused or load_tokenizer(source, path, config.model.trust_remote_code)
+            if reused is None:  # (not `or`: a tokenizer's truth value is its length, the whole vocabulary)
+                reused = load_tokenizer(source, path, config.model.trust_remote_code)
+            self.tokenizer = reused
         self.names = list(server.served_model_name or [config.model.name])
         self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
         if self.loras and config.lora is None:
