@@ -11,6 +11,7 @@ from typing import Any
 import huggingface_hub
 
 from pagoda.errors import ModelLoadError
+from pagoda.frontend.detokenizer import single_token_decoder
 from pagoda.models.families import family_of
 from pagoda.models.gguf_checkpoint import load_gguf_tokenizer
 from pagoda.models.source import ModelSource
@@ -189,9 +190,9 @@ def longest_token_chars(tokenizer: Any) -> int | None:
         if backend is not None and callable(getattr(backend, "decode_batch", None)):
             ids = [[i] for i in range(size)]
             decoded = backend.decode_batch(ids, skip_special_tokens=False)  # Rust, all cores: ~50 ms at 150k
-        else:  # a tokenizer's own `fast_decode` (Yuan2's) is its `decode`, without transformers' layers
-            decode = getattr(tokenizer, "fast_decode", None) or tokenizer.decode
-            decoded = [decode([i]) for i in range(size)]
+        else:  # the detokenizer's exact shortcut where one applies (Yuan2's `fast_decode`), else `decode`
+            token_text = single_token_decoder(tokenizer)
+            decoded = [token_text(i) for i in range(size)]
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         longest = max(
             max((len(text) for text in decoded), default=0),
