@@ -6,10 +6,10 @@ Usage:
 
 Each sample starts `python -m pagoda serve SERVE ARGS --port P --host 127.0.0.1` with the tree as its working
 directory and first on PYTHONPATH (so that tree's Pagoda runs), polls /health every 20 ms, records the seconds to
-the first 200, then stops the server with SIGTERM and waits for it to exit. The trees take turns within every
-round, the order reversed every other round, so a neighbour's load on a shared machine falls on both alike. This
-checkout is the tree named `this`. Without SERVE ARGS the embedded default model is served (its GGUF conversion
-cache is warmed by a first, untimed start of each tree).
+the first 200, then stops the server (`vs_vllm.stop_server`: SIGTERM to its session, SIGKILL if it lingers). The
+trees take turns within every round, the order reversed every other round, so a neighbour's load on a shared
+machine falls on both alike. This checkout is the tree named `this`. Without SERVE ARGS the embedded default model
+is served (its GGUF conversion cache is warmed by a first, untimed start of each tree).
 """
 
 from __future__ import annotations
@@ -17,50 +17,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import vs_vllm  # noqa: E402  (its server launcher and stopper)
 
 THIS = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def sample(tree: Path, serve_args: list[str], timeout: float = 300.0) -> float:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+def sample(tree: Path, serve_args: list[str], log: Path, timeout: float = 300.0) -> float:
+    port = vs_vllm.free_port()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "pagoda", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = vs_vllm.launch_server(cmd, log, env=env, cwd=tree)
     try:
         while time.perf_counter() - started < timeout:
             if proc.poll() is not None:
-                raise RuntimeError(f"{tree}: serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"{tree}: serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
                     if response.status == 200:
                         return time.perf_counter() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except OSError:
                 pass
-            time.sleep(0.02)
+            time.sleep(0.02)  # finer than vs_vllm.wait_healthy's polling: the time to the first 200 is the result
         raise RuntimeError(f"{tree}: not healthy after {timeout:.0f} s")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        vs_vllm.stop_server(proc)
 
 
 def _commit(tree: Path) -> str | None:
@@ -78,14 +68,15 @@ def main() -> None:
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: the arguments of `pagoda serve`")
     args = parser.parse_args()
     serve_args = [a for a in args.serve_args if a != "--"]
+    log = Path(tempfile.mkdtemp(prefix="serve-startup-")) / "serve.log"
     trees = {"this": THIS, **{n: Path(p).resolve() for n, p in (t.split("=", 1) for t in args.tree)}}
     for tree in trees.values():
-        sample(tree, serve_args)  # untimed: caches (GGUF conversion, bytecode) warm for every tree
+        sample(tree, serve_args, log)  # untimed: caches (GGUF conversion, bytecode) warm for every tree
     times: dict[str, list[float]] = {name: [] for name in trees}
     for round_index in range(args.rounds):
         order = list(trees) if round_index % 2 == 0 else list(reversed(trees))
         for name in order:
-            times[name].append(sample(trees[name], serve_args))
+            times[name].append(sample(trees[name], serve_args, log))
             print(f"round {round_index + 1} {name}: {times[name][-1]:.2f} s", flush=True)
     base = statistics.median(times["this"])
     print("\n| tree | median s to /health 200 | min s | / this |\n| --- | ---: | ---: | ---: |")
