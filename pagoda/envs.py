@@ -140,6 +140,14 @@ LORA_KERNELS = Env(
     "the Triton shrink/expand pair for LoRA adapters (kernels/lora.py); 0: the PyTorch reference (no CUDA graphs)",
     once=True,
 )
+LORA_SIDE_STREAM = Env(
+    "PAGODA_LORA_SIDE_STREAM",
+    bool,
+    True,
+    "LoRA kernels: each adapted layer's shrink on a side stream, beside the layer's own matmul (lora/layers.py); "
+    "0: after it, on the step's stream",
+    once=True,
+)
 PP_MICRO_BATCHES = Env(
     "PAGODA_PP_MICRO_BATCHES",
     bool,

@@ -167,38 +167,108 @@ def add_lora(
     arguments are the kernels' tile sizes (`benchmarks/kernels/lora_kernel_bench.py` sweeps them): output columns
     per expand program, the shrink's K block (None: 128 for tiles of at most 16 tokens, else 64), its programs per
     tile (None: `split_k`), warps per program."""
-    num_parts, num_slots, rank, k = a.shape
-    t, out = y.shape[0], y.shape[-1]
-    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != t or x.shape[1] != k:
-        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} do not fit A {tuple(a.shape)}")
-    if b.shape != (num_slots, out, rank) or bounds.numel() != num_parts + 1:
+    check_expand(y, a, b, bounds, x.shape[0])
+    h = shrink(x, a, meta, order_at, tile_tokens, block_k=block_k, splits=splits, num_warps=num_warps)
+    return expand(h, y, b, bounds, meta, order_at, tile_tokens, block_n=block_n, num_warps=num_warps)
+
+
+def check_expand(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, tokens: int) -> None:
+    """Raises unless y [tokens, out] and B fit A's (parts, slots, rank) and bounds has a bound per part."""
+    num_parts, num_slots, rank, _ = a.shape
+    if y.dim() != 2 or y.shape[0] != tokens:
+        raise ValueError(f"y {tuple(y.shape)} and {tokens} tokens do not fit")
+    if b.shape != (num_slots, y.shape[1], rank) or bounds.numel() != num_parts + 1:
         raise ValueError(
             f"B {tuple(b.shape)} / bounds {bounds.numel()} do not fit A {tuple(a.shape)}, y {tuple(y.shape)}"
         )
-    if x.dtype not in DTYPES or y.dtype not in DTYPES or a.dtype != b.dtype or a.dtype not in DTYPES:
-        raise ValueError(f"dtypes x {x.dtype}, y {y.dtype}, A {a.dtype}, B {b.dtype}")
+    if y.dtype not in DTYPES or a.dtype != b.dtype or bounds.dtype != torch.int32:
+        raise ValueError(f"dtypes y {y.dtype}, A {a.dtype}, B {b.dtype}, bounds {bounds.dtype}")
+    if y.stride(1) != 1:
+        raise ValueError("y needs unit stride along its features")
+
+
+def shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    meta: torch.Tensor,
+    order_at: int,
+    tile_tokens: int,
+    *,
+    block_k: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    h: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first launch: h [splits, T, P·R] (fp32 partial sums of x·Aᵀ, a token's row at its place in the
+    order) for `expand`, which reads the split count from h's shape. h: where to write them (from
+    `shrink_buffer` with the same arguments; a caller launching on another stream allocates on its own)."""
+    num_parts, num_slots, rank, k = a.shape
+    t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} and A {tuple(a.shape)} do not fit")
+    if x.dtype not in DTYPES or a.dtype not in DTYPES:
+        raise ValueError(f"dtypes x {x.dtype}, A {a.dtype}")
     tiles = triton.cdiv(t, tile_tokens) + num_slots
-    if meta.dtype != torch.int32 or bounds.dtype != torch.int32 or order_at < 3 * tiles or meta.numel() < order_at:
-        raise ValueError("meta and bounds are int32; meta holds the tiles of a step this size, then the order")
-    if x.stride(1) != 1 or y.stride(1) != 1:
-        raise ValueError("x and y need unit stride along their features")
+    if meta.dtype != torch.int32 or order_at < 3 * tiles or meta.numel() < order_at:
+        raise ValueError("meta is int32 and holds the tiles of a step this size, then the order")
+    if x.stride(1) != 1:
+        raise ValueError("x needs unit stride along its features")
+    if h is None:
+        h = shrink_buffer(x, a, tile_tokens, splits)
+    splits = h.shape[0]
+    if h.shape != (splits, t, num_parts * rank) or h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError(f"h {tuple(h.shape)} {h.dtype} and x {tuple(x.shape)} do not fit (see shrink_buffer)")
     if t == 0:
-        return y
-    block_pr = max(16, triton.next_power_of_2(num_parts * rank))  # tl.dot needs 16 along every dimension
-    splits = splits or split_k(tiles, k)
+        return h
     block_k = block_k or (2 * BLOCK_K if tile_tokens <= 16 else BLOCK_K)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    h = torch.empty(splits, t, num_parts * rank, dtype=torch.float32, device=x.device)
     ieee, upcast = dot_flags(a.dtype)
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
-        BLOCK_M=tile_tokens, BLOCK_PR=block_pr, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        BLOCK_M=tile_tokens, BLOCK_PR=_block_pr(a), BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
     )  # fmt: skip
-    n_blocks = triton.cdiv(out, block_n)
-    _expand_kernel[(tiles, n_blocks)](
+    return h
+
+
+def shrink_buffer(x: torch.Tensor, a: torch.Tensor, tile_tokens: int, splits: int | None = None) -> torch.Tensor:
+    """An uninitialised h for `shrink` over x's tokens (splits None: `split_k`'s count)."""
+    num_parts, num_slots, rank, k = a.shape
+    splits = splits or split_k(triton.cdiv(x.shape[0], tile_tokens) + num_slots, k)
+    return torch.empty(splits, x.shape[0], num_parts * rank, dtype=torch.float32, device=x.device)
+
+
+def expand(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    meta: torch.Tensor,
+    order_at: int,
+    tile_tokens: int,
+    *,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """The second launch: y += h's partial sums (from `shrink`, same meta) times each token's slot's Bᵀ, in
+    place; returns y. The caller checks y and B (`check_expand`)."""
+    splits, t, pr = h.shape
+    num_slots, out, rank = b.shape
+    num_parts = bounds.numel() - 1
+    if t != y.shape[0] or pr != num_parts * rank:
+        raise ValueError(f"h {tuple(h.shape)}, y {tuple(y.shape)} and B {tuple(b.shape)} do not fit")
+    if t == 0:
+        return y
+    tiles = triton.cdiv(t, tile_tokens) + num_slots
+    ieee, upcast = dot_flags(b.dtype)
+    _expand_kernel[(tiles, triton.cdiv(out, block_n))](
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
-        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=block_pr,
+        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=max(16, triton.next_power_of_2(pr)),
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
         num_warps=num_warps,
     )  # fmt: skip
     return y
+
+
+def _block_pr(a: torch.Tensor) -> int:
+    """Rows of the rank operand: every part's rank rows, a power of two and at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(a.shape[0] * a.shape[2]))

@@ -186,8 +186,9 @@ class Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
-        return y if self.lora is None else self.lora.add(x, y)
+        if self.lora is None:
+            return self.matmul(x, self.bias)
+        return self.lora.apply(x, lambda: self.matmul(x, self.bias))
 
 
 class ColumnParallelLinear(Linear):
@@ -322,9 +323,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = self.matmul(x, None)
-        if self.lora is not None:  # this rank's share of the adapters' terms: the all-reduce sums them too
-            out = self.lora.add(x, out)
+        if self.lora is None:
+            out = self.matmul(x, None)
+        else:  # this rank's share of the adapters' terms: the all-reduce sums them too
+            out = self.lora.apply(x, lambda: self.matmul(x, None))
         if not self.reduce_results:
             return out
         parallel_state.all_reduce(out)

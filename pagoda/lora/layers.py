@@ -17,11 +17,14 @@ On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); el
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagoda import envs
 from pagoda.kernels import dispatch
 
 # Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
@@ -32,6 +35,9 @@ from pagoda.kernels import dispatch
 TILE_TOKENS = 64
 SMALL_TILE_TOKENS = 16
 SMALL_STEP_TOKENS = 256
+# Launches over at most this many tokens run the shrink on a side stream (`LoRASlots.apply`): beside a decode
+# step's weight-bound matmul it fills idle SMs; at 256 tokens the matmul fills them and the overlap lost.
+SIDE_STREAM_MAX_TOKENS = 128
 
 
 @dataclass
@@ -48,6 +54,7 @@ class LoRAStep:
     device: torch.device = torch.device("cpu")
     tile_sizes: tuple[int, ...] = (SMALL_TILE_TOKENS, TILE_TOKENS)  # (small steps, the rest)
     small_step_tokens: int = SMALL_STEP_TOKENS
+    side_stream: bool = field(default_factory=lambda: envs.LORA_SIDE_STREAM.value)  # see LoRASlots.apply
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     meta: torch.Tensor = field(init=False)
 
@@ -145,16 +152,34 @@ class LoRASlots:
             self.a[i, slot, :rank].copy_(a)
             self.b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] plus each token's adapter applied to x [T, in] (y itself when no token has one)."""
+    def apply(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """matmul() (the layer's own product of x [T, in], [T, out]) plus each token's adapter applied to x.
+
+        With the kernels, on CUDA, for launches over at most SIDE_STREAM_MAX_TOKENS tokens and unless
+        PAGODA_LORA_SIDE_STREAM=0, the shrink runs on a side stream while the layer's matmul runs: a
+        decode-sized step's matmul is bound by reading the weights, and the shrink's few small programs then
+        fill SMs it leaves idle instead of adding their launch and tail to the step. Its partial sums are
+        allocated here, on the caller's stream, which joins the side stream before the expand reads them, so
+        neither they nor x are freed while the side stream may still use them."""
         kernels = dispatch.lora_for(x)
-        if kernels is not None and (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-            # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
-            meta, order_at, tile = self.step.tiling(x.shape[0])
-            return kernels.add_lora(x, y, self.a, self.b, self.bounds, meta, order_at, tile)
-        return self.add_reference(x, y)
+        # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
+        if kernels is None or not (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return self.add_reference(x, matmul())
+        meta, order_at, tile = self.step.tiling(x.shape[0])
+        if not (x.is_cuda and self.step.side_stream and x.shape[0] <= SIDE_STREAM_MAX_TOKENS):
+            return kernels.add_lora(x, matmul(), self.a, self.b, self.bounds, meta, order_at, tile)
+        h = kernels.shrink_buffer(x, self.a, tile)
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            kernels.shrink(x, self.a, meta, order_at, tile, h=h)
+        y = matmul()
+        main.wait_stream(side)
+        kernels.check_expand(y, self.a, self.b, self.bounds, x.shape[0])
+        return kernels.expand(h, y, self.b, self.bounds, meta, order_at, tile)
 
     def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] plus each token's adapter applied to x [T, in], per slot and part in PyTorch."""
         for slot, tokens in self.step.active:
             xs = x.index_select(0, tokens).to(self.a.dtype)
             for i, part in enumerate(self.parts):
@@ -162,3 +187,9 @@ class LoRASlots:
                 delta = (xs @ self.a[i, slot].t()) @ b.t()  # [n, out_part]
                 y[:, part.offset : part.offset + part.size].index_add_(0, tokens, delta.to(y.dtype))
         return y
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream adapters' shrinks run on beside the layers' matmuls, one per device."""
+    return torch.cuda.Stream(device)

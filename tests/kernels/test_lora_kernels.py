@@ -133,7 +133,7 @@ def test_split_input_partials_sum_to_the_whole(monkeypatch):
 
 def test_one_launch_serves_any_mapping_written_into_the_step(monkeypatch):
     """What a CUDA graph relies on: the same layer, call after call, reads each step's mapping from `meta`
-    (slots unused, all tokens on the base model, then every token adapted), through `LoRASlots.add`."""
+    (slots unused, all tokens on the base model, then every token adapted), through `LoRASlots.apply`."""
     monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
     slots = _layer([16, 8, 8], 24, 4, 8, torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -141,9 +141,38 @@ def test_one_launch_serves_any_mapping_written_into_the_step(monkeypatch):
     for token_slots in ([3, 3, -1, 0, 0, 0, 3, -1, 0], [-1] * 9, [2, 1, 0, 3, 2, 1, 0, 3, 2]):
         token_slots = np.asarray(token_slots)
         slots.step.write(token_slots)
-        out = slots.add(x, y.clone())
+        out = slots.apply(x, y.clone)
         want = _naive(slots, x.cpu(), y.cpu(), token_slots)
         torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="streams are CUDA's")
+@pytest.mark.parametrize("late", ["shrink", "input"])
+def test_the_side_stream_shrink_waits_for_its_input_and_the_expand_for_it(late, monkeypatch):
+    """`LoRAStep.side_stream` (PAGODA_LORA_SIDE_STREAM): the shrink runs on another stream than the layer's
+    matmul and the expand. Each end is made late in turn by sleeping on its stream: the shrink (the expand must
+    wait for its partial sums), then the copy that writes x on the step's stream (the shrink must wait for x,
+    which holds zeros until then). Every round scales x differently, so a missing wait reads zeros or the last
+    round's sums and the result differs from the same layer's with the switch off."""
+    slots = _layer([40, 16, 16], 256, 4, 16, torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randn(24, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    y = torch.randn(24, 72, generator=g).to(torch.bfloat16).to(DEVICE)
+    slots.step.write(torch.randint(-1, 4, (24,), generator=g).numpy())
+    scales = [1.0, -2.0, 0.5]
+    slots.step.side_stream = False
+    wants = [slots.apply(x0 * s, y.clone) for s in scales]
+    slots.step.side_stream = True
+    shrink = lora_kernels.shrink
+    if late == "shrink":
+        monkeypatch.setattr(lora_kernels, "shrink", lambda *a, **k: (torch.cuda._sleep(50_000_000), shrink(*a, **k))[1])
+    for scale, want in zip(scales, wants):
+        x = torch.zeros_like(x0)
+        torch.cuda.synchronize()
+        if late == "input":
+            torch.cuda._sleep(50_000_000)  # on the step's stream, before x is written
+        x.copy_(x0).mul_(scale)
+        torch.testing.assert_close(slots.apply(x, y.clone), want, rtol=0, atol=0)
 
 
 def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_setup, monkeypatch):
