@@ -27,7 +27,8 @@ each column's own part and zeros elsewhere (so one product serves columns of sev
 fp32 and rounded once to y's dtype (the reference rounds the term first, then the sum: bf16 results may
 differ by an ulp). Every (token, column) of y is written by one program: a token is in one tile.
 
-Launchers check shapes and dtypes and launch; they never read device values on the host.
+`add_lora` launches both; `shrink` and `expand` launch one each, for a caller that runs them on different streams
+(`lora/layers.py`). Launchers check shapes and dtypes and launch; they never read device values on the host.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def shrink(
     ieee, upcast = dot_flags(a.dtype)
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
-        BLOCK_M=tile_tokens, BLOCK_PR=_block_pr(a), BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast, num_warps=num_warps,
+        BLOCK_M=tile_tokens, BLOCK_PR=_block_pr(num_parts * rank), BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast,
+        num_warps=num_warps,
     )  # fmt: skip
     return h
 
@@ -262,13 +264,13 @@ def expand(
     ieee, upcast = dot_flags(b.dtype)
     _expand_kernel[(tiles, triton.cdiv(out, block_n))](
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
-        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=max(16, triton.next_power_of_2(pr)),
+        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=_block_pr(pr),
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
         num_warps=num_warps,
     )  # fmt: skip
     return y
 
 
-def _block_pr(a: torch.Tensor) -> int:
-    """Rows of the rank operand: every part's rank rows, a power of two and at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(a.shape[0] * a.shape[2]))
+def _block_pr(rank_rows: int) -> int:
+    """Rows of the rank operand for every part's rank rows (P·R): a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(rank_rows))
