@@ -285,6 +285,11 @@ class ServerMetrics:
         self._last_per_pos: tuple[int, ...] = ()
         self._deferred = 0  # the core's last count of requests waiting for their grammar
         self._cache_info: Gauge | None = None
+        # The engine's gauges read 0 until the core's first report, as vLLM's do: in multiprocess mode a gauge
+        # that was never set has no entry in its process's file, and the page would lack it until then.
+        self.running.set(0)
+        self.kv_usage.set(0)
+        self._set_waiting(0)
 
     def publish_cache_config(self, labels: dict[str, str]) -> None:
         """Set `cache_config_info{labels} 1` (`cache_config_labels`); once per process."""

@@ -53,3 +53,28 @@ def test_multiprocess_mode_shows_the_sums_under_both_prefixes(tmp_path: Path) ->
     # process_*: one series per live API process, labelled with its pid (the first one has exited).
     memory = {dict(labels).get("pid") for name, labels in found if name == "process_resident_memory_bytes"}
     assert memory == {str(pids[1])}
+
+
+_FRESH = """
+import json
+from pagoda.server.metrics import ServerMetrics
+print(json.dumps(ServerMetrics("m", multiprocess=True).render().decode()))
+"""
+
+
+def test_the_engine_gauges_are_on_the_page_before_the_first_report(tmp_path: Path) -> None:
+    """A scrape between the server's start and the core's first report finds the engine's gauges at 0 (a gauge
+    in multiprocess mode is written only once set), so a dashboard shows an idle engine rather than no data."""
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    out = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found = samples(json.loads(out.stdout.strip().splitlines()[-1]))
+    for prefix in ("pagoda", "vllm"):
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert found.get((f"{prefix}:{gauge}", M)) == 0, (prefix, gauge)
+        for reason in ("capacity", "deferred"):
+            assert found.get((f"{prefix}:num_requests_waiting_by_reason", (*M, ("reason", reason)))) == 0, reason
