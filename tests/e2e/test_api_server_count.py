@@ -34,7 +34,17 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/js
 
 # ---- helpers --------------------------------------------------------------------------------------
 def children(server: ServerProcess) -> list[psutil.Process]:
-    return [c for c in psutil.Process(server.proc.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
+    """The server's engine core and API processes: its children that multiprocessing spawned, so neither the
+    resource tracker nor a short-lived helper a library runs while the server starts (such a child can also be
+    gone, or a zombie, by the time its command line is read)."""
+    found = []
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            if "multiprocessing.spawn" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:  # ZombieProcess is one
+            continue
+    return found
 
 
 def api_processes(server: ServerProcess, count: int = 2, timeout: float = 90.0) -> list[psutil.Process]:

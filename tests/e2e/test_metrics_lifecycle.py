@@ -218,7 +218,7 @@ def test_client_timeout_on_a_non_streaming_request_aborts_it(server, base_url: s
 
 def test_health_stays_fast_while_streams_generate(base_url: str, http: httpx.Client) -> None:
     """The HTTP side answers quickly while 8 streams keep the engine busy (engine in its own process)."""
-    streams, max_tokens = 8, 40
+    streams, max_tokens = 8, 128  # long enough for 20 probes on a fast machine
 
     async def stream_one(client: httpx.AsyncClient, i: int) -> int:
         body = {
