@@ -41,8 +41,9 @@ Workloads (one model folder each, made by `models`):
 The JSON is {"gpu", "commit", "date", "rows": [...]}: one row per workload x system x client x point with
 `concurrency` or `request_rate` and vLLM's key names (`output_throughput`, `request_throughput`,
 `median_ttft_ms`, `p95_ttft_ms`, `median_tpot_ms`, `p95_tpot_ms`, `median_itl_ms`, `p95_itl_ms`, plus
-`median_e2el_ms`/`p95_e2el_ms`). Throughput is over the span from the first request's start to the last
-one's end, all client processes pooled. Ratios across leases are not comparable: run both systems in one.
+`median_e2el_ms`/`p95_e2el_ms`; vLLM-client rows also `p99_*`). Throughput is over the span from the first
+request's start to the last one's end, all client processes pooled. Ratios across leases are not comparable: run
+both systems in one.
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def pool(results: list[dict]) -> dict:
         ("itl", [d for _, _, i, _ in reqs for d in i]),
         ("e2el", e2el),
     ):
-        row.update(summarize_ms(name, values, (95,)))
+        row.update(summarize_ms(name, values, (95, 99)))  # p99: how rare and how long the stalls are
     return row
 
 

@@ -38,6 +38,14 @@ def test_pool_takes_vllms_definitions_over_every_client_process():
     assert row["median_e2el_ms"] == pytest.approx(180.0)
 
 
+def test_pool_keeps_p99_where_rare_stalls_show():
+    """Two stalls among 100 gaps lie past the 95th percentile and at the 99th."""
+    records = _records(0.1, 0.002, [0.0], tokens=101)
+    records["itls"] = [[0.002] * 98 + [0.1, 0.1]]
+    row = vs_vllm.pool([records])
+    assert row["p95_itl_ms"] == pytest.approx(2.0) and row["p99_itl_ms"] == pytest.approx(100.0)
+
+
 def test_the_ratio_table_pairs_each_pagoda_row_with_vllms_and_shows_every_latency():
     base = {"client": "vllm", "concurrency": 16, "point": "c16"}
     pagoda = {"workload": "text", "system": "pagoda", **base, "output_throughput": 300.0}
