@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+import statistics
 import threading
 import time
 import tracemalloc
@@ -414,9 +415,10 @@ def test_runaway_template_is_stopped_while_health_answers(tokenizer, monkeypatch
     response, took, latencies = asyncio.run(run())
     assert "ran longer than 1 s" in error_of(response)["message"]
     assert 0.9 < took < 4.0
-    # The first answer races the render's start (on a loaded 2-core machine it once took 0.6 s); a blocked loop
-    # would hold every later one for the whole render.
-    assert len(latencies) >= 10 and max(latencies[1:]) < 0.5, latencies
+    # A blocked loop would answer /health once, after the whole render. A free one answers every ~20 ms; on a
+    # loaded 2-core machine the OS can still stall single answers for over 0.5 s (the render thread and the
+    # other test worker share the cores), so the typical answer is what is checked, not the slowest.
+    assert len(latencies) >= 10 and statistics.median(latencies) < 0.1, latencies
 
 
 def test_request_template_size_limit(tokenizer):
