@@ -158,6 +158,11 @@ class EngineArgs:
     max_lora_rank: int = knob(16, "the largest LoRA rank an adapter may have (1-512)")
     max_cpu_loras: int | None = knob(None, "LoRA adapters kept read in host memory, LRU (default: --max-loras)")
     lora_dtype: str = knob("auto", "dtype of the adapters' weights (auto: the model's)", choices=LORA_DTYPES)
+    enable_tower_connector_lora: bool = knob(
+        False,
+        "adapters may adapt the multimodal encoder too (Qwen2-VL's vision blocks and merger); its slots take GPU "
+        "memory from the KV cache",
+    )
 
 
 # The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`
@@ -333,7 +338,9 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(a.max_model_len, hf_config)
         speculative = resolve_speculative(a, hf_config, device)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
-        lora = resolve_lora(a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras, a.lora_dtype)
+        lora = resolve_lora(
+            a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras, a.lora_dtype, a.enable_tower_connector_lora
+        )
 
         return cls(
             model=_section(

@@ -15,6 +15,7 @@ class LoRAConfig:
     max_lora_rank: int  # the largest rank an adapter may have (slots are this wide)
     max_cpu_loras: int  # adapters kept read on the host, least recently used dropped first
     lora_dtype: str  # "auto" (the model's) or a dtype name
+    tower_connector: bool = False  # slots on the multimodal encoder's adaptable layers too
 
     @property
     def host_capacity(self) -> int:
@@ -27,6 +28,7 @@ def resolve_lora(
     max_lora_rank: int,
     max_cpu_loras: int | None,
     lora_dtype: str,
+    tower_connector: bool = False,
 ) -> LoRAConfig | None:
     """None without enable_lora; else the checked knobs (max_cpu_loras defaults to max_loras)."""
     if not enable_lora:
@@ -40,4 +42,10 @@ def resolve_lora(
         raise ConfigError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})", "max_cpu_loras")
     if lora_dtype not in LORA_DTYPES:
         raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}; got {lora_dtype!r}", "lora_dtype")
-    return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=cpu, lora_dtype=lora_dtype)
+    return LoRAConfig(
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=cpu,
+        lora_dtype=lora_dtype,
+        tower_connector=tower_connector,
+    )

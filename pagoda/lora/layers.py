@@ -13,11 +13,14 @@ tiles of at most TILE_TOKENS tokens of one slot, then the tokens grouped by slot
 once and written in place each step, so CUDA graphs captured over the kernels replay with any step's mapping.
 
 On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); elsewhere the reference.
+Layers of a multimodal encoder (Qwen2-VL's vision tower) share an `EncoderLoRAStep` instead: the reference path
+only, its mapping written for each encoder call (thousands of patch rows, never replayed from a CUDA graph).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from pagoda import envs
+from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch
 
 # Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
@@ -105,6 +109,42 @@ class LoRAStep:
         ]
 
 
+class EncoderLoRAStep:
+    """The mapping of an encoder's adapted layers for one encoder call: `active` as `LoRAStep`'s, for `rows` rows.
+
+    An encoder call runs thousands of rows through a few adapters, where per-slot gathers and cuBLAS matmuls are
+    what the kernels would do. The mapping belongs to the thread that wrote it (the engine's): the encoder's
+    graph captures, and their warm-up forwards, run on a thread of their own meanwhile and see none, so a graph
+    holds the base model only, and the encoder runner runs every call with adapters eagerly."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._local = threading.local()
+
+    @property
+    def rows(self) -> int:
+        return getattr(self._local, "rows", 0)
+
+    @property
+    def active(self) -> list[tuple[int, torch.Tensor]]:
+        return getattr(self._local, "active", [])
+
+    def write(self, row_slots: np.ndarray) -> None:
+        """This thread's mapping from row_slots [R] (each row's slot, -1: the base model's)."""
+        adapted = np.flatnonzero(row_slots >= 0)
+        self._local.rows, self._local.active = len(row_slots), []
+        if not len(adapted):
+            return
+        order = adapted[np.argsort(row_slots[adapted], kind="stable")]
+        counts = np.bincount(row_slots[adapted]).tolist()
+        tokens = to_device(order, self.device)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        self._local.active = [(slot, tokens[s : s + n]) for slot, (s, n) in enumerate(zip(starts, counts)) if n]
+
+    def clear(self) -> None:
+        self._local.rows, self._local.active = 0, []
+
+
 @dataclass(frozen=True)
 class LoRAPart:
     name: str | None  # the checkpoint's projection this part is (None: the layer is not fused)
@@ -125,7 +165,7 @@ class LoRASlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
-        step: LoRAStep,
+        step: LoRAStep | EncoderLoRAStep,
     ):
         """input_range: (this rank's first input feature, its count, all input features): a row-parallel layer
         takes a share of the input, so its A is cut by columns the same way (its partial outputs, adapters
@@ -161,6 +201,8 @@ class LoRASlots:
         fill SMs it leaves idle instead of adding their launch and tail to the step. Its partial sums are
         allocated here, on the caller's stream, which joins the side stream before the expand reads them, so
         neither they nor x are freed while the side stream may still use them."""
+        if isinstance(self.step, EncoderLoRAStep):
+            return self._apply_encoder(x, matmul)
         kernels = dispatch.lora_for(x)
         # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
         if kernels is None or not (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -177,6 +219,15 @@ class LoRASlots:
         main.wait_stream(side)
         kernels.check_expand(y, self.a, self.b, self.bounds, x.shape[0])
         return kernels.expand(h, y, self.b, self.bounds, meta, order_at, tile)
+
+    def _apply_encoder(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor:
+        step = self.step
+        assert isinstance(step, EncoderLoRAStep)
+        if not step.active:
+            return matmul()
+        if x.shape[0] != step.rows:
+            raise RuntimeError(f"an encoder layer ran over {x.shape[0]} rows; its adapters were mapped for {step.rows}")
+        return self.add_reference(x, matmul())
 
     def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] plus each token's adapter applied to x [T, in], per slot and part in PyTorch."""

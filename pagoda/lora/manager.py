@@ -1,25 +1,26 @@
 """The worker's adapters: read ones kept on the host, the step's ones in device slots.
 
 `attach_lora` gives every adaptable linear layer of the decoder (`Linear.lora`, see `layers/linear.py`) its
-slots. `LoRAManager.add` reads a PEFT folder once (checked against the layers; the host keeps the last
+slots, and so those of the encoder's adaptable groups (`CausalLM.encoder_lora_groups`: Qwen2-VL's vision blocks
+and merger). `LoRAManager.add` reads a PEFT folder once (checked against the layers; the host keeps the last
 `max_cpu_loras` used, least recently used dropped first, read again from disk if asked for later);
 `prepare(requests, query_lens)` puts the step's adapters in slots (an adapter already in a slot stays; a
 slot whose adapter this step does not use is reused, least recently used first) and writes the step's
-mapping every layer reads.
+mapping every decoder layer reads; `prepare_encoder` maps the rows of each encoder call the step makes.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagoda.config import EngineConfig
 from pagoda.config.lora import LoRAConfig
 from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
-from pagoda.lora.layers import LoRAPart, LoRASlots, LoRAStep
+from pagoda.lora.layers import EncoderLoRAStep, LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
 from pagoda.lora.request import LoRARequest
 from pagoda.models.base import CausalLM
@@ -48,14 +49,31 @@ def _input_range(layer: Linear) -> tuple[int, int, int]:
 
 
 def attach_lora(
-    model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device, max_tokens: int
-) -> dict[str, LoRASlots]:
-    """Slots on every linear layer of the decoder's layers (not the embedding, LM head, vision tower or MoE
-    experts), sharing one step mapping for steps of up to max_tokens; returns them by module name."""
+    model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device, max_tokens: int
+) -> tuple[dict[str, LoRASlots], dict[str, EncoderLoRAStep]]:
+    """Slots on every linear layer of the decoder's layers (not the embedding, LM head or MoE experts), sharing
+    one step mapping for steps of up to max_tokens, and with `config.tower_connector` on those of the encoder's
+    adaptable groups, one mapping per group; returns the slots by module name and the groups' mappings."""
     step = LoRAStep(config.max_loras, max_tokens, device)
+    groups = model.encoder_lora_groups if config.tower_connector else ()
+    encoder_steps = {group: EncoderLoRAStep(device) for group in groups}
     layers: dict[str, LoRASlots] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or ".layers." not in f".{name}" or "visual" in name or "experts" in name:
+        group = next((g for g in groups if name.startswith(g)), None)
+        if not isinstance(module, Linear) or "experts" in name:
+            continue
+        if group is not None:
+            module.lora = layers[name] = LoRASlots(
+                _input_range(module),
+                _parts(module),
+                config.max_loras,
+                config.max_lora_rank,
+                dtype,
+                device,
+                encoder_steps[group],
+            )
+            continue
+        if ".layers." not in f".{name}" or "visual" in name:
             continue
         rank, parts, row_maps = config.max_lora_rank, _parts(module), module.lora_row_maps()
         if row_maps:  # interleaved projections: one part, their adapters' ranks stacked (`lora/peft.py`)
@@ -64,7 +82,7 @@ def attach_lora(
         slots.row_maps = row_maps
         module.lora = slots
         layers[name] = slots
-    return layers
+    return layers, encoder_steps
 
 
 class LoRAManager:
@@ -78,8 +96,13 @@ class LoRAManager:
             1 + (spec.num_speculative_tokens if spec else 0)
         )
         self.dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
-        self.layers = attach_lora(model, config, self.dtype, device, max_tokens)
-        self.step = next(iter(self.layers.values())).step if self.layers else LoRAStep(config.max_loras, max_tokens)
+        self.layers, self.encoder_steps = attach_lora(model, config, self.dtype, device, max_tokens)
+        decoder = [slots.step for slots in self.layers.values() if isinstance(slots.step, LoRAStep)]
+        self.step = decoder[0] if decoder else LoRAStep(config.max_loras, max_tokens)
+        # Adapters with weights on the encoder: a version per read, which keys their encoder outputs apart
+        # from the base model's and from an earlier read of the same id (a folder loaded again in place).
+        self._encoder_versions: dict[int, int] = {}
+        self._versions = itertools.count(1)
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # LRU last
         self._requests: dict[int, LoRARequest] = {}
         self._slots: list[int | None] = [None] * config.max_loras  # adapter id in each slot
@@ -95,6 +118,9 @@ class LoRAManager:
             self.remove(request.lora_int_id)
         adapter = self._host_copy(request)
         self._requests[request.lora_int_id] = request
+        self._encoder_versions.pop(request.lora_int_id, None)
+        if any(layer.startswith(self.model.encoder_lora_groups) for layer, _ in adapter.weights):
+            self._encoder_versions[request.lora_int_id] = next(self._versions)
         if None in self._slots:
             # A free device slot takes it now, so the first step asking for it copies nothing: the adapters
             # named at startup are on the device before the server reports ready (their first requests'
@@ -103,6 +129,7 @@ class LoRAManager:
 
     def remove(self, adapter_id: int) -> bool:
         self._host.pop(adapter_id, None)
+        self._encoder_versions.pop(adapter_id, None)
         for i, held in enumerate(self._slots):
             if held == adapter_id:
                 self._slots[i] = None
@@ -136,6 +163,32 @@ class LoRAManager:
         for adapter_id in ids:
             token_slots[token_adapter_ids == adapter_id] = self._slot_for(adapter_id, ids)
         self.step.write(token_slots)
+
+    # ---- the encoder's part of the step ---------------------------------------------------------------
+    def encoder_key(self, request: LoRARequest | None) -> bytes:
+        """What the cache key of an item's encoder output adds for the item's request: nothing unless its adapter
+        has weights on the encoder (then the output is that adapter's, not the base model's)."""
+        version = None if request is None else self._encoder_versions.get(request.lora_int_id)
+        return b"" if version is None else b"\x00lora" + version.to_bytes(8, "little")
+
+    def prepare_encoder(self, grids: list[tuple[int, int, int]], requests: list[LoRARequest | None]) -> bool:
+        """Map the rows of one encoder call over items with these grids, the i-th item the i-th request's (its
+        adapter in the slot this step's `prepare` gave it); True when any item's adapter adapts the encoder (the
+        call must then run eagerly: captured encoder graphs hold the base model only)."""
+        if not self.encoder_steps:
+            return False
+        slots = [
+            self._slots.index(r.lora_int_id) if r is not None and r.lora_int_id in self._encoder_versions else -1
+            for r in requests
+        ]
+        rows = self.model.encoder_lora_rows(grids, slots)
+        for group, step in self.encoder_steps.items():
+            step.write(rows[group])
+        return max(slots) >= 0
+
+    def clear_encoder(self) -> None:
+        for step in self.encoder_steps.values():
+            step.clear()
 
     def _slot_for(self, adapter_id: int, needed: list[int]) -> int:
         if adapter_id in self._slots:

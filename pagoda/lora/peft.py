@@ -88,15 +88,23 @@ def load_peft_adapter(
         parent, _, leaf = path.rpartition(".")
         layer, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (path, None)
         held = model.stage_weight_name(path + ".weight") is not None
+        if not held and path.startswith(model.encoder_lora_groups):
+            continue  # the encoder's layers: the first pipeline stage holds and checks them
         # A decoder layer another pipeline stage holds: checked against the same layer of one this stage
         # holds (decoder layers share their shapes), then left to that stage.
         slots = layers.get(layer if held else _LAYER_INDEX.sub(f".layers.{model.stage.layers[0]}.", layer, 1))
         if slots is None or part not in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts]):
-            if ".visual." in f".{path}":  # PEFT's target_modules="all-linear" on Qwen2-VL reaches the tower too
+            if path.startswith(model.encoder_lora_groups):
                 raise _fail(
                     request,
-                    f"it adapts {module} in the vision tower; adapters on the vision tower are not supported (only "
-                    "the language model's layers: train with target_modules naming those)",
+                    f"it adapts {module} in the vision tower, which takes adapters only with "
+                    "--enable-tower-connector-lora (LLM(enable_tower_connector_lora=True))",
+                )
+            if ".visual." in f".{path}":
+                raise _fail(
+                    request,
+                    f"it adapts {module} in the vision tower, where only the blocks' attention and MLP projections "
+                    "and the merger's MLP take adapters",
                 )
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]

@@ -48,6 +48,9 @@ class CausalLM(nn.Module):
     # Parameter prefixes only the first / the last pipeline stage holds (besides decoder layers by index).
     first_stage_prefixes: ClassVar[tuple[str, ...]] = ("model.embed_tokens.",)
     last_stage_prefixes: ClassVar[tuple[str, ...]] = ("model.norm.", "lm_head.")
+    # Module-name prefixes of an encoder's layer groups that take adapters (`lora/manager.py`); each group's rows
+    # are mapped to adapters by `encoder_lora_rows`.
+    encoder_lora_groups: ClassVar[tuple[str, ...]] = ()
     model: nn.Module
     lm_head: nn.Module
     weight_streamer: Any = None  # --cpu-offload-gb: the layers whose weights stream in (models/weight_offload.py)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,7 +32,12 @@ from pagoda.layers.rotary import RotaryEmbedding, multimodal_cos_sin
 from pagoda.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.base import CausalLM, ModelCapabilities
 from pagoda.models.llama import LlamaDecoderLayer
-from pagoda.models.qwen2_vl_vision import Qwen2VisionTransformer, TowerPlan, vision_config_with_defaults
+from pagoda.models.qwen2_vl_vision import (
+    Qwen2VisionTransformer,
+    SegmentLayout,
+    TowerPlan,
+    vision_config_with_defaults,
+)
 
 IMAGE_TOKEN_ID = 151655
 VIDEO_TOKEN_ID = 151656
@@ -101,6 +107,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
 
     capabilities = ModelCapabilities(encoder=True, mrope=True)
     first_stage_prefixes = ("model.embed_tokens.", "visual.")
+    encoder_lora_groups = ("visual.blocks.", "visual.merger.")  # not the patch embedding (a Conv3d in PEFT)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -139,6 +146,15 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     @property
     def encoder_dtype(self) -> torch.dtype:
         return self.visual.patch_embed.proj.weight.dtype
+
+    def encoder_lora_rows(self, grid_thw: list[tuple[int, int, int]], item_slots: list[int]) -> dict[str, np.ndarray]:
+        """For adapters on the tower: {group in `encoder_lora_groups`: the adapter slot of each row its layers see}
+        for items whose adapters sit in item_slots (-1: none). The blocks run the patch rows in the tower's order
+        (`SegmentLayout`, grouped by segment length), the merger one row per window of merge² of them."""
+        patches = np.repeat(np.asarray(item_slots, dtype=np.int64), [t * h * w for t, h, w in grid_thw])
+        layout = SegmentLayout.of(list(grid_thw), self.merge_size**2)
+        rows = patches if layout.rows is None else patches[layout.rows]
+        return {"visual.blocks.": rows, "visual.merger.": rows[:: self.merge_size**2]}
 
     def encoder_plan(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> TowerPlan:
         """What `encode_planned` needs beside the pixels (device tensors made once, kept by a CUDA graph)."""

@@ -203,15 +203,17 @@ def _lora_bytes(
     layers' slots split evenly, as the other per-GPU numbers assume)."""
     import torch  # lazy: torch (`pagoda plan` runs without it)
 
-    from pagoda.lora.manager import attach_lora  # lazy: torch (`pagoda plan` runs without it)
+    from pagoda.lora.layers import LoRAStep  # lazy: torch (`pagoda plan` runs without it)
+    from pagoda.lora.manager import attach_lora
 
     ranks = 1 if tensor_parallel_problems(hf_config, tp) else tp
     model = _meta_model(hf_config, max_model_len, stage, pipeline_size, ranks)
-    slots = attach_lora(model, lora, getattr(torch, dtype), torch.device("meta"), max_tokens)
+    slots, _ = attach_lora(model, lora, getattr(torch, dtype), torch.device("meta"), max_tokens)
     if not slots:
         return 0
     tensors = [t for slot in slots.values() for t in (slot.a, slot.b, slot.bounds)]
-    tensors.append(next(iter(slots.values())).step.meta)  # the step's token mapping, shared by every layer
+    # The step's token mapping, shared by the decoder's layers (an encoder's is sized per call, and small).
+    tensors += {id(s.step): s.step.meta for s in slots.values() if isinstance(s.step, LoRAStep)}.values()
     return sum(t.numel() * t.element_size() for t in tensors) * ranks // tp
 
 
@@ -587,6 +589,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="as `pagoda serve --enable-lora`: count the LoRA slots (--max-loras x --max-lora-rank) per GPU",
     )
+    parser.add_argument(
+        "--enable-tower-connector-lora",
+        action="store_true",
+        help="as `pagoda serve --enable-tower-connector-lora`: count the vision tower's LoRA slots too",
+    )
     parser.add_argument("--max-loras", type=int, default=engine.max_loras)
     parser.add_argument("--max-lora-rank", type=int, default=engine.max_lora_rank)
     parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
@@ -658,7 +665,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         kv_cache_dtype=ns.kv_cache_dtype,
         cpu_offload_gb=ns.cpu_offload_gb,
         # As serve resolves them (the same refusals); --max-cpu-loras is host memory, --lora-dtype serve's auto.
-        lora=resolve_lora(ns.enable_lora, ns.max_loras, ns.max_lora_rank, None, "auto"),
+        lora=resolve_lora(ns.enable_lora, ns.max_loras, ns.max_lora_rank, None, "auto", ns.enable_tower_connector_lora),
     )
 
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))

@@ -11,6 +11,8 @@ may cut an item; each chunk takes its slice of the rows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -23,11 +25,17 @@ from pagoda.worker.encoder_graphs import CapturePolicy, EncoderGraphs
 from pagoda.worker.request_states import RunnerRequestState
 from pagoda.worker.step_inputs import StepInputs
 
+if TYPE_CHECKING:
+    from pagoda.lora.manager import LoRAManager
+
 
 class EncoderRunner:
-    def __init__(self, model: nn.Module, device: torch.device, cache_tokens: int, active: bool):
+    def __init__(
+        self, model: nn.Module, device: torch.device, cache_tokens: int, active: bool, lora: LoRAManager | None = None
+    ):
         self.model = model
         self.device = device
+        self.lora = lora  # adapters, some of which may adapt the encoder (`lora/manager.py`)
         self.cache = EncoderCache(cache_tokens)
         self.active = active  # the model has an encoder, on this pipeline stage
         self.graphs: EncoderGraphs | None = None  # `enable_graphs`
@@ -56,31 +64,47 @@ class EncoderRunner:
         ]
         if not needed:
             return None
+        # An item's output is the base model's, or its request's adapter's where that adapts the encoder.
+        keys = [
+            item.content_hash + (self.lora.encoder_key(states[row].lora_request) if self.lora else b"")
+            for row, item in needed
+        ]
         outputs: dict[bytes, torch.Tensor] = {}
-        missing = []
-        for _, item in needed:
-            if item.content_hash in outputs:
+        missing: dict[bytes, tuple[int, Any]] = {}  # key -> (row, item)
+        for key, (row, item) in zip(keys, needed):
+            if key in outputs or key in missing:
                 continue
-            cached = self.cache.get(item.content_hash)
+            cached = self.cache.get(key)
             if cached is not None:
-                outputs[item.content_hash] = cached
-            elif all(m.content_hash != item.content_hash for m in missing):
-                missing.append(item)
+                outputs[key] = cached
+            else:
+                missing[key] = (row, item)
         if missing:
+            items = [item for _, item in missing.values()]
             pixels = torch.cat(
-                [encoder_pixels(m.pixel_values, m.pixel_lut, self.device, m.temporal_repeat) for m in missing]
+                [encoder_pixels(m.pixel_values, m.pixel_lut, self.device, m.temporal_repeat) for m in items]
             )
-            grids = [m.grid_thw for m in missing]
-            encoded = self.model.encode(pixels, grids) if self.graphs is None else self.graphs.encode(pixels, grids)
-            for item, rows in zip(missing, encoded.split([m.length for m in missing])):
-                outputs[item.content_hash] = rows
-                self.cache.put(item.content_hash, rows)
+            grids = [m.grid_thw for m in items]
+            adapted = self.lora is not None and self.lora.prepare_encoder(
+                grids, [states[row].lora_request for row, _ in missing.values()]
+            )
+            try:
+                if self.graphs is None or adapted:
+                    encoded = self.model.encode(pixels, grids)
+                else:
+                    encoded = self.graphs.encode(pixels, grids)
+            finally:
+                if self.lora is not None:
+                    self.lora.clear_encoder()
+            for key, rows in zip(missing, encoded.split([m.length for m in items])):
+                outputs[key] = rows
+                self.cache.put(key, rows)
         index, embeds = [], []
-        for row, item in needed:
+        for key, (row, item) in zip(keys, needed):
             lo, hi = max(starts[row], item.offset), min(ends[row], item.end)
             first = int(query_start_loc[row]) + lo - starts[row]
             index.append(np.arange(first, first + hi - lo))
-            embeds.append(outputs[item.content_hash][lo - item.offset : hi - item.offset])
+            embeds.append(outputs[key][lo - item.offset : hi - item.offset])
         return np.concatenate(index).astype(np.int64, copy=False), torch.cat(embeds)
 
     def profile(self, num_tokens: int, dtype: torch.dtype) -> None:

@@ -101,7 +101,7 @@ class ModelRunner:
         self.accepts_multimodal = caps.encoder
         self.lora = LoRAManager(self.model, config, self.dtype, self.device) if config.lora else None
         cache_tokens, first = max(32768, 4 * config.scheduler.max_num_batched_tokens), self.link.stage.first
-        self.encoder = EncoderRunner(self.model, self.device, cache_tokens, active=caps.encoder and first)
+        self.encoder = EncoderRunner(self.model, self.device, cache_tokens, caps.encoder and first, self.lora)
         self.encoder_cache = self.encoder.cache
         self.graphs: GraphRunner | None = None  # set by `enable_cuda_graphs`
         self._last_sampled: torch.Tensor | None = None  # its token ids, on the device

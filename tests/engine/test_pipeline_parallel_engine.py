@@ -59,6 +59,18 @@ def test_lora_adapters_at_pp2_equal_peft_merged(engines, tmp_path):
     lora_against_peft(engines, tmp_path, pipeline_parallel_size=2)
 
 
+def test_qwen2_vl_tower_adapters_at_pp2_equal_peft_merged(engines, tmp_path):
+    """The vision tower lives on the first stage, which reads and checks the adapters' tower terms; the last stage
+    skips them."""
+    from tests.models.test_lora_vision_tower import make_tower_adapters, run_tower_requests
+
+    base, adapters, expected = make_tower_adapters(tmp_path)
+    engine = engines(
+        base, enable_lora=True, enable_tower_connector_lora=True, max_loras=2, max_lora_rank=8, pipeline_parallel_size=2
+    ).engine
+    assert run_tower_requests(engine, adapters) == {rid: tokens for rid, (_, tokens) in expected.items()}
+
+
 def test_yuan2_lora_at_pp2_equals_the_merged_checkpoint(engines, tmp_path):
     yuan2_lora_against_merged(engines, tmp_path, pipeline_parallel_size=2)
 

@@ -114,6 +114,18 @@ def test_lora_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
     lora_against_peft(engines, tmp_path, tensor_parallel_size=2)
 
 
+def test_qwen2_vl_tower_adapters_under_tp2_equal_peft_merged(engines, tmp_path):
+    """Adapters on Qwen2-VL's vision tower at TP = 2: every rank runs the (unsplit) tower with the adapters of the
+    step's items, and keys their encoder outputs apart from the base model's."""
+    from tests.models.test_lora_vision_tower import make_tower_adapters, run_tower_requests
+
+    base, adapters, expected = make_tower_adapters(tmp_path)
+    engine = engines(
+        base, enable_lora=True, enable_tower_connector_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2
+    ).engine
+    assert run_tower_requests(engine, adapters) == {rid: tokens for rid, (_, tokens) in expected.items()}
+
+
 def lora_against_peft(engines, tmp_path, **parallel) -> None:
     """Three adapters and the base model in one batch on a split tiny Llama: PEFT's merged models' greedy tokens."""
     from pagoda.lora.request import LoRARequest

@@ -332,20 +332,35 @@ def test_lora_slots_come_before_the_kv_cache(tmp_path):
     per_block = 16 * plan.kv_bytes_per_token_per_gpu
     assert abs(plain.kv_blocks - plan.kv_blocks - plan.lora_bytes_per_gpu // per_block) <= 1
     assert "LoRA slots: " in format_plan(plan) and plain.lora_bytes_per_gpu == 0
+    # --enable-tower-connector-lora: the vision tower's 32 blocks (qkv, proj, fc1, fc2 at width 1280, MLP 5120) and
+    # the merger's two MLP layers (5120 -> 5120 -> 3584) take slots as well.
+    with_tower = make_plan(
+        QWEN2VL_7B, memory_bytes_per_gpu=H200, lora=resolve_lora(True, 4, 64, None, "auto", tower_connector=True)
+    )
+    tower = 4 * 64 * 2 * (32 * ((3 * 1280 + 5120) + (3840 + 1280 + 5120 + 1280)) + (2 * 5120) + (5120 + 3584))
+    assert tower < with_tower.lora_bytes_per_gpu - plan.lora_bytes_per_gpu < tower + 2**16
     with pytest.raises(ConfigError, match=r"max_lora_rank must be in \[1, 512\], got 1000"):
         _run_plan(tmp_path, "--enable-lora", "--max-lora-rank", "1000")
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "yuan2-tiny"])
-def test_lora_slots_equal_the_runners_allocation(fixture, request):
+@pytest.mark.parametrize("fixture", ["tiny_llama", "yuan2-tiny", "qwen2-vl with the tower"])
+def test_lora_slots_equal_the_runners_allocation(fixture, request, tmp_path):
     """What the runner allocates for --max-loras 3 --max-lora-rank 8 (its LoRAManager's slot tensors, on a
-    tiny random model on the CPU) is what plan counts."""
+    tiny random model on the CPU) is what plan counts; Qwen2-VL's vision tower's slots too, when asked for."""
     from pagoda import LLM
     from pagoda.config.lora import resolve_lora
-    from tests.conftest import FIXTURES
+    from tests.conftest import FIXTURES, tiny_qwen2vl_config
 
-    model = request.getfixturevalue(fixture) if fixture == "tiny_llama" else str(FIXTURES / fixture)
+    tower = fixture.startswith("qwen2-vl")
+    if tower:
+        import transformers
+
+        transformers.Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).save_pretrained(tmp_path)
+        model = str(tmp_path)
+    else:
+        model = request.getfixturevalue(fixture) if fixture == "tiny_llama" else str(FIXTURES / fixture)
     llm = LLM(
+        enable_tower_connector_lora=tower,
         model=model,
         skip_tokenizer_init=True,
         max_model_len=256,
@@ -369,7 +384,8 @@ def test_lora_slots_equal_the_runners_allocation(fixture, request):
         lora=cfg.lora,
     )
     assert plan.lora_bytes_per_gpu == sum(t.numel() * t.element_size() for t in held) > 0
-    assert (plan.max_loras, plan.max_lora_rank) == (3, 8) and cfg.lora == resolve_lora(True, 3, 8, None, "auto")
+    assert (plan.max_loras, plan.max_lora_rank) == (3, 8) and cfg.lora == resolve_lora(True, 3, 8, None, "auto", tower)
+    assert any("visual" in name for name in manager.layers) == tower
     # On the CPU the KV budget is its own (--cpu-kv-cache-space-gib): the slots do not shrink it, in plan as in
     # the engine.
     assert plan.kv_blocks == llm.engine.kv_layout.num_blocks - 1
