@@ -18,6 +18,9 @@ slice: `LazyTensor`) and narrows it to the rank's share BEFORE reading it (`read
 reads only its share from disk. Loaders that do that carry `@reads_shards`; the model loader hands
 every other loader an already-read tensor.
 
+A layer called on a gathered subset of the step's tokens (an MoE expert: `gathered_rows`) can ask which step
+token each input row is (`step_rows`): what a per-token addition to its output, such as a LoRA adapter's, reads.
+
 `linear` is the one matmul entry point: on CUDA, inputs of few rows (decode at batch 1; up to 2-4 rows for
 weights whose K fits one GEMV tile, by weight size: `gemv.max_rows_for`) go to the Triton GEMV
 (`pagoda/kernels/gemv.py`: cuBLAS is latency-bound there), all others to `F.linear`.
@@ -25,8 +28,10 @@ weights whose K fits one GEMV tile, by weight size: `gemv.max_rows_for`) go to t
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -36,6 +41,23 @@ from torch import nn
 
 from pagoda.distributed import parallel_state
 from pagoda.kernels import dispatch
+
+_STEP_ROWS: ContextVar[torch.Tensor | None] = ContextVar("step_rows", default=None)
+
+
+@contextlib.contextmanager
+def gathered_rows(rows: torch.Tensor) -> Iterator[None]:
+    """Within: linear layers run on the step's tokens `rows` (int64 [n], device), in that order."""
+    token = _STEP_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _STEP_ROWS.reset(token)
+
+
+def step_rows() -> torch.Tensor | None:
+    """The step token of each input row of the layer running now (None: the step's tokens, all, in order)."""
+    return _STEP_ROWS.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

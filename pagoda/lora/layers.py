@@ -30,6 +30,7 @@ import torch
 from pagoda import envs
 from pagoda.device_copy import to_device
 from pagoda.kernels import dispatch
+from pagoda.layers.linear import step_rows
 
 # Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
 # at most SMALL_STEP_TOKENS tokens (decode, a few adapters' rows each) use the small tile: a 64-token tile then
@@ -61,6 +62,8 @@ class LoRAStep:
     side_stream: bool = field(default_factory=lambda: envs.LORA_SIDE_STREAM.value)  # see LoRASlots.apply
     active: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     meta: torch.Tensor = field(init=False)
+    _token_slots: np.ndarray = field(init=False, default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _token_slots_device: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         # A graph bucket may pad a step past max_tokens (or past small_step_tokens); its grid has
@@ -103,10 +106,21 @@ class LoRAStep:
             self.meta[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         else:
             self.meta[: len(host)].copy_(torch.from_numpy(host))
+        self._token_slots, self._token_slots_device = token_slots, None
         in_order = self.meta[self.order_at :]
         self.active = [
             (slot, in_order[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n
         ]
+
+    def gathered(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """`active` for a layer that runs on the step's tokens `rows` (`layers.linear.gathered_rows`: an MoE
+        expert's): per slot in use, the places in `rows` of its tokens (a host-device sync per slot, as the
+        expert loop's own)."""
+        if self._token_slots_device is None:  # copied on the first gathered call of the step only
+            self._token_slots_device = to_device(self._token_slots, self.device)
+        row_slots = self._token_slots_device.index_select(0, rows)
+        places = [(slot, torch.nonzero(row_slots == slot).squeeze(1)) for slot, _ in self.active]
+        return [(slot, p) for slot, p in places if p.numel()]
 
 
 class EncoderLoRAStep:
@@ -203,6 +217,10 @@ class LoRASlots:
         neither they nor x are freed while the side stream may still use them."""
         if isinstance(self.step, EncoderLoRAStep):
             return self._apply_encoder(x, matmul)
+        rows = step_rows()
+        if rows is not None:  # an MoE expert's share of the step's tokens: the reference path over them
+            y = matmul()
+            return self.add_reference(x, y, self.step.gathered(rows)) if self.step.active else y
         kernels = dispatch.lora_for(x)
         # Captured graphs launch the kernels whatever the step: replays read the mapping from `meta`.
         if kernels is None or not (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -229,9 +247,12 @@ class LoRASlots:
             raise RuntimeError(f"an encoder layer ran over {x.shape[0]} rows; its adapters were mapped for {step.rows}")
         return self.add_reference(x, matmul())
 
-    def add_reference(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] plus each token's adapter applied to x [T, in], per slot and part in PyTorch."""
-        for slot, tokens in self.step.active:
+    def add_reference(
+        self, x: torch.Tensor, y: torch.Tensor, active: list[tuple[int, torch.Tensor]] | None = None
+    ) -> torch.Tensor:
+        """y [T, out] plus each row's adapter applied to x [T, in], per slot and part in PyTorch; `active`: (slot,
+        its rows) for each slot in use (default: the step's)."""
+        for slot, tokens in self.step.active if active is None else active:
             xs = x.index_select(0, tokens).to(self.a.dtype)
             for i, part in enumerate(self.parts):
                 b = self.b[slot, part.offset : part.offset + part.size]

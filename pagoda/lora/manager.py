@@ -51,16 +51,17 @@ def _input_range(layer: Linear) -> tuple[int, int, int]:
 def attach_lora(
     model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device, max_tokens: int
 ) -> tuple[dict[str, LoRASlots], dict[str, EncoderLoRAStep]]:
-    """Slots on every linear layer of the decoder's layers (not the embedding, LM head or MoE experts), sharing
-    one step mapping for steps of up to max_tokens, and with `config.tower_connector` on those of the encoder's
-    adaptable groups, one mapping per group; returns the slots by module name and the groups' mappings."""
+    """Slots on every linear layer of the decoder's layers (MoE experts and routers too; not the embedding or the
+    LM head), sharing one step mapping for steps of up to max_tokens, and with `config.tower_connector` on those
+    of the encoder's adaptable groups, one mapping per group; returns the slots by module name and the groups'
+    mappings."""
     step = LoRAStep(config.max_loras, max_tokens, device)
     groups = model.encoder_lora_groups if config.tower_connector else ()
     encoder_steps = {group: EncoderLoRAStep(device) for group in groups}
     layers: dict[str, LoRASlots] = {}
     for name, module in model.named_modules():
         group = next((g for g in groups if name.startswith(g)), None)
-        if not isinstance(module, Linear) or "experts" in name:
+        if not isinstance(module, Linear):
             continue
         if group is not None:
             module.lora = layers[name] = LoRASlots(

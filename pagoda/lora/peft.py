@@ -4,7 +4,8 @@ The folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target
 `adapter_model.safetensors` (or PEFT's older `adapter_model.bin`, unpickled as plain tensors only) with, per
 adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. The scale
 s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A projection the model fuses (`q_proj` into
-`qkv_proj`, through the model's `packed_modules_mapping`) becomes that part of the fused layer. What Pagoda
+`qkv_proj`, through the model's `packed_modules_mapping`) becomes that part of the fused layer; one tensor for
+all parts of a fused layer (Yuan M32's expert `w1`) is split between them. What Pagoda
 cannot serve exactly is refused by name: DoRA, per-module ranks or alphas, trained biases, `modules_to_save`,
 a rank above `--max-lora-rank`, a target that is not one of the model's adaptable linear layers, shapes that
 differ from the base model's.
@@ -93,7 +94,11 @@ def load_peft_adapter(
         # A decoder layer another pipeline stage holds: checked against the same layer of one this stage
         # holds (decoder layers share their shapes), then left to that stage.
         slots = layers.get(layer if held else _LAYER_INDEX.sub(f".layers.{model.stage.layers[0]}.", layer, 1))
-        if slots is None or part not in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts]):
+        # One checkpoint tensor for all parts of a fused layer (Yuan M32's expert w1 = [activated | linear]).
+        whole = slots is not None and part is None and not slots.row_maps and len(slots.parts) > 1
+        if slots is None or not (
+            whole or part in (list(slots.row_maps) if slots.row_maps else [p.name for p in slots.parts])
+        ):
             if path.startswith(model.encoder_lora_groups):
                 raise _fail(
                     request,
@@ -109,11 +114,11 @@ def load_peft_adapter(
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
         in_start, in_size, in_full = slots.input_range
+        targets = slots.parts if whole else [] if slots.row_maps else [slots.parts[slots.part_index(part)]]
         if slots.row_maps:
             full_rows = slots.row_maps[str(part)][2]
         else:
-            target = slots.parts[slots.part_index(part)]
-            full_rows = target.full or target.size
+            full_rows = sum(target.full or target.size for target in targets)
         expected_a, expected_b = (rank, in_full), (full_rows, rank)
         if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise _fail(
@@ -126,9 +131,13 @@ def load_peft_adapter(
         if slots.row_maps:
             interleaved.setdefault(layer, {})[str(part)] = (a, b.float() * scale)
             continue
-        # This rank's share (tensor parallelism): A's input columns as the layer's, B's rows as the part's.
-        a, b = a[:, in_start : in_start + in_size], b[target.start : target.start + target.size]
-        weights[(layer, part)] = (a.to(dtype), (b.float() * scale).to(dtype))
+        # This rank's share (tensor parallelism): A's input columns as the layer's, B's rows as each part's (the
+        # parts' rows one after the other in B when it covers them all).
+        a, first = a[:, in_start : in_start + in_size].to(dtype), 0
+        for target in targets:
+            rows = b[first + target.start : first + target.start + target.size]
+            weights[(layer, target.name if whole else part)] = (a, (rows.float() * scale).to(dtype))
+            first += target.full or target.size
     for layer, shards in interleaved.items():
         weights[(layer, None)] = _stacked(layers[layer], shards, rank, dtype)
     if not halves:

@@ -43,6 +43,7 @@ from pagoda.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     Weight,
+    gathered_rows,
     read_weight,
     reads_shards,
 )
@@ -253,7 +254,8 @@ class YuanMoE(nn.Module):
         out = torch.zeros_like(x)
         for index in torch.unique(chosen).tolist():
             token, slot = torch.nonzero(chosen == index, as_tuple=True)
-            contribution = self.experts[index](x[token]) * weights[token, slot, None]
+            with gathered_rows(token):  # which step tokens the expert's rows are (its adapters read them)
+                contribution = self.experts[index](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, contribution)
         # Every rank routed the same tokens to the same experts (replicated router, same input) and
         # added its share of each expert's output: one sum over the ranks completes them all.

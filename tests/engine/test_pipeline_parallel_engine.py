@@ -71,8 +71,9 @@ def test_qwen2_vl_tower_adapters_at_pp2_equal_peft_merged(engines, tmp_path):
     assert run_tower_requests(engine, adapters) == {rid: tokens for rid, (_, tokens) in expected.items()}
 
 
-def test_yuan2_lora_at_pp2_equals_the_merged_checkpoint(engines, tmp_path):
-    yuan2_lora_against_merged(engines, tmp_path, pipeline_parallel_size=2)
+@pytest.mark.parametrize("fixture", ["yuan2-tiny", "yuan2-m32-tiny"])
+def test_yuan2_lora_at_pp2_equals_the_merged_checkpoint(engines, tmp_path, fixture):
+    yuan2_lora_against_merged(engines, tmp_path, fixture, pipeline_parallel_size=2)
 
 
 def test_more_stages_than_layers_is_refused_in_one_line():

@@ -171,20 +171,22 @@ def _finish(engine) -> dict[str, list[int]]:
     return done
 
 
-def test_yuan2_lora_under_tp2_equals_the_merged_checkpoint(engines, tmp_path):
+@pytest.mark.parametrize("fixture", ["yuan2-tiny", "yuan2-m32-tiny"])
+def test_yuan2_lora_under_tp2_equals_the_merged_checkpoint(engines, tmp_path, fixture):
     """Yuan2's fused qk rows under TP = 2: each rank takes its heads' interleaved q/k rows of the adapter's B, as
-    of the weights; the adapter's greedy tokens equal the merged checkpoint's at one rank."""
-    yuan2_lora_against_merged(engines, tmp_path, tensor_parallel_size=2)
+    of the weights; the M32's experts: each rank its share of w1's two parts and of w2's input columns, summed by
+    the experts' one all-reduce. The adapter's greedy tokens equal the merged checkpoint's at one rank."""
+    yuan2_lora_against_merged(engines, tmp_path, fixture, tensor_parallel_size=2)
 
 
-def yuan2_lora_against_merged(engines, tmp_path, **parallel) -> None:
+def yuan2_lora_against_merged(engines, tmp_path, fixture: str = "yuan2-tiny", **parallel) -> None:
     from pagoda.lora.request import LoRARequest
     from tests.models.test_lora import MAX_TOKENS, yuan_adapter_and_merged
 
-    adapter, merged = yuan_adapter_and_merged(tmp_path)
-    prompts = _prompts("yuan2-tiny")
+    adapter, merged = yuan_adapter_and_merged(tmp_path, fixture=fixture)
+    prompts = _prompts(fixture)
     expected = engines(merged).run(prompts, max_tokens=MAX_TOKENS)
-    engine = engines("yuan2-tiny", enable_lora=True, max_loras=1, max_lora_rank=4, **parallel).engine
+    engine = engines(fixture, enable_lora=True, max_loras=1, max_lora_rank=4, **parallel).engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, lora_request=LoRARequest("yuan", 1, adapter))

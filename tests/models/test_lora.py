@@ -460,19 +460,25 @@ def test_qwen2_vl_language_model_equals_peft_merged(tmp_path):
 
 
 YUAN_TARGETS = ATTENTION + ["up_proj", "gate_proj", "down_proj"]
+# M32: each expert's w1 ([activated | linear] in one tensor, two parts of one fused layer here) and w2, and the
+# attention router's query/key/value.
+YUAN_M32_TARGETS = ATTENTION + ["w1", "w2", "query", "key", "value"]
 
 
-def yuan_adapter_and_merged(out: Path, rank: int = 4, alpha: int = 8, seed: int = 0) -> tuple[str, str]:
-    """A PEFT folder on the tiny Yuan2 (all its linear projections) and the checkpoint with the adapter merged
-    into the weights, W + (alpha / r)·B·A in the checkpoint's own q_proj/k_proj rows (no modeling code is
-    shipped for PEFT to load Yuan2 itself)."""
-    base = FIXTURES / "yuan2-tiny"
+def yuan_adapter_and_merged(
+    out: Path, rank: int = 4, alpha: int = 8, seed: int = 0, fixture: str = "yuan2-tiny"
+) -> tuple[str, str]:
+    """A PEFT folder on a tiny Yuan2 (all its linear projections; the M32's experts and router too) and the
+    checkpoint with the adapter merged into the weights, W + (alpha / r)·B·A in the checkpoint's own tensors
+    (q_proj/k_proj rows, an expert's whole w1), as no modeling code is shipped for PEFT to load Yuan2 itself."""
+    base = FIXTURES / fixture
+    targets = YUAN_M32_TARGETS if "m32" in fixture else YUAN_TARGETS
     weights = safetensors.torch.load_file(str(base / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     adapter, merged = {}, dict(weights)
     for name, w in weights.items():
         module = name[: -len(".weight")]
-        if ".layers." in name and name.endswith(".weight") and module.rpartition(".")[2] in YUAN_TARGETS:
+        if ".layers." in name and name.endswith(".weight") and module.rpartition(".")[2] in targets:
             a = torch.randn(rank, w.shape[1], generator=g) * 0.3
             b = torch.randn(w.shape[0], rank, generator=g) * 0.3
             adapter[f"base_model.model.{module}.lora_A.weight"] = a
@@ -480,26 +486,28 @@ def yuan_adapter_and_merged(out: Path, rank: int = 4, alpha: int = 8, seed: int 
             merged[name] = w + (alpha / rank) * b @ a
     (out / "adapter").mkdir(parents=True)
     safetensors.torch.save_file(adapter, str(out / "adapter" / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": YUAN_TARGETS}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets}
     (out / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     shutil.copytree(base, out / "merged", ignore=shutil.ignore_patterns("*.safetensors"))
     safetensors.torch.save_file(merged, str(out / "merged" / "model.safetensors"))
     return str(out / "adapter"), str(out / "merged")
 
 
-def test_yuan2_fused_qk_equals_the_merged_checkpoint(tmp_path):
+@pytest.mark.parametrize("fixture", ["yuan2-tiny", "yuan2-m32-tiny"])
+def test_yuan2_fused_qk_equals_the_merged_checkpoint(tmp_path, fixture):
     """Yuan2's q_proj and k_proj rows interleave by head in its fused qk projection: an adapter's B rows land
-    there as the weights' rows do (the two ranks stacked). Against the merged checkpoint (greedy tokens and
-    logprobs), with the base model in the same batch giving the goldens."""
-    adapter, merged = yuan_adapter_and_merged(tmp_path)
-    golden = json.loads((FIXTURES / "yuan2-tiny" / "golden.json").read_text())["cases"]
+    there as the weights' rows do (the two ranks stacked). The M32's experts run on the tokens routed to them,
+    each adapted by its token's adapter, and an expert's w1 adapter covers both its parts. Against the merged
+    checkpoint (greedy tokens and logprobs), with the base model in the same batch giving the goldens."""
+    adapter, merged = yuan_adapter_and_merged(tmp_path, fixture=fixture)
+    golden = json.loads((FIXTURES / fixture / "golden.json").read_text())["cases"]
     prompts = [{"prompt_token_ids": c["prompt_ids"]} for c in golden]
     plain = LLM(merged, skip_tokenizer_init=True, dtype="float32")
     expected = [
         (o.outputs[0].token_ids, [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
         for o in plain.generate(prompts, _params(), use_tqdm=False)
     ]
-    llm = _llm(str(FIXTURES / "yuan2-tiny"), max_loras=1, max_lora_rank=4)
+    llm = _llm(str(FIXTURES / fixture), max_loras=1, max_lora_rank=4)
     request = LoRARequest("yuan", 1, adapter)
     outputs = llm.generate(
         prompts + prompts, _params(), use_tqdm=False, lora_request=[request] * len(prompts) + [None] * len(prompts)
