@@ -1,12 +1,13 @@
 """The worker's adapters: read ones kept on the host, the step's ones in device slots.
 
 `attach_lora` gives every adaptable linear layer of the decoder (`Linear.lora`, see `layers/linear.py`) its
-slots, and so those of the encoder's adaptable groups (`CausalLM.encoder_lora_groups`: Qwen2-VL's vision blocks
-and merger). `LoRAManager.add` reads a PEFT folder once (checked against the layers; the host keeps the last
-`max_cpu_loras` used, least recently used dropped first, read again from disk if asked for later);
-`prepare(requests, query_lens)` puts the step's adapters in slots (an adapter already in a slot stays; a
-slot whose adapter this step does not use is reused, least recently used first) and writes the step's
-mapping every decoder layer reads; `prepare_encoder` maps the rows of each encoder call the step makes.
+slots, and with `--enable-tower-connector-lora` so do those of the encoder's adaptable groups
+(`CausalLM.encoder_lora_groups`: Qwen2-VL's vision blocks and merger). `LoRAManager.add` reads a PEFT folder
+once (checked against the layers; the host keeps the last `max_cpu_loras` used, least recently used dropped
+first, read again from disk if asked for later); `prepare(requests, query_lens)` puts the step's adapters in
+slots (an adapter already in a slot stays; a slot whose adapter this step does not use is reused, least
+recently used first) and writes the step's mapping every decoder layer reads; `prepare_encoder` maps the rows
+of each encoder call the step makes.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def attach_lora(
     encoder_steps = {group: EncoderLoRAStep(device) for group in groups}
     layers: dict[str, LoRASlots] = {}
     for name, module in model.named_modules():
-        group = next((g for g in groups if name.startswith(g)), None)
         if not isinstance(module, Linear):
             continue
+        group = next((g for g in groups if name.startswith(g)), None)
         if group is not None:
             module.lora = layers[name] = LoRASlots(
                 _input_range(module),
