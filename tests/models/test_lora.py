@@ -182,6 +182,38 @@ def test_adapters_added_ahead_are_on_the_device_before_their_first_step(lora_set
     assert copies  # the third adapter had no slot until its step
 
 
+def test_speculative_proposals_are_verified_with_each_rows_adapter(lora_setup):
+    """Speculative decoding with adapters: a verify step's rows carry proposals beyond the sampled token, each run
+    through its request's adapter. The proposer knows PEFT's answer and proposes its next two tokens and then a
+    wrong one, so every verification keeps proposals (whose logits and KV must be the adapter's) and rejects one;
+    the greedy tokens and logprobs stay PEFT's merged models' (and the base model's, in the same steps)."""
+    base, adapters, refs = lora_setup
+    rows = {"attn": 0, "all": 1, None: 2}  # adapter -> its prompt in PROMPTS
+    answers = [(PROMPTS[j], refs[name][j][0]) for name, j in rows.items()]
+
+    def propose(array, window: int) -> list[int]:
+        tokens = array.tolist()
+        prompt, answer = next((p, a) for p, a in answers if tokens[: len(p)] == p)
+        rest = answer[len(tokens) - len(prompt) :]
+        return rest[:2] + [rest[2] + 1] if len(rest) > 2 else rest[:1]
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    llm = _llm(base, max_loras=2, speculative_config=spec)
+    speculator = llm.engine.speculator
+    speculator.ngram.propose = propose
+    requests = _requests(adapters)
+    outputs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[j]} for j in rows.values()],
+        _params(),
+        use_tqdm=False,
+        lora_request=[requests.get(name) for name in rows],
+    )
+    _check(outputs, [refs[name][j] for name, j in rows.items()])
+    counts = speculator.counts
+    assert counts.num_accepted_tokens >= counts.num_drafts > 0  # kept proposals ...
+    assert counts.num_accepted_tokens < counts.num_draft_tokens  # ... and rejected ones
+
+
 def test_prefix_cache_is_not_shared_between_adapters(lora_setup):
     base, adapters, _ = lora_setup
     requests = _requests(adapters)
