@@ -32,9 +32,13 @@ from pagoda.config.engine import SWAP_SPACE_REASON
 # (reason, flags): each flag's line is "--flag: reason".
 REFUSED: tuple[tuple[str, str], ...] = (
     (
-        "this LoRA option is not supported yet (adapters run on one GPU, from --lora-modules)",
-        "--enable-lora? --lora-modules+ --max-loras --max-lora-rank --lora-extra-vocab-size --lora-dtype "
-        "--max-cpu-loras --fully-sharded-loras? --default-mm-loras",
+        "adapters that add tokens to the vocabulary are not supported (PEFT folders without extra tokens are)",
+        "--lora-extra-vocab-size",
+    ),
+    (
+        "not built: adapters are sharded under tensor parallelism as vLLM shards them without this flag (B with "
+        "column-parallel layers, A with row-parallel ones)",
+        "--fully-sharded-loras?",
     ),
     (
         "data parallelism is not supported: run one server per replica behind `pagoda router`",
@@ -257,7 +261,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 
 # Pagoda's own flags whose value is a JSON object (the config fields typed dict; tests/unit/test_vllm_flags.py
 # checks the list against them): vLLM's `--flag.key value` spellings of these are gathered into one object.
-JSON_FLAGS = ("--speculative-config", "--limit-mm-per-prompt", "--mm-processor-kwargs")
+JSON_FLAGS = ("--speculative-config", "--limit-mm-per-prompt", "--mm-processor-kwargs", "--default-mm-loras")
 
 # `--flag.key[.key...]` with an optional `=value`: the flag name, its dotted keys, the value.
 _DOTTED = re.compile(r"(--[a-z0-9-]+)((?:\.[A-Za-z0-9_-]+)+)(?:=(.*))?$", re.DOTALL)

@@ -163,6 +163,11 @@ class EngineArgs:
         "adapters may adapt the multimodal encoder too (Qwen2-VL's vision blocks and merger); its slots take GPU "
         "memory from the KV cache",
     )
+    default_mm_loras: str | dict | None = knob(
+        None,
+        'an adapter for each modality, JSON \'{"image": "path/to/peft-folder"}\': a prompt with images (videos) '
+        "that names no adapter runs with it; served, it is also listed under the modality's name",
+    )
 
 
 # The resolved sections. They have no defaults of their own: `EngineConfig.create` builds them from `EngineArgs`
@@ -339,7 +344,13 @@ class EngineConfig:
         speculative = resolve_speculative(a, hf_config, device)
         max_num_batched_tokens = resolve_max_num_batched_tokens(a.max_num_batched_tokens, a.max_num_seqs)
         lora = resolve_lora(
-            a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras, a.lora_dtype, a.enable_tower_connector_lora
+            a.enable_lora,
+            a.max_loras,
+            a.max_lora_rank,
+            a.max_cpu_loras,
+            a.lora_dtype,
+            a.enable_tower_connector_lora,
+            a.default_mm_loras,
         )
 
         return cls(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.errors import ConfigError
 
 LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+MODALITIES = ("image", "video")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +19,9 @@ class LoRAConfig:
     max_cpu_loras: int  # adapters kept read on the host, least recently used dropped first
     lora_dtype: str  # "auto" (the model's) or a dtype name
     tower_connector: bool = False  # slots on the multimodal encoder's adaptable layers too
+    # --default-mm-loras: (modality, PEFT folder) pairs, in the order given; a prompt with that modality (and only
+    # one such) and no adapter of its own runs with that folder's adapter, named after the modality.
+    default_mm_loras: tuple[tuple[str, str], ...] = ()
 
     @property
     def host_capacity(self) -> int:
@@ -29,9 +35,13 @@ def resolve_lora(
     max_cpu_loras: int | None,
     lora_dtype: str,
     tower_connector: bool = False,
+    default_mm_loras: str | dict[str, str] | None = None,
 ) -> LoRAConfig | None:
     """None without enable_lora; else the checked knobs (max_cpu_loras defaults to max_loras)."""
+    defaults = parse_default_mm_loras(default_mm_loras)
     if not enable_lora:
+        if defaults:
+            raise ConfigError("--default-mm-loras needs --enable-lora", "default_mm_loras")
         return None
     if max_loras < 1:
         raise ConfigError(f"max_loras must be >= 1, got {max_loras}", "max_loras")
@@ -48,4 +58,36 @@ def resolve_lora(
         max_cpu_loras=cpu,
         lora_dtype=lora_dtype,
         tower_connector=tower_connector,
+        default_mm_loras=defaults,
     )
+
+
+def parse_default_mm_loras(value: str | dict[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """vLLM's `--default-mm-loras '{"image": "path/to/adapter"}'` (or the dict offline), checked: keys among the
+    modalities, values non-empty folder paths."""
+    if value is None or value == "":
+        return ()
+    shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"--default-mm-loras {shown!r} is not valid JSON ({exc.msg} at column {exc.colno})", "default_mm_loras"
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f'--default-mm-loras {shown!r}: expected a JSON object, e.g. \'{{"image": "path/to/adapter"}}\'',
+            "default_mm_loras",
+        )
+    for modality, path in value.items():
+        if modality not in MODALITIES:
+            raise ConfigError(
+                f"--default-mm-loras: unknown modality {modality!r} ({', '.join(MODALITIES)})", "default_mm_loras"
+            )
+        if not isinstance(path, str) or not path:
+            raise ConfigError(
+                f"--default-mm-loras {modality}: expected the adapter's folder as a non-empty string, got {path!r}",
+                "default_mm_loras",
+            )
+    return tuple(value.items())

@@ -22,7 +22,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.offline_metrics import Metric, OfflineTotals, metrics_list
 from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.frontend.multimodal.chat import multimodal_serving, preprocess_items, render_chat_prompt
-from pagoda.lora.request import LoRARequest
+from pagoda.lora.request import LoRARequest, default_mm_lora, offline_default_mm_loras
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -94,6 +94,9 @@ class LLM:
         self._multimodal = multimodal_serving(
             source.hf_config, source.folder if source.kind == "hf" else None, self.mm_config
         )
+        # default_mm_loras: the adapter a prompt with images (videos) runs with when it names none
+        lora = self.config.lora
+        self._mm_loras = offline_default_mm_loras(lora.default_mm_loras) if lora is not None else {}
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -157,6 +160,8 @@ class LLM:
         try:
             for prompt, params, rank, lora in zip(batch, params_list, priorities, loras):
                 text, token_ids, mm_inputs = self._parse_prompt(prompt)
+                if lora is None and mm_inputs is not None and self._mm_loras:  # default_mm_loras
+                    lora = default_mm_lora(self._mm_loras, (item.modality for item in mm_inputs.items))
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 if salt is not None and (not isinstance(salt, str) or not salt):
                     raise InvalidRequest("cache_salt must be a non-empty string.", "cache_salt")

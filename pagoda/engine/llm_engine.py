@@ -419,6 +419,13 @@ class LLMEngine:
             self._lora_epochs[lora_id] = self._lora_epochs.get(lora_id, 0) + 1
         elif lora_request.names_same_adapter(known):
             return True
+        elif known is not None and lora_id in self._lora_ids_in_use():
+            # Requests of two adapters under one id would share whichever was read last.
+            raise InvalidRequest(
+                f"LoRA id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}) for requests still queued or "
+                f"running; adapter {lora_request.lora_name!r} ({lora_request.lora_path}) needs an id of its own.",
+                "lora_request",
+            )
         lora_request = lora_request.in_epoch(self._lora_epochs.get(lora_id, 0))
         self._lora_manager().add(lora_request)
         self._loras[lora_id] = lora_request

@@ -1,11 +1,16 @@
-"""What a request names its adapter with (vLLM's `vllm.lora.request.LoRARequest`)."""
+"""What a request names its adapter with (vLLM's `vllm.lora.request.LoRARequest`), and which adapter a prompt
+with images or video runs with when it names none (`--default-mm-loras`)."""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from pagoda.errors import ConfigError, InvalidRequest
+
+logger = logging.getLogger("pagoda")
 
 
 @dataclass(frozen=True)
@@ -71,10 +76,13 @@ class LoRARequest:
         return self.lora_path
 
 
-def parse_lora_modules(items: tuple[str, ...] | list[str] | None) -> dict[str, LoRARequest]:
+def parse_lora_modules(
+    items: tuple[str, ...] | list[str] | None, default_mm_loras: tuple[tuple[str, str], ...] = ()
+) -> dict[str, LoRARequest]:
     """`--lora-modules` as vLLM spells it: `name=path` or `{"name": ..., "path": ..., "base_model_name": ...}` (the
     optional `base_model_name` is the adapter's parent in /v1/models, as in vLLM; the adapter always runs on this
-    server's model). Ids are 1, 2, ... in the order given."""
+    server's model), then the `--default-mm-loras` adapters, named after their modality, as vLLM serves them. Ids
+    are 1, 2, ... in that order."""
     modules: dict[str, LoRARequest] = {}
     for item in items or ():
         base_model_name = None
@@ -101,4 +109,34 @@ def parse_lora_modules(items: tuple[str, ...] | list[str] | None) -> dict[str, L
         if name in modules:
             raise ConfigError(f"--lora-modules names {name!r} twice", "lora_modules")
         modules[name] = LoRARequest(name, len(modules) + 1, path, base_model_name=base_model_name or None)
+    for modality, path in default_mm_loras:
+        if modality in modules:
+            raise ConfigError(
+                f"--default-mm-loras {modality}: its adapter is served under the modality's name, which "
+                "--lora-modules gives another adapter; rename that one",
+                "default_mm_loras",
+            )
+        modules[modality] = LoRARequest(modality, len(modules) + 1, path)
     return modules
+
+
+def offline_default_mm_loras(default_mm_loras: tuple[tuple[str, str], ...]) -> dict[str, LoRARequest]:
+    """The `default_mm_loras` adapters of an offline `LLM`, as vLLM numbers them there: named after their modality,
+    ids 1, 2, ... in the modalities' alphabetical order."""
+    ordered = sorted(modality for modality, _ in default_mm_loras)
+    return {m: LoRARequest(m, ordered.index(m) + 1, path) for m, path in default_mm_loras}
+
+
+def default_mm_lora(adapters: Mapping[str, LoRARequest], modalities: Iterable[str]) -> LoRARequest | None:
+    """The adapter a prompt with these modalities runs with when it names none: its one modality's among
+    `adapters` (modality -> adapter); none when no modality has one, or when several do (one adapter per prompt, as
+    in vLLM: logged)."""
+    found = sorted({m for m in modalities if m in adapters})
+    if len(found) > 1:
+        logger.warning(
+            "a prompt with %s has a default adapter for each (--default-mm-loras); a prompt runs with one adapter, so "
+            "it runs with none of them",
+            " and ".join(found),
+        )
+        return None
+    return adapters[found[0]] if found else None

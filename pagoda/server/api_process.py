@@ -86,7 +86,9 @@ class ApiSetup:
                 reused = load_tokenizer(source, path, config.model.trust_remote_code)
             self.tokenizer = reused
         self.names = list(server.served_model_name or [config.model.name])
-        self.loras = parse_lora_modules(server.lora_modules)  # adapter name → LoRARequest
+        # adapter name → LoRARequest: --lora-modules, then --default-mm-loras' under their modalities' names
+        self.default_mm_loras = tuple(m for m, _ in config.lora.default_mm_loras) if config.lora else ()
+        self.loras = parse_lora_modules(server.lora_modules, config.lora.default_mm_loras if config.lora else ())
         if self.loras and config.lora is None:
             raise ConfigError("--lora-modules needs --enable-lora", "lora_modules")
         for name in self.loras:  # a request's `model` must say which one it means
@@ -141,6 +143,7 @@ class ApiSetup:
             tool_call_parser=server.tool_call_parser,
             scheduling_policy=config.scheduler.scheduling_policy,
             lora_modules=dict(self.loras),
+            default_mm_loras=self.default_mm_loras,
             max_lora_rank=config.lora.max_lora_rank if config.lora else 0,
             runtime_lora_updating=self.runtime_lora,
             prompts=self.prompts,

@@ -24,7 +24,7 @@ from pagoda.frontend.prompt_work import PromptWork
 from pagoda.frontend.template_sandbox import refused_message
 from pagoda.frontend.tool_calls.parsers import ToolCallStream
 from pagoda.lora.adapter_folder import check_adapter_folder
-from pagoda.lora.request import LoRARequest
+from pagoda.lora.request import LoRARequest, default_mm_lora
 from pagoda.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.server import protocol as p
@@ -76,6 +76,8 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser
     scheduling_policy: str = "fcfs"  # --scheduling-policy: a request's priority needs "priority"
     lora_modules: dict[str, Any] = field(default_factory=dict)  # --lora-modules: name → lora.request.LoRARequest
+    # --default-mm-loras: the modalities whose prompts run with the adapter served under the modality's name
+    default_mm_loras: tuple[str, ...] = ()
     max_lora_rank: int = 0  # --max-lora-rank (0: adapters off)
     runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: /v1/load_lora_adapter and unload
     prompts: PromptWork | None = None  # built ahead (`ApiSetup.prepare_prompts`); else by OpenAIServing
@@ -169,6 +171,15 @@ class OpenAIServing:
 
     def _options(self, req: Any) -> RequestOptions:
         return request_options(req, self.ctx.scheduling_policy, self.ctx.lora_modules)
+
+    def _with_default_mm_lora(self, opts: RequestOptions, mm_inputs: Any) -> RequestOptions:
+        """A request with images or video that names no adapter runs with its modality's `--default-mm-loras`
+        adapter (the one served under the modality's name now); its responses still carry the name it asked for."""
+        if opts.lora_request is not None or mm_inputs is None or not self.ctx.default_mm_loras:
+            return opts
+        adapters = {m: self.ctx.lora_modules[m] for m in self.ctx.default_mm_loras if m in self.ctx.lora_modules}
+        lora = default_mm_lora(adapters, (item.modality for item in mm_inputs.items))
+        return opts if lora is None else dataclasses.replace(opts, lora_request=lora)
 
     def check_capacity(self, count: int = 1) -> Admission | None:
         """503 if the engine is dead or `--max-waiting-requests` are waiting; otherwise the room taken for
@@ -406,8 +417,8 @@ class OpenAIServing:
         return data
 
     async def chat(self, req: p.ChatCompletionRequest, arrival: float) -> p.ChatCompletionResponse:
-        opts = self._options(req)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
+        opts = self._with_default_mm_lora(self._options(req), mm_inputs)
         admission = self.check_capacity()
         texts, token_counts, finals, logprobs = _accumulators(params.n)
         tokens: list[list[int]] = [[] for _ in range(params.n)]
@@ -448,8 +459,8 @@ class OpenAIServing:
         )
 
     async def chat_stream(self, req: p.ChatCompletionRequest, arrival: float) -> AsyncIterator[str | bytes]:
-        opts = self._options(req)
         text, ids, params, mm_inputs, tool_plan = await self.prepare_chat(req)
+        opts = self._with_default_mm_lora(self._options(req), mm_inputs)
         admission = self.check_capacity()
         return self._chat_stream(req, text, ids, params, arrival, mm_inputs, admission, tool_plan, opts)
 

@@ -214,6 +214,19 @@ def test_speculative_proposals_are_verified_with_each_rows_adapter(lora_setup):
     assert counts.num_accepted_tokens < counts.num_draft_tokens  # ... and rejected ones
 
 
+def test_two_adapters_under_one_id_in_flight_are_refused(lora_setup):
+    """Requests of two adapters under one id would share whichever was read last: the second is refused by name
+    while the first has requests, and nothing of the call is left queued; once they finish, the id may be reused."""
+    base, adapters, refs = lora_setup
+    llm = _llm(base, max_loras=2)
+    first, second = LoRARequest("attn", 1, adapters["attn"]), LoRARequest("mlp", 1, adapters["mlp"])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    with pytest.raises(InvalidRequest, match=r"LoRA id 1 is adapter 'attn' .* adapter 'mlp' .* needs an id of its own"):
+        llm.generate(prompts, _params(), use_tqdm=False, lora_request=[first, second])
+    assert not llm.engine.has_unfinished_requests()
+    _check(llm.generate(prompts[1:], _params(), use_tqdm=False, lora_request=second), refs["mlp"][1:2])
+
+
 def test_prefix_cache_is_not_shared_between_adapters(lora_setup):
     base, adapters, _ = lora_setup
     requests = _requests(adapters)

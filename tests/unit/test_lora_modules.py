@@ -1,14 +1,15 @@
 """`--lora-modules` as vLLM spells it (its JSON form's `base_model_name` too), `LoRARequest`'s checks and vLLM's
-fields, an adapter named like a served model refused at startup, and `VLLM_ALLOW_RUNTIME_LORA_UPDATING` read as
-vLLM reads it."""
+fields, an adapter named like a served model refused at startup, `VLLM_ALLOW_RUNTIME_LORA_UPDATING` read as
+vLLM reads it, and `--default-mm-loras`: parsed, numbered and picked per prompt as vLLM does."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagoda import envs
+from pagoda.config.lora import parse_default_mm_loras, resolve_lora
 from pagoda.errors import ConfigError, InvalidRequest
-from pagoda.lora.request import LoRARequest, parse_lora_modules
+from pagoda.lora.request import LoRARequest, default_mm_lora, offline_default_mm_loras, parse_lora_modules
 
 
 def test_both_spellings_in_order_with_ids_from_one():
@@ -85,3 +86,54 @@ def test_an_adapter_named_like_a_served_model_stops_the_start_in_one_line(tiny_l
     message = info.value.message
     assert message.startswith(f"--lora-modules {name}: the adapter's name is also a served model name")
     assert "give the adapter another name" in message and "\n" not in message
+
+
+def test_default_mm_loras_are_served_after_the_modules_under_their_modality():
+    """vLLM's --default-mm-loras: each adapter is also a served module named after its modality, numbered after the
+    --lora-modules; offline, vLLM numbers them 1, 2, ... in the modalities' alphabetical order."""
+    defaults = parse_default_mm_loras('{"video": "/v", "image": "/i"}')
+    assert defaults == (("video", "/v"), ("image", "/i"))
+    modules = parse_lora_modules(["sql=/a/sql"], defaults)
+    assert modules == {
+        "sql": LoRARequest("sql", 1, "/a/sql"),
+        "video": LoRARequest("video", 2, "/v"),
+        "image": LoRARequest("image", 3, "/i"),
+    }
+    assert offline_default_mm_loras(defaults) == {
+        "image": LoRARequest("image", 1, "/i"),
+        "video": LoRARequest("video", 2, "/v"),
+    }
+    with pytest.raises(ConfigError, match="--default-mm-loras image: its adapter is served under the modality's name"):
+        parse_lora_modules(["image=/other"], defaults)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ('["/i"]', "expected a JSON object"),
+        ('{"audio": "/a"}', "unknown modality 'audio' \\(image, video\\)"),
+        ('{"image": ""}', "expected the adapter's folder as a non-empty string"),
+        ({"image": 3}, "expected the adapter's folder as a non-empty string"),
+    ],
+)
+def test_bad_default_mm_loras_are_one_line(value, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_lora(True, 1, 16, None, "auto", default_mm_loras=value)
+
+
+def test_default_mm_loras_need_enable_lora():
+    with pytest.raises(ConfigError, match="--default-mm-loras needs --enable-lora"):
+        resolve_lora(False, 1, 16, None, "auto", default_mm_loras={"image": "/i"})
+    assert resolve_lora(False, 1, 16, None, "auto", default_mm_loras=None) is None
+
+
+def test_a_prompt_runs_with_its_one_modalitys_default_adapter(caplog):
+    adapters = {"image": LoRARequest("image", 1, "/i"), "video": LoRARequest("video", 2, "/v")}
+    assert default_mm_lora(adapters, ["image", "image"]) == adapters["image"]
+    assert default_mm_lora({"image": adapters["image"]}, ["video", "image"]) == adapters["image"]
+    assert default_mm_lora(adapters, []) is None and default_mm_lora({"video": adapters["video"]}, ["image"]) is None
+    # Two modalities with an adapter each: one adapter per prompt, so none (as vLLM), and a line says why.
+    with caplog.at_level("WARNING", logger="pagoda"):
+        assert default_mm_lora(adapters, ["video", "image"]) is None
+    assert "image and video" in caplog.text

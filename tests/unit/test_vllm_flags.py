@@ -28,8 +28,8 @@ def _lines(*argv: str) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize(
     "argv, line",
     [
-        (["--fully-sharded-loras"], "--fully-sharded-loras: this LoRA option is not supported yet"),
-        (["--default-mm-loras", "{}"], "--default-mm-loras: this LoRA option is not supported yet"),
+        (["--fully-sharded-loras"], "--fully-sharded-loras: not built: adapters are sharded under tensor"),
+        (["--lora-extra-vocab-size", "8"], "--lora-extra-vocab-size: adapters that add tokens to the vocabulary"),
         (["-dp", "2"], "--data-parallel-size: data parallelism is not supported"),
         (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not supported"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config: disaggregated prefill"),
@@ -49,10 +49,10 @@ def test_a_vllm_only_flag_is_refused_by_its_line(argv, line, capsys):
 
 def test_every_flag_given_gets_its_line_grouped_by_feature(capsys):
     argv = ["--fully-sharded-loras", "--ssl-keyfile", "k", "--lora-extra-vocab-size", "4", "--uds", "/tmp/s"]
-    assert main(["serve", *argv, "--default-mm-loras", "{}", "/models/x"]) == 2
+    assert main(["serve", *argv, "/models/x"]) == 2
     flags = [line.split(": ")[2] for line in capsys.readouterr().err.splitlines()]
-    # One line per flag; LoRA's three together, then TLS, then the socket (the table's order).
-    assert flags == ["--lora-extra-vocab-size", "--fully-sharded-loras", "--default-mm-loras", "--ssl-keyfile", "--uds"]
+    # One line per flag, in the table's order: LoRA's two, then TLS, then the socket.
+    assert flags == ["--lora-extra-vocab-size", "--fully-sharded-loras", "--ssl-keyfile", "--uds"]
 
 
 def test_internal_tuning_is_accepted_with_one_warning_each_and_the_model_stays_the_model():
