@@ -163,6 +163,11 @@ class EngineArgs:
         "adapters may adapt the multimodal encoder too (Qwen2-VL's vision blocks and merger); its slots take GPU "
         "memory from the KV cache",
     )
+    lora_target_modules: tuple[str, ...] | None = knob(
+        None,
+        "only these layers take adapters, by name as the checkpoint or Pagoda calls them (q_proj or qkv_proj, "
+        "w1, ...); default: every adaptable layer (the others' slots take GPU memory from the KV cache)",
+    )
     default_mm_loras: str | dict | None = knob(
         None,
         'an adapter for each modality, JSON \'{"image": "path/to/peft-folder"}\': a prompt with images (videos) '
@@ -351,6 +356,7 @@ class EngineConfig:
             a.lora_dtype,
             a.enable_tower_connector_lora,
             a.default_mm_loras,
+            a.lora_target_modules,
         )
 
         return cls(

@@ -22,6 +22,9 @@ class LoRAConfig:
     # --default-mm-loras: (modality, PEFT folder) pairs, in the order given; a prompt with that modality (and only
     # one such) and no adapter of its own runs with that folder's adapter, named after the modality.
     default_mm_loras: tuple[tuple[str, str], ...] = ()
+    # --lora-target-modules: the layer names (a module path's last part, checkpoint or fused) that take slots;
+    # () = every adaptable layer.
+    target_modules: tuple[str, ...] = ()
 
     @property
     def host_capacity(self) -> int:
@@ -36,13 +39,21 @@ def resolve_lora(
     lora_dtype: str,
     tower_connector: bool = False,
     default_mm_loras: str | dict[str, str] | None = None,
+    target_modules: tuple[str, ...] | list[str] | None = None,
 ) -> LoRAConfig | None:
     """None without enable_lora; else the checked knobs (max_cpu_loras defaults to max_loras)."""
     defaults = parse_default_mm_loras(default_mm_loras)
+    targets = tuple(target_modules or ())
     if not enable_lora:
-        if defaults:
-            raise ConfigError("--default-mm-loras needs --enable-lora", "default_mm_loras")
+        for given, flag in ((defaults, "--default-mm-loras"), (targets, "--lora-target-modules")):
+            if given:
+                raise ConfigError(f"{flag} needs --enable-lora", flag[2:].replace("-", "_"))
         return None
+    if not all(isinstance(t, str) and t and "." not in t for t in targets):
+        raise ConfigError(
+            f"--lora-target-modules {list(targets)}: each is a layer's name (q_proj, o_proj, w1, ...), not a path",
+            "lora_target_modules",
+        )
     if max_loras < 1:
         raise ConfigError(f"max_loras must be >= 1, got {max_loras}", "max_loras")
     if not 1 <= max_lora_rank <= 512:
@@ -59,6 +70,7 @@ def resolve_lora(
         lora_dtype=lora_dtype,
         tower_connector=tower_connector,
         default_mm_loras=defaults,
+        target_modules=targets,
     )
 
 

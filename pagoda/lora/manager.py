@@ -20,6 +20,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.config.lora import LoRAConfig
+from pagoda.errors import ConfigError
 from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
 from pagoda.lora.layers import EncoderLoRAStep, LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
@@ -59,9 +60,10 @@ def attach_lora(
     step = LoRAStep(config.max_loras, max_tokens, device)
     groups = model.encoder_lora_groups if config.tower_connector else ()
     encoder_steps = {group: EncoderLoRAStep(device) for group in groups}
+    targets = target_layer_names(model, config.target_modules)
     layers: dict[str, LoRASlots] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or (targets and name.rpartition(".")[2] not in targets):
             continue
         group = next((g for g in groups if name.startswith(g)), None)
         if group is not None:
@@ -85,6 +87,25 @@ def attach_lora(
         module.lora = slots
         layers[name] = slots
     return layers, encoder_steps
+
+
+def target_layer_names(model: CausalLM, target_modules: tuple[str, ...]) -> frozenset[str]:
+    """The layer names (a module path's last part) `--lora-target-modules` gives slots: each one named, and the fused
+    layer of a checkpoint projection named (q_proj: qkv_proj); empty: every adaptable layer. A name that is no
+    linear layer of the model is refused in one line."""
+    if not target_modules:
+        return frozenset()
+    packed = model.packed_modules_mapping
+    names = frozenset(t for name in target_modules for t in (name, *([packed[name][0]] if name in packed else [])))
+    present = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, Linear)}
+    unknown = sorted(t for t in target_modules if not ({t, *([packed[t][0]] if t in packed else [])} & present))
+    if unknown:
+        raise ConfigError(
+            f"--lora-target-modules {', '.join(unknown)}: no linear layer of this model is called that "
+            f"(its layers: {', '.join(sorted(present | set(packed)))})",
+            "lora_target_modules",
+        )
+    return names
 
 
 class LoRAManager:

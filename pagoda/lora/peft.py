@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pagoda.errors import ModelLoadError
+from pagoda.layers.linear import Linear
 from pagoda.lora.adapter_folder import adapter_failure as _fail
 from pagoda.lora.adapter_folder import check_adapter_folder
 from pagoda.lora.layers import LoRASlots
@@ -111,6 +112,8 @@ def load_peft_adapter(
                     f"it adapts {module} in the vision tower, where only the blocks' attention and MLP projections "
                     "and the merger's MLP take adapters",
                 )
+            if _is_linear(model, layer):
+                raise _fail(request, f"it adapts {module}, a layer --lora-target-modules leaves without adapter slots")
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
         a, b = pair["A"], pair["B"]
         in_start, in_size, in_full = slots.input_range
@@ -143,6 +146,13 @@ def load_peft_adapter(
     if not halves:
         raise _fail(request, "it holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _is_linear(model: CausalLM, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), Linear)
+    except AttributeError:
+        return False
 
 
 def _adapter_tensors(request: LoRARequest, folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

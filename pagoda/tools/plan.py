@@ -594,6 +594,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="as `pagoda serve --enable-tower-connector-lora`: count the vision tower's LoRA slots too",
     )
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="as `pagoda serve --lora-target-modules`: count the slots of these layers only",
+    )
     parser.add_argument("--max-loras", type=int, default=engine.max_loras)
     parser.add_argument("--max-lora-rank", type=int, default=engine.max_lora_rank)
     parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
@@ -665,7 +671,15 @@ def run_plan(ns: argparse.Namespace) -> int:
         kv_cache_dtype=ns.kv_cache_dtype,
         cpu_offload_gb=ns.cpu_offload_gb,
         # As serve resolves them (the same refusals); --max-cpu-loras is host memory, --lora-dtype serve's auto.
-        lora=resolve_lora(ns.enable_lora, ns.max_loras, ns.max_lora_rank, None, "auto", ns.enable_tower_connector_lora),
+        lora=resolve_lora(
+            ns.enable_lora,
+            ns.max_loras,
+            ns.max_lora_rank,
+            None,
+            "auto",
+            ns.enable_tower_connector_lora,
+            target_modules=ns.lora_target_modules,
+        ),
     )
 
     print(json.dumps(asdict(plan), indent=1) if ns.json else format_plan(plan))

@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.errors import InvalidRequest
+from pagoda.errors import ConfigError, InvalidRequest
 from pagoda.lora.request import LoRARequest
 from tests.conftest import FIXTURES, build_tiny_model
 
@@ -225,6 +225,23 @@ def test_two_adapters_under_one_id_in_flight_are_refused(lora_setup):
         llm.generate(prompts, _params(), use_tqdm=False, lora_request=[first, second])
     assert not llm.engine.has_unfinished_requests()
     _check(llm.generate(prompts[1:], _params(), use_tqdm=False, lora_request=second), refs["mlp"][1:2])
+
+
+def test_lora_target_modules_give_slots_to_the_layers_named_only(lora_setup):
+    """--lora-target-modules q_proj o_proj: the fused qkv_proj (q_proj's layer) and o_proj take slots, the MLP none;
+    an adapter on q/k/v/o runs as PEFT's merged model, one on the MLP is refused naming the flag, and a name that
+    is no layer of the model stops the start in one line."""
+    base, adapters, refs = lora_setup
+    llm = _llm(base, max_loras=2, lora_target_modules=["q_proj", "o_proj"])
+    held = {name.rpartition(".")[2] for name in llm.engine.runner.lora.layers}
+    assert held == {"qkv_proj", "o_proj"}
+    requests = _requests(adapters)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    _check(llm.generate(prompts, _params(), use_tqdm=False, lora_request=requests["attn"]), refs["attn"])
+    with pytest.raises(InvalidRequest, match=r"down_proj, a layer --lora-target-modules leaves without adapter slots"):
+        llm.generate(prompts[:1], _params(), use_tqdm=False, lora_request=requests["mlp"])
+    with pytest.raises(ConfigError, match=r"--lora-target-modules w1: no linear layer of this model is called that"):
+        _llm(base, lora_target_modules=["q_proj", "w1"])
 
 
 def test_prefix_cache_is_not_shared_between_adapters(lora_setup):

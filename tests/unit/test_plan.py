@@ -343,10 +343,14 @@ def test_lora_slots_come_before_the_kv_cache(tmp_path):
         _run_plan(tmp_path, "--enable-lora", "--max-lora-rank", "1000")
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "yuan2-tiny", "qwen2-vl with the tower"])
+@pytest.mark.parametrize(
+    "fixture",
+    ["tiny_llama", "yuan2-tiny", "yuan2-m32-tiny", "yuan2-m32-tiny attention only", "qwen2-vl with the tower"],
+)
 def test_lora_slots_equal_the_runners_allocation(fixture, request, tmp_path):
     """What the runner allocates for --max-loras 3 --max-lora-rank 8 (its LoRAManager's slot tensors, on a
-    tiny random model on the CPU) is what plan counts; Qwen2-VL's vision tower's slots too, when asked for."""
+    tiny random model on the CPU) is what plan counts; Qwen2-VL's vision tower's slots too, when asked for, and
+    only the layers --lora-target-modules names when it is given (an M32's experts are most of its slots)."""
     from pagoda import LLM
     from pagoda.config.lora import resolve_lora
     from tests.conftest import FIXTURES, tiny_qwen2vl_config
@@ -358,9 +362,11 @@ def test_lora_slots_equal_the_runners_allocation(fixture, request, tmp_path):
         transformers.Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).save_pretrained(tmp_path)
         model = str(tmp_path)
     else:
-        model = request.getfixturevalue(fixture) if fixture == "tiny_llama" else str(FIXTURES / fixture)
+        model = request.getfixturevalue(fixture) if fixture == "tiny_llama" else str(FIXTURES / fixture.split()[0])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if fixture.endswith("attention only") else None
     llm = LLM(
         enable_tower_connector_lora=tower,
+        lora_target_modules=targets,
         model=model,
         skip_tokenizer_init=True,
         max_model_len=256,
@@ -384,7 +390,9 @@ def test_lora_slots_equal_the_runners_allocation(fixture, request, tmp_path):
         lora=cfg.lora,
     )
     assert plan.lora_bytes_per_gpu == sum(t.numel() * t.element_size() for t in held) > 0
-    assert (plan.max_loras, plan.max_lora_rank) == (3, 8) and cfg.lora == resolve_lora(True, 3, 8, None, "auto", tower)
+    expected = resolve_lora(True, 3, 8, None, "auto", tower, target_modules=targets)
+    assert (plan.max_loras, plan.max_lora_rank) == (3, 8) and cfg.lora == expected
+    assert any("experts" in name for name in manager.layers) == (fixture == "yuan2-m32-tiny")
     assert any("visual" in name for name in manager.layers) == tower
     # On the CPU the KV budget is its own (--cpu-kv-cache-space-gib): the slots do not shrink it, in plan as in
     # the engine.
