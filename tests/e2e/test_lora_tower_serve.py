@@ -106,14 +106,12 @@ def test_a_tower_adapter_is_served_as_offline_and_is_the_image_default(tower_ada
             assert cards["image"]["root"] == adapter and cards["image"]["parent"] == e2e_server.MODEL
     finally:
         server.stop()
-    llm = LLM(
-        base,
-        max_model_len=512,
-        mm_processor_kwargs={"max_pixels": MAX_PIXELS},
-        enable_lora=True,
-        max_lora_rank=8,
-        enable_tower_connector_lora=True,
-    )
+
+    def engine(**extra) -> LLM:  # as the server was started, offline
+        args = dict(max_model_len=512, mm_processor_kwargs={"max_pixels": MAX_PIXELS}, enable_lora=True)
+        return LLM(base, **args, max_lora_rank=8, enable_tower_connector_lora=True, **extra)
+
+    llm = engine()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
     def offline(messages: str, lora: LoRARequest | None = None) -> list[float]:
@@ -127,15 +125,7 @@ def test_a_tower_adapter_is_served_as_offline_and_is_the_image_default(tower_ada
     base_image = offline("image")
     assert base_image != pytest.approx(adapted, abs=1e-3)
     # Offline, vLLM's LLM(default_mm_loras=...): the image prompt that names no adapter runs with the image's.
-    llm = LLM(
-        base,
-        max_model_len=512,
-        mm_processor_kwargs={"max_pixels": MAX_PIXELS},
-        enable_lora=True,
-        max_lora_rank=8,
-        enable_tower_connector_lora=True,
-        default_mm_loras={"image": adapter},
-    )
+    llm = engine(default_mm_loras={"image": adapter})
     assert offline("image") == pytest.approx(adapted, abs=1e-4)
     assert offline("text") == pytest.approx(answers["text"], abs=1e-4)
 
