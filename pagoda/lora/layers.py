@@ -114,13 +114,15 @@ class LoRAStep:
 
     def gathered(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """`active` for a layer that runs on the step's tokens `rows` (`layers.linear.gathered_rows`: an MoE
-        expert's): per slot in use, the places in `rows` of its tokens (a host-device sync per slot, as the
-        expert loop's own)."""
+        expert's): per slot in use, the places in `rows` of its tokens. One host-device sync (the counts), as
+        the expert loop has for each expert anyway."""
         if self._token_slots_device is None:  # copied on the first gathered call of the step only
             self._token_slots_device = to_device(self._token_slots, self.device)
-        row_slots = self._token_slots_device.index_select(0, rows)
-        places = [(slot, torch.nonzero(row_slots == slot).squeeze(1)) for slot, _ in self.active]
-        return [(slot, p) for slot, p in places if p.numel()]
+        row_slots = self._token_slots_device.index_select(0, rows) + 1  # 0: the base model's rows
+        order = torch.argsort(row_slots, stable=True)
+        counts = torch.bincount(row_slots, minlength=self.max_loras + 1).tolist()
+        starts = np.cumsum([0, *counts]).tolist()
+        return [(s - 1, order[starts[s] : starts[s] + counts[s]]) for s in range(1, len(counts)) if counts[s]]
 
 
 class EncoderLoRAStep:
