@@ -26,7 +26,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         (["--model", "/no/such/model/folder"], "does not exist"),
         (["--dtype", "float8"], "dtype must be one of"),
         # vLLM's flags that Pagoda does not have: one line each, with the reason (tests/unit/test_vllm_flags.py).
-        (["--fully-sharded-loras"], "pagoda: error: --fully-sharded-loras: this LoRA option is not supported yet"),
+        (["--fully-sharded-loras"], "pagoda: error: --fully-sharded-loras: not built: adapters are sharded under"),
     ],
 )
 def test_serve_refuses_bad_flags_in_one_line(flags, expected):
