@@ -209,7 +209,7 @@ def shrink(
         raise ValueError(f"x {tuple(x.shape)} and A {tuple(a.shape)} do not fit")
     if x.dtype not in DTYPES or a.dtype not in DTYPES:
         raise ValueError(f"dtypes x {x.dtype}, A {a.dtype}")
-    tiles = triton.cdiv(t, tile_tokens) + num_slots
+    tiles = _tiles(t, tile_tokens, num_slots)
     if meta.dtype != torch.int32 or order_at < 3 * tiles or meta.numel() < order_at:
         raise ValueError("meta is int32 and holds the tiles of a step this size, then the order")
     if x.stride(1) != 1:
@@ -235,7 +235,7 @@ def shrink(
 def shrink_buffer(x: torch.Tensor, a: torch.Tensor, tile_tokens: int, splits: int | None = None) -> torch.Tensor:
     """An uninitialised h for `shrink` over x's tokens (splits None: `split_k`'s count)."""
     num_parts, num_slots, rank, k = a.shape
-    splits = splits or split_k(triton.cdiv(x.shape[0], tile_tokens) + num_slots, k)
+    splits = splits or split_k(_tiles(x.shape[0], tile_tokens, num_slots), k)
     return torch.empty(splits, x.shape[0], num_parts * rank, dtype=torch.float32, device=x.device)
 
 
@@ -260,7 +260,7 @@ def expand(
         raise ValueError(f"h {tuple(h.shape)}, y {tuple(y.shape)} and B {tuple(b.shape)} do not fit")
     if t == 0:
         return y
-    tiles = triton.cdiv(t, tile_tokens) + num_slots
+    tiles = _tiles(t, tile_tokens, num_slots)
     ieee, upcast = dot_flags(b.dtype)
     _expand_kernel[(tiles, triton.cdiv(out, block_n))](
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
@@ -269,6 +269,12 @@ def expand(
         num_warps=num_warps,
     )  # fmt: skip
     return y
+
+
+def _tiles(tokens: int, tile_tokens: int, num_slots: int) -> int:
+    """Programs along a launch's first grid axis: enough tiles for the tokens however the slots split them (each
+    slot's last tile may be partial)."""
+    return triton.cdiv(tokens, tile_tokens) + num_slots
 
 
 def _block_pr(rank_rows: int) -> int:

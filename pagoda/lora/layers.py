@@ -88,10 +88,7 @@ class LoRAStep:
         """The step's mapping from token_slots [T] (each token's slot, -1: the base model)."""
         if len(token_slots) > self.max_tokens:
             raise RuntimeError(f"a step of {len(token_slots)} tokens, more than the {self.max_tokens} LoRA sized for")
-        adapted = np.flatnonzero(token_slots >= 0)
-        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
-        counts = np.bincount(token_slots[adapted], minlength=self.max_loras)
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        order, counts, starts = _by_slot(token_slots, self.max_loras)
         # Tiles past the step's hold 0 tokens; the small tiling only for steps that may launch with it.
         tilings = [np.zeros((n, 3), dtype=np.int64) for n in self.max_tiles]
         fill = slice(0 if len(token_slots) <= self.small_step_tokens else 1, None)  # tilings[0]: the small tiles
@@ -147,18 +144,26 @@ class EncoderLoRAStep:
 
     def write(self, row_slots: np.ndarray) -> None:
         """This thread's mapping from row_slots [R] (each row's slot, -1: the base model's)."""
-        adapted = np.flatnonzero(row_slots >= 0)
         self._local.rows, self._local.active = len(row_slots), []
-        if not len(adapted):
+        order, counts, starts = _by_slot(row_slots, 1)
+        if not len(order):
             return
-        order = adapted[np.argsort(row_slots[adapted], kind="stable")]
-        counts = np.bincount(row_slots[adapted]).tolist()
         tokens = to_device(order, self.device)
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        self._local.active = [(slot, tokens[s : s + n]) for slot, (s, n) in enumerate(zip(starts, counts)) if n]
+        self._local.active = [
+            (slot, tokens[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n
+        ]
 
     def clear(self) -> None:
         self._local.rows, self._local.active = 0, []
+
+
+def _by_slot(row_slots: np.ndarray, min_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the adapted rows grouped by slot, each group in row order; rows per slot, at least min_slots of them;
+    each slot's first place in that order) of row_slots [R] (-1: the base model's row)."""
+    adapted = np.flatnonzero(row_slots >= 0)
+    order = adapted[np.argsort(row_slots[adapted], kind="stable")]
+    counts = np.bincount(row_slots[adapted], minlength=min_slots)
+    return order, counts, np.concatenate(([0], np.cumsum(counts)[:-1]))
 
 
 @dataclass(frozen=True)

@@ -66,23 +66,13 @@ def attach_lora(
         if not isinstance(module, Linear) or (targets and name.rpartition(".")[2] not in targets):
             continue
         group = next((g for g in groups if name.startswith(g)), None)
-        if group is not None:
-            module.lora = layers[name] = LoRASlots(
-                _input_range(module),
-                _parts(module),
-                config.max_loras,
-                config.max_lora_rank,
-                dtype,
-                device,
-                encoder_steps[group],
-            )
-            continue
-        if ".layers." not in f".{name}" or "visual" in name:
+        if group is None and (".layers." not in f".{name}" or "visual" in name):
             continue
         rank, parts, row_maps = config.max_lora_rank, _parts(module), module.lora_row_maps()
         if row_maps:  # interleaved projections: one part, their adapters' ranks stacked (`lora/peft.py`)
             rank, parts = rank * len(row_maps), [LoRAPart(None, 0, module.output_size)]
-        slots = LoRASlots(_input_range(module), parts, config.max_loras, rank, dtype, device, step)
+        layer_step = step if group is None else encoder_steps[group]
+        slots = LoRASlots(_input_range(module), parts, config.max_loras, rank, dtype, device, layer_step)
         slots.row_maps = row_maps
         module.lora = slots
         layers[name] = slots
