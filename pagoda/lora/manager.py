@@ -2,8 +2,8 @@
 
 `attach_lora` gives every adaptable linear layer of the decoder (`Linear.lora`, see `layers/linear.py`) its
 slots, and with `--enable-tower-connector-lora` so do those of the encoder's adaptable groups
-(`CausalLM.encoder_lora_groups`: Qwen2-VL's vision blocks and merger). `LoRAManager.add` reads a PEFT folder
-once (checked against the layers; the host keeps the last `max_cpu_loras` used, least recently used dropped
+(`CausalLM.encoder_lora_groups`: Qwen2-VL's patch embedding, vision blocks and merger). `LoRAManager.add` reads a
+PEFT folder once (checked against the layers; the host keeps the last `max_cpu_loras` used, least recently used dropped
 first, read again from disk if asked for later); `prepare(requests, query_lens)` puts the step's adapters in
 slots (an adapter already in a slot stays; a slot whose adapter this step does not use is reused, least
 recently used first) and writes the step's mapping every decoder layer reads; `prepare_encoder` maps the rows

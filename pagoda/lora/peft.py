@@ -2,10 +2,10 @@
 
 The folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_modules`, ...) and
 `adapter_model.safetensors` (or PEFT's older `adapter_model.bin`, unpickled as plain tensors only) with, per
-adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. The scale
-s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A projection the model fuses (`q_proj` into
-`qkv_proj`, through the model's `packed_modules_mapping`) becomes that part of the fused layer; one tensor for
-all parts of a fused layer (Yuan M32's expert `w1`) is split between them. What Pagoda
+adapted projection, `<prefix>.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r] (a convolution's,
+flattened: `_as_matrix`). The scale s = lora_alpha / r (rsLoRA: lora_alpha / √r) is folded into B. A projection
+the model fuses (`q_proj` into `qkv_proj`, through the model's `packed_modules_mapping`) becomes that part of the
+fused layer; one tensor for all parts of a fused layer (Yuan M32's expert `w1`) is split between them. What Pagoda
 cannot serve exactly is refused by name: DoRA, per-module ranks or alphas, trained biases, `modules_to_save`,
 a rank above `--max-lora-rank`, a target that is not one of the model's adaptable linear layers, shapes that
 differ from the base model's.
@@ -109,13 +109,13 @@ def load_peft_adapter(
             if ".visual." in f".{path}":
                 raise _fail(
                     request,
-                    f"it adapts {module} in the vision tower, where only the blocks' attention and MLP projections "
-                    "and the merger's MLP take adapters",
+                    f"it adapts {module} in the vision tower, where only the patch embedding, the blocks' attention "
+                    "and MLP projections and the merger's MLP take adapters",
                 )
             if _is_linear(model, layer):
                 raise _fail(request, f"it adapts {module}, a layer --lora-target-modules leaves without adapter slots")
             raise _fail(request, f"it adapts {module}, which is not an adaptable linear layer of this model")
-        a, b = pair["A"], pair["B"]
+        a, b = _as_matrix(request, module, pair["A"], "A"), _as_matrix(request, module, pair["B"], "B")
         in_start, in_size, in_full = slots.input_range
         targets = slots.parts if whole else [] if slots.row_maps else [slots.parts[slots.part_index(part)]]
         if slots.row_maps:
@@ -146,6 +146,17 @@ def load_peft_adapter(
     if not halves:
         raise _fail(request, "it holds no LoRA weights")
     return LoRAAdapter(request, rank, weights)
+
+
+def _as_matrix(request: LoRARequest, module: str, tensor: torch.Tensor, which: str) -> torch.Tensor:
+    """A LoRA half as a matrix. A convolution's (PEFT's adapter on a Conv3d, Qwen2-VL's patch embedding, which is
+    a Linear here) flattens: A [r, C, T, p, p] in the order of the base kernel's own flattening, B [out, r, 1, 1, 1]
+    (PEFT's B is a 1×1×1 conv). A conv B over more than one position has no matrix form."""
+    if tensor.dim() <= 2:
+        return tensor
+    if which == "B" and any(size != 1 for size in tensor.shape[2:]):
+        raise _fail(request, f"{module}'s lora_B is a {tuple(tensor.shape[2:])} convolution; only 1×1 ones are served")
+    return tensor.reshape(tensor.shape[0], -1)
 
 
 def _is_linear(model: CausalLM, name: str) -> bool:

@@ -107,7 +107,9 @@ class Qwen2VLForConditionalGeneration(CausalLM):
 
     capabilities = ModelCapabilities(encoder=True, mrope=True)
     first_stage_prefixes = ("model.embed_tokens.", "visual.")
-    encoder_lora_groups = ("visual.blocks.", "visual.merger.")  # not the patch embedding (a Conv3d in PEFT)
+    # The patch embedding is a Conv3d in transformers (and so in PEFT): its adapters' conv kernels flatten to the
+    # [r, C·T·p·p] / [out, r] pair of the Linear it is here (`lora/peft.py`).
+    encoder_lora_groups = ("visual.patch_embed.", "visual.blocks.", "visual.merger.")
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -149,12 +151,13 @@ class Qwen2VLForConditionalGeneration(CausalLM):
 
     def encoder_lora_rows(self, grid_thw: list[tuple[int, int, int]], item_slots: list[int]) -> dict[str, np.ndarray]:
         """For adapters on the tower: {group in `encoder_lora_groups`: the adapter slot of each row its layers see}
-        for items whose adapters sit in item_slots (-1: none). The blocks run the patch rows in the tower's order
-        (`SegmentLayout`, grouped by segment length), the merger one row per window of merge² of them."""
+        for items whose adapters sit in item_slots (-1: none). The patch embedding runs the patch rows in the items'
+        order, the blocks in the tower's (`SegmentLayout`, grouped by segment length), the merger one row per window
+        of merge² of the blocks' rows."""
         patches = np.repeat(np.asarray(item_slots, dtype=np.int64), [t * h * w for t, h, w in grid_thw])
         layout = SegmentLayout.of(list(grid_thw), self.merge_size**2)
         rows = patches if layout.rows is None else patches[layout.rows]
-        return {"visual.blocks.": rows, "visual.merger.": rows[:: self.merge_size**2]}
+        return {"visual.patch_embed.": patches, "visual.blocks.": rows, "visual.merger.": rows[:: self.merge_size**2]}
 
     def encoder_plan(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> TowerPlan:
         """What `encode_planned` needs beside the pixels (device tensors made once, kept by a CUDA graph)."""

@@ -1,13 +1,15 @@
 """Adapters on Qwen2-VL's vision tower (`lora/manager.py`'s encoder groups) against PEFT's merged model.
 
 PEFT's `target_modules="all-linear"` adapts the tower's blocks (qkv, proj, fc1, fc2) and merger MLP beside the
-language model. One step encodes images of two sizes, so the tower runs their rows regrouped by length
-(`SegmentLayout`) and the adapters' row mapping must follow; the same image goes to a request with the adapter and
-one without, so their encoder outputs must be cached apart. Each request's first logits and greedy tokens equal
-transformers' with the adapter merged (or the base model), whole and in chunks."""
+language model; the tower-only adapter also adapts the patch embedding (a Conv3d in transformers, so a conv LoRA
+in PEFT, whose rows run in the items' order). One step encodes images of two sizes, so the tower runs their rows
+regrouped by length (`SegmentLayout`) and the adapters' row mapping must follow; the same image goes to a request
+with the adapter and one without, so their encoder outputs must be cached apart. Each request's first logits and
+greedy tokens equal transformers' with the adapter merged (or the base model), whole and in chunks."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -59,13 +61,14 @@ def make_tower_adapters(root: Path) -> tuple[str, dict[str, str], dict[str, tupl
     for seed, (name, targets) in enumerate(
         {
             "all": "all-linear",
-            "tower": r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])|merger\.mlp\.[02])",
+            "tower": r".*visual\.(patch_embed\.proj|blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])|merger\.mlp\.[02])",
         }.items()
     ):
         adapted = peft.get_peft_model(load(), peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
         tower = [n for n, _ in adapted.named_parameters() if "lora_A" in n and "visual" in n]
         assert any(".merger." in n for n in tower) and any(".blocks." in n for n in tower), tower
-        assert not any("patch_embed" in n for n in tower)
+        # all-linear leaves the patch embedding (a Conv3d) alone; the tower-only adapter holds its conv LoRA
+        assert any("patch_embed" in n for n in tower) == (name == "tower"), tower
         _randomize(adapted, seed + 3)
         adapted.save_pretrained(root / name)
         adapters[name] = str(root / name)
@@ -147,19 +150,21 @@ def test_tower_adapters_in_one_step_equal_peft_merged(tower_setup, chunk):
         assert tokens[rid] == ref_tokens, rid
 
 
-def test_an_adapter_on_the_patch_embedding_is_refused_naming_it(tower_setup, tmp_path):
-    """The patch embedding (a Conv3d in transformers) takes no adapter here: refused in one line naming it."""
-    import transformers
+def test_a_conv_adapter_whose_b_spans_positions_is_refused_naming_it(tower_setup, tmp_path):
+    """PEFT's conv LoRA has a 1×1×1 B; one over several positions has no matrix form: refused in one line."""
+    import safetensors.torch
 
-    base, _, _ = tower_setup
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(base)
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*patch_embed\.proj"))
-    _randomize(adapted, 9)
-    adapted.save_pretrained(tmp_path / "adapter")
+    base, adapters, _ = tower_setup
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters["tower"], folder)
+    tensors = safetensors.torch.load_file(folder / "adapter_model.safetensors")
+    (name,) = [n for n in tensors if "patch_embed" in n and "lora_B" in n]
+    tensors[name] = tensors[name].repeat(1, 1, 2, 1, 1)  # [out, r, 2, 1, 1]
+    safetensors.torch.save_file(tensors, folder / "adapter_model.safetensors")
     args = dict(model=base, skip_tokenizer_init=True, dtype="float32", enable_lora=True, max_lora_rank=8)
     engine = LLMEngine(EngineConfig.create(EngineArgs(**args, enable_tower_connector_lora=True)))
-    with pytest.raises(InvalidRequest, match=r"patch_embed\.proj in the vision tower, where only the blocks'"):
-        engine.add_lora(LoRARequest("embed", 1, str(tmp_path / "adapter")))
+    with pytest.raises(InvalidRequest, match=r"patch_embed\.proj's lora_B is a \(2, 1, 1\) convolution"):
+        engine.add_lora(LoRARequest("wide", 1, str(folder)))
 
 
 def test_without_the_flag_a_tower_adapter_is_refused_naming_the_flag(tower_setup):

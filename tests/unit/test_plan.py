@@ -332,12 +332,14 @@ def test_lora_slots_come_before_the_kv_cache(tmp_path):
     per_block = 16 * plan.kv_bytes_per_token_per_gpu
     assert abs(plain.kv_blocks - plan.kv_blocks - plan.lora_bytes_per_gpu // per_block) <= 1
     assert "LoRA slots: " in format_plan(plan) and plain.lora_bytes_per_gpu == 0
-    # --enable-tower-connector-lora: the vision tower's 32 blocks (qkv, proj, fc1, fc2 at width 1280, MLP 5120) and
-    # the merger's two MLP layers (5120 -> 5120 -> 3584) take slots as well.
+    # --enable-tower-connector-lora: the patch embedding (3·2·14·14 = 1176 -> 1280), the vision tower's 32 blocks
+    # (qkv, proj, fc1, fc2 at width 1280, MLP 5120) and the merger's two MLP layers (5120 -> 5120 -> 3584) take
+    # slots as well.
     with_tower = make_plan(
         QWEN2VL_7B, memory_bytes_per_gpu=H200, lora=resolve_lora(True, 4, 64, None, "auto", tower_connector=True)
     )
-    tower = 4 * 64 * 2 * (32 * ((3 * 1280 + 5120) + (3840 + 1280 + 5120 + 1280)) + (2 * 5120) + (5120 + 3584))
+    blocks = 32 * ((3 * 1280 + 5120) + (3840 + 1280 + 5120 + 1280))
+    tower = 4 * 64 * 2 * ((1176 + 1280) + blocks + (2 * 5120) + (5120 + 3584))
     assert tower < with_tower.lora_bytes_per_gpu - plan.lora_bytes_per_gpu < tower + 2**16
     with pytest.raises(ConfigError, match=r"max_lora_rank must be in \[1, 512\], got 1000"):
         _run_plan(tmp_path, "--enable-lora", "--max-lora-rank", "1000")
