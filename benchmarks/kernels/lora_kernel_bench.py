@@ -8,9 +8,10 @@ Each case is one layer's work at a step of T tokens given to A adapters in turn 
 the way a step runs it: captured in a CUDA graph, cycling through enough copies of the weights (the base
 matrix, and A and B) that none is still in L2. Prints µs for the base matmul alone and for `add_lora` alone, and
 their ratio; the last line per case sums the layer's matmuls, so `lora / base` there is what the adapters add to
-a decoder layer's matmul time. `--tile` / `--block-n` / `--block-k` / `--splits` / `--warps` sweep the kernels'
-tile sizes (comma lists: every combination is timed; the defaults are the shipped ones, 0 meaning the shipped
-rule: the tile by the step's size, the K block by the tile, the split count by the step's tile count).
+a decoder layer's matmul time (each line also gives the shrink launches alone). `--tile` / `--block-n` /
+`--block-k` / `--splits` / `--warps` sweep the kernels' tile sizes (comma lists: every combination is timed; the
+defaults are the shipped ones, 0 meaning the shipped rule: the tile by the step's size, the K block by the tile,
+the split count by the step's tile count).
 """
 
 from __future__ import annotations
@@ -103,19 +104,32 @@ def main() -> None:
                     for ai, bi in zip(a, b):
                         kernels.add_lora(x, y, ai, bi, bounds, meta, order_at, tile, **tiles)
 
+                hs = [kernels.shrink_buffer(x, ai, tile, splits or None) for ai in a]
+
+                def shrink(a=a, hs=hs, x=x, meta=meta, order_at=order_at, tile=tile, tiles=tiles):
+                    for ai, hi in zip(a, hs):
+                        kernels.shrink(
+                            x, ai, meta, order_at, tile, block_k=tiles["block_k"], num_warps=tiles["num_warps"], h=hi
+                        )
+
                 if (t, name) not in base_cache:
                     base_cache[t, name] = graph_us(base, copies)
-                base_us, lora_us = base_cache[t, name], graph_us(lora, copies)
+                base_us, lora_us, shrink_us = base_cache[t, name], graph_us(lora, copies), graph_us(shrink, copies)
                 total_base, total_lora = total_base + base_us, total_lora + lora_us
                 row = {"tokens": t, "adapters": adapters, "tile": tile, **tiles}
-                rows.append(row | {"matmul": name, "base_us": round(base_us, 2), "lora_us": round(lora_us, 2)})
+                rows.append(
+                    row
+                    | {"matmul": name, "base_us": round(base_us, 2), "lora_us": round(lora_us, 2)}
+                    | {"shrink_us": round(shrink_us, 2)}
+                )
                 print(
                     f"T={t:5d} A={adapters:2d} tile={tile:3d} bn={block_n:3d} bk={block_k:3d} s={splits:2d} w={warps} "
                     f"{name:8s} "
-                    f"base {base_us:8.1f} us  lora {lora_us:8.1f} us  lora/base {lora_us / base_us:5.2f}",
+                    f"base {base_us:8.1f} us  lora {lora_us:8.1f} us (shrink {shrink_us:6.1f})  "
+                    f"lora/base {lora_us / base_us:5.2f}",
                     flush=True,
                 )
-                del ws, a, b
+                del ws, a, b, hs
             rows.append(row | {"matmul": "layer", "base_us": round(total_base, 2), "lora_us": round(total_lora, 2)})
             ratio = total_lora / total_base
             print(f"  layer: base {total_base:.1f} us, lora {total_lora:.1f} us, lora/base {ratio:.3f}")
