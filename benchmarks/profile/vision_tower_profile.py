@@ -1,6 +1,7 @@
 """Where the Qwen2-VL vision tower's time goes on a GPU, per image, and which attention path is fastest.
 
-    python benchmarks/profile/vision_tower_profile.py [--images 1 8] [--head-dims 64 80 96 128] [--out FILE.json]
+    python benchmarks/profile/vision_tower_profile.py [--images 1 8] [--head-dims 64 80 96 128] [--lora-rank 16]
+        [--out FILE.json]
 
 Random bf16 weights of the tower (depth 32, width 1280, 16 heads: the same tower in 2B, 7B and 72B), each
 image a 1000x750 picture (54 x 72 patches of 14 px = 3,888 patch rows, 972 placeholder tokens). For each
@@ -12,6 +13,9 @@ image count it prints:
     nested-jagged SDPA (one call for images of different sizes).
 With --head-dims, the attention of the largest image count at each head dim through cuDNN and flash, with the
 TFLOP/s of the head dim's own work: whether a head dim of 80 (the tower's) costs what the next tile size costs.
+With --lora-rank R, the forward again with one random rank-R adapter on every layer `--enable-tower-connector-lora`
+adapts (the patch embedding, the blocks' qkv / proj / fc1 / fc2, the merger's MLP), every row mapped to it, as the
+engine runs a call whose images all carry that adapter: its time per image against the base forward's.
 """
 
 from __future__ import annotations
@@ -119,14 +123,44 @@ def host_ms(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def attach_tower_adapter(tower: torch.nn.Module, rank: int) -> dict:
+    """One random rank-`rank` adapter in slot 0 of every tower layer the engine adapts (`lora.manager.attach_lora` on
+    a holder shaped like Qwen2-VL's model); returns {group: its row mapping (`EncoderLoRAStep`)}, none written."""
+    from pagoda.config.lora import resolve_lora
+    from pagoda.lora.manager import attach_lora
+    from pagoda.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    holder = torch.nn.Module()
+    holder.visual = tower
+    holder.encoder_lora_groups = Qwen2VLForConditionalGeneration.encoder_lora_groups
+    holder.packed_modules_mapping = {}
+    config = resolve_lora(True, 1, rank, None, "auto", tower_connector=True)
+    device, dtype = next(tower.parameters()).device, next(tower.parameters()).dtype
+    layers, steps = attach_lora(holder, config, dtype, device, max_tokens=1)
+    for slots in layers.values():
+        width = slots.input_range[1]
+        slots.set(0, {p.name: (torch.randn(rank, width) / width**0.5, torch.randn(p.size, rank)) for p in slots.parts})
+    return steps
+
+
+def map_all_rows(steps: dict, rows: int, merge: int) -> None:
+    """Every row of a forward over `rows` patch rows to slot 0 (the merger's group sees one row per merge² ones)."""
+    import numpy as np
+
+    for group, step in steps.items():
+        step.write(np.zeros(rows // merge**2 if group.endswith("merger.") else rows, dtype=np.int64))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[], help="attention per head dim (see above)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also time the forward with a tower adapter")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     tower = build_tower(torch.bfloat16)
+    adapter_steps = attach_tower_adapter(tower, args.lora_rank) if args.lora_rank else {}
     grid = (1, 54, 72)
     patch_dim = 3 * 2 * 14 * 14
     report = {"gpu": torch.cuda.get_device_name(), "rows": []}
@@ -143,8 +177,17 @@ def main() -> None:
         kernels = kernel_table(forward)
         attn = attention_backends(n, 54 * 72)
         row = {"images": n, "ms_per_image": ms / n, "ms": ms, "host_launch_ms": launch, "sdpa_one_layer_ms": attn}
+        if adapter_steps:
+            map_all_rows(adapter_steps, pixels.shape[0], merge=2)
+            adapted = time_ms(forward)
+            for step in adapter_steps.values():
+                step.clear()
+            row |= {"lora_rank": args.lora_rank, "adapted_ms_per_image": adapted / n}
         report["rows"].append(row | {"kernels": kernels})
         print(f"\n{n} image(s): tower {ms:.2f} ms, {ms / n:.2f} ms/image, launched in {launch:.2f} ms of host time;")
+        if adapter_steps:
+            rank = args.lora_rank
+            print(f"  with a rank-{rank} adapter on every row: {adapted / n:.2f} ms/image ({adapted / ms:.2f}x)")
         print("  one layer's SDPA (x32 layers):")
         print("  " + ", ".join(f"{k} {v:.3f} ms ({32 * v:.1f})" for k, v in attn.items()))
         total = sum(r[1] for r in kernels)
