@@ -160,8 +160,8 @@ class EngineArgs:
     lora_dtype: str = knob("auto", "dtype of the adapters' weights (auto: the model's)", choices=LORA_DTYPES)
     enable_tower_connector_lora: bool = knob(
         False,
-        "adapters may adapt the multimodal encoder too (Qwen2-VL's vision blocks and merger); its slots take GPU "
-        "memory from the KV cache",
+        "adapters may adapt the multimodal encoder too (Qwen2-VL's patch embedding, vision blocks and merger); its "
+        "slots take GPU memory from the KV cache",
     )
     lora_target_modules: tuple[str, ...] | None = knob(
         None,
