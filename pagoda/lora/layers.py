@@ -104,10 +104,7 @@ class LoRAStep:
         else:
             self.meta[: len(host)].copy_(torch.from_numpy(host))
         self._token_slots, self._token_slots_device = token_slots, None
-        in_order = self.meta[self.order_at :]
-        self.active = [
-            (slot, in_order[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n
-        ]
+        self.active = _slot_groups(self.meta[self.order_at :], counts, starts)
 
     def gathered(self, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """`active` for a layer that runs on the step's tokens `rows` (`layers.linear.gathered_rows`: an MoE
@@ -148,10 +145,7 @@ class EncoderLoRAStep:
         order, counts, starts = _by_slot(row_slots, 1)
         if not len(order):
             return
-        tokens = to_device(order, self.device)
-        self._local.active = [
-            (slot, tokens[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n
-        ]
+        self._local.active = _slot_groups(to_device(order, self.device), counts, starts)
 
     def clear(self) -> None:
         self._local.rows, self._local.active = 0, []
@@ -164,6 +158,11 @@ def _by_slot(row_slots: np.ndarray, min_slots: int) -> tuple[np.ndarray, np.ndar
     order = adapted[np.argsort(row_slots[adapted], kind="stable")]
     counts = np.bincount(row_slots[adapted], minlength=min_slots)
     return order, counts, np.concatenate(([0], np.cumsum(counts)[:-1]))
+
+
+def _slot_groups(in_order: torch.Tensor, counts: np.ndarray, starts: np.ndarray) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its rows: a view of in_order, the rows grouped by slot as `_by_slot` orders them) per slot in use."""
+    return [(slot, in_order[s : s + n]) for slot, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n]
 
 
 @dataclass(frozen=True)
