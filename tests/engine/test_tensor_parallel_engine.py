@@ -17,6 +17,7 @@ import torch
 
 from pagoda.errors import ConfigError
 from pagoda.sampling_params import SamplingParams
+from tests.conftest import finished_token_ids
 from tests.models.test_yuan_golden import LOGIT_ATOL, _check_all, _golden
 
 
@@ -142,7 +143,7 @@ def lora_against_peft(engines, tmp_path, **parallel) -> None:
         for j, prompt in enumerate(PROMPTS):
             engine.add_request(f"{name}-{j}", prompt, params, lora_request=lora)
             expected[f"{name}-{j}"] = _reference(base, paths.get(name))[j][0]
-    assert _finish(engine) == expected
+    assert finished_token_ids(engine) == expected
     # The "attn" folder rewritten with the "all" adapter's files and read again in place: every rank runs the new
     # weights (the id's reads are part of the request each rank compares with what it holds).
     shutil.rmtree(paths["attn"])
@@ -150,7 +151,7 @@ def lora_against_peft(engines, tmp_path, **parallel) -> None:
     engine.add_lora(LoRARequest("attn", 1, paths["attn"], load_inplace=True))
     for j, prompt in enumerate(PROMPTS):
         engine.add_request(f"again-{j}", prompt, params, lora_request=LoRARequest("attn", 1, paths["attn"]))
-    assert _finish(engine) == {f"again-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
+    assert finished_token_ids(engine) == {f"again-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
     # Removed, its folder rewritten (the "all" files again), then asked for under the same name, id and folder: every
     # rank dropped its copy at the removal, so every rank reads the new files (one that kept the old copy would
     # compute its share of the heads with the old weights).
@@ -159,16 +160,7 @@ def lora_against_peft(engines, tmp_path, **parallel) -> None:
     shutil.copytree(paths["all"], paths["mlp"])
     for j, prompt in enumerate(PROMPTS):
         engine.add_request(f"readded-{j}", prompt, params, lora_request=LoRARequest("mlp", 2, paths["mlp"]))
-    assert _finish(engine) == {f"readded-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
-
-
-def _finish(engine) -> dict[str, list[int]]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    assert finished_token_ids(engine) == {f"readded-{j}": expected[f"all-{j}"] for j in range(len(PROMPTS))}
 
 
 @pytest.mark.parametrize("fixture", ["yuan2-tiny", "yuan2-m32-tiny"])
@@ -190,4 +182,4 @@ def yuan2_lora_against_merged(engines, tmp_path, fixture: str = "yuan2-tiny", **
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, lora_request=LoRARequest("yuan", 1, adapter))
-    assert _finish(engine) == expected
+    assert finished_token_ids(engine) == expected

@@ -19,7 +19,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import graph_runner
 from pagoda.worker.graph_runner import DECODE, MIXED, default_buckets, default_token_buckets
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, finished_token_ids
 
 CUDA = torch.cuda.is_available()
 # Tokens per request in the golden tests here: the goldens' first 6 of 16 (on a GPU all 16). Under the
@@ -58,12 +58,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> d
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    return finished_token_ids(engine)
 
 
 def test_default_buckets():

@@ -25,7 +25,7 @@ from pagoda.frontend.multimodal.prompt import expand_prompt
 from pagoda.lora.layers import EncoderLoRAStep, LoRAPart, LoRASlots
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
-from tests.conftest import tiny_qwen2vl_config
+from tests.conftest import finished_token_ids, tiny_qwen2vl_config
 from tests.models.test_qwen2vl_parity import IMG_A, IMG_B, IMG_C, PLACEHOLDERS, VOCAB, _hf_reference, _prompt
 
 STEPS = 6
@@ -96,12 +96,7 @@ def run_tower_requests(engine, adapters: dict[str, str]) -> dict[str, list[int]]
         ids = _prompt(before, images, [400, 401])
         expanded, mm = expand_prompt(ids, [("image", v) for v in images], PLACEHOLDERS, "test")
         engine.add_request(rid, expanded, params, mm_inputs=mm, lora_request=lora.get(adapter))
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens
+    return finished_token_ids(engine)
 
 
 # (adapter, prompt ids, images): A and C share a size and B is smaller, so one encoder call regroups the rows;
