@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,6 +65,12 @@ class CausalLM(nn.Module):
         pipeline stage without the embedding keeps its own head, loaded from the embedding's entry."""
         if self.tie_word_embeddings and self.stage.whole:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def encoder_lora_rows(self, grid_thw: list[tuple[int, int, int]], item_slots: list[int]) -> dict[str, np.ndarray]:
+        """{group in `encoder_lora_groups`: the adapter slot (-1: none) of each row the group's layers see} for one
+        encoder call over items of these grids whose adapters sit in item_slots. Only a model that names groups
+        has rows to map."""
+        raise NotImplementedError(f"{type(self).__name__} has no encoder layers that take adapters")
 
     def stage_weight_name(self, name: str) -> str | None:
         """The parameter a checkpoint entry (this class's spelling) fills on this pipeline stage, or
