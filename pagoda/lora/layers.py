@@ -13,8 +13,9 @@ tiles of at most TILE_TOKENS tokens of one slot, then the tokens grouped by slot
 once and written in place each step, so CUDA graphs captured over the kernels replay with any step's mapping.
 
 On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); elsewhere the reference.
-Layers of a multimodal encoder (Qwen2-VL's vision tower) share an `EncoderLoRAStep` instead: the reference path
-only, its mapping written for each encoder call (thousands of patch rows, never replayed from a CUDA graph).
+Layers of a multimodal encoder (Qwen2-VL's vision tower) share an `EncoderLoRAStep` instead: PyTorch matmuls per
+slot (`LoRASlots.add_grouped`), its mapping written for each encoder call (thousands of patch rows, never replayed
+from a CUDA graph).
 """
 
 from __future__ import annotations
@@ -251,7 +252,36 @@ class LoRASlots:
             return matmul()
         if x.shape[0] != step.rows:
             raise RuntimeError(f"an encoder layer ran over {x.shape[0]} rows; its adapters were mapped for {step.rows}")
-        return self.add_reference(x, matmul())
+        return self.add_grouped(x, matmul(), step.active)
+
+    def add_grouped(self, x: torch.Tensor, y: torch.Tensor, active: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """`add_reference` for calls of many rows per slot (the encoder's): per slot one shrink over every part at
+        once (A's P·R rows as one operand) and one expand over the whole output (`_expand_operand`), added into y
+        by one matmul where the slot holds every row (in order, as `_by_slot` groups them) and by one index-add
+        otherwise. The reference reads the gathered rows once per part and writes and re-reads a temporary per
+        part. Sums may differ from the reference's by an ulp in 16-bit dtypes (the expand is added in the
+        matmul's accumulator, not rounded first)."""
+        for slot, rows in active:
+            shrink = self.a[:, slot].reshape(-1, self.a.shape[-1])  # [P·R, in]
+            expand = self._expand_operand(slot)  # [out, P·R]
+            if rows.numel() == x.shape[0]:
+                y.addmm_((x.to(shrink.dtype) @ shrink.t()).to(y.dtype), expand.t().to(y.dtype))
+            else:
+                delta = (x.index_select(0, rows).to(shrink.dtype) @ shrink.t()) @ expand.t()
+                y.index_add_(0, rows, delta.to(y.dtype))
+        return y
+
+    def _expand_operand(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s B as one [out, P·R] operand for a shrink of every part at once: each part's output rows
+        take its own rank columns, zeros elsewhere (so parts do not mix)."""
+        if len(self.parts) == 1:
+            return self.b[slot]
+        rank = self.b.shape[2]
+        block = self.b.new_zeros(self.b.shape[1], len(self.parts) * rank)
+        for i, part in enumerate(self.parts):
+            rows = slice(part.offset, part.offset + part.size)
+            block[rows, i * rank : (i + 1) * rank] = self.b[slot, rows]
+        return block
 
     def add_reference(
         self, x: torch.Tensor, y: torch.Tensor, active: list[tuple[int, torch.Tensor]] | None = None

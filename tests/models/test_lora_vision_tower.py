@@ -110,10 +110,14 @@ REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_tower_adapters_in_one_step_equal_peft_merged(tower_setup, chunk):
+@pytest.mark.parametrize("chunk, one_at_a_time", [(None, False), (16, False), (None, True)])
+def test_tower_adapters_in_one_step_equal_peft_merged(tower_setup, chunk, one_at_a_time):
+    """All requests in one encoder call (each adapter a share of its rows), chunked, and one request per step (an
+    adapter on every row of the call: `LoRASlots.add_grouped` adds in place, with no gather)."""
     base, adapters, expected = tower_setup
     kw = {"max_num_batched_tokens": chunk} if chunk else {}
+    if one_at_a_time:
+        kw["max_num_seqs"] = 1
     engine = LLMEngine(
         EngineConfig.create(
             EngineArgs(
@@ -192,3 +196,23 @@ def test_an_encoder_mapping_is_seen_by_the_thread_that_wrote_it_only():
     torch.testing.assert_close(mine, x @ w.t() + delta * torch.tensor([[1.0], [0.0], [1.0]]))
     with pytest.raises(RuntimeError, match="mapped for 3"):
         slots.apply(x[:2], lambda: x[:2] @ w.t())
+
+
+@pytest.mark.parametrize("mapping", [[0, 0, 0, 0, 0], [1, -1, 0, 1, 0]], ids=["one-slot-every-row", "mixed"])
+def test_grouped_adds_equal_the_per_part_reference_for_a_fused_layer(mapping):
+    """`add_grouped` (the encoder's path: every part shrunk at once, one expand over the whole output) against
+    `add_reference` (per slot and part) on a layer of three parts of different sizes, adapters of full and lower
+    rank, every row on one adapter (added in place) and a mix with base rows (gathered)."""
+    step = EncoderLoRAStep(torch.device("cpu"))
+    parts = [LoRAPart("q", 0, 6), LoRAPart("k", 6, 2), LoRAPart("v", 8, 3)]
+    slots = LoRASlots((0, 8, 8), parts, 2, 4, torch.float32, torch.device("cpu"), step)
+    g = torch.Generator().manual_seed(1)
+    for slot, rank in ((0, 4), (1, 2)):
+        slots.set(
+            slot, {p.name: (torch.randn(rank, 8, generator=g), torch.randn(p.size, rank, generator=g)) for p in parts}
+        )
+    x, y = torch.randn(5, 8, generator=g), torch.randn(5, 11, generator=g)
+    step.write(np.array(mapping))
+    expected = slots.add_reference(x, y.clone(), step.active)
+    torch.testing.assert_close(slots.add_grouped(x, y.clone(), step.active), expected)
+    assert (expected - y).abs().amax(dim=1).gt(0.1).tolist() == [m >= 0 for m in mapping]
