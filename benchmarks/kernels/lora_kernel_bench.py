@@ -117,11 +117,8 @@ def main() -> None:
                 base_us, lora_us, shrink_us = base_cache[t, name], graph_us(lora, copies), graph_us(shrink, copies)
                 total_base, total_lora = total_base + base_us, total_lora + lora_us
                 row = {"tokens": t, "adapters": adapters, "tile": tile, **tiles}
-                rows.append(
-                    row
-                    | {"matmul": name, "base_us": round(base_us, 2), "lora_us": round(lora_us, 2)}
-                    | {"shrink_us": round(shrink_us, 2)}
-                )
+                times = {"base_us": round(base_us, 2), "lora_us": round(lora_us, 2), "shrink_us": round(shrink_us, 2)}
+                rows.append(row | {"matmul": name} | times)
                 print(
                     f"T={t:5d} A={adapters:2d} tile={tile:3d} bn={block_n:3d} bk={block_k:3d} s={splits:2d} w={warps} "
                     f"{name:8s} "

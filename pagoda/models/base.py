@@ -68,9 +68,12 @@ class CausalLM(nn.Module):
 
     def encoder_lora_rows(self, grid_thw: list[tuple[int, int, int]], item_slots: list[int]) -> dict[str, np.ndarray]:
         """{group in `encoder_lora_groups`: the adapter slot (-1: none) of each row the group's layers see} for one
-        encoder call over items of these grids whose adapters sit in item_slots. Only a model that names groups
-        has rows to map."""
-        raise NotImplementedError(f"{type(self).__name__} has no encoder layers that take adapters")
+        encoder call over items of these grids whose adapters sit in item_slots. `LoRAManager` asks only a model
+        that names groups, and such a model must say how its encoder orders their rows: no default order is safe
+        (Qwen2-VL's blocks regroup the patch rows, its merger sees one row per window)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} names encoder_lora_groups {self.encoder_lora_groups} but does not map their rows"
+        )
 
     def stage_weight_name(self, name: str) -> str | None:
         """The parameter a checkpoint entry (this class's spelling) fills on this pipeline stage, or
