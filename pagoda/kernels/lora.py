@@ -43,13 +43,19 @@ BLOCK_N = 256  # expand: output columns per program
 BLOCK_K = 64  # shrink: input features per loop iteration (128 for tiles of at most 16 tokens)
 
 
-def split_k(num_tiles: int, input_size: int) -> int:
+def split_k(num_tiles: int, input_size: int, beside_matmul: bool = False) -> int:
     """Shrink programs per tile: a step of few tiles (decode: a handful of tokens per adapter) spreads each
-    tile's input dimension over programs, to ~256 programs in all, each still looping over at least 512 input
-    features; a step of 128 tiles or more already fills the SMs."""
+    tile's input dimension over programs; a step of 128 tiles or more already fills the SMs.
+
+    Alone on the stream, to ~1024 programs in all, each looping over at least 256 input features (at most 32
+    splits): the shrink is then a launch whose time is its longest program's. Beside the layer's matmul (the
+    side stream, `lora/layers.py`), to ~256 programs of at least 512 features (at most 16): there more programs
+    take SMs from the matmul (`benchmarks/lora_gpu.py` measured both rules at both places, docs/performance.md)."""
     if num_tiles >= 128:
         return 1
-    return max(1, min(16, input_size // 512, -(-256 // num_tiles)))
+    if beside_matmul:
+        return max(1, min(16, input_size // 512, -(-256 // num_tiles)))
+    return max(1, min(32, input_size // 256, -(-1024 // num_tiles)))
 
 
 @triton.jit
@@ -232,10 +238,13 @@ def shrink(
     return h
 
 
-def shrink_buffer(x: torch.Tensor, a: torch.Tensor, tile_tokens: int, splits: int | None = None) -> torch.Tensor:
-    """An uninitialised h for `shrink` over x's tokens (splits None: `split_k`'s count)."""
+def shrink_buffer(
+    x: torch.Tensor, a: torch.Tensor, tile_tokens: int, splits: int | None = None, beside_matmul: bool = False
+) -> torch.Tensor:
+    """An uninitialised h for `shrink` over x's tokens (splits None: `split_k`'s count, for a shrink launched
+    beside the layer's matmul or alone)."""
     num_parts, num_slots, rank, k = a.shape
-    splits = splits or split_k(_tiles(x.shape[0], tile_tokens, num_slots), k)
+    splits = splits or split_k(_tiles(x.shape[0], tile_tokens, num_slots), k, beside_matmul)
     return torch.empty(splits, x.shape[0], num_parts * rank, dtype=torch.float32, device=x.device)
 
 

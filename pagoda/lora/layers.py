@@ -235,7 +235,7 @@ class LoRASlots:
         meta, order_at, tile = self.step.tiling(x.shape[0])
         if not (x.is_cuda and self.step.side_stream and x.shape[0] <= SIDE_STREAM_MAX_TOKENS):
             return kernels.add_lora(x, matmul(), self.a, self.b, self.bounds, meta, order_at, tile)
-        h = kernels.shrink_buffer(x, self.a, tile)
+        h = kernels.shrink_buffer(x, self.a, tile, beside_matmul=True)
         main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
