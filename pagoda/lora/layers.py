@@ -199,6 +199,7 @@ class LoRASlots:
         self.a = torch.zeros(len(parts), max_loras, max_rank, input_range[1], dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, ends[-1], max_rank, dtype=dtype, device=device)
         self.bounds = torch.tensor([0, *ends], dtype=torch.int32, device=device)
+        self._expand_operands: dict[int, torch.Tensor] = {}  # slot -> `_expand_operand`'s block, until `set` refills it
 
     def part_index(self, name: str | None) -> int:
         return next(i for i, p in enumerate(self.parts) if p.name == name)
@@ -207,6 +208,7 @@ class LoRASlots:
         """Slot `slot` ← an adapter's {part: (A [r, in], B [out_part, r], scaled)}; parts it leaves out add zero."""
         self.a[:, slot].zero_()
         self.b[slot].zero_()
+        self._expand_operands.pop(slot, None)
         for name, (a, b) in weights.items():
             i = self.part_index(name)
             rank, part = a.shape[0], self.parts[i]
@@ -273,14 +275,18 @@ class LoRASlots:
 
     def _expand_operand(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s B as one [out, P·R] operand for a shrink of every part at once: each part's output rows
-        take its own rank columns, zeros elsewhere (so parts do not mix)."""
+        take its own rank columns, zeros elsewhere (so parts do not mix). Built once per adapter in the slot: every
+        encoder call of every layer reads it, and building it is a zero fill and a copy per part."""
         if len(self.parts) == 1:
             return self.b[slot]
-        rank = self.b.shape[2]
-        block = self.b.new_zeros(self.b.shape[1], len(self.parts) * rank)
-        for i, part in enumerate(self.parts):
-            rows = slice(part.offset, part.offset + part.size)
-            block[rows, i * rank : (i + 1) * rank] = self.b[slot, rows]
+        block = self._expand_operands.get(slot)
+        if block is None:
+            rank = self.b.shape[2]
+            block = self.b.new_zeros(self.b.shape[1], len(self.parts) * rank)
+            for i, part in enumerate(self.parts):
+                rows = slice(part.offset, part.offset + part.size)
+                block[rows, i * rank : (i + 1) * rank] = self.b[slot, rows]
+            self._expand_operands[slot] = block
         return block
 
     def add_reference(

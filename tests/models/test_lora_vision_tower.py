@@ -216,3 +216,18 @@ def test_grouped_adds_equal_the_per_part_reference_for_a_fused_layer(mapping):
     expected = slots.add_reference(x, y.clone(), step.active)
     torch.testing.assert_close(slots.add_grouped(x, y.clone(), step.active), expected)
     assert (expected - y).abs().amax(dim=1).gt(0.1).tolist() == [m >= 0 for m in mapping]
+
+
+def test_grouped_adds_read_the_adapter_a_slot_holds_now():
+    """`add_grouped` keeps each slot's expand operand between calls; a slot given another adapter (`LoRASlots.set`)
+    must not be expanded with the block of the one before."""
+    step = EncoderLoRAStep(torch.device("cpu"))
+    parts = [LoRAPart("q", 0, 6), LoRAPart("k", 6, 2)]
+    slots = LoRASlots((0, 8, 8), parts, 1, 4, torch.float32, torch.device("cpu"), step)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    step.write(np.zeros(3, dtype=np.int64))
+    for _ in range(2):
+        slots.set(0, {p.name: (torch.randn(4, 8, generator=g), torch.randn(p.size, 4, generator=g)) for p in parts})
+        expected = slots.add_reference(x, y.clone(), step.active)
+        torch.testing.assert_close(slots.add_grouped(x, y.clone(), step.active), expected)
