@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import wait_for_inputs
 from pagoda.kernels.triton_utils import DTYPES, dot_flags, interpreting, mma, round_to
 
 BLOCK_N = 256  # expand: output columns per program
@@ -90,8 +92,10 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    slot, place, token, valid, count = _tile(meta_ptr, ORDER_AT, BLOCK_M)
+    slot, place, token, valid, count = _tile(meta_ptr, ORDER_AT, BLOCK_M)  # meta: written before the step's kernels
+    wait_for_inputs(PDL)  # x is the previous kernels' output
     if count > 0:
         j = tl.arange(0, BLOCK_PR)  # part j // R, rank row j % R
         in_j = j < NUM_PARTS * R
@@ -130,24 +134,26 @@ def _expand_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     nb = tl.program_id(1)
     slot, place, token, valid, count = _tile(meta_ptr, ORDER_AT, BLOCK_M)
+    j = tl.arange(0, BLOCK_PR)
+    in_j = j < NUM_PARTS * R
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = n < OUT
+    part = tl.zeros((BLOCK_N,), dtype=tl.int32)  # each column's part
+    for p in tl.static_range(1, NUM_PARTS):
+        part += (n >= tl.load(bounds_ptr + p)).to(tl.int32)
+    own = ((j // R)[:, None] == part[None, :]) & in_j[:, None] & in_n[None, :] & (count > 0)
+    b = b_ptr + slot * stride_b[0] + n[None, :] * stride_b[1] + (j % R)[:, None] * stride_b[2]
+    bt = tl.load(b, mask=own, other=0.0)  # [BLOCK_PR, BLOCK_N]: Bᵀ of each column's part, zero elsewhere
+    wait_for_inputs(PDL)  # B and meta are read-only in a step; h and y come from the kernels before
     if count > 0:
-        j = tl.arange(0, BLOCK_PR)
-        in_j = j < NUM_PARTS * R
         hsum = tl.zeros((BLOCK_M, BLOCK_PR), dtype=tl.float32)
         for s in range(SPLIT_K):
             h = h_ptr + s * stride_h[0] + place[:, None] * stride_h[1] + j[None, :] * stride_h[2]
             hsum += tl.load(h, mask=valid[:, None] & in_j[None, :], other=0.0)
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = n < OUT
-        part = tl.zeros((BLOCK_N,), dtype=tl.int32)  # each column's part
-        for p in tl.static_range(1, NUM_PARTS):
-            part += (n >= tl.load(bounds_ptr + p)).to(tl.int32)
-        own = ((j // R)[:, None] == part[None, :]) & in_j[:, None] & in_n[None, :]
-        b = b_ptr + slot * stride_b[0] + n[None, :] * stride_b[1] + (j % R)[:, None] * stride_b[2]
-        bt = tl.load(b, mask=own, other=0.0)  # [BLOCK_PR, BLOCK_N]: Bᵀ of each column's part, zero elsewhere
         term = mma(round_to(hsum, b_ptr, EMULATE_BF16), bt, IEEE, UPCAST)
         y = y_ptr + token[:, None] * stride_y + n[None, :]
         mask = valid[:, None] & in_n[None, :]
@@ -233,7 +239,7 @@ def shrink(
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
         BLOCK_M=tile_tokens, BLOCK_PR=_block_pr(num_parts * rank), BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch_args(x),
     )  # fmt: skip
     return h
 
@@ -275,7 +281,7 @@ def expand(
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
         NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=_block_pr(pr),
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch_args(y),
     )  # fmt: skip
     return y
 
