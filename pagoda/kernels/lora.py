@@ -27,6 +27,9 @@ each column's own part and zeros elsewhere (so one product serves columns of sev
 fp32 and rounded once to y's dtype (the reference rounds the term first, then the sum: bf16 results may
 differ by an ulp). Every (token, column) of y is written by one program: a token is in one tile.
 
+Both launch with PDL (`kernels/pdl.py`) in launches of at most `policy.LORA_PDL_MAX_ROWS` tokens: a tile's
+bookkeeping (and the expand's B tile, read-only in a step) is loaded before waiting for the previous kernel.
+
 `add_lora` launches both; `shrink` and `expand` launch one each, for a caller that runs them on different streams
 (`lora/layers.py`). Launchers check shapes and dtypes and launch; they never read device values on the host.
 """
@@ -37,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels import pdl
+from pagoda.kernels import pdl, policy
 from pagoda.kernels.pdl import wait_for_inputs
 from pagoda.kernels.triton_utils import DTYPES, dot_flags, interpreting, mma, round_to
 
@@ -239,7 +242,7 @@ def shrink(
     _shrink_kernel[(tiles, splits)](
         x, a, h, meta, x.stride(0), a.stride(), h.stride(), order_at, k, k_per_split, rank, num_parts,
         BLOCK_M=tile_tokens, BLOCK_PR=_block_pr(num_parts * rank), BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast,
-        num_warps=num_warps, **pdl.launch_args(x),
+        num_warps=num_warps, **pdl.launch_args(x, policy.LORA_PDL_MAX_ROWS),
     )  # fmt: skip
     return h
 
@@ -281,7 +284,7 @@ def expand(
         h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
         NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=_block_pr(pr),
         IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
-        num_warps=num_warps, **pdl.launch_args(y),
+        num_warps=num_warps, **pdl.launch_args(y, policy.LORA_PDL_MAX_ROWS),
     )  # fmt: skip
     return y
 

@@ -20,7 +20,9 @@ Inside a CUDA graph capture the launches become programmatic graph edges. Kernel
 (cuBLAS, PyTorch) are ordered as before. `PAGODA_PDL=0` turns it off (read once); the interpreter
 and GPUs before compute capability 9.0 never use it. The model runner uses it only for steps of
 few tokens (`dispatch.pdl_for_rows`, `policy.PDL_MAX_ROWS`): at batch 256 the H200's decode step
-is slower with it (`benchmarks/h200.py`, the decode row; docs/performance.md).
+is slower with it (`benchmarks/h200.py`, the decode row; docs/performance.md). The LoRA shrink and expand
+(`pagoda/kernels/lora.py`) have a bound of their own, `policy.LORA_PDL_MAX_ROWS`: beside cuBLAS and each other
+they gained at 256 rows too (`benchmarks/lora_gpu.py`).
 """
 
 from __future__ import annotations
@@ -46,17 +48,21 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Whether kernels working on t's device launch with PDL now (`dispatch.pdl_allowed`)."""
-    if not (t.is_cuda and _switched_on() and dispatch.pdl_is_allowed()):
+def enabled(t: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether kernels working on t's device launch with PDL now: by the step's rule (`dispatch.pdl_allowed`),
+    or, for a kernel with a bound of its own, when t has at most `max_rows` rows (`launch_args`)."""
+    allowed = dispatch.pdl_is_allowed() if max_rows is None else t.shape[0] <= max_rows
+    if not (t.is_cuda and _switched_on() and allowed):
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _device_has_pdl(index)
 
 
-def launch_args(t: torch.Tensor) -> dict[str, bool]:
-    """Keyword arguments for a kernel launch: the kernel's PDL constexpr and Triton's launch option."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+def launch_args(t: torch.Tensor, max_rows: int | None = None) -> dict[str, bool]:
+    """Keyword arguments for a kernel launch: the kernel's PDL constexpr and Triton's launch option. max_rows:
+    the kernel's own row bound instead of the step's (the LoRA kernels, `policy.LORA_PDL_MAX_ROWS`); either way
+    a launch of a given size always takes the same variant."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t, max_rows) else {"PDL": False}
 
 
 @triton.jit

@@ -60,6 +60,12 @@ CPU_KV_VIEW_MAX_ROWS = 3
 # decode step is slower (`benchmarks/h200.py`).
 PDL_MAX_ROWS = 64
 
+# The LoRA shrink and expand (`kernels/lora.py`) launch with PDL in launches of at most this many tokens, whatever
+# the step's rule above: each waits for its predecessor (the layer's cuBLAS matmul, or the shrink) with its tile's
+# bookkeeping (and the expand its B tile) already loaded. 16 rank-16 adapters on a Llama-3-8B shape
+# (`benchmarks/lora_gpu.py`): 1.01x tokens/s at 64 rows and 1.02x at 256; larger launches are not measured.
+LORA_PDL_MAX_ROWS = 256
+
 # Yuan2 decode steps of at most this many rows run v_proj on a side stream (`models/yuan.py`,
 # `layers/side_stream.py`): it overlaps at batch 1 and is slower at batch 256 (`benchmarks/h200.py`).
 SIDE_STREAM_MAX_ROWS = 32

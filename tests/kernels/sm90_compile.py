@@ -119,7 +119,7 @@ def install() -> CompileOnlyDriver:
     triton_driver.set_active(fake)
     # PDL is for a CUDA tensor on a Hopper GPU; here for whatever `dispatch.pdl_allowed` says, so both
     # the PDL and the plain variant of each kernel compile.
-    pdl.enabled = lambda t: dispatch.pdl_is_allowed()
+    pdl.enabled = lambda t, max_rows=None: dispatch.pdl_is_allowed()
     return fake
 
 

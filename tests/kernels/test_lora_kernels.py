@@ -229,3 +229,39 @@ def test_launcher_refuses_operands_that_do_not_fit():
         lora_kernels.add_lora(x[:, :8], y, slots.a, slots.b, slots.bounds, meta, order_at, tile)
     with pytest.raises(ValueError, match="int32"):
         lora_kernels.add_lora(x, y, slots.a, slots.b, slots.bounds, meta.long(), order_at, tile)
+
+
+def test_both_launches_take_pdl_by_their_own_row_bound(monkeypatch):
+    """The shrink and the expand ask for PDL with `policy.LORA_PDL_MAX_ROWS`, not the step's rule; on CUDA a
+    launch of up to that many tokens gets it even where the step's rule (`dispatch.pdl_allowed`) says no, and a
+    larger one does not."""
+    from types import SimpleNamespace
+
+    from pagoda.kernels import pdl, policy
+
+    asked = []
+
+    def spy(t, max_rows=None):
+        asked.append(max_rows)
+        return {"PDL": False}
+
+    monkeypatch.setattr(pdl, "launch_args", spy)
+    sizes, in_features, tokens, max_loras, rank = CASES[0]
+    slots = _layer(sizes, in_features, max_loras, rank, torch.float32)
+    x = torch.randn(tokens, in_features).to(DEVICE)
+    _run(slots, x, torch.zeros(tokens, sum(sizes)).to(DEVICE), np.arange(tokens) % max_loras)
+    assert asked == [policy.LORA_PDL_MAX_ROWS] * 2
+
+    monkeypatch.setattr(pdl, "_switched_on", lambda: True)
+    monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: True)
+
+    def on_cuda(rows):
+        return SimpleNamespace(is_cuda=True, shape=(rows, 8), device=SimpleNamespace(index=0))
+
+    with dispatch.pdl_allowed(False):
+        assert not pdl.enabled(on_cuda(1))
+        assert pdl.enabled(on_cuda(256), max_rows=256)
+        assert not pdl.enabled(on_cuda(257), max_rows=256)
+    with dispatch.pdl_allowed(True):
+        assert pdl.enabled(on_cuda(1)) and not pdl.enabled(on_cuda(300), max_rows=256)
+    assert not pdl.enabled(SimpleNamespace(is_cuda=False, shape=(1, 8)), max_rows=256)
