@@ -63,7 +63,7 @@ PDL_MAX_ROWS = 64
 # The LoRA shrink and expand (`kernels/lora.py`) launch with PDL in launches of at most this many tokens, whatever
 # the step's rule above: each waits for its predecessor (the layer's cuBLAS matmul, or the shrink) with its tile's
 # bookkeeping (and the expand its B tile) already loaded. 16 rank-16 adapters on a Llama-3-8B shape
-# (`benchmarks/lora_gpu.py`): 1.01x tokens/s at 64 rows and 1.02x at 256; larger launches are not measured.
+# (`benchmarks/lora_gpu.py`): 1.01x tokens/s at 64 rows and at 256; larger launches are not measured.
 LORA_PDL_MAX_ROWS = 256
 
 # Yuan2 decode steps of at most this many rows run v_proj on a side stream (`models/yuan.py`,
