@@ -140,6 +140,14 @@ LORA_KERNELS = Env(
     "the Triton shrink/expand pair for LoRA adapters (kernels/lora.py); 0: the PyTorch reference (no CUDA graphs)",
     once=True,
 )
+LORA_STACKED = Env(
+    "PAGODA_LORA_STACKED",
+    bool,
+    True,
+    "LoRA kernels: adapters' A stacked under each eligible decoder layer's weight, so small steps get the shrink "
+    "from the layer's own matmul (lora/layers.py); 0: the shrink is a launch of its own",
+    once=True,
+)
 LORA_SIDE_STREAM = Env(
     "PAGODA_LORA_SIDE_STREAM",
     bool,

@@ -27,11 +27,17 @@ each column's own part and zeros elsewhere (so one product serves columns of sev
 fp32 and rounded once to y's dtype (the reference rounds the term first, then the sum: bf16 results may
 differ by an ulp). Every (token, column) of y is written by one program: a token is in one tile.
 
+Stacked (`expand_stacked`): a layer whose slots' A sit under its weight as extra rows (`lora/layers.py`) gets the
+shrink from its own matmul, as the columns past `out` of y_ext = x·[W; A]ᵀ: part p, slot l, rank row r is column
+out + (p·L + l)·R + r, rounded to the model's dtype by the matmul. The expand alone then reads each token's own
+slot's columns from the token's row of y_ext (H_BY_TOKEN, one split) and adds into its first `out` columns.
+
 Both launch with PDL (`kernels/pdl.py`) in launches of at most `policy.LORA_PDL_MAX_ROWS` tokens: a tile's
 bookkeeping (and the expand's B tile, read-only in a step) is loaded before waiting for the previous kernel.
 
-`add_lora` launches both; `shrink` and `expand` launch one each, for a caller that runs them on different streams
-(`lora/layers.py`). Launchers check shapes and dtypes and launch; they never read device values on the host.
+`add_lora` launches both; `shrink` and `expand` launch one each, for a caller that runs them on different
+streams (`lora/layers.py`); `expand_stacked` the stacked expand. Launchers check shapes and dtypes and launch;
+they never read device values on the host.
 """
 
 from __future__ import annotations
@@ -123,14 +129,17 @@ def _expand_kernel(
     y_ptr,
     meta_ptr,
     bounds_ptr,
-    stride_h,  # h's 3 strides
+    stride_h,  # h's 3 strides: split, row, column
     stride_b,  # B's 3 strides
     stride_y,
     ORDER_AT,
     OUT,
     R,
     SPLIT_K,
+    H_PART,  # columns between two parts' rank rows in h (R; stacked: slots · R)
+    H_SLOT,  # columns between two slots' (0; stacked: R)
     NUM_PARTS: tl.constexpr,
+    H_BY_TOKEN: tl.constexpr,  # h's rows are the step's tokens (stacked), not places in `order`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_PR: tl.constexpr,
@@ -154,9 +163,11 @@ def _expand_kernel(
     wait_for_inputs(PDL)  # B and meta are read-only in a step; h and y come from the kernels before
     if count > 0:
         hsum = tl.zeros((BLOCK_M, BLOCK_PR), dtype=tl.float32)
+        h_row = token if H_BY_TOKEN else place
+        h_col = (j // R) * H_PART + slot * H_SLOT + j % R
         for s in range(SPLIT_K):
-            h = h_ptr + s * stride_h[0] + place[:, None] * stride_h[1] + j[None, :] * stride_h[2]
-            hsum += tl.load(h, mask=valid[:, None] & in_j[None, :], other=0.0)
+            h = h_ptr + s * stride_h[0] + h_row[:, None] * stride_h[1] + h_col[None, :] * stride_h[2]
+            hsum += tl.load(h, mask=valid[:, None] & in_j[None, :], other=0.0).to(tl.float32)
         term = mma(round_to(hsum, b_ptr, EMULATE_BF16), bt, IEEE, UPCAST)
         y = y_ptr + token[:, None] * stride_y + n[None, :]
         mask = valid[:, None] & in_n[None, :]
@@ -278,15 +289,54 @@ def expand(
         raise ValueError(f"h {tuple(h.shape)}, y {tuple(y.shape)} and B {tuple(b.shape)} do not fit")
     if t == 0:
         return y
-    tiles = _tiles(t, tile_tokens, num_slots)
+    layout = (rank, 0, False)  # h[split, place, p·R + r]
+    _launch_expand(h, h.stride(), layout, y, b, bounds, meta, order_at, tile_tokens, splits, block_n, num_warps)
+    return y
+
+
+def expand_stacked(
+    y_ext: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    meta: torch.Tensor,
+    order_at: int,
+    tile_tokens: int,
+    *,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """The expand alone, for a layer whose slots' A are stacked under its weight: y_ext [T, out + P·L·R] is x times
+    that stacked weight, the layer's output in its first `out` columns and then every (part, slot, rank)'s x·Aᵀ,
+    already in the model's dtype (the shrink's rounding). Adds each token's own slot's term into the first `out`
+    columns in place and returns them (a view, row stride out + P·L·R)."""
+    num_slots, out, rank = b.shape
+    num_parts = bounds.numel() - 1
+    if y_ext.dim() != 2 or y_ext.shape[1] != out + num_parts * num_slots * rank or y_ext.stride(1) != 1:
+        raise ValueError(f"y_ext {tuple(y_ext.shape)} is not the output of B {tuple(b.shape)}'s stacked weight")
+    if y_ext.dtype not in DTYPES or b.dtype != y_ext.dtype or bounds.dtype != torch.int32:
+        raise ValueError(f"dtypes y_ext {y_ext.dtype}, B {b.dtype}, bounds {bounds.dtype}")
+    y, h = y_ext[:, :out], y_ext[:, out:]
+    if y_ext.shape[0]:
+        strides = (0, y_ext.stride(0), 1)
+        layout = (num_slots * rank, rank, True)
+        _launch_expand(h, strides, layout, y, b, bounds, meta, order_at, tile_tokens, 1, block_n, num_warps)
+    return y
+
+
+def _launch_expand(h, h_strides, h_layout, y, b, bounds, meta, order_at, tile_tokens, splits, block_n, num_warps):
+    """The expand's launch over y's tokens; h_layout: (H_PART, H_SLOT, H_BY_TOKEN) (see `_expand_kernel`)."""
+    num_slots, out, rank = b.shape
+    num_parts = bounds.numel() - 1
+    tiles = _tiles(y.shape[0], tile_tokens, num_slots)
     ieee, upcast = dot_flags(b.dtype)
+    h_part, h_slot, by_token = h_layout
     _expand_kernel[(tiles, triton.cdiv(out, block_n))](
-        h, b, y, meta, bounds, h.stride(), b.stride(), y.stride(0), order_at, out, rank, splits,
-        NUM_PARTS=num_parts, BLOCK_M=tile_tokens, BLOCK_N=block_n, BLOCK_PR=_block_pr(pr),
-        IEEE=ieee, UPCAST=upcast, EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
+        h, b, y, meta, bounds, h_strides, b.stride(), y.stride(0), order_at, out, rank, splits, h_part, h_slot,
+        NUM_PARTS=num_parts, H_BY_TOKEN=by_token, BLOCK_M=tile_tokens, BLOCK_N=block_n,
+        BLOCK_PR=_block_pr(num_parts * rank), IEEE=ieee, UPCAST=upcast,
+        EMULATE_BF16=interpreting(),  # round_to emulates only where the pointer is bf16
         num_warps=num_warps, **pdl.launch_args(y, policy.LORA_PDL_MAX_ROWS),
     )  # fmt: skip
-    return y
 
 
 def _tiles(tokens: int, tile_tokens: int, num_slots: int) -> int:

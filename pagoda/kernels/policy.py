@@ -66,6 +66,15 @@ PDL_MAX_ROWS = 64
 # (`benchmarks/lora_gpu.py`): 1.01x tokens/s at 64 rows and at 256; larger launches are not measured.
 LORA_PDL_MAX_ROWS = 256
 
+# A decoder layer's adapters' A matrices are stacked under its weight (`lora/layers.py`, `LoRASlots.stack_under`)
+# when their rows (parts x slots x max rank) come to at most this fraction of the layer's output rows: launches of
+# at most LORA_STACKED_MAX_TOKENS tokens then get every slot's shrink as extra output columns of the layer's own
+# matmul, and only the expand is a launch of its own. The extra columns cost the matmul a few per cent, where the
+# shrink launch they replace cost about as much as the expand (`benchmarks/lora_gpu.py`, 16 rank-16 adapters on a
+# Llama-3-8B shape); past this fraction the matmul pays for slots a step seldom fills.
+LORA_STACKED_MAX_EXTRA = 0.25
+LORA_STACKED_MAX_TOKENS = 256
+
 # Yuan2 decode steps of at most this many rows run v_proj on a side stream (`models/yuan.py`,
 # `layers/side_stream.py`): it overlaps at batch 1 and is slower at batch 256 (`benchmarks/h200.py`).
 SIDE_STREAM_MAX_ROWS = 32

@@ -12,7 +12,11 @@ an index-add per slot and part), and as one int32 device buffer the Triton kerne
 tiles of at most TILE_TOKENS tokens of one slot, then the tokens grouped by slot). The buffer is allocated
 once and written in place each step, so CUDA graphs captured over the kernels replay with any step's mapping.
 
-On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); elsewhere the reference.
+On CUDA with Triton the kernels run (`PAGODA_LORA_KERNELS=0`: the reference); elsewhere the reference. A decoder
+layer may hold its A inside its own weight instead (`LoRASlots.stack_under`): W_ext = [W; A viewed as P·L·R rows],
+the layer's `weight` a view of its first rows. Launches of at most `policy.LORA_STACKED_MAX_TOKENS` tokens multiply
+by W_ext, whose extra output columns are every slot's x·Aᵀ, and launch the expand alone; the layer's output is then
+a view with a row stride past its width, as a q/k/v split of a fused projection is.
 Layers of a multimodal encoder (Qwen2-VL's vision tower) share an `EncoderLoRAStep` instead: PyTorch matmuls per
 slot (`LoRASlots.add_grouped`), its mapping written for each encoder call (thousands of patch rows, never replayed
 from a CUDA graph).
@@ -30,8 +34,8 @@ import torch
 
 from pagoda import envs
 from pagoda.device_copy import to_device
-from pagoda.kernels import dispatch
-from pagoda.layers.linear import step_rows
+from pagoda.kernels import dispatch, policy
+from pagoda.layers.linear import linear, step_rows
 
 # Tokens per kernel tile (`kernels/lora.py`): a slot's tokens are cut into tiles of at most this many. Steps of
 # at most SMALL_STEP_TOKENS tokens (decode, a few adapters' rows each) use the small tile: a 64-token tile then
@@ -199,6 +203,7 @@ class LoRASlots:
         self.a = torch.zeros(len(parts), max_loras, max_rank, input_range[1], dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, ends[-1], max_rank, dtype=dtype, device=device)
         self.bounds = torch.tensor([0, *ends], dtype=torch.int32, device=device)
+        self.stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (W_ext, its bias): `stack_under`
         self._expand_operands: dict[int, torch.Tensor] = {}  # slot -> `_expand_operand`'s block, until `set` refills it
 
     def part_index(self, name: str | None) -> int:
@@ -215,15 +220,35 @@ class LoRASlots:
             self.a[i, slot, :rank].copy_(a)
             self.b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
 
+    def stack_under(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Moves the layer's weight [out, in] (and bias) into W_ext [out + P·L·R, in] whose rows past `out` are A
+        (the slots' A become a view of them, so `set` writes there), and the parameters into views of its first
+        rows: the layer's own matmul is unchanged, and `apply` may multiply by W_ext instead. The caller checks
+        that the layer's matmul is `linear(x, weight, bias)` on this device, in A's dtype."""
+        out, k = weight.shape
+        extra = self.a.numel() // k
+        stacked = weight.new_empty(out + extra, k)
+        stacked[:out].copy_(weight.data)
+        stacked[out:].copy_(self.a.reshape(extra, k))
+        weight.data, self.a = stacked[:out], stacked[out:].view(self.a.shape)
+        stacked_bias = None
+        if bias is not None:
+            stacked_bias = bias.new_zeros(out + extra)
+            stacked_bias[:out].copy_(bias.data)
+            bias.data = stacked_bias[:out]
+        self.stacked = stacked, stacked_bias
+
     def apply(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor:
         """matmul() (the layer's own product of x [T, in], [T, out]) plus each token's adapter applied to x.
 
-        With the kernels, on CUDA, for launches over at most SIDE_STREAM_MAX_TOKENS tokens and unless
-        PAGODA_LORA_SIDE_STREAM=0, the shrink runs on a side stream while the layer's matmul runs: a
-        decode-sized step's matmul is bound by reading the weights, and the shrink's few small programs then
-        fill SMs it leaves idle instead of adding their launch and tail to the step. Its partial sums are
-        allocated here, on the caller's stream, which joins the side stream before the expand reads them, so
-        neither they nor x are freed while the side stream may still use them."""
+        With the kernels: a layer whose A are stacked under its weight (`stack_under`) multiplies launches of at
+        most `policy.LORA_STACKED_MAX_TOKENS` tokens by W_ext and launches the expand alone. Otherwise, on CUDA,
+        for launches over at most SIDE_STREAM_MAX_TOKENS tokens and unless PAGODA_LORA_SIDE_STREAM=0, the shrink
+        runs on a side stream while the layer's matmul runs: a decode-sized step's matmul is bound by reading the
+        weights, and the shrink's few small programs then fill SMs it leaves idle instead of adding their launch
+        and tail to the step. Its partial sums are allocated here, on the caller's stream, which joins the side
+        stream before the expand reads them, so neither they nor x are freed while the side stream may still use
+        them."""
         if isinstance(self.step, EncoderLoRAStep):
             return self._apply_encoder(x, matmul)
         rows = step_rows()
@@ -235,6 +260,9 @@ class LoRASlots:
         if kernels is None or not (self.step.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             return self.add_reference(x, matmul())
         meta, order_at, tile = self.step.tiling(x.shape[0])
+        if self.stacked is not None and x.shape[0] <= policy.LORA_STACKED_MAX_TOKENS:
+            y_ext = linear(x, *self.stacked)
+            return kernels.expand_stacked(y_ext, self.b, self.bounds, meta, order_at, tile)
         if not (x.is_cuda and self.step.side_stream and x.shape[0] <= SIDE_STREAM_MAX_TOKENS):
             return kernels.add_lora(x, matmul(), self.a, self.b, self.bounds, meta, order_at, tile)
         h = kernels.shrink_buffer(x, self.a, tile, beside_matmul=True)

@@ -18,9 +18,11 @@ import itertools
 import numpy as np
 import torch
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.config.lora import LoRAConfig
 from pagoda.errors import ConfigError
+from pagoda.kernels import dispatch, policy
 from pagoda.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
 from pagoda.lora.layers import EncoderLoRAStep, LoRAPart, LoRASlots, LoRAStep
 from pagoda.lora.peft import LoRAAdapter, load_peft_adapter
@@ -50,13 +52,35 @@ def _input_range(layer: Linear) -> tuple[int, int, int]:
     return 0, layer.input_size, layer.input_size
 
 
+def _stacks(layer: Linear, slots: LoRASlots) -> bool:
+    """Whether a decoder layer's A go under its weight (`LoRASlots.stack_under`): the LoRA kernels run on its
+    device (`PAGODA_LORA_STACKED` on), its matmul is the plain `linear` (unquantized, not overridden, A in its
+    dtype), its output is not all-reduced in place (a row-parallel layer under tensor parallelism reduces a
+    contiguous output), and the A rows are at most `policy.LORA_STACKED_MAX_EXTRA` of its output rows."""
+    weight = layer.weight
+    plain = type(layer).matmul is Linear.matmul and type(layer).forward in (Linear.forward, RowParallelLinear.forward)
+    if not (envs.LORA_STACKED.value and plain and layer.quant is None and dispatch.lora_for(weight) is not None):
+        return False
+    if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+        return False
+    if weight.device != slots.a.device or weight.dtype != slots.a.dtype:
+        return False
+    return slots.a.numel() <= policy.LORA_STACKED_MAX_EXTRA * weight.numel()
+
+
 def attach_lora(
-    model: CausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device, max_tokens: int
+    model: CausalLM,
+    config: LoRAConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_tokens: int,
+    stack: bool = True,
 ) -> tuple[dict[str, LoRASlots], dict[str, EncoderLoRAStep]]:
     """Slots on every linear layer of the decoder's layers (MoE experts and routers too; not the embedding or the
     LM head), sharing one step mapping for steps of up to max_tokens, and with `config.tower_connector` on those
     of the encoder's adaptable groups, one mapping per group; returns the slots by module name and the groups'
-    mappings."""
+    mappings. stack: decoder layers that can take their A under their weight do (`_stacks`; False where the
+    weights alias staging memory: `--cpu-offload-gb`)."""
     step = LoRAStep(config.max_loras, max_tokens, device)
     groups = model.encoder_lora_groups if config.tower_connector else ()
     encoder_steps = {group: EncoderLoRAStep(device) for group in groups}
@@ -74,6 +98,8 @@ def attach_lora(
         layer_step = step if group is None else encoder_steps[group]
         slots = LoRASlots(_input_range(module), parts, config.max_loras, rank, dtype, device, layer_step)
         slots.row_maps = row_maps
+        if stack and group is None and _stacks(module, slots):
+            slots.stack_under(module.weight, module.bias)
         module.lora = slots
         layers[name] = slots
     return layers, encoder_steps
@@ -109,7 +135,8 @@ class LoRAManager:
             1 + (spec.num_speculative_tokens if spec else 0)
         )
         self.dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
-        self.layers, self.encoder_steps = attach_lora(model, config, self.dtype, device, max_tokens)
+        offload = engine.device.cpu_offload_gb > 0
+        self.layers, self.encoder_steps = attach_lora(model, config, self.dtype, device, max_tokens, not offload)
         decoder = [slots.step for slots in self.layers.values() if isinstance(slots.step, LoRAStep)]
         self.step = decoder[0] if decoder else LoRAStep(config.max_loras, max_tokens)
         # Adapters with weights on the encoder: a version per read, which keys their encoder outputs apart

@@ -98,6 +98,56 @@ def test_kernels_match_the_per_token_product(sizes, in_features, tokens, max_lor
     torch.testing.assert_close(out, ref, **tol)
 
 
+def _stacked(sizes, in_features, max_loras, rank, dtype, bias):
+    """`_layer`'s slots on a Linear of random weight (and bias), their A stacked under it; the weight's values."""
+    from pagoda.layers.linear import Linear
+
+    slots = _layer(sizes, in_features, max_loras, rank, dtype)
+    g = torch.Generator().manual_seed(8)
+    layer = Linear(in_features, sum(sizes), bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(sum(sizes), in_features, generator=g) / 4)
+        if bias:
+            layer.bias.copy_(torch.randn(sum(sizes), generator=g))
+    layer.to(dtype=dtype, device=DEVICE)
+    weight, bias_values = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    slots.stack_under(layer.weight, layer.bias)
+    layer.lora = slots
+    return layer, weight, bias_values
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sizes,in_features,tokens,max_loras,rank", CASES)
+def test_a_layer_with_its_adapters_stacked_under_its_weight(sizes, in_features, tokens, max_loras, rank, dtype, bias,
+                                                            monkeypatch):  # fmt: skip
+    """`LoRASlots.stack_under`: the layer's weight and bias keep their values as views of W_ext; an adapter set into
+    a slot afterwards lands in W_ext's rows; the layer's forward (the stacked matmul and the expand alone up to
+    `policy.LORA_STACKED_MAX_TOKENS` tokens, the shrink from the A view past it) equals the per-token product."""
+    monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
+    layer, weight, bias_values = _stacked(sizes, in_features, max_loras, rank, dtype, bias)
+    slots = layer.lora
+    stacked, stacked_bias = slots.stacked
+    assert torch.equal(layer.weight, weight) and layer.weight.data_ptr() == stacked.data_ptr()
+    assert not bias or (torch.equal(layer.bias, bias_values) and layer.bias.data_ptr() == stacked_bias.data_ptr())
+    g = torch.Generator().manual_seed(9)
+    new = {p.name: (torch.randn(rank, in_features, generator=g) / 4, torch.randn(p.size, rank, generator=g) / 4)
+           for p in slots.parts}  # fmt: skip
+    slots.set(0, {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in new.items()})
+    assert torch.equal(
+        stacked[sum(sizes) :].view(slots.a.shape)[0, 0, :rank].cpu(), new[slots.parts[0].name][0].to(dtype)
+    )
+    x = torch.randn(tokens, in_features, generator=g).to(dtype).to(DEVICE)
+    token_slots = torch.randint(-1, max_loras, (tokens,), generator=g).numpy()
+    token_slots[0], token_slots[-1] = -1, 0
+    slots.step.write(token_slots)
+    out = layer(x)
+    base = x.cpu().double() @ weight.cpu().double().t() + (0 if bias_values is None else bias_values.cpu().double())
+    want = _naive(slots, x.cpu(), base, token_slots)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(out.cpu().double(), want, **tol)
+
+
 @pytest.mark.parametrize(
     "tile,tiles",
     [(16, {"block_n": 256, "block_k": 128}), (16, {"splits": 16, "num_warps": 2}), (32, {"block_n": 128, "splits": 3})],
@@ -175,18 +225,66 @@ def test_the_side_stream_shrink_waits_for_its_input_and_the_expand_for_it(late, 
         torch.testing.assert_close(slots.apply(x, y.clone), want, rtol=0, atol=0)
 
 
-def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_setup, monkeypatch):
+def test_which_layers_stack_their_adapters(monkeypatch):
+    """`manager._stacks`: a plain unquantized layer on a device with the kernels, A in its dtype and at most
+    `policy.LORA_STACKED_MAX_EXTRA` of its rows; not with the switch off, a quantized or overridden layer, another
+    dtype, too many A rows, or a row-parallel layer whose output the ranks all-reduce."""
+    from types import SimpleNamespace
+
+    from pagoda.kernels import policy
+    from pagoda.layers.linear import Linear, RowParallelLinear
+    from pagoda.lora import manager
+
+    def slots_for(layer, max_loras=2, rank=4, dtype=torch.float32):
+        parts = [LoRAPart(None, 0, layer.output_size)]
+        step = LoRAStep(max_loras, 16, DEVICE)
+        return LoRASlots((0, layer.input_size, layer.input_size), parts, max_loras, rank, dtype, DEVICE, step)
+
+    def plain(out=64, cls=Linear):
+        return cls(32, out).to(DEVICE)
+
+    monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
+    assert manager._stacks(plain(), slots_for(plain()))  # 8 A rows under 64: an eighth
+    assert not manager._stacks(plain(out=24), slots_for(plain(out=24)))  # 8 under 24: a third
+    monkeypatch.setattr(policy, "LORA_STACKED_MAX_EXTRA", 0.5)
+    assert manager._stacks(plain(out=24), slots_for(plain(out=24)))
+    assert not manager._stacks(plain(), slots_for(plain(), dtype=torch.float64))
+    quantized = plain()
+    quantized.quant = SimpleNamespace()
+    assert not manager._stacks(quantized, slots_for(quantized))
+    overridden = type("Overridden", (Linear,), {"forward": lambda self, x: x})(32, 64).to(DEVICE)
+    assert not manager._stacks(overridden, slots_for(overridden))
+    row = plain(cls=RowParallelLinear)
+    assert manager._stacks(row, slots_for(row))
+    row.tp_size = 2
+    assert not manager._stacks(row, slots_for(row))
+    monkeypatch.setenv("PAGODA_LORA_STACKED", "0")
+    assert not manager._stacks(plain(), slots_for(plain()))
+    monkeypatch.setattr(dispatch, "lora_for", lambda x: None)
+    monkeypatch.delenv("PAGODA_LORA_STACKED")
+    assert not manager._stacks(plain(), slots_for(plain()))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shrink-launch", "stacked"])
+def test_adapters_through_the_kernels_and_step_graphs_equal_peft_merged(lora_setup, stacked, monkeypatch):
     """The same mixed batch through the Triton shrink/expand kernels inside the graph runner's static buffers
     (on the CPU: the interpreter and the graph path without capture; on a GPU: captured CUDA graphs), chunked
-    prefill mixing adapters' prompts with decodes. Every step must replay a bucket."""
+    prefill mixing adapters' prompts with decodes. Every step must replay a bucket. Once with every layer's
+    shrink a launch of its own, once with every decoder layer's A stacked under its weight (`stack_under`)."""
+    from pagoda.kernels import policy
     from pagoda.worker.graph_runner import DECODE, MIXED
 
     base, adapters, refs = lora_setup
     if not CUDA:
         monkeypatch.setattr(dispatch, "lora_for", lambda x: lora_kernels)
+    if stacked:  # the tiny model's layers are narrower than 4x their adapters' A rows
+        monkeypatch.setattr(policy, "LORA_STACKED_MAX_EXTRA", 1e9)
+    else:
+        monkeypatch.setenv("PAGODA_LORA_STACKED", "0")
     requests = peft_cases._requests(adapters)
     llm = peft_cases._llm(base, max_loras=3, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=8)
     runner = llm.llm_engine.runner
+    assert [s.stacked is not None for s in runner.lora.layers.values()] == [stacked] * len(runner.lora.layers)
     if not CUDA:
         runner.enable_cuda_graphs(capture=False)
     used: list[str] = []
