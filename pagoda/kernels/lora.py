@@ -323,7 +323,20 @@ def expand_stacked(
     return y
 
 
-def _launch_expand(h, h_strides, h_layout, y, b, bounds, meta, order_at, tile_tokens, splits, block_n, num_warps):
+def _launch_expand(
+    h: torch.Tensor,
+    h_strides: tuple[int, ...],
+    h_layout: tuple[int, int, bool],
+    y: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    meta: torch.Tensor,
+    order_at: int,
+    tile_tokens: int,
+    splits: int,
+    block_n: int,
+    num_warps: int,
+) -> None:
     """The expand's launch over y's tokens; h_layout: (H_PART, H_SLOT, H_BY_TOKEN) (see `_expand_kernel`)."""
     num_slots, out, rank = b.shape
     num_parts = bounds.numel() - 1

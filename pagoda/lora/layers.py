@@ -227,16 +227,10 @@ class LoRASlots:
         that the layer's matmul is `linear(x, weight, bias)` on this device, in A's dtype."""
         out, k = weight.shape
         extra = self.a.numel() // k
-        stacked = weight.new_empty(out + extra, k)
-        stacked[:out].copy_(weight.data)
+        stacked = _grown(weight, extra)
         stacked[out:].copy_(self.a.reshape(extra, k))
-        weight.data, self.a = stacked[:out], stacked[out:].view(self.a.shape)
-        stacked_bias = None
-        if bias is not None:
-            stacked_bias = bias.new_zeros(out + extra)
-            stacked_bias[:out].copy_(bias.data)
-            bias.data = stacked_bias[:out]
-        self.stacked = stacked, stacked_bias
+        self.a = stacked[out:].view(self.a.shape)
+        self.stacked = stacked, None if bias is None else _grown(bias, extra)
 
     def apply(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor:
         """matmul() (the layer's own product of x [T, in], [T, out]) plus each token's adapter applied to x.
@@ -329,6 +323,15 @@ class LoRASlots:
                 delta = (xs @ self.a[i, slot].t()) @ b.t()  # [n, out_part]
                 y[:, part.offset : part.offset + part.size].index_add_(0, tokens, delta.to(y.dtype))
         return y
+
+
+def _grown(param: torch.Tensor, rows: int) -> torch.Tensor:
+    """A zeroed tensor of `rows` more rows than `param`, its first rows holding param's values; param's data becomes a
+    view of them (so the module reads the same values, from the grown tensor's memory)."""
+    grown = param.new_zeros(param.shape[0] + rows, *param.shape[1:])
+    grown[: param.shape[0]].copy_(param.data)
+    param.data = grown[: param.shape[0]]
+    return grown
 
 
 @functools.cache
