@@ -2,7 +2,7 @@
 of each graph replay by bucket.
 
     python benchmarks/profile/spec_step_phases.py MODEL [--load-format dummy] [--side suffix:8] [--prompts 4] \\
-        [--max-tokens 256]
+        [--max-tokens 256] [--trace]
 
 MODEL is any Pagoda model (SmolLM2-135M's shape with `--load-format dummy` is the host-bound case; random weights
 loop, so suffix proposals hold by construction). `--side` is `off` or `METHOD:K`, built as `spec_decode_gpu.py`
@@ -11,7 +11,9 @@ Prompts of 40 random token ids, greedy, EOS ignored, one request at a time after
 time around one engine, runner or speculator call (perf_counter, no synchronisation added), per step: `launch.*`
 builds and queues a step, `process.*` reads it (`process.result.wait` is the host waiting for the GPU) and makes
 the next proposals. On a GPU each graph step (its inputs' copy, the replay, the logits) is bracketed by CUDA
-events, so its GPU time per bucket comes out too. A phase nested in another is counted in both.
+events, so its GPU time per bucket comes out too. A phase nested in another is counted in both. `--trace` (GPU
+only) then runs one more prompt under torch.profiler and lists each kernel's GPU time a step, the kernels of graph
+replays included.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def main() -> None:
     parser.add_argument("--side", default="suffix:8")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--trace", action="store_true", help="then one more prompt under torch.profiler: each kernel's GPU time a step"
+    )
     args = parser.parse_args()
     llm = speculative_llm(args.model, args.load_format, args.side)
     engine, runner = llm.engine, llm.engine.runner
@@ -116,7 +121,35 @@ def main() -> None:
             by_bucket[bucket].append(start.elapsed_time(end))
         for (kind, size), times in sorted(by_bucket.items(), key=lambda item: -len(item[1])):
             print(f"  replay {kind} {size:5d}: GPU {np.median(times):.3f} ms median ({len(times)} steps)")
+    if args.trace and torch.cuda.is_available():
+        _kernel_table(llm, prompts[0], params, counts)
     llm.shutdown()
+
+
+def _kernel_table(llm, prompt: dict, params: SamplingParams, counts: collections.Counter) -> None:
+    """One prompt under torch.profiler: each kernel's GPU time a step (graph replays' kernels included), and the
+    GPU's busy share of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts.clear()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    wall_us = 1e6 * (time.perf_counter() - started)
+    steps = max(counts["step"], 1)
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            kernels[event.name].append(event.device_time_total)
+    busy = sum(sum(times) for times in kernels.values())
+    launches = sum(len(times) for times in kernels.values())
+    print(
+        f"  trace: {steps} steps, GPU busy {busy / steps:.1f} µs a step of {wall_us / steps:.1f} "
+        f"({100 * busy / wall_us:.0f} %), {launches / steps:.1f} kernels a step"
+    )
+    for name, times in sorted(kernels.items(), key=lambda item: -sum(item[1]))[:25]:
+        print(f"    {sum(times) / steps:8.1f} µs a step  {len(times) / steps:6.1f} a step  {name[:90]}")
 
 
 if __name__ == "__main__":
