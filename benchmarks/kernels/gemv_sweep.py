@@ -157,6 +157,7 @@ def main() -> None:
                     timed = [(graph_us(lambda c=c: kernel(c), copies), c) for c in grid if c.block_k < 2 * k]
                     best_us, best = min(timed, key=lambda t: t[0])
                     row["grid_best_us"], row["grid_best"] = best_us, vars(best)
+                    row["grid"] = [dict(vars(c), us=us) for us, c in timed]  # every config, to pick one for all rows
                 results.append(row)
                 extra = (
                     f"  grid best {row['grid_best_us']:7.2f} {tuple(row['grid_best'].values())}"
