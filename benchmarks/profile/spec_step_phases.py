@@ -71,6 +71,7 @@ def main() -> None:
         (spec_rows, "build_inputs", "launch.prepare.inputs"),
         (runner, "_run_model", "launch.model"),
         (graph_runner.GraphRunner, "write", "launch.model.graph_inputs"),
+        (torch.cuda.CUDAGraph, "replay", "launch.model.replay"),
         (runner, "_sample", "launch.sample"),
         (spec_rows, "sample", "launch.sample.verify"),
         (pending_step.PendingStep, "__init__", "launch.sample.copy_out"),
