@@ -6,8 +6,8 @@ Usage:
         [--side off] [--side ngram:4] [--side "suffix:8"] [--side "ngram:4|PAGODA_MIXED_STEP_GRAPHS=0"] [--json FILE] \\
         [--profile N]
 
-A side is `METHOD[:K][|NAME=VALUE ...]` (METHOD `off`, `ngram`, `suffix` or `draft_model`; the environment
-variables set for that side's process). `draft_model` drafts with `--draft MODEL` (default: the target itself, so
+A side is `METHOD[:K[,KEY=VALUE ...]][|NAME=VALUE ...]` (METHOD `off`, `ngram`, `suffix` or `draft_model`; further
+`--speculative-config` keys, values as JSON; the environment variables set for that side's process). `draft_model` drafts with `--draft MODEL` (default: the target itself, so
 with real weights every proposal the target would make is drafted: the draft engine's cost at full acceptance).
 Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with `--batch`, one task
 instead: every prompt at once, output tokens/s):
@@ -74,8 +74,12 @@ def speculative_llm(model: str, load_format: str, side: str, draft: str | None =
     `draft_model` drafts with `draft`, by default the model itself); without `chat`, token-id prompts only."""
     from pagoda import LLM
 
-    method, _, k = side.partition(":")
+    method, _, rest = side.partition(":")
+    k, *keys = rest.split(",")
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": int(k or 4)}
+    for key in keys:  # further speculative_config keys, e.g. suffix:3,suffix_decoding_min_token_prob=0.3
+        name, _, value = key.partition("=")
+        spec[name] = json.loads(value)
     if spec and method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if spec and method == "draft_model":
@@ -157,7 +161,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft", default=None, help="the draft_model side's draft (default: MODEL itself)")
     parser.add_argument("--batch", action="store_true", help="all prompts at once: output tokens/s instead of TPOT")
-    parser.add_argument("--side", action="append", default=None, help="METHOD[:K][|NAME=VALUE ...]")
+    parser.add_argument("--side", action="append", default=None, help="METHOD[:K[,KEY=VALUE ...]][|NAME=VALUE ...]")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile",
