@@ -7,8 +7,9 @@ Usage:
         [--profile N]
 
 A side is `METHOD[:K[,KEY=VALUE ...]][|NAME=VALUE ...]` (METHOD `off`, `ngram`, `suffix` or `draft_model`; further
-`--speculative-config` keys, values as JSON; the environment variables set for that side's process). `draft_model` drafts with `--draft MODEL` (default: the target itself, so
-with real weights every proposal the target would make is drafted: the draft engine's cost at full acceptance).
+`--speculative-config` keys, values as JSON; the environment variables set for that side's process).
+`draft_model` drafts with `--draft MODEL` (default: the target itself, so with real weights every proposal the
+target would make is drafted: the draft engine's cost at full acceptance).
 Two tasks, greedy, one request at a time (c = 1), `--max-tokens` out, EOS ignored (with `--batch`, one task
 instead: every prompt at once, output tokens/s):
 - `first`: each prompt once. With random weights only what the model repeats of its own output can be proposed;
@@ -70,20 +71,20 @@ def _prompts(args, tokenizer_vocab: int) -> list:
 
 
 def speculative_llm(model: str, load_format: str, side: str, draft: str | None = None, chat: bool = False):
-    """The `LLM` a side runs: bf16, seeded, `side` = `off` or `METHOD[:K]` (n-gram matches of 2-4 tokens; a
-    `draft_model` drafts with `draft`, by default the model itself); without `chat`, token-id prompts only."""
+    """The `LLM` a side runs: bf16, seeded, `side` = `off` or `METHOD[:K[,KEY=VALUE ...]]` (n-gram matches of 2-4
+    tokens unless the keys say otherwise; a `draft_model` drafts with `draft`, by default the model itself); without
+    `chat`, token-id prompts only."""
     from pagoda import LLM
 
     method, _, rest = side.partition(":")
     k, *keys = rest.split(",")
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": int(k or 4)}
-    for key in keys:  # further speculative_config keys, e.g. suffix:3,suffix_decoding_min_token_prob=0.3
-        name, _, value = key.partition("=")
-        spec[name] = json.loads(value)
     if spec and method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if spec and method == "draft_model":
         spec |= {"model": draft or model}
+    if spec:  # further speculative_config keys, e.g. suffix:3,suffix_decoding_min_token_prob=0.3 (they win)
+        spec |= {name: json.loads(value) for name, _, value in (key.partition("=") for key in keys)}
     return LLM(
         model,
         load_format=load_format,
