@@ -2,12 +2,14 @@
 of each graph replay by bucket.
 
     python benchmarks/profile/spec_step_phases.py MODEL [--load-format dummy] [--side suffix:8] [--prompts 4] \\
-        [--max-tokens 256] [--trace]
+        [--max-tokens 256] [--trace] [--chat]
 
 MODEL is any Pagoda model (SmolLM2-135M's shape with `--load-format dummy` is the host-bound case; random weights
-loop, so suffix proposals hold by construction). `--side` is `off` or `METHOD:K`, built as `spec_decode_gpu.py`
-builds its sides.
-Prompts of 40 random token ids, greedy, EOS ignored, one request at a time after a warm-up. Each phase is wall
+loop, so suffix proposals hold by construction). `--side` is `off` or `METHOD:K[,KEY=VALUE ...]`, built as
+`spec_decode_gpu.py` builds its sides.
+Prompts of 40 random token ids, or with `--chat` the copy-heavy chat prompts of `spec_decode_cpu.py` (real weights
+with a tokenizer, e.g. the default model's GGUF: where a first answer's host time goes), greedy, EOS ignored, one
+request at a time after a warm-up. Each phase is wall
 time around one engine, runner or speculator call (perf_counter, no synchronisation added), per step: `launch.*`
 builds and queues a step, `process.*` reads it (`process.result.wait` is the host waiting for the GPU) and makes
 the next proposals. On a GPU each graph step (its inputs' copy, the replay, the logits) is bracketed by CUDA
@@ -31,6 +33,7 @@ from pagoda import SamplingParams
 from pagoda.worker import graph_runner, pending_step, spec_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from spec_decode_cpu import COPY  # noqa: E402 (the same chat prompts as spec_decode_gpu.py --chat)
 from spec_decode_gpu import speculative_llm  # noqa: E402 (the same sides as spec_decode_gpu.py)
 
 
@@ -58,8 +61,9 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="then one more prompt under torch.profiler: each kernel's GPU time a step"
     )
+    parser.add_argument("--chat", action="store_true", help="the copy-heavy chat prompts (a model with a tokenizer)")
     args = parser.parse_args()
-    llm = speculative_llm(args.model, args.load_format, args.side)
+    llm = speculative_llm(args.model, args.load_format, args.side, chat=args.chat)
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
@@ -98,17 +102,25 @@ def main() -> None:
             return out
 
         graphs.run = timed_run
-    rng = np.random.default_rng(0)
-    vocab = engine.config.model.vocab_size
-    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, 40).tolist()} for _ in range(args.prompts)]
+    if args.chat:  # the copy-heavy chat prompts of spec_decode_cpu.py (a model with its tokenizer)
+        prompts: list = [[{"role": "user", "content": p}] for p in COPY[: args.prompts]]
+    else:
+        rng = np.random.default_rng(0)
+        vocab = engine.config.model.vocab_size
+        prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, 40).tolist()} for _ in range(args.prompts)]
+
+    def answer(prompt, params: SamplingParams) -> int:
+        run = llm.chat if args.chat else llm.generate
+        return len(run([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    answer(prompts[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     totals.clear()
     counts.clear()
     replays.clear()
     started, tokens = time.perf_counter(), 0
     for prompt in prompts:
-        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        tokens += answer(prompt, params)
     wall = time.perf_counter() - started
     steps = counts["step"]
     per_token, per_step = 1e3 * wall / tokens, 1e3 * wall / steps
@@ -123,18 +135,18 @@ def main() -> None:
         for (kind, size), times in sorted(by_bucket.items(), key=lambda item: -len(item[1])):
             print(f"  replay {kind} {size:5d}: GPU {np.median(times):.3f} ms median ({len(times)} steps)")
     if args.trace and torch.cuda.is_available():
-        _kernel_table(llm, prompts[0], params, counts)
+        _kernel_table(lambda: answer(prompts[0], params), counts)
     llm.shutdown()
 
 
-def _kernel_table(llm, prompt: dict, params: SamplingParams, counts: collections.Counter) -> None:
-    """One prompt under torch.profiler: each kernel's GPU time a step (graph replays' kernels included). The
-    profiler slows the host many times over, so no wall time or busy share is given: only the kernels' own."""
+def _kernel_table(answer, counts: collections.Counter) -> None:
+    """One prompt (`answer()`) under torch.profiler: each kernel's GPU time a step (graph replays' kernels included).
+    The profiler slows the host many times over, so no wall time or busy share is given: only the kernels' own."""
     from torch.profiler import ProfilerActivity, profile
 
     counts.clear()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
+        answer()
         torch.cuda.synchronize()
     steps = max(counts["step"], 1)
     kernels: dict[str, list[float]] = collections.defaultdict(list)
