@@ -172,6 +172,15 @@ SPEC_LEAN_GREEDY = Env(
     "logprobs, is verified in a dozen launches (worker/spec_rows.py); 0: the general verification",
     once=True,
 )
+SPEC_DEFERRED_OUTPUTS = Env(
+    "PAGODA_SPEC_DEFERRED_OUTPUTS",
+    bool,
+    False,
+    "with async scheduling, a step read at once for its proposals has its outputs (detokenizing, stop strings) "
+    "made after the next step is launched, while the GPU runs it (engine/llm_engine.py); 0: before the next step "
+    "is scheduled",
+    once=True,
+)
 SPEC_DECODE_ROWS = Env(
     "PAGODA_SPEC_DECODE_ROWS",
     bool,

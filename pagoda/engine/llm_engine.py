@@ -102,6 +102,10 @@ class LLMEngine:
         scheduler = config.scheduler
         self._max_unread = scheduler.micro_batches if scheduler.micro_batches > 1 else 1 + scheduler.async_scheduling
         self._device_wait_s = 0.0  # total seconds `step()` waited for sampled tokens (EngineStats)
+        # A step read at once for its proposals leaves its outputs to be made while the next step runs
+        # (`_process(defer=True)`): (the requests it updated, their logprobs, their accepted proposals' logprobs).
+        self._defer_outputs = envs.SPEC_DEFERRED_OUTPUTS.value and self._max_unread > 1
+        self._deferred: tuple[list[Request], Any, Any] | None = None
         # Tokens of each step since the last `stats()` (EngineStats); bounded, as offline nobody asks.
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=1024)
         self._awaiting_grammar: dict[str, tuple[cf.Future, list[Request], float]] = {}
@@ -482,7 +486,12 @@ class LLMEngine:
             self.draft.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._inflight)
+            or bool(self._awaiting_grammar)
+            or self._deferred is not None
+        )
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -501,9 +510,11 @@ class LLMEngine:
         failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
         if refused or read:
             failed = refused + read + failed
+        if self._deferred is not None:  # the last step's outputs (older than any above), made while this one runs
+            failed = self._deferred_outputs() + failed
         if self._max_unread == 1 or scheduler_output.spec_token_ids:
             # A step with proposals gives a row any number of tokens: it is read before the next is scheduled.
-            return failed + self._process(scheduler_output, launched)
+            return failed + self._process(scheduler_output, launched, defer=self._defer_outputs)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
         # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
         # `Scheduler.update` (the request is gone); max_tokens stops are not scheduled at all.
@@ -536,19 +547,39 @@ class LLMEngine:
         while self._inflight and not self.scheduler.has_unfinished():
             self._process(*self._inflight.popleft())
 
-    def _process(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+    def _process(
+        self, scheduler_output: SchedulerOutput, launched: LaunchedStep, defer: bool = False
+    ) -> list[RequestOutput]:
+        """Read a launched step: its tokens into the scheduler, then its outputs, and the next proposals. `defer`:
+        its outputs are made by the next `step()` once that has launched its step (a request that a stop string
+        ends is then in that step too, whose token for it is dropped, as with async scheduling)."""
         started = time.perf_counter()
         step_output = launched.result()  # waits for the device (the step's sampled tokens)
         self._device_wait_s += time.perf_counter() - started
         updated = self.scheduler.update(scheduler_output, step_output)
-        outputs = self.output_processor.process(
-            updated, step_output.logprobs, self._finish, step_output.accepted_logprobs
-        )
+        if defer:
+            self._deferred, outputs = (updated, step_output.logprobs, step_output.accepted_logprobs), []
+        else:
+            outputs = self.output_processor.process(
+                updated, step_output.logprobs, self._finish, step_output.accepted_logprobs
+            )
         if self.speculator is not None:  # the next step's proposals, from the tokens known now
             self.speculator.record(scheduler_output, step_output, self.scheduler.requests)
             self.speculator.propose(self.scheduler.running, self.scheduler.requests)
         if self.scheduler.failures:
             outputs += self._fail_all(self.scheduler.take_failures())
+        return outputs + self._output_failures()
+
+    def _deferred_outputs(self) -> list[RequestOutput]:
+        assert self._deferred is not None
+        (updated, logprobs, accepted_logprobs), self._deferred = self._deferred, None
+        # (a request aborted or failed since it was read gave its final output then, and left the output
+        # processor: it is passed over there)
+        outputs = self.output_processor.process(updated, logprobs, self._finish, accepted_logprobs)
+        return outputs + self._output_failures()
+
+    def _output_failures(self) -> list[RequestOutput]:
+        outputs = []
         if self.output_processor.failures:
             for parent_id, request, exc in self.output_processor.take_failures():
                 outputs += self._fail(

@@ -268,3 +268,65 @@ def test_draft_model_proposals_keep_greedy_and_sampled_outputs(default_llm, tmp_
         assert all(len(c.token_ids) == 8 for o in llm.generate(prompts[:2], sampled, use_tqdm=False) for c in o.outputs)
     finally:
         llm.shutdown()
+
+
+def test_outputs_made_while_the_next_step_runs_are_the_same(default_llm, monkeypatch):
+    """`PAGODA_SPEC_DEFERRED_OUTPUTS` with async scheduling: a step read at once for its proposals has its text,
+    stop strings and logprobs made after the next step is launched. Every output is the one made at once (tokens,
+    text, finish reason, logprobs; n = 2 samples; a stop string inside accepted proposals), streams carry each
+    token once and in order, and a request aborted while its outputs wait gets one final output and nothing after."""
+    monkeypatch.setenv("PAGODA_SPEC_DEFERRED_OUTPUTS", "1")
+    llm = LLM(
+        max_model_len=2048,
+        cpu_kv_cache_space_gib=0.25,
+        seed=0,
+        async_scheduling=True,
+        speculative_config={"method": "suffix", "num_speculative_tokens": 3, "disable_by_batch_size": 64},
+    )
+    engine = llm.engine
+    try:
+        assert engine._defer_outputs
+        deferred = []
+        process = engine._process
+
+        def counting(so, launched, defer=False):
+            deferred.append(defer)
+            return process(so, launched, defer)
+
+        engine._process = counting
+        for params in (
+            SamplingParams(temperature=0, max_tokens=24),
+            SamplingParams(temperature=0, max_tokens=40, logprobs=2, stop=["prefix caching"]),
+            SamplingParams(temperature=0, max_tokens=12, n=2),
+        ):
+            want = default_llm.chat([COPY, *([[{"role": "user", "content": p}] for p in PROMPTS[1:3]])], params)
+            got = llm.chat([COPY, *([[{"role": "user", "content": p}] for p in PROMPTS[1:3]])], params)
+            for w, g in zip(want, got):
+                assert [(c.token_ids, c.text, c.finish_reason) for c in g.outputs] == [
+                    (c.token_ids, c.text, c.finish_reason) for c in w.outputs
+                ]
+                for mine, theirs in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+                    assert mine.keys() == theirs.keys()
+        assert any(deferred), "no step's outputs were deferred"
+        # Streamed, one request aborted while its outputs wait: its final output is the last it gets.
+        stream = SamplingParams(temperature=0, max_tokens=48)
+        prompt = engine.tokenize(PROMPTS[0])
+        engine.add_request("kept", prompt, stream, delta=True)
+        engine.add_request("cut", prompt, stream, delta=True)
+        seen: dict[str, list] = {"kept": [], "cut": []}
+        aborted = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert not seen[out.request_id] or not seen[out.request_id][-1].finished, out.request_id
+                seen[out.request_id].append(out)
+            waiting = engine._deferred is not None and any(r.request_id.startswith("cut") for r in engine._deferred[0])
+            if not aborted and waiting and len(seen["cut"]) >= 2:
+                for out in engine.abort_request(["cut"]):
+                    seen[out.request_id].append(out)
+                aborted = True
+        assert aborted and seen["cut"][-1].finished and seen["cut"][-1].outputs[0].finish_reason == "abort"
+        kept = [t for out in seen["kept"] for t in out.outputs[0].token_ids]
+        want = default_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+        assert kept == want[0].outputs[0].token_ids and seen["kept"][-1].finished
+    finally:
+        llm.shutdown()
