@@ -175,7 +175,7 @@ SPEC_LEAN_GREEDY = Env(
 SPEC_DEFERRED_OUTPUTS = Env(
     "PAGODA_SPEC_DEFERRED_OUTPUTS",
     bool,
-    False,
+    True,
     "with async scheduling, a step read at once for its proposals has its outputs (detokenizing, stop strings) "
     "made after the next step is launched, while the GPU runs it (engine/llm_engine.py); 0: before the next step "
     "is scheduled",
