@@ -140,7 +140,8 @@ def _side(args) -> dict:
             if profiler is not None:  # where a speculating side's host time goes, proposals right by construction
                 profiler.disable()
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.profile)
+                for order in ("cumulative", "tottime"):  # where the time goes, then which functions spend it
+                    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.profile)
                 result["profile"] = text.getvalue()
             row = {"tpot_ms": 1000 * sum(tpots) / len(tpots), "tokens": tokens}
         if counts:
