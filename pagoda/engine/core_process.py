@@ -80,8 +80,8 @@ def to_frames(message: Any) -> list:
     """A message to the core as ZMQ frames: its pickle (protocol 5), then the bytes of each large contiguous array
     in it out of band (an image's pixel levels: ~2.3 MB for 1000x750), sent without a copy and rebuilt by
     `from_frames` as arrays over the received frames. Pickled in band and received as one bytes object, such a
-    request cost the core's thread ~2 ms to take in (a copy into fresh pages, then another into the array), and
-    the sender ~1 ms (`benchmarks/profile/request_wire.py`). A message without arrays is one frame, as
+    request is copied twice on the core's thread (into fresh pages, then into the array) and once more by the
+    sender (`benchmarks/profile/request_wire.py` times both ways). A message without arrays is one frame, as
     `send_pyobj` would send it (which `from_frames` reads as well)."""
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)

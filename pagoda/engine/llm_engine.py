@@ -507,14 +507,15 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             self._step_tokens.append(scheduler_output.total_num_scheduled_tokens)
         launched = self.runner.launch(scheduler_output)
-        failed = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
+        earlier = self._fail_all(self.runner.take_failures()) if self.runner.failures else []  # not launched
+        # Outputs returned before this step's own: refusals, steps read for proposals, requests not launched.
         if refused or read:
-            failed = refused + read + failed
+            earlier = refused + read + earlier
         if self._deferred is not None:  # the last step's outputs (older than any above), made while this one runs
-            failed = self._deferred_outputs() + failed
+            earlier = self._deferred_outputs() + earlier
         if self._max_unread == 1 or scheduler_output.spec_token_ids:
             # A step with proposals gives a row any number of tokens: it is read before the next is scheduled.
-            return failed + self._process(scheduler_output, launched, defer=self._defer_outputs)
+            return earlier + self._process(scheduler_output, launched, defer=self._defer_outputs)
         # Step N+1 is on the device before step N's tokens are read. Requests that stop on step N's
         # token (EOS, a stop string) were already scheduled in N+1: their N+1 token is dropped by
         # `Scheduler.update` (the request is gone); max_tokens stops are not scheduled at all.
@@ -525,7 +526,7 @@ class LLMEngine:
         if self._inflight and (len(self._inflight) >= self._max_unread or scheduler_output.is_empty):
             outputs = self._process(*self._inflight.popleft())
         self._settle_if_idle()
-        return failed + outputs if failed else outputs
+        return earlier + outputs if earlier else outputs
 
     def _read_for_proposals(self) -> list[RequestOutput]:
         """Async scheduling with speculation: proposals need every token, so when the last read step left some
