@@ -212,14 +212,6 @@ ENCODER_CAPTURE_THREAD = Env(
     "eagerly (worker/encoder_graphs.py); 0: inside the step that meets the key, which waits for the capture",
     once=True,
 )
-OUT_OF_BAND_ARRAYS = Env(
-    "PAGODA_OUT_OF_BAND_ARRAYS",
-    bool,
-    True,
-    "an API process sends a request's large arrays (an image's pixels) to the core as ZMQ frames of their own, "
-    "neither side copying them (engine/core_process.py, to_frames); 0: the whole request pickled in one frame",
-    once=True,
-)
 RESIZE_THREADS = Env(
     "PAGODA_RESIZE_THREADS",
     int,

@@ -45,7 +45,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.engine.core_process import (
     AbortRequests,
@@ -58,7 +57,6 @@ from pagoda.engine.core_process import (
     Ready,
     RemoveLoRA,
     from_wire,
-    to_frames,
 )
 from pagoda.errors import EngineDead, InvalidRequest, RequestFailed, ShuttingDown
 from pagoda.frontend.detokenizer import IncrementalDetokenizer
@@ -66,7 +64,6 @@ from pagoda.outputs import EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagoda")
-OUT_OF_BAND_ARRAYS = envs.OUT_OF_BAND_ARRAYS.value  # read once: set before the API processes start
 
 
 class Admission:
@@ -316,11 +313,7 @@ class AsyncEngine:
     async def _send(self, message: Any) -> None:
         """Send to the core; at once while its pipe has room (the usual case), otherwise wait for room
         or for the core's death, whichever comes first (EngineDead)."""
-        sending: Any  # zmq.asyncio's Future (a stand-in pipe's coroutine in tests)
-        if OUT_OF_BAND_ARRAYS:  # large arrays (an image's pixels) as frames of their own, never copied
-            sending = self._outbox.send_serialized(message, to_frames, copy=False)
-        else:
-            sending = self._outbox.send_pyobj(message)
+        sending = self._outbox.send_pyobj(message)
         if not isinstance(sending, asyncio.Future):
             await sending  # a stand-in pipe's coroutine (tests)
             return

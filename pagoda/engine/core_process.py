@@ -32,7 +32,6 @@ import contextlib
 import cProfile
 import functools
 import logging
-import pickle
 import shutil
 import signal
 import tempfile
@@ -74,24 +73,6 @@ class AddRequest:
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     priority: int = 0  # lower first under --scheduling-policy priority
     lora_request: Any = None  # lora.request.LoRARequest: the adapter it runs with
-
-
-def to_frames(message: Any) -> list:
-    """A message to the core as ZMQ frames: its pickle (protocol 5), then the bytes of each large contiguous array
-    in it out of band (an image's pixel levels: ~2.3 MB for 1000x750), sent without a copy and rebuilt by
-    `from_frames` as arrays over the received frames. Pickled in band and received as one bytes object, such a
-    request is copied twice on the core's thread (into fresh pages, then into the array) and once more by the
-    sender (`benchmarks/profile/request_wire.py` times both ways). A message without arrays is one frame, as
-    `send_pyobj` would send it (which `from_frames` reads as well)."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
-    return [head, *(buffer.raw() for buffer in buffers)]
-
-
-def from_frames(frames: list) -> Any:
-    """`to_frames`' message again; frames received without a copy (`zmq.Frame`) back its arrays, which keep them
-    alive."""
-    return pickle.loads(memoryview(frames[0]), buffers=[memoryview(frame) for frame in frames[1:]])
 
 
 @dataclass
@@ -505,7 +486,7 @@ def _receive(engine, inbox) -> list | None:
     messages = []
     while inbox.poll(timeout):
         timeout = 0
-        message = inbox.recv_serialized(from_frames, copy=False)
+        message = inbox.recv_pyobj()
         if isinstance(message, Shutdown):
             return None
         messages.append(message)

@@ -30,10 +30,6 @@ class _Pipe:
         self.stuck = stuck
         self.inbound: asyncio.Queue = asyncio.Queue()
 
-    def send_serialized(self, message, serialize, copy=True):  # noqa: ANN001, ANN201 - zmq.asyncio's shape: a Future
-        serialize(message)  # (it must serialize)
-        return self.send_pyobj(message)
-
     def send_pyobj(self, message):  # noqa: ANN001, ANN201 - the zmq.asyncio shape: a Future
         future = asyncio.get_running_loop().create_future()
         if not self.stuck:
@@ -305,7 +301,7 @@ class _Inbox:
         self.current = self.batches.pop(0) if self.batches else [Shutdown()]
         return False
 
-    def recv_serialized(self, deserialize, copy=True):  # noqa: ANN001, ANN201
+    def recv_pyobj(self):  # noqa: ANN201
         return self.current.pop(0)
 
 

@@ -98,9 +98,6 @@ class _Pipe:
     async def send_pyobj(self, message) -> None:  # noqa: ANN001
         self.sent.append(message)
 
-    async def send_serialized(self, message, serialize, copy=True) -> None:  # noqa: ANN001
-        self.sent.append(message)
-
     async def recv_pyobj(self):  # noqa: ANN201
         return await self.inbound.get()
 
