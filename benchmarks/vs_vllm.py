@@ -272,12 +272,14 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
             + [Point(f"rate{f:g}", mixed, 512, 4, rate_fraction=f) for f in rate_fractions],
             capacity_point="capacity",
         ),
+        # Image points run ~10 s or more a side: a p95 then comes from 32+ requests (c=1), and a closed loop's
+        # first cohort (every client sending at once) is a small part of the point's rate.
         "image-qwen2-vl-2b": Workload(
             "qwen2-vl-2b",
             [
-                Point("c1", ONE_IMAGE, 8, 1, concurrency=1, pagoda_args=PB_ONE_IMAGE),
-                Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
-                Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
+                Point("c1", ONE_IMAGE, 32, 1, concurrency=1, pagoda_args=PB_ONE_IMAGE),
+                Point("c16", ONE_IMAGE, 192, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
+                Point("c64", ONE_IMAGE, 512, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
                 Point("rate0.7", MIXED_IMAGES, 384, 4, rate_fraction=0.7),
             ],
             capacity_point="c64",
@@ -285,8 +287,8 @@ def workloads(rate_fractions: list[float]) -> dict[str, Workload]:
         "image-qwen2-vl-7b": Workload(
             "qwen2-vl-7b",
             [
-                Point("c16", ONE_IMAGE, 64, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
-                Point("c64", ONE_IMAGE, 256, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
+                Point("c16", ONE_IMAGE, 128, 2, concurrency=16, pagoda_args=PB_ONE_IMAGE),
+                Point("c64", ONE_IMAGE, 384, 4, concurrency=64, pagoda_args=PB_ONE_IMAGE),
             ],
         ),
         # Requests spread over 1, 4 or 16 adapters of a Llama-3-8B shape (rank 16 on every linear layer), and
