@@ -6,15 +6,15 @@
         --images 1000x750 --images 1000x750,640x480,1280x960 --concurrency 64 --prompts 384 [--py-spy default] \
         [--out FILE.json]
 
-For each variant (NAME=ENV=VALUE[,ENV=VALUE...][,--flag=value...]; empty: the defaults) it starts `pagoda serve` on the
-folder (random weights, `--api-server-count 4`, as `vs_vllm.py` does), warms it with 32 one-image requests at
-c=16, then runs one `pagoda bench` point per `--images` list (each request one random JPEG, the sizes in turn)
-and stops it. Per point it records the client's rates and latencies, the engine core's split (its own counters:
-busy share, host and device-wait ms per step, the loop thread's CPU ms per step), the GPU's busy share
-(nvidia-smi) and how many of the machine's cores were busy (all processes, /proc). `--py-spy NAME` records the
-engine core of that variant with native frames (`py-spy record --native --idle`, 10 s from 3 s into each point:
-the core is the server's child holding the most memory) into FILE.spy-POINT.txt beside --out;
-`--summarize FILE.spy-POINT.txt` prints the main thread's frames by their share of its samples.
+For each variant (NAME=ENV=VALUE[,ENV=VALUE...][,--flag=value...]; empty: the defaults) it starts `pagoda serve` on
+the folder (random weights, `--api-server-count 4`, as `vs_vllm.py` does), warms it with 32 one-image requests at c=16
+(`--warm-requests`), then runs one `pagoda bench` point per `--images` list (each request one random JPEG, the sizes
+in turn) and stops it. Per point it records the client's rates and latencies, the engine core's split (its own
+counters: busy share, host and device-wait ms per step, the loop thread's CPU ms per step), the GPU's busy share
+(nvidia-smi) and how many of the machine's cores were busy (all processes, /proc). `--py-spy NAME` records the engine
+core of that variant with native frames (`py-spy record --native --idle`, 10 s from 3 s into each point: the core is
+the server's child holding the most memory) into FILE.spy-POINT.txt beside --out; `--summarize FILE.spy-POINT.txt`
+prints the main thread's frames by their share of its samples.
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=384)
     parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
+    parser.add_argument(
+        "--warm-requests",
+        type=int,
+        default=32,
+        help="one-image requests at c=16 before the points (0: none, the points meet the fresh server)",
+    )
     parser.add_argument("--py-spy", default=None, help="the variant whose engine core py-spy records")
     parser.add_argument("--work", type=Path, default=Path("/tmp/served_image_variants"))
     parser.add_argument("--out", type=Path, default=Path("served_image_variants.json"))
@@ -137,8 +143,9 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             # Its own seed: the point's images must not be the warm-up's, which the encoder and prefix caches hold.
-            warm = one_image_point("warm", "1000x750", 16, 32, args.temperature)
-            run_point(url, args.model, warm, args.work, None, seed=1)
+            if args.warm_requests:
+                warm = one_image_point("warm", "1000x750", 16, args.warm_requests, args.temperature)
+                run_point(url, args.model, warm, args.work, None, seed=1)
             for i, images in enumerate(args.images or ["1000x750"]):
                 spy = (proc.pid, args.out.with_suffix(f".spy-{i}.txt")) if args.py_spy == name else None
                 point = one_image_point(
