@@ -33,8 +33,7 @@ from pagoda import SamplingParams
 from pagoda.worker import graph_runner, pending_step, spec_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from spec_decode_cpu import COPY  # noqa: E402 (the same chat prompts as spec_decode_gpu.py --chat)
-from spec_decode_gpu import speculative_llm  # noqa: E402 (the same sides as spec_decode_gpu.py)
+from spec_decode_gpu import _prompts, speculative_llm  # noqa: E402 (the same sides and prompts as spec_decode_gpu.py)
 
 
 def _timed(totals: dict, counts: collections.Counter, obj, name: str, label: str) -> None:
@@ -102,12 +101,7 @@ def main() -> None:
             return out
 
         graphs.run = timed_run
-    if args.chat:  # the copy-heavy chat prompts of spec_decode_cpu.py (a model with its tokenizer)
-        prompts: list = [[{"role": "user", "content": p}] for p in COPY[: args.prompts]]
-    else:
-        rng = np.random.default_rng(0)
-        vocab = engine.config.model.vocab_size
-        prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, 40).tolist()} for _ in range(args.prompts)]
+    prompts = _prompts(args, engine.config.model.vocab_size)
 
     def answer(prompt, params: SamplingParams) -> int:
         run = llm.chat if args.chat else llm.generate
