@@ -348,6 +348,9 @@ def _client_process(argv: list[str], barrier, queue) -> None:
         queue.put({"error": repr(exc)[:400]})
 
 
+SLOWEST_KEPT = 3  # the requests `pool` names by arrival place: p95 of a 32-request point is its 2nd-3rd slowest
+
+
 def pool(results: list[dict]) -> dict:
     """One row from the client processes' per-request records (start times share one host clock)."""
     reqs = [
@@ -379,6 +382,11 @@ def pool(results: list[dict]) -> dict:
         ("e2el", e2el),
     ):
         row.update(summarize_ms(name, values, (95, 99)))  # p99: how rare and how long the stalls are
+    # Which requests make the TTFT tail: early ones point at first-use costs on a fresh server, scattered ones at
+    # contention. [place in arrival order (0 = first sent), TTFT ms], slowest first.
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
+    slowest = sorted(range(len(reqs)), key=lambda i: -reqs[order[i]][1])[:SLOWEST_KEPT]
+    row["slowest_ttft"] = [[i, round(reqs[order[i]][1] * 1e3, 1)] for i in slowest]
     return row
 
 

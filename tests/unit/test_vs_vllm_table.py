@@ -46,6 +46,15 @@ def test_pool_keeps_p99_where_rare_stalls_show():
     assert row["p95_itl_ms"] == pytest.approx(2.0) and row["p99_itl_ms"] == pytest.approx(100.0)
 
 
+def test_pool_names_the_slowest_first_tokens_by_arrival_place_across_client_processes():
+    # Two processes whose requests interleave in time: arrival order is 0.0, 0.1, 0.2, 0.3, 0.4.
+    a, b = _records(0.1, 0.02, [0.0, 0.2, 0.4]), _records(0.1, 0.02, [0.1, 0.3])
+    a["ttfts"] = [0.5, 0.1, 0.05]  # the first request sent waited 500 ms
+    b["ttfts"] = [0.09, 0.3]  # the fourth 300 ms
+    row = vs_vllm.pool([a, b])
+    assert row["slowest_ttft"] == [[0, 500.0], [3, 300.0], [2, 100.0]]
+
+
 def test_the_ratio_table_pairs_each_pagoda_row_with_vllms_and_shows_every_latency():
     base = {"client": "vllm", "concurrency": 16, "point": "c16"}
     pagoda = {"workload": "text", "system": "pagoda", **base, "output_throughput": 300.0}
