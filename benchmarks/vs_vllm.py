@@ -348,7 +348,7 @@ def _client_process(argv: list[str], barrier, queue) -> None:
         queue.put({"error": repr(exc)[:400]})
 
 
-SLOWEST_KEPT = 3  # the requests `pool` names by arrival place: p95 of a 32-request point is its 2nd-3rd slowest
+SLOWEST_KEPT = 3  # requests named by sending place: the p95 of a 32-request point lies between its 2nd and 3rd slowest
 
 
 def pool(results: list[dict]) -> dict:
@@ -382,12 +382,16 @@ def pool(results: list[dict]) -> dict:
         ("e2el", e2el),
     ):
         row.update(summarize_ms(name, values, (95, 99)))  # p99: how rare and how long the stalls are
-    # Which requests make the TTFT tail: early ones point at first-use costs on a fresh server, scattered ones at
-    # contention. [place in arrival order (0 = first sent), TTFT ms], slowest first.
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
-    slowest = sorted(range(len(reqs)), key=lambda i: -reqs[order[i]][1])[:SLOWEST_KEPT]
-    row["slowest_ttft"] = [[i, round(reqs[order[i]][1] * 1e3, 1)] for i in slowest]
+    row["slowest_ttft"] = slowest_first_tokens([s for s, *_ in reqs], [t for _, t, *_ in reqs])
     return row
+
+
+def slowest_first_tokens(starts: list[float], ttfts: list[float]) -> list[list[float]]:
+    """Which requests make the TTFT tail, as [place in sending order (0 = first sent), TTFT ms], slowest first:
+    early places point at first-use costs on a fresh server, scattered ones at contention."""
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    slowest = sorted(range(len(order)), key=lambda place: -ttfts[order[place]])[:SLOWEST_KEPT]
+    return [[place, round(ttfts[order[place]] * 1e3, 1)] for place in slowest]
 
 
 def run_point(url: str, model: str, point: Point, rate: float | None, seed: int) -> dict:
@@ -428,7 +432,7 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     load = ["--concurrency", str(point.concurrency)] if rate is None else ["--request-rate", f"{rate:g}"]
     cmd = [sys.executable, "-m", "pagoda", "bench", "--base-url", url, "--model", model, *point.pagoda_args, *load]
     cmd += ["--num-prompts", str(point.prompts), "--client-processes", str(point.procs), "--seed", str(seed)]
-    cmd += ["--warmup", "0", "--no-progress", "--out", str(out)]
+    cmd += ["--warmup", "0", "--no-progress", "--save-detailed", "--out", str(out)]
     before = engine_counters(url)
     with GpuBusy() as busy:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
@@ -444,6 +448,8 @@ def run_point_pagoda_bench(url: str, model: str, point: Point, rate: float | Non
     for name in ("ttft", "tpot", "itl", "e2el"):
         row[f"median_{name}_ms"], row[f"p95_{name}_ms"] = p.get(f"median_{name}_ms"), p.get(f"p95_{name}_ms")
     row["p99_ttft_ms"] = p.get("p99_ttft_ms")  # one stalled request among a few dozen shows here
+    done_ok = [r for r in p.get("requests") or [] if r.get("success") and r.get("ttft") is not None]
+    row["slowest_ttft"] = slowest_first_tokens([r["start"] for r in done_ok], [r["ttft"] for r in done_ok])
     return row
 
 

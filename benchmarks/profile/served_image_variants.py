@@ -164,7 +164,12 @@ def main() -> None:
                     **row,
                 }
                 rows.append(row)
-                print("  " + json.dumps({k: row.get(k) for k in ("images", "request_throughput", "p95_ttft_ms")}))
+                print(
+                    "  "
+                    + json.dumps(
+                        {k: row.get(k) for k in ("images", "request_throughput", "p95_ttft_ms", "slowest_ttft")}
+                    )
+                )
                 args.out.write_text(json.dumps({"gpu": vs_vllm.gpu_name(), "rows": rows}, indent=1) + "\n")
         finally:
             vs_vllm.stop_server(proc)
