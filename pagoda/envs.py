@@ -125,6 +125,14 @@ CPU_PREFIX_COPY_TOKENS = Env(
     "(engine/block_manager.py); 0: hits are always shared",
     once=True,
 )
+API_WARM_UP = Env(
+    "PAGODA_API_WARM_UP",
+    bool,
+    True,
+    "each API process prepares one small chat prompt (with a tiny image for a vision-language model) before it "
+    "takes connections, so its first request does not pay the first-use costs (server/warm_up.py); 0: none",
+    once=True,
+)
 LAUNCHER_EXEC = Env(
     "PAGODA_LAUNCHER_EXEC",
     bool,

@@ -44,6 +44,7 @@ from pagoda.server.app import build_app
 from pagoda.server.host_metrics import gpu_collector, process_collector
 from pagoda.server.metrics import ENGINE_INDEX, METRICS_PREFIXES, ServerMetrics, cache_config_labels
 from pagoda.server.serving import OpenAIServing, ServingContext, sampling_defaults
+from pagoda.server.warm_up import warm_up
 from pagoda.serving_gc import prepare_gc_for_serving
 
 logger = logging.getLogger("pagoda")
@@ -257,6 +258,15 @@ async def serve_api(setup: ApiSetup, config: EngineConfig, client: CoreClient, s
     await engine.start()
     try:
         app = setup.app(engine, setup.metrics(client.index, client.ready))
+        if envs.API_WARM_UP.value:
+            done = await warm_up(app.state.serving)
+            if done is not None:
+                logger.debug(
+                    "API process %d prepared a warm-up prompt of %d tokens in %.0f ms",
+                    client.index,
+                    done.prompt_tokens,
+                    done.ms,
+                )
         prepare_gc_for_serving()
         uv = ApiServer(
             uvicorn.Config(
