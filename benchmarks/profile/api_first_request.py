@@ -19,9 +19,7 @@ import argparse
 import base64
 import io
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -31,6 +29,8 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import vs_vllm  # noqa: E402  (the server launcher)
 from image_ttft_probe import HISTOGRAMS, first_token_ms, scrape  # noqa: E402
 
 
@@ -57,21 +57,15 @@ def text_first_token_ms(url: str, model: str, seed: int) -> float:
 
 
 def one_server(
-    model: str, warm: bool, images: bool, requests: int, port: int, serve_args: list[str], seed: int
+    model: str, warm: bool, images: bool, requests: int, port: int, serve_args: list[str], seed: int, log: Path
 ) -> list[dict]:
     cmd = [sys.executable, "-m", "pagoda", "serve", model, "--api-server-count", "1", "--port", str(port)]
-    env = {**os.environ, "PAGODA_API_WARM_UP": "1" if warm else "0"}
-    server = subprocess.Popen(cmd + serve_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    env = {"PAGODA_API_WARM_UP": "1" if warm else "0"}
+    server = vs_vllm.start_server(cmd + serve_args, port, log, timeout_s=300, env=env)
+    if server is None:
+        sys.exit(f"the server did not come up; its log: {log}")
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    sys.exit(f"the server exited ({server.returncode})")
-                time.sleep(0.5)
         served = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
         rows, before = [], scrape(url)
         for i in range(requests):
@@ -86,8 +80,7 @@ def one_server(
             rows.append({"client_ttft_ms": round(client, 2), "api_ms": round(api, 2), "images": images})
         return rows
     finally:
-        server.terminate()
-        server.wait(60)
+        vs_vllm.stop_server(server)
 
 
 def main() -> None:
@@ -98,12 +91,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8817)
     parser.add_argument("--text", action="store_true", help="text-only requests (a model without images)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--log", type=Path, default=Path("/tmp/api_first_request.log"), help="the last server's log")
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     runs: dict[str, list[list[dict]]] = {"warm": [], "cold": []}
     for i in range(args.servers):
         for name in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
-            rows = one_server(args.model, name == "warm", not args.text, args.requests, args.port, serve_args, seed=i)
+            rows = one_server(
+                args.model, name == "warm", not args.text, args.requests, args.port, serve_args, i, args.log
+            )
             runs[name].append(rows)
             print(f"{name} server {i}: " + ", ".join(f"{r['api_ms']:.1f}" for r in rows) + " ms API share", flush=True)
     print(
