@@ -20,11 +20,14 @@ import io
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from pagoda.server import protocol as p
+
+if TYPE_CHECKING:
+    from pagoda.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,8 @@ class WarmUp:
     prompt_tokens: int  # its tokens, the image's placeholders included
 
 
-async def warm_up(serving: Any) -> WarmUp | None:
-    """Prepare one chat prompt through `serving` (an `OpenAIServing`); None where it could not be (logged)."""
+async def warm_up(serving: OpenAIServing) -> WarmUp | None:
+    """Prepare one chat prompt through `serving`, as `/tokenize` of a chat does; None where it could not be (logged)."""
     if serving.ctx.tokenizer is None:
         return None
     start = time.perf_counter()
