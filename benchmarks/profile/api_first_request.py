@@ -16,45 +16,16 @@ work does not depend on the device.
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import statistics
 import sys
-import time
 import urllib.request
 from pathlib import Path
-
-import numpy as np
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vs_vllm  # noqa: E402  (the server launcher)
-from image_ttft_probe import HISTOGRAMS, first_token_ms, scrape  # noqa: E402
-
-
-def noise_jpeg(seed: int) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 256, (750, 1000, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="JPEG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def text_first_token_ms(url: str, model: str, seed: int) -> float:
-    words = " ".join(f"word{seed * 100 + i}" for i in range(20))
-    body = {"model": model, "max_tokens": 8, "stream": True, "ignore_eos": True}
-    body["messages"] = [{"role": "user", "content": words}]
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    started, first = time.perf_counter(), None
-    with urllib.request.urlopen(request) as response:
-        for line in response:  # to the end: a stream left early is aborted, and its phases are not recorded
-            if first is None and line.startswith(b"data:") and b'"content"' in line:
-                first = (time.perf_counter() - started) * 1e3
-    assert first is not None, "no content in the stream"
-    return first
+from image_ttft_probe import HISTOGRAMS, first_token_ms, noise_jpeg, scrape  # noqa: E402
 
 
 def one_server(
@@ -70,10 +41,11 @@ def one_server(
         served = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
         rows, before = [], scrape(url)
         for i in range(requests):
-            if images:
+            if images:  # each its own image: no encoder or prefix cache hit
                 client = first_token_ms(url, served, noise_jpeg(seed * 1000 + i))
-            else:
-                client = text_first_token_ms(url, served, seed * 1000 + i)
+            else:  # each its own words
+                words = " ".join(f"word{(seed * 1000 + i) * 100 + k}" for k in range(20))
+                client = first_token_ms(url, served, None, words)
             after = scrape(url)
             ms = {name: 1e3 * (after[f"{name}_sum"] - before[f"{name}_sum"]) for name in HISTOGRAMS}
             before = after

@@ -38,8 +38,8 @@ from pagoda.frontend.multimodal.prompt import PlaceholderIds, expand_prompt
 HISTOGRAMS = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
 
 
-def noise_jpeg() -> str:
-    pixels = np.random.default_rng(0).integers(0, 256, (750, 1000, 3), dtype=np.uint8)
+def noise_jpeg(seed: int = 0) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (750, 1000, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="JPEG")
     return base64.b64encode(buf.getvalue()).decode()
@@ -78,11 +78,15 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def first_token_ms(url: str, model: str, b64: str) -> float:
-    content = [
-        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + b64}},
-        {"type": "text", "text": " ".join(["word"] * 20)},
-    ]
+def first_token_ms(url: str, model: str, b64: str | None, text: str = " ".join(["word"] * 20)) -> float:
+    """The client's TTFT of one streamed chat request: the JPEG `b64` and `text`, or `text` alone (b64 None). The
+    stream is read to its end: one left early is aborted, and the server then records no queue or prefill time."""
+    content: str | list = text
+    if b64 is not None:
+        content = [
+            {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + b64}},
+            {"type": "text", "text": text},
+        ]
     body = {"model": model, "max_tokens": 8, "stream": True, "ignore_eos": True}
     body["messages"] = [{"role": "user", "content": content}]
     request = urllib.request.Request(
