@@ -10,7 +10,6 @@ import asyncio
 from typing import Any
 from unittest.mock import MagicMock
 
-import pytest
 from test_qwen2vl_serve import MIN_PIXELS, image_tokens, qwen2vl_folder  # noqa: F401 (qwen2vl_folder: a fixture)
 
 from pagoda.config import EngineConfig
@@ -52,14 +51,13 @@ def test_a_warm_up_the_server_would_refuse_is_skipped_not_raised(qwen2vl_folder)
     assert asyncio.run(warm_up(serving)) is None
 
 
-@pytest.mark.parametrize("with_image", [False])
-def test_a_text_model_warms_up_on_text_alone(with_image):
+def test_a_text_model_warms_up_on_text_alone():
     from pagoda.models.gguf_checkpoint import default_gguf_path
 
     serving, outside = serving_for(str(default_gguf_path()), MultiModalConfig())
     done = asyncio.run(warm_up(serving))
     assert done is not None and outside.mock_calls == []
     _, ids, _ = asyncio.run(
-        serving.tokenize_chat(p.TokenizeRequest.model_validate({"messages": warm_up_messages(with_image)}))
+        serving.tokenize_chat(p.TokenizeRequest.model_validate({"messages": warm_up_messages(False)}))
     )
     assert done.prompt_tokens == len(ids)
