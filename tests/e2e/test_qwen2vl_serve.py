@@ -399,6 +399,30 @@ def test_too_many_images_and_too_long_prompts_are_400(http):
     assert http.post(CHAT, json={"model": MODEL, "max_tokens": 2, "messages": user(big, "describe")}).status_code == 200
 
 
+def test_image_detail_low_and_unknown_part_keys(client, http):
+    """OpenAI's detail "low" sizes the image under 512x512 pixels' budget: the 1000x750 image that is over
+    max_model_len at the checkpoint's budget above fits, with exactly the low-detail token count."""
+    big = data_uri(encoded(1000, 750, "JPEG"), "image/jpeg")
+    messages = user({"type": "image_url", "image_url": {"url": big, "detail": "low"}}, "describe")
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"mm_processor_kwargs": {"max_pixels": 12845056}},
+    )
+    low_tokens = image_tokens(1000, 750, max_pixels=512 * 512)
+    assert low_tokens == 315
+    assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + low_tokens
+    for part, fragment in (
+        ({"type": "image_url", "image_url": {"url": big, "detail": "medium"}}, "detail must be one of"),
+        ({"type": "image_url", "image_url": {"url": big}, "uuid": "x1"}, "'uuid'"),
+    ):
+        body = {"model": MODEL, "max_tokens": 2, "messages": user("look:", part)}
+        error = assert_openai_error(http.post(CHAT, json=body), 400, contains=fragment)
+        assert "messages[0].content[1]" in error["message"]
+
+
 def test_placeholder_text_in_user_message_is_refused(http):
     body = {"model": MODEL, "messages": user("<|image_pad|> sneaky", image_part(data_uri(encoded(40, 40))))}
     assert_openai_error(http.post(CHAT, json=body), 400, contains="placeholder")

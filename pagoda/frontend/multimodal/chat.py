@@ -7,7 +7,9 @@ Accepted parts (OpenAI's, Qwen's and vLLM's spellings), in any order and any tur
   {"type": "video", "video": url}, {"type": "video_url", "video_url": {"url": url}}: one video file
   (mp4, webm, mov, ...), decoded and frame-sampled by `multimodal/video.py` (docs/models.md, Qwen2-VL:
   video frame sampling)
-A part without "type" gets it from its keys. The chat template sees {"type": "image"|"video"} and
+A part without "type" gets it from its keys. Per item, an image may carry OpenAI's `image_url.detail` and an
+image or video part Qwen's own settings (qwen-vl-utils' keys, below); any other key in a media part is refused,
+so a setting is never silently dropped. The chat template sees {"type": "image"|"video"} and
 {"type": "text"} parts in the order sent, so it writes one placeholder per item where it was.
 Media are fetched concurrently (`multimodal/media.py` enforces the URL policy and decoding limits),
 preprocessed in a worker thread (never on the event loop), then each placeholder is expanded to its
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagoda.config.multimodal import DEFAULT_LIMITS, MultiModalConfig, shown
@@ -34,6 +36,23 @@ from pagoda.inputs import MultiModalInputs
 
 MAX_IMAGE_PIXELS = 16384 * 28 * 28  # Qwen2-VL's largest image: 16384 placeholder tokens
 
+# OpenAI's `image_url.detail`. "low" is OpenAI's low-resolution 512x512 version of the image: here the image is
+# sized as if max_pixels were at most 512 * 512 (aspect ratio kept; Qwen2-VL: at most 334 tokens). "high" and
+# "auto" keep the model's settings.
+IMAGE_DETAILS = ("auto", "low", "high")
+LOW_DETAIL_PIXELS = 512 * 512
+# Settings one media part may carry for itself (qwen-vl-utils' spelling) -> the mm_processor_kwargs key it sets.
+IMAGE_PART_SETTINGS = {"min_pixels": "min_pixels", "max_pixels": "max_pixels"}
+VIDEO_PART_SETTINGS = {
+    "min_pixels": "video_min_pixels",
+    "max_pixels": "video_max_pixels",
+    "total_pixels": "video_total_pixels",
+    "fps": "fps",
+    "nframes": "nframes",
+    "min_frames": "min_frames",
+    "max_frames": "max_frames",
+}
+
 
 @dataclass(frozen=True)
 class MediaRef:
@@ -41,6 +60,8 @@ class MediaRef:
     urls: tuple[str, ...]  # one image url, or the frame urls of a video, or one video file's url
     where: str  # "messages[i].content[j]", for error messages
     video_file: bool = False  # urls[0] is a video file to decode and sample (not a one-frame video)
+    detail: str = "auto"  # an image's OpenAI detail level (IMAGE_DETAILS)
+    settings: tuple[tuple[str, Any], ...] = ()  # this item's own mm_processor_kwargs, from its part's keys
 
 
 @dataclass
@@ -96,24 +117,74 @@ def _part_kind(part: dict[str, Any]) -> str:
     return "<missing>"
 
 
-def _url_of(value: Any, where: str) -> str:
+def _known_keys(keys: Any, allowed: Any, where: str, what: str) -> None:
+    unknown = sorted(str(k) for k in keys if k not in allowed)
+    if unknown:
+        raise InvalidRequest(
+            f"{where}: {what} has unknown key(s) {', '.join(map(repr, unknown))}; supported: "
+            f"{', '.join(sorted(allowed))}. Pagoda refuses what it does not implement rather than ignore it.",
+            "messages",
+        )
+
+
+def _part_settings(part: dict[str, Any], kind: str, settings: dict[str, str], where: str) -> tuple:
+    """The part's own preprocessing keys as (mm_processor_kwargs key, value) pairs; other keys are refused."""
+    _known_keys(part, {"type", kind, *settings}, where, f"a {kind!r} part")
+    return tuple((settings[k], part[k]) for k in settings if k in part)
+
+
+def _image_of(part: dict[str, Any], kind: str, where: str) -> MediaRef:
+    value = part.get(kind)
+    detail = "auto"
+    if isinstance(value, dict):
+        _known_keys(value, ("url", "detail"), where, f"{kind}")
+        detail = value.get("detail") or "auto"
+        if detail not in IMAGE_DETAILS:
+            raise InvalidRequest(
+                f"{where}: {kind}.detail must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r}.", "messages"
+            )
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where}: an image needs a url string (image_url.url).", "messages")
-    return url
+    return MediaRef(
+        "image", (url,), where, detail=detail, settings=_part_settings(part, kind, IMAGE_PART_SETTINGS, where)
+    )
 
 
-def _video_of(value: Any, where: str) -> MediaRef:
+def _video_of(part: dict[str, Any], kind: str, where: str) -> MediaRef:
     """A video part's value: one video file url, or a list of frame image urls."""
+    value = part.get(kind)
+    settings = _part_settings(part, kind, VIDEO_PART_SETTINGS, where)
+    if isinstance(value, dict):
+        _known_keys(value, ("url", "frames"), where, f"{kind}")
     frames = value.get("url", value.get("frames")) if isinstance(value, dict) else value
     if isinstance(frames, str) and frames.strip():
-        return MediaRef("video", (frames,), where, video_file=True)
+        return MediaRef("video", (frames,), where, video_file=True, settings=settings)
     if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
         raise InvalidRequest(
             f"{where}: a video must be a video file url (mp4, webm, ...) or a non-empty list of frame image urls.",
             "messages",
         )
-    return MediaRef("video", tuple(frames), where)
+    return MediaRef("video", tuple(frames), where, settings=settings)
+
+
+def item_config(base: VisionPreprocessConfig, ref: MediaRef) -> VisionPreprocessConfig:
+    """The preprocessing of one item: the request's settings, then its part's own keys, then its detail level."""
+    cfg = base
+    if ref.settings:
+        try:
+            cfg = cfg.with_overrides(dict(ref.settings), ref.where)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, "messages") from None
+    if ref.detail == "low" and cfg.max_pixels > LOW_DETAIL_PIXELS:
+        cfg = replace(cfg, max_pixels=LOW_DETAIL_PIXELS, min_pixels=min(cfg.min_pixels, LOW_DETAIL_PIXELS))
+    if ref.modality == "image" and cfg.max_pixels > MAX_IMAGE_PIXELS:
+        raise InvalidRequest(
+            f"{ref.where}: max_pixels {cfg.max_pixels} is over the model's limit {MAX_IMAGE_PIXELS} "
+            "(16384 tokens per image).",
+            "messages",
+        )
+    return cfg
 
 
 def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[MediaRef]]:
@@ -133,10 +204,10 @@ def split_content(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind in ("image_url", "image"):
-                refs.append(MediaRef("image", (_url_of(part.get(kind), where),), where))
+                refs.append(_image_of(part, kind, where))
                 parts.append({"type": "image"})
             elif kind in ("video", "video_url"):
-                refs.append(_video_of(part.get(kind), where))
+                refs.append(_video_of(part, kind, where))
                 parts.append({"type": "video"})
             else:
                 raise InvalidRequest(
@@ -281,28 +352,29 @@ async def build_inputs(
             f"{MAX_IMAGE_PIXELS} (16384 tokens per image).",
             "mm_processor_kwargs",
         )
+    configs = [item_config(config, r) for r in refs]  # before any fetch: a bad setting costs no download
     budget = CpuBudget(mm.policy.max_video_decode_cpu_s)  # the request's video files share it
     loaded: list[Any] = await asyncio.gather(
         *(
             load_image(r.urls[0], mm.policy, r.where)
             if r.modality == "image"
-            else load_video(r.urls[0], mm.policy, config, r.where, budget)
+            else load_video(r.urls[0], mm.policy, cfg, r.where, budget)
             if r.video_file
             else load_video_frames(list(r.urls), mm.policy, r.where)
-            for r in refs
+            for r, cfg in zip(refs, configs)
         )
     )
 
     def preprocess() -> list[tuple[str, Any]]:
         out = []
-        for ref, media in zip(refs, loaded):
+        for ref, cfg, media in zip(refs, configs, loaded):
             try:
                 if ref.modality == "image":
-                    visual = preprocess_image(media, config)
+                    visual = preprocess_image(media, cfg)
                 elif ref.video_file:  # a DecodedVideo: frames already sampled and sized (video.py)
-                    visual = preprocess_video(media.frames, config, media.size_hw)
+                    visual = preprocess_video(media.frames, cfg, media.size_hw)
                 else:
-                    visual = preprocess_video(media, config)
+                    visual = preprocess_video(media, cfg)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"{ref.where}: {exc.message}", "messages") from None
             out.append((ref.modality, visual))
