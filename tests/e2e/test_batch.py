@@ -610,7 +610,7 @@ def test_scraped_page_images(fault: FaultServer, tmp_path: Path) -> None:
     assert "404" in skipped["/gallery/img/missing.png"]
     assert fault.image_gets["/gallery/img/small.png"] == 0  # the srcset's largest candidate only
 
-    # --send-urls passes the URLs through; --max-pixels downscales what is inlined.
+    # --send-urls passes the URLs through; --max-pixels downscales what is inlined; --detail goes with each image.
     fault.reset()
     urls_out = tmp_path / "urls.jsonl"
     proc = batch(
@@ -630,6 +630,8 @@ def test_scraped_page_images(fault: FaultServer, tmp_path: Path) -> None:
         "id=s:{url}",
         "--max-pixels",
         "2500",
+        "--detail",
+        "low",
         "--output",
         str(small_out),
     )
@@ -637,6 +639,8 @@ def test_scraped_page_images(fault: FaultServer, tmp_path: Path) -> None:
     for e in fault.log:
         im = Image.open(io.BytesIO(base64.b64decode(e["image"].split(",", 1)[1])))
         assert im.width * im.height <= 2500
+        image_part = e["body"]["messages"][-1]["content"][0]
+        assert image_part["image_url"]["detail"] == "low"
     big = next(r for r in rows(small_out) if r["x_meta"]["image_url"].endswith("/big.png"))
     assert (
         big["x_meta"]["image_size"] == [200, 150]

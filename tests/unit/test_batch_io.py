@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -139,6 +140,13 @@ def test_custom_ids_are_deterministic_and_sensitive() -> None:
     ids = {inputs.make_custom_id(**{**base, **v}) for v in variants}
     assert cid not in ids and len(ids) == len(variants)
     assert inputs.make_custom_id(**base, max_pixels=1000) != cid
+    assert len({cid, *(inputs.make_custom_id(**base, detail=d) for d in ("auto", "low", "high"))}) == 4
+    # A run without --detail keeps the ids earlier versions wrote (its output files resume): the canonical JSON
+    # of the fields as they were.
+    canonical = {"source": "file:/a.png", "prompt": "Describe", "system": None, "model": "m"}
+    canonical |= {"params": {"max_tokens": 8}, "max_pixels": None}
+    text = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    assert cid == "req-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def test_build_image_items(tmp_path: Path) -> None:
@@ -157,6 +165,10 @@ def test_build_image_items(tmp_path: Path) -> None:
         "image_url": {"url": "data:image/png;base64,AAAA"},
     }
     assert body["messages"][1]["content"][0]["image_url"]["url"] is None  # the template body is untouched
+    low = inputs.build_image_items(refs, "m", "Describe {filename}", "sys", {"max_tokens": 4}, detail="low")
+    assert {i.custom_id for i in low}.isdisjoint(i.custom_id for i in items)
+    filled = inputs.set_image_url(low[1].body, "data:image/png;base64,AAAA")
+    assert filled["messages"][1]["content"][0]["image_url"] == {"url": "data:image/png;base64,AAAA", "detail": "low"}
 
 
 # ---------------------------------------------------------------------------------------------- resume files

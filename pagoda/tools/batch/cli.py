@@ -131,6 +131,12 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
         help="downscale (aspect kept) images with more pixels than this before sending",
     )
     g.add_argument(
+        "--detail",
+        choices=("auto", "low", "high"),
+        default=None,
+        help="OpenAI's image_url.detail for every image (low: a 512x512 budget, fewer tokens; default: not sent)",
+    )
+    g.add_argument(
         "--fetch-timeout", type=_positive_float, default=30.0, help="seconds per image/page download (default 30)"
     )
     g.add_argument(
@@ -278,6 +284,7 @@ def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> 
                 ("--stop", ns.stop),
                 ("--extra-body", ns.extra_body),
                 ("--max-pixels", ns.max_pixels),
+                ("--detail", ns.detail),
             )
             if value is not None
         ]
@@ -335,7 +342,7 @@ def _build_items(ns: argparse.Namespace, root: str, headers: dict[str, str]) -> 
     if not refs:
         raise BatchUsageError("no images found in the given sources")
     model = ns.model or _model_from_server(root, headers)
-    items = inputs.build_image_items(refs, model, template, ns.system, params, ns.max_pixels)
+    items = inputs.build_image_items(refs, model, template, ns.system, params, ns.max_pixels, ns.detail)
     info["model"] = model
     info["source"] = {"images": ns.images, "urls": ns.urls, "pages": ns.page}
     info["prompt"] = template
@@ -441,6 +448,7 @@ def _run(ns: argparse.Namespace) -> int:
             "max_retries": ns.max_retries,
             "send_urls": ns.send_urls,
             "max_pixels": ns.max_pixels,
+            "detail": ns.detail,
             "retry_failed": not ns.no_retry_failed,
         },
         "inputs": len(items),

@@ -214,17 +214,22 @@ def make_custom_id(
     model: str | None,
     params: dict[str, Any],
     max_pixels: int | None = None,
+    detail: str | None = None,
 ) -> str:
-    """`req-` + 20 hex digits of a SHA-256 over a canonical JSON of everything that defines the request."""
+    """`req-` + 20 hex digits of a SHA-256 over a canonical JSON of everything that defines the request.
+    `detail` enters only when given, so the ids of runs without it stay what they were (resumable)."""
+    fields: dict[str, Any] = {
+        "source": identity,
+        "prompt": prompt,
+        "system": system,
+        "model": model,
+        "params": params,
+        "max_pixels": max_pixels,
+    }
+    if detail is not None:
+        fields["detail"] = detail
     key = json.dumps(
-        {
-            "source": identity,
-            "prompt": prompt,
-            "system": system,
-            "model": model,
-            "params": params,
-            "max_pixels": max_pixels,
-        },
+        fields,
         sort_keys=True,
         ensure_ascii=False,
         separators=(",", ":"),
@@ -233,16 +238,21 @@ def make_custom_id(
 
 
 def image_chat_body(
-    model: str | None, prompt: str, system: str | None, params: dict[str, Any], image_url: str | None = None
+    model: str | None,
+    prompt: str,
+    system: str | None,
+    params: dict[str, Any],
+    image_url: str | None = None,
+    detail: str | None = None,
 ) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
+    image: dict[str, Any] = {"url": image_url}
+    if detail is not None:
+        image["detail"] = detail
     messages.append(
-        {
-            "role": "user",
-            "content": [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": prompt}],
-        }
+        {"role": "user", "content": [{"type": "image_url", "image_url": image}, {"type": "text", "text": prompt}]}
     )
     body: dict[str, Any] = {"model": model, "messages": messages}
     body.update(params)
@@ -268,6 +278,7 @@ def build_image_items(
     system: str | None,
     params: dict[str, Any],
     max_pixels: int | None = None,
+    detail: str | None = None,
 ) -> list[BatchItem]:
     """One chat request per image; the same request twice (same id) is kept once."""
     check_template(template)
@@ -275,7 +286,7 @@ def build_image_items(
     seen: set[str] = set()
     for ref in refs:
         prompt = render_prompt(template, ref)
-        cid = make_custom_id(ref.identity, prompt, system, model, params, max_pixels)
+        cid = make_custom_id(ref.identity, prompt, system, model, params, max_pixels, detail)
         if cid in seen:
             continue
         seen.add(cid)
@@ -283,7 +294,7 @@ def build_image_items(
             BatchItem(
                 cid,
                 CHAT_PATH,
-                image_chat_body(model, prompt, system, params),
+                image_chat_body(model, prompt, system, params, detail=detail),
                 ref.location,
                 index=len(items),
                 image=ref,
