@@ -416,7 +416,7 @@ def test_image_detail_low_and_unknown_part_keys(client, http):
     assert reply.usage.prompt_tokens == _text_only_tokens(http, messages) + 2 + low_tokens
     for part, fragment in (
         ({"type": "image_url", "image_url": {"url": big, "detail": "medium"}}, "detail must be one of"),
-        ({"type": "image_url", "image_url": {"url": big}, "uuid": "x1"}, "'uuid'"),
+        ({"type": "image_url", "image_url": {"url": big}, "resized_height": 280}, "'resized_height'"),
     ):
         body = {"model": MODEL, "max_tokens": 2, "messages": user("look:", part)}
         error = assert_openai_error(http.post(CHAT, json=body), 400, contains=fragment)

@@ -144,7 +144,8 @@ def test_qwen_per_video_sampling_equals_the_request_wide_setting():
     [
         ({"type": "image_url", "image_url": {"url": "data:,", "detail": "medium"}}, "detail must be one of"),
         ({"type": "image_url", "image_url": {"url": "data:,", "uuid": "a"}}, "'uuid'"),
-        ({"type": "image_url", "image_url": {"url": "data:,"}, "uuid": "a"}, "'uuid'"),
+        ({"type": "image_url", "image_url": {"url": "data:,"}, "cache_control": {}}, "'cache_control'"),
+        ({"type": "image_url", "image_url": {"url": "data:,"}, "uuid": 5}, "uuid must be a string"),
         ({"type": "image", "image": "data:,", "resized_height": 280}, "'resized_height'"),
         ({"type": "video_url", "video_url": {"url": "data:,", "detail": "low"}}, "'detail'"),
         ({"type": "video", "video": "data:,", "fps": 1, "video_start": 2.0}, "'video_start'"),
@@ -154,6 +155,19 @@ def test_unknown_or_bad_part_keys_are_refused_naming_them(part, fragment):
     with pytest.raises(InvalidRequest, match=fragment) as caught:
         split_content([{"role": "user", "content": [{"type": "text", "text": "look"}, part]}])
     assert "messages[0].content[1]" in caught.value.message
+
+
+def test_vllm_uuid_is_accepted_and_the_content_still_decides():
+    """vLLM clients name items with `uuid`; Pagoda's caches go by content, so two images under one uuid stay two."""
+    first, second = _png(64, 48, seed=5), _png(64, 48, seed=6)
+    parts = [
+        {"type": "image_url", "image_url": {"url": _uri(first)}, "uuid": "same"},
+        {"type": "image_url", "image_url": {"url": _uri(second)}, "uuid": "same"},
+        {"type": "image", "image": _uri(first), "uuid": None},
+    ]
+    _, inputs = _build(parts)
+    a, b, again = inputs.items
+    assert a.content_hash != b.content_hash and a.content_hash == again.content_hash
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ Accepted parts (OpenAI's, Qwen's and vLLM's spellings), in any order and any tur
   (mp4, webm, mov, ...), decoded and frame-sampled by `multimodal/video.py` (docs/models.md, Qwen2-VL:
   video frame sampling)
 A part without "type" gets it from its keys. Per item, an image may carry OpenAI's `image_url.detail` and an
-image or video part Qwen's own settings (qwen-vl-utils' keys, below); any other key in a media part is refused,
-so a setting is never silently dropped. The chat template sees {"type": "image"|"video"} and
+image or video part Qwen's own settings (qwen-vl-utils' keys, below); any other key in a media part but vLLM's
+`uuid` is refused, so a setting is never silently dropped. The chat template sees {"type": "image"|"video"} and
 {"type": "text"} parts in the order sent, so it writes one placeholder per item where it was.
 Media are fetched concurrently (`multimodal/media.py` enforces the URL policy and decoding limits),
 preprocessed in a worker thread (never on the event loop), then each placeholder is expanded to its
@@ -128,8 +128,12 @@ def _known_keys(keys: Any, allowed: Any, where: str, what: str) -> None:
 
 
 def _part_settings(part: dict[str, Any], kind: str, settings: dict[str, str], where: str) -> tuple:
-    """The part's own preprocessing keys as (mm_processor_kwargs key, value) pairs; other keys are refused."""
-    _known_keys(part, {"type", kind, *settings}, where, f"a {kind!r} part")
+    """The part's own preprocessing keys as (mm_processor_kwargs key, value) pairs; other keys are refused but
+    vLLM's `uuid`, a client's name for the item in vLLM's caches: it changes no output, and Pagoda's caches go
+    by the item's content, so it is accepted (vLLM clients send it) and not used."""
+    if not isinstance(part.get("uuid"), (str, type(None))):
+        raise InvalidRequest(f"{where}: uuid must be a string.", "messages")
+    _known_keys(part, {"type", kind, "uuid", *settings}, where, f"a {kind!r} part")
     return tuple((settings[k], part[k]) for k in settings if k in part)
 
 
