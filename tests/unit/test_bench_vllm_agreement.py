@@ -345,5 +345,9 @@ def test_cli_image_flag_builds_the_random_mm_workload() -> None:
     add_bench_args(parser)
     w = _build_workload(parser.parse_args(["--image", "1000x750", "--input-len", "20", "--seed", "3"]), "m")
     assert w.endpoint == "chat" and w.image_sizes == [(1000, 750)] and w.images_per_request == 1 and w.seed == 3
+    assert all("detail" not in p.get("image_url", {}) for p in w.body(w.next_specs(1)[0])["messages"][-1]["content"])
+    low = _build_workload(parser.parse_args(["--image", "1000x750", "--image-detail", "low"]), "m")
+    parts = low.body(low.next_specs(1)[0])["messages"][-1]["content"]
+    assert [p["image_url"]["detail"] for p in parts if p["type"] == "image_url"] == ["low"]
     with pytest.raises(BenchUsageError):
         _build_workload(parser.parse_args(["--image", "1000x750", "--endpoint", "completions"]), "m")

@@ -141,6 +141,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "image not counted); a list cycles through the sizes",
     )
     g.add_argument("--images-per-request", type=_positive, default=1, help="images per request (default 1)")
+    g.add_argument(
+        "--image-detail",
+        choices=("auto", "low", "high"),
+        default=None,
+        help="OpenAI's image_url.detail on every image (default: not sent; on Pagoda low is a 512x512 budget)",
+    )
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     g.add_argument(
         "--no-calibrate",
@@ -244,6 +250,7 @@ def _build_workload(ns: argparse.Namespace, model: str) -> Any:
         dataset_specs=specs,
         image_sizes=sizes,
         images_per_request=ns.images_per_request,
+        image_detail=ns.image_detail,
         ignore_eos=ns.ignore_eos,
         temperature=ns.temperature,
         extra_body=extra,
@@ -331,6 +338,7 @@ def _run(ns: argparse.Namespace) -> int:
         "temperature": ns.temperature,
         "image_sizes": ns.image,
         "images_per_request": ns.images_per_request if ns.image else 0,
+        "image_detail": ns.image_detail if ns.image else None,
         "concurrency": [p.concurrency for p in plan],
         "request_rate": ns.request_rate,
         "burstiness": ns.burstiness,

@@ -144,6 +144,7 @@ class Workload:
     dataset_specs: list[RequestSpec] | None = None
     image_sizes: list[tuple[int, int]] = field(default_factory=list)
     images_per_request: int = 1
+    image_detail: str | None = None  # OpenAI's image_url.detail on every image (None: not sent)
     ignore_eos: bool = False
     temperature: float | None = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
@@ -194,7 +195,8 @@ class Workload:
                 last = messages[-1]
                 content = last.get("content")
                 parts = list(content) if isinstance(content, list) else [{"type": "text", "text": content or ""}]
-                parts += [{"type": "image_url", "image_url": {"url": uri}} for uri in spec.images]
+                detail = {"detail": self.image_detail} if self.image_detail else {}
+                parts += [{"type": "image_url", "image_url": {"url": uri, **detail}} for uri in spec.images]
                 messages[-1] = {**last, "content": parts}
             body["messages"] = messages
         else:
