@@ -349,5 +349,7 @@ def test_cli_image_flag_builds_the_random_mm_workload() -> None:
     low = _build_workload(parser.parse_args(["--image", "1000x750", "--image-detail", "low"]), "m")
     parts = low.body(low.next_specs(1)[0])["messages"][-1]["content"]
     assert [p["image_url"]["detail"] for p in parts if p["type"] == "image_url"] == ["low"]
+    with pytest.raises(BenchUsageError, match="--image-detail needs --image"):
+        _build_workload(parser.parse_args(["--image-detail", "low"]), "m")
     with pytest.raises(BenchUsageError):
         _build_workload(parser.parse_args(["--image", "1000x750", "--endpoint", "completions"]), "m")

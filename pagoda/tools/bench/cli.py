@@ -224,6 +224,8 @@ def _build_workload(ns: argparse.Namespace, model: str) -> Any:
         raise BenchUsageError(str(exc)) from None
     if sizes and ns.endpoint != "chat":
         raise BenchUsageError("--image needs --endpoint chat")
+    if ns.image_detail and not sizes:
+        raise BenchUsageError("--image-detail needs --image (it is sent with the random images)")
     specs = None
     if ns.dataset == "jsonl":
         if not ns.dataset_path:
