@@ -43,12 +43,10 @@ def warm_up_messages(with_image: bool) -> list[dict[str, Any]]:
 
 
 def _tiny_jpeg_uri() -> str:
-    import numpy as np
     from PIL import Image
 
-    pixels = np.random.default_rng(0).integers(0, 256, (WARM_IMAGE_SIDE, WARM_IMAGE_SIDE, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="JPEG")
+    buf = io.BytesIO()  # one flat colour: the decode, resize and patchify paths are the same as for any JPEG
+    Image.new("RGB", (WARM_IMAGE_SIDE, WARM_IMAGE_SIDE), (128, 96, 64)).save(buf, format="JPEG")
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
