@@ -141,7 +141,7 @@ def _image_of(part: dict[str, Any], kind: str, where: str) -> MediaRef:
     value = part.get(kind)
     detail = "auto"
     if isinstance(value, dict):
-        _known_keys(value, ("url", "detail"), where, f"{kind}")
+        _known_keys(value, ("url", "detail"), where, kind)
         detail = value.get("detail") or "auto"
         if detail not in IMAGE_DETAILS:
             raise InvalidRequest(
@@ -160,7 +160,7 @@ def _video_of(part: dict[str, Any], kind: str, where: str) -> MediaRef:
     value = part.get(kind)
     settings = _part_settings(part, kind, VIDEO_PART_SETTINGS, where)
     if isinstance(value, dict):
-        _known_keys(value, ("url", "frames"), where, f"{kind}")
+        _known_keys(value, ("url", "frames"), where, kind)
     frames = value.get("url", value.get("frames")) if isinstance(value, dict) else value
     if isinstance(frames, str) and frames.strip():
         return MediaRef("video", (frames,), where, video_file=True, settings=settings)

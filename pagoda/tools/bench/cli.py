@@ -340,7 +340,7 @@ def _run(ns: argparse.Namespace) -> int:
         "temperature": ns.temperature,
         "image_sizes": ns.image,
         "images_per_request": ns.images_per_request if ns.image else 0,
-        "image_detail": ns.image_detail if ns.image else None,
+        "image_detail": ns.image_detail,
         "concurrency": [p.concurrency for p in plan],
         "request_rate": ns.request_rate,
         "burstiness": ns.burstiness,
